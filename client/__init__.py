@@ -1,0 +1,49 @@
+"""gpumem: the client library engines import to get memory from gpumemd.
+
+    import gpumem
+    with gpumem.connect(device=0, name="engine-a") as session:
+        arena = session.create_arena("kv", 256 << 30)
+        arena.commit(16 << 30)
+        arena.share("engine-b")
+
+Nothing here touches CUDA or opens a socket at import time.
+"""
+
+from gpumem.arena import Arena
+from gpumem.errors import (
+    AlreadyExists,
+    DaemonStopped,
+    DaemonTimeout,
+    DaemonUnavailable,
+    GpuMemError,
+    InvalidArgument,
+    MappingError,
+    NotFound,
+    OutOfMemory,
+    PermissionDenied,
+    ProtocolMismatch,
+    SessionClosed,
+    VaCollision,
+)
+from gpumem.session import Session, connect
+from gpumem_shared import __version__
+
+__all__ = [
+    "AlreadyExists",
+    "Arena",
+    "DaemonStopped",
+    "DaemonTimeout",
+    "DaemonUnavailable",
+    "GpuMemError",
+    "InvalidArgument",
+    "MappingError",
+    "NotFound",
+    "OutOfMemory",
+    "PermissionDenied",
+    "ProtocolMismatch",
+    "Session",
+    "SessionClosed",
+    "VaCollision",
+    "__version__",
+    "connect",
+]

@@ -1,0 +1,76 @@
+"""The control channel: one ZeroMQ DEALER speaking request/reply to the daemon's ROUTER.
+
+Used with a session's token as routing id (the daemon then knows who is asking), or
+anonymously by gpumemctl for read-only requests. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import zmq
+
+from gpumem_shared import protocol as p
+from gpumem_shared.paths import Endpoints
+from gpumem.errors import DaemonTimeout, error_from_protocol, error_from_reply
+
+T = TypeVar("T")
+
+# While waiting for a reply, wake this often to let the caller check whether the
+# daemon is still there (its fd channel) instead of sleeping out the whole timeout.
+_SLICE_MS = 250
+
+
+class ControlChannel:
+    def __init__(self, endpoints: Endpoints, routing_id: bytes | None = None) -> None:
+        self.endpoints = endpoints
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        self._sock.connect(endpoints.zmq_url)
+        self._ids = itertools.count(1)
+
+    def call(
+        self, message: Any, timeout: float, still_alive: Callable[[], None] | None = None
+    ) -> tuple[int, Any]:
+        """Send one request; return (request id, typed reply body) or raise the typed error."""
+        request_id = next(self._ids)
+        self._sock.send(p.encode_request(request_id, message), copy=True)
+        remaining_ms = int(timeout * 1000)
+        while True:
+            wait = min(remaining_ms, _SLICE_MS)
+            if self._sock.poll(wait, zmq.POLLIN):
+                try:
+                    reply = p.decode_reply(self._sock.recv(copy=True))
+                except p.ProtocolError as exc:
+                    raise error_from_protocol(exc, "reply from gpumemd refused") from None
+                if reply.request_id != request_id:
+                    continue  # the late answer to an earlier call that timed out
+                if not reply.ok:
+                    raise error_from_reply(reply)
+                try:
+                    return request_id, p.from_wire(message.REPLY, reply.body)
+                except p.ProtocolError as exc:
+                    raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
+            remaining_ms -= wait
+            if still_alive is not None:
+                still_alive()
+            if remaining_ms <= 0:
+                raise DaemonTimeout(self._timeout_message(message, timeout))
+
+    def _timeout_message(self, message: Any, timeout: float) -> str:
+        index = self.endpoints.index
+        return (
+            f"gpumemd for device {index} did not answer {type(message).__name__} within {timeout:g}s "
+            f"(control socket {self.endpoints.zmq_path}); check 'systemctl status gpumemd@{index}' or that "
+            f"'gpumemd --device {index}' runs with this runtime directory, and raise the timeout if the "
+            "daemon is only busy"
+        )
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+

@@ -1,0 +1,124 @@
+"""Typed exceptions: one class per daemon error code, plus the client's own failures."""
+
+from __future__ import annotations
+
+from gpumem_shared.protocol import ErrorCode, ProtocolError, Reply
+
+
+class GpuMemError(Exception):
+    """Base of every gpumem error. ``code`` is the daemon's ErrorCode, or None for
+    failures the client detected itself (no daemon, timeout, address collision)."""
+
+    code: ErrorCode | None = None
+
+    def __init__(self, message: str, detail: dict[str, int | str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail or {}
+
+
+class BadMessage(GpuMemError):
+    code = ErrorCode.BAD_MESSAGE
+
+
+class UnknownMessage(GpuMemError):
+    code = ErrorCode.UNKNOWN_MESSAGE
+
+
+class ProtocolMismatch(GpuMemError):
+    code = ErrorCode.PROTOCOL_MISMATCH
+
+
+class InvalidArgument(GpuMemError, ValueError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class NoSession(GpuMemError):
+    code = ErrorCode.NO_SESSION
+
+
+class NotFound(GpuMemError, LookupError):
+    code = ErrorCode.NOT_FOUND
+
+
+class AlreadyExists(GpuMemError):
+    code = ErrorCode.ALREADY_EXISTS
+
+
+class PermissionDenied(GpuMemError, PermissionError):
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class OutOfMemory(GpuMemError, MemoryError):
+    code = ErrorCode.OUT_OF_MEMORY
+
+    @property
+    def requested(self) -> int | None:
+        value = self.detail.get("requested")
+        return value if isinstance(value, int) else None
+
+    @property
+    def available(self) -> int | None:
+        value = self.detail.get("available")
+        return value if isinstance(value, int) else None
+
+
+class UnexpectedFds(GpuMemError):
+    code = ErrorCode.UNEXPECTED_FDS
+
+
+class ShuttingDown(GpuMemError):
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class DeviceDriverError(GpuMemError):
+    code = ErrorCode.DRIVER_ERROR
+
+
+class InternalError(GpuMemError):
+    code = ErrorCode.INTERNAL
+
+
+class DaemonUnavailable(GpuMemError, ConnectionError):
+    """No daemon answers: not running, wrong runtime directory, or no permission."""
+
+
+class DaemonTimeout(DaemonUnavailable, TimeoutError):
+    """The daemon did not answer within the call's timeout."""
+
+
+class DaemonStopped(DaemonUnavailable):
+    """The daemon stopped (or died). Memory this process mapped stays valid."""
+
+
+class SessionClosed(GpuMemError):
+    """The session was closed by this process."""
+
+
+class VaCollision(GpuMemError):
+    """The arena's planned address window is taken in this process."""
+
+
+class MappingError(GpuMemError):
+    """This process could not map chunks the daemon handed out."""
+
+
+_BY_CODE: dict[ErrorCode, type[GpuMemError]] = {
+    cls.code: cls
+    for cls in (
+        BadMessage, UnknownMessage, ProtocolMismatch, InvalidArgument, NoSession, NotFound, AlreadyExists,
+        PermissionDenied, OutOfMemory, UnexpectedFds, ShuttingDown, DeviceDriverError, InternalError,
+    )
+    if cls.code is not None
+}
+
+
+def error_from_reply(reply: Reply) -> GpuMemError:
+    cls = _BY_CODE.get(reply.code, InternalError)
+    return cls(reply.message, dict(reply.detail))
+
+
+def error_from_protocol(exc: ProtocolError, context: str) -> GpuMemError:
+    """A reply this client could not accept (bad frame, other protocol major)."""
+    cls = _BY_CODE.get(exc.code, BadMessage)
+    return cls(f"{context}: {exc.message}", {k: v for k, v in exc.detail.items()})

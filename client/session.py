@@ -1,0 +1,355 @@
+"""A client's session with the daemon of one GPU.
+
+``connect()`` opens the fd channel (SEQPACKET; the daemon learns our pid/uid/gid
+from SO_PEERCRED), says HELLO, and gets a token that it then uses as its ZeroMQ
+routing id, so control requests are tied to the session without a login message.
+The fd channel stays open for the session's life: it is how the daemon knows we are
+alive, how it hands us chunk descriptors, and how it tells us it is stopping.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import select
+import socket
+import sys
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+from gpumem_shared import __version__, fdchannel
+from gpumem_shared import protocol as p
+from gpumem_shared.driver import Driver, DriverError, DriverUnavailable
+from gpumem_shared.paths import Endpoints, discover, resolve_runtime_dir
+from gpumem.arena import Arena
+from gpumem.channel import ControlChannel
+from gpumem.errors import (
+    BadMessage,
+    DaemonStopped,
+    DaemonTimeout,
+    DaemonUnavailable,
+    GpuMemError,
+    SessionClosed,
+    error_from_protocol,
+    error_from_reply,
+)
+
+DEFAULT_TIMEOUT = 10.0
+
+
+def resolve_device(device: int | str, runtime_dir: Path) -> Endpoints:
+    """Find the daemon for ``device``: an index, or a UUID (or unique prefix) such as
+    "GPU-8932f937". An index is this process's CUDA ordinal where CUDA is present,
+    matched to its daemon by UUID, so CUDA_VISIBLE_DEVICES remapping is honoured."""
+    daemons = discover(runtime_dir)
+    if isinstance(device, str) and not device.isdigit():
+        wanted = device.lower()
+        matches = [d for d in daemons if str(d.get("uuid", "")).lower().startswith(wanted)]
+        if len(matches) != 1:
+            known = ", ".join(f"{d['index']}={d.get('uuid')}" for d in daemons) or "none"
+            what = "no daemon serves" if not matches else "several daemons match"
+            raise DaemonUnavailable(f"{what} device {device!r} in {runtime_dir} (daemons there: {known})")
+        return Endpoints(runtime_dir, matches[0]["index"])
+    ordinal = int(device)
+    if any(d.get("backend") == "cuda" for d in daemons):
+        from gpumem_shared.driver.cuda import visible_device_uuids
+
+        try:
+            uuids = visible_device_uuids()
+        except DriverUnavailable:
+            uuids = []
+        if ordinal < len(uuids):
+            for d in daemons:
+                if d.get("uuid") == uuids[ordinal]:
+                    return Endpoints(runtime_dir, d["index"])
+    return Endpoints(runtime_dir, ordinal)
+
+
+def connect(
+    device: int | str = 0,
+    name: str | None = None,
+    *,
+    runtime_dir: str | os.PathLike[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Session:
+    """Open a session with the daemon of ``device``.
+
+    ``name`` identifies this client in ``gpumemctl status`` and in arena shares
+    (default: the program name and pid). ``runtime_dir`` defaults to
+    $GPUMEMD_RUNTIME_DIR, /run/gpumemd for root, else $XDG_RUNTIME_DIR/gpumemd.
+    ``timeout`` bounds every call of this session unless a call gives its own.
+    """
+    endpoints = resolve_device(device, resolve_runtime_dir(runtime_dir))
+    return Session(endpoints, name or _default_name(), timeout)
+
+
+def _default_name() -> str:
+    program = re.sub(r"[^A-Za-z0-9._-]", "", Path(sys.argv[0] if sys.argv else "").stem)
+    if not program[:1].isalnum():
+        program = "client" + program
+    return f"{program}-{os.getpid()}"
+
+
+class _Resources:
+    """What must be closed even if the Session object is dropped without close()."""
+
+    def __init__(self) -> None:
+        self.fd_sock: socket.socket | None = None
+        self.control: ControlChannel | None = None
+
+    def __call__(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        if self.fd_sock is not None:
+            self.fd_sock.close()
+            self.fd_sock = None
+
+
+class Session:
+    def __init__(self, endpoints: Endpoints, name: str, timeout: float) -> None:
+        self.endpoints = endpoints
+        self.name = name
+        self.timeout = timeout
+        self._lock = threading.RLock()
+        self._notices: collections.deque[p.Notice] = collections.deque(maxlen=1024)
+        self._stopped: str | None = None
+        self._resources = _Resources()
+        # Registered before anything opens, so a half-built session still cleans up.
+        self._finalizer = weakref.finalize(self, self._resources)
+        self.arenas: dict[str, Arena] = {}
+        ok = False
+        try:
+            hello = self._hello()
+            self.session_id = hello.session_id
+            self.backend = hello.backend
+            self.device = hello.device
+            self.daemon_version = hello.daemon_version
+            self.daemon_pid = hello.daemon_pid
+            self._resources.control = ControlChannel(endpoints, routing_id=hello.token)
+            self.driver = self._make_driver()
+            ok = True
+        finally:
+            if not ok:
+                self._finalizer()
+
+    # ------------------------------------------------------------------ setup
+
+    def _hello(self) -> p.HelloReply:
+        ep = self.endpoints
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._resources.fd_sock = sock
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(str(ep.fd_path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonUnavailable(
+                f"no gpumemd serves device {ep.index}: nothing listens at {ep.fd_path}; start it with "
+                f"'systemctl start gpumemd@{ep.index}' (or 'gpumemd --device {ep.index}'), or point "
+                "runtime_dir / $GPUMEMD_RUNTIME_DIR at the daemon's directory"
+            ) from None
+        except PermissionError:
+            raise DaemonUnavailable(
+                f"no permission to connect to {ep.fd_path}: join the daemon's socket group (gpumemd --socket-group)"
+            ) from None
+        try:
+            fdchannel.send(sock, p.encode_request(1, p.Hello(name=self.name, client_version=__version__)))
+            payload, fds = fdchannel.recv(sock, max_fds=0)
+        except TimeoutError:
+            raise DaemonTimeout(
+                f"gpumemd for device {ep.index} accepted but did not answer HELLO within {self.timeout:g}s ({ep.fd_path})"
+            ) from None
+        except p.ProtocolError as exc:
+            raise BadMessage(exc.message) from None
+        if not payload:
+            raise DaemonStopped(f"gpumemd for device {ep.index} closed the connection during HELLO")
+        try:
+            reply = p.decode_reply(payload)
+        except p.ProtocolError as exc:
+            raise error_from_protocol(exc, "HELLO reply refused") from None
+        if not reply.ok:
+            raise error_from_reply(reply)
+        return p.from_wire(p.HelloReply, reply.body)
+
+    def _make_driver(self) -> Driver:
+        if self.backend == "host":
+            from gpumem_shared.driver.host import HostDriver
+
+            return HostDriver(self.device.index)
+        from gpumem_shared.driver.cuda import CudaDriver, visible_device_uuids
+
+        try:
+            uuids = visible_device_uuids()
+        except DriverUnavailable as exc:
+            raise DaemonUnavailable(f"gpumemd serves CUDA device {self.device.uuid}, but this process cannot use CUDA: {exc}") from None
+        if self.device.uuid not in uuids:
+            raise DaemonUnavailable(
+                f"gpumemd@{self.device.index} serves {self.device.uuid}, which this process does not see "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+            )
+        return CudaDriver(uuids.index(self.device.uuid))
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, message: Any, timeout: float | None = None) -> Any:
+        """One request; returns the typed reply body. Used by Arena and tools."""
+        return self._call(message, timeout)[0]
+
+    def _call(self, message: Any, timeout: float | None = None) -> tuple[Any, dict[int, int]]:
+        """Returns (reply body, {chunk id: fd}) for requests that hand out chunks."""
+        with self._lock:
+            control = self._resources.control
+            if control is None:
+                raise SessionClosed(f"session '{self.name}' is closed")
+            self._poll_fd_channel()
+            limit = self.timeout if timeout is None else timeout
+            request_id, body = control.call(message, limit, self._poll_fd_channel)
+            fds: dict[int, int] = {}
+            if isinstance(body, p.MapReply) and body.fd_batches:
+                fds = self._receive_fds(request_id, body.fd_batches, limit)
+            return body, fds
+
+    def _poll_fd_channel(self) -> None:
+        """Take pending notices without blocking; raise if the daemon has gone."""
+        sock = self._resources.fd_sock
+        while sock is not None and self._stopped is None and select.select([sock], [], [], 0)[0]:
+            _, fds = self._read_event(sock)
+            fdchannel.close_all(fds)  # descriptors of a call that timed out
+        if self._stopped is not None:
+            raise DaemonStopped(self._stopped)
+
+    def _read_event(self, sock: socket.socket) -> tuple[p.FdBatch | None, list[int]]:
+        """Read one fd-channel message: notices are queued here; an FdBatch is returned
+        with its descriptors, which the caller keeps or closes."""
+        try:
+            payload, fds = fdchannel.recv(sock)
+        except p.ProtocolError as exc:
+            raise BadMessage(f"fd channel: {exc.message}") from None
+        except (ConnectionError, OSError) as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+            self._mark_stopped(f"the fd channel to gpumemd failed ({exc})")
+            return None, []
+        if not payload and not fds:
+            self._mark_stopped(f"gpumemd for device {self.endpoints.index} went away")
+            return None, []
+        try:
+            event = p.decode_event(payload)
+        except p.ProtocolError as exc:
+            fdchannel.close_all(fds)
+            raise BadMessage(f"fd channel: {exc.message}") from None
+        if isinstance(event, p.Notice):
+            fdchannel.close_all(fds)
+            self._notices.append(event)
+            if event.kind == "stopping":
+                self._mark_stopped(event.message)
+            return None, []
+        if len(fds) != len(event.chunk_ids):
+            fdchannel.close_all(fds)
+            raise BadMessage(f"fd batch carries {len(fds)} descriptors for {len(event.chunk_ids)} chunks")
+        return event, fds
+
+    def _mark_stopped(self, reason: str) -> None:
+        if self._stopped is None:
+            self._stopped = f"{reason}; memory this process mapped stays valid, new requests need a new session"
+
+    def _receive_fds(self, request_id: int, batches: int, timeout: float) -> dict[int, int]:
+        sock = self._resources.fd_sock
+        assert sock is not None
+        received: dict[int, int] = {}
+        sock.settimeout(timeout)
+        try:
+            while batches:
+                try:
+                    batch, fds = self._read_event(sock)
+                except TimeoutError:
+                    raise DaemonTimeout(
+                        f"gpumemd for device {self.endpoints.index} replied but sent no descriptors within {timeout:g}s"
+                    ) from None
+                if self._stopped is not None:
+                    raise DaemonStopped(self._stopped)
+                if batch is not None and batch.request_id == request_id:
+                    received.update(zip(batch.chunk_ids, fds))
+                    batches -= 1
+                else:
+                    fdchannel.close_all(fds)
+        except BaseException:
+            fdchannel.close_all(list(received.values()))
+            raise
+        return received
+
+    # ------------------------------------------------------------------ API
+
+    def ping(self, timeout: float | None = None) -> None:
+        self.call(p.Ping(), timeout)
+
+    def status(self, timeout: float | None = None) -> p.StatusReply:
+        body: p.StatusReply = self.call(p.Status(), timeout)
+        return body
+
+    def notices(self) -> list[p.Notice]:
+        """Notices received so far (daemon stopping, arenas changed by their owner)."""
+        with self._lock:
+            if self._resources.fd_sock is not None:
+                try:
+                    self._poll_fd_channel()
+                except DaemonStopped:
+                    pass
+            out = list(self._notices)
+            self._notices.clear()
+            return out
+
+    def create_arena(self, name: str, reserve_bytes: int) -> Arena:
+        """Reserve ``reserve_bytes`` of address space (a multiple of the device
+        granularity) under ``name``; nothing is committed until ``Arena.commit``."""
+        reply: p.ArenaReply = self.call(p.CreateArena(name=name, reserve_bytes=reserve_bytes))
+        arena = Arena(self, reply.arena, owner=True)
+        try:
+            arena._reserve()
+        except BaseException:
+            self.call(p.ReleaseArena(name=name))
+            raise
+        self.arenas[name] = arena
+        return arena
+
+    def attach_arena(self, name: str) -> Arena:
+        """Map an arena another client shared with this client's name."""
+        reply, fds = self._call(p.AttachArena(name=name))
+        arena = Arena(self, reply.arena, owner=False)
+        try:
+            arena._reserve()
+        except BaseException:
+            fdchannel.close_all(list(fds.values()))
+            self.call(p.ReleaseArena(name=name))
+            raise
+        self.arenas[name] = arena
+        arena._apply(reply, fds)
+        return arena
+
+    def close(self) -> None:
+        """Release this session's arenas (unmapping them) and close both channels."""
+        with self._lock:
+            for arena in list(self.arenas.values()):
+                try:
+                    arena.release()
+                except (GpuMemError, DriverError):
+                    pass  # the daemon releases on EOF anyway; the mapping is gone locally
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._resources.control is None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<gpumem.Session '{self.name}' device {self.device.index} ({self.backend}) id {self.session_id}>"
+
+

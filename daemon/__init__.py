@@ -1,0 +1,1 @@
+"""gpumemd: the per-GPU memory daemon (``gpumemd --device N``)."""

@@ -1,0 +1,3 @@
+from gpumemd.cli import main
+
+main()

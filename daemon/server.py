@@ -1,0 +1,381 @@
+"""Sockets around the daemon state: one thread, one poll loop.
+
+The loop polls the ZeroMQ ROUTER (control requests), the fd-channel listener, every
+fd-channel connection and a wake-up pipe fed by signals; it decodes each message,
+hands it to ``DaemonState.handle`` and carries out the outcome. ``tick`` drops peers
+that connected but never said HELLO and feeds the systemd watchdog, so a wedged loop
+is noticed by systemd rather than hidden by a free-running timer thread.
+
+Liveness comes from the fd channel alone: ZeroMQ hides disconnects, but the kernel
+closes a dead client's SEQPACKET connection, and the loop sees EOF at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import grp
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from gpumem_shared import fdchannel
+from gpumem_shared import protocol as p
+from gpumem_shared.paths import Endpoints
+from gpumemd.notify import SystemdNotifier
+from gpumemd.state import DaemonState, Outcome, Session
+
+log = logging.getLogger("gpumemd.server")
+
+# Requests drained from the ROUTER per poll wake-up, so a flood cannot starve the
+# fd channel (where deaths and HELLOs arrive).
+_BURST = 64
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message is the one line an operator sees."""
+
+
+@dataclasses.dataclass(eq=False)
+class Connection:
+    sock: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    deadline: float  # HELLO must arrive before this (monotonic)
+    session: Session | None = None
+
+
+class Server:
+    def __init__(
+        self,
+        state: DaemonState,
+        endpoints: Endpoints,
+        *,
+        socket_group: str | None = None,
+        hello_timeout: float = 5.0,
+        notifier: SystemdNotifier | None = None,
+        tick_interval: float = 0.2,
+    ) -> None:
+        self.state = state
+        self.endpoints = endpoints
+        self.socket_group = socket_group
+        self.hello_timeout = hello_timeout
+        self.notifier = notifier or SystemdNotifier({})
+        self.tick_interval = tick_interval
+        self._stop_requested = False
+        self._connections: dict[int, Connection] = {}  # by socket fd
+        self._by_session: dict[int, Connection] = {}
+        self._by_token: dict[bytes, Session] = {}
+        self._lock_fd = -1
+        self._ctx: zmq.Context[Any] | None = None
+        self._router: zmq.Socket[Any] | None = None
+        self._listener: socket.socket | None = None
+        self._wake_r = self._wake_w = -1
+        self._last_watchdog = 0.0
+
+    # ------------------------------------------------------------------ startup
+
+    def bind(self) -> None:
+        """Take the device's lock, clear stale sockets, bind both channels."""
+        ep = self.endpoints
+        try:
+            ep.runtime_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"cannot create runtime directory {ep.runtime_dir}: {exc.strerror}") from None
+        gid = self._group_id()
+        self._take_lock()
+        # We hold the lock, so any socket file here belongs to a dead daemon. A zmq ipc
+        # bind would silently take a live socket over: the lock is what makes this safe.
+        for stale in (ep.zmq_path, ep.fd_path):
+            if stale.exists() or stale.is_symlink():
+                log.info("removing stale socket %s left by a daemon that is gone", stale)
+                stale.unlink()
+        old_umask = os.umask(0o117)  # sockets are born 0660; no window at a wider mode
+        try:
+            self._ctx = zmq.Context()
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.bind(ep.zmq_url)
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            self._listener.bind(str(ep.fd_path))
+            self._listener.listen(128)
+            self._listener.setblocking(False)
+        except (OSError, zmq.ZMQError) as exc:
+            self._close_sockets()
+            raise StartupError(f"cannot bind gpumemd sockets in {ep.runtime_dir}: {exc}") from None
+        finally:
+            os.umask(old_umask)
+        for path in (ep.zmq_path, ep.fd_path):
+            os.chmod(path, 0o660)
+            if gid is not None:
+                os.chown(path, -1, gid)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._write_info()
+
+    def _group_id(self) -> int | None:
+        if not self.socket_group:
+            return None
+        try:
+            return grp.getgrnam(self.socket_group).gr_gid
+        except KeyError:
+            raise StartupError(f"socket group '{self.socket_group}' does not exist (groupadd it, or drop --socket-group)") from None
+
+    def _take_lock(self) -> None:
+        path = self.endpoints.lock_path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StartupError(
+                f"another gpumemd (pid {holder}) already serves device {self.endpoints.index} in "
+                f"{self.endpoints.runtime_dir}; stop it first (systemctl stop gpumemd@{self.endpoints.index})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def _write_info(self) -> None:
+        info = {
+            "index": self.endpoints.index,
+            "uuid": self.state.device.uuid,
+            "backend": self.state.driver.kind,
+            "pid": os.getpid(),
+            "protocol": list(p.PROTOCOL_VERSION),
+        }
+        tmp = self.endpoints.info_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(info) + "\n")
+        os.chmod(tmp, 0o644)
+        tmp.rename(self.endpoints.info_path)
+
+    # ------------------------------------------------------------------ loop
+
+    def request_stop(self, *_: Any) -> None:
+        # Runs in a signal handler: set a flag only; the wake-up fd breaks the poll.
+        self._stop_requested = True
+
+    def serve_forever(self) -> None:
+        assert self._router is not None and self._listener is not None
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._listener.fileno(), zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        self._poller = poller
+        self.notifier.send("READY=1", f"STATUS=serving device {self.endpoints.index} ({self.state.driver.kind})")
+        log.info(
+            "serving device %d (%s, %s) at %s", self.endpoints.index, self.state.device.name, self.state.device.uuid, self.endpoints.runtime_dir
+        )
+        try:
+            while not self._stop_requested:
+                events = dict(poller.poll(self.tick_interval * 1000))
+                if self._router in events:
+                    self._on_control()
+                if self._listener.fileno() in events:
+                    self._on_accept()
+                if self._wake_r in events:
+                    self._drain_wake()
+                for fd in [fd for fd in events if isinstance(fd, int) and fd in self._connections]:
+                    self._on_fd_channel(self._connections[fd])
+                self._tick()
+        finally:
+            self._shutdown()
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self._connections.values() if c.session is None and now > c.deadline]:
+            log.warning("dropping peer pid %d: connected but sent no HELLO within %.1fs", conn.pid, self.hello_timeout)
+            self._drop(conn)
+        interval = self.notifier.watchdog_interval
+        if interval is not None and now - self._last_watchdog >= interval:
+            self.notifier.send("WATCHDOG=1")
+            self._last_watchdog = now
+
+    # ------------------------------------------------------------------ control channel
+
+    def _on_control(self) -> None:
+        assert self._router is not None
+        for _ in range(_BURST):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("control message with %d frames dropped (expected identity + one frame)", len(frames))
+                if len(frames) > 2:
+                    err = p.ProtocolError(p.ErrorCode.BAD_MESSAGE, "a request is exactly one frame")
+                    self._router.send_multipart([frames[0], p.encode_error(0, err)], zmq.NOBLOCK)
+                continue
+            identity, frame = frames
+            self._router.send_multipart([identity, self._serve(identity, frame)], zmq.NOBLOCK)
+
+    def _serve(self, identity: bytes, frame: bytes) -> bytes:
+        request_id = 0
+        try:
+            request = p.decode_request(frame)
+            request_id = request.request_id
+            session = self._by_token.get(identity)
+            if isinstance(request.message, p.Hello):
+                raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "HELLO goes on the fd channel, not the control channel")
+            outcome = self.state.handle(session, request.message)
+            if outcome.handout:
+                assert session is not None
+                self._hand_out(session, request_id, outcome)
+            reply = p.encode_reply(request_id, outcome.reply)
+            self._deliver(outcome.notices)
+            return reply
+        except p.ProtocolError as exc:
+            rid = exc.detail.get("request_id", request_id)
+            return p.encode_error(rid if isinstance(rid, int) else 0, exc)
+        except Exception:
+            log.exception("request %d failed inside the daemon", request_id)
+            return p.encode_error(request_id, p.ProtocolError(p.ErrorCode.INTERNAL, "internal error in gpumemd; see its log"))
+
+    def _hand_out(self, session: Session, request_id: int, outcome: Outcome) -> None:
+        conn = self._by_session[session.id]
+        chunks = outcome.handout
+        for start in range(0, len(chunks), p.MAX_FDS_PER_MESSAGE):
+            batch = chunks[start : start + p.MAX_FDS_PER_MESSAGE]
+            fds: list[int] = []
+            try:
+                fds = [self.state.driver.export_fd(c.handle) for c in batch]
+                payload = p.encode_event(p.FdBatch(request_id=request_id, chunk_ids=[c.id for c in batch]))
+                socket.send_fds(conn.sock, [payload], fds, socket.MSG_DONTWAIT)
+            except OSError as exc:
+                # A client that does not read its fd channel would block the daemon's
+                # only thread; it loses its session instead.
+                log.warning("fd channel of client %r (pid %d) is not draining (%s); closing its session", session.name, session.pid, exc)
+                self._drop(conn)
+                raise p.ProtocolError(p.ErrorCode.INTERNAL, "the fd channel is not accepting descriptors; session closed") from None
+            finally:
+                fdchannel.close_all(fds)  # the peer holds its own copies now
+
+    def _deliver(self, notices: list[tuple[int, p.Notice]]) -> None:
+        for session_id, notice in notices:
+            conn = self._by_session.get(session_id)
+            if conn is None:
+                continue
+            try:
+                conn.sock.send(p.encode_event(notice), socket.MSG_DONTWAIT)
+            except OSError as exc:
+                log.info("notice %r to session %d not delivered: %s", notice.kind, session_id, exc)
+
+    # ------------------------------------------------------------------ fd channel
+
+    def _on_accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.warning("accept on the fd channel failed: %s", exc)
+                return
+            sock.setblocking(False)
+            pid, uid, gid = fdchannel.peer_credentials(sock)
+            conn = Connection(sock=sock, pid=pid, uid=uid, gid=gid, deadline=time.monotonic() + self.hello_timeout)
+            self._connections[sock.fileno()] = conn
+            self._poller.register(sock.fileno(), zmq.POLLIN)
+
+    def _on_fd_channel(self, conn: Connection) -> None:
+        try:
+            payload, fds = fdchannel.recv(conn.sock)
+        except BlockingIOError:
+            return
+        except p.ProtocolError as exc:
+            self._send_on(conn, p.encode_error(0, exc))
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        if not payload and not fds:
+            self._drop(conn)  # EOF: the client is gone
+            return
+        if fds:
+            fdchannel.close_all(fds)
+            err = p.ProtocolError(p.ErrorCode.UNEXPECTED_FDS, f"the daemon takes no descriptors from clients; closed {len(fds)}")
+            self._send_on(conn, p.encode_error(0, err))
+            return
+        request_id = 0
+        try:
+            request = p.decode_request(payload)
+            request_id = request.request_id
+            if conn.session is not None:
+                raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "requests after HELLO go on the control channel")
+            if not isinstance(request.message, p.Hello):
+                raise p.ProtocolError(p.ErrorCode.NO_SESSION, "the first message on the fd channel must be HELLO")
+            session, reply = self.state.open_session(request.message, conn.pid, conn.uid, conn.gid)
+        except p.ProtocolError as exc:
+            rid = exc.detail.get("request_id", request_id)
+            self._send_on(conn, p.encode_error(rid if isinstance(rid, int) else 0, exc))
+            return
+        conn.session = session
+        self._by_session[session.id] = conn
+        self._by_token[session.token] = session
+        self._send_on(conn, p.encode_reply(request_id, reply))
+
+    def _send_on(self, conn: Connection, payload: bytes) -> None:
+        try:
+            conn.sock.send(payload, socket.MSG_DONTWAIT)
+        except OSError:
+            self._drop(conn)
+
+    def _drop(self, conn: Connection) -> None:
+        fd = conn.sock.fileno()
+        if self._connections.pop(fd, None) is None:
+            return
+        self._poller.unregister(fd)
+        conn.sock.close()
+        if conn.session is not None:
+            self._by_session.pop(conn.session.id, None)
+            self._by_token.pop(conn.session.token, None)
+            self._deliver(self.state.close_session(conn.session.id))
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _shutdown(self) -> None:
+        log.info("stopping: telling %d client(s)", len(self._by_session))
+        self.notifier.send("STOPPING=1", "STATUS=stopping")
+        self._deliver(self.state.begin_stop())
+        for conn in list(self._connections.values()):
+            conn.sock.close()
+        self._connections.clear()
+        self._close_sockets()
+        for path in (self.endpoints.zmq_path, self.endpoints.fd_path, self.endpoints.info_path):
+            Path(path).unlink(missing_ok=True)
+        self.state.drop_all()
+        signal.set_wakeup_fd(-1)
+        for fd in (self._wake_r, self._wake_w, self._lock_fd):
+            if fd >= 0:
+                os.close(fd)
+        log.info("stopped")
+
+    def _close_sockets(self) -> None:
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None

@@ -1,0 +1,584 @@
+"""The daemon's state: sessions, arenas, chunks and their accounting.
+
+Plain Python owned by the daemon's one thread. It never touches a socket: the server
+decodes a request, calls ``handle``, and carries out the ``Outcome`` (send the reply,
+pass the handed-out chunks' fds, deliver notices). The driver is the only I/O here,
+behind ``gpumem_shared.driver.Driver``, so tests drive this class with the host
+backend and no zmq at all.
+
+Accounting: a chunk counts against the device from its creation until nobody holds
+it. The daemon drops its own reference when the chunk leaves an arena (decommit,
+release), but clients that mapped it keep the memory alive until they report the
+unmap or die, so such a chunk stays counted, as "retiring", until then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpumem_shared import __version__
+from gpumem_shared import protocol as p
+from gpumem_shared.driver import Driver, DriverError
+from gpumem_shared.driver.base import Handle
+
+log = logging.getLogger("gpumemd.state")
+
+GiB = 1 << 30
+MiB = 1 << 20
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+
+
+@dataclasses.dataclass
+class StateConfig:
+    index: int
+    runtime_dir: str = ""
+    bulk_chunk: int = 512 * MiB  # bulk commits come in chunks this large
+    reserve_bytes: int = 0  # never committed: the headroom other users of the device need
+    va_base: int = 0x2000_0000_0000  # arenas are planned from here, far from where
+    va_limit: int = 0x6000_0000_0000  # heaps, libraries and torch's own allocations sit
+    max_reserve: int = 16 << 40
+
+
+@dataclasses.dataclass(eq=False)
+class Session:
+    id: int
+    name: str
+    pid: int
+    uid: int
+    gid: int
+    since: float
+    token: bytes
+
+
+@dataclasses.dataclass(eq=False)
+class Chunk:
+    id: int
+    arena: str
+    offset: int
+    size: int
+    address: int
+    handle: Handle | None  # None once the daemon dropped its reference (retiring)
+    holders: set[int] = dataclasses.field(default_factory=set)  # sessions that map it
+
+    def view(self) -> p.ChunkView:
+        return p.ChunkView(id=self.id, offset=self.offset, size=self.size)
+
+
+@dataclasses.dataclass(eq=False)
+class Arena:
+    name: str
+    owner_id: int
+    owner_name: str
+    owner_pid: int
+    address: int
+    reserved: int
+    owner_alive: bool = True
+    released: bool = False  # the owner released it; waits for sharers to detach
+    chunks: list[Chunk] = dataclasses.field(default_factory=list)  # live, by offset
+    shared_with: set[str] = dataclasses.field(default_factory=set)
+    attached: set[int] = dataclasses.field(default_factory=set)  # owner and sharers
+
+    @property
+    def committed(self) -> int:
+        return self.chunks[-1].offset + self.chunks[-1].size if self.chunks else 0
+
+    def owner_label(self) -> str:
+        return f"client '{self.owner_name}' (pid {self.owner_pid})"
+
+
+@dataclasses.dataclass
+class Outcome:
+    reply: Any
+    handout: list[Chunk] = dataclasses.field(default_factory=list)
+    notices: list[tuple[int, p.Notice]] = dataclasses.field(default_factory=list)
+
+
+def plan_chunk_sizes(nbytes: int, bulk: int, granularity: int) -> list[int]:
+    """Bulk chunks while they fit, then a descending ladder of power-of-two multiples
+    of the granularity for the tail: few map calls, and no chunk larger than needed."""
+    sizes = [bulk] * (nbytes // bulk)
+    tail = (nbytes % bulk) // granularity
+    step = 1 << max(tail.bit_length() - 1, 0)
+    while tail:
+        if tail >= step:
+            sizes.append(step * granularity)
+            tail -= step
+        step >>= 1
+    return sizes
+
+
+class DaemonState:
+    def __init__(
+        self,
+        driver: Driver,
+        config: StateConfig,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.driver = driver
+        self.config = config
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.started = clock()
+        self.stopping = False
+        self.sessions: dict[int, Session] = {}
+        self.arenas: dict[str, Arena] = {}
+        self.retiring: dict[int, Chunk] = {}
+        self._next_session = 1
+        self._next_chunk = 1
+        self.device = p.DeviceInfo(
+            index=config.index,
+            uuid=driver.device_uuid(),
+            name=driver.device_name(),
+            total_bytes=driver.total_bytes(),
+            granularity=driver.granularity,
+        )
+        self._handlers: dict[type, Callable[[Session | None, Any], Outcome]] = {
+            p.Ping: self._ping,
+            p.Status: self._status,
+            p.CreateArena: self._create_arena,
+            p.AttachArena: self._attach_arena,
+            p.ShareArena: self._share_arena,
+            p.CommitArena: self._commit,
+            p.DecommitArena: self._decommit,
+            p.SyncArena: self._sync,
+            p.ReleaseArena: self._release,
+            p.ChunksUnmapped: self._chunks_unmapped,
+        }
+
+    # ------------------------------------------------------------------ sessions
+
+    def open_session(self, hello: p.Hello, pid: int, uid: int, gid: int) -> tuple[Session, p.HelloReply]:
+        if self.stopping:
+            raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; connect again once it is back")
+        if not _NAME.match(hello.name):
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"client name {hello.name!r} is not valid: 1-128 characters of letters, digits and ._:@+-",
+            )
+        session = Session(
+            id=self._next_session, name=hello.name, pid=pid, uid=uid, gid=gid, since=self.wall_clock(), token=os.urandom(16)
+        )
+        self._next_session += 1
+        self.sessions[session.id] = session
+        log.info("session %d opened: client %r pid %d uid %d", session.id, session.name, pid, uid)
+        reply = p.HelloReply(
+            protocol=list(p.PROTOCOL_VERSION),
+            daemon_version=__version__,
+            daemon_pid=os.getpid(),
+            session_id=session.id,
+            token=session.token,
+            backend=self.driver.kind,
+            device=self.device,
+        )
+        return session, reply
+
+    def close_session(self, session_id: int) -> list[tuple[int, p.Notice]]:
+        """The client is gone (EOF on its fd channel): its mappings died with it."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return []
+        notices: list[tuple[int, p.Notice]] = []
+        for arena in [a for a in self.arenas.values() if session_id in a.attached]:
+            self._drop_holder_everywhere(arena, session_id)
+            arena.attached.discard(session_id)
+            if arena.owner_id == session_id:
+                arena.owner_alive = False
+            if not arena.attached:
+                self._destroy_arena(arena, notices)
+            elif arena.owner_id == session_id:
+                log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
+        log.info("session %d closed: client %r pid %d", session.id, session.name, session.pid)
+        return notices
+
+    # ------------------------------------------------------------------ requests
+
+    def handle(self, session: Session | None, message: Any) -> Outcome:
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, f"{type(message).__name__} is not a request the daemon serves")
+        if self.stopping and not isinstance(message, (p.Ping, p.Status, p.ChunksUnmapped, p.ReleaseArena)):
+            raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; mapped memory stays valid in your process")
+        return handler(session, message)
+
+    def _ping(self, session: Session | None, message: p.Ping) -> Outcome:
+        return Outcome(p.Ack())
+
+    def _status(self, session: Session | None, message: p.Status) -> Outcome:
+        return Outcome(self.status())
+
+    def _create_arena(self, session: Session | None, m: p.CreateArena) -> Outcome:
+        s = self._need_session(session)
+        self._check_name(m.name, "arena name")
+        self._check_size(m.reserve_bytes, "reserve_bytes", allow_zero=False)
+        if m.reserve_bytes > self.config.max_reserve:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"reserve_bytes {m.reserve_bytes} exceeds the daemon's limit of {self.config.max_reserve} per arena",
+                requested=m.reserve_bytes,
+                limit=self.config.max_reserve,
+            )
+        existing = self.arenas.get(m.name)
+        if existing is not None:
+            raise p.ProtocolError(
+                p.ErrorCode.ALREADY_EXISTS, f"arena '{m.name}' already exists, owned by {existing.owner_label()}"
+            )
+        address = self._plan_window(m.reserve_bytes)
+        arena = Arena(
+            name=m.name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=m.reserve_bytes
+        )
+        arena.attached.add(s.id)
+        self.arenas[m.name] = arena
+        log.info("arena %r created by %r: %d bytes at %#x", m.name, s.name, m.reserve_bytes, address)
+        return Outcome(p.ArenaReply(arena=self._view(arena)))
+
+    def _attach_arena(self, session: Session | None, m: p.AttachArena) -> Outcome:
+        s = self._need_session(session)
+        arena = self._arena(m.name)
+        if s.id in arena.attached:
+            raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"this session is already attached to arena '{m.name}'")
+        if arena.released:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"arena '{m.name}' was released by {arena.owner_label()}")
+        if s.name not in arena.shared_with:
+            raise p.ProtocolError(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"arena '{m.name}' belongs to {arena.owner_label()} and is not shared with client '{s.name}'",
+            )
+        arena.attached.add(s.id)
+        return self._map_reply(s, arena)
+
+    def _share_arena(self, session: Session | None, m: p.ShareArena) -> Outcome:
+        s = self._need_session(session)
+        arena = self._owned_arena(s, m.name, "share")
+        self._check_name(m.client, "client name")
+        arena.shared_with.add(m.client)
+        return Outcome(p.Ack())
+
+    def _commit(self, session: Session | None, m: p.CommitArena) -> Outcome:
+        s = self._need_session(session)
+        arena = self._owned_arena(s, m.name, "commit")
+        self._check_size(m.nbytes, "nbytes", allow_zero=False)
+        if m.nbytes > arena.reserved:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"commit of {m.nbytes} bytes exceeds arena '{arena.name}'s reservation of {arena.reserved}",
+                requested=m.nbytes,
+                reserved=arena.reserved,
+            )
+        committed = arena.committed
+        if m.nbytes < committed:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"arena '{arena.name}' already has {committed} bytes committed; decommit shrinks it",
+                requested=m.nbytes,
+                committed=committed,
+            )
+        need = m.nbytes - committed
+        if need == 0:
+            return self._map_reply(s, arena)
+        available = self.available_bytes()
+        if need > available:
+            raise p.ProtocolError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"committing {need} more bytes to arena '{arena.name}' needs more than the {available} bytes "
+                f"available on device {self.device.index} (free memory less the {self.config.reserve_bytes}-byte reserve)",
+                requested=need,
+                available=available,
+            )
+        placements: list[tuple[int, int]] = []
+        offset = committed
+        for size in plan_chunk_sizes(need, self.config.bulk_chunk, self.device.granularity):
+            placements.append((arena.address + offset, size))
+            offset += size
+        try:
+            handles = self.driver.create_chunks(placements)
+        except DriverError as exc:
+            code = p.ErrorCode.OUT_OF_MEMORY if exc.out_of_memory else p.ErrorCode.DRIVER_ERROR
+            raise p.ProtocolError(
+                code, f"creating {need} bytes for arena '{arena.name}' failed: {exc}", requested=need, available=available
+            ) from None
+        for (address, size), handle in zip(placements, handles):
+            chunk = Chunk(
+                id=self._next_chunk, arena=arena.name, offset=address - arena.address, size=size, address=address, handle=handle
+            )
+            self._next_chunk += 1
+            arena.chunks.append(chunk)
+        outcome = self._map_reply(s, arena)
+        outcome.notices = self._notify_sharers(arena, s.id, "arena-grown", f"arena '{arena.name}' grew to {arena.committed} bytes; sync to map it")
+        return outcome
+
+    def _decommit(self, session: Session | None, m: p.DecommitArena) -> Outcome:
+        s = self._need_session(session)
+        arena = self._owned_arena(s, m.name, "decommit")
+        self._check_size(m.to_nbytes, "to_nbytes", allow_zero=True)
+        if m.to_nbytes > arena.committed:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"decommit to {m.to_nbytes} bytes is above arena '{arena.name}'s committed {arena.committed}; commit grows it",
+                requested=m.to_nbytes,
+                committed=arena.committed,
+            )
+        keep = [c for c in arena.chunks if c.offset < m.to_nbytes]
+        drop = arena.chunks[len(keep) :]
+        arena.chunks = keep
+        notices: list[tuple[int, p.Notice]] = []
+        self._retire(drop, notices, f"arena '{arena.name}' shrank to {arena.committed} bytes; sync to unmap the rest", arena.name, exclude=s.id)
+        retired = [c.view() for c in drop if s.id in c.holders]
+        return Outcome(p.MapReply(arena=self._view(arena), chunks=[], retired=retired, fd_batches=0), notices=notices)
+
+    def _sync(self, session: Session | None, m: p.SyncArena) -> Outcome:
+        s = self._need_session(session)
+        arena = self._arena(m.name)
+        if s.id not in arena.attached:
+            raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"this session is not attached to arena '{m.name}'")
+        return self._map_reply(s, arena)
+
+    def _release(self, session: Session | None, m: p.ReleaseArena) -> Outcome:
+        s = self._need_session(session)
+        arena = self._arena(m.name)
+        if s.id not in arena.attached:
+            raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"this session is not attached to arena '{m.name}'")
+        notices: list[tuple[int, p.Notice]] = []
+        self._drop_holder_everywhere(arena, s.id)
+        arena.attached.discard(s.id)
+        if arena.owner_id == s.id:
+            arena.released = True
+            arena.owner_alive = False
+            if arena.attached:
+                self._retire(arena.chunks, notices, f"arena '{arena.name}' was released by its owner; release it too", arena.name)
+                arena.chunks = []
+        if not arena.attached:
+            self._destroy_arena(arena, notices)
+        return Outcome(p.Ack(), notices=notices)
+
+    def _chunks_unmapped(self, session: Session | None, m: p.ChunksUnmapped) -> Outcome:
+        s = self._need_session(session)
+        arena = self._arena(m.name)
+        by_id = {c.id: c for c in arena.chunks}
+        for chunk_id in m.chunk_ids:
+            chunk = by_id.get(chunk_id) or self.retiring.get(chunk_id)
+            if chunk is None or chunk.arena != arena.name or s.id not in chunk.holders:
+                raise p.ProtocolError(
+                    p.ErrorCode.NOT_FOUND, f"chunk {chunk_id} of arena '{arena.name}' is not mapped by this session"
+                )
+        for chunk_id in m.chunk_ids:
+            chunk = by_id.get(chunk_id) or self.retiring[chunk_id]
+            chunk.holders.discard(s.id)
+            self._forget_if_unheld(chunk)
+        return Outcome(p.Ack())
+
+    # ------------------------------------------------------------------ shutdown
+
+    def begin_stop(self) -> list[tuple[int, p.Notice]]:
+        self.stopping = True
+        notice = p.Notice(kind="stopping", message="gpumemd is stopping; memory you mapped stays valid in your process")
+        return [(sid, notice) for sid in self.sessions]
+
+    def drop_all(self) -> None:
+        """Drop the daemon's own references at exit; clients keep what they mapped."""
+        for arena in list(self.arenas.values()):
+            self._destroy_arena(arena, [])
+        self.retiring.clear()
+
+    # ------------------------------------------------------------------ accounting
+
+    def accounted_bytes(self) -> int:
+        live = sum(c.size for a in self.arenas.values() for c in a.chunks)
+        return live + sum(c.size for c in self.retiring.values())
+
+    def free_bytes(self) -> int:
+        measured = self.driver.measured_free()
+        return measured if measured is not None else max(0, self.device.total_bytes - self.accounted_bytes())
+
+    def available_bytes(self) -> int:
+        return max(0, self.free_bytes() - self.config.reserve_bytes)
+
+    def status(self) -> p.StatusReply:
+        names = {sid: s.name for sid, s in self.sessions.items()}
+        return p.StatusReply(
+            daemon=p.DaemonStatus(
+                version=__version__,
+                protocol=f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}",
+                pid=os.getpid(),
+                backend=self.driver.kind,
+                uptime_s=round(self.clock() - self.started, 3),
+                runtime_dir=self.config.runtime_dir,
+                state="stopping" if self.stopping else "serving",
+            ),
+            device=p.DeviceStatus(
+                index=self.device.index,
+                uuid=self.device.uuid,
+                name=self.device.name,
+                total_bytes=self.device.total_bytes,
+                free_bytes=self.free_bytes(),
+                granularity=self.device.granularity,
+                accounted_bytes=self.accounted_bytes(),
+                reserve_bytes=self.config.reserve_bytes,
+            ),
+            clients=[
+                p.ClientStatus(
+                    session_id=s.id,
+                    name=s.name,
+                    pid=s.pid,
+                    uid=s.uid,
+                    gid=s.gid,
+                    since=s.since,
+                    arenas=sorted(a.name for a in self.arenas.values() if s.id in a.attached),
+                )
+                for s in self.sessions.values()
+            ],
+            arenas=[
+                p.ArenaStatus(
+                    name=a.name,
+                    owner=a.owner_name,
+                    owner_pid=a.owner_pid,
+                    owner_alive=a.owner_alive,
+                    address=a.address,
+                    reserved=a.reserved,
+                    committed=a.committed,
+                    chunks=len(a.chunks),
+                    shared_with=sorted(a.shared_with),
+                    attached=sorted(names[sid] for sid in a.attached if sid in names),
+                    retiring_bytes=sum(c.size for c in self.retiring.values() if c.arena == a.name),
+                )
+                for a in self.arenas.values()
+            ],
+            extents=[],
+            leases=[],
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _need_session(self, session: Session | None) -> Session:
+        if session is None:
+            raise p.ProtocolError(
+                p.ErrorCode.NO_SESSION, "this request needs a session: open one with HELLO on the fd channel first"
+            )
+        return session
+
+    def _check_name(self, name: str, what: str) -> None:
+        if not _NAME.match(name):
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT, f"{what} {name!r} is not valid: 1-128 characters of letters, digits and ._:@+-"
+            )
+
+    def _check_size(self, value: int, what: str, *, allow_zero: bool) -> None:
+        g = self.device.granularity
+        if value < 0 or (value == 0 and not allow_zero):
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"{what} must be positive, not {value}", **{what: value})
+        if value % g:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"{what} {value} is not a multiple of the device granularity {g} "
+                f"(nearest valid: {value // g * g} or {(value // g + 1) * g})",
+                **{what: value, "granularity": g},
+            )
+
+    def _arena(self, name: str) -> Arena:
+        arena = self.arenas.get(name)
+        if arena is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no arena named '{name}' on device {self.device.index}")
+        return arena
+
+    def _owned_arena(self, s: Session, name: str, action: str) -> Arena:
+        arena = self._arena(name)
+        if arena.owner_id != s.id:
+            raise p.ProtocolError(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"arena '{name}' belongs to {arena.owner_label()}; only its owner may {action} it",
+            )
+        if arena.released:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"arena '{name}' was released")
+        return arena
+
+    def _view(self, arena: Arena) -> p.ArenaView:
+        return p.ArenaView(
+            name=arena.name,
+            owner=arena.owner_name,
+            address=arena.address,
+            reserved=arena.reserved,
+            committed=arena.committed,
+            granularity=self.device.granularity,
+        )
+
+    def _map_reply(self, s: Session, arena: Arena) -> Outcome:
+        handout = [c for c in arena.chunks if s.id not in c.holders]
+        for chunk in handout:
+            chunk.holders.add(s.id)
+        retired = [c.view() for c in self.retiring.values() if c.arena == arena.name and s.id in c.holders]
+        batches = -(-len(handout) // p.MAX_FDS_PER_MESSAGE)
+        reply = p.MapReply(arena=self._view(arena), chunks=[c.view() for c in handout], retired=retired, fd_batches=batches)
+        return Outcome(reply, handout=handout)
+
+    def _plan_window(self, size: int) -> int:
+        """First fit between the live windows; the daemon reserves the window in its own
+        address space too, so the driver itself vouches that the range is usable."""
+        align = max(self.device.granularity, GiB)
+        taken = sorted((a.address, a.address + a.reserved) for a in self.arenas.values())
+        hint = self.config.va_base
+        for start, end in taken:
+            if hint + size <= start:
+                break
+            hint = max(hint, (end + align - 1) // align * align + align)  # one guard step between windows
+        if hint + size > self.config.va_limit:
+            raise p.ProtocolError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"no free virtual window of {size} bytes left in the daemon's plan range; release arenas first",
+                requested=size,
+            )
+        try:
+            address = self.driver.reserve(size, hint)
+        except DriverError as exc:
+            raise p.ProtocolError(p.ErrorCode.DRIVER_ERROR, f"reserving a {size}-byte window failed: {exc}") from None
+        if any(address < end and start < address + size for start, end in taken):
+            self.driver.free_reservation(address, size)
+            raise p.ProtocolError(p.ErrorCode.INTERNAL, f"the driver placed a window at {address:#x}, over a live arena")
+        return address
+
+    def _notify_sharers(self, arena: Arena, exclude: int, kind: str, message: str) -> list[tuple[int, p.Notice]]:
+        notice = p.Notice(kind=kind, message=message, arena=arena.name)
+        return [(sid, notice) for sid in arena.attached if sid != exclude]
+
+    def _retire(
+        self, chunks: list[Chunk], notices: list[tuple[int, p.Notice]], message: str, arena: str, exclude: int = 0
+    ) -> None:
+        """Take chunks out of service: the daemon drops its reference now, the bytes stay
+        counted until every holder reported the unmap (or died)."""
+        live = [c for c in chunks if c.handle is not None]
+        if live:
+            self.driver.destroy_chunks([(c.address, c.size) for c in live], [c.handle for c in live])
+        told: set[int] = set()
+        for chunk in chunks:
+            chunk.handle = None
+            if chunk.holders:
+                self.retiring[chunk.id] = chunk
+                told |= chunk.holders
+        notice = p.Notice(kind="arena-retired", message=message, arena=arena)
+        notices.extend((sid, notice) for sid in sorted(told) if sid != exclude)
+
+    def _forget_if_unheld(self, chunk: Chunk) -> None:
+        if chunk.handle is None and not chunk.holders:
+            self.retiring.pop(chunk.id, None)
+
+    def _drop_holder_everywhere(self, arena: Arena, session_id: int) -> None:
+        for chunk in arena.chunks:
+            chunk.holders.discard(session_id)
+        for chunk in [c for c in self.retiring.values() if c.arena == arena.name]:
+            chunk.holders.discard(session_id)
+            self._forget_if_unheld(chunk)
+
+    def _destroy_arena(self, arena: Arena, notices: list[tuple[int, p.Notice]]) -> None:
+        self._retire(arena.chunks, notices, f"arena '{arena.name}' is gone", arena.name)
+        arena.chunks = []
+        del self.arenas[arena.name]
+        try:
+            self.driver.free_reservation(arena.address, arena.reserved)
+        except DriverError:
+            log.exception("freeing the window of arena %r failed", arena.name)
+        log.info("arena %r destroyed", arena.name)

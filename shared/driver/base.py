@@ -1,0 +1,93 @@
+"""The interface both driver backends implement, for the daemon and for clients.
+
+A backend knows how to reserve virtual address space, create physical chunks, pass
+them between processes as POSIX file descriptors, and map them. The daemon creates
+and exports; clients import and map. Addresses are plain ints everywhere.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+Handle = Any  # a backend's physical-chunk handle (a CUDA generic handle, a memfd)
+
+
+class DriverError(Exception):
+    """A driver call failed. ``out_of_memory`` tells exhaustion from other failures."""
+
+    def __init__(self, message: str, *, out_of_memory: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
+
+
+class DriverUnavailable(Exception):
+    """The backend cannot run on this machine (no NVIDIA driver, no such device)."""
+
+
+class Driver(abc.ABC):
+    kind: str  # "cuda" | "host"
+    granularity: int
+
+    # --- identity -----------------------------------------------------------
+    @abc.abstractmethod
+    def device_name(self) -> str: ...
+
+    @abc.abstractmethod
+    def device_uuid(self) -> str: ...
+
+    @abc.abstractmethod
+    def total_bytes(self) -> int: ...
+
+    @abc.abstractmethod
+    def measured_free(self) -> int | None:
+        """Free device memory as the hardware sees it, or None where only the
+        daemon's own accounting can tell (the host backend)."""
+
+    # --- virtual address space ---------------------------------------------
+    @abc.abstractmethod
+    def reserve(self, size: int, hint: int) -> int:
+        """Reserve ``size`` bytes of address space, at ``hint`` if it is free.
+        Returns the address actually reserved (it may differ from the hint)."""
+
+    @abc.abstractmethod
+    def free_reservation(self, address: int, size: int) -> None: ...
+
+    # --- physical chunks (daemon side) --------------------------------------
+    @abc.abstractmethod
+    def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
+        """Create one chunk per ``(address, size)``, all at once or none.
+
+        Each chunk holds no earlier tenant's bytes. ``address`` lies inside a
+        reservation of this process; a backend may map the chunk there (CUDA does,
+        to scrub it) and then keeps that mapping until ``destroy_chunks``."""
+
+    @abc.abstractmethod
+    def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
+        """Drop this process's references; memory returns once no client maps it."""
+
+    @abc.abstractmethod
+    def export_fd(self, handle: Handle) -> int:
+        """A new POSIX fd for the chunk; the caller closes it after sending."""
+
+    # --- mapping (client side) -----------------------------------------------
+    @abc.abstractmethod
+    def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:
+        """Map chunks received as ``(fd, offset, size)`` at ``address + offset``.
+
+        All or nothing; the fds stay owned by the caller."""
+
+    @abc.abstractmethod
+    def unmap(self, address: int, size: int) -> None:
+        """Unmap one chunk's range, leaving it reserved."""
+
+    # --- data access (tools, tests, small transfers) --------------------------
+    @abc.abstractmethod
+    def write(self, address: int, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def read(self, address: int, size: int) -> bytes: ...
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment

@@ -1,0 +1,222 @@
+"""CUDA backend: VMM through cuda.bindings.driver.
+
+Chunks are ``cuMemCreate`` allocations that request POSIX-fd shareable handles (the
+portable path on single-node machines; FABRIC needs an IMEX channel that H200 hosts
+usually lack). A client imports the fd, maps it and grants access itself: access
+rights never travel with a handle. The imported handle is released at once, since
+the mapping alone keeps the memory alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+from typing import Any
+
+from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle
+
+
+def _load_driver() -> Any:
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as exc:
+        raise DriverUnavailable(f"cuda-bindings is not installed ({exc.name} missing)") from None
+    try:
+        result = cu.cuInit(0)
+    except RuntimeError:  # cuda.pathfinder's DynamicLibNotFoundError: no libcuda
+        raise DriverUnavailable("no NVIDIA driver found (libcuda could not be loaded)") from None
+    if result[0] != cu.CUresult.CUDA_SUCCESS:
+        raise DriverUnavailable(f"cuInit failed: {_error_name(cu, result[0])}")
+    return cu
+
+
+def _error_name(cu: Any, err: Any) -> str:
+    name = cu.cuGetErrorName(err)
+    return name[1].decode() if name[0] == cu.CUresult.CUDA_SUCCESS else str(err)
+
+
+def format_uuid(raw: bytes) -> str:
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def visible_device_uuids() -> list[str]:
+    """UUIDs of the CUDA devices this process sees, by its own ordinals."""
+    cu = _load_driver()
+    err, count = cu.cuDeviceGetCount()
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise DriverUnavailable(f"cuDeviceGetCount failed: {_error_name(cu, err)}")
+    uuids = []
+    for ordinal in range(count):
+        dev = cu.cuDeviceGet(ordinal)[1]
+        uuids.append(format_uuid(bytes(cu.cuDeviceGetUuid(dev)[1].bytes)))
+    return uuids
+
+
+class CudaDriver(Driver):
+    kind = "cuda"
+
+    def __init__(self, ordinal: int) -> None:
+        cu = _load_driver()
+        self._cu = cu
+        err, count = cu.cuDeviceGetCount()
+        if err != cu.CUresult.CUDA_SUCCESS or not 0 <= ordinal < count:
+            raise DriverUnavailable(f"no CUDA device {ordinal} ({count if err == cu.CUresult.CUDA_SUCCESS else 0} visible)")
+        self.ordinal = ordinal
+        self._dev = self._ck(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        supported = self._ck(
+            cu.cuDeviceGetAttribute(
+                cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, self._dev
+            ),
+            "cuDeviceGetAttribute",
+        )
+        if not supported:
+            raise DriverUnavailable(f"CUDA device {ordinal} cannot share memory as POSIX file descriptors")
+        # The primary context is the one torch's runtime uses, so a client shares it.
+        self._ctx = self._ck(cu.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
+        self._ck(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._posix = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ordinal
+        prop.requestedHandleTypes = self._posix
+        self._prop = prop
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = ordinal
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+        self.granularity = int(
+            self._ck(
+                cu.cuMemGetAllocationGranularity(
+                    prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+        )
+
+    def _ck(self, result: Any, what: str) -> Any:
+        err = result[0]
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise DriverError(
+                f"{what} failed: {_error_name(self._cu, err)}",
+                out_of_memory=err == self._cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY,
+            )
+        if len(result) == 1:
+            return None
+        return result[1] if len(result) == 2 else result[1:]
+
+    def _current(self) -> None:
+        # Driver calls need the context current on the calling thread; allocator
+        # callbacks and client threads may arrive without it.
+        self._ck(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+    def device_name(self) -> str:
+        raw = self._ck(self._cu.cuDeviceGetName(256, self._dev), "cuDeviceGetName")
+        return raw.split(b"\0", 1)[0].decode()
+
+    def device_uuid(self) -> str:
+        return format_uuid(bytes(self._ck(self._cu.cuDeviceGetUuid(self._dev), "cuDeviceGetUuid").bytes))
+
+    def total_bytes(self) -> int:
+        return int(self._ck(self._cu.cuDeviceTotalMem(self._dev), "cuDeviceTotalMem"))
+
+    def measured_free(self) -> int | None:
+        self._current()
+        free, _total = self._ck(self._cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
+    def reserve(self, size: int, hint: int) -> int:
+        self._current()
+        return int(self._ck(self._cu.cuMemAddressReserve(size, self.granularity, hint, 0), "cuMemAddressReserve"))
+
+    def free_reservation(self, address: int, size: int) -> None:
+        self._current()
+        self._ck(self._cu.cuMemAddressFree(address, size), "cuMemAddressFree")
+
+    def _set_access(self, address: int, ranges: list[tuple[int, int]]) -> None:
+        # One cuMemSetAccess per contiguous run: it may span several mappings.
+        for start, size in _contiguous(ranges):
+            self._ck(self._cu.cuMemSetAccess(address + start, size, self._access, 1), "cuMemSetAccess")
+
+    def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
+        cu = self._cu
+        self._current()
+        handles: list[Handle] = []
+        mapped: list[tuple[int, int]] = []
+        try:
+            for address, size in placements:
+                handle = self._ck(cu.cuMemCreate(size, self._prop, 0), "cuMemCreate")
+                handles.append(handle)
+                self._ck(cu.cuMemMap(address, size, 0, handle, 0), "cuMemMap")
+                mapped.append((address, size))
+            self._set_access(0, mapped)
+            # Fresh allocations read back as zero in our samples, but the driver does not
+            # promise it; scrub so no tenant ever sees another's bytes.
+            for start, size in _contiguous(mapped):
+                self._ck(cu.cuMemsetD8(start, 0, size), "cuMemsetD8")
+            self._ck(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        except DriverError:
+            for address, size in mapped:
+                cu.cuMemUnmap(address, size)
+            for handle in handles:
+                cu.cuMemRelease(handle)
+            raise
+        return handles
+
+    def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
+        self._current()
+        for (address, size), handle in zip(placements, handles):
+            self._ck(self._cu.cuMemUnmap(address, size), "cuMemUnmap")
+            self._ck(self._cu.cuMemRelease(handle), "cuMemRelease")
+
+    def export_fd(self, handle: Handle) -> int:
+        fd = int(self._ck(self._cu.cuMemExportToShareableHandle(handle, self._posix, 0), "cuMemExportToShareableHandle"))
+        # The driver does not promise O_CLOEXEC; a spawned helper must not pin chunks.
+        fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
+        return fd
+
+    def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:
+        cu = self._cu
+        self._current()
+        mapped: list[tuple[int, int]] = []
+        try:
+            for fd, offset, size in placements:
+                handle = self._ck(cu.cuMemImportFromShareableHandle(fd, self._posix), "cuMemImportFromShareableHandle")
+                try:
+                    self._ck(cu.cuMemMap(address + offset, size, 0, handle, 0), "cuMemMap")
+                finally:
+                    cu.cuMemRelease(handle)  # the mapping keeps the memory alive
+                mapped.append((offset, size))
+            self._set_access(address, mapped)
+        except DriverError:
+            for offset, size in mapped:
+                cu.cuMemUnmap(address + offset, size)
+            raise
+
+    def unmap(self, address: int, size: int) -> None:
+        self._current()
+        # cuMemUnmap does not wait for in-flight work on the range.
+        self._ck(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        self._ck(self._cu.cuMemUnmap(address, size), "cuMemUnmap")
+
+    def write(self, address: int, data: bytes) -> None:
+        self._current()
+        self._ck(self._cu.cuMemcpyHtoD(address, data, len(data)), "cuMemcpyHtoD")
+
+    def read(self, address: int, size: int) -> bytes:
+        self._current()
+        buf = (ctypes.c_uint8 * size)()
+        self._ck(self._cu.cuMemcpyDtoH(buf, address, size), "cuMemcpyDtoH")
+        return bytes(buf)
+
+
+def _contiguous(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for start, size in sorted(ranges):
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + size)
+        else:
+            runs.append((start, size))
+    return runs

@@ -1,0 +1,132 @@
+"""Host backend: host shared memory standing in for device memory.
+
+Real shared memory, not a mock: a chunk is a memfd, reservations are PROT_NONE
+mappings, mapping a chunk is ``mmap(MAP_SHARED | MAP_FIXED)`` of the fd received
+over SCM_RIGHTS. Every protocol, crash and lease path runs on it in CI and on
+machines without a GPU. The capacity is a configured figure, not the machine's RAM:
+memfd pages are allocated when first touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import hashlib
+import os
+import socket
+
+from gpumem_shared.driver.base import Driver, DriverError, Handle
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
+MAP_NORESERVE, MAP_FIXED_NOREPLACE = 0x4000, 0x100000
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+# The same granule as the GPUs we stand in for, so sizes behave identically.
+HOST_GRANULARITY = 2 << 20
+
+_RESERVE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+
+
+def _mmap(address: int, size: int, prot: int, flags: int, fd: int = -1) -> int:
+    result = _libc.mmap(address, size, prot, flags, fd, 0)
+    if result is None or result == MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(result)
+
+
+class HostDriver(Driver):
+    kind = "host"
+    granularity = HOST_GRANULARITY
+
+    def __init__(self, index: int, capacity: int = 0) -> None:
+        self.index = index
+        self.capacity = capacity
+
+    def device_name(self) -> str:
+        return "host shared memory (memfd)"
+
+    def device_uuid(self) -> str:
+        # Stable per machine and index, shaped like a GPU UUID so tools treat both alike.
+        try:
+            with open("/etc/machine-id") as f:
+                machine = f.read().strip()
+        except OSError:
+            machine = socket.gethostname()
+        digest = hashlib.sha256(f"{machine}:{self.index}".encode()).hexdigest()
+        return f"HOST-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+    def total_bytes(self) -> int:
+        return self.capacity
+
+    def measured_free(self) -> int | None:
+        return None
+
+    def reserve(self, size: int, hint: int) -> int:
+        try:
+            return _mmap(hint, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED_NOREPLACE)
+        except OSError as exc:
+            if exc.errno != errno.EEXIST:
+                raise DriverError(f"cannot reserve {size} bytes of address space: {exc.strerror}") from None
+        # Taken at the hint: let the kernel place it and let the caller judge.
+        try:
+            return _mmap(0, size, PROT_NONE, _RESERVE_FLAGS)
+        except OSError as exc:
+            raise DriverError(f"cannot reserve {size} bytes of address space: {exc.strerror}") from None
+
+    def free_reservation(self, address: int, size: int) -> None:
+        if _libc.munmap(address, size) != 0:
+            err = ctypes.get_errno()
+            raise DriverError(f"munmap({address:#x}, {size}) failed: {os.strerror(err)}")
+
+    def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
+        fds: list[int] = []
+        try:
+            for _, size in placements:
+                fd = os.memfd_create("gpumemd-chunk", os.MFD_CLOEXEC)
+                fds.append(fd)
+                os.ftruncate(fd, size)  # fresh memfd pages read as zero: no scrub needed
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise DriverError(f"memfd chunk creation failed: {exc.strerror}", out_of_memory=exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EMFILE)) from None
+        return fds
+
+    def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
+        for fd in handles:
+            os.close(fd)
+
+    def export_fd(self, handle: Handle) -> int:
+        return os.dup(handle)
+
+    def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:
+        done: list[tuple[int, int]] = []
+        try:
+            for fd, offset, size in placements:
+                _mmap(address + offset, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd)
+                done.append((offset, size))
+        except OSError as exc:
+            for offset, size in done:
+                self.unmap(address + offset, size)
+            raise DriverError(f"mapping a chunk at {address:#x} failed: {exc.strerror}") from None
+
+    def unmap(self, address: int, size: int) -> None:
+        # Replace the mapping with a fresh PROT_NONE one: the range stays reserved.
+        try:
+            _mmap(address, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED)
+        except OSError as exc:
+            raise DriverError(f"unmapping {address:#x}+{size} failed: {exc.strerror}") from None
+
+    def write(self, address: int, data: bytes) -> None:
+        ctypes.memmove(address, data, len(data))
+
+    def read(self, address: int, size: int) -> bytes:
+        return ctypes.string_at(address, size)

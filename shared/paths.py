@@ -1,0 +1,79 @@
+"""Where a daemon's sockets live, found the same way by gpumemd, clients and gpumemctl.
+
+For device N under the runtime directory:
+  gpu<N>.zmq   ZeroMQ control channel (ROUTER)
+  gpu<N>.fd    AF_UNIX SOCK_SEQPACKET fd channel; one connection per session
+  gpu<N>.lock  flock held by the live daemon; refuses a second one
+  gpu<N>.json  identity of the live daemon (uuid, backend, pid), for discovery by UUID
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ENV_RUNTIME_DIR = "GPUMEMD_RUNTIME_DIR"
+
+
+def default_runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    if environ.get(ENV_RUNTIME_DIR):
+        return Path(environ[ENV_RUNTIME_DIR])
+    if os.geteuid() == 0:
+        return Path("/run/gpumemd")
+    if environ.get("XDG_RUNTIME_DIR"):
+        return Path(environ["XDG_RUNTIME_DIR"]) / "gpumemd"
+    return Path(tempfile.gettempdir()) / f"gpumemd-{os.geteuid()}"
+
+
+def resolve_runtime_dir(explicit: str | os.PathLike[str] | None) -> Path:
+    return Path(explicit) if explicit else default_runtime_dir()
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoints:
+    runtime_dir: Path
+    index: int
+
+    @property
+    def zmq_path(self) -> Path:
+        return self.runtime_dir / f"gpu{self.index}.zmq"
+
+    @property
+    def zmq_url(self) -> str:
+        return f"ipc://{self.zmq_path}"
+
+    @property
+    def fd_path(self) -> Path:
+        return self.runtime_dir / f"gpu{self.index}.fd"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.runtime_dir / f"gpu{self.index}.lock"
+
+    @property
+    def info_path(self) -> Path:
+        return self.runtime_dir / f"gpu{self.index}.json"
+
+
+def read_info(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def discover(runtime_dir: Path) -> list[dict[str, Any]]:
+    """Identity records of the daemons that announced themselves in ``runtime_dir``."""
+    found = []
+    for path in sorted(runtime_dir.glob("gpu*.json")):
+        info = read_info(path)
+        if info is not None and isinstance(info.get("index"), int):
+            found.append(info)
+    return found

@@ -1,0 +1,568 @@
+"""The gpumemd wire protocol: every message, the envelopes, the error codes.
+
+Both the daemon and its clients import this module; it depends on the standard
+library and msgpack only, so nothing here can drag torch, zmq or CUDA into a peer.
+
+Transport (see docs/protocol.md):
+- control channel, ZeroMQ DEALER -> ROUTER at ``<runtime>/gpu<N>.zmq``: one frame
+  per request and per reply, each a msgpack map (the envelope below);
+- fd channel, AF_UNIX SOCK_SEQPACKET at ``<runtime>/gpu<N>.fd``: the HELLO that opens
+  a session, then daemon -> client FD_BATCH messages (file descriptors ride as
+  SCM_RIGHTS) and NOTICE messages. The connection *is* the session: when it closes,
+  the daemon releases everything the client alone held.
+
+Request envelope: ``{"v": [major, minor], "id": int, "t": MsgType, "b": {fields}}``.
+Reply envelope:   ``{"v": [major, minor], "id": int, "ok": bool, "code": ErrorCode,
+                     "msg": str, "detail": {str: int|str}, "b": {fields}}``.
+
+The protocol version moves apart from the package version: the major is bumped by
+any incompatible change, the minor by compatible ones (new optional fields, new
+message types). Peers with different majors refuse each other at HELLO. Messages are
+maps with named fields, so a newer minor can add fields that an older peer ignores.
+Error codes are append-only: a number, once shipped, never changes meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+
+# A control frame is a few hundred bytes; anything near this bound is an attack or
+# a bug, and unpacking it would let one peer make the daemon allocate freely.
+MAX_FRAME_BYTES = 1 << 20
+
+# SCM_MAX_FD: Linux refuses more than 253 descriptors in one sendmsg.
+MAX_FDS_PER_MESSAGE = 253
+
+
+class ErrorCode(enum.IntEnum):
+    """Stable numbered error codes. Append only; never renumber."""
+
+    OK = 0
+    BAD_MESSAGE = 1  # not msgpack, not a map, no envelope, frame too large
+    UNKNOWN_MESSAGE = 2  # message type this daemon does not know
+    PROTOCOL_MISMATCH = 3  # major protocol versions differ
+    INVALID_ARGUMENT = 4  # missing or wrongly typed field, bad size, bad name
+    NO_SESSION = 5  # request needs a session (HELLO on the fd channel first)
+    NOT_FOUND = 6  # no such arena or chunk
+    ALREADY_EXISTS = 7  # duplicate arena name
+    PERMISSION_DENIED = 8  # acting on what another client owns
+    OUT_OF_MEMORY = 9  # commit beyond the device's free memory
+    UNEXPECTED_FDS = 10  # the client sent descriptors nobody asked for
+    SHUTTING_DOWN = 11  # the daemon is stopping
+    DRIVER_ERROR = 12  # the CUDA driver (or the host backend) failed
+    INTERNAL = 13  # a daemon bug; details are in the daemon's log
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    PING = 2
+    STATUS = 3
+    ARENA_CREATE = 10
+    ARENA_ATTACH = 11
+    ARENA_SHARE = 12
+    ARENA_COMMIT = 13
+    ARENA_DECOMMIT = 14
+    ARENA_SYNC = 15
+    ARENA_RELEASE = 16
+    CHUNKS_UNMAPPED = 17
+    # fd channel, daemon -> client
+    FD_BATCH = 100
+    NOTICE = 101
+
+
+class ProtocolError(Exception):
+    """A request the daemon refuses; becomes an error reply, never a traceback."""
+
+    def __init__(self, code: ErrorCode, message: str, **detail: int | str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.detail = detail
+
+
+# ---------------------------------------------------------------------------
+# Typed codec: dataclasses <-> msgpack maps, checked against the annotations.
+# ---------------------------------------------------------------------------
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = typing.get_type_hints(cls)
+        hints = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        _HINTS[cls] = hints
+    return hints
+
+
+def to_wire(value: Any) -> Any:
+    """A message (or nested value) as plain msgpack-able data."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: to_wire(getattr(value, name)) for name in _hints(type(value))}
+    if isinstance(value, (list, tuple)):
+        return [to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_wire(v) for k, v in value.items()}
+    return value
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    if hint is Any:
+        return value
+    origin = typing.get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        for option in typing.get_args(hint):
+            try:
+                return _check(value, option, where)
+            except ProtocolError:
+                continue
+        raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"{where} has the wrong type ({type(value).__name__})")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(hint)
+            return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_hint, value_hint = typing.get_args(hint)
+            return {_check(k, key_hint, where): _check(v, value_hint, f"{where}.{k}") for k, v in value.items()}
+    elif dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return from_wire(hint, value, where)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(hint, type) and isinstance(value, hint):
+        return value
+    expected = getattr(hint, "__name__", str(hint))
+    raise ProtocolError(
+        ErrorCode.INVALID_ARGUMENT, f"{where} must be {expected}, not {type(value).__name__}"
+    )
+
+
+def from_wire(cls: type[_M], data: Any, where: str | None = None) -> _M:
+    """Build ``cls`` from a decoded map, refusing missing or wrongly typed fields.
+
+    Unknown keys are ignored: a peer speaking a newer minor version may add fields.
+    """
+    where = where or getattr(cls, "__name__", "message")
+    if not isinstance(data, dict):
+        raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"{where} must be a map")
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.name in data:
+            kwargs[field.name] = _check(data[field.name], _hints(cls)[field.name], f"{where}.{field.name}")
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"{where}.{field.name} is missing")
+    return cls(**kwargs)
+
+
+_M = typing.TypeVar("_M")
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(frame: bytes) -> Any:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"frame is not valid msgpack ({type(exc).__name__})") from None
+
+
+# ---------------------------------------------------------------------------
+# Envelopes
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class Request:
+    request_id: int
+    message: Any  # one of the request dataclasses registered below
+
+
+@dataclasses.dataclass(slots=True)
+class Reply:
+    request_id: int
+    ok: bool
+    code: ErrorCode
+    message: str
+    detail: dict[str, int | str]
+    body: dict[str, Any]
+
+
+def encode_request(request_id: int, message: Any) -> bytes:
+    return pack({"v": PROTOCOL_VERSION, "id": request_id, "t": message.TYPE, "b": to_wire(message)})
+
+
+def decode_request(frame: bytes) -> Request:
+    """Decode a request, raising ProtocolError with the request id when it is known."""
+    data = unpack(frame)
+    if not isinstance(data, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "request is not a map")
+    request_id = data.get("id")
+    if not isinstance(request_id, int) or isinstance(request_id, bool):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "request has no integer 'id'")
+    try:
+        check_version(data.get("v"))
+        msg_type = data.get("t")
+        cls = REQUESTS.get(msg_type) if isinstance(msg_type, int) else None
+        if cls is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {msg_type!r}")
+        return Request(request_id, from_wire(cls, data.get("b", {})))
+    except ProtocolError as exc:
+        exc.detail.setdefault("request_id", request_id)
+        raise
+
+
+def check_version(version: Any) -> None:
+    if (
+        not isinstance(version, (list, tuple))
+        or len(version) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in version)
+    ):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "envelope has no protocol version 'v' = [major, minor]")
+    if version[0] != PROTOCOL_VERSION[0]:
+        raise ProtocolError(
+            ErrorCode.PROTOCOL_MISMATCH,
+            f"peer speaks protocol {version[0]}.{version[1]}, this side "
+            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}; upgrade the older of the client and gpumemd",
+            peer=f"{version[0]}.{version[1]}",
+            ours=f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
+        )
+
+
+def encode_reply(request_id: int, body: Any) -> bytes:
+    return pack(
+        {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "code": 0, "msg": "", "detail": {}, "b": to_wire(body)}
+    )
+
+
+def encode_error(request_id: int, error: ProtocolError) -> bytes:
+    detail = {k: v for k, v in error.detail.items() if k != "request_id"}
+    return pack(
+        {
+            "v": PROTOCOL_VERSION,
+            "id": request_id,
+            "ok": False,
+            "code": int(error.code),
+            "msg": error.message,
+            "detail": detail,
+            "b": {},
+        }
+    )
+
+
+def decode_reply(frame: bytes) -> Reply:
+    data = unpack(frame)
+    if not isinstance(data, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "reply is not a map")
+    check_version(data.get("v"))
+    try:
+        code = ErrorCode(data.get("code", ErrorCode.INTERNAL))
+    except ValueError:
+        code = ErrorCode.INTERNAL
+    return Reply(
+        request_id=_check(data.get("id"), int, "reply.id"),
+        ok=data.get("ok") is True,
+        code=code,
+        message=str(data.get("msg", "")),
+        detail=data.get("detail") if isinstance(data.get("detail"), dict) else {},
+        body=data.get("b") if isinstance(data.get("b"), dict) else {},
+    )
+
+
+# ---------------------------------------------------------------------------
+# Shared value types
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class DeviceInfo:
+    index: int  # the daemon's device index (nvidia-smi order)
+    uuid: str  # "GPU-..." for CUDA, "HOST-..." for the host backend
+    name: str
+    total_bytes: int
+    granularity: int  # every size on the wire is a multiple of this
+
+
+@dataclasses.dataclass(slots=True)
+class ChunkView:
+    id: int
+    offset: int  # from the arena's base address
+    size: int
+
+
+@dataclasses.dataclass(slots=True)
+class ArenaView:
+    name: str
+    owner: str
+    address: int  # the planned base; every client maps the arena here
+    reserved: int
+    committed: int
+    granularity: int
+
+
+# ---------------------------------------------------------------------------
+# Messages. Each request names its reply type; docs/protocol.md lists them.
+# ---------------------------------------------------------------------------
+
+REQUESTS: dict[int, type] = {}
+
+
+def request(msg_type: MsgType, reply: type) -> Any:
+    def register(cls: type) -> type:
+        cls = dataclasses.dataclass(slots=True)(cls)
+        cls.TYPE = msg_type  # type: ignore[attr-defined]
+        cls.REPLY = reply  # type: ignore[attr-defined]
+        REQUESTS[int(msg_type)] = cls
+        return cls
+
+    return register
+
+
+@dataclasses.dataclass(slots=True)
+class HelloReply:
+    protocol: list[int]
+    daemon_version: str
+    daemon_pid: int
+    session_id: int
+    token: bytes  # the session's ZeroMQ routing id; proves the session on the control channel
+    backend: str  # "cuda" | "host"
+    device: DeviceInfo
+
+
+@request(MsgType.HELLO, HelloReply)
+class Hello:
+    """First message on the fd channel; opens the session. Credentials come from SO_PEERCRED."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+    client_version: str = ""
+
+
+@dataclasses.dataclass(slots=True)
+class Ack:
+    pass
+
+
+@request(MsgType.PING, Ack)
+class Ping:
+    """No-op round trip; needs no session."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+
+
+@dataclasses.dataclass(slots=True)
+class DaemonStatus:
+    version: str
+    protocol: str
+    pid: int
+    backend: str
+    uptime_s: float
+    runtime_dir: str
+    state: str  # "serving" | "stopping"
+
+
+@dataclasses.dataclass(slots=True)
+class DeviceStatus:
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int
+    free_bytes: int  # measured (cuMemGetInfo) on CUDA; capacity minus accounted on host
+    granularity: int
+    accounted_bytes: int  # chunks the daemon created that are still held by someone
+    reserve_bytes: int  # kept free, never committed
+
+
+@dataclasses.dataclass(slots=True)
+class ClientStatus:
+    session_id: int
+    name: str
+    pid: int
+    uid: int
+    gid: int
+    since: float  # unix time
+    arenas: list[str]
+
+
+@dataclasses.dataclass(slots=True)
+class ArenaStatus:
+    name: str
+    owner: str
+    owner_pid: int
+    owner_alive: bool
+    address: int
+    reserved: int
+    committed: int
+    chunks: int
+    shared_with: list[str]
+    attached: list[str]
+    retiring_bytes: int  # decommitted, still mapped by some client
+
+
+@dataclasses.dataclass(slots=True)
+class StatusReply:
+    daemon: DaemonStatus
+    device: DeviceStatus
+    clients: list[ClientStatus]
+    arenas: list[ArenaStatus]
+    extents: list[Any]  # graph-pool extents; filled by the lease registry
+    leases: list[Any]
+
+
+@request(MsgType.STATUS, StatusReply)
+class Status:
+    """Everything gpumemctl shows; needs no session."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+
+
+@dataclasses.dataclass(slots=True)
+class ArenaReply:
+    arena: ArenaView
+
+
+@dataclasses.dataclass(slots=True)
+class MapReply:
+    """Chunks to map (their fds follow on the fd channel in ``fd_batches`` FD_BATCH
+    messages tagged with this request's id) and chunks to unmap (then CHUNKS_UNMAPPED)."""
+
+    arena: ArenaView
+    chunks: list[ChunkView]
+    retired: list[ChunkView]
+    fd_batches: int
+
+
+@request(MsgType.ARENA_CREATE, ArenaReply)
+class CreateArena:
+    """Reserve a virtual window; no physical memory yet."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+    reserve_bytes: int
+
+
+@request(MsgType.ARENA_ATTACH, MapReply)
+class AttachArena:
+    """Join an arena its owner shared with this client's name; maps what is committed."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+
+
+@request(MsgType.ARENA_SHARE, Ack)
+class ShareArena:
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+    client: str  # a client name (as given to HELLO) allowed to attach
+
+
+@request(MsgType.ARENA_COMMIT, MapReply)
+class CommitArena:
+    """Grow physical backing so the first ``nbytes`` of the arena are committed."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+    nbytes: int
+
+
+@request(MsgType.ARENA_DECOMMIT, MapReply)
+class DecommitArena:
+    """Shrink to the smallest chunk boundary >= ``to_nbytes``; the reply's ``retired``
+    chunks must be unmapped and reported with CHUNKS_UNMAPPED."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+    to_nbytes: int
+
+
+@request(MsgType.ARENA_SYNC, MapReply)
+class SyncArena:
+    """Bring a client's mapping up to date: chunks committed since, chunks retired since."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+
+
+@request(MsgType.ARENA_RELEASE, Ack)
+class ReleaseArena:
+    """Owner: destroy the arena. Sharer: detach. The client has unmapped everything first."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+
+
+@request(MsgType.CHUNKS_UNMAPPED, Ack)
+class ChunksUnmapped:
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+    chunk_ids: list[int]
+
+
+# fd channel, daemon -> client. Not requests: they carry no reply.
+
+
+@dataclasses.dataclass(slots=True)
+class FdBatch:
+    """One descriptor per chunk id, in order, as SCM_RIGHTS."""
+
+    TYPE: ClassVar[MsgType] = MsgType.FD_BATCH
+    request_id: int = 0
+    chunk_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(slots=True)
+class Notice:
+    """Unsolicited news for a session: "stopping", "arena-retired", "arena-released"."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NOTICE
+    kind: str = ""
+    message: str = ""
+    arena: str = ""
+
+
+def encode_event(message: FdBatch | Notice) -> bytes:
+    return pack({"v": PROTOCOL_VERSION, "id": 0, "t": int(message.TYPE), "b": to_wire(message)})
+
+
+def decode_event(frame: bytes) -> FdBatch | Notice:
+    data = unpack(frame)
+    if not isinstance(data, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "fd-channel message is not a map")
+    check_version(data.get("v"))
+    kind = data.get("t")
+    if kind == MsgType.FD_BATCH:
+        return from_wire(FdBatch, data.get("b"))
+    if kind == MsgType.NOTICE:
+        return from_wire(Notice, data.get("b"))
+    raise ProtocolError(ErrorCode.UNKNOWN_MESSAGE, f"unknown fd-channel message type {kind!r}")
