@@ -152,3 +152,7 @@ def render_status(s: p.StatusReply) -> str:
     lines += ["", "EXTENTS"] + _table([], []) if not s.extents else ["", "EXTENTS"] + [f"  {e}" for e in s.extents]
     lines += ["", "LEASES"] + _table([], []) if not s.leases else ["", "LEASES"] + [f"  {e}" for e in s.leases]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

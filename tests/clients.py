@@ -1,0 +1,120 @@
+"""A scriptable gpumem client process for integration and GPU tests.
+
+    python tests/clients.py shell NAME [DEVICE]
+
+connects as client NAME and then runs one command per stdin line, answering each
+with one stdout line: ``OK [result]`` or ``ERR <ExceptionClass> <message>``.
+
+Commands:
+  create ARENA RESERVE         commit ARENA NBYTES        decommit ARENA TO
+  share ARENA CLIENT           attach ARENA               sync ARENA
+  release ARENA                write ARENA OFFSET HEX     read ARENA OFFSET N
+  fill ARENA OFFSET N BYTE     check ARENA OFFSET N BYTE  (whole-range pattern, device side)
+  address ARENA                free                       ping
+  notices                      status                     close
+  exit
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import gpumem
+from gpumem_shared import protocol as p
+
+
+def main() -> int:
+    _, scenario, name, *rest = sys.argv
+    assert scenario == "shell", scenario
+    device: int | str = int(rest[0]) if rest and rest[0].isdigit() else (rest[0] if rest else 0)
+    try:
+        session = gpumem.connect(device, name=name)
+    except gpumem.GpuMemError as exc:
+        print(f"ERR {type(exc).__name__} {exc}", flush=True)
+        return 0
+    print(f"CONNECTED {session.session_id} {session.backend}", flush=True)
+    arenas: dict[str, gpumem.Arena] = {}
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        cmd, args = words[0], words[1:]
+        try:
+            result = run(session, arenas, cmd, args)
+        except SystemExit:
+            return 0
+        except gpumem.GpuMemError as exc:
+            print(f"ERR {type(exc).__name__} {exc}", flush=True)
+            continue
+        except Exception as exc:  # a bug in the library: show it to the test
+            traceback.print_exc()
+            print(f"ERR {type(exc).__name__} {exc}", flush=True)
+            continue
+        print(f"OK {result}" if result is not None else "OK", flush=True)
+    return 0
+
+
+def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args: list[str]) -> object:
+    if cmd == "create":
+        arenas[args[0]] = session.create_arena(args[0], int(args[1]))
+        return arenas[args[0]].address
+    if cmd == "attach":
+        arenas[args[0]] = session.attach_arena(args[0])
+        return arenas[args[0]].address
+    if cmd == "commit":
+        arenas[args[0]].commit(int(args[1]))
+        return arenas[args[0]].committed
+    if cmd == "decommit":
+        return arenas[args[0]].decommit(int(args[1]))
+    if cmd == "share":
+        arenas[args[0]].share(args[1])
+        return None
+    if cmd == "sync":
+        arenas[args[0]].sync()
+        return arenas[args[0]].mapped_bytes
+    if cmd == "release":
+        arenas.pop(args[0]).release()
+        return None
+    if cmd == "write":
+        arenas[args[0]].write(int(args[1]), bytes.fromhex(args[2]))
+        return None
+    if cmd == "read":
+        return arenas[args[0]].read(int(args[1]), int(args[2])).hex()
+    if cmd == "fill":
+        arena, offset, n, byte = arenas[args[0]], int(args[1]), int(args[2]), int(args[3])
+        block = bytes([byte]) * min(n, 64 << 20)
+        for at in range(offset, offset + n, len(block)):
+            arena.write(at, block[: min(len(block), offset + n - at)])
+        return None
+    if cmd == "check":
+        arena, offset, n, byte = arenas[args[0]], int(args[1]), int(args[2]), int(args[3])
+        step = 64 << 20
+        for at in range(offset, offset + n, step):
+            data = arena.read(at, min(step, offset + n - at))
+            if data.count(byte) != len(data):
+                bad = next(i for i, b in enumerate(data) if b != byte)
+                return f"MISMATCH at {at + bad}: {data[bad]} != {byte}"
+        return "MATCH"
+    if cmd == "address":
+        return arenas[args[0]].address
+    if cmd == "free":
+        return session.driver.measured_free()
+    if cmd == "ping":
+        session.ping()
+        return None
+    if cmd == "notices":
+        return json.dumps([p.to_wire(n) for n in session.notices()])
+    if cmd == "status":
+        return json.dumps(p.to_wire(session.status()))
+    if cmd == "close":
+        session.close()
+        return None
+    if cmd == "exit":
+        raise SystemExit(0)
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
