@@ -1,0 +1,232 @@
+/*
+ * gpumem native allocator: thread-safe multi-extent first-fit bump allocation for
+ * torch's CUDAPluggableAllocator, over address ranges gpumem maps (arenas, borrowed
+ * graph-pool runs).
+ *
+ * torch calls alloc(size, device, stream) with no user data, and one MemPool takes one
+ * allocator, so each independent pool needs its own pair of entry points. This file
+ * generates GPUMEM_MAX_SLOTS pairs (gpumem_alloc_<i>, gpumem_free_<i>); a Python slot
+ * object owns one index for its life.
+ *
+ * The allocator never touches device memory and needs no CUDA headers: it hands out
+ * addresses inside extents that the Python side has mapped (or deliberately left
+ * virtual-only). A request that fits no extent returns NULL, which torch reports as
+ * out of memory; the Python side turns that into an error naming the arena. Frees are
+ * only counted: torch's caching allocator keeps blocks, and the memory comes back by
+ * resetting the extents (a decommit or a rebuild), never by the free callback.
+ *
+ * Loaded with ctypes: it is built as a CPython extension only so that the package
+ * build compiles it and `import gpumem._native` locates the file.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GPUMEM_MAX_SLOTS 256
+#define GPUMEM_MAX_EXTENTS 64
+
+typedef struct {
+    uint64_t calls;           /* alloc calls, failed ones included */
+    uint64_t failures;        /* alloc calls that returned NULL */
+    uint64_t frees;           /* free callbacks */
+    uint64_t cursor_bytes;    /* bytes handed out since the extents were set */
+    uint64_t freed_bytes;     /* bytes torch gave back since the extents were set */
+    uint64_t capacity_bytes;  /* total size of the extents */
+    uint64_t largest_free;    /* largest request that would still fit */
+    uint64_t last_failed;     /* size of the last request that fit nowhere */
+    int64_t n_extents;
+    int64_t device;
+} gpumem_stats;
+
+typedef struct {
+    pthread_mutex_t mu;
+    int in_use;
+    int device;
+    size_t alignment;
+    size_t n;
+    uintptr_t base[GPUMEM_MAX_EXTENTS];
+    size_t size[GPUMEM_MAX_EXTENTS];
+    size_t cursor[GPUMEM_MAX_EXTENTS];
+    gpumem_stats stats;
+} slot_t;
+
+static slot_t g_slots[GPUMEM_MAX_SLOTS];
+static pthread_mutex_t g_registry = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static void init_slots(void) {
+    for (int i = 0; i < GPUMEM_MAX_SLOTS; i++) pthread_mutex_init(&g_slots[i].mu, NULL);
+}
+
+static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+static void recompute_largest(slot_t *s) {
+    size_t best = 0;
+    for (size_t i = 0; i < s->n; i++) {
+        size_t left = s->size[i] - s->cursor[i];
+        if (left > best) best = left;
+    }
+    s->stats.largest_free = best;
+}
+
+/* Returns a slot index bound to `device`, or -1 when all are taken. `alignment` must be
+ * a power of two; every address handed out is a multiple of it. */
+int gpumem_slot_acquire(int device, size_t alignment) {
+    if (alignment == 0 || (alignment & (alignment - 1))) return -2;
+    pthread_once(&g_once, init_slots);
+    pthread_mutex_lock(&g_registry);
+    int found = -1;
+    for (int i = 0; i < GPUMEM_MAX_SLOTS; i++) {
+        if (!g_slots[i].in_use) {
+            found = i;
+            break;
+        }
+    }
+    if (found >= 0) {
+        slot_t *s = &g_slots[found];
+        pthread_mutex_lock(&s->mu);
+        s->in_use = 1;
+        s->device = device;
+        s->alignment = alignment;
+        s->n = 0;
+        memset(&s->stats, 0, sizeof(s->stats));
+        s->stats.device = device;
+        pthread_mutex_unlock(&s->mu);
+    }
+    pthread_mutex_unlock(&g_registry);
+    return found;
+}
+
+static slot_t *slot_at(int slot) {
+    if (slot < 0 || slot >= GPUMEM_MAX_SLOTS) return NULL;
+    pthread_once(&g_once, init_slots);
+    return &g_slots[slot];
+}
+
+void gpumem_slot_release(int slot) {
+    slot_t *s = slot_at(slot);
+    if (!s) return;
+    pthread_mutex_lock(&g_registry);
+    pthread_mutex_lock(&s->mu);
+    s->in_use = 0;
+    s->n = 0;
+    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&g_registry);
+}
+
+/* Replace the extents and reset cursors and counters (calls survive). Extents must
+ * be aligned and must not overlap; returns 0, or -1 for a bad slot, -2 for too many
+ * extents, -3 for a misaligned or overlapping extent. */
+int gpumem_slot_set_extents(int slot, const uint64_t *base, const uint64_t *size, size_t n) {
+    slot_t *s = slot_at(slot);
+    if (!s || !s->in_use) return -1;
+    if (n > GPUMEM_MAX_EXTENTS) return -2;
+    for (size_t i = 0; i < n; i++) {
+        if (base[i] % s->alignment || size[i] == 0) return -3;
+        for (size_t j = 0; j < i; j++)
+            if (base[i] < base[j] + size[j] && base[j] < base[i] + size[i]) return -3;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->n = n;
+    uint64_t capacity = 0;
+    for (size_t i = 0; i < n; i++) {
+        s->base[i] = (uintptr_t)base[i];
+        s->size[i] = (size_t)size[i];
+        s->cursor[i] = 0;
+        capacity += size[i];
+    }
+    s->stats.cursor_bytes = 0;
+    s->stats.freed_bytes = 0;
+    s->stats.capacity_bytes = capacity;
+    s->stats.n_extents = (int64_t)n;
+    s->stats.last_failed = 0;
+    recompute_largest(s);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int gpumem_slot_stats(int slot, gpumem_stats *out) {
+    slot_t *s = slot_at(slot);
+    if (!s || !s->in_use) return -1;
+    pthread_mutex_lock(&s->mu);
+    *out = s->stats;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+/* How many bytes a request of `size` consumes (what `can_fit` must account for). */
+size_t gpumem_slot_rounded(int slot, size_t size) {
+    slot_t *s = slot_at(slot);
+    if (!s || !s->in_use) return 0;
+    return align_up(size ? size : 1, s->alignment);
+}
+
+static void *slot_alloc(int slot, size_t size, int device, void *stream) {
+    (void)stream;
+    slot_t *s = &g_slots[slot];
+    void *p = NULL;
+    pthread_mutex_lock(&s->mu);
+    s->stats.calls++;
+    if (s->in_use && device == s->device) {
+        size_t need = align_up(size ? size : 1, s->alignment);
+        for (size_t i = 0; i < s->n; i++) {
+            if (s->size[i] - s->cursor[i] >= need) {
+                p = (void *)(s->base[i] + s->cursor[i]);
+                s->cursor[i] += need;
+                s->stats.cursor_bytes += need;
+                recompute_largest(s);
+                break;
+            }
+        }
+    }
+    if (!p) {
+        s->stats.failures++;
+        s->stats.last_failed = size;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return p;
+}
+
+static void slot_free(int slot, void *ptr, size_t size, int device, void *stream) {
+    (void)ptr;
+    (void)device;
+    (void)stream;
+    slot_t *s = &g_slots[slot];
+    pthread_mutex_lock(&s->mu);
+    s->stats.frees++;
+    s->stats.freed_bytes += size;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* The entry points torch loads by name: gpumem_alloc_<xx> / gpumem_free_<xx>, where
+ * xx is the slot index in two hex digits (00..ff). */
+#define GPUMEM_ENTRY(h, l)                                                              \
+    void *gpumem_alloc_##h##l(size_t size, int device, void *stream) {                 \
+        return slot_alloc(0x##h##l, size, device, stream);                              \
+    }                                                                                   \
+    void gpumem_free_##h##l(void *ptr, size_t size, int device, void *stream) {        \
+        slot_free(0x##h##l, ptr, size, device, stream);                                 \
+    }
+#define GPUMEM_ROW(h)                                                                   \
+    GPUMEM_ENTRY(h, 0) GPUMEM_ENTRY(h, 1) GPUMEM_ENTRY(h, 2) GPUMEM_ENTRY(h, 3)         \
+    GPUMEM_ENTRY(h, 4) GPUMEM_ENTRY(h, 5) GPUMEM_ENTRY(h, 6) GPUMEM_ENTRY(h, 7)         \
+    GPUMEM_ENTRY(h, 8) GPUMEM_ENTRY(h, 9) GPUMEM_ENTRY(h, a) GPUMEM_ENTRY(h, b)         \
+    GPUMEM_ENTRY(h, c) GPUMEM_ENTRY(h, d) GPUMEM_ENTRY(h, e) GPUMEM_ENTRY(h, f)
+
+GPUMEM_ROW(0) GPUMEM_ROW(1) GPUMEM_ROW(2) GPUMEM_ROW(3)
+GPUMEM_ROW(4) GPUMEM_ROW(5) GPUMEM_ROW(6) GPUMEM_ROW(7)
+GPUMEM_ROW(8) GPUMEM_ROW(9) GPUMEM_ROW(a) GPUMEM_ROW(b)
+GPUMEM_ROW(c) GPUMEM_ROW(d) GPUMEM_ROW(e) GPUMEM_ROW(f)
+
+static struct PyModuleDef native_module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_native",
+    .m_doc = "gpumem's native allocator, loaded through ctypes.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

@@ -1,0 +1,15 @@
+"""The native allocator is built with the package (gcc and Python headers; no CUDA
+headers, no compiler at import time). Everything else is in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "gpumem._native",
+            sources=["client/csrc/allocator.c"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
+            libraries=["pthread"],
+        )
+    ]
+)
