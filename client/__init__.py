@@ -12,6 +12,7 @@ Nothing here touches CUDA or opens a socket at import time.
 from gpumem.arena import Arena
 from gpumem.errors import (
     AlreadyExists,
+    ArenaOutOfMemory,
     DaemonStopped,
     DaemonTimeout,
     DaemonUnavailable,
@@ -23,14 +24,17 @@ from gpumem.errors import (
     PermissionDenied,
     ProtocolMismatch,
     SessionClosed,
+    TorchFeatureMissing,
     VaCollision,
 )
+from gpumem.views import RawView
 from gpumem.session import Session, connect
 from gpumem_shared import __version__
 
 __all__ = [
     "AlreadyExists",
     "Arena",
+    "ArenaOutOfMemory",
     "DaemonStopped",
     "DaemonTimeout",
     "DaemonUnavailable",
@@ -43,6 +47,8 @@ __all__ = [
     "ProtocolMismatch",
     "Session",
     "SessionClosed",
+    "TorchFeatureMissing",
+    "RawView",
     "VaCollision",
     "__version__",
     "connect",

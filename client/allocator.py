@@ -13,6 +13,9 @@ import threading
 
 MAX_SLOTS = 256
 MAX_EXTENTS = 64
+MAX_BACKING = 512
+
+FAIL_NONE, FAIL_FULL, FAIL_UNBACKED, FAIL_DEVICE = 0, 1, 2, 3
 
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
@@ -28,6 +31,7 @@ class _Stats(ctypes.Structure):
         ("capacity_bytes", ctypes.c_uint64),
         ("largest_free", ctypes.c_uint64),
         ("last_failed", ctypes.c_uint64),
+        ("last_fail_reason", ctypes.c_int64),
         ("n_extents", ctypes.c_int64),
         ("device", ctypes.c_int64),
     ]
@@ -42,7 +46,8 @@ class SlotStats:
     freed_bytes: int  # given back by torch since the extents were set
     capacity_bytes: int
     largest_free: int  # the largest request that still fits (after rounding)
-    last_failed: int  # size of the last request that fit nowhere
+    last_failed: int  # size of the last request that failed
+    last_fail_reason: int  # FAIL_* below
     n_extents: int
     device: int
 
@@ -75,6 +80,16 @@ def library() -> ctypes.CDLL:
             lib.gpumem_slot_stats.restype = ctypes.c_int
             lib.gpumem_slot_rounded.argtypes = [ctypes.c_int, ctypes.c_size_t]
             lib.gpumem_slot_rounded.restype = ctypes.c_size_t
+            lib.gpumem_slot_set_backing.argtypes = [
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.POINTER(ctypes.c_uint64),
+                ctypes.POINTER(ctypes.c_uint64),
+                ctypes.c_size_t,
+            ]
+            lib.gpumem_slot_set_backing.restype = ctypes.c_int
+            lib.gpumem_thread_virtual.argtypes = [ctypes.c_int]
+            lib.gpumem_thread_virtual.restype = ctypes.c_int
             _lib = lib
         return _lib
 
@@ -119,6 +134,17 @@ class Slot:
         if rc != 0:
             raise RuntimeError(f"allocator slot {self.index} refused its extents (code {rc})")
 
+    def set_backing(self, ranges: list[tuple[int, int]] | None) -> None:
+        """Serve requests only inside these mapped (address, size) ranges; None turns
+        the check off. Threads inside ``virtual_only()`` are exempt."""
+        n = len(ranges or [])
+        if n > MAX_BACKING:
+            raise ValueError(f"{n} backing ranges; a slot tracks at most {MAX_BACKING}")
+        bases = (ctypes.c_uint64 * max(n, 1))(*[a for a, _ in ranges or []])
+        sizes = (ctypes.c_uint64 * max(n, 1))(*[s for _, s in ranges or []])
+        if self._lib.gpumem_slot_set_backing(self.index, int(ranges is not None), bases, sizes, n) != 0:
+            raise RuntimeError(f"allocator slot {self.index} refused its backing ranges")
+
     def stats(self) -> SlotStats:
         raw = _Stats()
         if self._lib.gpumem_slot_stats(self.index, ctypes.byref(raw)) != 0:
@@ -133,3 +159,14 @@ class Slot:
         if self.index >= 0:
             self._lib.gpumem_slot_release(self.index)
             self.index = -1
+
+
+class virtual_only:
+    """Within this block, the calling thread's requests may land on unbacked space
+    (virtual-only tensors that nothing touches until their memory is committed)."""
+
+    def __enter__(self) -> None:
+        self._before = library().gpumem_thread_virtual(1)
+
+    def __exit__(self, *exc: object) -> None:
+        library().gpumem_thread_virtual(self._before)

@@ -3,19 +3,64 @@ with the chunks it was handed mapped in place.
 
 Every process maps an arena at the same virtual address, so an address inside it
 names the same bytes in each of them (graph-pool extents rely on this).
+
+The window holds three kinds of space: committed (real chunks mapped), placeholder
+(one small chunk aliased over many slots, so CUDA-graph capture can record copies
+there before the real memory exists), and virtual-only (reserved, unmapped). The
+client keeps the map of which is where; commit swaps placeholder for real chunks at
+the same addresses, and decommit puts the placeholder back where it was.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumem.errors import InvalidArgument, MappingError, SessionClosed, VaCollision
+from gpumem.views import RawView
 
 if TYPE_CHECKING:
     from gpumem.session import Session
+    from gpumem.torch_support import ArenaPool
+
+MiB = 1 << 20
+DEFAULT_PLACEHOLDER_SLOT = 64 * MiB
+
+Ranges = list[tuple[int, int]]  # sorted, disjoint [start, end) offsets
+
+
+def merge(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        elif start < end:
+            out.append((start, end))
+    return out
+
+
+def subtract(ranges: Ranges, cut: Ranges) -> Ranges:
+    out: Ranges = []
+    cut = merge(cut)
+    for start, end in merge(ranges):
+        pos = start
+        for c_start, c_end in cut:
+            if c_end <= pos or c_start >= end:
+                continue
+            if c_start > pos:
+                out.append((pos, c_start))
+            pos = max(pos, c_end)
+        if pos < end:
+            out.append((pos, end))
+    return out
+
+
+def intersect(a: Ranges, b: Ranges) -> Ranges:
+    return subtract(a, subtract(a, b))
 
 
 class Arena:
@@ -28,8 +73,13 @@ class Arena:
         self.granularity = view.granularity
         self.is_owner = owner
         self.committed = view.committed
-        self._mapped: dict[int, p.ChunkView] = {}
+        self._maps: dict[int, tuple[int, int | None]] = {}  # offset -> (size, chunk id or None: placeholder)
+        self._chunks: dict[int, p.ChunkView] = {}  # real chunks mapped here, by id
+        self._cover: Ranges = []  # where placeholder backing was asked for
+        self._placeholder_fds: dict[int, int] = {}  # slot size -> fd, kept to map again
         self._reserved_here = False
+        self._released = False
+        self._torch: ArenaPool | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -49,105 +99,253 @@ class Arena:
         self._reserved_here = True
 
     def _apply(self, reply: p.MapReply, fds: dict[int, int]) -> None:
-        """Map the chunks handed out, unmap the retired ones, and tell the daemon."""
+        """Map the chunks handed out (over any placeholder there), unmap the retired ones
+        (putting placeholder back where it was asked for), and tell the daemon."""
         self.committed = reply.arena.committed
-        driver = self.session.driver
         try:
             if reply.chunks:
-                placements = [(fds[c.id], c.offset, c.size) for c in reply.chunks]
-                try:
-                    driver.map_fds(self.address, placements)
-                except DriverError as exc:
-                    self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in reply.chunks]))
-                    raise MappingError(f"mapping {len(placements)} chunk(s) of arena '{self.name}' failed: {exc}") from None
-                for chunk in reply.chunks:
-                    self._mapped[chunk.id] = chunk
+                self._map_chunks(reply.chunks, fds)
         finally:
-            fdchannel.close_all(list(fds.values()))  # the mapping holds the memory now
+            fdchannel.close_all(list(fds.values()))  # the mappings hold the memory now
         if reply.retired:
             self._unmap(reply.retired)
+        self._backing_changed()
+
+    def _map_chunks(self, chunks: list[p.ChunkView], fds: dict[int, int]) -> None:
+        driver = self.session.driver
+        wanted = merge([(c.offset, c.offset + c.size) for c in chunks])
+        under = [
+            (offset, size)
+            for offset, (size, chunk_id) in self._maps.items()
+            if chunk_id is None and intersect([(offset, offset + size)], wanted)
+        ]
+        if under:
+            driver.unmap_many(self.address, under)
+            for offset, _ in under:
+                del self._maps[offset]
+        try:
+            driver.map_fds(self.address, [(fds[c.id], c.offset, c.size) for c in chunks])
+        except DriverError as exc:
+            self._cover_free(subtract(merge([(o, o + s) for o, s in under]), []))
+            self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
+            raise MappingError(f"mapping {len(chunks)} chunk(s) of arena '{self.name}' failed: {exc}") from None
+        for chunk in chunks:
+            self._chunks[chunk.id] = chunk
+            self._maps[chunk.offset] = (chunk.size, chunk.id)
+        # Placeholder slots only partly covered by the new chunks: re-alias the rest.
+        self._cover_free(subtract(merge([(o, o + s) for o, s in under]), wanted))
 
     def _unmap(self, chunks: list[p.ChunkView]) -> None:
+        mine = [c for c in chunks if c.id in self._chunks]
+        self.session.driver.unmap_many(self.address, [(c.offset, c.size) for c in mine])
+        for chunk in mine:
+            del self._chunks[chunk.id]
+            del self._maps[chunk.offset]
+        self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
+        self._cover_free(intersect(merge([(c.offset, c.offset + c.size) for c in mine]), self._cover))
+
+    def _cover_free(self, ranges: Ranges) -> None:
+        """Alias the placeholder over ``ranges`` (which must be unmapped): slot-sized
+        pieces where aligned, granule-sized ones at the edges."""
+        if not ranges or not self._placeholder_fds:
+            return
+        slot = max(self._placeholder_fds)
+        granule = min(self._placeholder_fds)
+        big: list[int] = []
+        small: list[int] = []
+        for start, end in ranges:
+            pos = start
+            while pos < end:
+                if pos % slot == 0 and pos + slot <= end:
+                    big.append(pos)
+                    pos += slot
+                else:
+                    small.append(pos)
+                    pos += granule
         driver = self.session.driver
-        gone = []
-        for chunk in chunks:
-            if self._mapped.pop(chunk.id, None) is not None:
-                driver.unmap(self.address + chunk.offset, chunk.size)
-            gone.append(chunk.id)
-        self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=gone))
+        try:
+            if big:
+                driver.map_aliased(self.address, self._placeholder_fds[slot], slot, big)
+            if small and granule != slot:
+                driver.map_aliased(self.address, self._placeholder_fds[granule], granule, small)
+        except DriverError as exc:
+            raise MappingError(f"aliasing the placeholder over arena '{self.name}' failed: {exc}") from None
+        for offset in big:
+            self._maps[offset] = (slot, None)
+        for offset in small if granule != slot else []:
+            self._maps[offset] = (granule, None)
+
+    def _backing_changed(self) -> None:
+        if self._torch is not None:
+            self._torch.update_backing()
 
     # ------------------------------------------------------------------ API
 
     def commit(self, nbytes: int) -> None:
         """Back the first ``nbytes`` (a multiple of the granularity) with physical
-        memory. Idempotent; growing only. Fails whole, with the figures, when the
-        device lacks the memory."""
+        memory, replacing any placeholder there at the same addresses. Idempotent;
+        growing only. Fails whole, with the figures, when the device lacks the memory."""
+        self._check_open()
         reply, fds = self.session._call(p.CommitArena(name=self.name, nbytes=nbytes))
         self._apply(reply, fds)
 
     def decommit(self, to_nbytes: int) -> int:
         """Give back physical memory beyond ``to_nbytes``, in whole chunks: the arena
-        keeps the smallest chunk boundary at or above it. Returns the new committed size.
-        Synchronizes the device first: in-flight work on the range must finish."""
+        keeps the smallest chunk boundary at or above it. Placeholder backing returns
+        where it was asked for. Returns the new committed size. Synchronizes the device
+        first: in-flight work on the range must finish."""
+        self._check_open()
+        if self._torch is not None:
+            keep = max((c.offset + c.size for c in self._chunks.values() if c.offset < to_nbytes), default=0)
+            self._torch.check_unused(keep, self.committed)
         reply, fds = self.session._call(p.DecommitArena(name=self.name, to_nbytes=to_nbytes))
         self._apply(reply, fds)
         return self.committed
 
+    def placeholder(self, offset: int = 0, nbytes: int | None = None, slot_bytes: int = DEFAULT_PLACEHOLDER_SLOT) -> None:
+        """Back ``[offset, offset + nbytes)`` (default: the rest of the window) with a
+        placeholder: one ``slot_bytes`` chunk aliased over every slot, granule-sized
+        chunks at the edges. Graph capture of copies and memsets then works there;
+        commit later swaps in real memory at the same addresses. Writes to placeholder
+        space land in shared scratch bytes: nothing there is kept."""
+        self._check_open()
+        nbytes = self.reserved - offset if nbytes is None else nbytes
+        g = self.granularity
+        if offset < 0 or nbytes <= 0 or offset % g or nbytes % g or offset + nbytes > self.reserved:
+            raise InvalidArgument(
+                f"placeholder range [{offset}, {offset + nbytes}) must be granularity-aligned ({g}) and inside "
+                f"arena '{self.name}' ({self.reserved} bytes)"
+            )
+        if self._placeholder_fds and slot_bytes not in self._placeholder_fds:
+            raise InvalidArgument(f"arena '{self.name}' already uses {max(self._placeholder_fds)}-byte placeholder slots")
+        if not self._placeholder_fds:
+            reply, fds = self.session._call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
+            self._placeholder_fds = {c.size: fds[c.id] for c in reply.chunks}
+        self._cover = merge(self._cover + [(offset, offset + nbytes)])
+        mapped = [(o, o + size) for o, (size, _) in self._maps.items()]
+        self._cover_free(subtract([(offset, offset + nbytes)], mapped))
+        self._backing_changed()
+
     def share(self, client: str) -> None:
         """Let sessions named ``client`` attach to this arena."""
+        self._check_open()
         self.session.call(p.ShareArena(name=self.name, client=client))
 
     def sync(self) -> None:
         """Map what was committed since, unmap what was retired since."""
+        self._check_open()
         reply, fds = self.session._call(p.SyncArena(name=self.name))
         self._apply(reply, fds)
 
     def release(self) -> None:
         """Unmap everything and give the arena back (an owner destroys it, a sharer
         detaches). Tensors on it must be gone: their memory disappears here."""
-        if self.session.arenas.get(self.name) is not self:
-            raise SessionClosed(f"arena '{self.name}' was already released by this process")
+        self._check_open()
+        if self._torch is not None:
+            self._torch.check_unused(0, self.reserved)
+            self._torch.retire()
         driver = self.session.driver
-        for chunk in self._mapped.values():
-            driver.unmap(self.address + chunk.offset, chunk.size)
-        self._mapped.clear()
+        driver.unmap_many(self.address, [(o, size) for o, (size, _) in self._maps.items()])
+        self._maps.clear()
+        self._chunks.clear()
+        fdchannel.close_all(list(self._placeholder_fds.values()))
+        self._placeholder_fds.clear()
         if self._reserved_here:
             driver.free_reservation(self.address, self.reserved)
             self._reserved_here = False
-        del self.session.arenas[self.name]
+        self._released = True
+        self.session.arenas.pop(self.name, None)
         self.session.call(p.ReleaseArena(name=self.name))
+
+    def _check_open(self) -> None:
+        if self._released:
+            raise SessionClosed(f"arena '{self.name}' was released by this process")
+        if self.session.closed:
+            raise SessionClosed(f"arena '{self.name}' belongs to a closed session ('{self.session.name}')")
+
+    # ------------------------------------------------------------------ introspection
+
+    def backed_ranges(self) -> Ranges:
+        """Offsets that are mapped here, committed or placeholder (merged)."""
+        return merge([(o, o + size) for o, (size, _) in self._maps.items()])
+
+    def committed_ranges(self) -> Ranges:
+        return merge([(c.offset, c.offset + c.size) for c in self._chunks.values()])
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Committed bytes mapped in this process (placeholders not counted)."""
+        return sum(c.size for c in self._chunks.values())
+
+    @property
+    def placeholder_bytes(self) -> int:
+        return sum(size for size, chunk_id in self._maps.values() if chunk_id is None)
 
     def _check_range(self, offset: int, size: int) -> None:
         end = offset + size
-        if offset < 0 or size < 0 or not any(
-            c.offset <= offset and end <= c.offset + c.size for c in self._contiguous_mapped()
-        ):
+        if offset < 0 or size < 0 or not any(a <= offset and end <= b for a, b in self.committed_ranges()):
             raise InvalidArgument(
-                f"range [{offset}, {end}) of arena '{self.name}' is not mapped in this process "
+                f"range [{offset}, {end}) of arena '{self.name}' is not committed memory mapped in this process "
                 f"(committed {self.committed} bytes; a sharer may need sync())"
             )
 
-    def _contiguous_mapped(self) -> list[p.ChunkView]:
-        runs: list[p.ChunkView] = []
-        for chunk in sorted(self._mapped.values(), key=lambda c: c.offset):
-            if runs and runs[-1].offset + runs[-1].size == chunk.offset:
-                runs[-1] = p.ChunkView(id=0, offset=runs[-1].offset, size=runs[-1].size + chunk.size)
-            else:
-                runs.append(p.ChunkView(id=0, offset=chunk.offset, size=chunk.size))
-        return runs
+    # ------------------------------------------------------------------ data access
 
     def write(self, offset: int, data: bytes) -> None:
-        """Copy host bytes into the arena (a convenience for tools and tests)."""
+        """Copy host bytes into committed memory (a convenience for tools and tests)."""
+        self._check_open()
         self._check_range(offset, len(data))
         self.session.driver.write(self.address + offset, data)
 
     def read(self, offset: int, size: int) -> bytes:
+        self._check_open()
         self._check_range(offset, size)
         return self.session.driver.read(self.address + offset, size)
 
+    def view(self, offset: int = 0, nbytes: int | None = None) -> RawView:
+        """Bytes ``[offset, offset + nbytes)`` as a framework-agnostic view (DLPack,
+        ``__cuda_array_interface__`` on CUDA, ``__array_interface__`` on the host
+        backend). The range may be virtual-only: touching it before it is backed faults."""
+        self._check_open()
+        nbytes = self.reserved - offset if nbytes is None else nbytes
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.reserved:
+            raise InvalidArgument(f"view [{offset}, {offset + nbytes}) is outside arena '{self.name}' ({self.reserved} bytes)")
+        if self.session.backend == "cuda":
+            return RawView(self.address + offset, nbytes, "cuda", self.session.device_ordinal or 0, owner=self)
+        return RawView(self.address + offset, nbytes, "cpu", owner=self)
+
+    # ------------------------------------------------------------------ torch
+
     @property
-    def mapped_bytes(self) -> int:
-        return sum(c.size for c in self._mapped.values())
+    def mem_pool(self) -> Any:
+        """A ``torch.cuda.MemPool`` allocating inside this arena (for
+        ``torch.cuda.graph(g, pool=arena.mem_pool.id)`` or ``use_mem_pool``)."""
+        return self.torch_pool().pool
+
+    def torch_pool(self) -> ArenaPool:
+        self._check_open()
+        if self._torch is None:
+            from gpumem.torch_support import ArenaPool
+
+            self._torch = ArenaPool(self)
+        return self._torch
+
+    @contextlib.contextmanager
+    def allocating(self, *, virtual: bool = False) -> Iterator[ArenaPool]:
+        """Route this thread's torch allocations into the arena. Requests must land on
+        backed (committed or placeholder) space unless ``virtual=True``, which lays out
+        virtual-only tensors that nothing may touch before their memory is committed.
+        Running out of space raises ``gpumem.ArenaOutOfMemory`` naming the arena."""
+        with self.torch_pool().routing(virtual=virtual) as pool:
+            yield pool
+
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A torch tensor over the arena's bytes at ``offset``, outside any pool (for
+        layouts the engine computes itself, like KV buffers). The bytes may be
+        virtual-only; decommit can take them back once nothing uses the tensor."""
+        from gpumem.torch_support import tensor
+
+        return tensor(self, offset, shape, dtype)
 
     def __repr__(self) -> str:
         role = "owner" if self.is_owner else f"shared by {self.owner_name}"

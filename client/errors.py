@@ -103,6 +103,14 @@ class MappingError(GpuMemError):
     """This process could not map chunks the daemon handed out."""
 
 
+class ArenaOutOfMemory(GpuMemError, MemoryError):
+    """A torch allocation routed into an arena found no room (or no backing) there."""
+
+
+class TorchFeatureMissing(GpuMemError, RuntimeError):
+    """The installed torch lacks what a gpumem feature needs (the message says what)."""
+
+
 _BY_CODE: dict[ErrorCode, type[GpuMemError]] = {
     cls.code: cls
     for cls in (

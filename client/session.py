@@ -130,6 +130,8 @@ class Session:
             self.daemon_version = hello.daemon_version
             self.daemon_pid = hello.daemon_pid
             self._resources.control = ControlChannel(endpoints, routing_id=hello.token)
+            # This process's CUDA ordinal for the daemon's device (None on the host backend).
+            self.device_ordinal: int | None = None
             self.driver = self._make_driver()
             ok = True
         finally:
@@ -190,7 +192,8 @@ class Session:
                 f"gpumemd@{self.device.index} serves {self.device.uuid}, which this process does not see "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
             )
-        return CudaDriver(uuids.index(self.device.uuid))
+        self.device_ordinal = uuids.index(self.device.uuid)
+        return CudaDriver(self.device_ordinal)
 
     # ------------------------------------------------------------------ calls
 
@@ -208,7 +211,7 @@ class Session:
             limit = self.timeout if timeout is None else timeout
             request_id, body = control.call(message, limit, self._poll_fd_channel)
             fds: dict[int, int] = {}
-            if isinstance(body, p.MapReply) and body.fd_batches:
+            if isinstance(body, (p.MapReply, p.PlaceholderReply)) and body.fd_batches:
                 fds = self._receive_fds(request_id, body.fd_batches, limit)
             return body, fds
 

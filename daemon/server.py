@@ -177,9 +177,13 @@ class Server:
         log.info(
             "serving device %d (%s, %s) at %s", self.endpoints.index, self.state.device.name, self.state.device.uuid, self.endpoints.runtime_dir
         )
+        # An idle loop ticks once per poll timeout; wake often enough to feed a short watchdog.
+        wait_ms = self.tick_interval * 1000
+        if self.notifier.watchdog_interval is not None:
+            wait_ms = min(wait_ms, self.notifier.watchdog_interval * 500)
         try:
             while not self._stop_requested:
-                events = dict(poller.poll(self.tick_interval * 1000))
+                events = dict(poller.poll(wait_ms))
                 if self._router in events:
                     self._on_control()
                 if self._listener.fileno() in events:

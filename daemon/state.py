@@ -31,7 +31,12 @@ log = logging.getLogger("gpumemd.state")
 
 GiB = 1 << 30
 MiB = 1 << 20
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+# Beyond each arena's client-visible window the daemon reserves this much more in its own
+# address space, to map (and scrub) the arena's placeholder chunks, which have no place
+# of their own in the window.
+PLACEHOLDER_SCRATCH = 512 * MiB
+MAX_PLACEHOLDER_SLOT = 256 * MiB
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")
 
 
 @dataclasses.dataclass
@@ -41,7 +46,7 @@ class StateConfig:
     bulk_chunk: int = 512 * MiB  # bulk commits come in chunks this large
     reserve_bytes: int = 0  # never committed: the headroom other users of the device need
     va_base: int = 0x2000_0000_0000  # arenas are planned from here, far from where
-    va_limit: int = 0x6000_0000_0000  # heaps, libraries and torch's own allocations sit
+    va_limit: int = 0x5000_0000_0000  # heaps, libraries and torch's own allocations sit
     max_reserve: int = 16 << 40
 
 
@@ -81,8 +86,14 @@ class Arena:
     owner_alive: bool = True
     released: bool = False  # the owner released it; waits for sharers to detach
     chunks: list[Chunk] = dataclasses.field(default_factory=list)  # live, by offset
+    placeholders: list[Chunk] = dataclasses.field(default_factory=list)  # owner's, any offset
     shared_with: set[str] = dataclasses.field(default_factory=set)
     attached: set[int] = dataclasses.field(default_factory=set)  # owner and sharers
+
+    @property
+    def window(self) -> int:
+        """What the daemon reserves: the clients' window plus the placeholder scratch."""
+        return self.reserved + PLACEHOLDER_SCRATCH
 
     @property
     def committed(self) -> int:
@@ -150,6 +161,7 @@ class DaemonState:
             p.SyncArena: self._sync,
             p.ReleaseArena: self._release,
             p.ChunksUnmapped: self._chunks_unmapped,
+            p.PlaceholderArena: self._placeholder,
         }
 
     # ------------------------------------------------------------------ sessions
@@ -190,6 +202,8 @@ class DaemonState:
             arena.attached.discard(session_id)
             if arena.owner_id == session_id:
                 arena.owner_alive = False
+                self._retire(arena.placeholders, notices, "", arena.name)
+                arena.placeholders = []
             if not arena.attached:
                 self._destroy_arena(arena, notices)
             elif arena.owner_id == session_id:
@@ -229,7 +243,7 @@ class DaemonState:
             raise p.ProtocolError(
                 p.ErrorCode.ALREADY_EXISTS, f"arena '{m.name}' already exists, owned by {existing.owner_label()}"
             )
-        address = self._plan_window(m.reserve_bytes)
+        address = self._plan_window(m.reserve_bytes + PLACEHOLDER_SCRATCH)
         arena = Arena(
             name=m.name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=m.reserve_bytes
         )
@@ -350,6 +364,8 @@ class DaemonState:
         if arena.owner_id == s.id:
             arena.released = True
             arena.owner_alive = False
+            self._retire(arena.placeholders, notices, "", arena.name)
+            arena.placeholders = []
             if arena.attached:
                 self._retire(arena.chunks, notices, f"arena '{arena.name}' was released by its owner; release it too", arena.name)
                 arena.chunks = []
@@ -357,10 +373,66 @@ class DaemonState:
             self._destroy_arena(arena, notices)
         return Outcome(p.Ack(), notices=notices)
 
+    def _placeholder(self, session: Session | None, m: p.PlaceholderArena) -> Outcome:
+        s = self._need_session(session)
+        arena = self._owned_arena(s, m.name, "back with placeholders")
+        self._check_size(m.slot_bytes, "slot_bytes", allow_zero=False)
+        if m.slot_bytes > MAX_PLACEHOLDER_SLOT:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"placeholder slot of {m.slot_bytes} bytes exceeds the limit of {MAX_PLACEHOLDER_SLOT}",
+                slot_bytes=m.slot_bytes,
+                limit=MAX_PLACEHOLDER_SLOT,
+            )
+        sizes = sorted({m.slot_bytes, self.device.granularity}, reverse=True)
+        have = {c.size: c for c in arena.placeholders}
+        missing = [size for size in sizes if size not in have]
+        used = sum(c.size for c in arena.placeholders)
+        if used + sum(missing) > PLACEHOLDER_SCRATCH:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"arena '{arena.name}' already holds placeholders of {sorted(have)} bytes; "
+                f"at most {PLACEHOLDER_SCRATCH} bytes of placeholders per arena",
+            )
+        if missing:
+            need = sum(missing)
+            available = self.available_bytes()
+            if need > available:
+                raise p.ProtocolError(
+                    p.ErrorCode.OUT_OF_MEMORY,
+                    f"placeholders of {need} bytes for arena '{arena.name}' exceed the {available} bytes available",
+                    requested=need,
+                    available=available,
+                )
+            placements = []
+            for size in missing:
+                placements.append((arena.address + arena.reserved + used, size))
+                used += size
+            try:
+                handles = self.driver.create_chunks(placements)
+            except DriverError as exc:
+                code = p.ErrorCode.OUT_OF_MEMORY if exc.out_of_memory else p.ErrorCode.DRIVER_ERROR
+                raise p.ProtocolError(code, f"creating placeholders for arena '{arena.name}' failed: {exc}") from None
+            for (address, size), handle in zip(placements, handles):
+                chunk = Chunk(id=self._next_chunk, arena=arena.name, offset=0, size=size, address=address, handle=handle)
+                self._next_chunk += 1
+                arena.placeholders.append(chunk)
+                have[size] = chunk
+        wanted = [have[size] for size in sizes]
+        handout = [c for c in wanted if s.id not in c.holders]
+        for chunk in handout:
+            chunk.holders.add(s.id)
+        reply = p.PlaceholderReply(
+            arena=self._view(arena),
+            chunks=[c.view() for c in wanted],
+            fd_batches=-(-len(handout) // p.MAX_FDS_PER_MESSAGE),
+        )
+        return Outcome(reply, handout=handout)
+
     def _chunks_unmapped(self, session: Session | None, m: p.ChunksUnmapped) -> Outcome:
         s = self._need_session(session)
         arena = self._arena(m.name)
-        by_id = {c.id: c for c in arena.chunks}
+        by_id = {c.id: c for c in arena.chunks + arena.placeholders}
         for chunk_id in m.chunk_ids:
             chunk = by_id.get(chunk_id) or self.retiring.get(chunk_id)
             if chunk is None or chunk.arena != arena.name or s.id not in chunk.holders:
@@ -389,7 +461,7 @@ class DaemonState:
     # ------------------------------------------------------------------ accounting
 
     def accounted_bytes(self) -> int:
-        live = sum(c.size for a in self.arenas.values() for c in a.chunks)
+        live = sum(c.size for a in self.arenas.values() for c in a.chunks + a.placeholders)
         return live + sum(c.size for c in self.retiring.values())
 
     def free_bytes(self) -> int:
@@ -446,6 +518,7 @@ class DaemonState:
                     shared_with=sorted(a.shared_with),
                     attached=sorted(names[sid] for sid in a.attached if sid in names),
                     retiring_bytes=sum(c.size for c in self.retiring.values() if c.arena == a.name),
+                    placeholder_bytes=sum(c.size for c in a.placeholders),
                 )
                 for a in self.arenas.values()
             ],
@@ -520,10 +593,10 @@ class DaemonState:
         """First fit between the live windows; the daemon reserves the window in its own
         address space too, so the driver itself vouches that the range is usable."""
         align = max(self.device.granularity, GiB)
-        taken = sorted((a.address, a.address + a.reserved) for a in self.arenas.values())
+        taken = sorted((a.address, a.address + a.window) for a in self.arenas.values())
         hint = self.config.va_base
         for start, end in taken:
-            if hint + size <= start:
+            if (hint + size + align - 1) // align * align + align <= start:  # a guard step before it too
                 break
             hint = max(hint, (end + align - 1) // align * align + align)  # one guard step between windows
         if hint + size > self.config.va_limit:
@@ -567,18 +640,19 @@ class DaemonState:
             self.retiring.pop(chunk.id, None)
 
     def _drop_holder_everywhere(self, arena: Arena, session_id: int) -> None:
-        for chunk in arena.chunks:
+        for chunk in arena.chunks + arena.placeholders:
             chunk.holders.discard(session_id)
         for chunk in [c for c in self.retiring.values() if c.arena == arena.name]:
             chunk.holders.discard(session_id)
             self._forget_if_unheld(chunk)
 
     def _destroy_arena(self, arena: Arena, notices: list[tuple[int, p.Notice]]) -> None:
-        self._retire(arena.chunks, notices, f"arena '{arena.name}' is gone", arena.name)
+        self._retire(arena.chunks + arena.placeholders, notices, f"arena '{arena.name}' is gone", arena.name)
         arena.chunks = []
+        arena.placeholders = []
         del self.arenas[arena.name]
         try:
-            self.driver.free_reservation(arena.address, arena.reserved)
+            self.driver.free_reservation(arena.address, arena.window)
         except DriverError:
             log.exception("freeing the window of arena %r failed", arena.name)
         log.info("arena %r destroyed", arena.name)

@@ -73,6 +73,7 @@ class MsgType(enum.IntEnum):
     ARENA_SYNC = 15
     ARENA_RELEASE = 16
     CHUNKS_UNMAPPED = 17
+    ARENA_PLACEHOLDER = 18
     # fd channel, daemon -> client
     FD_BATCH = 100
     NOTICE = 101
@@ -223,7 +224,7 @@ def decode_request(frame: bytes) -> Request:
     try:
         check_version(data.get("v"))
         msg_type = data.get("t")
-        cls = REQUESTS.get(msg_type) if isinstance(msg_type, int) else None
+        cls = REQUESTS.get(msg_type) if isinstance(msg_type, int) and not isinstance(msg_type, bool) else None
         if cls is None:
             raise ProtocolError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {msg_type!r}")
         return Request(request_id, from_wire(cls, data.get("b", {})))
@@ -419,6 +420,7 @@ class ArenaStatus:
     shared_with: list[str]
     attached: list[str]
     retiring_bytes: int  # decommitted, still mapped by some client
+    placeholder_bytes: int = 0  # small chunks the owner aliases over uncommitted space
 
 
 @dataclasses.dataclass(slots=True)
@@ -521,6 +523,28 @@ class ReleaseArena:
     name: str
 
 
+@dataclasses.dataclass(slots=True)
+class PlaceholderReply:
+    """The placeholder chunks (``offset`` is meaningless: 0), largest first; their fds
+    follow in ``fd_batches`` FD_BATCH messages as for MapReply."""
+
+    arena: ArenaView
+    chunks: list[ChunkView]
+    fd_batches: int
+
+
+@request(MsgType.ARENA_PLACEHOLDER, PlaceholderReply)
+class PlaceholderArena:
+    """Owner only: small chunks of ``slot_bytes`` and of the granularity, for the client
+    to alias over space it has not committed, so graph capture works there (capture of
+    a memcpy on unmapped space fails). Idempotent per size."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+    slot_bytes: int
+
+
 @request(MsgType.CHUNKS_UNMAPPED, Ack)
 class ChunksUnmapped:
     TYPE: ClassVar[MsgType]
@@ -543,7 +567,7 @@ class FdBatch:
 
 @dataclasses.dataclass(slots=True)
 class Notice:
-    """Unsolicited news for a session: "stopping", "arena-retired", "arena-released"."""
+    """Unsolicited news for a session: "stopping", "arena-grown", "arena-retired"."""
 
     TYPE: ClassVar[MsgType] = MsgType.NOTICE
     kind: str = ""

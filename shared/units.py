@@ -18,7 +18,10 @@ def parse_size(text: str) -> int:
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512MiB, 1073741824)")
-    return int(float(match.group(1)) * _UNITS[unit])
+    number, scale = match.group(1), _UNITS[unit]
+    if "." not in number:
+        return int(number) * scale  # exact, however large
+    return int(float(number) * scale)
 
 
 def format_size(n: int) -> str:

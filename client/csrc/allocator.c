@@ -28,6 +28,13 @@
 
 #define GPUMEM_MAX_SLOTS 256
 #define GPUMEM_MAX_EXTENTS 64
+#define GPUMEM_MAX_BACKING 512
+
+/* Why the last request failed. */
+#define GPUMEM_FAIL_NONE 0
+#define GPUMEM_FAIL_FULL 1     /* no extent has room */
+#define GPUMEM_FAIL_UNBACKED 2 /* room, but the bytes there are not backed yet */
+#define GPUMEM_FAIL_DEVICE 3   /* asked for another device than the slot's */
 
 typedef struct {
     uint64_t calls;           /* alloc calls, failed ones included */
@@ -37,7 +44,8 @@ typedef struct {
     uint64_t freed_bytes;     /* bytes torch gave back since the extents were set */
     uint64_t capacity_bytes;  /* total size of the extents */
     uint64_t largest_free;    /* largest request that would still fit */
-    uint64_t last_failed;     /* size of the last request that fit nowhere */
+    uint64_t last_failed;     /* size of the last request that failed */
+    int64_t last_fail_reason; /* GPUMEM_FAIL_* */
     int64_t n_extents;
     int64_t device;
 } gpumem_stats;
@@ -51,8 +59,27 @@ typedef struct {
     uintptr_t base[GPUMEM_MAX_EXTENTS];
     size_t size[GPUMEM_MAX_EXTENTS];
     size_t cursor[GPUMEM_MAX_EXTENTS];
+    /* With checking on, a request is served only where the bytes are mapped (committed
+     * or placeholder-backed): a kernel touching unmapped space would kill the CUDA
+     * context. A thread that lays out virtual-only tensors turns the check off for
+     * itself (gpumem_thread_virtual). */
+    int check_backing;
+    size_t n_backing;
+    uintptr_t backing_base[GPUMEM_MAX_BACKING];
+    size_t backing_size[GPUMEM_MAX_BACKING];
     gpumem_stats stats;
 } slot_t;
+
+static __thread int t_virtual;
+
+/* Per thread: 1 lets this thread's requests land on unbacked (virtual-only) space.
+ * Returns the previous setting, so scopes nest. */
+int gpumem_thread_virtual(int on) {
+    int before = t_virtual;
+    t_virtual = on;
+    return before;
+}
+
 
 static slot_t g_slots[GPUMEM_MAX_SLOTS];
 static pthread_mutex_t g_registry = PTHREAD_MUTEX_INITIALIZER;
@@ -93,6 +120,8 @@ int gpumem_slot_acquire(int device, size_t alignment) {
         s->device = device;
         s->alignment = alignment;
         s->n = 0;
+        s->check_backing = 0;
+        s->n_backing = 0;
         memset(&s->stats, 0, sizeof(s->stats));
         s->stats.device = device;
         pthread_mutex_unlock(&s->mu);
@@ -149,6 +178,29 @@ int gpumem_slot_set_extents(int slot, const uint64_t *base, const uint64_t *size
     return 0;
 }
 
+/* Turn the backing check on with these (disjoint, merged) mapped ranges; n == 0 with
+ * enable == 1 means nothing is backed. enable == 0 turns the check off. */
+int gpumem_slot_set_backing(int slot, int enable, const uint64_t *base, const uint64_t *size, size_t n) {
+    slot_t *s = slot_at(slot);
+    if (!s || !s->in_use) return -1;
+    if (n > GPUMEM_MAX_BACKING) return -2;
+    pthread_mutex_lock(&s->mu);
+    s->check_backing = enable;
+    s->n_backing = n;
+    for (size_t i = 0; i < n; i++) {
+        s->backing_base[i] = (uintptr_t)base[i];
+        s->backing_size[i] = (size_t)size[i];
+    }
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+static int backed(const slot_t *s, uintptr_t p, size_t n) {
+    for (size_t i = 0; i < s->n_backing; i++)
+        if (s->backing_base[i] <= p && p + n <= s->backing_base[i] + s->backing_size[i]) return 1;
+    return 0;
+}
+
 int gpumem_slot_stats(int slot, gpumem_stats *out) {
     slot_t *s = slot_at(slot);
     if (!s || !s->in_use) return -1;
@@ -169,23 +221,31 @@ static void *slot_alloc(int slot, size_t size, int device, void *stream) {
     (void)stream;
     slot_t *s = &g_slots[slot];
     void *p = NULL;
+    int reason = GPUMEM_FAIL_FULL;
     pthread_mutex_lock(&s->mu);
     s->stats.calls++;
-    if (s->in_use && device == s->device) {
+    if (!s->in_use || device != s->device) {
+        reason = GPUMEM_FAIL_DEVICE;
+    } else {
         size_t need = align_up(size ? size : 1, s->alignment);
         for (size_t i = 0; i < s->n; i++) {
-            if (s->size[i] - s->cursor[i] >= need) {
-                p = (void *)(s->base[i] + s->cursor[i]);
-                s->cursor[i] += need;
-                s->stats.cursor_bytes += need;
-                recompute_largest(s);
+            if (s->size[i] - s->cursor[i] < need) continue;
+            uintptr_t at = s->base[i] + s->cursor[i];
+            if (s->check_backing && !t_virtual && !backed(s, at, need)) {
+                reason = GPUMEM_FAIL_UNBACKED;
                 break;
             }
+            p = (void *)at;
+            s->cursor[i] += need;
+            s->stats.cursor_bytes += need;
+            recompute_largest(s);
+            break;
         }
     }
     if (!p) {
         s->stats.failures++;
         s->stats.last_failed = size;
+        s->stats.last_fail_reason = reason;
     }
     pthread_mutex_unlock(&s->mu);
     return p;

@@ -78,8 +78,18 @@ class Driver(abc.ABC):
         All or nothing; the fds stay owned by the caller."""
 
     @abc.abstractmethod
+    def map_aliased(self, address: int, fd: int, size: int, offsets: list[int]) -> None:
+        """Map one chunk (received as ``fd``) at every ``address + offset``: the same
+        physical bytes aliased over many slots (placeholder backing). All or nothing."""
+
+    @abc.abstractmethod
     def unmap(self, address: int, size: int) -> None:
         """Unmap one chunk's range, leaving it reserved."""
+
+    def unmap_many(self, address: int, ranges: list[tuple[int, int]]) -> None:
+        """Unmap each ``(offset, size)`` mapping at ``address + offset``."""
+        for offset, size in ranges:
+            self.unmap(address + offset, size)
 
     # --- data access (tools, tests, small transfers) --------------------------
     @abc.abstractmethod

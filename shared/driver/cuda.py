@@ -195,11 +195,34 @@ class CudaDriver(Driver):
                 cu.cuMemUnmap(address + offset, size)
             raise
 
+    def map_aliased(self, address: int, fd: int, size: int, offsets: list[int]) -> None:
+        cu = self._cu
+        self._current()
+        handle = self._ck(cu.cuMemImportFromShareableHandle(fd, self._posix), "cuMemImportFromShareableHandle")
+        mapped: list[tuple[int, int]] = []
+        try:
+            for offset in offsets:
+                self._ck(cu.cuMemMap(address + offset, size, 0, handle, 0), "cuMemMap")
+                mapped.append((offset, size))
+            self._set_access(address, mapped)
+        except DriverError:
+            for offset, _ in mapped:
+                cu.cuMemUnmap(address + offset, size)
+            raise
+        finally:
+            cu.cuMemRelease(handle)  # the mappings keep the memory alive
+
     def unmap(self, address: int, size: int) -> None:
         self._current()
         # cuMemUnmap does not wait for in-flight work on the range.
         self._ck(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
         self._ck(self._cu.cuMemUnmap(address, size), "cuMemUnmap")
+
+    def unmap_many(self, address: int, ranges: list[tuple[int, int]]) -> None:
+        self._current()
+        self._ck(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        for offset, size in ranges:
+            self._ck(self._cu.cuMemUnmap(address + offset, size), "cuMemUnmap")
 
     def write(self, address: int, data: bytes) -> None:
         self._current()

@@ -118,6 +118,9 @@ class HostDriver(Driver):
                 self.unmap(address + offset, size)
             raise DriverError(f"mapping a chunk at {address:#x} failed: {exc.strerror}") from None
 
+    def map_aliased(self, address: int, fd: int, size: int, offsets: list[int]) -> None:
+        self.map_fds(address, [(fd, offset, size) for offset in offsets])
+
     def unmap(self, address: int, size: int) -> None:
         # Replace the mapping with a fresh PROT_NONE one: the range stays reserved.
         try:

@@ -149,3 +149,30 @@ def test_concurrent_threads_never_share_an_address(slot: Slot) -> None:
     assert len(set(got)) == per_thread * threads  # every address handed out exactly once
     assert slot.stats().cursor_bytes == per_thread * threads * 512
     assert alloc(1) is None  # and the extents are exactly full
+
+
+def test_backing_check_refuses_unmapped_space_unless_virtual(slot: Slot) -> None:
+    from gpumem.allocator import FAIL_UNBACKED, virtual_only
+
+    base = 1 << 30
+    slot.set_extents([(base, 16 * MiB)])
+    slot.set_backing([(base, 4 * MiB)])
+    alloc, _ = entry_points(slot)
+    assert alloc(4 * MiB) == base
+    assert alloc(512) is None  # the next bytes are not backed
+    assert slot.stats().last_fail_reason == FAIL_UNBACKED
+    with virtual_only():
+        with virtual_only():
+            pass
+        assert alloc(8 * MiB) == base + 4 * MiB  # still virtual after a nested scope
+    assert alloc(512) is None
+    results: list[int | None] = []
+    with virtual_only():  # per thread: another thread stays checked
+        t = threading.Thread(target=lambda: results.append(alloc(512)))
+        t.start()
+        t.join()
+    assert results == [None]
+    slot.set_backing([(base, 16 * MiB)])
+    assert alloc(512) == base + 12 * MiB
+    slot.set_backing(None)
+    assert alloc(4 * MiB - 512) == base + 12 * MiB + 512

@@ -1,0 +1,184 @@
+"""torch on gpumem arenas: one native allocator slot, one CUDAPluggableAllocator and one
+``torch.cuda.MemPool`` per arena, and thread-local routing into it.
+
+torch is optional: nothing in gpumem imports this module until an arena is asked for
+a pool. Features are detected, not inferred from version numbers; where torch lacks
+one, the error names the feature and what it needs.
+
+The slot covers the arena's whole window. It serves a request only on backed space
+(committed or placeholder) unless the calling thread is laying out virtual-only
+tensors, because a kernel that touches unmapped space kills the CUDA context. torch's
+caching allocator sits on top: it asks the slot for segments and keeps freed blocks
+in the pool, so the memory returns by decommit or release, never by ``del``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from gpumem.allocator import FAIL_DEVICE, FAIL_UNBACKED, Slot, SlotStats, library_path, virtual_only
+from gpumem.errors import ArenaOutOfMemory, InvalidArgument, TorchFeatureMissing
+
+if TYPE_CHECKING:
+    from gpumem.arena import Arena
+
+# Allocators and pools live as long as the process: a tensor's block can stay cached
+# in a pool after its arena's user let go of it, and torch keeps raw pointers to the
+# allocator functions (pytorch issue 146431).
+_KEEP: list[Any] = []
+
+
+def import_torch(feature: str) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise TorchFeatureMissing(f"{feature} needs torch, which is not installed (pip install 'torch>=2.8')") from None
+    return torch
+
+
+def require(torch: Any, feature: str, *paths: str) -> None:
+    for path in paths:
+        obj = torch
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                raise TorchFeatureMissing(
+                    f"{feature} needs torch.{path}, which torch {torch.__version__} lacks "
+                    "(torch.cuda.MemPool with a pluggable allocator arrived around torch 2.8)"
+                )
+
+
+class ArenaPool:
+    """The torch side of one arena."""
+
+    def __init__(self, arena: Arena) -> None:
+        torch = import_torch("arena memory pools")
+        require(torch, "arena memory pools", "cuda.MemPool", "cuda.use_mem_pool", "cuda.memory.CUDAPluggableAllocator")
+        if arena.session.backend != "cuda" or arena.session.device_ordinal is None:
+            raise InvalidArgument(
+                f"arena '{arena.name}' lives in host shared memory (host backend): torch CUDA pools need the CUDA "
+                "backend; use arena.view() with DLPack or NumPy instead"
+            )
+        if not torch.cuda.is_available():
+            raise TorchFeatureMissing(f"arena '{arena.name}' needs a torch build with CUDA ({torch.__version__} has none)")
+        self.torch = torch
+        self.arena = arena
+        self.device = arena.session.device_ordinal
+        self.slot = Slot(device=self.device, alignment=512)
+        self.slot.set_extents([(arena.address, arena.reserved)])
+        self.update_backing()
+        self.allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), self.slot.alloc_symbol, self.slot.free_symbol)
+        with torch.cuda.device(self.device):
+            self.pool = torch.cuda.MemPool(self.allocator.allocator())
+        self.retired = False
+        _KEEP.append((self.allocator, self.pool, self.slot))
+
+    def update_backing(self) -> None:
+        base = self.arena.address
+        self.slot.set_backing([(base + start, end - start) for start, end in self.arena.backed_ranges()])
+
+    # ------------------------------------------------------------------ routing
+
+    def _check_device(self) -> None:
+        current = self.torch.cuda.current_device()
+        if current != self.device:
+            raise InvalidArgument(
+                f"arena '{self.arena.name}' lives on cuda:{self.device} ({self.arena.session.device.uuid}) but the "
+                f"current device is cuda:{current}; enter torch.cuda.device({self.device}) first"
+            )
+
+    @contextlib.contextmanager
+    def routing(self, *, virtual: bool = False) -> Iterator[ArenaPool]:
+        self.arena._check_open()
+        self._check_device()
+        before = self.slot.stats().failures
+        scope = virtual_only() if virtual else contextlib.nullcontext()
+        try:
+            with scope, self.torch.cuda.use_mem_pool(self.pool, device=self.device):
+                yield self
+        except RuntimeError as exc:  # torch.OutOfMemoryError, or a plain RuntimeError from older torch
+            stats = self.slot.stats()
+            if stats.failures > before:
+                raise ArenaOutOfMemory(self.oom_message(stats), {"requested": stats.last_failed, "available": stats.largest_free}) from exc
+            raise
+
+    def oom_message(self, stats: SlotStats) -> str:
+        arena = self.arena
+        cursor = stats.cursor_bytes
+        if stats.last_fail_reason == FAIL_UNBACKED:
+            return (
+                f"arena '{arena.name}' cannot place a request of {stats.last_failed} bytes: the space at offset {cursor} "
+                "is not backed; commit it, back it with arena.placeholder(), or lay out virtual-only tensors inside "
+                "arena.allocating(virtual=True)"
+            )
+        if stats.last_fail_reason == FAIL_DEVICE:
+            return f"arena '{arena.name}' (cuda:{self.device}) was asked for memory on another device"
+        return (
+            f"arena '{arena.name}' cannot hold a request of {stats.last_failed} bytes: {stats.largest_free} bytes are "
+            f"left of its {arena.reserved}-byte window ({cursor} handed out)"
+        )
+
+    @property
+    def graph_pool(self) -> Any:
+        """The pool id for ``torch.cuda.graph(g, pool=...)``, once the arena has backed
+        space at its cursor: capture on unbacked space would fail mid-capture."""
+        self.arena._check_open()
+        self._check_device()
+        at = self.arena.address + self.slot.stats().cursor_bytes
+        if not any(self.arena.address + a <= at < self.arena.address + b for a, b in self.arena.backed_ranges()):
+            raise InvalidArgument(
+                f"arena '{self.arena.name}' has no backing at its allocation cursor (offset "
+                f"{at - self.arena.address}): commit or placeholder it before capturing a graph into it"
+            )
+        return self.pool.id
+
+    # ------------------------------------------------------------------ introspection
+
+    def segments(self) -> list[dict[str, Any]]:
+        """torch's view of the pool: segments with their blocks (address, size, state)."""
+        snapshot = getattr(self.pool, "snapshot", None)
+        if snapshot is not None:
+            return list(snapshot())
+        require(self.torch, "pool snapshots", "cuda.memory_snapshot")
+        return list(self.torch.cuda.memory_snapshot(self.pool.id))
+
+    def check_unused(self, start: int, end: int, *, cached_ok: bool = False) -> None:
+        """Refuse to unmap ``[start, end)`` of the arena while torch's pool uses it: live
+        tensors there, or (unless ``cached_ok``) cached segments torch could hand out again."""
+        lo, hi = self.arena.address + start, self.arena.address + end
+        live = 0
+        cached = 0
+        for segment in self.segments():
+            s_lo = segment["address"]
+            if not (s_lo < hi and lo < s_lo + segment["total_size"]):
+                continue
+            cached += 1
+            live += sum(b["size"] for b in segment["blocks"] if b["state"] != "inactive")
+        if live or (cached and not cached_ok):
+            raise InvalidArgument(
+                f"arena '{self.arena.name}' offsets [{start}, {end}) are still used by its torch pool: "
+                f"{live} bytes of live tensors in {cached} segment(s); torch reuses cached segments, so memory the "
+                "pool has used returns only when the arena is released (lay tensors you mean to decommit out with "
+                "arena.tensor(), which bypasses the pool)"
+            )
+
+    def retire(self) -> None:
+        """The arena is going away: nothing may be placed in it any more."""
+        self.slot.set_extents([])
+        self.retired = True
+
+
+def tensor(arena: Arena, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A torch tensor over ``arena`` bytes at ``offset``, outside any pool: the bytes
+    are the arena's (committed, placeholder or virtual-only), and decommit may take
+    them back once the caller stops using the tensor."""
+    torch = import_torch("arena tensors")
+    require(torch, "arena tensors", "from_dlpack")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for dim in shape:
+        count *= dim
+    raw = torch.from_dlpack(arena.view(offset, count * itemsize))
+    return raw.view(dtype).reshape(shape)

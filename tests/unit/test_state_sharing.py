@@ -1,0 +1,358 @@
+"""DaemonState with several clients: sharing, attaching, syncing, releasing, clients
+going away, and which session hears about what."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gpumem_shared import protocol as p
+from gpumem_shared.protocol import ErrorCode
+from gpumemd.state import Session
+
+from .harness import BULK, G, GiB, Harness, MiB, is_reserved, mapped_ranges, open_fds
+
+
+def ids(views_or_chunks: list) -> list[int]:
+    return [c.id for c in views_or_chunks]
+
+
+def recipients(notices: list[tuple[int, p.Notice]], kind: str) -> list[int]:
+    return sorted(sid for sid, n in notices if n.kind == kind)
+
+
+def shared_arena(h: Harness, commit: int = 6 * MiB) -> tuple[Session, Session, list[int]]:
+    """engine-a owns 'kv' (``commit`` bytes committed) and engine-b has attached it."""
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    h.create(a, "kv", GiB)
+    chunk_ids = ids(h.commit(a, "kv", commit).handout) if commit else []
+    h.share(a, "kv", "engine-b")
+    h.attach(b, "kv")
+    return a, b, chunk_ids
+
+
+# --------------------------------------------------------------------------- share and attach
+
+
+def test_attach_maps_what_is_committed_without_new_memory(h: Harness) -> None:
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    view = h.create(a, "kv", GiB)
+    committed = ids(h.commit(a, "kv", 6 * MiB).handout)
+    h.share(a, "kv", "engine-b")
+    fds = open_fds()
+    out = h.attach(b, "kv")
+    assert out.reply.arena == dataclasses.replace(view, committed=6 * MiB)
+    assert ids(out.reply.chunks) == ids(out.handout) == committed
+    assert out.reply.fd_batches == 1 and out.reply.retired == []
+    arena = h.state.arenas["kv"]
+    assert arena.attached == {a.id, b.id}
+    assert all(c.holders == {a.id, b.id} for c in arena.chunks)
+    assert h.state.accounted_bytes() == 6 * MiB and open_fds() == fds
+
+
+def test_attach_to_an_empty_arena_hands_out_nothing(h: Harness) -> None:
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    h.create(a, "kv")
+    h.share(a, "kv", "engine-b")
+    out = h.attach(b, "kv")
+    assert (out.handout, out.reply.chunks, out.reply.retired, out.reply.fd_batches) == ([], [], [], 0)
+    assert out.reply.arena.committed == 0
+    assert h.state.arenas["kv"].attached == {a.id, b.id}
+    # what the owner commits later reaches b through sync
+    committed = ids(h.commit(a, "kv", 4 * MiB).handout)
+    assert ids(h.sync(b, "kv").handout) == committed
+
+
+def test_attach_without_share_is_permission_denied_naming_the_owner(h: Harness) -> None:
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    h.create(a, "kv")
+    h.share(a, "kv", "engine-c")
+    error = h.refused(b, p.AttachArena(name="kv"), ErrorCode.PERMISSION_DENIED)
+    assert f"client 'engine-a' (pid {a.pid})" in error.message
+    assert "client 'engine-b'" in error.message
+    assert h.state.arenas["kv"].attached == {a.id}
+
+
+def test_attach_refusals(h: Harness) -> None:
+    a, b, _ = shared_arena(h)
+    h.refused(b, p.AttachArena(name="nope"), ErrorCode.NOT_FOUND)
+    h.refused(b, p.AttachArena(name="kv"), ErrorCode.ALREADY_EXISTS)  # attached already
+    h.refused(a, p.AttachArena(name="kv"), ErrorCode.ALREADY_EXISTS)  # the owner is attached from the start
+    assert h.state.arenas["kv"].attached == {a.id, b.id}
+
+
+def test_share_is_by_client_name(h: Harness) -> None:
+    a, b1, b2 = h.connect("engine-a"), h.connect("engine-b"), h.connect("engine-b")
+    h.create(a, "kv")
+    h.share(a, "kv", "engine-b")
+    h.share(a, "kv", "engine-b")  # sharing twice is harmless
+    h.attach(b1, "kv")
+    h.attach(b2, "kv")
+    arena = h.state.arenas["kv"]
+    assert arena.shared_with == {"engine-b"} and arena.attached == {a.id, b1.id, b2.id}
+
+
+def test_share_with_an_invalid_client_name_is_refused(h: Harness) -> None:
+    a = h.connect("engine-a")
+    h.create(a, "kv")
+    h.refused(a, p.ShareArena(name="kv", client="engine b"), ErrorCode.INVALID_ARGUMENT)
+    assert h.state.arenas["kv"].shared_with == set()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        p.ShareArena(name="kv", client="engine-c"),
+        p.CommitArena(name="kv", nbytes=16 * MiB),
+        p.DecommitArena(name="kv", to_nbytes=0),
+    ],
+    ids=["share", "commit", "decommit"],
+)
+@pytest.mark.parametrize("attached", [True, False], ids=["sharer", "stranger"])
+def test_only_the_owner_may_change_an_arena(h: Harness, message: object, attached: bool) -> None:
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    h.create(a, "kv")
+    h.commit(a, "kv", 6 * MiB)
+    if attached:
+        h.share(a, "kv", "engine-b")
+        h.attach(b, "kv")
+    error = h.refused(b, message, ErrorCode.PERMISSION_DENIED)
+    assert f"belongs to client 'engine-a' (pid {a.pid})" in error.message
+    arena = h.state.arenas["kv"]
+    assert arena.committed == 6 * MiB and h.state.retiring == {}
+    assert arena.shared_with == ({"engine-b"} if attached else set())
+
+
+def test_arena_requests_on_a_missing_arena_are_not_found(h: Harness) -> None:
+    a = h.connect("engine-a")
+    for message in (
+        p.ShareArena(name="kv", client="engine-b"),
+        p.CommitArena(name="kv", nbytes=G),
+        p.DecommitArena(name="kv", to_nbytes=0),
+        p.SyncArena(name="kv"),
+        p.ReleaseArena(name="kv"),
+        p.ChunksUnmapped(name="kv", chunk_ids=[1]),
+    ):
+        error = h.refused(a, message, ErrorCode.NOT_FOUND)
+        assert "no arena named 'kv'" in error.message
+
+
+# --------------------------------------------------------------------------- growth, sync, notices
+
+
+def test_commit_tells_attached_sharers_and_sync_hands_out_only_new_chunks(h: Harness) -> None:
+    a, b, first = shared_arena(h)
+    c = h.connect("engine-c")  # not attached: hears nothing
+    grown = h.commit(a, "kv", 6 * MiB + BULK + 2 * MiB)
+    assert recipients(grown.notices, "arena-grown") == [b.id]
+    assert len(grown.notices) == 1
+    notice = grown.notices[0][1]
+    assert notice.arena == "kv" and str(6 * MiB + BULK + 2 * MiB) in notice.message
+    new = ids(grown.handout)
+    assert all(sid != c.id for sid, _ in grown.notices)
+
+    out = h.sync(b, "kv")
+    assert ids(out.handout) == ids(out.reply.chunks) == new
+    assert [(ch.offset, ch.size) for ch in out.reply.chunks] == [(6 * MiB, BULK), (6 * MiB + BULK, 2 * MiB)]
+    assert out.reply.arena.committed == 6 * MiB + BULK + 2 * MiB
+    assert h.sync(b, "kv").handout == [], "a second sync has nothing new"
+    assert all(ch.holders == {a.id, b.id} for ch in h.state.arenas["kv"].chunks)
+    assert set(first).isdisjoint(new)
+
+
+def test_decommit_tells_holders_and_memory_returns_after_the_last_unmap(h: Harness) -> None:
+    a, b, chunk_ids = shared_arena(h, commit=BULK + 6 * MiB)  # chunks [0,16) [16,20) [20,22) MiB
+    out = h.decommit(a, "kv", 16 * MiB)
+    assert ids(out.reply.retired) == chunk_ids[1:]
+    assert recipients(out.notices, "arena-retired") == [b.id], "the owner learns from its reply"
+    assert out.notices[0][1].arena == "kv"
+
+    synced = h.sync(b, "kv")
+    assert synced.handout == [] and ids(synced.reply.retired) == chunk_ids[1:]
+    assert synced.reply.arena.committed == 16 * MiB
+
+    h.unmapped(a, "kv", chunk_ids[1:])
+    assert h.state.accounted_bytes() == BULK + 6 * MiB, "engine-b still maps them"
+    assert h.state.status().arenas[0].retiring_bytes == 6 * MiB
+    h.unmapped(b, "kv", chunk_ids[1:])
+    assert h.state.accounted_bytes() == BULK and h.state.retiring == {}
+
+
+def test_decommit_of_chunks_a_sharer_never_mapped_does_not_involve_it(h: Harness) -> None:
+    a, b, _ = shared_arena(h)  # engine-b maps the first 6 MiB only
+    late = ids(h.commit(a, "kv", 10 * MiB).handout)
+    out = h.decommit(a, "kv", 6 * MiB)
+    assert ids(out.reply.retired) == late
+    assert out.notices == []
+    assert h.sync(b, "kv").reply.retired == []
+    h.unmapped(a, "kv", late)
+    assert h.state.accounted_bytes() == 6 * MiB
+
+
+def test_sync_needs_an_attached_session(h: Harness) -> None:
+    a, _, _ = shared_arena(h)
+    c = h.connect("engine-c")
+    h.refused(c, p.SyncArena(name="kv"), ErrorCode.PERMISSION_DENIED)
+    assert all(c.id not in ch.holders for ch in h.state.arenas["kv"].chunks)
+
+
+def test_unmapped_report_from_a_session_that_does_not_hold_the_chunk(h: Harness) -> None:
+    a, b, chunk_ids = shared_arena(h)
+    c = h.connect("engine-c")
+    h.refused(c, p.ChunksUnmapped(name="kv", chunk_ids=chunk_ids[:1]), ErrorCode.NOT_FOUND)
+    assert h.state.arenas["kv"].chunks[0].holders == {a.id, b.id}
+
+
+# --------------------------------------------------------------------------- release
+
+
+def test_owner_release_without_sharers_frees_everything(h: Harness) -> None:
+    a = h.connect("engine-a")
+    fds = open_fds()
+    view = h.create(a, "kv", GiB)
+    chunk_ids = ids(h.commit(a, "kv", 38 * MiB).handout)
+    h.decommit(a, "kv", 16 * MiB)  # leaves retiring chunks the owner never reported
+    assert h.state.retiring
+    out = h.release(a, "kv")
+    assert out.reply == p.Ack() and out.notices == []
+    assert h.state.arenas == {} and h.state.retiring == {}
+    assert h.state.accounted_bytes() == 0
+    assert open_fds() == fds
+    assert mapped_ranges(view.address, view.address + GiB) == []
+    assert h.state.status().clients[0].arenas == []
+    h.refused(a, p.ChunksUnmapped(name="kv", chunk_ids=chunk_ids), ErrorCode.NOT_FOUND)
+
+
+def test_owner_release_with_a_sharer_retires_the_arena_until_the_sharer_leaves(h: Harness) -> None:
+    a, b, chunk_ids = shared_arena(h)
+    view_address = h.state.arenas["kv"].address
+    fds = open_fds()
+    out = h.release(a, "kv")
+    assert recipients(out.notices, "arena-retired") == [b.id]
+    assert "released by its owner" in out.notices[0][1].message
+
+    arena = h.state.arenas["kv"]
+    assert arena.released and not arena.owner_alive
+    assert arena.attached == {b.id} and arena.chunks == []
+    assert sorted(h.state.retiring) == chunk_ids
+    assert h.state.accounted_bytes() == 6 * MiB, "engine-b still maps the memory"
+    assert open_fds() == fds - len(chunk_ids), "the daemon dropped its own references"
+    assert is_reserved(view_address, GiB)
+
+    # nobody can use a released arena; its name stays taken until it is gone
+    c = h.connect("engine-c")
+    h.refused(a, p.CreateArena(name="kv", reserve_bytes=GiB), ErrorCode.ALREADY_EXISTS)
+    h.refused(c, p.AttachArena(name="kv"), ErrorCode.NOT_FOUND)
+
+    synced = h.sync(b, "kv")
+    assert synced.handout == [] and ids(synced.reply.retired) == chunk_ids
+    h.unmapped(b, "kv", chunk_ids)
+    assert h.state.accounted_bytes() == 0
+    h.release(b, "kv")
+    assert h.state.arenas == {}
+    assert mapped_ranges(view_address, view_address + GiB) == []
+    assert h.create(a, "kv", GiB).address == view_address
+
+
+def test_owner_commands_on_its_released_arena_are_not_found(h: Harness) -> None:
+    a, b, _ = shared_arena(h)
+    h.release(a, "kv")
+    arena = h.state.arenas["kv"]
+    assert arena.owner_id == a.id
+    for message in (
+        p.CommitArena(name="kv", nbytes=8 * MiB),
+        p.DecommitArena(name="kv", to_nbytes=0),
+        p.ShareArena(name="kv", client="x"),
+    ):
+        error = h.refused(a, message, ErrorCode.NOT_FOUND)
+        assert "was released" in error.message
+    h.refused(a, p.ReleaseArena(name="kv"), ErrorCode.PERMISSION_DENIED)  # not attached any more
+
+
+def test_sharer_release_detaches_only_the_sharer(h: Harness) -> None:
+    a, b, chunk_ids = shared_arena(h)
+    out = h.release(b, "kv")
+    assert out.notices == []
+    arena = h.state.arenas["kv"]
+    assert arena.attached == {a.id} and not arena.released and arena.owner_alive
+    assert all(ch.holders == {a.id} for ch in arena.chunks)
+    assert h.state.accounted_bytes() == 6 * MiB
+    h.refused(b, p.SyncArena(name="kv"), ErrorCode.PERMISSION_DENIED)
+    h.refused(b, p.ReleaseArena(name="kv"), ErrorCode.PERMISSION_DENIED)
+    assert ids(h.attach(b, "kv").handout) == chunk_ids, "the share still stands: b may come back"
+
+
+def test_release_by_a_session_not_attached_is_permission_denied(h: Harness) -> None:
+    a = h.connect("engine-a")
+    c = h.connect("engine-c")
+    h.create(a, "kv")
+    h.refused(c, p.ReleaseArena(name="kv"), ErrorCode.PERMISSION_DENIED)
+    assert "kv" in h.state.arenas
+
+
+# --------------------------------------------------------------------------- clients going away
+
+
+def test_owner_death_leaves_the_arena_to_its_sharer(h: Harness) -> None:
+    a, b, chunk_ids = shared_arena(h)
+    only_owner = ids(h.commit(a, "kv", 10 * MiB).handout)
+    h.decommit(a, "kv", 6 * MiB)  # owner's retiring chunks, unreported
+    fds = open_fds()
+    notices = h.state.close_session(a.id)
+    assert notices == []
+    arena = h.state.arenas["kv"]
+    assert not arena.owner_alive and not arena.released
+    assert arena.attached == {b.id}
+    assert ids(arena.chunks) == chunk_ids and all(ch.holders == {b.id} for ch in arena.chunks)
+    assert h.state.retiring == {}, "the dead owner's unmap is implied"
+    assert h.state.accounted_bytes() == 6 * MiB
+    assert open_fds() == fds, "live chunks keep their memfds"
+    (status,) = h.state.status().arenas
+    assert (status.owner, status.owner_alive, status.attached) == ("engine-a", False, ["engine-b"])
+    assert set(only_owner).isdisjoint(ids(arena.chunks))
+
+    h.refused(b, p.CommitArena(name="kv", nbytes=8 * MiB), ErrorCode.PERMISSION_DENIED)
+    assert h.sync(b, "kv").handout == []
+
+    address = arena.address
+    h.state.close_session(b.id)
+    assert h.state.arenas == {} and h.state.accounted_bytes() == 0
+    assert open_fds() == fds - len(chunk_ids)
+    assert mapped_ranges(address, address + GiB) == []
+
+
+def test_last_holder_leaving_frees_everything(h: Harness) -> None:
+    fds = open_fds()
+    a = h.connect("engine-a")
+    h.create(a, "kv-1", GiB)
+    h.create(a, "kv-2", 2 * GiB)
+    h.commit(a, "kv-1", 40 * MiB)
+    h.commit(a, "kv-2", 20 * MiB)
+    h.decommit(a, "kv-2", 0)
+    assert h.state.accounted_bytes() == 60 * MiB
+    assert h.state.close_session(a.id) == []
+    assert h.state.sessions == {} and h.state.arenas == {} and h.state.retiring == {}
+    assert h.state.accounted_bytes() == 0
+    assert h.state.free_bytes() == h.state.device.total_bytes
+    assert open_fds() == fds
+    assert mapped_ranges(h.config.va_base, h.config.va_base + 8 * GiB) == []
+
+
+def test_sharer_death_forgets_what_it_held(h: Harness) -> None:
+    a, b, chunk_ids = shared_arena(h)
+    h.decommit(a, "kv", 0)
+    h.unmapped(a, "kv", chunk_ids)
+    assert h.state.accounted_bytes() == 6 * MiB, "engine-b has not reported"
+    h.state.close_session(b.id)
+    assert h.state.accounted_bytes() == 0 and h.state.retiring == {}
+    assert h.state.arenas["kv"].attached == {a.id}
+
+
+def test_owner_released_and_sharer_dies(h: Harness) -> None:
+    a, b, _ = shared_arena(h)
+    address = h.state.arenas["kv"].address
+    h.release(a, "kv")
+    h.state.close_session(b.id)
+    assert h.state.arenas == {} and h.state.retiring == {} and h.state.accounted_bytes() == 0
+    assert mapped_ranges(address, address + GiB) == []

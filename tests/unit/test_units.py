@@ -1,0 +1,68 @@
+"""Byte sizes as people write them (gpumemd --host-capacity, gpumemctl) and as tools print them."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumem_shared.units import format_size, parse_size
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+
+def test_parse_binary_units() -> None:
+    assert parse_size("8GiB") == 8 * GiB
+    assert parse_size("512MiB") == 512 * MiB
+    assert parse_size("4KiB") == 4 * KiB
+    assert parse_size("2TiB") == 2 * TiB
+
+
+def test_parse_decimal_units_are_powers_of_ten() -> None:
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("1G") == 1_000_000_000
+    assert parse_size("3k") == 3000
+    assert parse_size("2MB") == 2_000_000
+    assert parse_size("1TB") == 10**12
+
+
+def test_parse_plain_bytes_case_and_whitespace() -> None:
+    assert parse_size("4096") == 4096
+    assert parse_size("4096b") == 4096
+    assert parse_size("0") == 0
+    assert parse_size("  8 gib ") == 8 * GiB
+    assert parse_size("1.5GiB") == 3 * 512 * MiB
+
+
+def test_parse_truncates_fractional_bytes() -> None:
+    assert parse_size("0.5KiB") == 512
+    assert parse_size("1.0001KiB") == 1024  # 1024.1024 bytes: no such thing as a partial byte
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "8XB", "8 Gi B", "1.2.3", ".5GiB", "1e9", "8GiBs", "eight"])
+def test_parse_refuses_what_is_not_a_size(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_size(text)
+
+
+def test_format_picks_the_largest_unit_that_fits() -> None:
+    assert format_size(0) == "0 B"
+    assert format_size(1023) == "1023 B"
+    assert format_size(1024) == "1 KiB"
+    assert format_size(8 * GiB) == "8 GiB"
+    assert format_size(3 * TiB) == "3 TiB"
+    assert format_size(2048 * TiB) == "2048 TiB"  # no unit above TiB
+
+
+def test_format_fractions_show_two_decimals() -> None:
+    assert format_size(1536) == "1.50 KiB"
+    assert format_size(GiB + 6 * MiB) == "1.01 GiB"
+    assert format_size(GiB - 1) == "1024.00 MiB"  # 1023.999... rounds up in the display only
+
+
+def test_format_negative_sizes() -> None:
+    assert format_size(-2 * MiB) == "-2 MiB"
+    assert format_size(-100) == "-100 B"
+
+
+@pytest.mark.parametrize("n", [0, 1, 1023, 4 * KiB, 1536, 512 * MiB, 3 * GiB, 5 * TiB])
+def test_exact_sizes_round_trip(n: int) -> None:
+    assert parse_size(format_size(n)) == n
