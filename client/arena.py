@@ -242,7 +242,7 @@ class Arena:
         detaches). Tensors on it must be gone: their memory disappears here."""
         self._check_open()
         if self._torch is not None:
-            self._torch.check_unused(0, self.reserved)
+            self._torch.check_unused(0, self.reserved, cached_ok=True)
             self._torch.retire()
         driver = self.session.driver
         driver.unmap_many(self.address, [(o, size) for o, (size, _) in self._maps.items()])

@@ -69,11 +69,21 @@ class ArenaPool:
         self.slot = Slot(device=self.device, alignment=512)
         self.slot.set_extents([(arena.address, arena.reserved)])
         self.update_backing()
-        self.allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), self.slot.alloc_symbol, self.slot.free_symbol)
-        with torch.cuda.device(self.device):
-            self.pool = torch.cuda.MemPool(self.allocator.allocator())
+        self.pool = self._new_pool()
+        # Virtual-only layouts get a pool of their own on the same slot (so the same
+        # cursor: the addresses never overlap). torch keeps freed blocks cached per pool;
+        # a block cached from a virtual-only segment must never serve a tensor that
+        # will be touched.
+        self._virtual_pool: Any = None
         self.retired = False
-        _KEEP.append((self.allocator, self.pool, self.slot))
+
+    def _new_pool(self) -> Any:
+        torch = self.torch
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), self.slot.alloc_symbol, self.slot.free_symbol)
+        with torch.cuda.device(self.device):
+            pool = torch.cuda.MemPool(allocator.allocator())
+        _KEEP.append((allocator, pool, self.slot))
+        return pool
 
     def update_backing(self) -> None:
         base = self.arena.address
@@ -94,9 +104,12 @@ class ArenaPool:
         self.arena._check_open()
         self._check_device()
         before = self.slot.stats().failures
+        if virtual and self._virtual_pool is None:
+            self._virtual_pool = self._new_pool()
+        pool = self._virtual_pool if virtual else self.pool
         scope = virtual_only() if virtual else contextlib.nullcontext()
         try:
-            with scope, self.torch.cuda.use_mem_pool(self.pool, device=self.device):
+            with scope, self.torch.cuda.use_mem_pool(pool, device=self.device):
                 yield self
         except RuntimeError as exc:  # torch.OutOfMemoryError, or a plain RuntimeError from older torch
             stats = self.slot.stats()
@@ -136,13 +149,17 @@ class ArenaPool:
 
     # ------------------------------------------------------------------ introspection
 
-    def segments(self) -> list[dict[str, Any]]:
-        """torch's view of the pool: segments with their blocks (address, size, state)."""
-        snapshot = getattr(self.pool, "snapshot", None)
+    def segments(self, *, virtual: bool = False) -> list[dict[str, Any]]:
+        """torch's view of the (backed, or virtual-only) pool: segments with their blocks
+        (address, size, state)."""
+        pool = self._virtual_pool if virtual else self.pool
+        if pool is None:
+            return []
+        snapshot = getattr(pool, "snapshot", None)
         if snapshot is not None:
             return list(snapshot())
         require(self.torch, "pool snapshots", "cuda.memory_snapshot")
-        return list(self.torch.cuda.memory_snapshot(self.pool.id))
+        return list(self.torch.cuda.memory_snapshot(pool.id))
 
     def check_unused(self, start: int, end: int, *, cached_ok: bool = False) -> None:
         """Refuse to unmap ``[start, end)`` of the arena while torch's pool uses it: live
@@ -150,7 +167,7 @@ class ArenaPool:
         lo, hi = self.arena.address + start, self.arena.address + end
         live = 0
         cached = 0
-        for segment in self.segments():
+        for segment in self.segments() + self.segments(virtual=True):
             s_lo = segment["address"]
             if not (s_lo < hi and lo < s_lo + segment["total_size"]):
                 continue

@@ -10,6 +10,9 @@ Commands:
   share ARENA CLIENT           attach ARENA               sync ARENA
   release ARENA                write ARENA OFFSET HEX     read ARENA OFFSET N
   fill ARENA OFFSET N BYTE     check ARENA OFFSET N BYTE  (whole-range pattern, device side)
+  placeholder ARENA OFFSET NBYTES SLOT                     backed ARENA (JSON)
+  rawwrite ARENA OFFSET HEX    rawread ARENA OFFSET N     (through the driver: placeholder too)
+  viewfill ARENA OFFSET N BYTE (through arena.view() and NumPy or DLPack)
   address ARENA                free                       ping
   notices                      status                     close
   exit
@@ -97,6 +100,31 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
                 bad = next(i for i, b in enumerate(data) if b != byte)
                 return f"MISMATCH at {at + bad}: {data[bad]} != {byte}"
         return "MATCH"
+    if cmd == "placeholder":
+        arenas[args[0]].placeholder(int(args[1]), int(args[2]), int(args[3]))
+        return arenas[args[0]].placeholder_bytes
+    if cmd == "backed":
+        a = arenas[args[0]]
+        return json.dumps({"backed": a.backed_ranges(), "committed": a.committed_ranges(), "placeholder": a.placeholder_bytes})
+    if cmd == "rawwrite":
+        a = arenas[args[0]]
+        session.driver.write(a.address + int(args[1]), bytes.fromhex(args[2]))
+        return None
+    if cmd == "rawread":
+        a = arenas[args[0]]
+        return session.driver.read(a.address + int(args[1]), int(args[2])).hex()
+    if cmd == "viewfill":
+        view = arenas[args[0]].view(int(args[1]), int(args[2]))
+        if session.backend == "cuda":
+            import torch
+
+            torch.from_dlpack(view).fill_(int(args[3]))
+            torch.cuda.synchronize()
+        else:
+            import numpy
+
+            numpy.asarray(view)[:] = int(args[3])
+        return None
     if cmd == "address":
         return arenas[args[0]].address
     if cmd == "free":
