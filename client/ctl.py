@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from gpumem_shared import protocol as p
-from gpumem_shared.paths import Endpoints, resolve_runtime_dir
+from gpumem_shared.paths import Endpoints, daemon_alive, resolve_runtime_dir
 from gpumem_shared.units import format_size
 from gpumem.channel import ControlChannel
 from gpumem.errors import DaemonUnavailable, GpuMemError, ProtocolMismatch
@@ -48,10 +48,10 @@ def _query(ctx: click.Context, device: int | None, runtime_dir: str | None, time
     index = device if device is not None else (group["device"] if group["device"] is not None else 0)
     endpoints = Endpoints(resolve_runtime_dir(runtime_dir or group["runtime_dir"]), index)
     wait = timeout if timeout is not None else (group["timeout"] if group["timeout"] is not None else 5.0)
-    if not endpoints.zmq_path.exists():
+    if not endpoints.zmq_path.exists() or not daemon_alive(endpoints):
         _die(
             EXIT_NOT_RUNNING,
-            f"no gpumemd serves device {index}: no socket at {endpoints.zmq_path} "
+            f"no gpumemd serves device {index}: no live daemon behind {endpoints.zmq_path} "
             f"(start it with 'systemctl start gpumemd@{index}' or 'gpumemd --device {index}', "
             "or give --runtime-dir)",
         )

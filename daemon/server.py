@@ -118,6 +118,11 @@ class Server:
             if gid is not None:
                 os.chown(path, -1, gid)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # Handlers go in before the daemon announces itself: a SIGTERM from then on
+        # means a clean stop, even before the loop runs.
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
         self._write_info()
 
     def _group_id(self) -> int | None:
@@ -165,9 +170,6 @@ class Server:
 
     def serve_forever(self) -> None:
         assert self._router is not None and self._listener is not None
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._listener.fileno(), zmq.POLLIN)

@@ -10,6 +10,7 @@ For device N under the runtime directory:
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import tempfile
@@ -59,6 +60,23 @@ class Endpoints:
     @property
     def info_path(self) -> Path:
         return self.runtime_dir / f"gpu{self.index}.json"
+
+
+def daemon_alive(endpoints: Endpoints) -> bool:
+    """Whether a live daemon holds the device's lock (a socket file alone may be stale)."""
+    try:
+        fd = os.open(endpoints.lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True  # cannot tell (e.g. no permission): let the request find out
+    finally:
+        os.close(fd)
+    return False
 
 
 def read_info(path: Path) -> dict[str, Any] | None:

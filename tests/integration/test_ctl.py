@@ -1,0 +1,177 @@
+"""``gpumemctl status`` against real daemons: JSON shape and contents, the human view,
+no daemon (exit 3, fast), --device picking another daemon, and $GPUMEMD_RUNTIME_DIR
+honoured by gpumemd, gpumemctl and the client library alike."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import gpumem
+from conftest import child_env
+from gpumem_shared.paths import Endpoints, read_info
+from gpumemd_testkit import GiB, MiB, do, ping, status
+
+EXIT_NOT_RUNNING = 3
+
+
+def ctl(*args: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpumem.ctl", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def ctl_json(runtime_dir: Path, *args: str) -> dict:  # type: ignore[type-arg]
+    result = ctl("status", "--json", "--runtime-dir", str(runtime_dir), *args, env=child_env(runtime_dir))
+    assert result.returncode == 0, result
+    return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+
+def test_status_json_and_human_with_client_and_arena(daemon, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    client = run_client("shell", "engine-json")
+    client.expect("CONNECTED")
+    address = int(do(client, f"create kv-ctl {8 * GiB}"))
+    do(client, f"commit kv-ctl {6 * MiB}")
+    do(client, "share kv-ctl engine-peer")
+
+    s = ctl_json(runtime_dir)
+    assert list(s) == ["daemon", "device", "clients", "arenas", "extents", "leases"]
+    info = read_info(Endpoints(runtime_dir, 0).info_path)
+    assert info is not None
+    assert s["daemon"]["pid"] == daemon.pid and s["daemon"]["backend"] == daemon.backend
+    assert s["daemon"]["state"] == "serving" and s["daemon"]["runtime_dir"] == str(runtime_dir)
+    assert s["device"]["index"] == 0 and s["device"]["uuid"] == info["uuid"]
+    assert s["device"]["accounted_bytes"] == 6 * MiB
+    assert s["device"]["free_bytes"] <= s["device"]["total_bytes"]
+    (c,) = s["clients"]
+    assert c["name"] == "engine-json" and c["pid"] == client.pid and c["arenas"] == ["kv-ctl"]
+    (a,) = s["arenas"]
+    assert a["name"] == "kv-ctl" and a["owner"] == "engine-json" and a["owner_pid"] == client.pid
+    assert a["address"] == address and a["reserved"] == 8 * GiB and a["committed"] == 6 * MiB
+    assert a["chunks"] == 2 and a["shared_with"] == ["engine-peer"] and a["attached"] == ["engine-json"]
+    assert s["extents"] == [] and s["leases"] == []
+
+    human = ctl("status", "--runtime-dir", str(runtime_dir), env=child_env(runtime_dir))
+    assert human.returncode == 0, human
+    out = human.stdout
+    for needle in ("CLIENTS", "ARENAS", "engine-json", "kv-ctl", "engine-peer", str(client.pid), f"{address:#x}", info["uuid"]):
+        assert needle in out, f"{needle!r} missing from:\n{out}"
+    assert human.stderr == ""
+
+    # Once the client is gone, so is what ctl shows.
+    client.send("exit")
+    client.finish()
+    deadline = time.monotonic() + 2.0
+    while ctl_json(runtime_dir)["clients"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    s = ctl_json(runtime_dir)
+    assert s["clients"] == [] and s["arenas"] == [] and s["device"]["accounted_bytes"] == 0
+    assert "(none)" in ctl("status", "--runtime-dir", str(runtime_dir)).stdout
+
+
+def _assert_not_running(result: subprocess.CompletedProcess[str], elapsed: float, runtime_dir: Path) -> None:
+    assert result.returncode == EXIT_NOT_RUNNING, result
+    assert elapsed < 5.0, f"gpumemctl took {elapsed:.1f}s to say no daemon runs"
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpumemctl: "), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_status_without_daemon_exits_3_fast(runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    result = ctl("status", "--runtime-dir", str(runtime_dir), env=child_env(runtime_dir))
+    _assert_not_running(result, time.monotonic() - started, runtime_dir)
+    assert "no gpumemd serves device 0" in result.stderr and str(runtime_dir) in result.stderr
+    started = time.monotonic()
+    result = ctl("status", "--json", "--device", "3", "--runtime-dir", str(runtime_dir), env=child_env(runtime_dir))
+    _assert_not_running(result, time.monotonic() - started, runtime_dir)
+    assert "device 3" in result.stderr
+
+
+def test_status_of_a_killed_daemon_exits_3_at_once(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("host")
+    ping(runtime_dir)
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    assert Endpoints(runtime_dir, 0).zmq_path.exists()  # the stale socket is still there
+    started = time.monotonic()
+    result = ctl("status", "--timeout", "30", "--runtime-dir", str(runtime_dir), env=child_env(runtime_dir))
+    elapsed = time.monotonic() - started
+    _assert_not_running(result, elapsed, runtime_dir)
+    assert "no live daemon" in result.stderr  # the lock tells a stale socket from a busy daemon
+    assert elapsed < 10, f"gpumemctl waited {elapsed:.1f}s on a dead daemon's stale socket"
+
+
+def test_device_option_addresses_another_daemon(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    d0 = daemon_factory("host", device=0)
+    d1 = daemon_factory("host", device=1, args=["--host-capacity", "2GiB"])
+    seen = {}
+    for index, daemon, capacity in ((0, d0, 4 * GiB), (1, d1, 2 * GiB)):
+        info = read_info(Endpoints(runtime_dir, index).info_path)
+        assert info is not None
+        for args in (("--device", str(index)), ("-d", str(index))):
+            s = ctl_json(runtime_dir, *args)
+            assert s["device"]["index"] == index and s["device"]["uuid"] == info["uuid"], s["device"]
+            assert s["daemon"]["pid"] == daemon.pid and s["device"]["total_bytes"] == capacity
+        seen[index] = info["uuid"]
+        # The group-level option works too: gpumemctl -d N status
+        result = ctl("-d", str(index), "--runtime-dir", str(runtime_dir), "status", "--json", env=child_env(runtime_dir))
+        assert result.returncode == 0, result
+        assert json.loads(result.stdout)["daemon"]["pid"] == daemon.pid
+    assert seen[0] != seen[1]
+    assert ctl_json(runtime_dir)["device"]["index"] == 0  # the default is device 0
+
+
+def test_runtime_dir_env_is_honoured_everywhere(run_client, runtime_dir, tmp_path_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    env = child_env(runtime_dir)  # GPUMEMD_RUNTIME_DIR, no --runtime-dir anywhere below
+    log = open(runtime_dir / "envd.log", "wb")
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "gpumemd", "--backend", "host", "--host-capacity", "1GiB"], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
+    try:
+        deadline = time.monotonic() + 20.0
+        while read_info(runtime_dir / "gpu0.json") is None:
+            assert daemon.poll() is None, (runtime_dir / "envd.log").read_text()
+            assert time.monotonic() < deadline, "gpumemd did not start in $GPUMEMD_RUNTIME_DIR"
+            time.sleep(0.02)
+        ping(runtime_dir)
+
+        client = run_client("shell", "env-client")  # child_env: the variable only
+        client.expect("CONNECTED")
+
+        monkeypatch.setenv("GPUMEMD_RUNTIME_DIR", str(runtime_dir))
+        with gpumem.connect(0, name="env-in-process", timeout=5.0) as session:
+            assert session.daemon_pid == daemon.pid
+            result = ctl("status", "--json", env=env)
+            assert result.returncode == 0, result
+            s = json.loads(result.stdout)
+            assert s["daemon"]["pid"] == daemon.pid and s["daemon"]["runtime_dir"] == str(runtime_dir)
+            assert sorted(c["name"] for c in s["clients"]) == ["env-client", "env-in-process"]
+
+        # Pointed elsewhere, every one of them looks elsewhere.
+        elsewhere = tmp_path_factory.mktemp("elsewhere")
+        monkeypatch.setenv("GPUMEMD_RUNTIME_DIR", str(elsewhere))
+        with pytest.raises(gpumem.DaemonUnavailable, match=str(elsewhere)):
+            gpumem.connect(0, name="lost", timeout=5.0)
+        result = ctl("status", env=child_env(elsewhere))
+        assert result.returncode == EXIT_NOT_RUNNING and str(elsewhere) in result.stderr, result
+        client.send("exit")
+        client.finish()
+        assert status(runtime_dir)["daemon"]["pid"] == daemon.pid
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            assert daemon.wait(10) == 0
+        finally:
+            if daemon.poll() is None:
+                daemon.kill()
+                daemon.wait()
+            log.close()
+    assert not (runtime_dir / "gpu0.zmq").exists()

@@ -1,0 +1,161 @@
+"""Misuse of the fd channel (AF_UNIX SOCK_SEQPACKET): silent peers are dropped after
+--hello-timeout, descriptors sent to the daemon are refused and closed, the first
+message must be a HELLO of our protocol major."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import msgpack
+
+from gpumem_shared import protocol as p
+from gpumemd_testkit import (
+    RawSession,
+    accounting,
+    assert_error,
+    decode,
+    envelope,
+    fd_connect,
+    fd_recv,
+    ping,
+    readable,
+    status,
+    wait_status,
+)
+
+E = p.ErrorCode
+T = p.MsgType
+HELLO_TIMEOUT = 0.5
+
+
+def _hello(name: str, request_id: int = 1, version: object = None) -> bytes:
+    return envelope(T.HELLO, {"name": name, "client_version": "raw"}, request_id, version=version)
+
+
+def test_silent_peer_is_dropped_after_hello_timeout(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory("host", args=["--hello-timeout", str(HELLO_TIMEOUT)])
+    with RawSession(runtime_dir, "talker") as talker:
+        started = time.monotonic()
+        silent = fd_connect(runtime_dir)
+        try:
+            payload, fds = fd_recv(silent, timeout=5.0)  # blocks until the daemon hangs up
+            elapsed = time.monotonic() - started
+            assert (payload, fds) == (b"", []), "expected EOF on a peer that never said HELLO"
+            assert HELLO_TIMEOUT * 0.9 <= elapsed < HELLO_TIMEOUT + 1.5, elapsed
+        finally:
+            silent.close()
+        # A peer that did say HELLO in time is not touched, well past the timeout.
+        time.sleep(HELLO_TIMEOUT)
+        assert [c["name"] for c in status(runtime_dir)["clients"]] == ["talker"]
+        assert talker.call(T.PING)["ok"]
+        talker.fd_sock.setblocking(False)
+        try:
+            talker.fd_sock.recv(1)
+            raise AssertionError("the daemon sent something to (or closed) a session that did nothing wrong")
+        except BlockingIOError:
+            pass
+    assert "sent no HELLO" in daemon.log()
+    ping(runtime_dir)
+
+
+def test_descriptors_sent_to_the_daemon_are_refused_and_closed(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    daemon_factory("host")
+    before = status(runtime_dir)
+    sock = fd_connect(runtime_dir)
+    r, w = os.pipe()
+    try:
+        # A perfectly good HELLO, but with two descriptors riding along.
+        r2, w2 = os.pipe()
+        socket.send_fds(sock, [_hello("fd-pusher", 5)], [w, w2])
+        os.close(w2)
+        payload, fds = fd_recv(sock)
+        assert fds == []
+        reply = assert_error(decode(payload), E.UNEXPECTED_FDS)
+        assert "2" in reply["msg"], reply
+        # The daemon closed its copies: with ours closed too, the read ends see EOF.
+        os.close(w)
+        w = -1
+        for end in (r, r2):
+            assert readable(end, 5.0), "pipe still has a writer: the daemon kept the descriptor"
+            assert os.read(end, 1) == b""
+        os.close(r2)
+        # The refused HELLO opened no session.
+        assert accounting(status(runtime_dir)) == accounting(before)
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
+        sock.close()
+    ping(runtime_dir)
+
+
+def test_descriptors_after_hello_are_refused_and_session_survives(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    daemon_factory("host")
+    with RawSession(runtime_dir, "later-pusher") as s:
+        s.create("kv", 1 << 30)
+        assert s.commit("kv", 4 << 20)["ok"]
+        before = status(runtime_dir)
+        r, w = os.pipe()
+        try:
+            socket.send_fds(s.fd_sock, [envelope(T.PING, None, 9)], [w])
+            os.close(w)
+            w = -1
+            payload, fds = fd_recv(s.fd_sock)
+            assert fds == []
+            assert_error(decode(payload), E.UNEXPECTED_FDS)
+            assert readable(r, 5.0) and os.read(r, 1) == b""
+        finally:
+            for fd in (r, w):
+                if fd >= 0:
+                    os.close(fd)
+        assert accounting(status(runtime_dir)) == accounting(before)
+        assert s.call(T.PING)["ok"]
+        # Requests after HELLO belong on the control channel.
+        s.fd_sock.send(envelope(T.STATUS, None, 10))
+        payload, _ = fd_recv(s.fd_sock)
+        assert_error(decode(payload), E.UNKNOWN_MESSAGE, request_id=10)
+
+
+def test_first_message_must_be_hello(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    daemon_factory("host")
+    before = status(runtime_dir)
+    for request_id, frame, code in [
+        (7, envelope(T.PING, None, 7), E.NO_SESSION),
+        (8, envelope(T.ARENA_CREATE, {"name": "x", "reserve_bytes": 2 << 20}, 8), E.NO_SESSION),
+        (9, envelope(T.STATUS, None, 9), E.NO_SESSION),
+        (0, b"\xc1garbage", E.BAD_MESSAGE),
+        (0, msgpack.packb([1, 2, 3]), E.BAD_MESSAGE),
+        (12, envelope(T.HELLO, {"client_version": "x"}, 12), E.INVALID_ARGUMENT),  # no name
+        (13, _hello("bad name!", 13), E.INVALID_ARGUMENT),
+        (14, envelope(4242, None, 14), E.UNKNOWN_MESSAGE),
+    ]:
+        with fd_connect(runtime_dir) as sock:
+            sock.send(frame)
+            payload, fds = fd_recv(sock)
+            assert fds == []
+            assert_error(decode(payload), code, request_id=request_id)
+            # The same connection may still open a session properly.
+            sock.send(_hello(f"retry-{request_id}", 20))
+            ok = decode(fd_recv(sock)[0])
+            assert ok["ok"] is True and ok["id"] == 20, ok
+    # Every retry's session ended with its connection; nothing else was opened.
+    wait_status(runtime_dir, lambda st: accounting(st) == accounting(before), 2.0, "sessions closed")
+
+
+def test_hello_with_other_protocol_major_is_refused(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    daemon_factory("host")
+    before = status(runtime_dir)
+    major, minor = p.PROTOCOL_VERSION
+    with fd_connect(runtime_dir) as sock:
+        sock.send(_hello("from-the-future", 3, version=[major + 1, 0]))
+        reply = assert_error(decode(fd_recv(sock)[0]), E.PROTOCOL_MISMATCH, request_id=3)
+        assert reply["detail"] == {"peer": f"{major + 1}.0", "ours": f"{major}.{minor}"}, reply
+        assert "upgrade" in reply["msg"], reply
+        assert accounting(status(runtime_dir)) == accounting(before)
+        # A newer minor of the same major is welcome.
+        sock.send(_hello("from-a-newer-minor", 4, version=[major, minor + 5]))
+        ok = decode(fd_recv(sock)[0])
+        assert ok["ok"] is True and ok["b"]["protocol"] == [major, minor], ok
+        assert [c["name"] for c in status(runtime_dir)["clients"]] == ["from-a-newer-minor"]

@@ -1,0 +1,89 @@
+"""systemd/gpumemd@.service: systemd itself accepts it (pointed at the installed
+gpumemd), and it says what the daemon relies on."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+UNIT = ROOT / "systemd" / "gpumemd@.service"
+
+
+def _installed_gpumemd() -> str:
+    beside = Path(sys.executable).parent / "gpumemd"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("gpumemd")
+    if found is None:
+        pytest.skip("the gpumemd console script is not installed (pip install -e .)")
+    return found
+
+
+def _sections(text: str) -> dict[str, list[tuple[str, str]]]:
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+            continue
+        assert current is not None, f"setting outside a section: {raw!r}"
+        key, _, value = line.partition("=")
+        current.append((key.strip(), value.strip()))
+    return sections
+
+
+def _one(entries: list[tuple[str, str]], key: str) -> str:
+    values = [v for k, v in entries if k == key]
+    assert len(values) == 1, f"{key}= appears {len(values)} times"
+    return values[0]
+
+
+def test_unit_declares_what_the_daemon_relies_on() -> None:
+    service = _sections(UNIT.read_text())["Service"]
+    assert _one(service, "Type") == "notify"  # READY=1 is sent once the sockets serve
+    assert int(_one(service, "WatchdogSec").rstrip("s")) > 0
+    assert _one(service, "RuntimeDirectory") == "gpumemd"
+    assert _one(service, "RuntimeDirectoryPreserve") == "yes"
+    assert _one(service, "Restart") == "on-failure"
+    assert "78" in _one(service, "RestartPreventExitStatus").split()  # EX_CONFIG: no point restarting
+    nofile = _one(service, "LimitNOFILE")
+    assert nofile == "infinity" or int(nofile) >= 65536
+    exec_start = _one(service, "ExecStart").split()
+    assert Path(exec_start[0]).name == "gpumemd"
+    assert exec_start[exec_start.index("--device") + 1] == "%i"
+    assert "--socket-group" in exec_start and exec_start[exec_start.index("--socket-group") + 1]
+    assert "--backend" not in exec_start  # CUDA, or a clear refusal
+    assert any(v == "CUDA_VISIBLE_DEVICES=" for k, v in service if k == "Environment")
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_passes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    gpumemd = _installed_gpumemd()
+    text = UNIT.read_text()
+    patched, count = re.subn(r"^ExecStart=\S+", f"ExecStart={gpumemd}", text, flags=re.MULTILINE)
+    assert count == 1
+    unit = tmp_path / UNIT.name
+    unit.write_text(patched)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert result.returncode == 0, result
+    assert result.stderr == "", result.stderr
+
+    # The check is real: a unit whose ExecStart does not exist is refused.
+    broken = tmp_path / "broken" / UNIT.name
+    broken.parent.mkdir()
+    broken.write_text(re.sub(r"^ExecStart=\S+", f"ExecStart={tmp_path}/no-such-gpumemd", text, flags=re.MULTILINE))
+    result = subprocess.run(["systemd-analyze", "verify", str(broken)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode != 0 or result.stderr, result
