@@ -29,6 +29,8 @@ class ControlChannel:
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVTIMEO, _SLICE_MS)
+        self._rcvtimeo = _SLICE_MS
         if routing_id is not None:
             self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
         self._sock.connect(endpoints.zmq_url)
@@ -40,27 +42,34 @@ class ControlChannel:
         """Send one request; return (request id, typed reply body) or raise the typed error."""
         request_id = next(self._ids)
         self._sock.send(p.encode_request(request_id, message), copy=True)
-        remaining_ms = int(timeout * 1000)
+        remaining_ms = max(int(timeout * 1000), 1)
         while True:
             wait = min(remaining_ms, _SLICE_MS)
-            if self._sock.poll(wait, zmq.POLLIN):
-                try:
-                    reply = p.decode_reply(self._sock.recv(copy=True))
-                except p.ProtocolError as exc:
-                    raise error_from_protocol(exc, "reply from gpumemd refused") from None
-                if reply.request_id != request_id:
-                    continue  # the late answer to an earlier call that timed out
-                if not reply.ok:
-                    raise error_from_reply(reply)
-                try:
-                    return request_id, p.from_wire(message.REPLY, reply.body)
-                except p.ProtocolError as exc:
-                    raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
-            remaining_ms -= wait
-            if still_alive is not None:
-                still_alive()
-            if remaining_ms <= 0:
-                raise DaemonTimeout(self._timeout_message(message, timeout))
+            if wait != self._rcvtimeo:
+                self._sock.setsockopt(zmq.RCVTIMEO, wait)
+                self._rcvtimeo = wait
+            try:
+                # A blocking recv bounded by RCVTIMEO: cheaper than building a poller per call.
+                frame = self._sock.recv(copy=True)
+            except zmq.Again:
+                remaining_ms -= wait
+                if still_alive is not None:
+                    still_alive()
+                if remaining_ms <= 0:
+                    raise DaemonTimeout(self._timeout_message(message, timeout)) from None
+                continue
+            try:
+                reply = p.decode_reply(frame)
+            except p.ProtocolError as exc:
+                raise error_from_protocol(exc, "reply from gpumemd refused") from None
+            if reply.request_id != request_id:
+                continue  # the late answer to an earlier call that timed out
+            if not reply.ok:
+                raise error_from_reply(reply)
+            try:
+                return request_id, p.from_wire(message.REPLY, reply.body)
+            except p.ProtocolError as exc:
+                raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
 
     def _timeout_message(self, message: Any, timeout: float) -> str:
         index = self.endpoints.index

@@ -38,6 +38,13 @@ log = logging.getLogger("gpumemd.server")
 # fd channel (where deaths and HELLOs arrive).
 _BURST = 64
 
+# pyzmq's flags are IntFlag members: combining or testing them on the hot path builds
+# new enum members on every call. Plain ints for the per-request path.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
 
 class StartupError(Exception):
     """The daemon cannot start; the message is the one line an operator sees."""
@@ -80,6 +87,7 @@ class Server:
         self._listener: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._last_watchdog = 0.0
+        self._next_tick = 0.0
 
     # ------------------------------------------------------------------ startup
 
@@ -207,9 +215,11 @@ class Server:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        for conn in [c for c in self._connections.values() if c.session is None and now > c.deadline]:
-            log.warning("dropping peer pid %d: connected but sent no HELLO within %.1fs", conn.pid, self.hello_timeout)
-            self._drop(conn)
+        if now >= self._next_tick:  # the HELLO-deadline scan, not on every request
+            self._next_tick = now + self.tick_interval
+            for conn in [c for c in self._connections.values() if c.session is None and now > c.deadline]:
+                log.warning("dropping peer pid %d: connected but sent no HELLO within %.1fs", conn.pid, self.hello_timeout)
+                self._drop(conn)
         interval = self.notifier.watchdog_interval
         if interval is not None and now - self._last_watchdog >= interval:
             self.notifier.send("WATCHDOG=1")
@@ -219,9 +229,14 @@ class Server:
 
     def _on_control(self) -> None:
         assert self._router is not None
-        for _ in range(_BURST):
+        router = self._router
+        for n in range(_BURST):
+            # The poll said readable for the first; ask EVENTS before the others rather
+            # than paying for a zmq.Again exception on every wake-up.
+            if n and not router.getsockopt(_EVENTS) & _POLLIN:
+                return
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = router.recv_multipart(_NOBLOCK, copy=True)
             except zmq.Again:
                 return
             if len(frames) != 2:
@@ -231,7 +246,9 @@ class Server:
                     self._router.send_multipart([frames[0], p.encode_error(0, err)], zmq.NOBLOCK)
                 continue
             identity, frame = frames
-            self._router.send_multipart([identity, self._serve(identity, frame)], zmq.NOBLOCK)
+            reply = self._serve(identity, frame)
+            router.send(identity, _SNDMORE_NOBLOCK)
+            router.send(reply, _NOBLOCK)
 
     def _serve(self, identity: bytes, frame: bytes) -> bytes:
         request_id = 0

@@ -105,10 +105,24 @@ def _hints(cls: type) -> dict[str, Any]:
     return hints
 
 
+# Per-class caches of what the codec needs: the hot path must not walk dataclass
+# fields and type hints on every message.
+_WIRE_NAMES: dict[type, tuple[str, ...]] = {}
+_FIELDS: dict[type, list[tuple[str, Any, bool]]] = {}
+_SCALARS = (int, str, bytes, float, bool, type(None))
+
+
 def to_wire(value: Any) -> Any:
     """A message (or nested value) as plain msgpack-able data."""
+    cls = type(value)
+    if cls in _SCALARS:
+        return value
+    names = _WIRE_NAMES.get(cls)
+    if names is not None:
+        return {name: to_wire(getattr(value, name)) for name in names} if names else {}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: to_wire(getattr(value, name)) for name in _hints(type(value))}
+        names = _WIRE_NAMES[cls] = tuple(_hints(cls))
+        return {name: to_wire(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
         return [to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -160,15 +174,25 @@ def from_wire(cls: type[_M], data: Any, where: str | None = None) -> _M:
 
     Unknown keys are ignored: a peer speaking a newer minor version may add fields.
     """
-    where = where or getattr(cls, "__name__", "message")
     if not isinstance(data, dict):
+        where = where or getattr(cls, "__name__", "message")
         raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"{where} must be a map")
+    table = _FIELDS.get(cls)
+    if table is None:
+        hints = _hints(cls)
+        table = _FIELDS[cls] = [
+            (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        ]
+    if not table:
+        return cls()
+    where = where or getattr(cls, "__name__", "message")
     kwargs: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if field.name in data:
-            kwargs[field.name] = _check(data[field.name], _hints(cls)[field.name], f"{where}.{field.name}")
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"{where}.{field.name} is missing")
+    for name, hint, required in table:
+        if name in data:
+            kwargs[name] = _check(data[name], hint, f"{where}.{name}")
+        elif required:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"{where}.{name} is missing")
     return cls(**kwargs)
 
 
@@ -234,6 +258,10 @@ def decode_request(frame: bytes) -> Request:
 
 
 def check_version(version: Any) -> None:
+    # Fast path: exactly what every current peer sends.
+    if type(version) is list and len(version) == 2 and type(version[0]) is int and type(version[1]) is int:
+        if version[0] == PROTOCOL_VERSION[0]:
+            return
     if (
         not isinstance(version, (list, tuple))
         or len(version) != 2
@@ -276,12 +304,17 @@ def decode_reply(frame: bytes) -> Reply:
     if not isinstance(data, dict):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "reply is not a map")
     check_version(data.get("v"))
-    try:
-        code = ErrorCode(data.get("code", ErrorCode.INTERNAL))
-    except ValueError:
-        code = ErrorCode.INTERNAL
+    raw_code = data.get("code", ErrorCode.INTERNAL)
+    if raw_code == 0 and type(raw_code) is int:
+        code = ErrorCode.OK
+    else:
+        try:
+            code = ErrorCode(raw_code)
+        except ValueError:
+            code = ErrorCode.INTERNAL
+    rid = data.get("id")
     return Reply(
-        request_id=_check(data.get("id"), int, "reply.id"),
+        request_id=rid if type(rid) is int else _check(rid, int, "reply.id"),
         ok=data.get("ok") is True,
         code=code,
         message=str(data.get("msg", "")),
