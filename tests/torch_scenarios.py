@@ -82,7 +82,7 @@ def placeholder_capture_commit_replay() -> None:
             with torch.cuda.graph(g, stream=stream):
                 kv[: 1 << 20].copy_(src)  # a memcpy node: fails to capture on unmapped space
                 kv[-(1 << 20) :].fill_(5.0)  # a memset at the far end of the KV
-                kv[rows] = 7.0  # a kernel scattered over every slot
+                kv.index_fill_(0, rows, 7.0)  # a kernel scattered over every slot
         torch.cuda.synchronize()
         arena.commit(kv_bytes)  # swap: real memory at the same addresses
         assert arena.placeholder_bytes == 0 and arena.mapped_bytes == kv_bytes
