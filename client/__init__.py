@@ -23,11 +23,13 @@ from gpumem.errors import (
     OutOfMemory,
     PermissionDenied,
     ProtocolMismatch,
+    RoundFailed,
     SessionClosed,
     TorchFeatureMissing,
     VaCollision,
 )
 from gpumem.views import RawView
+from gpumem.kv import KvBuffer, KvPool
 from gpumem.session import Session, connect
 from gpumem_shared import __version__
 
@@ -40,11 +42,14 @@ __all__ = [
     "DaemonUnavailable",
     "GpuMemError",
     "InvalidArgument",
+    "KvBuffer",
+    "KvPool",
     "MappingError",
     "NotFound",
     "OutOfMemory",
     "PermissionDenied",
     "ProtocolMismatch",
+    "RoundFailed",
     "Session",
     "SessionClosed",
     "TorchFeatureMissing",

@@ -79,6 +79,13 @@ class InternalError(GpuMemError):
     code = ErrorCode.INTERNAL
 
 
+class RoundFailed(GpuMemError):
+    """A KV commit round failed (its deadline passed, or the budget is short); the
+    message and ``detail`` carry the figures."""
+
+    code = ErrorCode.ROUND_FAILED
+
+
 class DaemonUnavailable(GpuMemError, ConnectionError):
     """No daemon answers: not running, wrong runtime directory, or no permission."""
 
@@ -115,7 +122,7 @@ _BY_CODE: dict[ErrorCode, type[GpuMemError]] = {
     cls.code: cls
     for cls in (
         BadMessage, UnknownMessage, ProtocolMismatch, InvalidArgument, NoSession, NotFound, AlreadyExists,
-        PermissionDenied, OutOfMemory, UnexpectedFds, ShuttingDown, DeviceDriverError, InternalError,
+        PermissionDenied, OutOfMemory, UnexpectedFds, ShuttingDown, DeviceDriverError, InternalError, RoundFailed,
     )
     if cls.code is not None
 }

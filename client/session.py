@@ -26,6 +26,7 @@ from gpumem_shared.driver import Driver, DriverError, DriverUnavailable
 from gpumem_shared.paths import Endpoints, discover, resolve_runtime_dir
 from gpumem.arena import Arena
 from gpumem.channel import ControlChannel
+from gpumem.kv import KvPool
 from gpumem.errors import (
     BadMessage,
     DaemonStopped,
@@ -211,7 +212,7 @@ class Session:
             limit = self.timeout if timeout is None else timeout
             request_id, body = control.call(message, limit, self._poll_fd_channel)
             fds: dict[int, int] = {}
-            if isinstance(body, (p.MapReply, p.PlaceholderReply)) and body.fd_batches:
+            if getattr(body, "fd_batches", 0):
                 fds = self._receive_fds(request_id, body.fd_batches, limit)
             return body, fds
 
@@ -293,17 +294,19 @@ class Session:
         body: p.StatusReply = self.call(p.Status(), timeout)
         return body
 
-    def notices(self) -> list[p.Notice]:
-        """Notices received so far (daemon stopping, arenas changed by their owner)."""
+    def notices(self, kind: str | None = None, arena: str | None = None) -> list[p.Notice]:
+        """Take the notices received so far (daemon stopping, arenas changed by their
+        owner, KV shrink requests), optionally only those of one kind and arena."""
         with self._lock:
             if self._resources.fd_sock is not None:
                 try:
                     self._poll_fd_channel()
                 except DaemonStopped:
                     pass
-            out = list(self._notices)
-            self._notices.clear()
-            return out
+            wanted = [n for n in self._notices if (kind is None or n.kind == kind) and (arena is None or n.arena == arena)]
+            for notice in wanted:
+                self._notices.remove(notice)
+            return wanted
 
     def create_arena(self, name: str, reserve_bytes: int) -> Arena:
         """Reserve ``reserve_bytes`` of address space (a multiple of the device
@@ -331,6 +334,22 @@ class Session:
         self.arenas[name] = arena
         arena._apply(reply, fds)
         return arena
+
+    def declare_kv_pool(
+        self, name: str, buffers: list[p.KvBuffer], *, max_tokens: int = 0, reserve_bytes: int = 0
+    ) -> KvPool:
+        """Declare a KV pool: ``buffers`` (name, bytes per token row, alignment) laid out
+        in one arena, each with room for ``max_tokens`` rows (or as many as
+        ``reserve_bytes`` holds). Virtual only until a commit round or ``grow``."""
+        reply: p.KvDeclareReply = self.call(p.KvDeclare(name=name, buffers=buffers, max_tokens=max_tokens, reserve_bytes=reserve_bytes))
+        pool = KvPool(self, reply.pool)
+        try:
+            pool.arena._reserve()
+        except BaseException:
+            self.call(p.ReleaseArena(name=name))
+            raise
+        self.arenas[name] = pool.arena
+        return pool
 
     def close(self) -> None:
         """Release this session's arenas (unmapping them) and close both channels."""

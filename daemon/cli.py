@@ -56,6 +56,14 @@ def _driver(backend: str | None, device: int, host_capacity: int) -> Driver:
 @click.option("--chunk-size", default="512MiB", show_default=True, callback=_size, help="Size of bulk chunks; tails use smaller ones.")
 @click.option("--reserve", default=None, callback=_size, help="Memory never committed [default: 1GiB on CUDA, 0 on host].")
 @click.option("--hello-timeout", type=float, default=5.0, show_default=True, help="Seconds a new connection has to say HELLO.")
+@click.option("--round-timeout", type=float, default=300.0, show_default=True, help="Seconds from a KV commit round's first join to its deadline.")
+@click.option(
+    "--round-policy",
+    type=click.Choice(["partial", "fail"]),
+    default="partial",
+    show_default=True,
+    help="At a round's deadline: commit for the members that reported, or fail the round.",
+)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def main(
     device: int,
@@ -66,6 +74,8 @@ def main(
     chunk_size: int,
     reserve: int | None,
     hello_timeout: float,
+    round_timeout: float,
+    round_policy: str,
     log_level: str,
 ) -> None:
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
@@ -79,6 +89,8 @@ def main(
         runtime_dir=str(endpoints.runtime_dir),
         bulk_chunk=chunk_size,
         reserve_bytes=reserve if reserve is not None else (1 << 30 if driver.kind == "cuda" else 0),
+        round_timeout=round_timeout,
+        round_policy=round_policy,
     )
     server = Server(DaemonState(driver, config), endpoints, socket_group=socket_group, hello_timeout=hello_timeout, notifier=SystemdNotifier())
     try:

@@ -30,7 +30,7 @@ from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
 from gpumemd.notify import SystemdNotifier
-from gpumemd.state import DaemonState, Outcome, Session
+from gpumemd.state import Chunk, DaemonState, Session
 
 log = logging.getLogger("gpumemd.server")
 
@@ -220,6 +220,8 @@ class Server:
             for conn in [c for c in self._connections.values() if c.session is None and now > c.deadline]:
                 log.warning("dropping peer pid %d: connected but sent no HELLO within %.1fs", conn.pid, self.hello_timeout)
                 self._drop(conn)
+            self.state.tick()  # round deadlines
+            self._flush_state()
         interval = self.notifier.watchdog_interval
         if interval is not None and now - self._last_watchdog >= interval:
             self.notifier.send("WATCHDOG=1")
@@ -247,10 +249,12 @@ class Server:
                 continue
             identity, frame = frames
             reply = self._serve(identity, frame)
-            router.send(identity, _SNDMORE_NOBLOCK)
-            router.send(reply, _NOBLOCK)
+            if reply is not None:
+                router.send(identity, _SNDMORE_NOBLOCK)
+                router.send(reply, _NOBLOCK)
+            self._flush_state()
 
-    def _serve(self, identity: bytes, frame: bytes) -> bytes:
+    def _serve(self, identity: bytes, frame: bytes) -> bytes | None:
         request_id = 0
         try:
             request = p.decode_request(frame)
@@ -258,13 +262,14 @@ class Server:
             session = self._by_token.get(identity)
             if isinstance(request.message, p.Hello):
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "HELLO goes on the fd channel, not the control channel")
-            outcome = self.state.handle(session, request.message)
+            outcome = self.state.handle(session, request.message, request_id)
             if outcome.handout:
                 assert session is not None
-                self._hand_out(session, request_id, outcome)
-            reply = p.encode_reply(request_id, outcome.reply)
+                self._hand_out(session, request_id, outcome.handout)
             self._deliver(outcome.notices)
-            return reply
+            if outcome.reply is None:
+                return None  # deferred: answered as a completion
+            return p.encode_reply(request_id, outcome.reply)
         except p.ProtocolError as exc:
             rid = exc.detail.get("request_id", request_id)
             return p.encode_error(rid if isinstance(rid, int) else 0, exc)
@@ -272,9 +277,28 @@ class Server:
             log.exception("request %d failed inside the daemon", request_id)
             return p.encode_error(request_id, p.ProtocolError(p.ErrorCode.INTERNAL, "internal error in gpumemd; see its log"))
 
-    def _hand_out(self, session: Session, request_id: int, outcome: Outcome) -> None:
+    def _flush_state(self) -> None:
+        """Deliver what the state produced on its own: deferred replies, notices."""
+        self._deliver(self.state.take_notices())
+        for done in self.state.take_completions():
+            session = self.state.sessions.get(done.session_id)
+            if session is None or self._router is None:
+                continue
+            if isinstance(done.reply, p.ProtocolError):
+                frame = p.encode_error(done.request_id, done.reply)
+            else:
+                try:
+                    if done.handout:
+                        self._hand_out(session, done.request_id, done.handout)
+                except p.ProtocolError as exc:
+                    frame = p.encode_error(done.request_id, exc)
+                else:
+                    frame = p.encode_reply(done.request_id, done.reply)
+            self._router.send(session.token, _SNDMORE_NOBLOCK)
+            self._router.send(frame, _NOBLOCK)
+
+    def _hand_out(self, session: Session, request_id: int, chunks: list[Chunk]) -> None:
         conn = self._by_session[session.id]
-        chunks = outcome.handout
         for start in range(0, len(chunks), p.MAX_FDS_PER_MESSAGE):
             batch = chunks[start : start + p.MAX_FDS_PER_MESSAGE]
             fds: list[int] = []
@@ -372,6 +396,7 @@ class Server:
             self._by_session.pop(conn.session.id, None)
             self._by_token.pop(conn.session.token, None)
             self._deliver(self.state.close_session(conn.session.id))
+            self._flush_state()
 
     # ------------------------------------------------------------------ shutdown
 

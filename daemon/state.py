@@ -26,6 +26,7 @@ from gpumem_shared import __version__
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
 from gpumem_shared.driver.base import Handle
+from gpumemd import kv
 
 log = logging.getLogger("gpumemd.state")
 
@@ -48,6 +49,8 @@ class StateConfig:
     va_base: int = 0x2000_0000_0000  # arenas are planned from here, far from where
     va_limit: int = 0x5000_0000_0000  # heaps, libraries and torch's own allocations sit
     max_reserve: int = 16 << 40
+    round_timeout: float = 300.0  # seconds from a round's first join to its deadline
+    round_policy: str = "partial"  # at the deadline: "fail" the round, or commit the "partial" set
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,7 +100,7 @@ class Arena:
 
     @property
     def committed(self) -> int:
-        return self.chunks[-1].offset + self.chunks[-1].size if self.chunks else 0
+        return sum(c.size for c in self.chunks)
 
     def owner_label(self) -> str:
         return f"client '{self.owner_name}' (pid {self.owner_pid})"
@@ -105,9 +108,19 @@ class Arena:
 
 @dataclasses.dataclass
 class Outcome:
-    reply: Any
+    reply: Any  # None: the answer comes later, as a Completion
     handout: list[Chunk] = dataclasses.field(default_factory=list)
     notices: list[tuple[int, p.Notice]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Completion:
+    """A deferred answer (a CAPTURE_DONE answered when its round commits or fails)."""
+
+    session_id: int
+    request_id: int
+    reply: Any  # a reply body, or a ProtocolError
+    handout: list[Chunk] = dataclasses.field(default_factory=list)
 
 
 def plan_chunk_sizes(nbytes: int, bulk: int, granularity: int) -> list[int]:
@@ -141,6 +154,11 @@ class DaemonState:
         self.sessions: dict[int, Session] = {}
         self.arenas: dict[str, Arena] = {}
         self.retiring: dict[int, Chunk] = {}
+        self.kv_pools: dict[str, kv.KvPool] = {}
+        self.rounds: list[kv.Round] = []  # the active one last; finished ones kept for status
+        self.completions: list[Completion] = []
+        self._next_round = 1
+        self._pending_notices: list[tuple[int, p.Notice]] = []
         self._next_session = 1
         self._next_chunk = 1
         self.device = p.DeviceInfo(
@@ -162,6 +180,10 @@ class DaemonState:
             p.ReleaseArena: self._release,
             p.ChunksUnmapped: self._chunks_unmapped,
             p.PlaceholderArena: self._placeholder,
+            p.KvDeclare: self._kv_declare,
+            p.RoundJoin: self._round_join,
+            p.KvGrow: self._kv_grow,
+            p.KvShrink: self._kv_shrink,
         }
 
     # ------------------------------------------------------------------ sessions
@@ -197,6 +219,11 @@ class DaemonState:
         if session is None:
             return []
         notices: list[tuple[int, p.Notice]] = []
+        for round_ in self._active_rounds():
+            for member in [m for m in round_.members if m.session_id == session_id]:
+                round_.members.remove(member)
+                round_.dropped.append(f"{member.client}/{member.pool.name}: the client went away")
+            self._try_finish(round_)
         for arena in [a for a in self.arenas.values() if session_id in a.attached]:
             self._drop_holder_everywhere(arena, session_id)
             arena.attached.discard(session_id)
@@ -213,7 +240,9 @@ class DaemonState:
 
     # ------------------------------------------------------------------ requests
 
-    def handle(self, session: Session | None, message: Any) -> Outcome:
+    def handle(self, session: Session | None, message: Any, request_id: int = 0) -> Outcome:
+        if isinstance(message, p.CaptureDone):
+            return self._capture_done(session, message, request_id)
         handler = self._handlers.get(type(message))
         if handler is None:
             raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, f"{type(message).__name__} is not a request the daemon serves")
@@ -277,6 +306,7 @@ class DaemonState:
     def _commit(self, session: Session | None, m: p.CommitArena) -> Outcome:
         s = self._need_session(session)
         arena = self._owned_arena(s, m.name, "commit")
+        self._refuse_kv(arena, "commit")
         self._check_size(m.nbytes, "nbytes", allow_zero=False)
         if m.nbytes > arena.reserved:
             raise p.ProtocolError(
@@ -305,24 +335,7 @@ class DaemonState:
                 requested=need,
                 available=available,
             )
-        placements: list[tuple[int, int]] = []
-        offset = committed
-        for size in plan_chunk_sizes(need, self.config.bulk_chunk, self.device.granularity):
-            placements.append((arena.address + offset, size))
-            offset += size
-        try:
-            handles = self.driver.create_chunks(placements)
-        except DriverError as exc:
-            code = p.ErrorCode.OUT_OF_MEMORY if exc.out_of_memory else p.ErrorCode.DRIVER_ERROR
-            raise p.ProtocolError(
-                code, f"creating {need} bytes for arena '{arena.name}' failed: {exc}", requested=need, available=available
-            ) from None
-        for (address, size), handle in zip(placements, handles):
-            chunk = Chunk(
-                id=self._next_chunk, arena=arena.name, offset=address - arena.address, size=size, address=address, handle=handle
-            )
-            self._next_chunk += 1
-            arena.chunks.append(chunk)
+        self._create([(arena, committed, need)], available)
         outcome = self._map_reply(s, arena)
         outcome.notices = self._notify_sharers(arena, s.id, "arena-grown", f"arena '{arena.name}' grew to {arena.committed} bytes; sync to map it")
         return outcome
@@ -330,6 +343,7 @@ class DaemonState:
     def _decommit(self, session: Session | None, m: p.DecommitArena) -> Outcome:
         s = self._need_session(session)
         arena = self._owned_arena(s, m.name, "decommit")
+        self._refuse_kv(arena, "decommit")
         self._check_size(m.to_nbytes, "to_nbytes", allow_zero=True)
         if m.to_nbytes > arena.committed:
             raise p.ProtocolError(
@@ -429,6 +443,365 @@ class DaemonState:
         )
         return Outcome(reply, handout=handout)
 
+    # ------------------------------------------------------------------ KV pools and rounds
+
+    def _kv_declare(self, session: Session | None, m: p.KvDeclare) -> Outcome:
+        s = self._need_session(session)
+        self._check_name(m.name, "KV pool name")
+        g = self.device.granularity
+        if m.max_tokens < 0 or m.reserve_bytes < 0 or (m.max_tokens == 0) == (m.reserve_bytes == 0):
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"KV pool '{m.name}' needs exactly one positive bound: max_tokens ({m.max_tokens}) or reserve_bytes ({m.reserve_bytes})",
+            )
+        max_tokens = m.max_tokens
+        if not max_tokens:
+            per_token = sum(max(b.row_bytes, 1) for b in m.buffers) or 1
+            max_tokens = m.reserve_bytes // per_token
+            layouts, window = kv.layout(m.buffers, max_tokens, g)
+            while window > m.reserve_bytes and max_tokens > 0:  # rounding each region up costs a little
+                max_tokens -= max(1, (window - m.reserve_bytes) // per_token)
+                layouts, window = kv.layout(m.buffers, max_tokens, g)
+            if max_tokens <= 0:
+                raise p.ProtocolError(
+                    p.ErrorCode.INVALID_ARGUMENT, f"reserve_bytes {m.reserve_bytes} holds no token of KV pool '{m.name}'"
+                )
+        layouts, window = kv.layout(m.buffers, max_tokens, g)
+        if window > self.config.max_reserve:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"KV pool '{m.name}' needs a {window}-byte window for {max_tokens} tokens, above the limit of "
+                f"{self.config.max_reserve}",
+                requested=window,
+                limit=self.config.max_reserve,
+            )
+        reply = self._create_arena(s, p.CreateArena(name=m.name, reserve_bytes=window)).reply
+        pool = kv.KvPool(name=m.name, owner_id=s.id, buffers=layouts, max_tokens=max_tokens, granularity=g)
+        self.kv_pools[m.name] = pool
+        return Outcome(p.KvDeclareReply(pool=pool.view(reply.arena)))
+
+    def _round_join(self, session: Session | None, m: p.RoundJoin) -> Outcome:
+        s = self._need_session(session)
+        pool = self._owned_pool(s, m.pool, "join a round with")
+        if pool.tokens:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' already holds {pool.tokens} tokens; grow it instead"
+            )
+        active = self._active_rounds()
+        if any(r.member(pool.name) for r in active):
+            raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"KV pool '{pool.name}' is already in round {active[-1].id}")
+        if active:
+            round_ = active[-1]
+            round_.state = "open"
+        else:
+            now = self.clock()
+            round_ = kv.Round(
+                id=self._next_round, created=now, deadline=now + self.config.round_timeout, policy=self.config.round_policy
+            )
+            self._next_round += 1
+            self.rounds.append(round_)
+            del self.rounds[:-16]  # finished rounds stay visible for a while
+        round_.members.append(kv.Member(pool=pool, session_id=s.id, client=s.name))
+        log.info("round %d: %r joined with pool %r", round_.id, s.name, pool.name)
+        return Outcome(self._round_view(round_))
+
+    def _capture_done(self, session: Session | None, m: p.CaptureDone, request_id: int) -> Outcome:
+        s = self._need_session(session)
+        if self.stopping:
+            raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping")
+        pool = self._owned_pool(s, m.pool, "report capture-done for")
+        round_ = next((r for r in self._active_rounds() if r.member(pool.name)), None)
+        if round_ is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"KV pool '{pool.name}' is in no open round; join one first")
+        member = round_.member(pool.name)
+        assert member is not None
+        if member.reported:
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' already reported capture-done in round {round_.id}")
+        max_tokens = m.max_tokens or pool.max_tokens
+        if not 0 <= m.min_tokens <= max_tokens <= pool.max_tokens:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"KV pool '{pool.name}': need 0 <= min_tokens ({m.min_tokens}) <= max_tokens ({max_tokens}) <= the "
+                f"declared {pool.max_tokens}",
+            )
+        if m.headroom_bytes < 0 or m.graph_pool_bytes < 0 or not m.weight > 0:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT, "headroom_bytes and graph_pool_bytes must be >= 0 and weight > 0"
+            )
+        member.reported = True
+        member.headroom_bytes = m.headroom_bytes
+        member.graph_pool_bytes = m.graph_pool_bytes
+        member.min_tokens = m.min_tokens
+        member.max_tokens = max_tokens
+        member.weight = m.weight
+        member.request_id = request_id
+        self._try_finish(round_)
+        return Outcome(None)
+
+    def _kv_grow(self, session: Session | None, m: p.KvGrow) -> Outcome:
+        s = self._need_session(session)
+        pool = self._owned_pool(s, m.pool, "grow")
+        if not pool.tokens < m.tokens <= pool.max_tokens:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"KV pool '{pool.name}' holds {pool.tokens} tokens of at most {pool.max_tokens}; cannot grow to {m.tokens}",
+            )
+        arena = self.arenas[pool.name]
+        wanted = self._kv_missing(pool, arena, m.tokens)
+        need = sum(size for _, size in wanted)
+        available = self.available_bytes()
+        if need > available:
+            raise p.ProtocolError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"growing KV pool '{pool.name}' from {pool.tokens} to {m.tokens} tokens needs {need} bytes; "
+                f"{available} are available on device {self.device.index}",
+                requested=need,
+                available=available,
+            )
+        before = {c.id for c in arena.chunks}
+        self._create([(arena, offset, size) for offset, size in wanted], available)
+        pool.tokens = m.tokens
+        new = [c for c in arena.chunks if c.id not in before]
+        return Outcome(self._kv_reply(s, pool, new, []), handout=self._hand(s, new))
+
+    def _kv_shrink(self, session: Session | None, m: p.KvShrink) -> Outcome:
+        s = self._need_session(session)
+        pool = self._owned_pool(s, m.pool, "shrink")
+        if not 0 <= m.tokens < pool.tokens:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' holds {pool.tokens} tokens; cannot shrink to {m.tokens}"
+            )
+        arena = self.arenas[pool.name]
+        drop: list[Chunk] = []
+        kept_tokens = pool.tokens
+        for buffer in pool.buffers:
+            bound = buffer.offset + pool.prefix(buffer, m.tokens)
+            mine = [c for c in arena.chunks if buffer.offset <= c.offset < buffer.offset + buffer.region]
+            drop += [c for c in mine if c.offset >= bound]
+            kept_end = max((c.offset + c.size for c in mine if c.offset < bound), default=buffer.offset)
+            kept_tokens = min(kept_tokens, (kept_end - buffer.offset) // buffer.row_bytes)
+        arena.chunks = [c for c in arena.chunks if c not in drop]
+        notices: list[tuple[int, p.Notice]] = []
+        self._retire(drop, notices, "", arena.name, exclude=s.id)
+        pool.tokens = kept_tokens
+        pool.shrink_request = None
+        log.info("KV pool %r shrank to %d tokens (asked %d), %d bytes retired", pool.name, kept_tokens, m.tokens, sum(c.size for c in drop))
+        reply = self._kv_reply(s, pool, [], [c.view() for c in drop if s.id in c.holders])
+        return Outcome(reply, notices=notices)
+
+    def tick(self) -> None:
+        """Deadlines: called by the server's loop."""
+        for round_ in self._active_rounds():
+            if self.clock() >= round_.deadline:
+                self._try_finish(round_)
+
+    def take_completions(self) -> list[Completion]:
+        out, self.completions = self.completions, []
+        return out
+
+    def _active_rounds(self) -> list[kv.Round]:
+        return [r for r in self.rounds if r.state in ("open", "awaiting-shrink")]
+
+    def _try_finish(self, round_: kv.Round) -> None:
+        """Commit the round once every member reported (or its deadline passed)."""
+        now = self.clock()
+        if round_.state not in ("open", "awaiting-shrink"):
+            return
+        late = now >= round_.deadline
+        if round_.pending and not late:
+            return
+        if round_.pending:
+            missing = ", ".join(f"{m.client}/{m.pool.name}" for m in round_.pending)
+            if round_.policy == "fail":
+                self._fail_round(round_, f"round {round_.id} passed its deadline; these members did not report capture-done: {missing}")
+                return
+            for member in round_.pending:
+                round_.members.remove(member)
+                round_.dropped.append(f"{member.client}/{member.pool.name}: did not report capture-done by the deadline")
+            log.warning("round %d: deadline passed; committing without %s", round_.id, missing)
+        members = list(round_.members)
+        if not members:
+            round_.state = "failed"
+            round_.error = "no member reported capture-done"
+            return
+        free = self.free_bytes()
+        headroom = sum(m.headroom_bytes for m in members)
+        budget = free - self.config.reserve_bytes - headroom
+        round_.budget = {
+            "free": free,
+            "reserve": self.config.reserve_bytes,
+            "headroom": headroom,
+            "graph_pools": sum(m.graph_pool_bytes for m in members),
+            "budget": budget,
+            "minimums": sum(m.pool.cost(m.min_tokens) for m in members),
+        }
+        try:
+            tokens = kv.split(members, max(budget, 0))
+        except kv.BudgetShort as short:
+            if round_.state == "open" and not late and self._ask_shrinks(round_, short.needed - max(budget, 0)):
+                round_.state = "awaiting-shrink"
+                return
+            if round_.state == "awaiting-shrink" and not late:
+                return
+            self._fail_round(
+                round_,
+                f"round {round_.id}: the members' minimum KV needs {short.needed} bytes but the budget is {budget} "
+                f"(free {free} - reserve {self.config.reserve_bytes} - headroom {headroom})",
+                needed=short.needed,
+                budget=budget,
+            )
+            return
+        work = []
+        for member in members:
+            arena = self.arenas[member.pool.name]
+            work += [(arena, offset, size) for offset, size in self._kv_missing(member.pool, arena, tokens[member])]
+        before = {c.id for m in members for c in self.arenas[m.pool.name].chunks}
+        try:
+            self._create(work, max(budget, 0))
+        except p.ProtocolError as exc:
+            self._fail_round(round_, f"round {round_.id}: {exc.message}")
+            return
+        round_.state = "committed"
+        round_.budget["committed"] = sum(size for _, _, size in work)
+        for member in members:
+            pool = member.pool
+            pool.tokens = tokens[member]
+            pool.min_tokens = member.min_tokens
+            member.tokens = tokens[member]
+            member.bytes = pool.cost(tokens[member])
+            new = [c for c in self.arenas[pool.name].chunks if c.id not in before]
+            session = self.sessions[member.session_id]
+            reply = self._kv_reply(session, pool, new, [], round_)
+            self.completions.append(Completion(member.session_id, member.request_id, reply, self._hand(session, new)))
+        log.info(
+            "round %d committed: %s", round_.id, ", ".join(f"{m.client}/{m.pool.name}={m.tokens} tokens" for m in members)
+        )
+
+    def _fail_round(self, round_: kv.Round, message: str, **detail: int | str) -> None:
+        round_.state = "failed"
+        round_.error = message
+        log.warning("%s", message)
+        for member in round_.members:
+            if member.reported:
+                error = p.ProtocolError(p.ErrorCode.ROUND_FAILED, message, **detail)
+                self.completions.append(Completion(member.session_id, member.request_id, error))
+
+    def _ask_shrinks(self, round_: kv.Round, deficit: int) -> bool:
+        """Ask pools committed earlier to give back ``deficit`` bytes, in proportion to
+        what they hold above their minimum. Only their owners can free rows; nothing is
+        taken without the owner's KV_SHRINK."""
+        in_round = {m.pool.name for m in round_.members}
+        donors = [
+            pool
+            for pool in self.kv_pools.values()
+            if pool.name not in in_round and pool.tokens > pool.min_tokens and pool.owner_id in self.sessions
+        ]
+        spare = {pool: pool.cost(pool.tokens) - pool.cost(pool.min_tokens) for pool in donors}
+        total = sum(spare.values())
+        if total < deficit:
+            return False
+        for pool in donors:
+            give = -(-deficit * spare[pool] // total)
+            target = pool.most_tokens_within(pool.cost(pool.tokens) - give, pool.tokens)
+            pool.shrink_request = max(target, pool.min_tokens)
+            names = ", ".join(f"{m.client}/{m.pool.name}" for m in round_.members)
+            notice = p.Notice(
+                kind="kv-shrink",
+                arena=pool.name,
+                tokens=pool.shrink_request,
+                message=f"gpumemd needs {deficit} bytes for round {round_.id} ({names}): when rows from "
+                f"{pool.shrink_request} on are free, confirm with shrink({pool.shrink_request})",
+            )
+            self._pending_notices.append((pool.owner_id, notice))
+        return True
+
+    def take_notices(self) -> list[tuple[int, p.Notice]]:
+        out, self._pending_notices = self._pending_notices, []
+        return out
+
+    def _kv_missing(self, pool: kv.KvPool, arena: Arena, tokens: int) -> list[tuple[int, int]]:
+        """(offset, size) still to commit so every buffer holds ``tokens`` rows."""
+        out = []
+        for buffer in pool.buffers:
+            have = max(
+                (c.offset + c.size for c in arena.chunks if buffer.offset <= c.offset < buffer.offset + buffer.region),
+                default=buffer.offset,
+            )
+            want = buffer.offset + pool.prefix(buffer, tokens)
+            if want > have:
+                out.append((have, want - have))
+        return out
+
+    def _kv_reply(
+        self, s: Session, pool: kv.KvPool, new: list[Chunk], retired: list[p.ChunkView], round_: kv.Round | None = None
+    ) -> p.KvCommitReply:
+        arena = self.arenas[pool.name]
+        view = self._view(arena)
+        return p.KvCommitReply(
+            pool=pool.view(view),
+            arena=view,
+            chunks=[c.view() for c in new],
+            retired=retired,
+            fd_batches=-(-len(new) // p.MAX_FDS_PER_MESSAGE),
+            round_id=round_.id if round_ else 0,
+            budget=dict(round_.budget) if round_ else {},
+        )
+
+    def _hand(self, s: Session, chunks: list[Chunk]) -> list[Chunk]:
+        for chunk in chunks:
+            chunk.holders.add(s.id)
+        return chunks
+
+    def _owned_pool(self, s: Session, name: str, action: str) -> kv.KvPool:
+        pool = self.kv_pools.get(name)
+        if pool is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no KV pool named '{name}' on device {self.device.index}")
+        if pool.owner_id != s.id:
+            arena = self.arenas[name]
+            raise p.ProtocolError(
+                p.ErrorCode.PERMISSION_DENIED, f"KV pool '{name}' belongs to {arena.owner_label()}; only its owner may {action} it"
+            )
+        return pool
+
+    def _refuse_kv(self, arena: Arena, action: str) -> None:
+        if arena.name in self.kv_pools:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"arena '{arena.name}' is a KV pool: its memory comes from commit rounds, grow and shrink, not {action}",
+            )
+
+    def _round_view(self, round_: kv.Round) -> p.RoundView:
+        return p.RoundView(
+            round_id=round_.id,
+            state=round_.state,
+            deadline_in_s=round(round_.deadline - self.clock(), 3),
+            members=[f"{m.client}/{m.pool.name}" for m in round_.members],
+        )
+
+    def _create(self, work: list[tuple[Arena, int, int]], available: int) -> None:
+        """Create chunks for every (arena, offset, size) range at once, all or none: bulk
+        chunks, then a ladder for each range's tail."""
+        placements: list[tuple[Arena, int, int]] = []
+        for arena, offset, size in work:
+            for chunk_size in plan_chunk_sizes(size, self.config.bulk_chunk, self.device.granularity):
+                placements.append((arena, offset, chunk_size))
+                offset += chunk_size
+        need = sum(size for _, _, size in placements)
+        try:
+            handles = self.driver.create_chunks([(a.address + offset, size) for a, offset, size in placements])
+        except DriverError as exc:
+            code = p.ErrorCode.OUT_OF_MEMORY if exc.out_of_memory else p.ErrorCode.DRIVER_ERROR
+            raise p.ProtocolError(code, f"creating {need} bytes failed: {exc}", requested=need, available=available) from None
+        touched = set()
+        for (arena, offset, size), handle in zip(placements, handles):
+            arena.chunks.append(
+                Chunk(id=self._next_chunk, arena=arena.name, offset=offset, size=size, address=arena.address + offset, handle=handle)
+            )
+            self._next_chunk += 1
+            touched.add(arena.name)
+        for name in touched:
+            self.arenas[name].chunks.sort(key=lambda c: c.offset)
+
     def _chunks_unmapped(self, session: Session | None, m: p.ChunksUnmapped) -> Outcome:
         s = self._need_session(session)
         arena = self._arena(m.name)
@@ -443,6 +816,9 @@ class DaemonState:
             chunk = by_id.get(chunk_id) or self.retiring[chunk_id]
             chunk.holders.discard(s.id)
             self._forget_if_unheld(chunk)
+        for round_ in self._active_rounds():
+            if round_.state == "awaiting-shrink":
+                self._try_finish(round_)  # memory a shrink freed may complete it
         return Outcome(p.Ack())
 
     # ------------------------------------------------------------------ shutdown
@@ -524,6 +900,47 @@ class DaemonState:
             ],
             extents=[],
             leases=[],
+            rounds=[
+                p.RoundStatus(
+                    id=r.id,
+                    state=r.state,
+                    policy=r.policy,
+                    deadline_in_s=round(r.deadline - self.clock(), 3),
+                    members=[
+                        p.RoundMemberStatus(
+                            client=m.client,
+                            pool=m.pool.name,
+                            reported=m.reported,
+                            headroom_bytes=m.headroom_bytes,
+                            graph_pool_bytes=m.graph_pool_bytes,
+                            min_tokens=m.min_tokens,
+                            max_tokens=m.max_tokens,
+                            weight=m.weight,
+                            tokens=m.tokens,
+                            bytes=m.bytes,
+                        )
+                        for m in r.members
+                    ],
+                    dropped=list(r.dropped),
+                    budget=dict(r.budget),
+                    error=r.error,
+                )
+                for r in self.rounds
+            ],
+            kv=[
+                p.KvPoolStatus(
+                    name=pool.name,
+                    owner=self.arenas[pool.name].owner_name,
+                    buffers=len(pool.buffers),
+                    bytes_per_token=pool.bytes_per_token,
+                    max_tokens=pool.max_tokens,
+                    tokens=pool.tokens,
+                    committed_bytes=self.arenas[pool.name].committed,
+                    min_tokens=pool.min_tokens,
+                    shrink_request=-1 if pool.shrink_request is None else pool.shrink_request,
+                )
+                for pool in self.kv_pools.values()
+            ],
         )
 
     # ------------------------------------------------------------------ helpers
@@ -651,6 +1068,11 @@ class DaemonState:
         arena.chunks = []
         arena.placeholders = []
         del self.arenas[arena.name]
+        self.kv_pools.pop(arena.name, None)
+        for round_ in self._active_rounds():
+            for member in [m for m in round_.members if m.pool.name == arena.name]:
+                round_.members.remove(member)
+                round_.dropped.append(f"{member.client}/{arena.name}: the pool was released")
         try:
             self.driver.free_reservation(arena.address, arena.window)
         except DriverError:

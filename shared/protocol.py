@@ -59,6 +59,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 11  # the daemon is stopping
     DRIVER_ERROR = 12  # the CUDA driver (or the host backend) failed
     INTERNAL = 13  # a daemon bug; details are in the daemon's log
+    ROUND_FAILED = 14  # a KV commit round failed: deadline passed, or the budget is short
 
 
 class MsgType(enum.IntEnum):
@@ -74,6 +75,11 @@ class MsgType(enum.IntEnum):
     ARENA_RELEASE = 16
     CHUNKS_UNMAPPED = 17
     ARENA_PLACEHOLDER = 18
+    KV_DECLARE = 20
+    ROUND_JOIN = 21
+    CAPTURE_DONE = 22
+    KV_GROW = 23
+    KV_SHRINK = 24
     # fd channel, daemon -> client
     FD_BATCH = 100
     NOTICE = 101
@@ -457,6 +463,45 @@ class ArenaStatus:
 
 
 @dataclasses.dataclass(slots=True)
+class RoundMemberStatus:
+    client: str
+    pool: str
+    reported: bool
+    headroom_bytes: int
+    graph_pool_bytes: int
+    min_tokens: int
+    max_tokens: int
+    weight: float
+    tokens: int  # the result, once committed
+    bytes: int
+
+
+@dataclasses.dataclass(slots=True)
+class RoundStatus:
+    id: int
+    state: str  # open | awaiting-shrink | committed | failed
+    policy: str  # what a passed deadline does: "fail" the round, or commit the "partial" set
+    deadline_in_s: float  # negative once passed
+    members: list[RoundMemberStatus]
+    dropped: list[str]
+    budget: dict[str, int]  # free, reserve, headroom, budget, minimums, committed
+    error: str
+
+
+@dataclasses.dataclass(slots=True)
+class KvPoolStatus:
+    name: str
+    owner: str
+    buffers: int
+    bytes_per_token: int
+    max_tokens: int  # declared bound
+    tokens: int  # committed
+    committed_bytes: int
+    min_tokens: int
+    shrink_request: int  # tokens the daemon asked for; -1 when none
+
+
+@dataclasses.dataclass(slots=True)
 class StatusReply:
     daemon: DaemonStatus
     device: DeviceStatus
@@ -464,6 +509,8 @@ class StatusReply:
     arenas: list[ArenaStatus]
     extents: list[Any]  # graph-pool extents; filled by the lease registry
     leases: list[Any]
+    rounds: list[RoundStatus] = dataclasses.field(default_factory=list)
+    kv: list[KvPoolStatus] = dataclasses.field(default_factory=list)
 
 
 @request(MsgType.STATUS, StatusReply)
@@ -578,6 +625,117 @@ class PlaceholderArena:
     slot_bytes: int
 
 
+@dataclasses.dataclass(slots=True)
+class KvBuffer:
+    name: str
+    row_bytes: int  # bytes of one token row
+    align: int = 0  # power of two; rows and the buffer start honour it (0: none)
+
+
+@dataclasses.dataclass(slots=True)
+class KvBufferView:
+    name: str
+    offset: int  # of the buffer's region from the arena base
+    row_bytes: int
+    region_bytes: int  # max_tokens rows, rounded up to the granularity
+
+
+@dataclasses.dataclass(slots=True)
+class KvPoolView:
+    name: str
+    arena: ArenaView
+    buffers: list[KvBufferView]
+    max_tokens: int  # the declared bound
+    tokens: int  # rows committed in every buffer
+    bytes_per_token: int
+
+
+@dataclasses.dataclass(slots=True)
+class KvDeclareReply:
+    pool: KvPoolView
+
+
+@request(MsgType.KV_DECLARE, KvDeclareReply)
+class KvDeclare:
+    """Declare a KV pool: an arena laid out as ``buffers``, each with room for
+    ``max_tokens`` rows (or as many as ``reserve_bytes`` allows). Nothing is committed."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    name: str
+    buffers: list[KvBuffer]
+    max_tokens: int = 0
+    reserve_bytes: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class RoundView:
+    round_id: int
+    state: str
+    deadline_in_s: float
+    members: list[str]  # "client/pool"
+
+
+@request(MsgType.ROUND_JOIN, RoundView)
+class RoundJoin:
+    """Join the device's open commit round (opening one if none is) with a pool."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool: str
+
+
+@dataclasses.dataclass(slots=True)
+class KvCommitReply:
+    """The pool after a commit, grow or shrink: chunks to map (fds follow as for
+    MapReply), chunks to unmap, and the budget figures of the round that decided it."""
+
+    pool: KvPoolView
+    arena: ArenaView
+    chunks: list[ChunkView]
+    retired: list[ChunkView]
+    fd_batches: int
+    round_id: int = 0
+    budget: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@request(MsgType.CAPTURE_DONE, KvCommitReply)
+class CaptureDone:
+    """The pool's graphs are captured. The reply comes when the round commits (or fails):
+    wait for it with a timeout beyond the round's deadline."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool: str
+    headroom_bytes: int = 0  # activations and other memory the engine needs besides KV
+    graph_pool_bytes: int = 0  # what its captured graph pools hold (already in use)
+    min_tokens: int = 0
+    max_tokens: int = 0  # 0: the declared bound
+    weight: float = 1.0
+
+
+@request(MsgType.KV_GROW, KvCommitReply)
+class KvGrow:
+    """Commit more rows (up to ``tokens``) if the device has the memory."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool: str
+    tokens: int
+
+
+@request(MsgType.KV_SHRINK, KvCommitReply)
+class KvShrink:
+    """The owner confirms rows from ``tokens`` on are free: the daemon decommits them
+    (whole chunks: the pool may keep a few more rows) and the reply lists the chunks to
+    unmap."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool: str
+    tokens: int
+
+
 @request(MsgType.CHUNKS_UNMAPPED, Ack)
 class ChunksUnmapped:
     TYPE: ClassVar[MsgType]
@@ -600,12 +758,14 @@ class FdBatch:
 
 @dataclasses.dataclass(slots=True)
 class Notice:
-    """Unsolicited news for a session: "stopping", "arena-grown", "arena-retired"."""
+    """Unsolicited news for a session: "stopping", "arena-grown", "arena-retired",
+    "kv-shrink" (the daemon asks a KV pool to give back rows; see KvShrink)."""
 
     TYPE: ClassVar[MsgType] = MsgType.NOTICE
     kind: str = ""
     message: str = ""
     arena: str = ""
+    tokens: int = 0  # "kv-shrink": the bound the daemon asks the pool to shrink to
 
 
 def encode_event(message: FdBatch | Notice) -> bytes:

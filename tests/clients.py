@@ -13,6 +13,9 @@ Commands:
   placeholder ARENA OFFSET NBYTES SLOT                     backed ARENA (JSON)
   rawwrite ARENA OFFSET HEX    rawread ARENA OFFSET N     (through the driver: placeholder too)
   viewfill ARENA OFFSET N BYTE (through arena.view() and NumPy or DLPack)
+  kvdeclare POOL NBUF ROW MAXTOK   kvplaceholder POOL     join POOL
+  capture POOL HEADROOM MIN MAX WEIGHT   (blocks until the round commits; JSON result)
+  grow POOL TOKENS             shrink POOL TOKENS         shrinkreq POOL   kvcheck POOL
   address ARENA                free                       ping
   notices                      status                     close
   exit
@@ -59,7 +62,44 @@ def main() -> int:
     return 0
 
 
+POOLS: dict[str, gpumem.KvPool] = {}
+
+
 def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args: list[str]) -> object:
+    if cmd == "kvdeclare":
+        name, nbuf, row, max_tokens = args[0], int(args[1]), int(args[2]), int(args[3])
+        buffers = [gpumem.KvBuffer(f"b{i}", row) for i in range(nbuf)]
+        POOLS[name] = session.declare_kv_pool(name, buffers, max_tokens=max_tokens)
+        arenas[name] = POOLS[name].arena
+        return POOLS[name].max_tokens
+    if cmd == "kvplaceholder":
+        POOLS[args[0]].placeholder()
+        return POOLS[args[0]].arena.placeholder_bytes
+    if cmd == "join":
+        view = POOLS[args[0]].join_round()
+        return f"{view.round_id} {view.state}"
+    if cmd == "capture":
+        pool = POOLS[args[0]]
+        tokens = pool.capture_done(
+            headroom_bytes=int(args[1]), min_tokens=int(args[2]), max_tokens=int(args[3]), weight=float(args[4])
+        )
+        return json.dumps({"tokens": tokens, "budget": pool.budget, "committed": pool.arena.committed_ranges()})
+    if cmd == "grow":
+        return POOLS[args[0]].grow(int(args[1]))
+    if cmd == "shrink":
+        return POOLS[args[0]].shrink(int(args[1]))
+    if cmd == "shrinkreq":
+        return json.dumps(POOLS[args[0]].shrink_requests())
+    if cmd == "kvcheck":
+        # every buffer's committed prefix is mapped and writable, and bytes stay put
+        pool = POOLS[args[0]]
+        for b in pool.buffers.values():
+            last = b.offset + pool.tokens * b.row_bytes - 8
+            pool.arena.write(b.offset, b"\x5a" * 8)
+            pool.arena.write(last, b"\xa5" * 8)
+            if pool.arena.read(b.offset, 8) != b"\x5a" * 8 or pool.arena.read(last, 8) != b"\xa5" * 8:
+                return f"MISMATCH in {b.name}"
+        return "MATCH"
     if cmd == "create":
         arenas[args[0]] = session.create_arena(args[0], int(args[1]))
         return arenas[args[0]].address

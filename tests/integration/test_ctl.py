@@ -41,7 +41,7 @@ def test_status_json_and_human_with_client_and_arena(daemon, run_client, runtime
     do(client, "share kv-ctl engine-peer")
 
     s = ctl_json(runtime_dir)
-    assert list(s) == ["daemon", "device", "clients", "arenas", "extents", "leases"]
+    assert list(s) == ["daemon", "device", "clients", "arenas", "extents", "leases", "rounds", "kv"]
     info = read_info(Endpoints(runtime_dir, 0).info_path)
     assert info is not None
     assert s["daemon"]["pid"] == daemon.pid and s["daemon"]["backend"] == daemon.backend

@@ -30,6 +30,11 @@ SAMPLES: list[Any] = [
     p.ReleaseArena(name="kv"),
     p.ChunksUnmapped(name="kv", chunk_ids=[7, 3, 12]),
     p.PlaceholderArena(name="kv", slot_bytes=64 << 20),
+    p.KvDeclare(name="kv", buffers=[p.KvBuffer(name="k0", row_bytes=4096, align=256)], max_tokens=1024),
+    p.RoundJoin(pool="kv"),
+    p.CaptureDone(pool="kv", headroom_bytes=1 << 30, graph_pool_bytes=64 << 20, min_tokens=1, max_tokens=2, weight=0.5),
+    p.KvGrow(pool="kv", tokens=10),
+    p.KvShrink(pool="kv", tokens=5),
 ]
 
 
@@ -70,6 +75,7 @@ def test_error_code_numbers_never_change() -> None:
         "SHUTTING_DOWN": 11,
         "DRIVER_ERROR": 12,
         "INTERNAL": 13,
+        "ROUND_FAILED": 14,
     }
 
 
@@ -87,6 +93,11 @@ def test_message_type_numbers_never_change() -> None:
         "ARENA_RELEASE": 16,
         "CHUNKS_UNMAPPED": 17,
         "ARENA_PLACEHOLDER": 18,
+        "KV_DECLARE": 20,
+        "ROUND_JOIN": 21,
+        "CAPTURE_DONE": 22,
+        "KV_GROW": 23,
+        "KV_SHRINK": 24,
         "FD_BATCH": 100,
         "NOTICE": 101,
     }

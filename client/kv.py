@@ -1,0 +1,150 @@
+"""KV pools on the client side: declare, lay out, capture on placeholder, commit after
+capture, grow and shrink.
+
+    pool = session.declare_kv_pool("engine-a-kv", [gpumem.KvBuffer(f"k{i}", row) for i in ...], max_tokens=1 << 20)
+    k0 = pool.tensor("k0", torch.float16, (heads, head_dim))   # (max_tokens, heads, head_dim), virtual-only
+    pool.placeholder()                                         # capture can copy into every row
+    pool.join_round()
+    ... capture the decode graphs ...
+    tokens = pool.capture_done(headroom_bytes=..., min_tokens=...)   # waits for the round to commit
+    # rows [0, tokens) of every buffer are real memory now, at the same addresses
+
+The daemon may ask a pool to give rows back for an engine that joins later
+(``shrink_requests()``); nothing is taken until the owner confirms with ``shrink()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gpumem_shared import protocol as p
+from gpumem.arena import DEFAULT_PLACEHOLDER_SLOT, Arena
+from gpumem.errors import InvalidArgument
+from gpumem.views import RawView
+
+if TYPE_CHECKING:
+    from gpumem.session import Session
+
+KvBuffer = p.KvBuffer
+
+# How long past a round's deadline capture_done waits for the daemon's answer.
+_DEADLINE_SLACK_S = 30.0
+
+
+class KvPool:
+    def __init__(self, session: Session, view: p.KvPoolView) -> None:
+        self.session = session
+        self.name = view.name
+        self.arena = Arena(session, view.arena, owner=True)
+        self.buffers = {b.name: b for b in view.buffers}
+        self.max_tokens = view.max_tokens  # the declared bound
+        self.tokens = view.tokens  # rows committed in every buffer
+        self.bytes_per_token = view.bytes_per_token
+        self.budget: dict[str, int] = {}  # the figures of the round that sized the pool
+        self.round_id = 0
+        self._round_deadline_s = 0.0
+        # Set by the engine: the highest row it still uses. shrink() refuses to give
+        # back rows below it.
+        self.rows_in_use: Callable[[], int] | None = None
+
+    # ------------------------------------------------------------------ layout
+
+    def view(self, buffer: str) -> RawView:
+        """The whole region of ``buffer`` (max_tokens rows), as raw bytes."""
+        b = self._buffer(buffer)
+        return self.arena.view(b.offset, self.max_tokens * b.row_bytes)
+
+    def tensor(self, buffer: str, dtype: Any, row_shape: tuple[int, ...] | None = None) -> Any:
+        """``buffer`` as a torch tensor of shape (max_tokens, *row_shape), outside any pool.
+        Rows at and beyond ``tokens`` are placeholder or unmapped: never touch them."""
+        from gpumem.torch_support import import_torch
+
+        torch = import_torch("KV tensors")
+        b = self._buffer(buffer)
+        rows = self.arena.tensor(b.offset, (self.max_tokens * b.row_bytes,), torch.uint8).view(dtype)
+        per_row = rows.numel() // self.max_tokens
+        shape = row_shape if row_shape is not None else (per_row,)
+        return rows.view(self.max_tokens, *shape)
+
+    def placeholder(self, slot_bytes: int = DEFAULT_PLACEHOLDER_SLOT) -> None:
+        """Alias a placeholder over every buffer, so graphs can be captured before the
+        round commits real memory (then swapped in at the same addresses)."""
+        self.arena.placeholder(0, self.arena.reserved, slot_bytes)
+
+    def _buffer(self, name: str) -> p.KvBufferView:
+        try:
+            return self.buffers[name]
+        except KeyError:
+            raise InvalidArgument(f"KV pool '{self.name}' has no buffer '{name}' (it has {sorted(self.buffers)})") from None
+
+    # ------------------------------------------------------------------ commit round
+
+    def join_round(self) -> p.RoundView:
+        view: p.RoundView = self.session.call(p.RoundJoin(pool=self.name))
+        self.round_id = view.round_id
+        self._round_deadline_s = view.deadline_in_s
+        return view
+
+    def capture_done(
+        self,
+        *,
+        headroom_bytes: int = 0,
+        graph_pool_bytes: int = 0,
+        min_tokens: int = 0,
+        max_tokens: int = 0,
+        weight: float = 1.0,
+        timeout: float | None = None,
+    ) -> int:
+        """Report that this engine's graphs are captured and wait for the round to
+        commit; returns the tokens every buffer now holds. Raises RoundFailed (the
+        deadline passed, or the budget cannot cover the minimums) with the figures."""
+        message = p.CaptureDone(
+            pool=self.name,
+            headroom_bytes=headroom_bytes,
+            graph_pool_bytes=graph_pool_bytes,
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+            weight=weight,
+        )
+        wait = timeout if timeout is not None else max(self.session.timeout, self._round_deadline_s + _DEADLINE_SLACK_S)
+        reply, fds = self.session._call(message, wait)
+        self._apply(reply, fds)
+        return self.tokens
+
+    # ------------------------------------------------------------------ elastic
+
+    def grow(self, tokens: int) -> int:
+        """Commit rows up to ``tokens`` if the device has the memory (else OutOfMemory
+        with the figures)."""
+        reply, fds = self.session._call(p.KvGrow(pool=self.name, tokens=tokens))
+        self._apply(reply, fds)
+        return self.tokens
+
+    def shrink_requests(self) -> list[int]:
+        """Bounds the daemon asked this pool to shrink to, oldest first."""
+        return [n.tokens for n in self.session.notices(kind="kv-shrink", arena=self.name)]
+
+    def shrink(self, tokens: int) -> int:
+        """Confirm rows from ``tokens`` on are free and give them back. Whole chunks go,
+        so the pool may keep a few more rows; returns the tokens it keeps."""
+        if self.rows_in_use is not None and self.rows_in_use() > tokens:
+            raise InvalidArgument(
+                f"KV pool '{self.name}' still uses rows up to {self.rows_in_use()}; it cannot give back rows from {tokens} on"
+            )
+        reply, fds = self.session._call(p.KvShrink(pool=self.name, tokens=tokens))
+        self._apply(reply, fds)
+        return self.tokens
+
+    def _apply(self, reply: p.KvCommitReply, fds: dict[int, int]) -> None:
+        self.arena._apply(reply, fds)
+        self.tokens = reply.pool.tokens
+        if reply.round_id:
+            self.round_id = reply.round_id
+            self.budget = dict(reply.budget)
+
+    def release(self) -> None:
+        self.arena.release()
+
+    def __repr__(self) -> str:
+        return f"<gpumem.KvPool '{self.name}' {len(self.buffers)} buffers, {self.tokens}/{self.max_tokens} tokens>"
