@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""A KV commit round: time from the last capture-done to every client mapped.
+
+Two client processes each declare a KV pool of 64 buffers (4 KiB token rows) holding
+50 GiB (``--kv-gib`` in all, split evenly), back it with a placeholder, join one round
+and wait. The benchmark then lets client A report capture-done, and a moment later
+client B: the round commits when B reports. Each client notes (CLOCK_MONOTONIC, shared
+by the processes of one machine) when it sent capture-done and when its KV was mapped;
+the figure is max(mapped) - B's report.
+
+Baseline, same run: one client commits the same bytes into a plain arena
+(``arena.commit``), once per pool, one after the other: the cost of getting that memory
+through the daemon with no round at all.
+
+Tokens gained: what the round could give each engine (its budget, split evenly)
+against a static guess made before capture, the way engines size KV today: a fraction
+of the device's memory (``--static-fraction``, default 0.85, shared evenly by the
+engines), in the same token rows.
+
+    python bench/kv_round.py --backend cuda      # 100 GiB on an H200
+    python bench/kv_round.py --backend host      # the same on host memfds (capacity 120 GiB)
+
+Last line: {"bench": "kv_round", ...}; ok means round_ms <= 100.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+
+import _common as c
+
+BENCH = "kv_round"
+GiB = 1 << 30
+MiB = 1 << 20
+BUFFERS = 64
+ROW = 4096
+
+
+def client(name: str, tokens: int, headroom: int) -> int:
+    """One engine: declare, placeholder, join, then report when told; prints JSON."""
+    import gpumem
+
+    session = gpumem.connect(0, name=name)
+    pool = session.declare_kv_pool(f"{name}-kv", [gpumem.KvBuffer(f"b{i}", ROW) for i in range(BUFFERS)], max_tokens=tokens)
+    pool.placeholder()
+    pool.join_round()
+    print("READY", flush=True)
+    sys.stdin.readline()
+    sent = time.monotonic()
+    got = pool.capture_done(headroom_bytes=headroom, min_tokens=tokens, max_tokens=tokens, timeout=600)
+    mapped = time.monotonic()
+    chunks = len(pool.arena._chunks)
+    print(json.dumps({"sent": sent, "mapped": mapped, "tokens": got, "bytes": pool.arena.mapped_bytes, "chunks": chunks, "budget": pool.budget}), flush=True)
+    sys.stdin.readline()
+    session.close()
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        return client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
+    parser.add_argument("--kv-gib", type=float, default=100.0, help="KV over both clients")
+    parser.add_argument("--headroom-gib", type=float, default=4.0, help="each client's reported headroom")
+    parser.add_argument("--static-fraction", type=float, default=0.85)
+    args = parser.parse_args()
+    c.ensure_importable()
+
+    def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
+        result.targets = {"round_ms_max": 100.0}
+        import gpumem
+
+        per_pool = int(args.kv_gib * GiB / 2)
+        tokens = per_pool // (BUFFERS * ROW)
+        headroom = int(args.headroom_gib * GiB)
+        rt = cleanup.enter_context(c.runtime_dir())
+        extra = ["--host-capacity", str(int(args.kv_gib * GiB) + 20 * GiB)] if args.backend == "host" else []
+        daemon = c.Daemon(rt, args.backend, args=extra)
+        cleanup.callback(daemon.stop)
+        daemon.wait_ready(60)
+        env = c.child_env(GPUMEMD_RUNTIME_DIR=str(rt))
+
+        # Baseline: the same bytes through plain arena commits, no round.
+        session = gpumem.connect(0, name="bench-baseline", runtime_dir=rt)
+        plain = session.create_arena("plain", 2 * per_pool + 4 * GiB)
+        total = session.status().device.total_bytes
+        t0 = time.monotonic()
+        plain.commit(per_pool // (2 * MiB) * (2 * MiB))
+        plain.commit(2 * (per_pool // (2 * MiB) * (2 * MiB)))
+        baseline_ms = (time.monotonic() - t0) * 1e3
+        plain.release()
+        session.close()
+        c.say(f"baseline: plain commit of {2 * per_pool / GiB:.0f} GiB in two steps: {baseline_ms:.1f} ms")
+
+        procs = []
+        for name in ("engine-a", "engine-b"):
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--client", name, str(tokens), str(headroom)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            cleanup.callback(proc.kill)
+            procs.append(proc)
+        for proc in procs:
+            line = proc.stdout.readline() if proc.stdout else ""
+            if not line.startswith("READY"):
+                raise RuntimeError(f"a client did not get ready: {line!r}; daemon log:\n{daemon.log()}")
+        a, b = procs
+        assert a.stdin and b.stdin and a.stdout and b.stdout
+        a.stdin.write("go\n")
+        a.stdin.flush()
+        time.sleep(0.5)  # A is waiting in the round; B's report is the last
+        b.stdin.write("go\n")
+        b.stdin.flush()
+        results = [json.loads(p.stdout.readline()) for p in (a, b)]
+        for p in (a, b):
+            p.stdin.write("bye\n")
+            p.stdin.flush()
+            p.wait(60)
+        round_ms = (max(r["mapped"] for r in results) - results[1]["sent"]) * 1e3
+        budget = results[0]["budget"]
+        bpt = BUFFERS * ROW
+        round_tokens = budget["budget"] // 2 // bpt
+        static_tokens = int(args.static_fraction * total / 2) // bpt
+        c.say(
+            f"round: last capture-done to both mapped {round_ms:.1f} ms for {sum(r['bytes'] for r in results) / GiB:.1f} GiB "
+            f"in {sum(r['chunks'] for r in results)} chunks ({baseline_ms:.1f} ms plain)"
+        )
+        c.say(
+            f"tokens per engine: round budget allows {round_tokens}, a static {args.static_fraction:.2f}-of-memory guess "
+            f"gives {static_tokens} ({(round_tokens - static_tokens) / static_tokens:+.1%})"
+        )
+        result.figures = {
+            "round_ms": round_ms,
+            "baseline_plain_commit_ms": baseline_ms,
+            "ratio": c.ratio(round_ms, baseline_ms),
+            "kv_gib": sum(r["bytes"] for r in results) / GiB,
+            "chunks": sum(r["chunks"] for r in results),
+            "buffers": 2 * BUFFERS,
+            "budget_gib": budget["budget"] / GiB,
+            "round_tokens_per_engine": round_tokens,
+            "static_tokens_per_engine": static_tokens,
+            "tokens_gained": (round_tokens - static_tokens) / static_tokens,
+        }
+        result.ok = round_ms <= 100.0
+
+    return c.run(BENCH, args.backend, body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
