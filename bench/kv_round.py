@@ -47,7 +47,7 @@ def client(name: str, tokens: int, headroom: int) -> int:
     session = gpumem.connect(0, name=name)
     pool = session.declare_kv_pool(f"{name}-kv", [gpumem.KvBuffer(f"b{i}", ROW) for i in range(BUFFERS)], max_tokens=tokens)
     pool.placeholder()
-    pool.join_round()
+    pool.join_round(expect=2)
     print("READY", flush=True)
     sys.stdin.readline()
     sent = time.monotonic()

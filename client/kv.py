@@ -80,8 +80,11 @@ class KvPool:
 
     # ------------------------------------------------------------------ commit round
 
-    def join_round(self) -> p.RoundView:
-        view: p.RoundView = self.session.call(p.RoundJoin(pool=self.name))
+    def join_round(self, expect: int = 0) -> p.RoundView:
+        """Join the device's open commit round. Join early (before loading and capture)
+        and give ``expect``, the number of pools the round should gather, when engines
+        may start at different times: the round then waits for all of them."""
+        view: p.RoundView = self.session.call(p.RoundJoin(pool=self.name, expect=expect))
         self.round_id = view.round_id
         self._round_deadline_s = view.deadline_in_s
         return view

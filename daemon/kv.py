@@ -142,6 +142,8 @@ class Round:
     deadline: float  # monotonic
     policy: str  # "fail" | "partial"
     state: str = "open"  # open | awaiting-shrink | committed | failed
+    expect: int = 0  # members to wait for before committing
+    joined: int = 0  # members that ever joined (dropped ones included)
     members: list[Member] = dataclasses.field(default_factory=list)
     dropped: list[str] = dataclasses.field(default_factory=list)  # "client/pool: why"
     budget: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -501,6 +501,10 @@ class DaemonState:
             self._next_round += 1
             self.rounds.append(round_)
             del self.rounds[:-16]  # finished rounds stay visible for a while
+        if m.expect < 0:
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"expect must be >= 0, not {m.expect}")
+        round_.expect = max(round_.expect, m.expect)
+        round_.joined += 1
         round_.members.append(kv.Member(pool=pool, session_id=s.id, client=s.name))
         log.info("round %d: %r joined with pool %r", round_.id, s.name, pool.name)
         return Outcome(self._round_view(round_))
@@ -559,7 +563,7 @@ class DaemonState:
                 available=available,
             )
         before = {c.id for c in arena.chunks}
-        self._create([(arena, offset, size) for offset, size in wanted], available)
+        self._create([(arena, offset, size) for offset, size in wanted], available, ladder=False)
         pool.tokens = m.tokens
         new = [c for c in arena.chunks if c.id not in before]
         return Outcome(self._kv_reply(s, pool, new, []), handout=self._hand(s, new))
@@ -608,10 +612,13 @@ class DaemonState:
         if round_.state not in ("open", "awaiting-shrink"):
             return
         late = now >= round_.deadline
-        if round_.pending and not late:
+        absent = max(0, round_.expect - round_.joined)
+        if (round_.pending or absent) and not late:
             return
-        if round_.pending:
-            missing = ", ".join(f"{m.client}/{m.pool.name}" for m in round_.pending)
+        if round_.pending or absent:
+            missing = ", ".join(
+                [f"{m.client}/{m.pool.name}" for m in round_.pending] + ([f"{absent} expected pool(s) that never joined"] if absent else [])
+            )
             if round_.policy == "fail":
                 self._fail_round(round_, f"round {round_.id} passed its deadline; these members did not report capture-done: {missing}")
                 return
@@ -657,7 +664,7 @@ class DaemonState:
             work += [(arena, offset, size) for offset, size in self._kv_missing(member.pool, arena, tokens[member])]
         before = {c.id for m in members for c in self.arenas[m.pool.name].chunks}
         try:
-            self._create(work, max(budget, 0))
+            self._create(work, max(budget, 0), ladder=False)
         except p.ProtocolError as exc:
             self._fail_round(round_, f"round {round_.id}: {exc.message}")
             return
@@ -778,12 +785,16 @@ class DaemonState:
             members=[f"{m.client}/{m.pool.name}" for m in round_.members],
         )
 
-    def _create(self, work: list[tuple[Arena, int, int]], available: int) -> None:
+    def _create(self, work: list[tuple[Arena, int, int]], available: int, *, ladder: bool = True) -> None:
         """Create chunks for every (arena, offset, size) range at once, all or none: bulk
-        chunks, then a ladder for each range's tail."""
+        chunks, then a ladder for each range's tail (or, without ``ladder``, the tail as
+        one chunk: KV rounds touch a hundred buffers at once, and every chunk costs a
+        create, an export and a map)."""
         placements: list[tuple[Arena, int, int]] = []
+        bulk = self.config.bulk_chunk
         for arena, offset, size in work:
-            for chunk_size in plan_chunk_sizes(size, self.config.bulk_chunk, self.device.granularity):
+            sizes = plan_chunk_sizes(size, bulk, self.device.granularity) if ladder else [bulk] * (size // bulk) + ([size % bulk] if size % bulk else [])
+            for chunk_size in sizes:
                 placements.append((arena, offset, chunk_size))
                 offset += chunk_size
         need = sum(size for _, _, size in placements)
@@ -904,6 +915,7 @@ class DaemonState:
                 p.RoundStatus(
                     id=r.id,
                     state=r.state,
+                    expect=r.expect,
                     policy=r.policy,
                     deadline_in_s=round(r.deadline - self.clock(), 3),
                     members=[

@@ -3,13 +3,15 @@
 
 Each engine process is a toy decoder (random weights, nothing downloaded):
 
-1. declares a KV pool with a K and a V buffer per layer (``--layers`` of them) and lays
-   the buffers out as tensors on virtual-only space, backed by a placeholder;
+1. declares a KV pool with a K and a V buffer per layer (``--layers`` of them), lays
+   the buffers out as tensors on virtual-only space, backed by a placeholder, and joins
+   the device's commit round early, saying how many engines the round should gather
+   (so an engine that starts late still shares the round);
 2. captures its decode-step graph, which writes the step's keys and values into the KV
    cache with a device memcpy (a staging row block) and a scatter, then attends over a
    window of cached rows. A memcpy cannot be captured on unmapped space; on the
    placeholder it can;
-3. joins the device's commit round and reports capture-done with its headroom;
+3. reports capture-done with its headroom and graph memory, and waits for the round;
 4. once the round commits, its KV holds real memory at the same addresses: it replays
    the captured graph for ``--steps`` steps and checks, after every step, that the keys
    and values landed where they should and the output matches an eager computation.
@@ -57,6 +59,7 @@ def engine(args: argparse.Namespace) -> int:
     pool = session.declare_kv_pool(f"{args.name}-kv", buffers, max_tokens=args.max_tokens)
     cache = {b.name: pool.tensor(b.name, torch.float16, (heads, head_dim)) for b in buffers}
     pool.placeholder()
+    joined = pool.join_round(expect=args.expect)
 
     # Static inputs of the decode step, refilled before every replay: the tokens' hidden
     # states, the rows they write, the rows they attend over.
@@ -67,6 +70,7 @@ def engine(args: argparse.Namespace) -> int:
     def step() -> torch.Tensor:
         h = x
         for layer, w in enumerate(layers):
+            h = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)  # keeps fp16 in range
             q = (h @ w["q"]).view(batch, heads, head_dim)
             k = (h @ w["k"]).view(batch, heads, head_dim)
             v = (h @ w["v"]).view(batch, heads, head_dim)
@@ -95,8 +99,7 @@ def engine(args: argparse.Namespace) -> int:
     torch.cuda.synchronize()
     graph_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
 
-    joined = pool.join_round()
-    print(f"{args.name}: captured on placeholder ({graph_bytes >> 20} MiB of graph memory); joined round {joined.round_id}", flush=True)
+    print(f"{args.name}: captured on placeholder ({graph_bytes >> 20} MiB of graph memory) in round {joined.round_id}", flush=True)
     tokens = pool.capture_done(
         headroom_bytes=args.headroom,
         graph_pool_bytes=graph_bytes,
@@ -116,7 +119,8 @@ def engine(args: argparse.Namespace) -> int:
         graph.replay()
         torch.cuda.synchronize()
         # The first layer's keys went to the right rows of real memory...
-        k0 = (x @ layers[0]["k"]).view(batch, heads, head_dim)
+        h0 = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+        k0 = (h0 @ layers[0]["k"]).view(batch, heads, head_dim)
         if not torch.equal(cache["k0"][positions], k0):
             ok = False
             print(f"{args.name}: step {t}: layer-0 keys did not land in rows {base}..{base + batch}", flush=True)
@@ -124,7 +128,7 @@ def engine(args: argparse.Namespace) -> int:
         # ...and the graph's output matches an eager run over the same cache.
         if t % 10 == 0:
             eager = step()
-            if not torch.allclose(eager.float(), out.float(), atol=2e-2, rtol=2e-2):
+            if not (torch.isfinite(out).all() and torch.allclose(eager.float(), out.float(), atol=5e-2, rtol=5e-2)):
                 ok = False
                 print(f"{args.name}: step {t}: graph output differs from eager", flush=True)
                 break
@@ -165,7 +169,7 @@ def launcher(args: argparse.Namespace) -> int:
         procs = [
             subprocess.Popen(
                 [sys.executable, __file__, "engine", "--name", name, "--layers", str(args.layers), "--weight", str(1 + i),
-                 "--steps", str(args.steps), "--seed", str(i)],
+                 "--steps", str(args.steps), "--seed", str(i), "--expect", str(args.engines)],
                 env=env,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -204,6 +208,7 @@ def main() -> int:
     parser.add_argument("--weight", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expect", type=int, default=1, help="pools the round gathers before it commits")
     parser.add_argument("--round-wait", type=float, default=600.0, help="seconds to wait for the round to commit")
     args = parser.parse_args()
     return engine(args) if args.mode == "engine" else launcher(args)

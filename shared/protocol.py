@@ -480,6 +480,7 @@ class RoundMemberStatus:
 class RoundStatus:
     id: int
     state: str  # open | awaiting-shrink | committed | failed
+    expect: int  # pools the round waits for (0: whoever joined)
     policy: str  # what a passed deadline does: "fail" the round, or commit the "partial" set
     deadline_in_s: float  # negative once passed
     members: list[RoundMemberStatus]
@@ -683,6 +684,10 @@ class RoundJoin:
     TYPE: ClassVar[MsgType]
     REPLY: ClassVar[type]
     pool: str
+    # How many pools the round should gather before it may commit (the largest value any
+    # member gives wins): engines that start at different times then still share one
+    # round. 0: commit once every member that joined has reported.
+    expect: int = 0
 
 
 @dataclasses.dataclass(slots=True)
