@@ -219,11 +219,11 @@ class DaemonState:
         if session is None:
             return []
         notices: list[tuple[int, p.Notice]] = []
-        for round_ in self._active_rounds():
+        rounds = self._active_rounds()
+        for round_ in rounds:
             for member in [m for m in round_.members if m.session_id == session_id]:
                 round_.members.remove(member)
                 round_.dropped.append(f"{member.client}/{member.pool.name}: the client went away")
-            self._try_finish(round_)
         for arena in [a for a in self.arenas.values() if session_id in a.attached]:
             self._drop_holder_everywhere(arena, session_id)
             arena.attached.discard(session_id)
@@ -235,6 +235,8 @@ class DaemonState:
                 self._destroy_arena(arena, notices)
             elif arena.owner_id == session_id:
                 log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
+        for round_ in rounds:  # once its memory is given back: the budget counts it as free
+            self._try_finish(round_)
         log.info("session %d closed: client %r pid %d", session.id, session.name, session.pid)
         return notices
 
@@ -326,15 +328,7 @@ class DaemonState:
         need = m.nbytes - committed
         if need == 0:
             return self._map_reply(s, arena)
-        available = self.available_bytes()
-        if need > available:
-            raise p.ProtocolError(
-                p.ErrorCode.OUT_OF_MEMORY,
-                f"committing {need} more bytes to arena '{arena.name}' needs more than the {available} bytes "
-                f"available on device {self.device.index} (free memory less the {self.config.reserve_bytes}-byte reserve)",
-                requested=need,
-                available=available,
-            )
+        available = self._require_available(need, f"committing {need} more bytes to arena '{arena.name}'")
         self._create([(arena, committed, need)], available)
         outcome = self._map_reply(s, arena)
         outcome.notices = self._notify_sharers(arena, s.id, "arena-grown", f"arena '{arena.name}' grew to {arena.committed} bytes; sync to map it")
@@ -410,14 +404,7 @@ class DaemonState:
             )
         if missing:
             need = sum(missing)
-            available = self.available_bytes()
-            if need > available:
-                raise p.ProtocolError(
-                    p.ErrorCode.OUT_OF_MEMORY,
-                    f"placeholders of {need} bytes for arena '{arena.name}' exceed the {available} bytes available",
-                    requested=need,
-                    available=available,
-                )
+            self._require_available(need, f"placeholders of {need} bytes for arena '{arena.name}'")
             placements = []
             for size in missing:
                 placements.append((arena.address + arena.reserved + used, size))
@@ -459,9 +446,15 @@ class DaemonState:
             per_token = sum(max(b.row_bytes, 1) for b in m.buffers) or 1
             max_tokens = m.reserve_bytes // per_token
             layouts, window = kv.layout(m.buffers, max_tokens, g)
-            while window > m.reserve_bytes and max_tokens > 0:  # rounding each region up costs a little
-                max_tokens -= max(1, (window - m.reserve_bytes) // per_token)
-                layouts, window = kv.layout(m.buffers, max_tokens, g)
+            if window > m.reserve_bytes:  # rounding each region up costs a little: the most that still fit
+                lo, hi = 0, max_tokens - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if kv.layout(m.buffers, mid, g)[1] <= m.reserve_bytes:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                max_tokens = lo
             if max_tokens <= 0:
                 raise p.ProtocolError(
                     p.ErrorCode.INVALID_ARGUMENT, f"reserve_bytes {m.reserve_bytes} holds no token of KV pool '{m.name}'"
@@ -487,6 +480,8 @@ class DaemonState:
             raise p.ProtocolError(
                 p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' already holds {pool.tokens} tokens; grow it instead"
             )
+        if m.expect < 0:  # before any round is opened or touched
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"expect must be >= 0, not {m.expect}")
         active = self._active_rounds()
         if any(r.member(pool.name) for r in active):
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"KV pool '{pool.name}' is already in round {active[-1].id}")
@@ -501,8 +496,6 @@ class DaemonState:
             self._next_round += 1
             self.rounds.append(round_)
             del self.rounds[:-16]  # finished rounds stay visible for a while
-        if m.expect < 0:
-            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"expect must be >= 0, not {m.expect}")
         round_.expect = max(round_.expect, m.expect)
         round_.joined += 1
         round_.members.append(kv.Member(pool=pool, session_id=s.id, client=s.name))
@@ -545,6 +538,11 @@ class DaemonState:
     def _kv_grow(self, session: Session | None, m: p.KvGrow) -> Outcome:
         s = self._need_session(session)
         pool = self._owned_pool(s, m.pool, "grow")
+        in_round = next((r for r in self._active_rounds() if r.member(pool.name)), None)
+        if in_round is not None:  # the round decides its tokens; a grow now would be overwritten
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' is in round {in_round.id}; it grows once the round commits"
+            )
         if not pool.tokens < m.tokens <= pool.max_tokens:
             raise p.ProtocolError(
                 p.ErrorCode.INVALID_ARGUMENT,
@@ -553,15 +551,7 @@ class DaemonState:
         arena = self.arenas[pool.name]
         wanted = self._kv_missing(pool, arena, m.tokens)
         need = sum(size for _, size in wanted)
-        available = self.available_bytes()
-        if need > available:
-            raise p.ProtocolError(
-                p.ErrorCode.OUT_OF_MEMORY,
-                f"growing KV pool '{pool.name}' from {pool.tokens} to {m.tokens} tokens needs {need} bytes; "
-                f"{available} are available on device {self.device.index}",
-                requested=need,
-                available=available,
-            )
+        available = self._require_available(need, f"growing KV pool '{pool.name}' from {pool.tokens} to {m.tokens} tokens")
         before = {c.id for c in arena.chunks}
         self._create([(arena, offset, size) for offset, size in wanted], available, ladder=False)
         pool.tokens = m.tokens
@@ -703,14 +693,23 @@ class DaemonState:
             for pool in self.kv_pools.values()
             if pool.name not in in_round and pool.tokens > pool.min_tokens and pool.owner_id in self.sessions
         ]
-        spare = {pool: pool.cost(pool.tokens) - pool.cost(pool.min_tokens) for pool in donors}
-        total = sum(spare.values())
+        # A shrink gives back whole chunks only (KV_SHRINK keeps any chunk the bound falls
+        # in), so count and ask for what chunk boundaries can actually free.
+        spare = {pool: self._kv_freeable(pool, pool.min_tokens) for pool in donors}
+        donors = [pool for pool in donors if spare[pool] > 0]
+        total = sum(spare[pool] for pool in donors)
         if total < deficit:
             return False
         for pool in donors:
             give = -(-deficit * spare[pool] // total)
-            target = pool.most_tokens_within(pool.cost(pool.tokens) - give, pool.tokens)
-            pool.shrink_request = max(target, pool.min_tokens)
+            lo, hi = pool.min_tokens, pool.tokens  # freeable(lo) >= give; the most tokens that free it
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self._kv_freeable(pool, mid) >= give:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            pool.shrink_request = lo
             names = ", ".join(f"{m.client}/{m.pool.name}" for m in round_.members)
             notice = p.Notice(
                 kind="kv-shrink",
@@ -721,6 +720,15 @@ class DaemonState:
             )
             self._pending_notices.append((pool.owner_id, notice))
         return True
+
+    def _kv_freeable(self, pool: kv.KvPool, tokens: int) -> int:
+        """Bytes KV_SHRINK to ``tokens`` would give back: the chunks past every buffer's bound."""
+        arena = self.arenas[pool.name]
+        freed = 0
+        for buffer in pool.buffers:
+            bound = buffer.offset + pool.prefix(buffer, tokens)
+            freed += sum(c.size for c in arena.chunks if bound <= c.offset < buffer.offset + buffer.region)
+        return freed
 
     def take_notices(self) -> list[tuple[int, p.Notice]]:
         out, self._pending_notices = self._pending_notices, []
@@ -857,6 +865,18 @@ class DaemonState:
 
     def available_bytes(self) -> int:
         return max(0, self.free_bytes() - self.config.reserve_bytes)
+
+    def _require_available(self, need: int, what: str) -> int:
+        available = self.available_bytes()
+        if need > available:
+            raise p.ProtocolError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"{what} needs {need} bytes; {available} are available on device {self.device.index} "
+                f"(free memory less the {self.config.reserve_bytes}-byte reserve)",
+                requested=need,
+                available=available,
+            )
+        return available
 
     def status(self) -> p.StatusReply:
         names = {sid: s.name for sid, s in self.sessions.items()}
@@ -1081,12 +1101,16 @@ class DaemonState:
         arena.placeholders = []
         del self.arenas[arena.name]
         self.kv_pools.pop(arena.name, None)
+        left = []
         for round_ in self._active_rounds():
             for member in [m for m in round_.members if m.pool.name == arena.name]:
                 round_.members.remove(member)
                 round_.dropped.append(f"{member.client}/{arena.name}: the pool was released")
+                left.append(round_)
         try:
             self.driver.free_reservation(arena.address, arena.window)
         except DriverError:
             log.exception("freeing the window of arena %r failed", arena.name)
         log.info("arena %r destroyed", arena.name)
+        for round_ in left if not self.stopping else []:  # it may have been the last one pending
+            self._try_finish(round_)
