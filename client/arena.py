@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 DEFAULT_PLACEHOLDER_SLOT = 64 * MiB
+# The CUDA driver places small reservations wherever it likes, ignoring the address
+# asked for (seen on an H200, driver 580: at 16 MiB and below). A smaller arena reserves
+# this much here: the daemon plans every window with 512 MiB of placeholder scratch past
+# the arena's end, so the extra never reaches another arena.
+MIN_RESERVATION = 256 * MiB
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint [start, end) offsets
 
@@ -78,6 +83,7 @@ class Arena:
         self._cover: Ranges = []  # where placeholder backing was asked for
         self._placeholder_fds: dict[int, int] = {}  # slot size -> fd, kept to map again
         self._reserved_here = False
+        self._va_bytes = self.reserved  # what _reserve took here (at least MIN_RESERVATION)
         self._released = False
         self._torch: ArenaPool | None = None
 
@@ -85,12 +91,13 @@ class Arena:
 
     def _reserve(self) -> None:
         driver = self.session.driver
+        self._va_bytes = max(self.reserved, MIN_RESERVATION)
         try:
-            got = driver.reserve(self.reserved, self.address)
+            got = driver.reserve(self._va_bytes, self.address)
         except DriverError as exc:
             raise MappingError(f"reserving arena '{self.name}' ({self.reserved} bytes at {self.address:#x}) failed: {exc}") from None
         if got != self.address:
-            driver.free_reservation(got, self.reserved)
+            driver.free_reservation(got, self._va_bytes)
             raise VaCollision(
                 f"arena '{self.name}' is planned at [{self.address:#x}, {self.address + self.reserved:#x}) but that "
                 f"window is taken in this process (the driver offered {got:#x}); create or attach arenas before "
@@ -251,7 +258,7 @@ class Arena:
         fdchannel.close_all(list(self._placeholder_fds.values()))
         self._placeholder_fds.clear()
         if self._reserved_here:
-            driver.free_reservation(self.address, self.reserved)
+            driver.free_reservation(self.address, self._va_bytes)
             self._reserved_here = False
         self._released = True
         self.session.arenas.pop(self.name, None)

@@ -39,7 +39,7 @@ def _target(command: Callable[..., Any]) -> Callable[..., Any]:
 @_target
 @click.pass_context
 def main(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None) -> None:
-    """Inspect gpumemd: clients, arenas, graph-pool extents and leases."""
+    """Inspect gpumemd: clients, arenas, graph-pool extents, leases, KV commit rounds and KV pools."""
     ctx.obj = {"device": device, "runtime_dir": runtime_dir, "timeout": timeout}
 
 
@@ -75,15 +75,43 @@ def _die(code: int, message: str) -> None:
 
 @main.command()
 @_target
-@click.option("--json", "as_json", is_flag=True, help="One JSON object: daemon, device, clients, arenas, extents, leases.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON object: daemon, device, clients, arenas, extents, leases, rounds, kv."
+)
 @click.pass_context
 def status(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
-    """Daemon, device, clients, arenas, extents and leases."""
+    """Daemon, device, clients, arenas, extents, leases, KV commit rounds and KV pools."""
     reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
     if as_json:
         click.echo(json.dumps(p.to_wire(reply), indent=2))
         return
     click.echo(render_status(reply))
+
+
+@main.command()
+@_target
+@click.option("--json", "as_json", is_flag=True, help="The status's 'rounds' list as JSON.")
+@click.pass_context
+def rounds(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
+    """KV commit rounds: members, what each reported, and the budget math."""
+    reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
+    if as_json:
+        click.echo(json.dumps(p.to_wire(reply.rounds), indent=2))
+        return
+    click.echo("\n".join(["ROUNDS"] + render_rounds(reply)))
+
+
+@main.command()
+@_target
+@click.option("--json", "as_json", is_flag=True, help="The status's 'kv' list as JSON.")
+@click.pass_context
+def kv(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
+    """KV pools: layout, committed tokens and bytes, pending shrink requests."""
+    reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
+    if as_json:
+        click.echo(json.dumps(p.to_wire(reply.kv), indent=2))
+        return
+    click.echo("\n".join(["KV"] + render_kv(reply)))
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -151,7 +179,117 @@ def render_status(s: p.StatusReply) -> str:
     )
     lines += ["", "EXTENTS"] + _table([], []) if not s.extents else ["", "EXTENTS"] + [f"  {e}" for e in s.extents]
     lines += ["", "LEASES"] + _table([], []) if not s.leases else ["", "LEASES"] + [f"  {e}" for e in s.leases]
+    lines += ["", "ROUNDS"] + render_rounds(s)
+    lines += ["", "KV"] + render_kv(s)
     return "\n".join(lines)
+
+
+def _tokens(n: int) -> str:
+    return "-" if n <= 0 else str(n)
+
+
+def _deadline(seconds: float) -> str:
+    if seconds >= 0:
+        return f"deadline in {_duration(seconds)}"
+    return f"deadline passed {_duration(-seconds)} ago"
+
+
+def _budget_lines(r: p.RoundStatus, pools: dict[str, p.KvPoolStatus]) -> list[str]:
+    """The round's budget as the daemon computed it, one step per line."""
+    b = r.budget
+    pending = [f"{m.client}/{m.pool}" for m in r.members if not m.reported]
+    absent = max(0, r.expect - len(r.members) - len(r.dropped))
+    waits = [f"capture-done from {', '.join(pending)}"] if pending else []
+    waits += [f"{absent} more expected pool(s) to join"] if absent else []
+    waiting = f"waiting for {' and '.join(waits)}" if waits and r.state in ("open", "awaiting-shrink") else ""
+    if not b:
+        if waiting:
+            return [f"budget: not computed yet; {waiting}"]
+        failed = r.state == "failed"
+        return ["budget: not computed (the round failed before it was measured)" if failed else "budget: not computed yet"]
+    free, reserve, headroom, budget = b.get("free", 0), b.get("reserve", 0), b.get("headroom", 0), b.get("budget", 0)
+    minimums = b.get("minimums", 0)
+    lines = [f"{waiting}; the figures below are from the last attempt and are computed again then"] if waiting else []
+    lines.append(
+        f"budget: free {format_size(free)} - reserve {format_size(reserve)} - headroom {format_size(headroom)}"
+        f" = {format_size(budget)}"
+        + (f"  (graph pools {format_size(b['graph_pools'])}: already in use, not deducted)" if b.get("graph_pools") else "")
+    )
+    if minimums > max(budget, 0):
+        lines.append(f"minimums: {format_size(minimums)} needed first; short by {format_size(minimums - max(budget, 0))}")
+    else:
+        total_weight = sum(m.weight for m in r.members if m.reported)
+        lines.append(
+            f"minimums: {format_size(minimums)} first; the other {format_size(max(budget, 0) - minimums)} shared by weight"
+            + (f" (total weight {total_weight:g}), each capped at its max tokens" if total_weight else "")
+        )
+    if "committed" in b:
+        lines.append(
+            f"committed: {format_size(b['committed'])} to the members' pools; {format_size(max(budget, 0) - b['committed'])}"
+            " of the budget unused (max-token caps, granularity rounding)"
+        )
+    elif r.state == "awaiting-shrink":
+        asked = [f"{k.name} ({k.owner}) to {k.shrink_request} tokens" for k in pools.values() if k.shrink_request >= 0]
+        lines.append("waiting for shrink confirmations: " + (", ".join(asked) if asked else "none pending"))
+    return lines
+
+
+def render_rounds(s: p.StatusReply) -> list[str]:
+    if not s.rounds:
+        return _table([], [])
+    pools = {k.name: k for k in s.kv}
+    lines: list[str] = []
+    for r in s.rounds:
+        reported = sum(1 for m in r.members if m.reported)
+        lines.append(
+            f"  round {r.id}  {r.state}  policy {r.policy}  {_deadline(r.deadline_in_s)}  "
+            f"{reported}/{len(r.members)} reported" + (f"  expects {r.expect} pools" if r.expect else "")
+        )
+        lines += [f"    {line}" for line in _budget_lines(r, pools)]
+        total_weight = sum(m.weight for m in r.members if m.reported) or 1.0
+        rows = [
+            [
+                m.client,
+                m.pool,
+                "reported" if m.reported else "PENDING",
+                format_size(m.headroom_bytes) if m.reported else "-",
+                format_size(m.graph_pool_bytes) if m.reported else "-",
+                str(m.min_tokens) if m.reported else "-",
+                str(m.max_tokens) if m.reported else "-",
+                f"{m.weight:g} ({100 * m.weight / total_weight:.0f}%)" if m.reported else "-",
+                _tokens(m.tokens),
+                format_size(m.bytes) if m.tokens else "-",
+            ]
+            for m in r.members
+        ]
+        table = _table(
+            ["CLIENT", "POOL", "CAPTURE", "HEADROOM", "GRAPH POOL", "MIN TOKENS", "MAX TOKENS", "WEIGHT", "TOKENS", "BYTES"],
+            rows,
+        )
+        lines += [f"  {line}" for line in table] if rows else ["    (no members)"]
+        lines += [f"    dropped: {d}" for d in r.dropped]
+        if r.error:
+            lines.append(f"    error: {r.error}")
+    return lines
+
+
+def render_kv(s: p.StatusReply) -> list[str]:
+    return _table(
+        ["NAME", "OWNER", "BUFFERS", "BYTES/TOKEN", "TOKENS", "COMMITTED", "MIN TOKENS", "SHRINK REQUEST"],
+        [
+            [
+                k.name,
+                k.owner,
+                str(k.buffers),
+                format_size(k.bytes_per_token),
+                f"{k.tokens}/{k.max_tokens}",
+                format_size(k.committed_bytes),
+                str(k.min_tokens),
+                f"to {k.shrink_request} tokens" if k.shrink_request >= 0 else "-",
+            ]
+            for k in s.kv
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ Commands:
   address ARENA                free                       ping
   notices                      status                     close
   exit
+  kvdeclarex POOL MAXTOK RESERVE JSON   (buffers as [[name, row_bytes, align], ...]; JSON layout)
+  capturex POOL HEADROOM GRAPHPOOL MIN MAX WEIGHT TIMEOUT   (as capture, every figure; JSON result)
+  kvinfo POOL (JSON)           kvrelease POOL             joinx POOL EXPECT
+  errinfo COMMAND ...          (runs COMMAND; a GpuMemError comes back as OK JSON with its detail)
 """
 
 from __future__ import annotations
@@ -181,7 +185,52 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
         return None
     if cmd == "exit":
         raise SystemExit(0)
+    if cmd == "kvdeclarex":
+        name, max_tokens, reserve = args[0], int(args[1]), int(args[2])
+        buffers = [gpumem.KvBuffer(b[0], int(b[1]), int(b[2])) for b in json.loads(" ".join(args[3:]))]
+        POOLS[name] = session.declare_kv_pool(name, buffers, max_tokens=max_tokens, reserve_bytes=reserve)
+        arenas[name] = POOLS[name].arena
+        return json.dumps(_kv_info(POOLS[name]))
+    if cmd == "capturex":
+        pool = POOLS[args[0]]
+        tokens = pool.capture_done(
+            headroom_bytes=int(args[1]),
+            graph_pool_bytes=int(args[2]),
+            min_tokens=int(args[3]),
+            max_tokens=int(args[4]),
+            weight=float(args[5]),
+            timeout=float(args[6]) if len(args) > 6 else None,
+        )
+        return json.dumps({"tokens": tokens, **_kv_info(pool)})
+    if cmd == "kvinfo":
+        return json.dumps(_kv_info(POOLS[args[0]]))
+    if cmd == "joinx":
+        view = POOLS[args[0]].join_round(expect=int(args[1]))
+        return f"{view.round_id} {view.state}"
+    if cmd == "kvrelease":
+        POOLS.pop(args[0]).release()
+        arenas.pop(args[0], None)
+        return None
+    if cmd == "errinfo":
+        try:
+            result = run(session, arenas, args[0], args[1:])
+        except gpumem.GpuMemError as exc:
+            return json.dumps({"error": type(exc).__name__, "message": exc.message, "detail": exc.detail})
+        return json.dumps({"result": result})
     raise ValueError(f"unknown command {cmd!r}")
+
+
+def _kv_info(pool: gpumem.KvPool) -> dict[str, object]:
+    return {
+        "tokens": pool.tokens,
+        "max_tokens": pool.max_tokens,
+        "bytes_per_token": pool.bytes_per_token,
+        "round_id": pool.round_id,
+        "budget": pool.budget,
+        "buffers": {b.name: [b.offset, b.row_bytes, b.region_bytes] for b in pool.buffers.values()},
+        "committed": pool.arena.committed_ranges(),
+        "reserved": pool.arena.reserved,
+    }
 
 
 if __name__ == "__main__":
