@@ -24,6 +24,7 @@ from gpumem.errors import InvalidArgument, MappingError, SessionClosed, VaCollis
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
+    from gpumem.graph_pools import GraphPool
     from gpumem.session import Session
     from gpumem.torch_support import ArenaPool
 
@@ -345,6 +346,14 @@ class Arena:
         Running out of space raises ``gpumem.ArenaOutOfMemory`` naming the arena."""
         with self.torch_pool().routing(virtual=virtual) as pool:
             yield pool
+
+    def register_graph_pool(self, label: str) -> GraphPool:
+        """Register the graphs captured into this arena's pool with the daemon (extents
+        and free runs; owner only). See gpumem.graph_pools."""
+        from gpumem.graph_pools import GraphPool
+
+        self._check_open()
+        return GraphPool.register(self, label)
 
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """A torch tensor over the arena's bytes at ``offset``, outside any pool (for

@@ -114,6 +114,44 @@ def kv(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout:
     click.echo("\n".join(["KV"] + render_kv(reply)))
 
 
+@main.command()
+@_target
+@click.option("--json", "as_json", is_flag=True, help="The status's 'extents' list as JSON.")
+@click.pass_context
+def extents(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
+    """Graph pools: owner, extents, free runs, bytes free, epoch."""
+    reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
+    if as_json:
+        click.echo(json.dumps(p.to_wire(reply.extents), indent=2))
+        return
+    click.echo("\n".join(["EXTENTS"] + render_extents(reply, runs=True)))
+
+
+def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
+    lines = _table(
+        ["POOL", "OWNER", "ARENA", "LABEL", "EPOCH", "EXTENTS", "EXTENT BYTES", "FREE RUNS", "FREE", "LARGEST RUN"],
+        [
+            [
+                str(g.id),
+                g.owner,
+                g.arena,
+                g.label,
+                str(g.epoch),
+                str(len(g.extents)),
+                format_size(sum(e.size for e in g.extents)),
+                str(len(g.free_runs)),
+                format_size(g.free_bytes),
+                format_size(g.free_runs[0].size) if g.free_runs else "-",
+            ]
+            for g in s.extents
+        ],
+    )
+    if runs:
+        for g in s.extents:
+            lines.append(f"  pool {g.id} free runs (offset+size): " + (", ".join(f"{r.offset:#x}+{format_size(r.size)}" for r in g.free_runs) or "none"))
+    return lines
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     if not rows:
         return ["  (none)"]
@@ -177,7 +215,7 @@ def render_status(s: p.StatusReply) -> str:
             for a in s.arenas
         ],
     )
-    lines += ["", "EXTENTS"] + _table([], []) if not s.extents else ["", "EXTENTS"] + [f"  {e}" for e in s.extents]
+    lines += ["", "EXTENTS"] + render_extents(s)
     lines += ["", "LEASES"] + _table([], []) if not s.leases else ["", "LEASES"] + [f"  {e}" for e in s.leases]
     lines += ["", "ROUNDS"] + render_rounds(s)
     lines += ["", "KV"] + render_kv(s)

@@ -106,6 +106,32 @@ class Arena:
         return f"client '{self.owner_name}' (pid {self.owner_pid})"
 
 
+@dataclasses.dataclass(eq=False)
+class GraphPool:
+    """A CUDA-graph pool captured into an arena, as its owner last described it."""
+
+    id: int
+    owner_id: int
+    owner_name: str
+    arena: str
+    label: str
+    epoch: int
+    extents: list[tuple[int, int]]  # (offset, size), by offset
+    free_runs: list[tuple[int, int]]  # (offset, size), largest first
+
+    def status(self) -> p.GraphPoolStatus:
+        return p.GraphPoolStatus(
+            id=self.id,
+            owner=self.owner_name,
+            arena=self.arena,
+            label=self.label,
+            epoch=self.epoch,
+            extents=[p.Extent(offset=o, size=n) for o, n in self.extents],
+            free_runs=[p.Extent(offset=o, size=n) for o, n in self.free_runs],
+            free_bytes=sum(n for _, n in self.free_runs),
+        )
+
+
 @dataclasses.dataclass
 class Outcome:
     reply: Any  # None: the answer comes later, as a Completion
@@ -157,6 +183,8 @@ class DaemonState:
         self.kv_pools: dict[str, kv.KvPool] = {}
         self.rounds: list[kv.Round] = []  # the active one last; finished ones kept for status
         self.completions: list[Completion] = []
+        self.graph_pools: dict[int, GraphPool] = {}
+        self._next_graph_pool = 1
         self._next_round = 1
         self._pending_notices: list[tuple[int, p.Notice]] = []
         self._next_session = 1
@@ -184,6 +212,9 @@ class DaemonState:
             p.RoundJoin: self._round_join,
             p.KvGrow: self._kv_grow,
             p.KvShrink: self._kv_shrink,
+            p.RegisterGraphPool: self._register_graph_pool,
+            p.UpdateGraphPool: self._update_graph_pool,
+            p.RetireGraphPool: self._retire_graph_pool,
         }
 
     # ------------------------------------------------------------------ sessions
@@ -224,6 +255,8 @@ class DaemonState:
             for member in [m for m in round_.members if m.session_id == session_id]:
                 round_.members.remove(member)
                 round_.dropped.append(f"{member.client}/{member.pool.name}: the client went away")
+        for pool_id in [g.id for g in self.graph_pools.values() if g.owner_id == session_id]:
+            del self.graph_pools[pool_id]
         for arena in [a for a in self.arenas.values() if session_id in a.attached]:
             self._drop_holder_everywhere(arena, session_id)
             arena.attached.discard(session_id)
@@ -348,6 +381,8 @@ class DaemonState:
             )
         keep = [c for c in arena.chunks if c.offset < m.to_nbytes]
         drop = arena.chunks[len(keep) :]
+        if drop:
+            self._refuse_if_graph_pools(arena, drop[0].offset, "decommit")
         arena.chunks = keep
         notices: list[tuple[int, p.Notice]] = []
         self._retire(drop, notices, f"arena '{arena.name}' shrank to {arena.committed} bytes; sync to unmap the rest", arena.name, exclude=s.id)
@@ -429,6 +464,98 @@ class DaemonState:
             fd_batches=-(-len(handout) // p.MAX_FDS_PER_MESSAGE),
         )
         return Outcome(reply, handout=handout)
+
+    # ------------------------------------------------------------------ graph-pool registry
+
+    def _register_graph_pool(self, session: Session | None, m: p.RegisterGraphPool) -> Outcome:
+        s = self._need_session(session)
+        arena = self._owned_arena(s, m.arena, "register graph pools in")
+        if not m.label or len(m.label) > 256:
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "a graph pool needs a label of 1-256 characters")
+        extents, runs = self._check_graph_pool(arena, m.extents, m.free_runs, exclude=None)
+        pool = GraphPool(
+            id=self._next_graph_pool,
+            owner_id=s.id,
+            owner_name=s.name,
+            arena=arena.name,
+            label=m.label,
+            epoch=1,
+            extents=extents,
+            free_runs=runs,
+        )
+        self._next_graph_pool += 1
+        self.graph_pools[pool.id] = pool
+        return Outcome(p.GraphPoolReply(pool=pool.status()))
+
+    def _update_graph_pool(self, session: Session | None, m: p.UpdateGraphPool) -> Outcome:
+        s = self._need_session(session)
+        pool = self._owned_graph_pool(s, m.pool_id)
+        pool.extents, pool.free_runs = self._check_graph_pool(self.arenas[pool.arena], m.extents, m.free_runs, exclude=pool)
+        if m.recaptured:
+            pool.epoch += 1
+        return Outcome(p.GraphPoolReply(pool=pool.status()))
+
+    def _retire_graph_pool(self, session: Session | None, m: p.RetireGraphPool) -> Outcome:
+        s = self._need_session(session)
+        del self.graph_pools[self._owned_graph_pool(s, m.pool_id).id]
+        return Outcome(p.Ack())
+
+    def _owned_graph_pool(self, s: Session, pool_id: int) -> GraphPool:
+        pool = self.graph_pools.get(pool_id)
+        if pool is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no graph pool {pool_id} on device {self.device.index} (retired, or its owner left)")
+        if pool.owner_id != s.id:
+            raise p.ProtocolError(
+                p.ErrorCode.PERMISSION_DENIED, f"graph pool {pool_id} ('{pool.label}') belongs to client '{pool.owner_name}'"
+            )
+        return pool
+
+    def _check_graph_pool(
+        self, arena: Arena, extents: list[p.Extent], runs: list[p.Extent], exclude: GraphPool | None
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Extents in committed memory of the arena, disjoint from each other and from other
+        pools; free runs inside the extents and disjoint. Returns them normalized."""
+        committed = _merged([(c.offset, c.offset + c.size) for c in arena.chunks])
+        spans = sorted((e.offset, e.offset + e.size) for e in extents)
+        if not spans:
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "a graph pool needs at least one extent")
+        for start, end in spans:
+            if start < 0 or end <= start:
+                raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"extent [{start}, {end}) is empty or negative")
+            if not any(a <= start and end <= b for a, b in committed):
+                raise p.ProtocolError(
+                    p.ErrorCode.INVALID_ARGUMENT,
+                    f"extent [{start}, {end}) is not committed memory of arena '{arena.name}': graph pools must be "
+                    "captured into committed daemon memory",
+                )
+        if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "the pool's extents overlap each other")
+        for other in self.graph_pools.values():
+            if other is exclude or other.arena != arena.name:
+                continue
+            for o, n in other.extents:
+                if any(start < o + n and o < end for start, end in spans):
+                    raise p.ProtocolError(
+                        p.ErrorCode.ALREADY_EXISTS,
+                        f"extent [{o}, {o + n}) of arena '{arena.name}' already belongs to graph pool {other.id} ('{other.label}')",
+                    )
+        run_spans = sorted((r.offset, r.offset + r.size) for r in runs)
+        for start, end in run_spans:
+            if end <= start or not any(a <= start and end <= b for a, b in spans):
+                raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"free run [{start}, {end}) lies outside the pool's extents")
+        if any(run_spans[i][1] > run_spans[i + 1][0] for i in range(len(run_spans) - 1)):
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "free runs overlap each other")
+        coalesced = _merged(run_spans)
+        return [(a, b - a) for a, b in spans], sorted(((a, b - a) for a, b in coalesced), key=lambda r: (-r[1], r[0]))
+
+    def _refuse_if_graph_pools(self, arena: Arena, from_offset: int, action: str) -> None:
+        for pool in self.graph_pools.values():
+            if pool.arena == arena.name and any(o + n > from_offset for o, n in pool.extents):
+                raise p.ProtocolError(
+                    p.ErrorCode.INVALID_ARGUMENT,
+                    f"cannot {action} arena '{arena.name}' from offset {from_offset}: graph pool {pool.id} ('{pool.label}') "
+                    "lives there; retire it first",
+                )
 
     # ------------------------------------------------------------------ KV pools and rounds
 
@@ -929,7 +1056,7 @@ class DaemonState:
                 )
                 for a in self.arenas.values()
             ],
-            extents=[],
+            extents=[g.status() for g in self.graph_pools.values()],
             leases=[],
             rounds=[
                 p.RoundStatus(
@@ -1101,6 +1228,8 @@ class DaemonState:
         arena.placeholders = []
         del self.arenas[arena.name]
         self.kv_pools.pop(arena.name, None)
+        for pool_id in [g.id for g in self.graph_pools.values() if g.arena == arena.name]:
+            del self.graph_pools[pool_id]
         left = []
         for round_ in self._active_rounds():
             for member in [m for m in round_.members if m.pool.name == arena.name]:
@@ -1114,3 +1243,13 @@ class DaemonState:
         log.info("arena %r destroyed", arena.name)
         for round_ in left if not self.stopping else []:  # it may have been the last one pending
             self._try_finish(round_)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out

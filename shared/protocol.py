@@ -80,6 +80,9 @@ class MsgType(enum.IntEnum):
     CAPTURE_DONE = 22
     KV_GROW = 23
     KV_SHRINK = 24
+    GRAPH_POOL_REGISTER = 30
+    GRAPH_POOL_UPDATE = 31
+    GRAPH_POOL_RETIRE = 32
     # fd channel, daemon -> client
     FD_BATCH = 100
     NOTICE = 101
@@ -503,12 +506,30 @@ class KvPoolStatus:
 
 
 @dataclasses.dataclass(slots=True)
+class Extent:
+    offset: int  # from the arena's base
+    size: int
+
+
+@dataclasses.dataclass(slots=True)
+class GraphPoolStatus:
+    id: int
+    owner: str
+    arena: str
+    label: str
+    epoch: int  # bumped by every capture into the pool
+    extents: list[Extent]  # the pool's segments
+    free_runs: list[Extent]  # idle space between replays, largest first
+    free_bytes: int
+
+
+@dataclasses.dataclass(slots=True)
 class StatusReply:
     daemon: DaemonStatus
     device: DeviceStatus
     clients: list[ClientStatus]
     arenas: list[ArenaStatus]
-    extents: list[Any]  # graph-pool extents; filled by the lease registry
+    extents: list[GraphPoolStatus]  # the graph-pool registry
     leases: list[Any]
     rounds: list[RoundStatus] = dataclasses.field(default_factory=list)
     kv: list[KvPoolStatus] = dataclasses.field(default_factory=list)
@@ -739,6 +760,44 @@ class KvShrink:
     REPLY: ClassVar[type]
     pool: str
     tokens: int
+
+
+@dataclasses.dataclass(slots=True)
+class GraphPoolReply:
+    pool: GraphPoolStatus
+
+
+@request(MsgType.GRAPH_POOL_REGISTER, GraphPoolReply)
+class RegisterGraphPool:
+    """After capture: a CUDA-graph pool that lives in ``arena`` (owner only), with its
+    segments and its free runs (inactive blocks, coalesced). Extents lie in committed
+    memory of the arena and overlap no other registered pool."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    arena: str
+    label: str
+    extents: list[Extent]
+    free_runs: list[Extent]
+
+
+@request(MsgType.GRAPH_POOL_UPDATE, GraphPoolReply)
+class UpdateGraphPool:
+    """New extents and free runs; ``recaptured`` bumps the epoch."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool_id: int
+    extents: list[Extent]
+    free_runs: list[Extent]
+    recaptured: bool = False
+
+
+@request(MsgType.GRAPH_POOL_RETIRE, Ack)
+class RetireGraphPool:
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool_id: int
 
 
 @request(MsgType.CHUNKS_UNMAPPED, Ack)

@@ -128,6 +128,17 @@ def graph_pool_in_daemon_chunks() -> None:
             assert any(a <= off and off + seg["total_size"] <= b for a, b in committed), (hex(seg["address"]), committed)
         inactive = sum(b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "inactive")
         assert inactive >= 64 << 20, f"the 64 MiB transient should be a free run after capture, saw {inactive}"
+        # the registry: the daemon now knows the pool's extents and its free runs
+        registered = arena.register_graph_pool("decode graph")
+        assert registered.epoch == 1 and registered.free_runs[0].size >= 64 << 20, registered
+        status = s.status()
+        (entry,) = status.extents
+        assert entry.id == registered.id and entry.owner == "graphs" and entry.free_bytes >= 64 << 20
+        assert sum(e.size for e in entry.extents) == sum(seg["total_size"] for seg in segments)
+        registered.refresh(recaptured=True)
+        assert registered.epoch == 2
+        registered.retire()
+        assert s.status().extents == []
     print("PASS graph_pool_in_daemon_chunks")
 
 

@@ -35,6 +35,9 @@ SAMPLES: list[Any] = [
     p.CaptureDone(pool="kv", headroom_bytes=1 << 30, graph_pool_bytes=64 << 20, min_tokens=1, max_tokens=2, weight=0.5),
     p.KvGrow(pool="kv", tokens=10),
     p.KvShrink(pool="kv", tokens=5),
+    p.RegisterGraphPool(arena="g", label="decode bs=8", extents=[p.Extent(offset=0, size=1 << 21)], free_runs=[p.Extent(offset=0, size=512)]),
+    p.UpdateGraphPool(pool_id=1, extents=[p.Extent(offset=0, size=1 << 21)], free_runs=[], recaptured=True),
+    p.RetireGraphPool(pool_id=1),
 ]
 
 
@@ -98,6 +101,9 @@ def test_message_type_numbers_never_change() -> None:
         "CAPTURE_DONE": 22,
         "KV_GROW": 23,
         "KV_SHRINK": 24,
+        "GRAPH_POOL_REGISTER": 30,
+        "GRAPH_POOL_UPDATE": 31,
+        "GRAPH_POOL_RETIRE": 32,
         "FD_BATCH": 100,
         "NOTICE": 101,
     }

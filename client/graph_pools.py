@@ -1,0 +1,82 @@
+"""Graph pools in the daemon's registry, as their owner sees them.
+
+After capturing CUDA graphs into an arena's pool, the owner registers the pool: its
+segments (extents) and its free runs, the blocks torch's allocator holds inactive
+between replays, coalesced. The daemon keeps them per pool with an epoch that every
+recapture bumps; ``gpumemctl extents`` shows them. Leases on these pools, and borrowing
+their free runs, build on this registry.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gpumem_shared import protocol as p
+
+if TYPE_CHECKING:
+    from gpumem.arena import Arena
+
+
+def extents_and_runs(segments: list[dict[str, Any]], base: int) -> tuple[list[p.Extent], list[p.Extent]]:
+    """From torch's pool snapshot: every segment as an extent, and every run of adjacent
+    inactive blocks as a free run, largest first. A run may sit in a segment that still
+    holds live blocks, but never overlaps one."""
+    extents: list[p.Extent] = []
+    runs: list[p.Extent] = []
+    for segment in sorted(segments, key=lambda s: s["address"]):
+        extents.append(p.Extent(offset=segment["address"] - base, size=segment["total_size"]))
+        start = end = -1
+        for block in sorted(segment["blocks"], key=lambda b: b["address"]):
+            if block["state"] == "inactive":
+                if block["address"] == end:
+                    end += block["size"]
+                else:
+                    if end > start:
+                        runs.append(p.Extent(offset=start - base, size=end - start))
+                    start, end = block["address"], block["address"] + block["size"]
+            else:
+                if end > start:
+                    runs.append(p.Extent(offset=start - base, size=end - start))
+                start = end = -1
+        if end > start:
+            runs.append(p.Extent(offset=start - base, size=end - start))
+    runs.sort(key=lambda r: (-r.size, r.offset))
+    return extents, runs
+
+
+class GraphPool:
+    """A registered graph pool: ``refresh()`` after the pool changed, with
+    ``recaptured=True`` after a new capture into it."""
+
+    def __init__(self, arena: Arena, status: p.GraphPoolStatus) -> None:
+        self.arena = arena
+        self.id = status.id
+        self.label = status.label
+        self._set(status)
+
+    def _set(self, status: p.GraphPoolStatus) -> None:
+        self.epoch = status.epoch
+        self.extents = status.extents
+        self.free_runs = status.free_runs
+        self.free_bytes = status.free_bytes
+
+    @classmethod
+    def register(cls, arena: Arena, label: str) -> GraphPool:
+        extents, runs = extents_and_runs(arena.torch_pool().segments(), arena.address)
+        reply: p.GraphPoolReply = arena.session.call(
+            p.RegisterGraphPool(arena=arena.name, label=label, extents=extents, free_runs=runs)
+        )
+        return cls(arena, reply.pool)
+
+    def refresh(self, *, recaptured: bool = False) -> None:
+        extents, runs = extents_and_runs(self.arena.torch_pool().segments(), self.arena.address)
+        reply: p.GraphPoolReply = self.arena.session.call(
+            p.UpdateGraphPool(pool_id=self.id, extents=extents, free_runs=runs, recaptured=recaptured)
+        )
+        self._set(reply.pool)
+
+    def retire(self) -> None:
+        self.arena.session.call(p.RetireGraphPool(pool_id=self.id))
+
+    def __repr__(self) -> str:
+        return f"<gpumem.GraphPool {self.id} '{self.label}' epoch {self.epoch}, {len(self.free_runs)} free runs, {self.free_bytes} bytes free>"
