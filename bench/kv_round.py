@@ -6,11 +6,12 @@ Two client processes each declare a KV pool of 64 buffers (4 KiB token rows) hol
 and wait. The benchmark then lets client A report capture-done, and a moment later
 client B: the round commits when B reports. Each client notes (CLOCK_MONOTONIC, shared
 by the processes of one machine) when it sent capture-done and when its KV was mapped;
-the figure is max(mapped) - B's report.
+the figure is max(mapped) - B's report. Each of ``--rounds`` rounds (default 3) uses
+fresh pools; the median is reported.
 
-Baseline, same run: one client commits the same bytes into a plain arena
-(``arena.commit``), once per pool, one after the other: the cost of getting that memory
-through the daemon with no round at all.
+Baseline, same run, before each round: one client commits the same bytes into a plain
+arena (``arena.commit``) in two steps: the cost of getting that memory through the
+daemon with no round at all.
 
 Tokens gained: what the round could give each engine (its budget, split evenly)
 against a static guess made before capture, the way engines size KV today: a fraction
@@ -40,34 +41,39 @@ BUFFERS = 64
 ROW = 4096
 
 
-def client(name: str, tokens: int, headroom: int) -> int:
-    """One engine: declare, placeholder, join, then report when told; prints JSON."""
+def client(name: str, tokens: int, headroom: int, rounds: int) -> int:
+    """One engine, one pool per round: declare, placeholder, join, report when told,
+    print JSON, release when told."""
     import gpumem
 
     session = gpumem.connect(0, name=name)
-    pool = session.declare_kv_pool(f"{name}-kv", [gpumem.KvBuffer(f"b{i}", ROW) for i in range(BUFFERS)], max_tokens=tokens)
-    pool.placeholder()
-    pool.join_round(expect=2)
-    print("READY", flush=True)
-    sys.stdin.readline()
-    sent = time.monotonic()
-    got = pool.capture_done(headroom_bytes=headroom, min_tokens=tokens, max_tokens=tokens, timeout=600)
-    mapped = time.monotonic()
-    chunks = len(pool.arena._chunks)
-    print(json.dumps({"sent": sent, "mapped": mapped, "tokens": got, "bytes": pool.arena.mapped_bytes, "chunks": chunks, "budget": pool.budget}), flush=True)
-    sys.stdin.readline()
+    for i in range(rounds):
+        pool = session.declare_kv_pool(f"{name}-kv{i}", [gpumem.KvBuffer(f"b{j}", ROW) for j in range(BUFFERS)], max_tokens=tokens)
+        pool.placeholder()
+        pool.join_round(expect=2)
+        print("READY", flush=True)
+        sys.stdin.readline()
+        sent = time.monotonic()
+        got = pool.capture_done(headroom_bytes=headroom, min_tokens=tokens, max_tokens=tokens, timeout=600)
+        mapped = time.monotonic()
+        chunks = len(pool.arena._chunks)
+        print(json.dumps({"sent": sent, "mapped": mapped, "tokens": got, "bytes": pool.arena.mapped_bytes, "chunks": chunks, "budget": pool.budget}), flush=True)
+        sys.stdin.readline()
+        pool.release()
+        print("RELEASED", flush=True)
     session.close()
     return 0
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        return client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     parser.add_argument("--kv-gib", type=float, default=100.0, help="KV over both clients")
     parser.add_argument("--headroom-gib", type=float, default=4.0, help="each client's reported headroom")
     parser.add_argument("--static-fraction", type=float, default=0.85)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (fresh pools each), alternating with the baseline")
     args = parser.parse_args()
     c.ensure_importable()
 
@@ -85,22 +91,24 @@ def main() -> int:
         daemon.wait_ready(60)
         env = c.child_env(GPUMEMD_RUNTIME_DIR=str(rt))
 
-        # Baseline: the same bytes through plain arena commits, no round.
         session = gpumem.connect(0, name="bench-baseline", runtime_dir=rt)
-        plain = session.create_arena("plain", 2 * per_pool + 4 * GiB)
+        cleanup.callback(session.close)
         total = session.status().device.total_bytes
-        t0 = time.monotonic()
-        plain.commit(per_pool // (2 * MiB) * (2 * MiB))
-        plain.commit(2 * (per_pool // (2 * MiB) * (2 * MiB)))
-        baseline_ms = (time.monotonic() - t0) * 1e3
-        plain.release()
-        session.close()
-        c.say(f"baseline: plain commit of {2 * per_pool / GiB:.0f} GiB in two steps: {baseline_ms:.1f} ms")
+
+        def baseline() -> float:
+            """The same bytes through plain arena commits, no round."""
+            plain = session.create_arena("plain", 2 * per_pool + 4 * GiB)
+            t0 = time.monotonic()
+            plain.commit(per_pool // (2 * MiB) * (2 * MiB))
+            plain.commit(2 * (per_pool // (2 * MiB) * (2 * MiB)))
+            took = (time.monotonic() - t0) * 1e3
+            plain.release()
+            return took
 
         procs = []
         for name in ("engine-a", "engine-b"):
             proc = subprocess.Popen(
-                [sys.executable, __file__, "--client", name, str(tokens), str(headroom)],
+                [sys.executable, __file__, "--client", name, str(tokens), str(headroom), str(args.rounds)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -108,29 +116,42 @@ def main() -> int:
             )
             cleanup.callback(proc.kill)
             procs.append(proc)
-        for proc in procs:
-            line = proc.stdout.readline() if proc.stdout else ""
-            if not line.startswith("READY"):
-                raise RuntimeError(f"a client did not get ready: {line!r}; daemon log:\n{daemon.log()}")
         a, b = procs
         assert a.stdin and b.stdin and a.stdout and b.stdout
-        a.stdin.write("go\n")
-        a.stdin.flush()
-        time.sleep(0.5)  # A is waiting in the round; B's report is the last
-        b.stdin.write("go\n")
-        b.stdin.flush()
-        results = [json.loads(p.stdout.readline()) for p in (a, b)]
-        for p in (a, b):
-            p.stdin.write("bye\n")
-            p.stdin.flush()
-            p.wait(60)
-        round_ms = (max(r["mapped"] for r in results) - results[1]["sent"]) * 1e3
+
+        def expect(proc: subprocess.Popen[str], word: str) -> None:
+            line = proc.stdout.readline() if proc.stdout else ""
+            if not line.startswith(word):
+                raise RuntimeError(f"a client said {line!r}, not {word}; daemon log:\n{daemon.log()}")
+
+        def tell(proc: subprocess.Popen[str], word: str) -> None:
+            assert proc.stdin
+            proc.stdin.write(word + "\n")
+            proc.stdin.flush()
+
+        rounds_ms, baselines_ms = [], []
+        for i in range(args.rounds):
+            baselines_ms.append(baseline())
+            for proc in procs:
+                expect(proc, "READY")
+            tell(a, "go")
+            time.sleep(0.5)  # A is waiting in the round; B's report is the last
+            tell(b, "go")
+            results = [json.loads(proc.stdout.readline()) for proc in procs]  # type: ignore[union-attr]
+            rounds_ms.append((max(r["mapped"] for r in results) - results[1]["sent"]) * 1e3)
+            for proc in procs:
+                tell(proc, "release")
+                expect(proc, "RELEASED")
+            c.say(f"round {i}: last capture-done to both mapped {rounds_ms[-1]:.1f} ms; plain commit {baselines_ms[-1]:.1f} ms")
+        for proc in procs:
+            proc.wait(60)
+        round_ms, baseline_ms = c.median(rounds_ms), c.median(baselines_ms)
         budget = results[0]["budget"]
         bpt = BUFFERS * ROW
         round_tokens = budget["budget"] // 2 // bpt
         static_tokens = int(args.static_fraction * total / 2) // bpt
         c.say(
-            f"round: last capture-done to both mapped {round_ms:.1f} ms for {sum(r['bytes'] for r in results) / GiB:.1f} GiB "
+            f"median of {args.rounds}: {round_ms:.1f} ms for {sum(r['bytes'] for r in results) / GiB:.1f} GiB "
             f"in {sum(r['chunks'] for r in results)} chunks ({baseline_ms:.1f} ms plain)"
         )
         c.say(
@@ -139,6 +160,7 @@ def main() -> int:
         )
         result.figures = {
             "round_ms": round_ms,
+            "round_ms_min": min(rounds_ms),
             "baseline_plain_commit_ms": baseline_ms,
             "ratio": c.ratio(round_ms, baseline_ms),
             "kv_gib": sum(r["bytes"] for r in results) / GiB,
