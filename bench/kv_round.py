@@ -74,6 +74,7 @@ def main() -> int:
     parser.add_argument("--headroom-gib", type=float, default=4.0, help="each client's reported headroom")
     parser.add_argument("--static-fraction", type=float, default=0.85)
     parser.add_argument("--rounds", type=int, default=3, help="rounds (fresh pools each), alternating with the baseline")
+    parser.add_argument("--kv-chunk-size", default="512MiB", help="the daemon's --kv-chunk-size")
     args = parser.parse_args()
     c.ensure_importable()
 
@@ -85,7 +86,8 @@ def main() -> int:
         tokens = per_pool // (BUFFERS * ROW)
         headroom = int(args.headroom_gib * GiB)
         rt = cleanup.enter_context(c.runtime_dir())
-        extra = ["--host-capacity", str(int(args.kv_gib * GiB) + 20 * GiB)] if args.backend == "host" else []
+        extra = ["--kv-chunk-size", args.kv_chunk_size]
+        extra += ["--host-capacity", str(int(args.kv_gib * GiB) + 20 * GiB)] if args.backend == "host" else []
         daemon = c.Daemon(rt, args.backend, args=extra)
         cleanup.callback(daemon.stop)
         daemon.wait_ready(60)
@@ -145,6 +147,9 @@ def main() -> int:
             c.say(f"round {i}: last capture-done to both mapped {rounds_ms[-1]:.1f} ms; plain commit {baselines_ms[-1]:.1f} ms")
         for proc in procs:
             proc.wait(60)
+        for line in daemon.log().splitlines():
+            if "committed:" in line:
+                c.say(f"daemon: {line.split(': ', 1)[1]}")
         round_ms, baseline_ms = c.median(rounds_ms), c.median(baselines_ms)
         budget = results[0]["budget"]
         bpt = BUFFERS * ROW
@@ -166,6 +171,7 @@ def main() -> int:
             "kv_gib": sum(r["bytes"] for r in results) / GiB,
             "chunks": sum(r["chunks"] for r in results),
             "buffers": 2 * BUFFERS,
+            "kv_chunk_size": args.kv_chunk_size,
             "budget_gib": budget["budget"] / GiB,
             "round_tokens_per_engine": round_tokens,
             "static_tokens_per_engine": static_tokens,

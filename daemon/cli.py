@@ -54,6 +54,13 @@ def _driver(backend: str | None, device: int, host_capacity: int) -> Driver:
 @click.option("--runtime-dir", default=None, help="Socket directory [default: $GPUMEMD_RUNTIME_DIR, /run/gpumemd for root, else $XDG_RUNTIME_DIR/gpumemd].")
 @click.option("--socket-group", default=None, help="Group that owns the sockets (mode 0660); its members may connect.")
 @click.option("--chunk-size", default="512MiB", show_default=True, callback=_size, help="Size of bulk chunks; tails use smaller ones.")
+@click.option(
+    "--kv-chunk-size",
+    default="512MiB",
+    show_default=True,
+    callback=_size,
+    help="KV buffers are committed in chunks this large: larger means faster rounds, coarser shrinks.",
+)
 @click.option("--reserve", default=None, callback=_size, help="Memory never committed [default: 1GiB on CUDA, 0 on host].")
 @click.option("--hello-timeout", type=float, default=5.0, show_default=True, help="Seconds a new connection has to say HELLO.")
 @click.option("--round-timeout", type=float, default=300.0, show_default=True, help="Seconds from a KV commit round's first join to its deadline.")
@@ -72,6 +79,7 @@ def main(
     runtime_dir: str | None,
     socket_group: str | None,
     chunk_size: int,
+    kv_chunk_size: int,
     reserve: int | None,
     hello_timeout: float,
     round_timeout: float,
@@ -81,13 +89,15 @@ def main(
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     driver = _driver(backend, device, host_capacity)
-    if chunk_size % driver.granularity:
-        _fail(f"--chunk-size {chunk_size} is not a multiple of the device granularity {driver.granularity}")
+    for flag, value in (("--chunk-size", chunk_size), ("--kv-chunk-size", kv_chunk_size)):
+        if value <= 0 or value % driver.granularity:
+            _fail(f"{flag} {value} is not a positive multiple of the device granularity {driver.granularity}")
     endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
     config = StateConfig(
         index=device,
         runtime_dir=str(endpoints.runtime_dir),
         bulk_chunk=chunk_size,
+        kv_chunk=kv_chunk_size,
         reserve_bytes=reserve if reserve is not None else (1 << 30 if driver.kind == "cuda" else 0),
         round_timeout=round_timeout,
         round_policy=round_policy,

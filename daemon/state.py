@@ -45,6 +45,9 @@ class StateConfig:
     index: int
     runtime_dir: str = ""
     bulk_chunk: int = 512 * MiB  # bulk commits come in chunks this large
+    # KV prefixes: one chunk per this much of each buffer. Larger makes rounds faster
+    # (fewer creates, exports and maps) and shrinks coarser (whole chunks only).
+    kv_chunk: int = 512 * MiB
     reserve_bytes: int = 0  # never committed: the headroom other users of the device need
     va_base: int = 0x2000_0000_0000  # arenas are planned from here, far from where
     va_limit: int = 0x5000_0000_0000  # heaps, libraries and torch's own allocations sit
@@ -407,6 +410,8 @@ class DaemonState:
         if arena.owner_id == s.id:
             arena.released = True
             arena.owner_alive = False
+            for pool_id in [g.id for g in self.graph_pools.values() if g.arena == arena.name]:
+                del self.graph_pools[pool_id]  # its memory goes now, even while sharers stay attached
             self._retire(arena.placeholders, notices, "", arena.name)
             arena.placeholders = []
             if arena.attached:
@@ -470,6 +475,7 @@ class DaemonState:
     def _register_graph_pool(self, session: Session | None, m: p.RegisterGraphPool) -> Outcome:
         s = self._need_session(session)
         arena = self._owned_arena(s, m.arena, "register graph pools in")
+        self._refuse_kv(arena, "graph pools")
         if not m.label or len(m.label) > 256:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "a graph pool needs a label of 1-256 characters")
         extents, runs = self._check_graph_pool(arena, m.extents, m.free_runs, exclude=None)
@@ -540,8 +546,9 @@ class DaemonState:
                         f"extent [{o}, {o + n}) of arena '{arena.name}' already belongs to graph pool {other.id} ('{other.label}')",
                     )
         run_spans = sorted((r.offset, r.offset + r.size) for r in runs)
+        pool_spans = _merged(spans)  # adjacent extents: the runs are coalesced across them below
         for start, end in run_spans:
-            if end <= start or not any(a <= start and end <= b for a, b in spans):
+            if end <= start or not any(a <= start and end <= b for a, b in pool_spans):
                 raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"free run [{start}, {end}) lies outside the pool's extents")
         if any(run_spans[i][1] > run_spans[i + 1][0] for i in range(len(run_spans) - 1)):
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "free runs overlap each other")
@@ -780,11 +787,13 @@ class DaemonState:
             arena = self.arenas[member.pool.name]
             work += [(arena, offset, size) for offset, size in self._kv_missing(member.pool, arena, tokens[member])]
         before = {c.id for m in members for c in self.arenas[m.pool.name].chunks}
+        started = time.perf_counter()
         try:
             self._create(work, max(budget, 0), ladder=False)
         except p.ProtocolError as exc:
             self._fail_round(round_, f"round {round_.id}: {exc.message}")
             return
+        created_ms = (time.perf_counter() - started) * 1e3
         round_.state = "committed"
         round_.budget["committed"] = sum(size for _, _, size in work)
         for member in members:
@@ -798,7 +807,12 @@ class DaemonState:
             reply = self._kv_reply(session, pool, new, [], round_)
             self.completions.append(Completion(member.session_id, member.request_id, reply, self._hand(session, new)))
         log.info(
-            "round %d committed: %s", round_.id, ", ".join(f"{m.client}/{m.pool.name}={m.tokens} tokens" for m in members)
+            "round %d committed: %s (%d bytes in %d chunks created and scrubbed in %.1f ms)",
+            round_.id,
+            ", ".join(f"{m.client}/{m.pool.name}={m.tokens} tokens" for m in members),
+            round_.budget["committed"],
+            len([c for m in members for c in self.arenas[m.pool.name].chunks if c.id not in before]),
+            created_ms,
         )
 
     def _fail_round(self, round_: kv.Round, message: str, **detail: int | str) -> None:
@@ -926,7 +940,7 @@ class DaemonState:
         one chunk: KV rounds touch a hundred buffers at once, and every chunk costs a
         create, an export and a map)."""
         placements: list[tuple[Arena, int, int]] = []
-        bulk = self.config.bulk_chunk
+        bulk = self.config.bulk_chunk if ladder else self.config.kv_chunk
         for arena, offset, size in work:
             sizes = plan_chunk_sizes(size, bulk, self.device.granularity) if ladder else [bulk] * (size // bulk) + ([size % bulk] if size % bulk else [])
             for chunk_size in sizes:

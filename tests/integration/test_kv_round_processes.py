@@ -248,7 +248,7 @@ def test_grow_within_and_beyond_the_device(daemon_factory, backend, run_client, 
 def test_a_later_engine_gets_memory_an_earlier_pool_gives_back(daemon_factory, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
     """Host only: the earlier pool must hold nearly the whole device, which on a GPU
     depends on what else runs there. Bulk chunks of 32 MiB give the shrink boundaries."""
-    daemon_factory("host", args=["--host-capacity", "1GiB", "--chunk-size", "32MiB", "--round-timeout", "20"])
+    daemon_factory("host", args=["--host-capacity", "1GiB", "--kv-chunk-size", "32MiB", "--round-timeout", "20"])
     rows = [64 * KiB, 64 * KiB]
     a = Engine(run_client, "engine-a", "kv-a", rows, max_tokens=1 << 14)
     b = Engine(run_client, "engine-b", "kv-b", rows, max_tokens=1 << 14)

@@ -30,6 +30,7 @@ def make_harness() -> Iterator[Callable[..., Harness]]:
         va_base = config.get("va_base", StateConfig.va_base)
         windows = mapped_ranges(va_base, va_base + WATCHED_SPAN)
         config.setdefault("bulk_chunk", BULK)
+        config.setdefault("kv_chunk", BULK)
         clock, wall_clock = Clock(1000.0), Clock(1_700_000_000.0)
         driver = driver or HostDriver(index=0, capacity=capacity)
         state = DaemonState(driver, StateConfig(index=0, **config), clock, wall_clock)
