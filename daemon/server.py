@@ -28,6 +28,7 @@ import zmq
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
+from gpumem_shared.driver import DriverError
 from gpumem_shared.paths import Endpoints
 from gpumemd.notify import SystemdNotifier
 from gpumemd.state import Chunk, DaemonState, Session
@@ -303,7 +304,14 @@ class Server:
             batch = chunks[start : start + p.MAX_FDS_PER_MESSAGE]
             fds: list[int] = []
             try:
-                fds = [self.state.driver.export_fd(c.handle) for c in batch]
+                fds = self.state.driver.export_fds([(c.address, c.size, c.handle, c.fresh) for c in batch])
+            except DriverError as exc:
+                log.error("zeroing or exporting %d chunk(s) for client %r failed: %s; closing its session", len(batch), session.name, exc)
+                self._drop(conn)
+                raise p.ProtocolError(p.ErrorCode.DRIVER_ERROR, f"handing out chunks failed: {exc}") from None
+            for chunk in batch:
+                chunk.fresh = False
+            try:
                 payload = p.encode_event(p.FdBatch(request_id=request_id, chunk_ids=[c.id for c in batch]))
                 socket.send_fds(conn.sock, [payload], fds, socket.MSG_DONTWAIT)
             except OSError as exc:

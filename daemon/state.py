@@ -76,6 +76,7 @@ class Chunk:
     address: int
     handle: Handle | None  # None once the daemon dropped its reference (retiring)
     holders: set[int] = dataclasses.field(default_factory=set)  # sessions that map it
+    fresh: bool = True  # never handed out: zeroed before its first fd leaves the daemon
 
     def view(self) -> p.ChunkView:
         return p.ChunkView(id=self.id, offset=self.offset, size=self.size)

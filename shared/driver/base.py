@@ -58,17 +58,19 @@ class Driver(abc.ABC):
     def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
         """Create one chunk per ``(address, size)``, all at once or none.
 
-        Each chunk holds no earlier tenant's bytes. ``address`` lies inside a
-        reservation of this process; a backend may map the chunk there (CUDA does,
-        to scrub it) and then keeps that mapping until ``destroy_chunks``."""
+        ``address`` lies inside a reservation of this process; a backend may map the
+        chunk there (CUDA does, to zero it before its first handout) and then keeps that
+        mapping until ``destroy_chunks``."""
 
     @abc.abstractmethod
     def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
         """Drop this process's references; memory returns once no client maps it."""
 
     @abc.abstractmethod
-    def export_fd(self, handle: Handle) -> int:
-        """A new POSIX fd for the chunk; the caller closes it after sending."""
+    def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
+        """New POSIX fds for ``(address, size, handle, fresh)`` chunks; the caller closes
+        them after sending. Fresh chunks (never handed out) are zeroed first, so no
+        tenant sees an earlier tenant's bytes; the fds exist only once that is done."""
 
     # --- mapping (client side) -----------------------------------------------
     @abc.abstractmethod

@@ -88,9 +88,6 @@ class CudaDriver(Driver):
         access.location.id = ordinal
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
-        # fds exported while the scrub of their chunk runs on the GPU, for export_fd
-        # (keyed by the identity of the handle object the daemon keeps in its Chunk)
-        self._exported: dict[int, int] = {}
         self.granularity = int(
             self._ck(
                 cu.cuMemGetAllocationGranularity(
@@ -156,22 +153,10 @@ class CudaDriver(Driver):
                 self._ck(cu.cuMemMap(address, size, 0, handle, 0), "cuMemMap")
                 mapped.append((address, size))
             self._set_access(0, mapped)
-            # Fresh allocations read back as zero in our samples, but the driver does not
-            # promise it; scrub so no tenant ever sees another's bytes. The memsets run
-            # while the CPU exports the fds (nothing reaches a client before the sync).
-            for start, size in _contiguous(mapped):
-                self._ck(cu.cuMemsetD32Async(start, 0, size // 4, 0), "cuMemsetD32Async")
-            for handle in handles:
-                self._exported[id(handle)] = self._export(handle)
-            self._ck(cu.cuCtxSynchronize(), "cuCtxSynchronize")
         except DriverError:
-            cu.cuCtxSynchronize()
             for address, size in mapped:
                 cu.cuMemUnmap(address, size)
             for handle in handles:
-                fd = self._exported.pop(id(handle), None)
-                if fd is not None:
-                    os.close(fd)
                 cu.cuMemRelease(handle)
             raise
         return handles
@@ -179,15 +164,27 @@ class CudaDriver(Driver):
     def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
         self._current()
         for (address, size), handle in zip(placements, handles):
-            fd = self._exported.pop(id(handle), None)
-            if fd is not None:
-                os.close(fd)
             self._ck(self._cu.cuMemUnmap(address, size), "cuMemUnmap")
             self._ck(self._cu.cuMemRelease(handle), "cuMemRelease")
 
-    def export_fd(self, handle: Handle) -> int:
-        fd = self._exported.pop(id(handle), None)
-        return fd if fd is not None else self._export(handle)
+    def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
+        cu = self._cu
+        self._current()
+        fds: list[int] = []
+        try:
+            # Fresh allocations read back as zero in our samples, but the driver does not
+            # promise it: zero them. The memsets run while the CPU exports the fds, and
+            # the fds leave this function only after the sync.
+            for start, size in _contiguous([(address, size) for address, size, _, fresh in chunks if fresh]):
+                self._ck(cu.cuMemsetD32Async(start, 0, size // 4, 0), "cuMemsetD32Async")
+            for _, _, handle, _ in chunks:
+                fds.append(self._export(handle))
+            self._ck(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        except DriverError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
 
     def _export(self, handle: Handle) -> int:
         fd = int(self._ck(self._cu.cuMemExportToShareableHandle(handle, self._posix, 0), "cuMemExportToShareableHandle"))

@@ -104,8 +104,9 @@ class HostDriver(Driver):
         for fd in handles:
             os.close(fd)
 
-    def export_fd(self, handle: Handle) -> int:
-        return os.dup(handle)
+    def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
+        # A fresh memfd reads as zero: nothing to scrub.
+        return [os.dup(handle) for _, _, handle, _ in chunks]
 
     def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:
         done: list[tuple[int, int]] = []
