@@ -56,7 +56,7 @@ def _driver(backend: str | None, device: int, host_capacity: int) -> Driver:
 @click.option("--chunk-size", default="512MiB", show_default=True, callback=_size, help="Size of bulk chunks; tails use smaller ones.")
 @click.option(
     "--kv-chunk-size",
-    default="512MiB",
+    default="1GiB",
     show_default=True,
     callback=_size,
     help="KV buffers are committed in chunks this large: larger means faster rounds, coarser shrinks.",

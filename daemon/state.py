@@ -47,7 +47,7 @@ class StateConfig:
     bulk_chunk: int = 512 * MiB  # bulk commits come in chunks this large
     # KV prefixes: one chunk per this much of each buffer. Larger makes rounds faster
     # (fewer creates, exports and maps) and shrinks coarser (whole chunks only).
-    kv_chunk: int = 512 * MiB
+    kv_chunk: int = GiB
     reserve_bytes: int = 0  # never committed: the headroom other users of the device need
     va_base: int = 0x2000_0000_0000  # arenas are planned from here, far from where
     va_limit: int = 0x5000_0000_0000  # heaps, libraries and torch's own allocations sit
