@@ -133,6 +133,9 @@ class Member:
     request_id: int = 0  # the deferred CAPTURE_DONE to answer
     tokens: int = 0
     bytes: int = 0
+    # Chunks for its min_tokens, created and zeroed while the round waits for others
+    # (the daemon's Chunk objects): what the last report has to wait for shrinks.
+    staged: list[Any] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)

@@ -338,6 +338,7 @@ class DaemonState:
     def _share_arena(self, session: Session | None, m: p.ShareArena) -> Outcome:
         s = self._need_session(session)
         arena = self._owned_arena(s, m.name, "share")
+        self._refuse_kv(arena, "sharing")
         self._check_name(m.client, "client name")
         arena.shared_with.add(m.client)
         return Outcome(p.Ack())
@@ -667,6 +668,8 @@ class DaemonState:
         member.max_tokens = max_tokens
         member.weight = m.weight
         member.request_id = request_id
+        if round_.pending or round_.joined < round_.expect:
+            self._stage(member)
         self._try_finish(round_)
         return Outcome(None)
 
@@ -756,11 +759,13 @@ class DaemonState:
             round_.state = "failed"
             round_.error = "no member reported capture-done"
             return
-        free = self.free_bytes()
+        staged = sum(c.size for m in members for c in m.staged)
+        free = self.free_bytes() + staged  # staged minimums are the members' own
         headroom = sum(m.headroom_bytes for m in members)
         budget = free - self.config.reserve_bytes - headroom
         round_.budget = {
             "free": free,
+            "staged": staged,
             "reserve": self.config.reserve_bytes,
             "headroom": headroom,
             "graph_pools": sum(m.graph_pool_bytes for m in members),
@@ -787,7 +792,6 @@ class DaemonState:
         for member in members:
             arena = self.arenas[member.pool.name]
             work += [(arena, offset, size) for offset, size in self._kv_missing(member.pool, arena, tokens[member])]
-        before = {c.id for m in members for c in self.arenas[m.pool.name].chunks}
         started = time.perf_counter()
         try:
             self._create(work, max(budget, 0), ladder=False)
@@ -796,31 +800,71 @@ class DaemonState:
             return
         created_ms = (time.perf_counter() - started) * 1e3
         round_.state = "committed"
-        round_.budget["committed"] = sum(size for _, _, size in work)
+        handouts = []
         for member in members:
             pool = member.pool
             pool.tokens = tokens[member]
             pool.min_tokens = member.min_tokens
             member.tokens = tokens[member]
             member.bytes = pool.cost(tokens[member])
-            new = [c for c in self.arenas[pool.name].chunks if c.id not in before]
+            member.staged = []
+            handouts.append((member, [c for c in self.arenas[pool.name].chunks if member.session_id not in c.holders]))
+        handed = sum(len(new) for _, new in handouts)
+        committed = sum(c.size for _, new in handouts for c in new)
+        round_.budget["committed"] = committed  # before the replies: each carries a copy of the budget
+        for member, new in handouts:
             session = self.sessions[member.session_id]
-            reply = self._kv_reply(session, pool, new, [], round_)
+            reply = self._kv_reply(session, member.pool, new, [], round_)
             self.completions.append(Completion(member.session_id, member.request_id, reply, self._hand(session, new)))
         log.info(
-            "round %d committed: %s (%d bytes in %d chunks created and scrubbed in %.1f ms)",
+            "round %d committed: %s (%d bytes in %d chunks; %d staged before the last report, the rest created in %.1f ms)",
             round_.id,
             ", ".join(f"{m.client}/{m.pool.name}={m.tokens} tokens" for m in members),
-            round_.budget["committed"],
-            len([c for m in members for c in self.arenas[m.pool.name].chunks if c.id not in before]),
+            committed,
+            handed,
+            staged,
             created_ms,
         )
+
+    def _stage(self, member: kv.Member) -> None:
+        """Create and zero the reporting member's minimum while the round waits for the
+        others: it gets at least that much if the round commits, and the round's last
+        report then waits only for what is left. Given back if the round fails."""
+        arena = self.arenas[member.pool.name]
+        work = [(arena, offset, size) for offset, size in self._kv_missing(member.pool, arena, member.min_tokens)]
+        need = sum(size for _, _, size in work)
+        if not work or need > self.available_bytes():
+            return
+        before = {c.id for c in arena.chunks}
+        try:
+            self._create(work, need, ladder=False)
+            new = [c for c in arena.chunks if c.id not in before]
+            self.driver.zero([(c.address, c.size) for c in new])
+        except (p.ProtocolError, DriverError) as exc:
+            log.warning("staging the minimum of %s/%s failed (%s); the round will create it", member.client, member.pool.name, exc)
+            new = [c for c in arena.chunks if c.id not in before]
+            arena.chunks = [c for c in arena.chunks if c.id in before]
+            self._retire(new, [], "", arena.name)
+            return
+        for chunk in new:
+            chunk.fresh = False
+        member.staged = new
+
+    def _unstage(self, member: kv.Member) -> None:
+        arena = self.arenas.get(member.pool.name)
+        if arena is not None and member.staged:
+            ids = {c.id for c in member.staged}
+            drop = [c for c in arena.chunks if c.id in ids]
+            arena.chunks = [c for c in arena.chunks if c.id not in ids]
+            self._retire(drop, [], "", arena.name)
+        member.staged = []
 
     def _fail_round(self, round_: kv.Round, message: str, **detail: int | str) -> None:
         round_.state = "failed"
         round_.error = message
         log.warning("%s", message)
         for member in round_.members:
+            self._unstage(member)
             if member.reported:
                 error = p.ProtocolError(p.ErrorCode.ROUND_FAILED, message, **detail)
                 self.completions.append(Completion(member.session_id, member.request_id, error))

@@ -54,7 +54,8 @@ def test_views_of_an_open_then_committed_round(daemon_factory, backend, run_clie
     a.report(headroom=16 * MiB, graph_pool=4 * MiB, min_tokens=128, weight=1.0)
     wait_round(runtime_dir, round_id, lambda r: r["members"][0]["reported"], "a reported")
 
-    # open: one reported, one pending, no budget yet
+    # open: one reported, one pending, no budget yet; a's minimum is staged (created,
+    # zeroed, held by nobody), b's pool holds nothing
     (r,) = ctl_json(runtime_dir, "rounds")
     assert r["id"] == round_id and r["state"] == "open" and r["budget"] == {} and r["dropped"] == []
     assert r["policy"] == "partial" and r["expect"] == 2 and 0 < r["deadline_in_s"] <= 300
@@ -64,12 +65,18 @@ def test_views_of_an_open_then_committed_round(daemon_factory, backend, run_clie
     figures = (ma["headroom_bytes"], ma["graph_pool_bytes"], ma["min_tokens"], ma["weight"], ma["tokens"])
     assert figures == (16 * MiB, 4 * MiB, 128, 1.0, 0)
     kv = ctl_json(runtime_dir, "kv")
+    staged = cost(rows_a, 128)  # 128 rows of 8 KiB: one 2 MiB granule a buffer
+    assert staged == 4 * MiB
     assert [(k["name"], k["owner"], k["buffers"], k["tokens"], k["committed_bytes"]) for k in kv] == [
-        ("kv-a", "engine-a", 2, 0, 0),
+        ("kv-a", "engine-a", 2, 0, staged),
         ("kv-b", "engine-b", 3, 0, 0),
     ]
     whole = ctl_json(runtime_dir, "status")
     assert _no_deadline(whole["rounds"]) == _no_deadline([r]) and whole["kv"] == kv
+    arenas = {x["name"]: x for x in whole["arenas"]}
+    assert (arenas["kv-a"]["committed"], arenas["kv-b"]["committed"]) == (staged, 0)
+    placeholders = sum(x["placeholder_bytes"] for x in whole["arenas"])
+    assert whole["device"]["accounted_bytes"] == placeholders + staged
 
     out = _human(runtime_dir, "rounds")
     _has(out, "ROUNDS", f"round {round_id}  open  policy partial  deadline in ", "1/2 reported  expects 2 pools")
@@ -84,13 +91,16 @@ def test_views_of_an_open_then_committed_round(daemon_factory, backend, run_clie
     _has(out, "CLIENTS", "ARENAS", "ROUNDS", "KV", "waiting for capture-done from engine-b/kv-b", "PENDING", "0/65536")
 
     # engine-b reports: the round commits, and the views explain the split
-    b.report(headroom=headroom_for(runtime_dir, 256 * MiB, 16 * MiB), min_tokens=64, weight=3.0)
+    # free memory as status shows it leaves the staged bytes out; the round adds them back
+    b.report(headroom=headroom_for(runtime_dir, 256 * MiB, 16 * MiB) + staged, min_tokens=64, weight=3.0)
     res_a, res_b = a.result(), b.result()
     (r,) = ctl_json(runtime_dir, "rounds")
     budget = r["budget"]
     assert r["state"] == "committed" and budget == res_a["budget"] == res_b["budget"]
-    assert set(budget) == {"free", "reserve", "headroom", "graph_pools", "budget", "minimums", "committed"}
-    assert budget["reserve"] == 64 * MiB and budget["graph_pools"] == 4 * MiB
+    assert set(budget) == {"free", "staged", "reserve", "headroom", "graph_pools", "budget", "minimums", "committed"}
+    assert budget["reserve"] == 64 * MiB and budget["graph_pools"] == 4 * MiB and budget["staged"] == staged
+    if backend == "host":
+        assert budget["budget"] == 256 * MiB  # nothing moves on the host between status and commit
     assert budget["budget"] == budget["free"] - budget["reserve"] - budget["headroom"]
     assert budget["minimums"] == cost(rows_a, 128) + cost(rows_b, 64)
     tokens = {m["pool"]: (m["tokens"], m["bytes"]) for m in r["members"]}

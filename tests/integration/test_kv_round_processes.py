@@ -1,7 +1,10 @@
 """KV pools and post-capture commit rounds with real client processes, on every backend.
 
 Engines declare a pool, back it with a placeholder, join the device's round and report
-capture-done; the round commits once all have reported (or its deadline passed). The
+capture-done; the round commits once all have reported (or its deadline passed). An engine
+that reports while the round still waits for others has its minimum staged: created and
+zeroed at once, in its pool's arena but mapped by nobody until the round commits, given
+back if the round fails; the budget adds the staged bytes back to the free memory. The
 expectations are recomputed from the budget figures the round reports (free, reserve,
 headroom, budget, minimums, committed), so they hold on the host backend's fixed
 capacity and on a GPU's measured free memory alike.
@@ -35,9 +38,28 @@ def _daemon(daemon_factory, backend, *args: str, capacity: str = "2GiB"):  # typ
     return daemon_factory(backend, args=[*extra, *args])
 
 
-def _check_committed(engines: list[Engine], results: list[dict], runtime_dir) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _staged(engines: list[Engine]) -> int:
+    """What staging creates for these engines' minimums."""
+    return sum(cost(e.rows, e.min) for e in engines)
+
+
+def _check_staged(s: dict, staged: dict[str, int]) -> None:  # type: ignore[type-arg]
+    """In one status snapshot of an open round: the pools hold exactly their staged
+    minimums (no tokens yet), and the device accounts for them besides the placeholders."""
+    pools = {k["name"]: k for k in s["kv"]}
+    assert {name: (k["tokens"], k["committed_bytes"]) for name, k in pools.items()} == {
+        name: (0, staged.get(name, 0)) for name in pools
+    }
+    arenas = {x["name"]: x for x in s["arenas"]}
+    assert {name: arenas[name]["committed"] for name in pools} == {name: staged.get(name, 0) for name in pools}
+    placeholders = sum(x["placeholder_bytes"] for x in s["arenas"])
+    assert s["device"]["accounted_bytes"] == placeholders + sum(staged.values())
+
+
+def _check_committed(engines: list[Engine], results: list[dict], runtime_dir, staged: int) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """Every engine got what the split of the reported budget gives it, mapped and
-    writable, and the daemon's views agree."""
+    writable, and the daemon's views agree. ``staged``: the bytes staged before the last
+    report, added back to the measured free memory."""
     budget = results[0]["budget"]
     round_id = results[0]["round_id"]
     for e, res in zip(engines, results):
@@ -49,6 +71,7 @@ def _check_committed(engines: list[Engine], results: list[dict], runtime_dir) ->
     ordered = [by_pool[m["pool"]] for m in r["members"]]
     assert len(ordered) == len(engines)
 
+    assert budget["staged"] == staged
     assert budget["headroom"] == sum(e.headroom for e in engines)
     assert budget["graph_pools"] == sum(e.graph_pool for e in engines)
     assert budget["budget"] == budget["free"] - budget["reserve"] - budget["headroom"]
@@ -106,21 +129,24 @@ def test_round_splits_the_budget_by_minimums_and_weights(daemon_factory, backend
 
     for i, e in enumerate(engines[:-1]):
         e.report(headroom=4 * MiB * i, graph_pool=2 * MiB * i, min_tokens=512 * (i + 1), weight=weights[i])
+    staged = _staged(engines[:-1])  # those that reported while the last was pending
     if n > 1:
         r = wait_round(runtime_dir, round_id, lambda r: sum(m["reported"] for m in r["members"]) == n - 1, "n-1 reported")
         assert r["state"] == "open" and r["budget"] == {} and r["members"][-1]["reported"] is False
+        _check_staged(status(runtime_dir), {e.pool: cost(e.rows, e.min) for e in engines[:-1]})
     # the last one's headroom leaves a budget of about 768 MiB, wherever the test runs
+    # (status's free memory leaves the staged minimums out; the round adds them back)
     last = engines[-1]
     others = sum(e.headroom for e in engines[:-1])
     min_last = 512 * n
     # with 4 engines, the last is capped just above its minimum: its unused share goes back
     max_last = min_last + 1000 if n == 4 else 0
     last.report(
-        headroom=headroom_for(runtime_dir, 768 * MiB, others), graph_pool=2 * MiB, min_tokens=min_last,
+        headroom=headroom_for(runtime_dir, 768 * MiB, others) + staged, graph_pool=2 * MiB, min_tokens=min_last,
         max_tokens=max_last, weight=weights[n - 1],
     )
     results = [e.result() for e in engines]
-    r = _check_committed(engines, results, runtime_dir)
+    r = _check_committed(engines, results, runtime_dir, staged)
     assert r["dropped"] == []
     if n == 4:
         assert results[-1]["tokens"] == max_last
@@ -139,6 +165,16 @@ def test_deadline_with_a_missing_member(daemon_factory, backend, run_client, run
     before = status(runtime_dir)["device"]["accounted_bytes"]  # the three pools' placeholders
     a.report(min_tokens=64)
     c.report(min_tokens=32, weight=2.0)
+    # b is pending: a's and c's minimums are staged (64 rows of 64 KiB = 4 MiB a buffer,
+    # 32 rows of 32 KiB = 1 MiB -> one 2 MiB granule), mapped by nobody
+    staged = _staged([a, c])
+    assert staged == 10 * MiB
+    s = wait_status(
+        runtime_dir, lambda s: sum(m["reported"] for m in s["rounds"][0]["members"]) == 2, 1.5, "a and c reported"
+    )
+    assert s["rounds"][0]["state"] == "open", "the deadline passed before the view was taken"
+    _check_staged(s, {"kv-a": cost(a.rows, 64), "kv-c": cost(c.rows, 32)})
+    assert s["device"]["accounted_bytes"] == before + staged
     r = wait_round(runtime_dir, round_id, lambda r: r["state"] not in ("open", "awaiting-shrink"), "round ended", timeout=8.0)
     assert r["deadline_in_s"] <= 0 and r["policy"] == policy
     if policy == "partial":
@@ -146,7 +182,7 @@ def test_deadline_with_a_missing_member(daemon_factory, backend, run_client, run
         assert r["dropped"] == ["engine-b/kv-b: did not report capture-done by the deadline"]
         assert [m["pool"] for m in r["members"]] == ["kv-a", "kv-c"]
         results = [a.result(), c.result()]
-        _check_committed([a, c], results, runtime_dir)
+        _check_committed([a, c], results, runtime_dir, staged)
         s = status(runtime_dir)
         assert s["device"]["accounted_bytes"] == before + results[0]["budget"]["committed"]
         assert {k["name"]: k["tokens"] for k in s["kv"]}["kv-b"] == 0
@@ -160,7 +196,7 @@ def test_deadline_with_a_missing_member(daemon_factory, backend, run_client, run
             assert line.startswith("ERR RoundFailed ") and "engine-b/kv-b" in line, line
             assert "deadline" in line
         s = status(runtime_dir)
-        assert s["device"]["accounted_bytes"] == before  # nothing committed
+        assert s["device"]["accounted_bytes"] == before  # nothing committed, the staged minimums given back
         assert all(k["tokens"] == 0 for k in s["kv"]) and all(x["committed"] == 0 for x in s["arenas"])
         # a failed round is over: joining again opens a fresh one
         assert a.placeholder_and_join() == round_id + 1
@@ -176,26 +212,40 @@ def test_killed_members_are_dropped_and_the_round_commits_for_the_others(daemon_
     a.report(min_tokens=256, weight=1.0)
     d.report(min_tokens=256, weight=1.0)
     wait_round(runtime_dir, round_id, lambda r: sum(m["reported"] for m in r["members"]) == 2, "a and d reported")
+    # staged: 256 rows of 16 KiB = 4 MiB a buffer, 8 MiB each
+    assert cost(rows, 256) == 8 * MiB
+    _check_staged(status(runtime_dir), {"kv-a": 8 * MiB, "kv-d": 8 * MiB})
 
-    # a member that reported, then died: dropped, the round waits for the others still
+    # a member that reported, then died: dropped, the round waits for the others still;
+    # its staged minimum went with its pool
     d.client.kill()
     r = wait_round(runtime_dir, round_id, lambda r: len(r["dropped"]) == 1, "d dropped")
     assert r["state"] == "open" and r["dropped"] == ["engine-d/kv-d: the client went away"]
     assert [m["pool"] for m in r["members"]] == ["kv-a", "kv-b", "kv-c"]
-    b.report(headroom=headroom_for(runtime_dir, 256 * MiB, 0), min_tokens=128, weight=3.0)
+    s = wait_status(runtime_dir, lambda s: len(s["clients"]) == 3, 5.0, "d gone")
+    assert sorted(k["name"] for k in s["kv"]) == ["kv-a", "kv-b", "kv-c"]
+    _check_staged(s, {"kv-a": 8 * MiB})
+    # a budget of 256 MiB: status's free memory leaves a's staged 8 MiB out, the round adds it back
+    b.report(headroom=headroom_for(runtime_dir, 256 * MiB, 0) + 8 * MiB, min_tokens=128, weight=3.0)
     wait_round(runtime_dir, round_id, lambda r: sum(m["reported"] for m in r["members"]) == 2, "b reported")
+    s = status(runtime_dir)
+    _check_staged(s, {"kv-a": 8 * MiB, "kv-b": cost(rows, 128)})  # c still pending
+    c_placeholders = {x["name"]: x for x in s["arenas"]}["kv-c"]["placeholder_bytes"]
 
     # the last one pending dies: the round commits at once for the ones that reported
     c.client.kill()
     results = [a.result(), b.result()]
-    r = _check_committed([a, b], results, runtime_dir)
+    r = _check_committed([a, b], results, runtime_dir, _staged([a, b]))
     assert r["dropped"] == ["engine-d/kv-d: the client went away", "engine-c/kv-c: the client went away"]
     s = wait_status(runtime_dir, lambda s: len(s["clients"]) == 2, 5.0, "c and d gone")
     assert sorted(k["name"] for k in s["kv"]) == ["kv-a", "kv-b"]
     if backend == "host":
         # the dead engines' placeholders were given back before the budget was measured
+        # (and the staged minimums count as the members' own: free again for the split)
         live = sum(x["placeholder_bytes"] for x in s["arenas"])
         assert results[0]["budget"]["free"] == s["device"]["total_bytes"] - live, results[0]["budget"]
+        # b's headroom left 256 MiB; c's placeholders came back since
+        assert results[0]["budget"]["budget"] == 256 * MiB + c_placeholders
 
 
 def test_a_member_that_releases_its_pool_does_not_hold_up_the_round(daemon_factory, backend, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
@@ -206,9 +256,10 @@ def test_a_member_that_releases_its_pool_does_not_hold_up_the_round(daemon_facto
     assert b.placeholder_and_join() == round_id
     a.report(min_tokens=16)
     wait_round(runtime_dir, round_id, lambda r: r["members"][0]["reported"], "a reported")
+    _check_staged(status(runtime_dir), {"kv-a": 2 * MiB})  # 16 rows of 16 KiB: one granule
     b.do("kvrelease kv-b")  # the engine gives up before capture-done
     (res,) = [a.result(timeout=5.0)]
-    r = _check_committed([a], [res], runtime_dir)
+    r = _check_committed([a], [res], runtime_dir, 2 * MiB)
     assert r["dropped"] == ["engine-b/kv-b: the pool was released"]
 
 
@@ -258,6 +309,7 @@ def test_a_later_engine_gets_memory_an_earlier_pool_gives_back(daemon_factory, r
     res_a = a.result()
     held = cost(rows, res_a["tokens"])
     assert res_a["budget"]["committed"] == held and held > 512 * MiB
+    assert res_a["budget"]["staged"] == 0  # alone in its round: nothing to wait for
 
     second = b.placeholder_and_join()
     assert second == first + 1
@@ -267,6 +319,7 @@ def test_a_later_engine_gets_memory_an_earlier_pool_gives_back(daemon_factory, r
     b.report(min_tokens=b_min, weight=1.0)
     r = wait_round(runtime_dir, second, lambda r: r["state"] == "awaiting-shrink", "round waits for a shrink")
     assert r["budget"]["minimums"] == cost(rows, b_min) > r["budget"]["budget"]
+    assert r["budget"]["staged"] == 0 and {k["name"]: k["committed_bytes"] for k in status(runtime_dir)["kv"]}["kv-b"] == 0
 
     # engine-a is asked, nothing is taken from it yet
     asks: list[int] = []

@@ -4,7 +4,9 @@ members that die, shrink requests to earlier pools, grow and shrink, and bad inp
 
 Every token count is worked out by hand in the comments from the capacity, the reserve,
 the headroom, the weights and the 2 MiB granularity; the harness's bulk chunk is 16 MiB,
-and a KV range is committed as bulk chunks plus one chunk for its tail."""
+and a KV range is committed as bulk chunks plus one chunk for its tail. A member that
+reports while the round still waits for others has its minimum staged: created and zeroed
+at once, handed out only when the round commits, given back if it fails."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from collections.abc import Callable
 import pytest
 
 from gpumem_shared import protocol as p
+from gpumem_shared.driver import DriverError
+from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.protocol import ErrorCode
 from gpumemd.state import Completion, Session
 
@@ -133,6 +137,7 @@ def test_one_member_round_commits_the_most_that_fits(make_harness: Callable[...,
     assert reply.round_id == 1
     assert reply.budget == {
         "free": 256 * MiB,
+        "staged": 0,  # the only member: nothing to wait for, nothing staged
         "reserve": 32 * MiB,
         "headroom": 10 * MiB,
         "graph_pools": 3 * MiB,  # reported, already in use: not taken off again
@@ -166,7 +171,7 @@ def test_two_members_split_by_weight_and_the_reply_waits_for_the_last(h: Harness
     capture(h, b, "kvb", 21, headroom_bytes=10 * MiB, weight=3.0)  # joined last, reports first
     assert done(h) == {}
     assert [m.reported for m in round_status(h, 1).members] == [False, True]
-    assert h.state.accounted_bytes() == 0
+    assert h.state.accounted_bytes() == 0, "no minimum: nothing to stage while a is pending"
 
     capture(h, a, "kva", 11, headroom_bytes=6 * MiB, min_tokens=1000, weight=1.0)
     completions = done(h)
@@ -175,6 +180,7 @@ def test_two_members_split_by_weight_and_the_reply_waits_for_the_last(h: Harness
     assert (ra.pool.tokens, rb.pool.tokens) == (15872, 45056)
     expected_budget = {
         "free": 256 * MiB,
+        "staged": 0,  # b asked for no minimum; a reported last
         "reserve": 0,
         "headroom": 16 * MiB,
         "graph_pools": 0,
@@ -212,7 +218,7 @@ def test_four_members_with_caps_redistribute_the_budget(make_harness: Callable[.
     capture(h, sa, "a", 1, headroom_bytes=8 * MiB, max_tokens=2048, weight=1.0)
     capture(h, sd, "d", 4, headroom_bytes=32 * MiB, weight=4.0)
     assert done(h) == {}
-    assert h.state.rounds[0].state == "open"
+    assert h.state.rounds[0].state == "open" and h.state.accounted_bytes() == 0
     capture(h, sb, "b", 2, headroom_bytes=8 * MiB, min_tokens=1024, weight=2.0)
     completions = done(h)
     tokens = {rid: commit_reply(c).pool.tokens for rid, c in completions.items()}
@@ -220,6 +226,7 @@ def test_four_members_with_caps_redistribute_the_budget(make_harness: Callable[.
     budget = commit_reply(completions[1]).budget
     assert budget == {
         "free": 512 * MiB,
+        "staged": 0,  # c, a and d asked for no minimum; b, the only one with one, reported last
         "reserve": 64 * MiB,
         "headroom": 64 * MiB,
         "graph_pools": 0,
@@ -1065,6 +1072,13 @@ def test_status_reports_rounds_and_kv_pools(h: Harness) -> None:
     join(h, b, "kvb")
     h.clock.now += 30
     capture(h, a, "kva", 1, headroom_bytes=10 * MiB, graph_pool_bytes=3 * MiB, min_tokens=100, max_tokens=20000, weight=2.5)
+    # kvb is pending: kva's minimum is staged, 100 rows of 6 KiB = 600 KiB -> one 2 MiB
+    # granule a buffer, 4 MiB, in the arena but held by no one and no tokens yet.
+    staged = sorted(h.state.rounds[0].members[0].staged, key=lambda c: c.offset)
+    assert [(c.offset // MiB, c.size // MiB, c.holders, c.fresh) for c in staged] == [
+        (0, 2, set(), False),
+        (192, 2, set(), False),
+    ]
     status = h.state.status()
     assert status.rounds == [
         p.RoundStatus(
@@ -1083,25 +1097,38 @@ def test_status_reports_rounds_and_kv_pools(h: Harness) -> None:
         )
     ]
     assert status.kv == [
-        p.KvPoolStatus("kva", "engine-a", 2, 12288, 32768, 0, 0, 0, -1),
+        p.KvPoolStatus("kva", "engine-a", 2, 12288, 32768, 0, 4 * MiB, 0, -1),
         p.KvPoolStatus("kvb", "engine-b", 1, 4096, 65536, 0, 0, 0, -1),
     ]
+    arenas = {x.name: x for x in status.arenas}
+    assert (arenas["kva"].committed, arenas["kva"].chunks, arenas["kvb"].committed) == (4 * MiB, 2, 0)
+    assert (status.device.accounted_bytes, status.device.free_bytes) == (4 * MiB, 252 * MiB)
     capture(h, b, "kvb", 2, max_tokens=4096)  # 16 MiB, capped
-    done(h)
-    # 256 - 10 = 246 MiB; minimums 100 rows a buffer for kva = 4 MiB; kvb capped at 16 MiB;
-    # kva gets 246 - 16 = 230 MiB, 115 a buffer -> 114 MiB -> 19456 rows (under its 20000).
+    completions = done(h)
+    # 252 MiB free + the 4 MiB staged = 256; - 10 = 246 MiB; minimums 100 rows a buffer for
+    # kva = 4 MiB; kvb capped at 16 MiB; kva gets 246 - 16 = 230 MiB, 115 a buffer -> 114 MiB
+    # -> 19456 rows (under its 20000).
+    ra = commit_reply(completions[1])
+    # kva: the staged 2 MiB a buffer, then 112 MiB in seven 16 MiB chunks, all handed now.
+    plan = [(0, 2)] + [(o, 16) for o in range(2, 114, 16)]
+    assert sizes_mib(ra.chunks) == plan + [(192 + o, n) for o, n in plan]
+    assert {c.id for c in staged} <= {c.id for c in ra.chunks}
+    assert_handed(h, a, completions[1], "kva")
+    assert_handed(h, b, completions[2], "kvb")
+    assert sizes_mib(commit_reply(completions[2]).chunks) == [(0, 16)]
     status = h.state.status()
     [r] = status.rounds
     assert r.state == "committed"
     assert [(m.tokens, m.bytes) for m in r.members] == [(19456, 228 * MiB), (4096, 16 * MiB)]
-    assert r.budget == {
+    assert r.budget == ra.budget == {
         "free": 256 * MiB,
+        "staged": 4 * MiB,
         "reserve": 0,
         "headroom": 10 * MiB,
         "graph_pools": 3 * MiB,
         "budget": 246 * MiB,
         "minimums": 4 * MiB,
-        "committed": 244 * MiB,
+        "committed": 244 * MiB,  # the staged 4 MiB included: handed out now
     }
     assert status.kv == [
         p.KvPoolStatus("kva", "engine-a", 2, 12288, 32768, 19456, 228 * MiB, 100, -1),
@@ -1111,3 +1138,406 @@ def test_status_reports_rounds_and_kv_pools(h: Harness) -> None:
     assert p.to_wire(status)  # the whole report encodes
     h.clock.now += 300
     assert h.state.status().rounds[0].deadline_in_s == -30.0  # negative once passed
+
+
+# --------------------------------------------------------------------------- staged minimums
+
+
+class RecordingDriver(HostDriver):
+    """The real host driver (whose zero() does nothing: a fresh memfd reads as zero), but
+    it records every zero() call, and creating or zeroing chunks fails as told."""
+
+    def __init__(self) -> None:
+        super().__init__(index=0, capacity=CAPACITY)
+        self.zeroed: list[list[tuple[int, int]]] = []
+        self.fail = ""  # "create" | "zero"
+
+    def create_chunks(self, placements: list[tuple[int, int]]) -> list[int]:
+        if self.fail == "create":
+            raise DriverError("injected create failure", out_of_memory=True)
+        return super().create_chunks(placements)
+
+    def zero(self, placements: list[tuple[int, int]]) -> None:
+        if self.fail == "zero":
+            raise DriverError("injected zero failure")
+        self.zeroed.append(list(placements))
+        super().zero(placements)
+
+
+def layout_mib(h: Harness, name: str) -> list[tuple[int, int]]:
+    return [(c.offset // MiB, c.size // MiB) for c in h.state.arenas[name].chunks]
+
+
+def staged_of(h: Harness, name: str) -> list[tuple[int, int]]:
+    member = h.state.rounds[-1].member(name)
+    assert member is not None
+    return [(c.offset // MiB, c.size // MiB) for c in sorted(member.staged, key=lambda c: c.offset)]
+
+
+# a's figures in several tests below: K and V rows of 6 KiB, regions of 192 MiB; 3000 rows
+# are 18,432,000 B -> 18 MiB a buffer, staged as a 16 MiB bulk chunk and a 2 MiB tail.
+A_ROWS = (6144, 6144)
+A_STAGED = [(0, 16), (16, 2), (192, 16), (208, 2)]
+
+
+def test_a_report_while_others_are_pending_stages_its_minimum_zeroed_for_no_one(make_harness: Callable[..., Harness]) -> None:
+    driver = RecordingDriver()
+    h = make_harness(driver=driver)
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    declare(h, a, "kva", rows=A_ROWS, max_tokens=32768)
+    declare(h, b, "kvb")
+    join(h, a, "kva")
+    join(h, b, "kvb")
+    fds = open_fds()
+
+    capture(h, a, "kva", 1, min_tokens=3000)
+    assert done(h) == {} and round_status(h, 1).state == "open"
+    chunks = h.state.arenas["kva"].chunks
+    assert layout_mib(h, "kva") == staged_of(h, "kva") == A_STAGED
+    assert [c.id for c in chunks] == [c.id for c in sorted(h.state.rounds[0].members[0].staged, key=lambda c: c.offset)]
+    assert all(c.holders == set() and c.handle is not None and c.fresh is False for c in chunks), "zeroed, handed to no one"
+    assert driver.zeroed == [[(c.address, c.size) for c in chunks]], "zeroed once, in one call, at the report"
+    assert open_fds() == fds + 4
+    assert h.state.arenas["kvb"].chunks == []
+    assert h.state.accounted_bytes() == 36 * MiB
+    status = h.state.status()
+    assert (status.device.accounted_bytes, status.device.free_bytes) == (36 * MiB, 220 * MiB)
+    assert kv_status(h, "kva") == p.KvPoolStatus("kva", "engine-a", 2, 12288, 32768, 0, 36 * MiB, 0, -1)
+    assert next(x for x in status.arenas if x.name == "kva").committed == 36 * MiB
+    assert [(m.tokens, m.bytes) for m in round_status(h, 1).members] == [(0, 0), (0, 0)]
+    assert round_status(h, 1).budget == {}
+
+    # b reports last: nothing left to wait for, so nothing of it is staged (its 1000 rows
+    # = 4 MiB would otherwise be a chunk of their own). 220 MiB free + 36 staged = 256;
+    # minimums 36 + 4 = 40 MiB; the other 216 MiB by equal weights, 108 MiB each:
+    # a 144 MiB = 72 MiB a buffer = 12288 rows of 6 KiB; b 112 MiB = 28672 rows.
+    capture(h, b, "kvb", 2, min_tokens=1000)
+    completions = done(h)
+    ra, rb = commit_reply(completions[1]), commit_reply(completions[2])
+    assert (ra.pool.tokens, rb.pool.tokens) == (12288, 28672)
+    assert ra.budget == rb.budget == {
+        "free": 256 * MiB,
+        "staged": 36 * MiB,
+        "reserve": 0,
+        "headroom": 0,
+        "graph_pools": 0,
+        "budget": 256 * MiB,
+        "minimums": 40 * MiB,
+        "committed": 256 * MiB,
+    }
+    # a: the staged prefix, then 18 -> 72 MiB a buffer as three bulk chunks and a tail.
+    plan = [(0, 16), (16, 2), (18, 16), (34, 16), (50, 16), (66, 6)]
+    assert sizes_mib(ra.chunks) == plan + [(192 + o, n) for o, n in plan]
+    assert sizes_mib(rb.chunks) == [(o, 16) for o in range(0, 112, 16)]
+    assert_prefixes(h, ra, {"b0": 72 * MiB, "b1": 72 * MiB})
+    assert_handed(h, a, completions[1], "kva")
+    assert_handed(h, b, completions[2], "kvb")
+    staged_ids = {c.id for c in chunks if (c.offset // MiB, c.size // MiB) in A_STAGED}
+    assert len(staged_ids) == 4 and staged_ids <= {c.id for c in ra.chunks}
+    # Not zeroed again: no zero() at the commit, and the export will not scrub them
+    # (fresh False); the chunks created now are fresh, scrubbed as their fds leave.
+    assert len(driver.zeroed) == 1
+    assert {c.id: c.fresh for c in completions[1].handout} == {c.id: c.id not in staged_ids for c in completions[1].handout}
+    assert all(c.fresh for c in completions[2].handout)
+    assert h.state.rounds[0].members[0].staged == []
+    assert h.state.accounted_bytes() == 256 * MiB
+
+
+def test_staging_needs_a_minimum_and_someone_to_wait_for(make_harness: Callable[..., Harness]) -> None:
+    driver = RecordingDriver()
+    h = make_harness(driver=driver)
+    a, b, c, d = (h.connect(f"engine-{x}") for x in "abcd")
+    # A round of one: its report is the last, nothing staged. 1000 rows staged would be a
+    # 4 MiB chunk; the 4096 rows come as one 16 MiB chunk.
+    declare(h, d, "kvd")
+    join(h, d, "kvd")
+    capture(h, d, "kvd", 4, min_tokens=1000, max_tokens=4096)
+    rd = commit_reply(done(h)[4])
+    assert (rd.pool.tokens, sizes_mib(rd.chunks), rd.budget["staged"]) == (4096, [(0, 16)], 0)
+    assert driver.zeroed == []
+
+    for s, name in ((a, "kva"), (b, "kvb"), (c, "kvc")):
+        declare(h, s, name)
+    h.ok(a, p.RoundJoin(pool="kva", expect=3))
+    capture(h, a, "kva", 1)  # others are expected, but a has no minimum to stage
+    assert h.state.arenas["kva"].chunks == [] and h.state.accounted_bytes() == 16 * MiB
+    join(h, b, "kvb")
+    capture(h, b, "kvb", 2, min_tokens=1000)  # nobody pending, but a third pool is expected
+    assert layout_mib(h, "kvb") == staged_of(h, "kvb") == [(0, 4)]
+    assert h.state.accounted_bytes() == 20 * MiB and kv_status(h, "kvb").committed_bytes == 4 * MiB
+    assert driver.zeroed == [[(h.state.arenas["kvb"].chunks[0].address, 4 * MiB)]]
+    join(h, c, "kvc")
+    capture(h, c, "kvc", 3, min_tokens=1000)  # the last: not staged
+    completions = done(h)
+    assert len(driver.zeroed) == 1
+    # 236 MiB free + 4 staged = 240; minimums 8 MiB; 232 MiB / 3 = 81,089,877 B each:
+    # a 38 granules = 76 MiB = 19456 rows; b and c 4 MiB + that -> 80 MiB = 20480 rows.
+    replies = [commit_reply(completions[i]) for i in (1, 2, 3)]
+    assert [r.pool.tokens for r in replies] == [19456, 20480, 20480]
+    assert replies[0].budget == {
+        "free": 240 * MiB,
+        "staged": 4 * MiB,
+        "reserve": 0,
+        "headroom": 0,
+        "graph_pools": 0,
+        "budget": 240 * MiB,
+        "minimums": 8 * MiB,
+        "committed": 236 * MiB,
+    }
+    assert sizes_mib(replies[0].chunks) == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 12)]
+    assert sizes_mib(replies[1].chunks) == [(0, 4), (4, 16), (20, 16), (36, 16), (52, 16), (68, 12)]
+    assert sizes_mib(replies[2].chunks) == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 16)]
+    for rid, (s, name) in {1: (a, "kva"), 2: (b, "kvb"), 3: (c, "kvc")}.items():
+        assert_handed(h, s, completions[rid], name)
+    assert h.state.accounted_bytes() == 252 * MiB
+
+
+def test_staging_leaves_the_budget_and_the_split_as_an_unstaged_round_has_them(
+    make_harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 256 MiB, 32 MiB reserve, headroom 8 + 4 + 4: budget 208 MiB. Minimums: a 36 MiB
+    # (3000 rows, as above), b 1000 rows of 4 KiB = 4 MiB, c none: 40 MiB; spare 168 MiB
+    # by weights 1:2:1, 42 MiB a weight. c is capped at 8192 rows of two 2 KiB buffers =
+    # 32 MiB; the other 136 MiB go to a and b by 1:2: a 36 + 45.33 -> 40 MiB a buffer =
+    # 6826 rows (80 MiB); b 4 + 90.67 -> 94 MiB = 24064 rows. 80 + 94 + 32 = 206 MiB.
+    h = make_harness(reserve_bytes=32 * MiB)
+
+    def run() -> tuple[dict[str, int], list[int], list[list[tuple[int, int]]], int]:
+        a, b, c = h.connect("engine-a"), h.connect("engine-b"), h.connect("engine-c")
+        declare(h, a, "kva", rows=A_ROWS, max_tokens=32768)
+        declare(h, b, "kvb")
+        declare(h, c, "kvc", rows=(2048, 2048))
+        for s, name in ((a, "kva"), (b, "kvb"), (c, "kvc")):
+            join(h, s, name)
+        capture(h, a, "kva", 1, headroom_bytes=8 * MiB, min_tokens=3000, weight=1.0)
+        capture(h, b, "kvb", 2, headroom_bytes=4 * MiB, min_tokens=1000, weight=2.0)
+        open_bytes = h.state.accounted_bytes()
+        capture(h, c, "kvc", 3, headroom_bytes=4 * MiB, max_tokens=8192, weight=1.0)
+        completions = done(h)
+        replies = [commit_reply(completions[i]) for i in (1, 2, 3)]
+        assert all(r.budget == replies[0].budget for r in replies)
+        out = (replies[0].budget, [r.pool.tokens for r in replies], [sizes_mib(r.chunks) for r in replies], open_bytes)
+        assert h.state.accounted_bytes() == 206 * MiB
+        for s in (a, b, c):
+            h.state.close_session(s.id)
+        assert h.state.accounted_bytes() == 0
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(h.state, "_stage", lambda member: None)
+        plain_budget, plain_tokens, plain_chunks, plain_open = run()
+    budget, tokens, chunks, open_bytes = run()
+
+    assert (plain_open, open_bytes) == (0, 40 * MiB)
+    assert plain_tokens == tokens == [6826, 24064, 8192]
+    assert plain_budget == {**budget, "staged": 0}
+    assert budget == {
+        "free": 256 * MiB,
+        "staged": 40 * MiB,
+        "reserve": 32 * MiB,
+        "headroom": 16 * MiB,
+        "graph_pools": 0,
+        "budget": 208 * MiB,
+        "minimums": 40 * MiB,
+        "committed": 206 * MiB,
+    }
+    # The same prefixes, cut differently: the staged minimum is a chunk boundary.
+    assert plain_chunks == [
+        [(0, 16), (16, 16), (32, 8), (192, 16), (208, 16), (224, 8)],
+        [(0, 16), (16, 16), (32, 16), (48, 16), (64, 16), (80, 14)],
+        [(0, 16), (128, 16)],
+    ]
+    assert chunks == [
+        [(0, 16), (16, 2), (18, 16), (34, 6), (192, 16), (208, 2), (210, 16), (226, 6)],
+        [(0, 4), (4, 16), (20, 16), (36, 16), (52, 16), (68, 16), (84, 10)],
+        [(0, 16), (128, 16)],
+    ]
+
+
+def test_a_round_failing_at_its_deadline_gives_the_staged_minimums_back(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness(round_policy="fail", round_timeout=5.0)
+    a, b, c = h.connect("engine-a"), h.connect("engine-b"), h.connect("engine-c")
+    declare(h, a, "kva", rows=A_ROWS, max_tokens=32768)
+    declare(h, b, "kvb")
+    declare(h, c, "kvc")
+    for s, name in ((a, "kva"), (b, "kvb"), (c, "kvc")):
+        join(h, s, name)
+    fds = open_fds()
+    capture(h, a, "kva", 1, min_tokens=3000)
+    capture(h, c, "kvc", 3, min_tokens=1000)
+    assert (staged_of(h, "kva"), staged_of(h, "kvc")) == (A_STAGED, [(0, 4)])
+    assert h.state.accounted_bytes() == 40 * MiB and open_fds() == fds + 5
+    assert all(c.holders == set() for n in ("kva", "kvc") for c in h.state.arenas[n].chunks)
+
+    h.clock.now = 1005.0
+    h.state.tick()
+    completions = done(h)
+    assert sorted(completions) == [1, 3]
+    for rid in (1, 3):
+        assert "engine-b/kvb" in failure(completions[rid]).message
+    assert round_status(h, 1).state == "failed" and round_status(h, 1).budget == {}
+    assert h.state.accounted_bytes() == 0 and h.state.retiring == {} and open_fds() == fds
+    assert all(h.state.arenas[n].chunks == [] for n in ("kva", "kvb", "kvc"))
+    assert all(m.staged == [] for m in h.state.rounds[0].members)
+    assert all(kv_status(h, n).committed_bytes == 0 for n in ("kva", "kvb", "kvc"))
+    # A new round stages afresh.
+    assert join(h, a, "kva").round_id == 2
+    join(h, b, "kvb")
+    capture(h, a, "kva", 4, min_tokens=3000)
+    assert staged_of(h, "kva") == A_STAGED and h.state.accounted_bytes() == 36 * MiB
+
+
+def test_a_round_short_of_budget_gives_the_staged_minimums_back(make_harness: Callable[..., Harness]) -> None:
+    # 256 MiB, 200 MiB reserve: 56 MiB available, enough to stage a's 36 MiB. b reports
+    # last with 40 MiB of headroom: 220 free + 36 staged - 200 - 40 = 16 MiB < 36.
+    h = make_harness(reserve_bytes=200 * MiB)
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    declare(h, a, "kva", rows=A_ROWS, max_tokens=32768)
+    declare(h, b, "kvb")
+    join(h, a, "kva")
+    join(h, b, "kvb")
+    fds = open_fds()
+    capture(h, a, "kva", 1, min_tokens=3000)
+    assert staged_of(h, "kva") == A_STAGED and h.state.accounted_bytes() == 36 * MiB
+    capture(h, b, "kvb", 2, headroom_bytes=40 * MiB)
+    completions = done(h)
+    assert sorted(completions) == [1, 2]
+    for c in completions.values():
+        error = failure(c)
+        assert error.detail == {"needed": 36 * MiB, "budget": 16 * MiB}
+        assert f"free {256 * MiB} - reserve {200 * MiB} - headroom {40 * MiB}" in error.message
+    assert h.state.take_notices() == []
+    status = round_status(h, 1)
+    assert status.state == "failed"
+    assert status.budget == {
+        "free": 256 * MiB,
+        "staged": 36 * MiB,
+        "reserve": 200 * MiB,
+        "headroom": 40 * MiB,
+        "graph_pools": 0,
+        "budget": 16 * MiB,
+        "minimums": 36 * MiB,
+    }
+    assert h.state.accounted_bytes() == 0 and h.state.retiring == {} and open_fds() == fds
+    assert h.state.arenas["kva"].chunks == [] and h.state.rounds[0].members[0].staged == []
+    assert kv_status(h, "kva").tokens == kv_status(h, "kva").committed_bytes == 0
+
+
+def test_a_round_awaiting_shrinks_that_fails_gives_the_staged_minimum_back(h: Harness) -> None:
+    x, b, c = h.connect("engine-x"), h.connect("engine-b"), h.connect("engine-c")
+    committed_pool(h, x, "kvx", 61440)  # 240 MiB in fifteen 16 MiB chunks
+    declare(h, b, "kvb")
+    declare(h, c, "kvc")
+    join(h, b, "kvb")
+    join(h, c, "kvc")
+    capture(h, b, "kvb", 2, min_tokens=2048)  # 8 MiB of the 16 free: staged
+    assert staged_of(h, "kvb") == [(0, 8)] and h.state.accounted_bytes() == 248 * MiB
+    # c needs 16 MiB more: 8 free + 8 staged = 16 < 24. x is asked for 8 MiB, a whole
+    # 16 MiB chunk: down to 224 MiB = 57344 rows.
+    capture(h, c, "kvc", 3, min_tokens=4096)
+    assert [(sid, n.tokens) for sid, n in h.state.take_notices()] == [(x.id, 57344)]
+    status = round_status(h, 2)
+    assert status.state == "awaiting-shrink"
+    assert (status.budget["free"], status.budget["staged"], status.budget["minimums"]) == (16 * MiB, 8 * MiB, 24 * MiB)
+    assert staged_of(h, "kvb") == [(0, 8)], "still b's while the round waits"
+    h.clock.now += 300
+    h.state.tick()
+    completions = done(h)
+    assert sorted(completions) == [2, 3]
+    assert all(failure(c).detail == {"needed": 24 * MiB, "budget": 16 * MiB} for c in completions.values())
+    assert h.state.accounted_bytes() == 240 * MiB and h.state.arenas["kvb"].chunks == []
+    assert kv_status(h, "kvx").tokens == 61440
+
+
+@pytest.mark.parametrize("how", ["dies", "releases its pool"])
+def test_a_member_that_goes_away_takes_its_staged_minimum_with_its_arena(h: Harness, how: str) -> None:
+    a, b, c = h.connect("engine-a"), h.connect("engine-b"), h.connect("engine-c")
+    declare(h, a, "kva", rows=A_ROWS, max_tokens=32768)
+    declare(h, b, "kvb")
+    declare(h, c, "kvc")
+    for s, name in ((a, "kva"), (b, "kvb"), (c, "kvc")):
+        join(h, s, name)
+    fds = open_fds()
+    capture(h, a, "kva", 1, min_tokens=3000)
+    assert staged_of(h, "kva") == A_STAGED and h.state.accounted_bytes() == 36 * MiB and open_fds() == fds + 4
+    if how == "dies":
+        h.state.close_session(a.id)
+    else:
+        h.release(a, "kva")
+    assert "kva" not in h.state.arenas and "kva" not in h.state.kv_pools
+    assert h.state.accounted_bytes() == 0 and h.state.retiring == {} and open_fds() == fds
+    assert done(h) == {} and round_status(h, 1).state == "open"
+    assert [m.pool for m in round_status(h, 1).members] == ["kvb", "kvc"]
+    capture(h, b, "kvb", 2)
+    capture(h, c, "kvc", 3)
+    completions = done(h)
+    assert sorted(completions) == [2, 3], "nobody left to answer for a"
+    assert [commit_reply(completions[i]).pool.tokens for i in (2, 3)] == [32768, 32768]  # 128 MiB each
+    assert (commit_reply(completions[2]).budget["free"], commit_reply(completions[2]).budget["staged"]) == (256 * MiB, 0)
+    dropped = "the client went away" if how == "dies" else "the pool was released"
+    assert round_status(h, 1).dropped == [f"engine-a/kva: {dropped}"]
+
+
+@pytest.mark.parametrize("fail", ["create", "zero"])
+def test_staging_that_fails_leaves_nothing_and_the_round_creates_the_minimum(
+    make_harness: Callable[..., Harness], fail: str
+) -> None:
+    driver = RecordingDriver()
+    h = make_harness(driver=driver)
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    declare(h, a, "kva", rows=A_ROWS, max_tokens=32768)
+    declare(h, b, "kvb")
+    join(h, a, "kva")
+    join(h, b, "kvb")
+    fds = open_fds()
+    driver.fail = fail
+    capture(h, a, "kva", 1, min_tokens=3000)  # not refused: the round will create it
+    driver.fail = ""
+    assert done(h) == {} and round_status(h, 1).state == "open"
+    assert h.state.arenas["kva"].chunks == [] and staged_of(h, "kva") == []
+    assert h.state.accounted_bytes() == 0 and h.state.retiring == {} and open_fds() == fds
+    assert driver.zeroed == []
+    capture(h, b, "kvb", 2, min_tokens=1000)
+    completions = done(h)
+    ra = commit_reply(completions[1])
+    # The figures of the first test, unstaged: 72 MiB a buffer as four bulk chunks and a tail.
+    assert (ra.pool.tokens, commit_reply(completions[2]).pool.tokens) == (12288, 28672)
+    assert (ra.budget["free"], ra.budget["staged"], ra.budget["committed"]) == (256 * MiB, 0, 256 * MiB)
+    plan = [(0, 16), (16, 16), (32, 16), (48, 16), (64, 8)]
+    assert sizes_mib(ra.chunks) == plan + [(192 + o, n) for o, n in plan]
+    assert all(c.fresh for c in completions[1].handout)
+    assert_handed(h, a, completions[1], "kva")
+
+
+def test_a_minimum_that_does_not_fit_now_is_not_staged(make_harness: Callable[..., Harness]) -> None:
+    driver = RecordingDriver()
+    h = make_harness(driver=driver)
+    a, b, s = h.connect("engine-a"), h.connect("engine-b"), h.connect("other")
+    h.create(s, "plain")
+    h.commit(s, "plain", 240 * MiB)
+    declare(h, a, "kva")
+    declare(h, b, "kvb")
+    join(h, a, "kva")
+    join(h, b, "kvb")
+    capture(h, a, "kva", 1, min_tokens=8192)  # 32 MiB; 16 MiB available
+    assert h.state.arenas["kva"].chunks == [] and staged_of(h, "kva") == [] and driver.zeroed == []
+    assert h.state.accounted_bytes() == 240 * MiB
+    h.release(s, "plain")  # the memory comes back before the last report
+    capture(h, b, "kvb", 2)
+    completions = done(h)
+    # 256 MiB; a's 32 MiB minimum first, the other 224 by equal weights: a 144 MiB = 36864
+    # rows, b 112 MiB = 28672 rows.
+    ra, rb = commit_reply(completions[1]), commit_reply(completions[2])
+    assert (ra.pool.tokens, rb.pool.tokens) == (36864, 28672)
+    assert ra.budget == {
+        "free": 256 * MiB,
+        "staged": 0,
+        "reserve": 0,
+        "headroom": 0,
+        "graph_pools": 0,
+        "budget": 256 * MiB,
+        "minimums": 32 * MiB,
+        "committed": 256 * MiB,
+    }
+    assert sizes_mib(ra.chunks) == [(o, 16) for o in range(0, 144, 16)]
+    assert driver.zeroed == []
