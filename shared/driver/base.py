@@ -67,6 +67,10 @@ class Driver(abc.ABC):
         """Drop this process's references; memory returns once no client maps it."""
 
     @abc.abstractmethod
+    def zero(self, placements: list[tuple[int, int]]) -> None:
+        """Zero chunks this process created (at their ``create_chunks`` placements)."""
+
+    @abc.abstractmethod
     def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
         """New POSIX fds for ``(address, size, handle, fresh)`` chunks; the caller closes
         them after sending. Fresh chunks (never handed out) are zeroed first, so no

@@ -167,6 +167,12 @@ class CudaDriver(Driver):
             self._ck(self._cu.cuMemUnmap(address, size), "cuMemUnmap")
             self._ck(self._cu.cuMemRelease(handle), "cuMemRelease")
 
+    def zero(self, placements: list[tuple[int, int]]) -> None:
+        self._current()
+        for start, size in _contiguous(placements):
+            self._ck(self._cu.cuMemsetD32Async(start, 0, size // 4, 0), "cuMemsetD32Async")
+        self._ck(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
     def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
         cu = self._cu
         self._current()

@@ -104,6 +104,9 @@ class HostDriver(Driver):
         for fd in handles:
             os.close(fd)
 
+    def zero(self, placements: list[tuple[int, int]]) -> None:
+        pass  # a fresh memfd reads as zero
+
     def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
         # A fresh memfd reads as zero: nothing to scrub.
         return [os.dup(handle) for _, _, handle, _ in chunks]
