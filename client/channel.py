@@ -37,9 +37,10 @@ class ControlChannel:
         self._ids = itertools.count(1)
 
     def call(
-        self, message: Any, timeout: float, still_alive: Callable[[], None] | None = None
+        self, message: Any, timeout: float, still_alive: Callable[[int], None] | None = None
     ) -> tuple[int, Any]:
-        """Send one request; return (request id, typed reply body) or raise the typed error."""
+        """Send one request; return (request id, typed reply body) or raise the typed error.
+        ``still_alive(request_id)`` runs whenever a slice of the wait passes unanswered."""
         request_id = next(self._ids)
         self._sock.send(p.encode_request(request_id, message), copy=True)
         remaining_ms = max(int(timeout * 1000), 1)
@@ -54,7 +55,7 @@ class ControlChannel:
             except zmq.Again:
                 remaining_ms -= wait
                 if still_alive is not None:
-                    still_alive()
+                    still_alive(request_id)
                 if remaining_ms <= 0:
                     raise DaemonTimeout(self._timeout_message(message, timeout)) from None
                 continue

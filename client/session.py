@@ -117,6 +117,7 @@ class Session:
         self.timeout = timeout
         self._lock = threading.RLock()
         self._notices: collections.deque[p.Notice] = collections.deque(maxlen=1024)
+        self._early_batches: list[tuple[p.FdBatch, list[int]]] = []
         self._stopped: str | None = None
         self._resources = _Resources()
         # Registered before anything opens, so a half-built session still cleans up.
@@ -210,18 +211,23 @@ class Session:
                 raise SessionClosed(f"session '{self.name}' is closed")
             self._poll_fd_channel()
             limit = self.timeout if timeout is None else timeout
-            request_id, body = control.call(message, limit, self._poll_fd_channel)
+            request_id, body = control.call(message, limit, lambda rid: self._poll_fd_channel(keep=rid))
             fds: dict[int, int] = {}
             if getattr(body, "fd_batches", 0):
                 fds = self._receive_fds(request_id, body.fd_batches, limit)
             return body, fds
 
-    def _poll_fd_channel(self) -> None:
-        """Take pending notices without blocking; raise if the daemon has gone."""
+    def _poll_fd_channel(self, keep: int = 0) -> None:
+        """Take pending notices without blocking; raise if the daemon has gone. Fd batches
+        for request ``keep`` (in flight: the daemon sends them just before the reply) are
+        kept for it; others belong to calls that timed out and are closed."""
         sock = self._resources.fd_sock
         while sock is not None and self._stopped is None and select.select([sock], [], [], 0)[0]:
-            _, fds = self._read_event(sock)
-            fdchannel.close_all(fds)  # descriptors of a call that timed out
+            batch, fds = self._read_event(sock)
+            if batch is not None and keep and batch.request_id == keep:
+                self._early_batches.append((batch, fds))
+            else:
+                fdchannel.close_all(fds)
         if self._stopped is not None:
             raise DaemonStopped(self._stopped)
 
@@ -264,6 +270,13 @@ class Session:
         sock = self._resources.fd_sock
         assert sock is not None
         received: dict[int, int] = {}
+        early, self._early_batches = self._early_batches, []
+        for batch, fds in early:
+            if batch.request_id == request_id:
+                received.update(zip(batch.chunk_ids, fds))
+                batches -= 1
+            else:
+                fdchannel.close_all(fds)
         sock.settimeout(timeout)
         try:
             while batches:
@@ -359,6 +372,9 @@ class Session:
                     arena.release()
                 except (GpuMemError, DriverError):
                     pass  # the daemon releases on EOF anyway; the mapping is gone locally
+            for _, fds in self._early_batches:
+                fdchannel.close_all(fds)
+            self._early_batches = []
             self._finalizer()
 
     @property

@@ -268,9 +268,8 @@ def decode_request(frame: bytes) -> Request:
 
 def check_version(version: Any) -> None:
     # Fast path: exactly what every current peer sends.
-    if type(version) is list and len(version) == 2 and type(version[0]) is int and type(version[1]) is int:
-        if version[0] == PROTOCOL_VERSION[0]:
-            return
+    if type(version) is list and len(version) == 2 and type(version[0]) is int and type(version[1]) is int and version[0] == PROTOCOL_VERSION[0]:
+        return
     if (
         not isinstance(version, (list, tuple))
         or len(version) != 2
