@@ -6,8 +6,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "gpumem._native",
-            sources=["client/csrc/allocator.c"],
+            "gpumem_shared._native",
+            sources=["shared/csrc/allocator.c", "shared/csrc/leases.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
             libraries=["pthread"],
         )

@@ -1,4 +1,4 @@
-"""ctypes bindings of the native bump allocator (client/csrc/allocator.c), in one place.
+"""ctypes bindings of the native bump allocator (shared/csrc/allocator.c), in one place.
 
 A ``Slot`` owns one of the library's 256 allocator entry-point pairs for its life.
 torch loads the pair by name (``CUDAPluggableAllocator(path, alloc, free)``); the
@@ -53,7 +53,7 @@ class SlotStats:
 
 
 def library_path() -> str:
-    from gpumem import _native  # built with the package; see setup.py
+    from gpumem_shared import _native  # built with the package; see setup.py
 
     path = _native.__file__
     assert path is not None

@@ -86,6 +86,20 @@ class RoundFailed(GpuMemError):
     code = ErrorCode.ROUND_FAILED
 
 
+class LeaseConflict(GpuMemError):
+    """The graph pool's lease is held by someone else (named in the message and in
+    ``detail``: holder, pid, kind, label, since)."""
+
+
+class StaleEpoch(GpuMemError):
+    """The graph pool was recaptured or retired since this view of it: refresh it."""
+
+
+class LeaseNotHeld(GpuMemError):
+    """Releasing a lease this process does not hold (a double release, or one the daemon
+    swept)."""
+
+
 class DaemonUnavailable(GpuMemError, ConnectionError):
     """No daemon answers: not running, wrong runtime directory, or no permission."""
 

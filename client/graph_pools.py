@@ -56,6 +56,7 @@ class GraphPool:
 
     def _set(self, status: p.GraphPoolStatus) -> None:
         self.epoch = status.epoch
+        self.slot = status.slot
         self.extents = status.extents
         self.free_runs = status.free_runs
         self.free_bytes = status.free_bytes

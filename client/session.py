@@ -20,13 +20,15 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from gpumem_shared import __version__, fdchannel
+from gpumem_shared import __version__, fdchannel, leases
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError, DriverUnavailable
+from gpumem_shared.leases import LeaseTable
 from gpumem_shared.paths import Endpoints, discover, resolve_runtime_dir
 from gpumem.arena import Arena
 from gpumem.channel import ControlChannel
 from gpumem.kv import KvPool
+from gpumem.leases import Lease
 from gpumem.errors import (
     BadMessage,
     DaemonStopped,
@@ -161,22 +163,29 @@ class Session:
             ) from None
         try:
             fdchannel.send(sock, p.encode_request(1, p.Hello(name=self.name, client_version=__version__)))
-            payload, fds = fdchannel.recv(sock, max_fds=0)
+            payload, fds = fdchannel.recv(sock, max_fds=1)
         except TimeoutError:
             raise DaemonTimeout(
                 f"gpumemd for device {ep.index} accepted but did not answer HELLO within {self.timeout:g}s ({ep.fd_path})"
             ) from None
         except p.ProtocolError as exc:
             raise BadMessage(exc.message) from None
-        if not payload:
-            raise DaemonStopped(f"gpumemd for device {ep.index} closed the connection during HELLO")
         try:
-            reply = p.decode_reply(payload)
-        except p.ProtocolError as exc:
-            raise error_from_protocol(exc, "HELLO reply refused") from None
-        if not reply.ok:
-            raise error_from_reply(reply)
-        return p.from_wire(p.HelloReply, reply.body)
+            if not payload:
+                raise DaemonStopped(f"gpumemd for device {ep.index} closed the connection during HELLO")
+            try:
+                reply = p.decode_reply(payload)
+            except p.ProtocolError as exc:
+                raise error_from_protocol(exc, "HELLO reply refused") from None
+            if not reply.ok:
+                raise error_from_reply(reply)
+            hello = p.from_wire(p.HelloReply, reply.body)
+            if len(fds) != 1:
+                raise BadMessage(f"gpumemd's HELLO reply carried {len(fds)} descriptors, not the lease table")
+            self.leases = LeaseTable(fds[0])
+            return hello
+        finally:
+            fdchannel.close_all(fds)
 
     def _make_driver(self) -> Driver:
         if self.backend == "host":
@@ -347,6 +356,20 @@ class Session:
         self.arenas[name] = arena
         arena._apply(reply, fds)
         return arena
+
+    def capture(self, pool: Any, *, wait: float = 0.0, label: str = "capture") -> Lease:
+        """The capture lease on a graph pool: excludes every other lease. ``wait`` bounds
+        how long to wait for a holder (0: fail at once with LeaseConflict)."""
+        return Lease.acquire(self, pool, leases.CAPTURE, label, wait)
+
+    def replay(self, pool: Any, *, wait: float = 0.0, label: str = "replay") -> Lease:
+        """The replay lease: excludes capture and borrow (and other replays)."""
+        return Lease.acquire(self, pool, leases.REPLAY, label, wait)
+
+    def borrow(self, pool: Any, *, user: str, wait: float = 0.0) -> Lease:
+        """The borrow lease on a pool's free runs, for ``user`` (named to anyone who
+        conflicts): excludes capture and replay (and other borrows)."""
+        return Lease.acquire(self, pool, leases.BORROW, user, wait)
 
     def declare_kv_pool(
         self, name: str, buffers: list[p.KvBuffer], *, max_tokens: int = 0, reserve_bytes: int = 0

@@ -386,7 +386,11 @@ class Server:
         conn.session = session
         self._by_session[session.id] = conn
         self._by_token[session.token] = session
-        self._send_on(conn, p.encode_reply(request_id, reply))
+        try:
+            # The lease table rides with the reply: every client maps the same memory.
+            socket.send_fds(conn.sock, [p.encode_reply(request_id, reply)], [self.state.lease_fd], socket.MSG_DONTWAIT)
+        except OSError:
+            self._drop(conn)
 
     def _send_on(self, conn: Connection, payload: bytes) -> None:
         try:

@@ -26,6 +26,7 @@ from gpumem_shared import __version__
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
 from gpumem_shared.driver.base import Handle
+from gpumem_shared import leases
 from gpumemd import kv
 
 log = logging.getLogger("gpumemd.state")
@@ -122,6 +123,7 @@ class GraphPool:
     epoch: int
     extents: list[tuple[int, int]]  # (offset, size), by offset
     free_runs: list[tuple[int, int]]  # (offset, size), largest first
+    slot: int  # in the lease table
 
     def status(self) -> p.GraphPoolStatus:
         return p.GraphPoolStatus(
@@ -133,6 +135,7 @@ class GraphPool:
             extents=[p.Extent(offset=o, size=n) for o, n in self.extents],
             free_runs=[p.Extent(offset=o, size=n) for o, n in self.free_runs],
             free_bytes=sum(n for _, n in self.free_runs),
+            slot=self.slot,
         )
 
 
@@ -189,6 +192,8 @@ class DaemonState:
         self.completions: list[Completion] = []
         self.graph_pools: dict[int, GraphPool] = {}
         self._next_graph_pool = 1
+        self.lease_table, self.lease_fd = leases.LeaseTable.create()
+        self._free_slots = list(range(leases.SLOTS - 1, 0, -1))  # slot 0 stays unused
         self._next_round = 1
         self._pending_notices: list[tuple[int, p.Notice]] = []
         self._next_session = 1
@@ -238,6 +243,7 @@ class DaemonState:
         self.sessions[session.id] = session
         log.info("session %d opened: client %r pid %d uid %d", session.id, session.name, pid, uid)
         reply = p.HelloReply(
+            lease_slots=leases.SLOTS,
             protocol=list(p.PROTOCOL_VERSION),
             daemon_version=__version__,
             daemon_pid=os.getpid(),
@@ -259,8 +265,9 @@ class DaemonState:
             for member in [m for m in round_.members if m.session_id == session_id]:
                 round_.members.remove(member)
                 round_.dropped.append(f"{member.client}/{member.pool.name}: the client went away")
+        self.sweep_leases(session_id)
         for pool_id in [g.id for g in self.graph_pools.values() if g.owner_id == session_id]:
-            del self.graph_pools[pool_id]
+            self._drop_graph_pool(self.graph_pools[pool_id])
         for arena in [a for a in self.arenas.values() if session_id in a.attached]:
             self._drop_holder_everywhere(arena, session_id)
             arena.attached.discard(session_id)
@@ -413,7 +420,7 @@ class DaemonState:
             arena.released = True
             arena.owner_alive = False
             for pool_id in [g.id for g in self.graph_pools.values() if g.arena == arena.name]:
-                del self.graph_pools[pool_id]  # its memory goes now, even while sharers stay attached
+                self._drop_graph_pool(self.graph_pools[pool_id])  # its memory goes now, even while sharers stay attached
             self._retire(arena.placeholders, notices, "", arena.name)
             arena.placeholders = []
             if arena.attached:
@@ -481,6 +488,8 @@ class DaemonState:
         if not m.label or len(m.label) > 256:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "a graph pool needs a label of 1-256 characters")
         extents, runs = self._check_graph_pool(arena, m.extents, m.free_runs, exclude=None)
+        if not self._free_slots:
+            raise p.ProtocolError(p.ErrorCode.OUT_OF_MEMORY, f"all {leases.SLOTS - 1} lease slots are in use; retire graph pools first")
         pool = GraphPool(
             id=self._next_graph_pool,
             owner_id=s.id,
@@ -490,9 +499,11 @@ class DaemonState:
             epoch=1,
             extents=extents,
             free_runs=runs,
+            slot=self._free_slots.pop(),
         )
         self._next_graph_pool += 1
         self.graph_pools[pool.id] = pool
+        self.lease_table.set_epoch(pool.slot, leases.lease_epoch(pool.id, pool.epoch))
         return Outcome(p.GraphPoolReply(pool=pool.status()))
 
     def _update_graph_pool(self, session: Session | None, m: p.UpdateGraphPool) -> Outcome:
@@ -501,12 +512,41 @@ class DaemonState:
         pool.extents, pool.free_runs = self._check_graph_pool(self.arenas[pool.arena], m.extents, m.free_runs, exclude=pool)
         if m.recaptured:
             pool.epoch += 1
+            self.lease_table.set_epoch(pool.slot, leases.lease_epoch(pool.id, pool.epoch))
         return Outcome(p.GraphPoolReply(pool=pool.status()))
 
     def _retire_graph_pool(self, session: Session | None, m: p.RetireGraphPool) -> Outcome:
         s = self._need_session(session)
-        del self.graph_pools[self._owned_graph_pool(s, m.pool_id).id]
+        self._drop_graph_pool(self._owned_graph_pool(s, m.pool_id))
         return Outcome(p.Ack())
+
+    def _drop_graph_pool(self, pool: GraphPool) -> None:
+        """Forget the pool and free its lease slot: a holder is swept, waiters wake and
+        find the slot's epoch no longer theirs."""
+        del self.graph_pools[pool.id]
+        self.lease_table.set_epoch(pool.slot, 0)
+        word = self.lease_table.peek(pool.slot)
+        if word:
+            self.lease_table.clear(pool.slot, word)
+        self._free_slots.append(pool.slot)
+
+    def sweep_leases(self, session_id: int | None = None) -> None:
+        """Clear slots held by ``session_id`` (its client is gone), or, with None, slots in
+        a state that cannot be: a kind the daemon does not know, a holder session that
+        does not exist, a slot no pool owns. A buggy client can write anything there."""
+        owned = {g.slot for g in self.graph_pools.values()}
+        for slot, word in enumerate(self.lease_table.words()):
+            if not word:
+                continue
+            kind, holder, pid = leases.decode(word)
+            if session_id is not None:
+                if holder == session_id:
+                    self.lease_table.clear(slot, word)
+                    log.info("lease slot %d: swept a %s lease of session %d (pid %d), which ended", slot, leases.KIND_NAMES.get(kind, kind), holder, pid)
+                continue
+            if kind not in leases.KIND_NAMES or holder not in self.sessions or slot not in owned:
+                self.lease_table.clear(slot, word)
+                log.warning("lease slot %d held an impossible word %#x (kind %d, session %d, pid %d); cleared", slot, word, kind, holder, pid)
 
     def _owned_graph_pool(self, s: Session, pool_id: int) -> GraphPool:
         pool = self.graph_pools.get(pool_id)
@@ -722,7 +762,8 @@ class DaemonState:
         return Outcome(reply, notices=notices)
 
     def tick(self) -> None:
-        """Deadlines: called by the server's loop."""
+        """Deadlines and the lease table's sanity: called by the server's loop."""
+        self.sweep_leases()
         for round_ in self._active_rounds():
             if self.clock() >= round_.deadline:
                 self._try_finish(round_)
@@ -1038,6 +1079,10 @@ class DaemonState:
         for arena in list(self.arenas.values()):
             self._destroy_arena(arena, [])
         self.retiring.clear()
+        self.lease_table.close()
+        if self.lease_fd >= 0:
+            os.close(self.lease_fd)
+            self.lease_fd = -1
 
     # ------------------------------------------------------------------ accounting
 
@@ -1116,7 +1161,7 @@ class DaemonState:
                 for a in self.arenas.values()
             ],
             extents=[g.status() for g in self.graph_pools.values()],
-            leases=[],
+            leases=self._lease_status(),
             rounds=[
                 p.RoundStatus(
                     id=r.id,
@@ -1162,6 +1207,26 @@ class DaemonState:
         )
 
     # ------------------------------------------------------------------ helpers
+
+    def _lease_status(self) -> list[p.LeaseStatus]:
+        out = []
+        for pool in self.graph_pools.values():
+            holder = self.lease_table.holder(pool.slot)
+            if holder is None:
+                continue
+            session = self.sessions.get(holder.session)
+            out.append(
+                p.LeaseStatus(
+                    pool_id=pool.id,
+                    slot=pool.slot,
+                    kind=holder.kind_name,
+                    holder=session.name if session else f"session {holder.session}",
+                    pid=holder.pid,
+                    label=holder.label,
+                    since=holder.since_ns / 1e9,
+                )
+            )
+        return out
 
     def _need_session(self, session: Session | None) -> Session:
         if session is None:
@@ -1288,7 +1353,7 @@ class DaemonState:
         del self.arenas[arena.name]
         self.kv_pools.pop(arena.name, None)
         for pool_id in [g.id for g in self.graph_pools.values() if g.arena == arena.name]:
-            del self.graph_pools[pool_id]
+            self._drop_graph_pool(self.graph_pools[pool_id])
         left = []
         for round_ in self._active_rounds():
             for member in [m for m in round_.members if m.pool.name == arena.name]:

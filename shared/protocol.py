@@ -389,6 +389,8 @@ class HelloReply:
     token: bytes  # the session's ZeroMQ routing id; proves the session on the control channel
     backend: str  # "cuda" | "host"
     device: DeviceInfo
+    # The lease table's fd rides with this reply (SCM_RIGHTS); the client maps it.
+    lease_slots: int = 0
 
 
 @request(MsgType.HELLO, HelloReply)
@@ -520,7 +522,18 @@ class GraphPoolStatus:
     extents: list[Extent]  # the pool's segments
     free_runs: list[Extent]  # idle space between replays, largest first
     free_bytes: int
+    slot: int = 0  # its lease slot in the shared lease table
 
+
+@dataclasses.dataclass(slots=True)
+class LeaseStatus:
+    pool_id: int
+    slot: int
+    kind: str  # capture | replay | borrow
+    holder: str  # client name
+    pid: int
+    label: str
+    since: float  # unix time
 
 @dataclasses.dataclass(slots=True)
 class StatusReply:
@@ -529,7 +542,7 @@ class StatusReply:
     clients: list[ClientStatus]
     arenas: list[ArenaStatus]
     extents: list[GraphPoolStatus]  # the graph-pool registry
-    leases: list[Any]
+    leases: list[LeaseStatus]
     rounds: list[RoundStatus] = dataclasses.field(default_factory=list)
     kv: list[KvPoolStatus] = dataclasses.field(default_factory=list)
 

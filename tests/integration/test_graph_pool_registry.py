@@ -165,6 +165,7 @@ def test_registry_messages_on_the_raw_wire(host_daemon, runtime_dir) -> None:  #
             "extents": [{"offset": 0, "size": 4 * MiB}],
             "free_runs": [{"offset": 2 * MiB, "size": MiB}],
             "free_bytes": MiB,
+            "slot": 1,  # the first lease slot handed out
         }
         for bad in (
             dict(body, extents=[{"offset": 4 * MiB}]),  # size missing

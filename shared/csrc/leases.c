@@ -1,0 +1,114 @@
+/*
+ * Lease words in shared memory: the fast path of capture / replay / borrow leases on
+ * graph pools.
+ *
+ * The daemon creates the lease table (a memfd) and every client maps it: one 64-byte
+ * slot per registered graph pool. A free slot's word is 0; a held one encodes the lease
+ * kind, the holder's session id and pid. An uncontended acquire or release is one
+ * compare-and-swap, no daemon round trip. A waiter sleeps on the slot's futex word,
+ * which every release bumps; a release makes the wake system call only when waiters
+ * are counted. The daemon clears the slots of a session that ended (a holder killed
+ * mid-lease) and slots in impossible states (garbage from a buggy client), and wakes
+ * the waiters. Shared (not private) futexes: the table is MAP_SHARED across processes.
+ */
+#define _GNU_SOURCE
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct {
+    uint64_t word;     /* 0, or kind << 56 | session << 32 | pid */
+    uint32_t futex;    /* bumped by every release */
+    uint32_t waiters;  /* processes sleeping on futex */
+    uint64_t since_ns; /* CLOCK_REALTIME when the holder acquired */
+    uint32_t epoch;    /* the pool's epoch, written by the daemon */
+    uint32_t reserved;
+    char label[32];    /* the holder's label, for error messages (not synchronised) */
+} lease_slot;
+
+_Static_assert(sizeof(lease_slot) == 64, "a lease slot is one cache line");
+
+#define KIND_MAX 3u
+
+enum { LEASE_OK = 0, LEASE_HELD = 1, LEASE_STALE = 2, LEASE_CORRUPT = 3, LEASE_NOT_HOLDER = 4 };
+
+static int64_t now_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int valid(uint64_t word) { return word == 0 || ((word >> 56) >= 1 && (word >> 56) <= KIND_MAX); }
+
+/* Take slot ``index`` for ``mine`` (a nonzero word). ``epoch`` 0 skips the epoch check.
+ * timeout_ns 0 tries once; > 0 waits at most that long. On LEASE_HELD or LEASE_CORRUPT,
+ * *holder is the word found. */
+int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint32_t epoch, int64_t timeout_ns,
+                         uint64_t *holder) {
+    lease_slot *slot = &table[index];
+    int64_t deadline = timeout_ns > 0 ? now_ns(CLOCK_MONOTONIC) + timeout_ns : 0;
+    for (;;) {
+        uint64_t seen = __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE);
+        if (!valid(seen)) {
+            *holder = seen;
+            return LEASE_CORRUPT;
+        }
+        if (seen == 0) {
+            if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
+            uint64_t expected = 0;
+            if (__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
+                return LEASE_OK;
+            }
+            continue; /* lost the race: look again */
+        }
+        *holder = seen;
+        int64_t left = deadline - now_ns(CLOCK_MONOTONIC);
+        if (timeout_ns <= 0 || left <= 0) return LEASE_HELD;
+        uint32_t generation = __atomic_load_n(&slot->futex, __ATOMIC_ACQUIRE);
+        __atomic_add_fetch(&slot->waiters, 1, __ATOMIC_ACQ_REL);
+        if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) == seen) {
+            struct timespec rel = {.tv_sec = left / 1000000000LL, .tv_nsec = left % 1000000000LL};
+            /* Sleeps only while the generation is unchanged: a release after our load
+             * bumped it, and the kernel returns at once. */
+            syscall(SYS_futex, &slot->futex, FUTEX_WAIT, generation, &rel, NULL, 0);
+        }
+        __atomic_sub_fetch(&slot->waiters, 1, __ATOMIC_ACQ_REL);
+    }
+}
+
+static void wake(lease_slot *slot) {
+    __atomic_add_fetch(&slot->futex, 1, __ATOMIC_ACQ_REL);
+    if (__atomic_load_n(&slot->waiters, __ATOMIC_ACQUIRE))
+        syscall(SYS_futex, &slot->futex, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Give back slot ``index`` if ``mine`` holds it; LEASE_NOT_HOLDER otherwise (a double
+ * release, or a lease the daemon already swept). */
+int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t mine) {
+    lease_slot *slot = &table[index];
+    uint64_t expected = mine;
+    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return LEASE_NOT_HOLDER;
+    wake(slot);
+    return LEASE_OK;
+}
+
+/* The daemon's sweep: free the slot if it still holds ``word``. */
+int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word) {
+    lease_slot *slot = &table[index];
+    uint64_t expected = word;
+    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return LEASE_NOT_HOLDER;
+    wake(slot);
+    return LEASE_OK;
+}
+
+uint64_t gpumem_lease_peek(lease_slot *table, uint32_t index) { return __atomic_load_n(&table[index].word, __ATOMIC_ACQUIRE); }
+
+void gpumem_lease_set_epoch(lease_slot *table, uint32_t index, uint32_t epoch) {
+    __atomic_store_n(&table[index].epoch, epoch, __ATOMIC_RELEASE);
+}

@@ -1,0 +1,157 @@
+"""The lease table: shared memory the daemon creates and every client maps.
+
+One 64-byte slot per registered graph pool (layout in shared/csrc/leases.c). The word
+of a free slot is 0; a held slot's word is ``kind << 56 | session << 32 | pid``.
+Clients take and give back leases with the native library's compare-and-swap and
+futex calls, without a daemon round trip; the daemon sweeps a dead holder's slots
+and clears impossible states, so the table is never trusted blindly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import fcntl
+import mmap
+import os
+
+SLOTS = 1024
+SLOT_BYTES = 64
+TABLE_BYTES = SLOTS * SLOT_BYTES
+
+CAPTURE, REPLAY, BORROW = 1, 2, 3
+KIND_NAMES = {CAPTURE: "capture", REPLAY: "replay", BORROW: "borrow"}
+
+OK, HELD, STALE, CORRUPT, NOT_HOLDER = 0, 1, 2, 3, 4
+
+
+def lease_epoch(pool_id: int, epoch: int) -> int:
+    """The 32-bit value a slot carries for a pool at an epoch. It names the pool too, so a
+    waiter on a retired pool whose slot went to another pool sees a stale epoch."""
+    return ((pool_id & 0xFFFF) << 16) | (epoch & 0xFFFF) or 1
+
+
+def encode(kind: int, session: int, pid: int) -> int:
+    return (kind << 56) | ((session & 0xFFFFFF) << 32) | (pid & 0xFFFFFFFF)
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+    kind: int
+    session: int
+    pid: int
+    since_ns: int
+    label: str
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES.get(self.kind, f"invalid kind {self.kind}")
+
+
+def decode(word: int) -> tuple[int, int, int]:
+    return word >> 56, (word >> 32) & 0xFFFFFF, word & 0xFFFFFFFF
+
+
+class _Slot(ctypes.Structure):
+    _fields_ = [
+        ("word", ctypes.c_uint64),
+        ("futex", ctypes.c_uint32),
+        ("waiters", ctypes.c_uint32),
+        ("since_ns", ctypes.c_uint64),
+        ("epoch", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("label", ctypes.c_char * 32),
+    ]
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def _library() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        from gpumem_shared import _native  # built with the package; see setup.py
+
+        lib = ctypes.CDLL(_native.__file__)
+        lib.gpumem_lease_acquire.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_int64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ]
+        lib.gpumem_lease_acquire.restype = ctypes.c_int
+        for name in ("gpumem_lease_release", "gpumem_lease_clear"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
+            getattr(lib, name).restype = ctypes.c_int
+        lib.gpumem_lease_peek.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+        lib.gpumem_lease_peek.restype = ctypes.c_uint64
+        lib.gpumem_lease_set_epoch.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
+        lib.gpumem_lease_set_epoch.restype = None
+        _lib = lib
+    return _lib
+
+
+class LeaseTable:
+    """A mapping of the table. ``create()`` makes a new one (the daemon); ``LeaseTable(fd)``
+    maps one received over the fd channel (clients). The mapping lives as long as the
+    process: the native calls hold raw pointers into it."""
+
+    def __init__(self, fd: int) -> None:
+        if os.fstat(fd).st_size != TABLE_BYTES:
+            raise ValueError(f"a lease table is {TABLE_BYTES} bytes, this fd has {os.fstat(fd).st_size}")
+        self._map = mmap.mmap(fd, TABLE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._slots = (_Slot * SLOTS).from_buffer(self._map)
+        self.address = ctypes.addressof(self._slots)
+        self._lib = _library()
+
+    @classmethod
+    def create(cls) -> tuple[LeaseTable, int]:
+        """A fresh table and its memfd. The memfd is sealed against resizing: a client
+        that truncated it would make the daemon's next access fault."""
+        fd = os.memfd_create("gpumemd-leases", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, TABLE_BYTES)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        return cls(fd), fd
+
+    def acquire(self, slot: int, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
+        """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""
+        found = ctypes.c_uint64(0)
+        rc = self._lib.gpumem_lease_acquire(self.address, slot, word, epoch, int(timeout_s * 1e9), ctypes.byref(found))
+        return rc, int(found.value)
+
+    def release(self, slot: int, word: int) -> int:
+        return int(self._lib.gpumem_lease_release(self.address, slot, word))
+
+    def clear(self, slot: int, word: int) -> int:
+        return int(self._lib.gpumem_lease_clear(self.address, slot, word))
+
+    def peek(self, slot: int) -> int:
+        return int(self._lib.gpumem_lease_peek(self.address, slot))
+
+    def set_epoch(self, slot: int, epoch: int) -> None:
+        self._lib.gpumem_lease_set_epoch(self.address, slot, epoch)
+
+    def epoch(self, slot: int) -> int:
+        return int(self._slots[slot].epoch)
+
+    def set_label(self, slot: int, label: str) -> None:
+        self._slots[slot].label = label.encode()[:31]
+
+    def holder(self, slot: int) -> Holder | None:
+        entry = self._slots[slot]
+        word = int(entry.word)
+        if word == 0:
+            return None
+        kind, session, pid = decode(word)
+        return Holder(kind, session, pid, int(entry.since_ns), entry.label.decode(errors="replace"))
+
+    def close(self) -> None:
+        """Unmap (only once nothing will call the native functions on it again)."""
+        if not self._map.closed:
+            del self._slots
+            self._map.close()
+
+    def words(self) -> list[int]:
+        return [int(self._slots[i].word) for i in range(SLOTS)]
