@@ -127,6 +127,37 @@ def extents(ctx: click.Context, device: int | None, runtime_dir: str | None, tim
     click.echo("\n".join(["EXTENTS"] + render_extents(reply, runs=True)))
 
 
+@main.command()
+@_target
+@click.option("--json", "as_json", is_flag=True, help="The status's 'leases' list as JSON.")
+@click.pass_context
+def leases(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
+    """Leases held on graph pools: kind, holder, pid, label, since."""
+    reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
+    if as_json:
+        click.echo(json.dumps(p.to_wire(reply.leases), indent=2))
+        return
+    click.echo("\n".join(["LEASES"] + render_leases(reply)))
+
+
+def render_leases(s: p.StatusReply) -> list[str]:
+    return _table(
+        ["POOL", "SLOT", "KIND", "HOLDER", "PID", "LABEL", "SINCE"],
+        [
+            [
+                str(lease.pool_id),
+                str(lease.slot),
+                lease.kind,
+                lease.holder,
+                str(lease.pid),
+                lease.label or "-",
+                datetime.datetime.fromtimestamp(lease.since).strftime("%H:%M:%S.%f")[:-3],
+            ]
+            for lease in s.leases
+        ],
+    )
+
+
 def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
     lines = _table(
         ["POOL", "OWNER", "ARENA", "LABEL", "EPOCH", "EXTENTS", "EXTENT BYTES", "FREE RUNS", "FREE", "LARGEST RUN"],
@@ -216,7 +247,7 @@ def render_status(s: p.StatusReply) -> str:
         ],
     )
     lines += ["", "EXTENTS"] + render_extents(s)
-    lines += ["", "LEASES"] + _table([], []) if not s.leases else ["", "LEASES"] + [f"  {e}" for e in s.leases]
+    lines += ["", "LEASES"] + render_leases(s)
     lines += ["", "ROUNDS"] + render_rounds(s)
     lines += ["", "KV"] + render_kv(s)
     return "\n".join(lines)

@@ -13,7 +13,6 @@ status request, to name the holder. The daemon sweeps the leases of a client tha
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,8 @@ _CORRUPT_RETRY_S = 0.01
 
 
 class Lease:
+    __slots__ = ("session", "pool_id", "slot", "kind", "_word", "held")
+
     def __init__(self, session: Session, pool: Any, kind: int, word: int) -> None:
         self.session = session
         self.pool_id: int = pool.id
@@ -40,8 +41,10 @@ class Lease:
     @classmethod
     def acquire(cls, session: Session, pool: Any, kind: int, label: str, wait: float) -> Lease:
         table = session.leases
-        word = leases.encode(kind, session.session_id, os.getpid())
+        word = session.lease_words[kind]
         epoch = leases.lease_epoch(pool.id, pool.epoch)
+        if table.try_acquire(pool.slot, word, epoch, label.encode()):  # the uncontended path
+            return cls(session, pool, kind, word)
         deadline = time.monotonic() + wait
         while True:
             status, found = table.acquire(pool.slot, word, epoch, max(0.0, deadline - time.monotonic()))

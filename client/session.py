@@ -129,6 +129,8 @@ class Session:
         try:
             hello = self._hello()
             self.session_id = hello.session_id
+            # This session's lease words, one per kind (the hot path must not rebuild them).
+            self.lease_words = {kind: leases.encode(kind, hello.session_id, os.getpid()) for kind in leases.KIND_NAMES}
             self.backend = hello.backend
             self.device = hello.device
             self.daemon_version = hello.daemon_version

@@ -85,6 +85,15 @@ def _library() -> ctypes.CDLL:
         for name in ("gpumem_lease_release", "gpumem_lease_clear"):
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
             getattr(lib, name).restype = ctypes.c_int
+        lib.gpumem_lease_try.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_char_p,
+            ctypes.c_uint32,
+        ]
+        lib.gpumem_lease_try.restype = ctypes.c_int
         lib.gpumem_lease_peek.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
         lib.gpumem_lease_peek.restype = ctypes.c_uint64
         lib.gpumem_lease_set_epoch.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
@@ -105,6 +114,7 @@ class LeaseTable:
         self._slots = (_Slot * SLOTS).from_buffer(self._map)
         self.address = ctypes.addressof(self._slots)
         self._lib = _library()
+        self._try = self._lib.gpumem_lease_try
 
     @classmethod
     def create(cls) -> tuple[LeaseTable, int]:
@@ -114,6 +124,11 @@ class LeaseTable:
         os.ftruncate(fd, TABLE_BYTES)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         return cls(fd), fd
+
+    def try_acquire(self, slot: int, word: int, epoch: int, label: bytes) -> bool:
+        """One attempt, no wait, the label recorded: the uncontended fast path (one
+        compare-and-swap in one native call)."""
+        return self._try(self.address, slot, word, epoch, label, len(label)) == OK
 
     def acquire(self, slot: int, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
         """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""

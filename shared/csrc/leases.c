@@ -80,6 +80,21 @@ int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint3
     }
 }
 
+/* The uncontended path in one call: take a free slot whose epoch matches and record
+ * the holder's label. Returns LEASE_OK, or anything else to send the caller to
+ * gpumem_lease_acquire for the reason and the wait. */
+int gpumem_lease_try(lease_slot *table, uint32_t index, uint64_t mine, uint32_t epoch, const char *label, uint32_t len) {
+    lease_slot *slot = &table[index];
+    uint64_t expected = 0;
+    if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
+    if (!__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return LEASE_HELD;
+    slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
+    if (len > sizeof(slot->label) - 1) len = sizeof(slot->label) - 1;
+    for (uint32_t i = 0; i < len; i++) slot->label[i] = label[i];
+    slot->label[len] = 0;
+    return LEASE_OK;
+}
+
 static void wake(lease_slot *slot) {
     __atomic_add_fetch(&slot->futex, 1, __ATOMIC_ACQ_REL);
     if (__atomic_load_n(&slot->waiters, __ATOMIC_ACQUIRE))
