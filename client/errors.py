@@ -87,8 +87,8 @@ class RoundFailed(GpuMemError):
 
 
 class LeaseConflict(GpuMemError):
-    """The graph pool's lease is held by someone else (named in the message and in
-    ``detail``: holder, pid, kind, label, since)."""
+    """The graph pool's lease is held by someone else (named in the message; ``detail``
+    has holder, pid, kind and label)."""
 
 
 class StaleEpoch(GpuMemError):

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import leases
-from gpumem.errors import LeaseConflict, LeaseNotHeld, StaleEpoch
+from gpumem.errors import InvalidArgument, LeaseConflict, LeaseNotHeld, StaleEpoch
 
 if TYPE_CHECKING:
     from gpumem.session import Session
@@ -40,6 +40,8 @@ class Lease:
 
     @classmethod
     def acquire(cls, session: Session, pool: Any, kind: int, label: str, wait: float) -> Lease:
+        if not 0 < pool.slot < leases.SLOTS:
+            raise InvalidArgument(f"graph pool {pool.id} has no lease slot ({pool.slot}); is it registered?")
         table = session.leases
         word = session.lease_words[kind]
         epoch = leases.lease_epoch(pool.id, pool.epoch)
@@ -71,9 +73,11 @@ class Lease:
             )
         holder = session.leases.holder(pool.slot)
         h_kind, h_session, h_pid = leases.decode(found)
+        if holder is not None and leases.encode(holder.kind, holder.session, holder.pid) != found:
+            holder = None  # the lease changed hands since: that label and time are another holder's
         name = f"session {h_session}"
         for entry in session.status().leases:  # the slow path only: name the holder
-            if entry.slot == pool.slot:
+            if entry.slot == pool.slot and entry.pid == h_pid and entry.kind == leases.KIND_NAMES.get(h_kind):
                 name = entry.holder
         since = time.strftime("%H:%M:%S", time.localtime(holder.since_ns / 1e9)) if holder else "?"
         held_label = holder.label if holder else ""

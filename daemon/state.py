@@ -41,6 +41,11 @@ MAX_PLACEHOLDER_SLOT = 256 * MiB
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")
 
 
+def _word_session(session_id: int) -> int:
+    """A session id as a lease word carries it (24 bits; see leases.encode)."""
+    return leases.decode(leases.encode(0, session_id, 0))[1]
+
+
 @dataclasses.dataclass
 class StateConfig:
     index: int
@@ -236,6 +241,9 @@ class DaemonState:
                 p.ErrorCode.INVALID_ARGUMENT,
                 f"client name {hello.name!r} is not valid: 1-128 characters of letters, digits and ._:@+-",
             )
+        live = {_word_session(i) for i in self.sessions}
+        while _word_session(self._next_session) in live:  # lease words must tell live sessions apart
+            self._next_session += 1
         session = Session(
             id=self._next_session, name=hello.name, pid=pid, uid=uid, gid=gid, since=self.wall_clock(), token=os.urandom(16)
         )
@@ -535,16 +543,17 @@ class DaemonState:
         a state that cannot be: a kind the daemon does not know, a holder session that
         does not exist, a slot no pool owns. A buggy client can write anything there."""
         owned = {g.slot for g in self.graph_pools.values()}
+        live = {_word_session(i) for i in self.sessions}
         for slot, word in enumerate(self.lease_table.words()):
             if not word:
                 continue
             kind, holder, pid = leases.decode(word)
             if session_id is not None:
-                if holder == session_id:
+                if holder == _word_session(session_id):
                     self.lease_table.clear(slot, word)
                     log.info("lease slot %d: swept a %s lease of session %d (pid %d), which ended", slot, leases.KIND_NAMES.get(kind, kind), holder, pid)
                 continue
-            if kind not in leases.KIND_NAMES or holder not in self.sessions or slot not in owned:
+            if kind not in leases.KIND_NAMES or holder not in live or slot not in owned:
                 self.lease_table.clear(slot, word)
                 log.warning("lease slot %d held an impossible word %#x (kind %d, session %d, pid %d); cleared", slot, word, kind, holder, pid)
 
@@ -1210,11 +1219,12 @@ class DaemonState:
 
     def _lease_status(self) -> list[p.LeaseStatus]:
         out = []
+        by_word = {_word_session(i): s for i, s in self.sessions.items()}
         for pool in self.graph_pools.values():
             holder = self.lease_table.holder(pool.slot)
             if holder is None:
                 continue
-            session = self.sessions.get(holder.session)
+            session = by_word.get(holder.session)
             out.append(
                 p.LeaseStatus(
                     pool_id=pool.id,

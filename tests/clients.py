@@ -23,6 +23,11 @@ Commands:
   capturex POOL HEADROOM GRAPHPOOL MIN MAX WEIGHT TIMEOUT   (as capture, every figure; JSON result)
   kvinfo POOL (JSON)           kvrelease POOL             joinx POOL EXPECT
   errinfo COMMAND ...          (runs COMMAND; a GpuMemError comes back as OK JSON with its detail)
+  gpregister ARENA LABEL OFFSET SIZE   (a synthetic graph pool in committed memory; JSON id/slot/epoch)
+  lease KIND POOL WAIT LABEL   (KIND capture|replay|borrow; the pool's view from status on first use, then kept)
+  unlease POOL                 scribble SLOT HEXWORD (a buggy client: writes the word into the shared table)
+  peek SLOT (JSON word/waiters)  gpview POOL (refresh this client's view of a pool; JSON id/slot/epoch)
+  leaseloop POOL SECONDS SHMFILE INDEX   (acquire/release in a loop, checking exclusion in SHMFILE; JSON)
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ def main() -> int:
 
 
 POOLS: dict[str, gpumem.KvPool] = {}
+LEASES: dict[int, object] = {}
 
 
 def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args: list[str]) -> object:
@@ -217,7 +223,100 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
         except gpumem.GpuMemError as exc:
             return json.dumps({"error": type(exc).__name__, "message": exc.message, "detail": exc.detail})
         return json.dumps({"result": result})
+    if cmd == "gpregister":
+        reply = session.call(
+            p.RegisterGraphPool(arena=args[0], label=args[1], extents=[p.Extent(offset=int(args[2]), size=int(args[3]))], free_runs=[])
+        )
+        return json.dumps({"id": reply.pool.id, "slot": reply.pool.slot, "epoch": reply.pool.epoch})
+    if cmd == "lease":
+        kind, pool_id, wait, label = args[0], int(args[1]), float(args[2]), args[3]
+        pool = _graph_pool(session, pool_id)
+        if kind == "borrow":
+            LEASES[pool_id] = session.borrow(pool, user=label, wait=wait)
+        else:
+            LEASES[pool_id] = getattr(session, kind)(pool, wait=wait, label=label)
+        return kind
+    if cmd == "gpview":
+        pool = _graph_pool(session, int(args[0]), refresh=True)
+        return json.dumps({"id": pool.id, "slot": pool.slot, "epoch": pool.epoch})
+    if cmd == "unlease":
+        LEASES.pop(int(args[0])).release()  # type: ignore[attr-defined]
+        return None
+    if cmd == "scribble":
+        session.leases._slots[int(args[0])].word = int(args[1], 16)
+        return None
+    if cmd == "peek":
+        slot = session.leases._slots[int(args[0])]
+        return json.dumps({"word": int(slot.word), "waiters": int(slot.waiters)})
+    if cmd == "leaseloop":
+        return json.dumps(_lease_loop(session, int(args[0]), float(args[1]), args[2], int(args[3])))
     raise ValueError(f"unknown command {cmd!r}")
+
+
+VIEWS: dict[int, p.GraphPoolStatus] = {}
+
+
+def _graph_pool(session: gpumem.Session, pool_id: int, refresh: bool = False) -> p.GraphPoolStatus:
+    """This client's view of a graph pool: from the daemon's status the first time (or
+    with ``refresh``), kept afterwards, as a real client keeps it (it may go stale)."""
+    if refresh or pool_id not in VIEWS:
+        for pool in session.status().extents:
+            if pool.id == pool_id:
+                VIEWS[pool_id] = pool
+                break
+        else:
+            raise ValueError(f"no graph pool {pool_id} in the daemon's status")
+    return VIEWS[pool_id]
+
+
+def _lease_loop(session: gpumem.Session, pool_id: int, seconds: float, shm_file: str, index: int) -> dict[str, object]:
+    """Take the pool's lease (every kind in turn) and give it back until ``seconds`` pass.
+    SHMFILE holds two int64 shared by every looping process: [0] how many are inside
+    (must be exactly 1 while held), [1] critical sections entered in all (a plain
+    read-modify-write: only exclusion keeps it exact)."""
+    import mmap
+    import os
+    import random
+    import struct
+    import time
+
+    pool = _graph_pool(session, pool_id)
+    fd = os.open(shm_file, os.O_RDWR)
+    shared = mmap.mmap(fd, 4096)
+    os.close(fd)
+    rng = random.Random(index)
+    kinds = [lambda: session.capture(pool, wait=5.0, label=f"loop{index}"),
+             lambda: session.replay(pool, wait=5.0, label=f"loop{index}"),
+             lambda: session.borrow(pool, user=f"loop{index}", wait=5.0)]
+    count = violations = conflicts = contended = 0
+    longest = 0.0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        asked = time.monotonic()
+        if session.leases.peek(pool.slot):
+            contended += 1  # someone holds it as this one asks: the test exercises the wait
+        try:
+            lease = kinds[count % 3]()
+        except gpumem.LeaseConflict:
+            conflicts += 1
+            continue
+        longest = max(longest, time.monotonic() - asked)
+        inside = struct.unpack_from("q", shared, 0)[0] + 1
+        struct.pack_into("q", shared, 0, inside)
+        if inside != 1:
+            violations += 1
+        struct.pack_into("q", shared, 8, struct.unpack_from("q", shared, 8)[0] + 1)
+        for _ in range(rng.randrange(0, 20)):  # hold it a little while
+            if struct.unpack_from("q", shared, 0)[0] != 1:
+                violations += 1
+                break
+        struct.pack_into("q", shared, 0, struct.unpack_from("q", shared, 0)[0] - 1)
+        lease.release()
+        count += 1
+        if rng.random() < 0.3:
+            time.sleep(0)  # sometimes let the others in
+    shared.close()
+    return {"count": count, "violations": violations, "conflicts": conflicts, "contended": contended, "longest_wait": longest}
 
 
 def _kv_info(pool: gpumem.KvPool) -> dict[str, object]:

@@ -59,7 +59,7 @@ int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint3
         if (seen == 0) {
             if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
             uint64_t expected = 0;
-            if (__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            if (__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
                 slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
                 return LEASE_OK;
             }
@@ -69,14 +69,14 @@ int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint3
         int64_t left = deadline - now_ns(CLOCK_MONOTONIC);
         if (timeout_ns <= 0 || left <= 0) return LEASE_HELD;
         uint32_t generation = __atomic_load_n(&slot->futex, __ATOMIC_ACQUIRE);
-        __atomic_add_fetch(&slot->waiters, 1, __ATOMIC_ACQ_REL);
-        if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) == seen) {
+        __atomic_add_fetch(&slot->waiters, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&slot->word, __ATOMIC_SEQ_CST) == seen) {
             struct timespec rel = {.tv_sec = left / 1000000000LL, .tv_nsec = left % 1000000000LL};
             /* Sleeps only while the generation is unchanged: a release after our load
              * bumped it, and the kernel returns at once. */
             syscall(SYS_futex, &slot->futex, FUTEX_WAIT, generation, &rel, NULL, 0);
         }
-        __atomic_sub_fetch(&slot->waiters, 1, __ATOMIC_ACQ_REL);
+        __atomic_sub_fetch(&slot->waiters, 1, __ATOMIC_SEQ_CST);
     }
 }
 
@@ -87,7 +87,7 @@ int gpumem_lease_try(lease_slot *table, uint32_t index, uint64_t mine, uint32_t 
     lease_slot *slot = &table[index];
     uint64_t expected = 0;
     if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
-    if (!__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return LEASE_HELD;
+    if (!__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return LEASE_HELD;
     slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
     if (len > sizeof(slot->label) - 1) len = sizeof(slot->label) - 1;
     for (uint32_t i = 0; i < len; i++) slot->label[i] = label[i];
@@ -96,8 +96,10 @@ int gpumem_lease_try(lease_slot *table, uint32_t index, uint64_t mine, uint32_t 
 }
 
 static void wake(lease_slot *slot) {
-    __atomic_add_fetch(&slot->futex, 1, __ATOMIC_ACQ_REL);
-    if (__atomic_load_n(&slot->waiters, __ATOMIC_ACQUIRE))
+    __atomic_add_fetch(&slot->futex, 1, __ATOMIC_SEQ_CST);
+    /* Sequentially consistent with the waiter's "count myself, then look at the word":
+     * either it sees the word free, or this sees it counted and wakes it. */
+    if (__atomic_load_n(&slot->waiters, __ATOMIC_SEQ_CST))
         syscall(SYS_futex, &slot->futex, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
@@ -106,7 +108,7 @@ static void wake(lease_slot *slot) {
 int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t mine) {
     lease_slot *slot = &table[index];
     uint64_t expected = mine;
-    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         return LEASE_NOT_HOLDER;
     wake(slot);
     return LEASE_OK;
@@ -116,7 +118,7 @@ int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t mine) {
 int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word) {
     lease_slot *slot = &table[index];
     uint64_t expected = word;
-    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         return LEASE_NOT_HOLDER;
     wake(slot);
     return LEASE_OK;
