@@ -3,35 +3,11 @@ bytes written by one client are read by another; kill -9 returns the owner's mem
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
-from gpumem.channel import ControlChannel
-from gpumem_shared import protocol as p
-from gpumem_shared.paths import Endpoints
+from gpumemd_testkit import status, wait_status
 
 MiB = 1 << 20
 GiB = 1 << 30
 RESERVE = 64 * GiB
-
-
-def status(runtime_dir: Path) -> dict:
-    channel = ControlChannel(Endpoints(runtime_dir, 0))
-    try:
-        return p.to_wire(channel.call(p.Status(), 5.0)[1])
-    finally:
-        channel.close()
-
-
-def wait_status(runtime_dir: Path, predicate, timeout: float, what: str) -> dict:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        s = status(runtime_dir)
-        if predicate(s):
-            return s
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not seen within {timeout}s; last status {s}")
-        time.sleep(0.01)
 
 
 def test_bytes_cross_processes_and_kill_returns_memory(daemon, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
