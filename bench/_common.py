@@ -180,6 +180,21 @@ def pin(cpus: tuple[set[int], set[int]] | None) -> None:
     say(f"pinned: benchmark on CPUs {sorted(cpus[0])}, daemon and helpers on CPUs {sorted(cpus[1])}")
 
 
+def spawn_clients(
+    script: str, names: Sequence[str], args: Sequence[str], env: dict[str, str], cleanup: contextlib.ExitStack
+) -> list[subprocess.Popen[str]]:
+    """``python SCRIPT --client NAME ARGS...`` per name, talking line by line on stdio;
+    killed with the benchmark's cleanup."""
+    procs = []
+    for name in names:
+        proc = subprocess.Popen(
+            [sys.executable, script, "--client", name, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        cleanup.callback(proc.kill)
+        procs.append(proc)
+    return procs
+
+
 class Daemon(Child):
     """``python -m gpumemd`` for one device in a runtime directory of its own."""
 

@@ -115,17 +115,7 @@ def main() -> int:
             plain.release()
             return took
 
-        procs = []
-        for name in ("engine-a", "engine-b"):
-            proc = subprocess.Popen(
-                [sys.executable, __file__, "--client", name, str(tokens), str(headroom), str(args.rounds)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            cleanup.callback(proc.kill)
-            procs.append(proc)
+        procs = c.spawn_clients(__file__, ["engine-a", "engine-b"], [str(tokens), str(headroom), str(args.rounds)], env, cleanup)
         a, b = procs
         assert a.stdin and b.stdin and a.stdout and b.stdout
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import sys
 import time
 
@@ -105,17 +104,7 @@ def main() -> int:
         c.say(f"control round trip (ping): p50 {ping_p50:.1f} us: the lease is {ping_p50 / lease_p50:.0f}x faster")
 
         env = c.child_env(GPUMEMD_RUNTIME_DIR=str(rt))
-        procs = []
-        for name in ("turn-a", "turn-b"):
-            proc = subprocess.Popen(
-                [sys.executable, __file__, "--client", name, str(args.handoffs)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            cleanup.callback(proc.kill)
-            procs.append(proc)
+        procs = c.spawn_clients(__file__, ["turn-a", "turn-b"], [str(args.handoffs)], env, cleanup)
         for proc in procs:
             line = proc.stdout.readline() if proc.stdout else ""
             if not line.startswith("READY"):

@@ -88,56 +88,19 @@ def status(ctx: click.Context, device: int | None, runtime_dir: str | None, time
     click.echo(render_status(reply))
 
 
-@main.command()
-@_target
-@click.option("--json", "as_json", is_flag=True, help="The status's 'rounds' list as JSON.")
-@click.pass_context
-def rounds(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
-    """KV commit rounds: members, what each reported, and the budget math."""
-    reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
-    if as_json:
-        click.echo(json.dumps(p.to_wire(reply.rounds), indent=2))
-        return
-    click.echo("\n".join(["ROUNDS"] + render_rounds(reply)))
+def _list_view(key: str, title: str, render: Callable[[p.StatusReply], list[str]], doc: str) -> None:
+    """``gpumemctl KEY [--json]``: one list of the status, as a table or as JSON."""
 
-
-@main.command()
-@_target
-@click.option("--json", "as_json", is_flag=True, help="The status's 'kv' list as JSON.")
-@click.pass_context
-def kv(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
-    """KV pools: layout, committed tokens and bytes, pending shrink requests."""
-    reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
-    if as_json:
-        click.echo(json.dumps(p.to_wire(reply.kv), indent=2))
-        return
-    click.echo("\n".join(["KV"] + render_kv(reply)))
-
-
-@main.command()
-@_target
-@click.option("--json", "as_json", is_flag=True, help="The status's 'extents' list as JSON.")
-@click.pass_context
-def extents(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
-    """Graph pools: owner, extents, free runs, bytes free, epoch."""
-    reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
-    if as_json:
-        click.echo(json.dumps(p.to_wire(reply.extents), indent=2))
-        return
-    click.echo("\n".join(["EXTENTS"] + render_extents(reply, runs=True)))
-
-
-@main.command()
-@_target
-@click.option("--json", "as_json", is_flag=True, help="The status's 'leases' list as JSON.")
-@click.pass_context
-def leases(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
-    """Leases held on graph pools: kind, holder, pid, label, since."""
-    reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
-    if as_json:
-        click.echo(json.dumps(p.to_wire(reply.leases), indent=2))
-        return
-    click.echo("\n".join(["LEASES"] + render_leases(reply)))
+    @main.command(name=key, help=doc)
+    @_target
+    @click.option("--json", "as_json", is_flag=True, help=f"The status's '{key}' list as JSON.")
+    @click.pass_context
+    def view(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
+        reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
+        if as_json:
+            click.echo(json.dumps(p.to_wire(getattr(reply, key)), indent=2))
+            return
+        click.echo("\n".join([title] + render(reply)))
 
 
 def render_leases(s: p.StatusReply) -> list[str]:
@@ -360,6 +323,11 @@ def render_kv(s: p.StatusReply) -> list[str]:
         ],
     )
 
+
+_list_view("rounds", "ROUNDS", render_rounds, "KV commit rounds: members, what each reported, and the budget math.")
+_list_view("kv", "KV", render_kv, "KV pools: layout, committed tokens and bytes, pending shrink requests.")
+_list_view("extents", "EXTENTS", lambda s: render_extents(s, runs=True), "Graph pools: owner, extents, free runs, bytes free, epoch.")
+_list_view("leases", "LEASES", render_leases, "Leases held on graph pools: kind, holder, pid, label, since.")
 
 if __name__ == "__main__":
     main()

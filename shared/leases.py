@@ -82,9 +82,8 @@ def _library() -> ctypes.CDLL:
             ctypes.POINTER(ctypes.c_uint64),
         ]
         lib.gpumem_lease_acquire.restype = ctypes.c_int
-        for name in ("gpumem_lease_release", "gpumem_lease_clear"):
-            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
-            getattr(lib, name).restype = ctypes.c_int
+        lib.gpumem_lease_release.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
+        lib.gpumem_lease_release.restype = ctypes.c_int
         lib.gpumem_lease_try.argtypes = [
             ctypes.c_void_p,
             ctypes.c_uint32,
@@ -140,7 +139,8 @@ class LeaseTable:
         return int(self._lib.gpumem_lease_release(self.address, slot, word))
 
     def clear(self, slot: int, word: int) -> int:
-        return int(self._lib.gpumem_lease_clear(self.address, slot, word))
+        """The daemon's sweep: the same compare-and-swap as a release, on another's word."""
+        return self.release(slot, word)
 
     def peek(self, slot: int) -> int:
         return int(self._lib.gpumem_lease_peek(self.address, slot))

@@ -103,19 +103,10 @@ static void wake(lease_slot *slot) {
         syscall(SYS_futex, &slot->futex, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Give back slot ``index`` if ``mine`` holds it; LEASE_NOT_HOLDER otherwise (a double
- * release, or a lease the daemon already swept). */
-int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t mine) {
-    lease_slot *slot = &table[index];
-    uint64_t expected = mine;
-    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-        return LEASE_NOT_HOLDER;
-    wake(slot);
-    return LEASE_OK;
-}
-
-/* The daemon's sweep: free the slot if it still holds ``word``. */
-int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word) {
+/* Free slot ``index`` if it still holds ``word``; LEASE_NOT_HOLDER otherwise. A holder's
+ * release (a double release, or a lease the daemon already swept, is refused) and the
+ * daemon's sweep are the same operation. */
+int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t word) {
     lease_slot *slot = &table[index];
     uint64_t expected = word;
     if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
