@@ -13,6 +13,9 @@ from gpumem.arena import Arena
 from gpumem.errors import (
     AlreadyExists,
     ArenaOutOfMemory,
+    BorrowEscaped,
+    BorrowOutOfMemory,
+    BorrowStreamMismatch,
     DaemonStopped,
     DaemonTimeout,
     DaemonUnavailable,
@@ -31,6 +34,9 @@ from gpumem.errors import (
     TorchFeatureMissing,
     VaCollision,
 )
+from gpumem.borrow import Borrow
+from gpumem.graph_pools import GraphPool
+from gpumem.leases import Lease
 from gpumem.views import RawView
 from gpumem.kv import KvBuffer, KvPool
 from gpumem.session import Session, connect
@@ -40,12 +46,18 @@ __all__ = [
     "AlreadyExists",
     "Arena",
     "ArenaOutOfMemory",
+    "Borrow",
+    "BorrowEscaped",
+    "BorrowOutOfMemory",
+    "BorrowStreamMismatch",
     "DaemonStopped",
     "DaemonTimeout",
     "DaemonUnavailable",
     "GpuMemError",
+    "GraphPool",
     "InvalidArgument",
     "KvBuffer",
+    "Lease",
     "LeaseConflict",
     "LeaseNotHeld",
     "KvPool",

@@ -15,7 +15,7 @@ MAX_SLOTS = 256
 MAX_EXTENTS = 64
 MAX_BACKING = 512
 
-FAIL_NONE, FAIL_FULL, FAIL_UNBACKED, FAIL_DEVICE = 0, 1, 2, 3
+FAIL_NONE, FAIL_FULL, FAIL_UNBACKED, FAIL_DEVICE, FAIL_STREAM = 0, 1, 2, 3, 4
 
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
@@ -88,6 +88,12 @@ def library() -> ctypes.CDLL:
                 ctypes.c_size_t,
             ]
             lib.gpumem_slot_set_backing.restype = ctypes.c_int
+            lib.gpumem_slot_bind_stream.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
+            lib.gpumem_slot_bind_stream.restype = ctypes.c_int
+            lib.gpumem_slot_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64]
+            lib.gpumem_slot_alloc.restype = ctypes.c_uint64
+            lib.gpumem_slot_free.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64]
+            lib.gpumem_slot_free.restype = None
             lib.gpumem_thread_virtual.argtypes = [ctypes.c_int]
             lib.gpumem_thread_virtual.restype = ctypes.c_int
             _lib = lib
@@ -144,6 +150,19 @@ class Slot:
         sizes = (ctypes.c_uint64 * max(n, 1))(*[s for _, s in ranges or []])
         if self._lib.gpumem_slot_set_backing(self.index, int(ranges is not None), bases, sizes, n) != 0:
             raise RuntimeError(f"allocator slot {self.index} refused its backing ranges")
+
+    def bind_stream(self, stream: int | None) -> None:
+        """Serve only requests made on ``stream`` (None: any stream)."""
+        if self._lib.gpumem_slot_bind_stream(self.index, int(stream is not None), stream or 0) != 0:
+            raise RuntimeError(f"allocator slot {self.index} is not in use")
+
+    def alloc(self, nbytes: int, stream: int = 0) -> int:
+        """An address for ``nbytes`` (0 when nothing fits: ``stats()`` says why), as torch
+        would get it."""
+        return int(self._lib.gpumem_slot_alloc(self.index, nbytes, self.device, stream) or 0)
+
+    def free(self, address: int, nbytes: int, stream: int = 0) -> None:
+        self._lib.gpumem_slot_free(self.index, address, nbytes, self.device, stream)
 
     def stats(self) -> SlotStats:
         raw = _Stats()

@@ -347,13 +347,14 @@ class Arena:
         with self.torch_pool().routing(virtual=virtual) as pool:
             yield pool
 
-    def register_graph_pool(self, label: str) -> GraphPool:
+    def register_graph_pool(self, label: str, *, shared: bool = False) -> GraphPool:
         """Register the graphs captured into this arena's pool with the daemon (extents
-        and free runs; owner only). See gpumem.graph_pools."""
+        and free runs; owner only). ``shared``: clients the arena is shared with may
+        open the pool, take its leases and borrow its free runs. See gpumem.graph_pools."""
         from gpumem.graph_pools import GraphPool
 
         self._check_open()
-        return GraphPool.register(self, label)
+        return GraphPool.register(self, label, shared=shared)
 
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """A torch tensor over the arena's bytes at ``offset``, outside any pool (for

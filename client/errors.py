@@ -100,6 +100,21 @@ class LeaseNotHeld(GpuMemError):
     swept)."""
 
 
+class BorrowEscaped(GpuMemError):
+    """Tensors borrowed from a graph pool's free runs outlived their borrow scope: the
+    next replay would overwrite them. Replay and capture of the pool are refused until
+    they are freed (the message names the scope and the client)."""
+
+
+class BorrowOutOfMemory(GpuMemError, MemoryError):
+    """No free run of the graph pool can hold the request (after the allocator's
+    rounding). Borrowing never falls back to other memory."""
+
+
+class BorrowStreamMismatch(InvalidArgument):
+    """A borrow pool serves the stream its first borrow ran on; this one runs on another."""
+
+
 class DaemonUnavailable(GpuMemError, ConnectionError):
     """No daemon answers: not running, wrong runtime directory, or no permission."""
 

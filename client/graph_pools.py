@@ -3,8 +3,13 @@
 After capturing CUDA graphs into an arena's pool, the owner registers the pool: its
 segments (extents) and its free runs, the blocks torch's allocator holds inactive
 between replays, coalesced. The daemon keeps them per pool with an epoch that every
-recapture bumps; ``gpumemctl extents`` shows them. Leases on these pools, and borrowing
-their free runs, build on this registry.
+recapture (and every change of the runs) bumps; ``gpumemctl extents`` shows them.
+Leases on these pools, and borrowing their free runs, build on this registry.
+
+The runs are free only while nothing else allocates in the arena's pool: after eager
+allocations there (``arena.allocating()``), ``refresh()`` before the next borrow.
+A pool registered with ``shared=True`` can be opened by clients the arena is shared
+with (``session.open_graph_pool``): their view refreshes from the daemon.
 """
 
 from __future__ import annotations
@@ -60,20 +65,30 @@ class GraphPool:
         self.extents = status.extents
         self.free_runs = status.free_runs
         self.free_bytes = status.free_bytes
+        self.shared = status.shared
+        self.owner = status.owner
 
     @classmethod
-    def register(cls, arena: Arena, label: str) -> GraphPool:
+    def register(cls, arena: Arena, label: str, *, shared: bool = False) -> GraphPool:
+        if arena.session.backend == "cuda":
+            # A borrower from another process may start on the runs right away: the
+            # warm-up and capture work that used them must be done.
+            arena.torch_pool().torch.cuda.synchronize(arena.session.device_ordinal)
         extents, runs = extents_and_runs(arena.torch_pool().segments(), arena.address)
         reply: p.GraphPoolReply = arena.session.call(
-            p.RegisterGraphPool(arena=arena.name, label=label, extents=extents, free_runs=runs)
+            p.RegisterGraphPool(arena=arena.name, label=label, extents=extents, free_runs=runs, shared=shared)
         )
         return cls(arena, reply.pool)
 
     def refresh(self, *, recaptured: bool = False) -> None:
-        extents, runs = extents_and_runs(self.arena.torch_pool().segments(), self.arena.address)
-        reply: p.GraphPoolReply = self.arena.session.call(
-            p.UpdateGraphPool(pool_id=self.id, extents=extents, free_runs=runs, recaptured=recaptured)
-        )
+        """The owner: report the pool's current extents and runs (``recaptured`` after a
+        new capture into it). Another client: fetch the owner's latest view."""
+        session = self.arena.session
+        if not self.arena.is_owner:
+            reply: p.GraphPoolReply = session.call(p.OpenGraphPool(pool_id=self.id))
+        else:
+            extents, runs = extents_and_runs(self.arena.torch_pool().segments(), self.arena.address)
+            reply = session.call(p.UpdateGraphPool(pool_id=self.id, extents=extents, free_runs=runs, recaptured=recaptured))
         self._set(reply.pool)
 
     def retire(self) -> None:

@@ -9,15 +9,23 @@ Each lease is exclusive: capture re-carves the pool's free space, a replay overw
 whatever lies in its free runs, and a borrow puts tensors there. Taking and giving back
 a lease touches only the shared lease table (no daemon round trip); a conflict costs one
 status request, to name the holder. The daemon sweeps the leases of a client that dies.
+
+On a shared pool (one other processes open), a lease also orders GPU work: the releaser
+records its IPC event on its stream, and a holder from another process makes its stream
+wait on that event before it touches the pool. The first release publishes the event's
+handle to the daemon and the first wait on a peer looks it up: one round trip each, once.
+Within one process, stream order suffices and nothing is recorded.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import leases
-from gpumem.errors import InvalidArgument, LeaseConflict, LeaseNotHeld, StaleEpoch
+from gpumem_shared import protocol as p
+from gpumem.errors import BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, StaleEpoch
 
 if TYPE_CHECKING:
     from gpumem.session import Session
@@ -27,32 +35,55 @@ if TYPE_CHECKING:
 _CORRUPT_RETRY_S = 0.01
 
 
-class Lease:
-    __slots__ = ("session", "pool_id", "slot", "kind", "_word", "held")
+def current_stream(device: int | None) -> int:
+    """The raw handle of the stream a lease orders: torch's current stream where this
+    process uses torch on CUDA, else the default stream (0)."""
+    torch = sys.modules.get("torch")
+    if device is None or torch is None or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
-    def __init__(self, session: Session, pool: Any, kind: int, word: int) -> None:
+
+class Lease:
+    __slots__ = ("session", "pool_id", "slot", "kind", "_word", "held", "stream")
+
+    def __init__(self, session: Session, pool: Any, kind: int, word: int, stream: int | None) -> None:
         self.session = session
         self.pool_id: int = pool.id
         self.slot: int = pool.slot
         self.kind = kind
         self._word = word
         self.held = True
+        self.stream = stream  # None: the current stream when it matters (a shared pool)
 
     @classmethod
-    def acquire(cls, session: Session, pool: Any, kind: int, label: str, wait: float) -> Lease:
+    def acquire(cls, session: Session, pool: Any, kind: int, label: str, wait: float, stream: int | None = None) -> Lease:
         if not 0 < pool.slot < leases.SLOTS:
             raise InvalidArgument(f"graph pool {pool.id} has no lease slot ({pool.slot}); is it registered?")
         table = session.leases
         word = session.lease_words[kind]
         epoch = leases.lease_epoch(pool.id, pool.epoch)
-        if table.try_acquire(pool.slot, word, epoch, label.encode()):  # the uncontended path
-            return cls(session, pool, kind, word)
+        if session.borrow_escapes:
+            session.clear_escape(pool.slot)
+        status = table.try_acquire(pool.slot, word, epoch, label.encode())
+        if status == leases.OK:  # the uncontended path
+            return cls(session, pool, kind, word, stream)
+        if status == leases.OK_ORDER:
+            return cls(session, pool, kind, word, stream)._ordered()
         deadline = time.monotonic() + wait
         while True:
+            if status == leases.ESCAPED:
+                if session.clear_escape(pool.slot):
+                    status = leases.HELD
+                    continue
+                raise session.escape_error(pool, leases.KIND_NAMES[kind], label)
             status, found = table.acquire(pool.slot, word, epoch, max(0.0, deadline - time.monotonic()))
-            if status == leases.OK:
+            if status in (leases.OK, leases.OK_ORDER):
                 table.set_label(pool.slot, label)
-                return cls(session, pool, kind, word)
+                lease = cls(session, pool, kind, word, stream)
+                return lease._ordered() if status == leases.OK_ORDER else lease
+            if status == leases.ESCAPED:
+                continue
             if status == leases.STALE:
                 raise StaleEpoch(
                     f"graph pool {pool.id} changed since this view of it (epoch {pool.epoch}): it was recaptured or "
@@ -88,11 +119,33 @@ class Lease:
             {"holder": name, "pid": h_pid, "kind": leases.KIND_NAMES.get(h_kind, str(h_kind)), "label": held_label},
         )
 
+    def _ordered(self) -> Lease:
+        """The lease came from another process: order this stream after its release."""
+        try:
+            self.session.wait_for_handoff(self.pool_id, self.slot, self._stream())
+        except BaseException:
+            self.held = False
+            self.session.leases.clear(self.slot, self._word)
+            raise
+        return self
+
+    def _stream(self) -> int:
+        return current_stream(self.session.device_ordinal) if self.stream is None else self.stream
+
     def release(self) -> None:
         if not self.held:
             raise LeaseNotHeld(f"{leases.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was already released")
         self.held = False
-        if self.session.leases.release(self.slot, self._word) != leases.OK:
+        table = self.session.leases
+        status = table.release(self.slot, self._word)
+        if status == leases.RECORD:  # a shared pool: the next holder may be another process
+            try:
+                self.session.record_handoff(self.pool_id, self._stream())
+            except BaseException:
+                table.clear(self.slot, self._word)
+                raise
+            status = table.release_recorded(self.slot, self._word)
+        if status != leases.OK:
             raise LeaseNotHeld(
                 f"{leases.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was no longer held at release: "
                 "gpumemd swept it (the pool was retired, or the table was repaired)"

@@ -28,13 +28,17 @@ from gpumem_shared.paths import Endpoints, discover, resolve_runtime_dir
 from gpumem.arena import Arena
 from gpumem.channel import ControlChannel
 from gpumem.kv import KvPool
+from gpumem.borrow import Borrow, BorrowPool
+from gpumem.graph_pools import GraphPool
 from gpumem.leases import Lease
 from gpumem.errors import (
     BadMessage,
+    BorrowEscaped,
     DaemonStopped,
     DaemonTimeout,
     DaemonUnavailable,
     GpuMemError,
+    NotFound,
     SessionClosed,
     error_from_protocol,
     error_from_reply,
@@ -125,6 +129,15 @@ class Session:
         # Registered before anything opens, so a half-built session still cleans up.
         self._finalizer = weakref.finalize(self, self._resources)
         self.arenas: dict[str, Arena] = {}
+        # Borrowing, per graph pool id: this process's borrow pools; lease slots this
+        # session marked because borrowed tensors outlived their scope.
+        self.borrow_pools: dict[int, BorrowPool] = {}
+        self.borrow_escapes: dict[int, BorrowPool] = {}
+        # Lease handoffs on shared pools: our IPC event per pool id, and peers' events
+        # by (pool id, session) once opened. ``handoff_waits`` counts the waits.
+        self._lease_events: dict[int, Any] = {}
+        self._peer_events: dict[tuple[int, int], Any] = {}
+        self.handoff_waits = 0
         ok = False
         try:
             hello = self._hello()
@@ -359,19 +372,90 @@ class Session:
         arena._apply(reply, fds)
         return arena
 
-    def capture(self, pool: Any, *, wait: float = 0.0, label: str = "capture") -> Lease:
-        """The capture lease on a graph pool: excludes every other lease. ``wait`` bounds
-        how long to wait for a holder (0: fail at once with LeaseConflict)."""
-        return Lease.acquire(self, pool, leases.CAPTURE, label, wait)
+    def open_graph_pool(self, pool_id: int = 0, *, owner: str = "", label: str = "") -> GraphPool:
+        """Another client's shared graph pool (by id, or by owner and label), to take
+        leases on and borrow from. Its arena must be attached in this session first."""
+        reply: p.GraphPoolReply = self.call(p.OpenGraphPool(pool_id=pool_id, owner=owner, label=label))
+        arena = self.arenas.get(reply.pool.arena)
+        if arena is None:
+            raise NotFound(f"graph pool {reply.pool.id} lives in arena '{reply.pool.arena}': attach it first (attach_arena)")
+        return GraphPool(arena, reply.pool)
 
-    def replay(self, pool: Any, *, wait: float = 0.0, label: str = "replay") -> Lease:
+    def capture(self, pool: Any, *, wait: float = 0.0, label: str = "capture", stream: int | None = None) -> Lease:
+        """The capture lease on a graph pool: excludes every other lease, and retires this
+        process's borrow pool on it (capture re-carves the free runs). ``wait`` bounds how
+        long to wait for a holder (0: fail at once with LeaseConflict)."""
+        lease = Lease.acquire(self, pool, leases.CAPTURE, label, wait, stream)
+        borrowed = self.borrow_pools.get(pool.id)
+        if borrowed is not None:
+            borrowed.retire()
+        return lease
+
+    def replay(self, pool: Any, *, wait: float = 0.0, label: str = "replay", stream: int | None = None) -> Lease:
         """The replay lease: excludes capture and borrow (and other replays)."""
-        return Lease.acquire(self, pool, leases.REPLAY, label, wait)
+        return Lease.acquire(self, pool, leases.REPLAY, label, wait, stream)
 
-    def borrow(self, pool: Any, *, user: str, wait: float = 0.0) -> Lease:
-        """The borrow lease on a pool's free runs, for ``user`` (named to anyone who
-        conflicts): excludes capture and replay (and other borrows)."""
-        return Lease.acquire(self, pool, leases.BORROW, user, wait)
+    def borrow(self, pool: Any, *, user: str, wait: float = 0.0, stream: int | None = None) -> Borrow:
+        """Borrow the pool's free runs for ``user`` (named to anyone who conflicts): holds
+        the borrow lease (excludes capture and replay) and routes this thread's torch
+        allocations into the runs until the borrow ends. See gpumem.borrow."""
+        return Borrow(self, pool, user, wait, stream)
+
+    # ------------------------------------------------------------------ lease plumbing
+
+    def record_handoff(self, pool_id: int, stream: int) -> None:
+        """Before releasing a lease on a shared pool: mark our stream's work so far."""
+        event = self._lease_events.get(pool_id)
+        if event is None:
+            event, handle = self.driver.event_create()
+            self.call(p.PublishLeaseEvent(pool_id=pool_id, handle=handle))
+            self._lease_events[pool_id] = event
+        self.driver.event_record(event, stream)
+
+    def wait_for_handoff(self, pool_id: int, slot: int, stream: int) -> None:
+        """After taking a lease another process released: our stream waits for its work."""
+        peer = self.leases.handoff(slot)
+        if not peer:
+            return
+        event = self._peer_events.get((pool_id, peer))
+        if event is None:
+            try:
+                reply: p.LeaseEventReply = self.call(p.LookupLeaseEvent(pool_id=pool_id, session=peer))
+            except NotFound:
+                return  # the releaser ended: its context, and its queued work, went with it
+            event = self._peer_events[(pool_id, peer)] = self.driver.event_open(reply.handle)
+        self.driver.stream_wait(event, stream)
+        self.handoff_waits += 1
+
+    def clear_escape(self, slot: int) -> bool:
+        """Clear this session's escape mark on ``slot`` if the borrowed tensors are gone."""
+        pool = self.borrow_escapes.get(slot)
+        if pool is None or pool.live_bytes():
+            return False
+        del self.borrow_escapes[slot]
+        pool.escaped_scope = None
+        self.leases.clear_escaped(slot, self.session_id)
+        return True
+
+    def escape_error(self, pool: Any, kind: str, label: str) -> BorrowEscaped:
+        marker = self.leases.escaped(pool.slot)
+        mine = self.borrow_escapes.get(pool.slot)
+        if mine is not None and marker == leases.decode(self.lease_words[leases.BORROW])[1]:
+            return BorrowEscaped(
+                f"{kind} lease '{label}' on graph pool {pool.id} refused: {mine.live_bytes()} bytes borrowed in scope "
+                f"'{mine.escaped_scope}' of this process are still alive and a {kind} would overwrite them; free them first",
+                {"scope": mine.escaped_scope or "", "pid": os.getpid()},
+            )
+        name, pid = f"session {marker}", 0
+        for client in self.status().clients:
+            if leases.decode(leases.encode(0, client.session_id, 0))[1] == marker:
+                name, pid = client.name, client.pid
+        return BorrowEscaped(
+            f"{kind} lease '{label}' on graph pool {pool.id} refused: client '{name}' (pid {pid}) holds tensors borrowed "
+            "from it past their borrow scope; it clears this once they are freed (at its next lease on the pool) or "
+            "when it exits",
+            {"holder": name, "pid": pid},
+        )
 
     def declare_kv_pool(
         self, name: str, buffers: list[p.KvBuffer], *, max_tokens: int = 0, reserve_bytes: int = 0
@@ -400,6 +484,9 @@ class Session:
             for _, fds in self._early_batches:
                 fdchannel.close_all(fds)
             self._early_batches = []
+            for borrowed in self.borrow_pools.values():
+                borrowed.close()
+            self.borrow_pools.clear()
             self._finalizer()
 
     @property

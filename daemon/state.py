@@ -129,6 +129,8 @@ class GraphPool:
     extents: list[tuple[int, int]]  # (offset, size), by offset
     free_runs: list[tuple[int, int]]  # (offset, size), largest first
     slot: int  # in the lease table
+    shared: bool = False  # clients the arena is shared with may open it
+    events: dict[int, bytes] = dataclasses.field(default_factory=dict)  # session id -> its IPC event handle
 
     def status(self) -> p.GraphPoolStatus:
         return p.GraphPoolStatus(
@@ -141,6 +143,7 @@ class GraphPool:
             free_runs=[p.Extent(offset=o, size=n) for o, n in self.free_runs],
             free_bytes=sum(n for _, n in self.free_runs),
             slot=self.slot,
+            shared=self.shared,
         )
 
 
@@ -229,6 +232,9 @@ class DaemonState:
             p.RegisterGraphPool: self._register_graph_pool,
             p.UpdateGraphPool: self._update_graph_pool,
             p.RetireGraphPool: self._retire_graph_pool,
+            p.OpenGraphPool: self._open_graph_pool,
+            p.PublishLeaseEvent: self._publish_lease_event,
+            p.LookupLeaseEvent: self._lookup_lease_event,
         }
 
     # ------------------------------------------------------------------ sessions
@@ -508,17 +514,22 @@ class DaemonState:
             extents=extents,
             free_runs=runs,
             slot=self._free_slots.pop(),
+            shared=m.shared,
         )
         self._next_graph_pool += 1
         self.graph_pools[pool.id] = pool
         self.lease_table.set_epoch(pool.slot, leases.lease_epoch(pool.id, pool.epoch))
+        self.lease_table.set_flags(pool.slot, leases.FLAG_SHARED if pool.shared else 0)
         return Outcome(p.GraphPoolReply(pool=pool.status()))
 
     def _update_graph_pool(self, session: Session | None, m: p.UpdateGraphPool) -> Outcome:
         s = self._need_session(session)
         pool = self._owned_graph_pool(s, m.pool_id)
-        pool.extents, pool.free_runs = self._check_graph_pool(self.arenas[pool.arena], m.extents, m.free_runs, exclude=pool)
-        if m.recaptured:
+        extents, runs = self._check_graph_pool(self.arenas[pool.arena], m.extents, m.free_runs, exclude=pool)
+        # A borrower's view of the runs must not outlive them: new runs, new epoch.
+        changed = (extents, runs) != (pool.extents, pool.free_runs)
+        pool.extents, pool.free_runs = extents, runs
+        if m.recaptured or changed:
             pool.epoch += 1
             self.lease_table.set_epoch(pool.slot, leases.lease_epoch(pool.id, pool.epoch))
         return Outcome(p.GraphPoolReply(pool=pool.status()))
@@ -528,11 +539,67 @@ class DaemonState:
         self._drop_graph_pool(self._owned_graph_pool(s, m.pool_id))
         return Outcome(p.Ack())
 
+    def _open_graph_pool(self, session: Session | None, m: p.OpenGraphPool) -> Outcome:
+        s = self._need_session(session)
+        if m.pool_id:
+            pool = self.graph_pools.get(m.pool_id)
+            what = f"graph pool {m.pool_id}"
+        else:
+            found = [g for g in self.graph_pools.values() if g.owner_name == m.owner and g.label == m.label]
+            pool = found[0] if found else None
+            what = f"graph pool '{m.label}' of client '{m.owner}'"
+        if pool is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no {what} on device {self.device.index} (not registered, retired, or its owner left)")
+        if pool.owner_id != s.id:
+            if not pool.shared:
+                raise p.ProtocolError(
+                    p.ErrorCode.PERMISSION_DENIED,
+                    f"graph pool {pool.id} ('{pool.label}') of client '{pool.owner_name}' is private: its owner registers "
+                    "it with shared=True for other clients to borrow from it",
+                )
+            if s.id not in self.arenas[pool.arena].attached:
+                raise p.ProtocolError(
+                    p.ErrorCode.PERMISSION_DENIED,
+                    f"graph pool {pool.id} ('{pool.label}') lives in arena '{pool.arena}', which this client has not "
+                    f"attached: '{pool.owner_name}' shares the arena with it, then it attaches",
+                )
+        return Outcome(p.GraphPoolReply(pool=pool.status()))
+
+    def _publish_lease_event(self, session: Session | None, m: p.PublishLeaseEvent) -> Outcome:
+        s = self._need_session(session)
+        pool = self.graph_pools.get(m.pool_id)
+        if pool is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no graph pool {m.pool_id} on device {self.device.index}")
+        if not pool.shared:
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"graph pool {pool.id} is not shared: its leases need no IPC event")
+        if not 0 < len(m.handle) <= 256:
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"an IPC event handle has 1-256 bytes, not {len(m.handle)}")
+        if s.id != pool.owner_id and s.id not in self.arenas[pool.arena].attached:
+            raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"this client has not attached arena '{pool.arena}' of graph pool {pool.id}")
+        pool.events[s.id] = m.handle
+        return Outcome(p.Ack())
+
+    def _lookup_lease_event(self, session: Session | None, m: p.LookupLeaseEvent) -> Outcome:
+        self._need_session(session)
+        pool = self.graph_pools.get(m.pool_id)
+        if pool is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no graph pool {m.pool_id} on device {self.device.index}")
+        for sid, handle in pool.events.items():
+            if _word_session(sid) == m.session:
+                return Outcome(p.LeaseEventReply(handle=handle))
+        raise p.ProtocolError(
+            p.ErrorCode.NOT_FOUND,
+            f"session {m.session} published no IPC event for graph pool {pool.id} (it ended, or never released a lease there)",
+        )
+
     def _drop_graph_pool(self, pool: GraphPool) -> None:
         """Forget the pool and free its lease slot: a holder is swept, waiters wake and
         find the slot's epoch no longer theirs."""
         del self.graph_pools[pool.id]
         self.lease_table.set_epoch(pool.slot, 0)
+        self.lease_table.set_flags(pool.slot, 0)
+        self.lease_table.forget_session(pool.slot, self.lease_table.handoff(pool.slot))
+        self.lease_table.forget_session(pool.slot, self.lease_table.escaped(pool.slot))
         word = self.lease_table.peek(pool.slot)
         if word:
             self.lease_table.clear(pool.slot, word)
@@ -542,8 +609,24 @@ class DaemonState:
         """Clear slots held by ``session_id`` (its client is gone), or, with None, slots in
         a state that cannot be: a kind the daemon does not know, a holder session that
         does not exist, a slot no pool owns. A buggy client can write anything there."""
-        owned = {g.slot for g in self.graph_pools.values()}
+        owned = {g.slot: g for g in self.graph_pools.values()}
         live = {_word_session(i) for i in self.sessions}
+        if session_id is not None:
+            gone = _word_session(session_id)
+            for pool in self.graph_pools.values():
+                pool.events.pop(session_id, None)
+                self.lease_table.forget_session(pool.slot, gone)
+        else:
+            # Fields the daemon writes, or that must name a live session: a buggy client
+            # may have written anything there.
+            for slot, pool in owned.items():
+                if self.lease_table.flags(slot) != (leases.FLAG_SHARED if pool.shared else 0):
+                    log.warning("lease slot %d: flags %#x repaired", slot, self.lease_table.flags(slot))
+                    self.lease_table.set_flags(slot, leases.FLAG_SHARED if pool.shared else 0)
+                for session in (self.lease_table.handoff(slot), self.lease_table.escaped(slot)):
+                    if session and session not in live:
+                        log.warning("lease slot %d named session %d, which does not exist; cleared", slot, session)
+                        self.lease_table.forget_session(slot, session)
         for slot, word in enumerate(self.lease_table.words()):
             if not word:
                 continue

@@ -22,7 +22,12 @@ TABLE_BYTES = SLOTS * SLOT_BYTES
 CAPTURE, REPLAY, BORROW = 1, 2, 3
 KIND_NAMES = {CAPTURE: "capture", REPLAY: "replay", BORROW: "borrow"}
 
-OK, HELD, STALE, CORRUPT, NOT_HOLDER = 0, 1, 2, 3, 4
+OK, HELD, STALE, CORRUPT, NOT_HOLDER, OK_ORDER, ESCAPED, RECORD = 0, 1, 2, 3, 4, 5, 6, 7
+
+# Slot flags (the daemon writes them): FLAG_SHARED marks a pool other processes take
+# leases on, whose releasers record an IPC event for the next holder to wait on.
+FLAG_SHARED = 1
+LABEL_BYTES = 24
 
 
 def lease_epoch(pool_id: int, epoch: int) -> int:
@@ -59,8 +64,10 @@ class _Slot(ctypes.Structure):
         ("waiters", ctypes.c_uint32),
         ("since_ns", ctypes.c_uint64),
         ("epoch", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint32),
-        ("label", ctypes.c_char * 32),
+        ("flags", ctypes.c_uint32),
+        ("handoff", ctypes.c_uint32),
+        ("escaped", ctypes.c_uint32),
+        ("label", ctypes.c_char * LABEL_BYTES),
     ]
 
 
@@ -84,6 +91,15 @@ def _library() -> ctypes.CDLL:
         lib.gpumem_lease_acquire.restype = ctypes.c_int
         lib.gpumem_lease_release.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
         lib.gpumem_lease_release.restype = ctypes.c_int
+        for name in ("gpumem_lease_release_recorded", "gpumem_lease_clear"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
+            getattr(lib, name).restype = ctypes.c_int
+        lib.gpumem_lease_mark_escaped.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
+        lib.gpumem_lease_mark_escaped.restype = ctypes.c_int
+        lib.gpumem_lease_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
+        lib.gpumem_lease_set_flags.restype = None
+        lib.gpumem_lease_forget_session.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
+        lib.gpumem_lease_forget_session.restype = None
         lib.gpumem_lease_try.argtypes = [
             ctypes.c_void_p,
             ctypes.c_uint32,
@@ -114,6 +130,7 @@ class LeaseTable:
         self.address = ctypes.addressof(self._slots)
         self._lib = _library()
         self._try = self._lib.gpumem_lease_try
+        self._release = self._lib.gpumem_lease_release
 
     @classmethod
     def create(cls) -> tuple[LeaseTable, int]:
@@ -124,10 +141,10 @@ class LeaseTable:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         return cls(fd), fd
 
-    def try_acquire(self, slot: int, word: int, epoch: int, label: bytes) -> bool:
+    def try_acquire(self, slot: int, word: int, epoch: int, label: bytes) -> int:
         """One attempt, no wait, the label recorded: the uncontended fast path (one
-        compare-and-swap in one native call)."""
-        return self._try(self.address, slot, word, epoch, label, len(label)) == OK
+        compare-and-swap in one native call). OK or OK_ORDER when taken."""
+        return int(self._try(self.address, slot, word, epoch, label, len(label)))
 
     def acquire(self, slot: int, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
         """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""
@@ -136,11 +153,40 @@ class LeaseTable:
         return rc, int(found.value)
 
     def release(self, slot: int, word: int) -> int:
-        return int(self._lib.gpumem_lease_release(self.address, slot, word))
+        """OK, NOT_HOLDER, or RECORD (nothing released: a shared pool; record the IPC
+        event, then ``release_recorded``)."""
+        return int(self._release(self.address, slot, word))
+
+    def release_recorded(self, slot: int, word: int) -> int:
+        return int(self._lib.gpumem_lease_release_recorded(self.address, slot, word))
 
     def clear(self, slot: int, word: int) -> int:
-        """The daemon's sweep: the same compare-and-swap as a release, on another's word."""
-        return self.release(slot, word)
+        """Free the slot if it holds ``word``, without ordering: the daemon's sweep."""
+        return int(self._lib.gpumem_lease_clear(self.address, slot, word))
+
+    def mark_escaped(self, slot: int, session: int) -> bool:
+        """Refuse replay and capture: ``session``'s borrowed tensors outlived their scope.
+        Does not overwrite another session's mark."""
+        return bool(self._lib.gpumem_lease_mark_escaped(self.address, slot, 0, session & 0xFFFFFF))
+
+    def clear_escaped(self, slot: int, session: int) -> bool:
+        return bool(self._lib.gpumem_lease_mark_escaped(self.address, slot, session & 0xFFFFFF, 0))
+
+    def escaped(self, slot: int) -> int:
+        return int(self._slots[slot].escaped)
+
+    def handoff(self, slot: int) -> int:
+        return int(self._slots[slot].handoff)
+
+    def flags(self, slot: int) -> int:
+        return int(self._slots[slot].flags)
+
+    def set_flags(self, slot: int, flags: int) -> None:
+        self._lib.gpumem_lease_set_flags(self.address, slot, flags)
+
+    def forget_session(self, slot: int, session: int) -> None:
+        """A session ended: its IPC event is gone and its escape mark guards nothing."""
+        self._lib.gpumem_lease_forget_session(self.address, slot, session & 0xFFFFFF)
 
     def peek(self, slot: int) -> int:
         return int(self._lib.gpumem_lease_peek(self.address, slot))
@@ -152,7 +198,7 @@ class LeaseTable:
         return int(self._slots[slot].epoch)
 
     def set_label(self, slot: int, label: str) -> None:
-        self._slots[slot].label = label.encode()[:31]
+        self._slots[slot].label = label.encode()[:LABEL_BYTES]
 
     def holder(self, slot: int) -> Holder | None:
         entry = self._slots[slot]

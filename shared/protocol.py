@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Union
 
 import msgpack
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 
 # A control frame is a few hundred bytes; anything near this bound is an attack or
 # a bug, and unpacking it would let one peer make the daemon allocate freely.
@@ -83,6 +83,9 @@ class MsgType(enum.IntEnum):
     GRAPH_POOL_REGISTER = 30
     GRAPH_POOL_UPDATE = 31
     GRAPH_POOL_RETIRE = 32
+    GRAPH_POOL_OPEN = 33
+    LEASE_EVENT_PUBLISH = 34
+    LEASE_EVENT_LOOKUP = 35
     # fd channel, daemon -> client
     FD_BATCH = 100
     NOTICE = 101
@@ -523,6 +526,7 @@ class GraphPoolStatus:
     free_runs: list[Extent]  # idle space between replays, largest first
     free_bytes: int
     slot: int = 0  # its lease slot in the shared lease table
+    shared: bool = False  # other processes may take leases on it (and borrow its free runs)
 
 
 @dataclasses.dataclass(slots=True)
@@ -791,11 +795,13 @@ class RegisterGraphPool:
     label: str
     extents: list[Extent]
     free_runs: list[Extent]
+    shared: bool = False  # clients the arena is shared with may open it and borrow
 
 
 @request(MsgType.GRAPH_POOL_UPDATE, GraphPoolReply)
 class UpdateGraphPool:
-    """New extents and free runs; ``recaptured`` bumps the epoch."""
+    """New extents and free runs. The epoch goes up when they change or ``recaptured``:
+    a borrower's view of the runs must never outlive them."""
 
     TYPE: ClassVar[MsgType]
     REPLY: ClassVar[type]
@@ -810,6 +816,45 @@ class RetireGraphPool:
     TYPE: ClassVar[MsgType]
     REPLY: ClassVar[type]
     pool_id: int
+
+
+@request(MsgType.GRAPH_POOL_OPEN, GraphPoolReply)
+class OpenGraphPool:
+    """Another client's shared graph pool, by id or by (owner, label), for a session that
+    has attached its arena: to take leases on it and borrow its free runs."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool_id: int = 0
+    owner: str = ""
+    label: str = ""
+
+
+@request(MsgType.LEASE_EVENT_PUBLISH, Ack)
+class PublishLeaseEvent:
+    """This session's IPC event for a shared pool (the driver's opaque handle): the
+    next holder from another process waits on it."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool_id: int
+    handle: bytes
+
+
+@dataclasses.dataclass(slots=True)
+class LeaseEventReply:
+    handle: bytes
+
+
+@request(MsgType.LEASE_EVENT_LOOKUP, LeaseEventReply)
+class LookupLeaseEvent:
+    """The IPC event that session ``session`` (as a lease word names it) published for
+    the pool."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool_id: int
+    session: int
 
 
 @request(MsgType.CHUNKS_UNMAPPED, Ack)

@@ -35,6 +35,7 @@
 #define GPUMEM_FAIL_FULL 1     /* no extent has room */
 #define GPUMEM_FAIL_UNBACKED 2 /* room, but the bytes there are not backed yet */
 #define GPUMEM_FAIL_DEVICE 3   /* asked for another device than the slot's */
+#define GPUMEM_FAIL_STREAM 4   /* asked on another stream than the one the slot is bound to */
 
 typedef struct {
     uint64_t calls;           /* alloc calls, failed ones included */
@@ -64,6 +65,11 @@ typedef struct {
      * context. A thread that lays out virtual-only tensors turns the check off for
      * itself (gpumem_thread_virtual). */
     int check_backing;
+    /* A borrow pool serves one stream: torch caches blocks per stream, so a request
+     * from another stream would take fresh space, and its frees would be ordered on a
+     * stream the borrow's lease does not cover. */
+    int stream_bound;
+    uintptr_t stream;
     size_t n_backing;
     uintptr_t backing_base[GPUMEM_MAX_BACKING];
     size_t backing_size[GPUMEM_MAX_BACKING];
@@ -121,6 +127,7 @@ int gpumem_slot_acquire(int device, size_t alignment) {
         s->alignment = alignment;
         s->n = 0;
         s->check_backing = 0;
+        s->stream_bound = 0;
         s->n_backing = 0;
         memset(&s->stats, 0, sizeof(s->stats));
         s->stats.device = device;
@@ -195,6 +202,17 @@ int gpumem_slot_set_backing(int slot, int enable, const uint64_t *base, const ui
     return 0;
 }
 
+/* Serve only requests made on `stream` (bound != 0), or on any stream (bound == 0). */
+int gpumem_slot_bind_stream(int slot, int bound, uint64_t stream) {
+    slot_t *s = slot_at(slot);
+    if (!s || !s->in_use) return -1;
+    pthread_mutex_lock(&s->mu);
+    s->stream_bound = bound;
+    s->stream = (uintptr_t)stream;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
 static int backed(const slot_t *s, uintptr_t p, size_t n) {
     for (size_t i = 0; i < s->n_backing; i++)
         if (s->backing_base[i] <= p && p + n <= s->backing_base[i] + s->backing_size[i]) return 1;
@@ -218,7 +236,6 @@ size_t gpumem_slot_rounded(int slot, size_t size) {
 }
 
 static void *slot_alloc(int slot, size_t size, int device, void *stream) {
-    (void)stream;
     slot_t *s = &g_slots[slot];
     void *p = NULL;
     int reason = GPUMEM_FAIL_FULL;
@@ -226,6 +243,8 @@ static void *slot_alloc(int slot, size_t size, int device, void *stream) {
     s->stats.calls++;
     if (!s->in_use || device != s->device) {
         reason = GPUMEM_FAIL_DEVICE;
+    } else if (s->stream_bound && (uintptr_t)stream != s->stream) {
+        reason = GPUMEM_FAIL_STREAM;
     } else {
         size_t need = align_up(size ? size : 1, s->alignment);
         for (size_t i = 0; i < s->n; i++) {
@@ -260,6 +279,17 @@ static void slot_free(int slot, void *ptr, size_t size, int device, void *stream
     s->stats.frees++;
     s->stats.freed_bytes += size;
     pthread_mutex_unlock(&s->mu);
+}
+
+/* The same calls by slot index, for callers other than torch (ctypes). */
+void *gpumem_slot_alloc(int slot, size_t size, int device, uint64_t stream) {
+    if (!slot_at(slot)) return NULL;
+    return slot_alloc(slot, size, device, (void *)(uintptr_t)stream);
+}
+
+void gpumem_slot_free(int slot, uint64_t ptr, size_t size, int device, uint64_t stream) {
+    if (!slot_at(slot)) return;
+    slot_free(slot, (void *)(uintptr_t)ptr, size, device, (void *)(uintptr_t)stream);
 }
 
 /* The entry points torch loads by name: gpumem_alloc_<xx> / gpumem_free_<xx>, where

@@ -10,6 +10,13 @@
  * are counted. The daemon clears the slots of a session that ended (a holder killed
  * mid-lease) and slots in impossible states (garbage from a buggy client), and wakes
  * the waiters. Shared (not private) futexes: the table is MAP_SHARED across processes.
+ *
+ * Across processes, a lease also orders GPU work: on a pool other processes use, the
+ * releaser records its IPC event on its stream and names itself in ``handoff``; a taker
+ * from another process waits on that event (LEASE_OK_ORDER tells it to). Within one
+ * process stream order suffices and nothing is recorded. A borrower whose tensors
+ * outlived their scope marks ``escaped``, which refuses replay and capture until it
+ * clears the mark (or its session ends).
  */
 #define _GNU_SOURCE
 #include <limits.h>
@@ -25,15 +32,31 @@ typedef struct {
     uint32_t waiters;  /* processes sleeping on futex */
     uint64_t since_ns; /* CLOCK_REALTIME when the holder acquired */
     uint32_t epoch;    /* the pool's epoch, written by the daemon */
-    uint32_t reserved;
-    char label[32];    /* the holder's label, for error messages (not synchronised) */
+    uint32_t flags;    /* LEASE_FLAG_*, written by the daemon */
+    uint32_t handoff;  /* session of the last releaser that recorded its IPC event */
+    uint32_t escaped;  /* session whose borrowed tensors outlived their scope */
+    char label[24];    /* the holder's label, for error messages (not synchronised) */
 } lease_slot;
 
 _Static_assert(sizeof(lease_slot) == 64, "a lease slot is one cache line");
 
 #define KIND_MAX 3u
+#define KIND_BORROW 3u
+#define SESSION_OF(word) ((uint32_t)(((word) >> 32) & 0xFFFFFFu))
 
-enum { LEASE_OK = 0, LEASE_HELD = 1, LEASE_STALE = 2, LEASE_CORRUPT = 3, LEASE_NOT_HOLDER = 4 };
+/* Other processes take leases on this pool: releasers record their IPC event. */
+#define LEASE_FLAG_SHARED 1u
+
+enum {
+    LEASE_OK = 0,
+    LEASE_HELD = 1,
+    LEASE_STALE = 2,
+    LEASE_CORRUPT = 3,
+    LEASE_NOT_HOLDER = 4,
+    LEASE_OK_ORDER = 5, /* taken; the last releaser was another process: wait on its event */
+    LEASE_ESCAPED = 6,  /* refused: borrowed tensors outlived their scope (see `escaped`) */
+    LEASE_RECORD = 7,   /* not released: a shared pool; record the event, then release_recorded */
+};
 
 static int64_t now_ns(clockid_t clock) {
     struct timespec ts;
@@ -42,6 +65,19 @@ static int64_t now_ns(clockid_t clock) {
 }
 
 static int valid(uint64_t word) { return word == 0 || ((word >> 56) >= 1 && (word >> 56) <= KIND_MAX); }
+
+/* A replay or capture would overwrite (or re-carve) bytes a borrower still uses. */
+static int escaped_for(lease_slot *slot, uint64_t mine) {
+    return (mine >> 56) != KIND_BORROW && __atomic_load_n(&slot->escaped, __ATOMIC_ACQUIRE) != 0;
+}
+
+/* After a successful take: must the new holder order its stream after the releaser's? */
+static int taken(lease_slot *slot, uint64_t mine) {
+    slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
+    if (!(__atomic_load_n(&slot->flags, __ATOMIC_ACQUIRE) & LEASE_FLAG_SHARED)) return LEASE_OK;
+    uint32_t last = __atomic_load_n(&slot->handoff, __ATOMIC_ACQUIRE);
+    return last && last != SESSION_OF(mine) ? LEASE_OK_ORDER : LEASE_OK;
+}
 
 /* Take slot ``index`` for ``mine`` (a nonzero word). ``epoch`` 0 skips the epoch check.
  * timeout_ns 0 tries once; > 0 waits at most that long. On LEASE_HELD or LEASE_CORRUPT,
@@ -58,11 +94,10 @@ int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint3
         }
         if (seen == 0) {
             if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
+            if (escaped_for(slot, mine)) return LEASE_ESCAPED;
             uint64_t expected = 0;
-            if (__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-                slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
-                return LEASE_OK;
-            }
+            if (__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+                return taken(slot, mine);
             continue; /* lost the race: look again */
         }
         *holder = seen;
@@ -81,18 +116,18 @@ int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint3
 }
 
 /* The uncontended path in one call: take a free slot whose epoch matches and record
- * the holder's label. Returns LEASE_OK, or anything else to send the caller to
- * gpumem_lease_acquire for the reason and the wait. */
+ * the holder's label. Returns LEASE_OK or LEASE_OK_ORDER when taken, or anything else
+ * to send the caller to gpumem_lease_acquire for the reason and the wait. */
 int gpumem_lease_try(lease_slot *table, uint32_t index, uint64_t mine, uint32_t epoch, const char *label, uint32_t len) {
     lease_slot *slot = &table[index];
     uint64_t expected = 0;
     if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
+    if (escaped_for(slot, mine)) return LEASE_ESCAPED;
     if (!__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return LEASE_HELD;
-    slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
-    if (len > sizeof(slot->label) - 1) len = sizeof(slot->label) - 1;
+    if (len > sizeof(slot->label)) len = sizeof(slot->label);
     for (uint32_t i = 0; i < len; i++) slot->label[i] = label[i];
-    slot->label[len] = 0;
-    return LEASE_OK;
+    if (len < sizeof(slot->label)) slot->label[len] = 0;
+    return taken(slot, mine);
 }
 
 static void wake(lease_slot *slot) {
@@ -103,16 +138,65 @@ static void wake(lease_slot *slot) {
         syscall(SYS_futex, &slot->futex, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Free slot ``index`` if it still holds ``word``; LEASE_NOT_HOLDER otherwise. A holder's
- * release (a double release, or a lease the daemon already swept, is refused) and the
- * daemon's sweep are the same operation. */
+/* Free slot ``index`` if it still holds ``word``; LEASE_NOT_HOLDER otherwise (a double
+ * release, or a lease the daemon already swept). On a shared pool it frees nothing and
+ * returns LEASE_RECORD: the holder records its IPC event first (release_recorded). */
 int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t word) {
+    lease_slot *slot = &table[index];
+    if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
+    if (__atomic_load_n(&slot->flags, __ATOMIC_ACQUIRE) & LEASE_FLAG_SHARED) return LEASE_RECORD;
+    uint64_t expected = word;
+    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        return LEASE_NOT_HOLDER;
+    wake(slot);
+    return LEASE_OK;
+}
+
+/* The release of a holder that recorded its IPC event on its stream: the next holder
+ * from another process waits on that event before touching the pool. */
+int gpumem_lease_release_recorded(lease_slot *table, uint32_t index, uint64_t word) {
+    lease_slot *slot = &table[index];
+    if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
+    __atomic_store_n(&slot->handoff, SESSION_OF(word), __ATOMIC_RELEASE);
+    uint64_t expected = word;
+    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        return LEASE_NOT_HOLDER;
+    wake(slot);
+    return LEASE_OK;
+}
+
+/* The daemon's sweep, and a holder's give-back without ordering: free the slot if it
+ * still holds ``word``. */
+int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word) {
     lease_slot *slot = &table[index];
     uint64_t expected = word;
     if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         return LEASE_NOT_HOLDER;
     wake(slot);
     return LEASE_OK;
+}
+
+/* Mark (session != 0) or clear (session == 0, only if ``expect`` still marks it) a
+ * borrower whose tensors outlived their scope; a compare-and-swap, so a clear never
+ * erases another borrower's mark. Returns 1 if the field changed. */
+int gpumem_lease_mark_escaped(lease_slot *table, uint32_t index, uint32_t expect, uint32_t session) {
+    lease_slot *slot = &table[index];
+    uint32_t seen = expect;
+    return __atomic_compare_exchange_n(&slot->escaped, &seen, session, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+/* The daemon: flags of a slot, and forgetting a session that ended (its event died with
+ * it; its escaped mark no longer guards anything). */
+void gpumem_lease_set_flags(lease_slot *table, uint32_t index, uint32_t flags) {
+    __atomic_store_n(&table[index].flags, flags, __ATOMIC_RELEASE);
+}
+
+void gpumem_lease_forget_session(lease_slot *table, uint32_t index, uint32_t session) {
+    lease_slot *slot = &table[index];
+    uint32_t seen = session;
+    __atomic_compare_exchange_n(&slot->handoff, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    seen = session;
+    if (session && __atomic_compare_exchange_n(&slot->escaped, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) wake(slot);
 }
 
 uint64_t gpumem_lease_peek(lease_slot *table, uint32_t index) { return __atomic_load_n(&table[index].word, __ATOMIC_ACQUIRE); }

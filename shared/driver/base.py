@@ -97,6 +97,23 @@ class Driver(abc.ABC):
         for offset, size in ranges:
             self.unmap(address + offset, size)
 
+    # --- ordering GPU work across processes (lease handoffs) ------------------
+    @abc.abstractmethod
+    def event_create(self) -> tuple[Any, bytes]:
+        """A new inter-process event and the handle another process opens it with."""
+
+    @abc.abstractmethod
+    def event_open(self, handle: bytes) -> Any:
+        """Another process's event, from its handle."""
+
+    @abc.abstractmethod
+    def event_record(self, event: Any, stream: int) -> None:
+        """Mark the work queued so far on ``stream`` (a raw stream handle, 0 = default)."""
+
+    @abc.abstractmethod
+    def stream_wait(self, event: Any, stream: int) -> None:
+        """Work queued on ``stream`` from now on runs after the event's recorded work."""
+
     # --- data access (tools, tests, small transfers) --------------------------
     @abc.abstractmethod
     def write(self, address: int, data: bytes) -> None: ...

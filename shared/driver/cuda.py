@@ -17,6 +17,15 @@ from typing import Any
 from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle
 
 
+_EVENT_DISABLE_TIMING = 0x2
+_EVENT_INTERPROCESS = 0x4
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+class _IpcEventHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
 def _load_driver() -> Any:
     try:
         from cuda.bindings import driver as cu
@@ -107,6 +116,52 @@ class CudaDriver(Driver):
         if len(result) == 1:
             return None
         return result[1] if len(result) == 2 else result[1:]
+
+    # Events go through libcuda directly: these calls sit on the lease handoff path,
+    # where cuda.bindings' wrappers would cost more than the driver call itself.
+    def _libcuda(self) -> ctypes.CDLL:
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+            lib.cuIpcGetEventHandle.argtypes = [ctypes.POINTER(_IpcEventHandle), ctypes.c_void_p]
+            lib.cuIpcOpenEventHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcEventHandle]
+            lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+            lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+            self._lib = lib
+        return lib
+
+    def _event_call(self, what: str, fn: Any, *args: Any) -> None:
+        rc = fn(*args)
+        if rc == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched CUDA
+            self._current()
+            rc = fn(*args)
+        if rc != 0:
+            raise DriverError(f"{what} failed: {_error_name(self._cu, self._cu.CUresult(rc))}")
+
+    def event_create(self) -> tuple[Any, bytes]:
+        lib = self._libcuda()
+        event = ctypes.c_void_p()
+        self._event_call("cuEventCreate", lib.cuEventCreate, ctypes.byref(event), _EVENT_INTERPROCESS | _EVENT_DISABLE_TIMING)
+        handle = _IpcEventHandle()
+        self._event_call("cuIpcGetEventHandle", lib.cuIpcGetEventHandle, ctypes.byref(handle), event)
+        return event, bytes(handle.reserved)
+
+    def event_open(self, handle: bytes) -> Any:
+        if len(handle) != ctypes.sizeof(_IpcEventHandle):
+            raise DriverError(f"an IPC event handle has {ctypes.sizeof(_IpcEventHandle)} bytes, not {len(handle)}")
+        lib = self._libcuda()
+        event = ctypes.c_void_p()
+        raw = _IpcEventHandle.from_buffer_copy(handle)
+        self._event_call("cuIpcOpenEventHandle", lib.cuIpcOpenEventHandle, ctypes.byref(event), raw)
+        return event
+
+    def event_record(self, event: Any, stream: int) -> None:
+        self._event_call("cuEventRecord", self._libcuda().cuEventRecord, event, stream)
+
+    def stream_wait(self, event: Any, stream: int) -> None:
+        self._event_call("cuStreamWaitEvent", self._libcuda().cuStreamWaitEvent, stream, event, 0)
 
     def _current(self) -> None:
         # Driver calls need the context current on the calling thread; allocator

@@ -15,6 +15,7 @@ import errno
 import hashlib
 import os
 import socket
+from typing import Any
 
 from gpumem_shared.driver.base import Driver, DriverError, Handle
 
@@ -53,6 +54,23 @@ class HostDriver(Driver):
 
     def device_name(self) -> str:
         return "host shared memory (memfd)"
+
+    # Host-backend work is synchronous: nothing is in flight when a lease changes hands,
+    # so events order nothing. They still get handles, so the handoff protocol runs.
+    def event_create(self) -> tuple[Any, bytes]:
+        handle = b"host-event:" + os.urandom(16)
+        return handle, handle
+
+    def event_open(self, handle: bytes) -> Any:
+        if not handle.startswith(b"host-event:"):
+            raise DriverError(f"not a host-backend event handle: {handle[:16]!r}")
+        return handle
+
+    def event_record(self, event: Any, stream: int) -> None:
+        pass
+
+    def stream_wait(self, event: Any, stream: int) -> None:
+        pass
 
     def device_uuid(self) -> str:
         # Stable per machine and index, shaped like a GPU UUID so tools treat both alike.
