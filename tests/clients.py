@@ -38,6 +38,7 @@ import traceback
 
 import gpumem
 from gpumem_shared import protocol as p
+from gpumem_shared import leases
 
 
 def main() -> int:
@@ -231,8 +232,8 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
     if cmd == "lease":
         kind, pool_id, wait, label = args[0], int(args[1]), float(args[2]), args[3]
         pool = _graph_pool(session, pool_id)
-        if kind == "borrow":
-            LEASES[pool_id] = session.borrow(pool, user=label, wait=wait)
+        if kind == "borrow":  # the lease alone: these views are not GraphPool objects to borrow from
+            LEASES[pool_id] = gpumem.Lease.acquire(session, pool, leases.BORROW, label, wait)
         else:
             LEASES[pool_id] = getattr(session, kind)(pool, wait=wait, label=label)
         return kind
@@ -245,6 +246,10 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
     if cmd == "scribble":
         session.leases._slots[int(args[0])].word = int(args[1], 16)
         return None
+    if cmd == "scribble+lease":  # no daemon tick can fall between the two
+        _graph_pool(session, int(args[3]))
+        session.leases._slots[int(args[0])].word = int(args[1], 16)
+        return run(session, arenas, "lease", args[2:])
     if cmd == "peek":
         slot = session.leases._slots[int(args[0])]
         return json.dumps({"word": int(slot.word), "waiters": int(slot.waiters)})
@@ -287,7 +292,7 @@ def _lease_loop(session: gpumem.Session, pool_id: int, seconds: float, shm_file:
     rng = random.Random(index)
     kinds = [lambda: session.capture(pool, wait=5.0, label=f"loop{index}"),
              lambda: session.replay(pool, wait=5.0, label=f"loop{index}"),
-             lambda: session.borrow(pool, user=f"loop{index}", wait=5.0)]
+             lambda: gpumem.Lease.acquire(session, pool, leases.BORROW, f"loop{index}", 5.0)]
     count = violations = conflicts = contended = 0
     longest = 0.0
     deadline = time.monotonic() + seconds

@@ -129,13 +129,15 @@ def test_register_update_retire_round_trip(host_daemon, connect, runtime_dir) ->
         owner.call(p.UpdateGraphPool(pool_id=77, extents=[E(0, 2 * MiB)], free_runs=[]))
     assert status(runtime_dir)["extents"] == [p.to_wire(pool)]
 
-    # update: same epoch unless recaptured
+    # update: a new epoch when the runs change or on a recapture
     out = owner.call(p.UpdateGraphPool(pool_id=pool.id, extents=[E(0, 6 * MiB)], free_runs=[E(4 * MiB, 2 * MiB)])).pool
-    assert out.epoch == 1 and out.extents == [E(0, 6 * MiB)] and out.free_runs == [E(4 * MiB, 2 * MiB)]
+    assert out.epoch == 2 and out.extents == [E(0, 6 * MiB)] and out.free_runs == [E(4 * MiB, 2 * MiB)]
+    out = owner.call(p.UpdateGraphPool(pool_id=pool.id, extents=[E(0, 6 * MiB)], free_runs=[E(4 * MiB, 2 * MiB)])).pool
+    assert out.epoch == 2, "nothing changed"
     out = owner.call(p.UpdateGraphPool(pool_id=pool.id, extents=[E(0, 6 * MiB)], free_runs=[], recaptured=True)).pool
-    assert out.epoch == 2 and out.free_bytes == 0
+    assert out.epoch == 3 and out.free_bytes == 0
     (shown,) = status(runtime_dir)["extents"]
-    assert shown["epoch"] == 2 and shown["extents"] == [{"offset": 0, "size": 6 * MiB}] and shown["free_runs"] == []
+    assert shown["epoch"] == 3 and shown["extents"] == [{"offset": 0, "size": 6 * MiB}] and shown["free_runs"] == []
 
     # a decommit under the pool is refused, and memory stays as it was
     with pytest.raises(gpumem.InvalidArgument, match=r"graph pool 1 \('decode-bs8'\)"):
@@ -166,6 +168,7 @@ def test_registry_messages_on_the_raw_wire(host_daemon, runtime_dir) -> None:  #
             "free_runs": [{"offset": 2 * MiB, "size": MiB}],
             "free_bytes": MiB,
             "slot": 1,  # the first lease slot handed out
+            "shared": False,
         }
         for bad in (
             dict(body, extents=[{"offset": 4 * MiB}]),  # size missing

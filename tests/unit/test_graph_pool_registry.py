@@ -331,21 +331,22 @@ def test_runs_across_adjacent_extents_coalesce_and_the_reply_round_trips(h: Harn
 # =========================================================================== update / retire
 
 
-def test_update_replaces_extents_and_runs_and_recapture_bumps_the_epoch(h: Harness) -> None:
+def test_update_replaces_extents_and_runs_and_a_change_or_recapture_bumps_the_epoch(h: Harness) -> None:
     a = owner_arena(h)
     pool = register(h, a, [E(0, 4 * MiB)], [E(0, 1 * MiB)])
+    assert update(h, a, pool.id, [E(0, 4 * MiB)], [E(0, 1 * MiB)]).epoch == 1, "nothing changed: same epoch"
     out = update(h, a, pool.id, [E(2 * MiB, 6 * MiB)], [E(4 * MiB, 512 * KiB), E(6 * MiB, 2 * MiB)])
-    assert out.id == pool.id and out.epoch == 1 and out.label == "decode"
+    assert out.id == pool.id and out.epoch == 2 and out.label == "decode", "new runs: a borrower's old view is stale"
     assert pairs(out.extents) == [(2 * MiB, 6 * MiB)]
     assert pairs(out.free_runs) == [(6 * MiB, 2 * MiB), (4 * MiB, 512 * KiB)]
     assert out.free_bytes == 2 * MiB + 512 * KiB
     assert registry(h) == {pool.id: out}
 
     out = update(h, a, pool.id, [E(2 * MiB, 6 * MiB)], [], recaptured=True)
-    assert out.epoch == 2 and out.free_runs == [] and out.free_bytes == 0
-    assert update(h, a, pool.id, [E(2 * MiB, 6 * MiB)], [], recaptured=True).epoch == 3
-    assert update(h, a, pool.id, [E(2 * MiB, 6 * MiB)], [E(2 * MiB, 2 * MiB)]).epoch == 3
-    assert registry(h)[pool.id].epoch == 3 and pairs(registry(h)[pool.id].free_runs) == [(2 * MiB, 2 * MiB)]
+    assert out.epoch == 3 and out.free_runs == [] and out.free_bytes == 0
+    assert update(h, a, pool.id, [E(2 * MiB, 6 * MiB)], [], recaptured=True).epoch == 4, "a recapture bumps it anyway"
+    assert update(h, a, pool.id, [E(2 * MiB, 6 * MiB)], [E(2 * MiB, 2 * MiB)]).epoch == 5
+    assert registry(h)[pool.id].epoch == 5 and pairs(registry(h)[pool.id].free_runs) == [(2 * MiB, 2 * MiB)]
 
 
 def test_update_is_checked_like_register_and_a_refusal_changes_nothing(h: Harness) -> None:
@@ -525,6 +526,8 @@ class _FakeArena:
         self.address = h.state.arenas[name].address
         self.pool = _FakeTorchPool()
         self.session = self
+        self.backend = "host"
+        self.is_owner = True
         self._h, self._s = h, s
 
     def torch_pool(self) -> _FakeTorchPool:
@@ -550,12 +553,14 @@ def test_client_graph_pool_registers_refreshes_and_retires_from_snapshots(h: Har
 
     arena.pool.snapshot[1]["blocks"][0]["state"] = "active_allocated"
     pool.refresh()
-    assert pool.epoch == 1 and pairs(pool.free_runs) == [(3 * MiB, 1 * MiB), (512 * KiB, 512 * KiB)]
+    assert pool.epoch == 2 and pairs(pool.free_runs) == [(3 * MiB, 1 * MiB), (512 * KiB, 512 * KiB)]
+    pool.refresh()
+    assert pool.epoch == 2, "the same runs: the same epoch"
     arena.pool.snapshot.append(segment(base + 8 * MiB, (2 * MiB, "inactive")))
     pool.refresh(recaptured=True)
-    assert pool.epoch == 2 and pairs(pool.extents)[-1] == (8 * MiB, 2 * MiB)
+    assert pool.epoch == 3 and pairs(pool.extents)[-1] == (8 * MiB, 2 * MiB)
     assert pairs(pool.free_runs) == [(8 * MiB, 2 * MiB), (3 * MiB, 1 * MiB), (512 * KiB, 512 * KiB)]
-    assert registry(h)[1].epoch == 2 and registry(h)[1].free_bytes == pool.free_bytes == 2 * MiB + 1 * MiB + 512 * KiB
-    assert "epoch 2" in repr(pool)
+    assert registry(h)[1].epoch == 3 and registry(h)[1].free_bytes == pool.free_bytes == 2 * MiB + 1 * MiB + 512 * KiB
+    assert "epoch 3" in repr(pool)
     pool.retire()
     assert h.state.graph_pools == {}

@@ -131,7 +131,7 @@ def test_every_kind_excludes_every_kind(table: LeaseTable, first: int, second: i
     for other in (word(second, session=2, pid=1002), word(second, session=1, pid=1001)):  # another session; the same one
         assert table.acquire(SLOT, other, EPOCH, 0) == (HELD, held)
         assert table.acquire(SLOT, other, 0, 0) == (HELD, held)  # no epoch check: still held
-        assert table.try_acquire(SLOT, other, EPOCH, b"x") is False
+        assert table.try_acquire(SLOT, other, EPOCH, b"x") == HELD
         assert table.peek(SLOT) == held
     assert table.release(SLOT, held) == OK
     assert table.acquire(SLOT, word(second, session=2, pid=1002), EPOCH, 0) == (OK, 0)
@@ -165,10 +165,10 @@ def test_double_release_and_releasing_another_holders_word_are_not_holder(table:
 
 
 def test_try_acquire_takes_a_free_slot_and_records_the_label(table: LeaseTable) -> None:
-    assert table.try_acquire(SLOT, word(), EPOCH, b"decode step") is True
+    assert table.try_acquire(SLOT, word(), EPOCH, b"decode step") == OK
     h = table.holder(SLOT)
     assert h is not None and h.label == "decode step"
-    assert table.try_acquire(SLOT + 1, word(), EPOCH, b"x") is False  # slot epoch 0: stale
+    assert table.try_acquire(SLOT + 1, word(), EPOCH, b"x") == STALE  # slot epoch 0
     assert table.release(SLOT, word()) == OK
 
 
@@ -201,7 +201,7 @@ def test_an_invalid_kind_is_corrupt(table: LeaseTable, bad: int) -> None:
     start = time.monotonic()
     assert table.acquire(SLOT, word(), EPOCH, 2.0) == (CORRUPT, bad), "corrupt is answered at once, not waited on"
     assert time.monotonic() - start < 0.5
-    assert table.try_acquire(SLOT, word(), EPOCH, b"x") is False
+    assert table.try_acquire(SLOT, word(), EPOCH, b"x") == HELD
     assert table.release(SLOT, word()) == NOT_HOLDER
     assert table.release(SLOT, bad) == OK  # a release is a compare-and-swap on the exact word, whatever it is
     table._slots[SLOT].word = bad
@@ -312,7 +312,7 @@ def test_holder_fields(table: LeaseTable) -> None:
     assert (h.kind, h.kind_name, h.session, h.pid, h.label) == (BORROW, "borrow", 0xABCDE, 4321, "EAGLE probability borrow")
     assert before <= h.since_ns <= after, "since is CLOCK_REALTIME at the acquire"
     table.set_label(SLOT, "x" * 80)
-    assert table.holder(SLOT).label == "x" * 31  # type: ignore[union-attr]
+    assert table.holder(SLOT).label == "x" * leases.LABEL_BYTES  # type: ignore[union-attr]
     table.set_label(SLOT, "short")
     assert table.holder(SLOT).label == "short", "a shorter label is terminated"  # type: ignore[union-attr]
     assert table.release(SLOT, word(BORROW, 0xABCDE, 4321)) == OK

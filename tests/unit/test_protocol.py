@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from gpumem_shared import protocol as p
-from gpumem_shared.protocol import ErrorCode, MsgType
+from gpumem_shared.protocol import PROTOCOL_VERSION, ErrorCode, MsgType
 
 GiB = 1 << 30
 
@@ -38,6 +38,9 @@ SAMPLES: list[Any] = [
     p.RegisterGraphPool(arena="g", label="decode bs=8", extents=[p.Extent(offset=0, size=1 << 21)], free_runs=[p.Extent(offset=0, size=512)]),
     p.UpdateGraphPool(pool_id=1, extents=[p.Extent(offset=0, size=1 << 21)], free_runs=[], recaptured=True),
     p.RetireGraphPool(pool_id=1),
+    p.OpenGraphPool(owner="engine-a", label="decode"),
+    p.PublishLeaseEvent(pool_id=1, handle=bytes(range(64))),
+    p.LookupLeaseEvent(pool_id=1, session=3),
 ]
 
 
@@ -104,6 +107,9 @@ def test_message_type_numbers_never_change() -> None:
         "GRAPH_POOL_REGISTER": 30,
         "GRAPH_POOL_UPDATE": 31,
         "GRAPH_POOL_RETIRE": 32,
+        "GRAPH_POOL_OPEN": 33,
+        "LEASE_EVENT_PUBLISH": 34,
+        "LEASE_EVENT_LOOKUP": 35,
         "FD_BATCH": 100,
         "NOTICE": 101,
     }
@@ -193,7 +199,7 @@ def test_missing_or_malformed_version_is_bad_message(version: Any) -> None:
 @pytest.mark.parametrize("major", [0, 2])
 def test_other_major_version_is_protocol_mismatch(major: int) -> None:
     error = refused(raw(envelope(v=[major, 3])), ErrorCode.PROTOCOL_MISMATCH)
-    assert error.detail == {"peer": f"{major}.3", "ours": "1.0", "request_id": 41}
+    assert error.detail == {"peer": f"{major}.3", "ours": "%d.%d" % PROTOCOL_VERSION, "request_id": 41}
     assert "upgrade" in error.message
 
 
