@@ -26,7 +26,6 @@ tensor is freed and this process notices (at its next lease on the pool) or exit
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import leases
@@ -205,6 +204,18 @@ def _new_torch_pool(bp: BorrowPool) -> Any:
     return pool
 
 
+def _torch_for(session: Session) -> Any:
+    """torch, where this borrow can route its allocations (the CUDA backend, torch with
+    CUDA installed); None leaves raw ``allocate`` only."""
+    if session.backend != "cuda":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
 def _warm_cublas(torch: Any, device: int, stream: int) -> None:
     if (device, stream) in _WARM_STREAMS:
         return
@@ -226,8 +237,7 @@ class Borrow:
         self.pool = pool
         self.user = user
         self._route: Any = None
-        torch = sys.modules.get("torch") if session.backend == "cuda" else None
-        self._torch = torch if torch is not None and torch.cuda.is_available() else None
+        self._torch = _torch_for(session)
         self.stream = current_stream(session.device_ordinal) if stream is None else stream
         existing = session.borrow_pools.get(pool.id)
         if existing is not None and existing.stream != self.stream:
@@ -244,6 +254,8 @@ class Borrow:
                 existing = session.borrow_pools[pool.id] = BorrowPool(session, pool, self.stream)
             self.borrow_pool = existing
             existing.ensure(pool, self._torch is not None)
+            # Blocks an earlier scope let escape are that scope's fault, not this one's.
+            self._live_before = existing.live_bytes() if existing.escaped_scope else 0
             if existing.torch_pool is not None:
                 self._route = self._torch.cuda.use_mem_pool(existing.torch_pool, device=existing.device)
                 self._route.__enter__()
@@ -292,13 +304,14 @@ class Borrow:
                 self._route.__exit__(None, None, None)
                 self._route = None
         finally:
-            live = bp.live_bytes()
-            if live:
+            live = bp.live_bytes() - self._live_before
+            if live > 0:
                 bp.escaped_scope = self.user
+            if live > 0 or bp.escaped_scope:
                 self.session.leases.mark_escaped(self.pool.slot, self.session.session_id)
                 self.session.borrow_escapes[self.pool.slot] = bp
             self.lease.release()
-        if live and error is None:
+        if live > 0 and error is None:
             raise BorrowEscaped(
                 f"borrow scope '{self.user}' on graph pool {self.pool.id} ('{self.pool.label}') ended with {live} "
                 "bytes of borrowed tensors still alive: the next replay would overwrite them; free them (del) inside "
