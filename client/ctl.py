@@ -123,7 +123,7 @@ def render_leases(s: p.StatusReply) -> list[str]:
 
 def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
     lines = _table(
-        ["POOL", "OWNER", "ARENA", "LABEL", "EPOCH", "EXTENTS", "EXTENT BYTES", "FREE RUNS", "FREE", "LARGEST RUN"],
+        ["POOL", "OWNER", "ARENA", "LABEL", "EPOCH", "SHARED", "EXTENTS", "EXTENT BYTES", "FREE RUNS", "FREE", "LARGEST RUN"],
         [
             [
                 str(g.id),
@@ -131,6 +131,7 @@ def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
                 g.arena,
                 g.label,
                 str(g.epoch),
+                "yes" if g.shared else "no",
                 str(len(g.extents)),
                 format_size(sum(e.size for e in g.extents)),
                 str(len(g.free_runs)),
@@ -140,6 +141,9 @@ def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
             for g in s.extents
         ],
     )
+    for g in s.extents:
+        if g.escaped_by:
+            lines.append(f"  pool {g.id}: replay and capture refused: {g.escaped_by} holds borrowed tensors past their scope")
     if runs:
         for g in s.extents:
             lines.append(f"  pool {g.id} free runs (offset+size): " + (", ".join(f"{r.offset:#x}+{format_size(r.size)}" for r in g.free_runs) or "none"))

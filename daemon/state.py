@@ -1252,7 +1252,7 @@ class DaemonState:
                 )
                 for a in self.arenas.values()
             ],
-            extents=[g.status() for g in self.graph_pools.values()],
+            extents=[self._graph_pool_view(g, names) for g in self.graph_pools.values()],
             leases=self._lease_status(),
             rounds=[
                 p.RoundStatus(
@@ -1299,6 +1299,14 @@ class DaemonState:
         )
 
     # ------------------------------------------------------------------ helpers
+
+    def _graph_pool_view(self, pool: GraphPool, names: dict[int, str]) -> p.GraphPoolStatus:
+        view = pool.status()
+        marker = self.lease_table.escaped(pool.slot)
+        if marker:
+            found = [f"client '{name}'" for sid, name in names.items() if _word_session(sid) == marker]
+            view.escaped_by = found[0] if found else f"session {marker}"
+        return view
 
     def _lease_status(self) -> list[p.LeaseStatus]:
         out = []

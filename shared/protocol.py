@@ -527,6 +527,7 @@ class GraphPoolStatus:
     free_bytes: int
     slot: int = 0  # its lease slot in the shared lease table
     shared: bool = False  # other processes may take leases on it (and borrow its free runs)
+    escaped_by: str = ""  # a client whose borrowed tensors outlived their scope: replays are refused
 
 
 @dataclasses.dataclass(slots=True)

@@ -272,6 +272,7 @@ def escape_is_caught() -> None:
         raises(gpumem.BorrowEscaped, escaping, "'EAGLE probability borrow'", "still alive")
         assert s.leases.peek(w.pool.slot) == 0, "an escape must still give the lease back"
         assert s.leases.escaped(w.pool.slot) == s.session_id & 0xFFFFFF
+        assert [g.escaped_by for g in s.status().extents] == [f"client '{OWNER}'"], "gpumemctl shows who blocks replays"
         raises(gpumem.BorrowEscaped, lambda: s.replay(w.pool), "'EAGLE probability borrow'", "replay")
         raises(gpumem.BorrowEscaped, lambda: s.capture(w.pool), "capture")
         peer(["escaped_peer_refused", str(w.pool.id)])
@@ -281,7 +282,7 @@ def escape_is_caught() -> None:
         with s.replay(w.pool):  # the owner notices the tensor is gone and clears the mark
             w.replay()
         w.check(w.output())
-        assert s.leases.escaped(w.pool.slot) == 0
+        assert s.leases.escaped(w.pool.slot) == 0 and s.status().extents[0].escaped_by == ""
         peer(["peer_replays", str(w.pool.id)])
     print("PASS escape_is_caught")
 

@@ -169,6 +169,7 @@ def test_registry_messages_on_the_raw_wire(host_daemon, runtime_dir) -> None:  #
             "free_bytes": MiB,
             "slot": 1,  # the first lease slot handed out
             "shared": False,
+            "escaped_by": "",
         }
         for bad in (
             dict(body, extents=[{"offset": 4 * MiB}]),  # size missing
@@ -221,6 +222,7 @@ def test_ctl_extents_json_and_human_and_status(host_daemon, connect, runtime_dir
             "ARENA": "graphs",
             "LABEL": "decode",
             "EPOCH": "2",
+            "SHARED": "no",
             "EXTENTS": "2",
             "EXTENT BYTES": "6 MiB",
             "FREE RUNS": "3",
@@ -233,6 +235,7 @@ def test_ctl_extents_json_and_human_and_status(host_daemon, connect, runtime_dir
             "ARENA": "graphs",
             "LABEL": "prefill",
             "EPOCH": "1",
+            "SHARED": "no",
             "EXTENTS": "1",
             "EXTENT BYTES": "8 MiB",
             "FREE RUNS": "0",
