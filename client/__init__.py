@@ -34,7 +34,7 @@ from gpumem.errors import (
     TorchFeatureMissing,
     VaCollision,
 )
-from gpumem.borrow import Borrow
+from gpumem.borrow import Borrow, memory_reserved
 from gpumem.graph_pools import GraphPool
 from gpumem.leases import Lease
 from gpumem.views import RawView
@@ -75,4 +75,5 @@ __all__ = [
     "VaCollision",
     "__version__",
     "connect",
+    "memory_reserved",
 ]

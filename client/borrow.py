@@ -26,6 +26,7 @@ tensor is freed and this process notices (at its next lease on the pool) or exit
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import leases
@@ -49,6 +50,9 @@ _SMALL_BUFFER = 2 << 20
 _MIN_LARGE_ALLOC = 10 << 20
 _LARGE_BUFFER = 20 << 20
 _ROUND_LARGE = 2 << 20
+
+# Every borrow pool of the process, for memory_reserved().
+_LIVE_POOLS: weakref.WeakSet[BorrowPool] = weakref.WeakSet()
 
 # Streams whose cuBLAS workspaces exist: a GEMM's first call on a stream allocates one
 # and keeps it for the process's life, which must not happen inside borrowed storage.
@@ -100,6 +104,7 @@ class BorrowPool:
         self.escaped_scope: str | None = None  # the scope whose tensors outlived it
         self.builds = 0
         self.failures_seen = 0
+        _LIVE_POOLS.add(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -181,6 +186,23 @@ class BorrowPool:
             "borrowable bytes); borrowing never falls back to other memory: allocate it outside the scope",
             {"requested": stats.last_failed or nbytes, "available": stats.largest_free},
         )
+
+
+def memory_reserved(device: int | None = None) -> int:
+    """``torch.cuda.memory_reserved(device)`` without the borrow pools' segments. torch
+    counts every segment of every pool, but a borrow pool's segments alias a graph
+    pool's free runs: memory torch already counts in the graph pool (or that another
+    process owns). This is the figure that says what borrowing saved."""
+    from gpumem.torch_support import import_torch
+
+    torch = import_torch("memory_reserved")
+    aliases = sum(
+        segment["total_size"]
+        for pool in list(_LIVE_POOLS)
+        if pool.torch_pool is not None and (device is None or pool.device == device)
+        for segment in _pool_segments(pool.torch_pool)
+    )
+    return int(torch.cuda.memory_reserved(device)) - aliases
 
 
 def _pool_segments(pool: Any) -> list[dict[str, Any]]:

@@ -146,7 +146,7 @@ class CudaDriver(Driver):
         self._event_call("cuEventCreate", lib.cuEventCreate, ctypes.byref(event), _EVENT_INTERPROCESS | _EVENT_DISABLE_TIMING)
         handle = _IpcEventHandle()
         self._event_call("cuIpcGetEventHandle", lib.cuIpcGetEventHandle, ctypes.byref(handle), event)
-        return event, bytes(handle.reserved)
+        return event, bytes(handle)  # the raw 64 bytes (.reserved would stop at a NUL)
 
     def event_open(self, handle: bytes) -> Any:
         if len(handle) != ctypes.sizeof(_IpcEventHandle):
