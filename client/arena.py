@@ -251,6 +251,18 @@ class Arena:
         self._check_open()
         if self._torch is not None:
             self._torch.check_unused(0, self.reserved, cached_ok=True)
+        borrowed = [bp for bp in self.session.borrow_pools.values() if bp.arena == self.name]
+        for bp in borrowed:
+            live = bp.live_bytes()
+            if live:
+                raise InvalidArgument(
+                    f"arena '{self.name}' still holds {live} bytes of tensors borrowed from graph pool {bp.pool_id} "
+                    f"('{bp.label}', scope '{bp.escaped_scope or '?'}'): their memory would disappear; free them first"
+                )
+        for bp in borrowed:
+            self.session.borrow_pools.pop(bp.pool_id, None)
+            bp.close()
+        if self._torch is not None:
             self._torch.retire()
         driver = self.session.driver
         driver.unmap_many(self.address, [(o, size) for o, (size, _) in self._maps.items()])

@@ -93,6 +93,7 @@ class BorrowPool:
         self.session = session
         self.pool_id = pool.id
         self.label = pool.label
+        self.arena = pool.arena.name
         self.device = session.device_ordinal if session.device_ordinal is not None else 0
         self.stream = stream
         self.slot = Slot(device=self.device, alignment=ALIGNMENT)

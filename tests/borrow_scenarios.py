@@ -282,6 +282,9 @@ def escape_is_caught() -> None:
         peer(["escaped_peer_refused", str(w.pool.id)])
         with s.borrow(w.pool, user="another step"):  # borrowing again is fine: torch knows the live block
             pass
+        release = raises(gpumem.InvalidArgument, w.arena.release, f"arena '{ARENA}'")  # the tensor's memory would vanish
+        if s.backend == "host":
+            assert "borrowed from graph pool" in str(release), release
         kept.clear()
         with s.replay(w.pool):  # the owner notices the tensor is gone and clears the mark
             w.replay()
