@@ -2,26 +2,35 @@
 """Leases on a graph pool: the uncontended fast path and the handoff between processes.
 
 1. Uncontended: ``with session.replay(pool): pass`` timed one by one (acquire +
-   release through the client library: a compare-and-swap each way, no daemon), against
-   the control round trip (``session.ping()``) measured in the same run.
-2. Handoff: two processes take turns holding the pool's lease. The holder keeps it
-   about a millisecond, so the other is asleep on the slot's futex when it is released;
-   the figure is from the release (CLOCK_MONOTONIC, shared by the processes) to the
-   waiter holding the lease.
+   release through the client library: a compare-and-swap each way, no daemon) on a
+   private pool, against the control round trip (``session.ping()``) measured in the
+   same run.
+2. Uncontended on a shared pool (registered with ``shared=True``), by its owner: each
+   release also records this process's IPC event on its stream (a figure, no target).
+3. Handoff: the owner shares the arena with two client processes; each attaches it,
+   opens the shared pool (``session.open_graph_pool``) and they take turns holding its
+   replay lease. The holder keeps it about a millisecond, so the other is asleep on the
+   slot's futex when it is released; the figure is from the release (CLOCK_MONOTONIC,
+   shared by the processes) to the waiter holding the lease. Every handoff runs the
+   cross-process path: the IPC event recorded at release and the stream wait on it at
+   acquire (``session.handoff_waits`` counts those waits; reported as a figure).
 
-The pool is a synthetic registration in a committed arena (no GPU work is involved in
-a lease), so the same figures come from either backend.
+The pools are synthetic registrations in a committed arena (no GPU work is involved in
+a lease); on the host backend events are no-ops but the same code path runs, so the
+same figures come from either backend.
 
     python bench/lease.py --backend host
     python bench/lease.py --backend cuda
 
-Last line: {"bench": "lease", ...}; ok means uncontended p50 <= 2 us, at least 40x
-faster than the control round trip, and handoff p50 <= 50 us.
+Last line: {"bench": "lease", ...}; ok means uncontended p50 (private pool) <= 2 us, at
+least 40x faster than the control round trip, handoff p50 <= 50 us, and the clients
+waited on an IPC event at every handoff.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import sys
 import time
@@ -30,14 +39,20 @@ import _common as c
 
 BENCH = "lease"
 MiB = 1 << 20
+OWNER = "bench-lease"
+ARENA = "graphs"
+SHARED_POOL = "bench-pool"
+CLIENTS = ("turn-a", "turn-b")
 
 
 def handoff_client(name: str, rounds: int) -> int:
-    """Take the lease ``rounds`` times, hold it ~1 ms each; print the event times."""
+    """Attach the owner's arena, open its shared pool, take the pool's replay lease
+    ``rounds`` times holding it ~1 ms each; print the event times and the handoff waits."""
     import gpumem
 
     session = gpumem.connect(0, name=name)
-    pool = next(g for g in session.status().extents if g.label == "bench-pool")
+    session.attach_arena(ARENA)
+    pool = session.open_graph_pool(owner=OWNER, label=SHARED_POOL)
     print("READY", flush=True)
     sys.stdin.readline()
     events = []
@@ -49,7 +64,7 @@ def handoff_client(name: str, rounds: int) -> int:
         lease.release()
         events.append((acquired, released))
         time.sleep(0.0003)  # the other side, asleep on the futex, takes it now
-    print(json.dumps(events), flush=True)
+    print(json.dumps({"events": events, "handoff_waits": session.handoff_waits}), flush=True)
     session.close()
     return 0
 
@@ -68,72 +83,121 @@ def main() -> int:
     def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
         result.targets = {"uncontended_p50_us_max": 2.0, "speedup_vs_rtt_min": 40.0, "handoff_p50_us_max": 50.0}
         import gpumem
+        from gpumem_shared import leases
         from gpumem_shared import protocol as p
 
         rt = cleanup.enter_context(c.runtime_dir())
         daemon = c.Daemon(rt, args.backend)
         cleanup.callback(daemon.stop)
         daemon.wait_ready(60)
-        session = gpumem.connect(0, name="bench-lease", runtime_dir=rt)
+        session = gpumem.connect(0, name=OWNER, runtime_dir=rt)
         cleanup.callback(session.close)
-        arena = session.create_arena("graphs", 1 << 30)
+        arena = session.create_arena(ARENA, 1 << 30)
         arena.commit(64 * MiB)
-        reply = session.call(
-            p.RegisterGraphPool(arena="graphs", label="bench-pool", extents=[p.Extent(offset=0, size=64 * MiB)], free_runs=[])
-        )
-        pool = reply.pool
+        # Two synthetic pools in the committed arena: a private one (the fast path: no
+        # event at release) and a shared one that the handoff clients open.
+        private = session.call(
+            p.RegisterGraphPool(arena=ARENA, label="bench-private", extents=[p.Extent(offset=0, size=32 * MiB)], free_runs=[])
+        ).pool
+        shared = session.call(
+            p.RegisterGraphPool(
+                arena=ARENA, label=SHARED_POOL, extents=[p.Extent(offset=32 * MiB, size=32 * MiB)], free_runs=[], shared=True
+            )
+        ).pool
+        if private.shared or not shared.shared:
+            raise RuntimeError(f"the daemon registered the pools as shared={private.shared}/{shared.shared}, not False/True")
 
-        for _ in range(2000):
-            with session.replay(pool):
-                pass
-        samples = []
         clock = time.perf_counter_ns
-        for _ in range(args.iterations):
-            t0 = clock()
-            with session.replay(pool):
-                pass
-            samples.append(clock() - t0)
+
+        def uncontended(pool: p.GraphPoolStatus) -> list[int]:
+            for _ in range(2000):
+                with session.replay(pool):
+                    pass
+            samples = []
+            for _ in range(args.iterations):
+                t0 = clock()
+                with session.replay(pool):
+                    pass
+                samples.append(clock() - t0)
+            return samples
+
+        samples = uncontended(private)
+        shared_samples = uncontended(shared)
+        me = leases.decode(session.lease_words[leases.REPLAY])[1]
+        if not session.leases.flags(shared.slot) & leases.FLAG_SHARED or session.leases.handoff(shared.slot) != me:
+            raise RuntimeError(f"releases of shared pool {shared.id} did not record an IPC event: the shared path did not run")
         pings = []
         for _ in range(args.pings):
             t0 = clock()
             session.ping()
             pings.append(clock() - t0)
         lease_p50 = c.median(samples) / 1e3
+        shared_p50 = c.median(shared_samples) / 1e3
         ping_p50 = c.median(pings) / 1e3
-        c.say(f"uncontended replay lease acquire+release: p50 {lease_p50:.2f} us, p99 {c.percentile(samples, 99) / 1e3:.2f} us")
+        c.say(f"uncontended replay lease acquire+release, private pool: p50 {lease_p50:.2f} us, p99 {c.percentile(samples, 99) / 1e3:.2f} us")
+        c.say(
+            f"uncontended, shared pool (IPC event recorded at each release): p50 {shared_p50:.2f} us, "
+            f"p99 {c.percentile(shared_samples, 99) / 1e3:.2f} us"
+        )
         c.say(f"control round trip (ping): p50 {ping_p50:.1f} us: the lease is {ping_p50 / lease_p50:.0f}x faster")
 
+        for name in CLIENTS:
+            arena.share(name)
         env = c.child_env(GPUMEMD_RUNTIME_DIR=str(rt))
-        procs = c.spawn_clients(__file__, ["turn-a", "turn-b"], [str(args.handoffs)], env, cleanup)
-        for proc in procs:
+        procs = c.spawn_clients(__file__, CLIENTS, [str(args.handoffs)], env, cleanup)
+        for name, proc in zip(CLIENTS, procs):
             line = proc.stdout.readline() if proc.stdout else ""
             if not line.startswith("READY"):
-                raise RuntimeError(f"a handoff client said {line!r}; daemon log:\n{daemon.log()}")
+                proc.wait(10)
+                raise RuntimeError(
+                    f"handoff client {name} said {line!r} (exit status {proc.returncode}; its stderr is above); "
+                    f"daemon log:\n{daemon.log()}"
+                )
         for proc in procs:
             assert proc.stdin
             proc.stdin.write("go\n")
             proc.stdin.flush()
         events = []
+        handoff_waits = 0
         for index, proc in enumerate(procs):
             assert proc.stdout
-            events += [(acquired, released, index) for acquired, released in json.loads(proc.stdout.readline())]
+            line = proc.stdout.readline()
+            if not line.startswith("{"):
+                proc.wait(10)
+                raise RuntimeError(f"handoff client {CLIENTS[index]} said {line!r} (exit status {proc.returncode}; its stderr is above)")
+            report = json.loads(line)
+            events += [(acquired, released, index) for acquired, released in report["events"]]
+            handoff_waits += report["handoff_waits"]
             proc.wait(60)
         events.sort()
         handoffs = [
-            (nxt[0] - cur[1]) / 1e3 for cur, nxt in zip(events, events[1:]) if nxt[2] != cur[2] and nxt[0] >= cur[1]
+            (nxt[0] - cur[1]) / 1e3 for cur, nxt in itertools.pairwise(events) if nxt[2] != cur[2] and nxt[0] >= cur[1]
         ]
         handoff_p50 = c.median(handoffs)
         c.say(f"handoff to a waiting process: p50 {handoff_p50:.1f} us, p99 {c.percentile(handoffs, 99):.1f} us over {len(handoffs)} handoffs")
+        c.say(
+            f"the clients waited on the releaser's IPC event {handoff_waits} times "
+            f"({'at every handoff' if handoff_waits >= len(handoffs) else 'FEWER than the handoffs: the event path did not run'})"
+        )
         result.figures = {
             "uncontended_p50_us": lease_p50,
             "uncontended_p99_us": c.percentile(samples, 99) / 1e3,
+            "uncontended_shared_p50_us": shared_p50,
+            "uncontended_shared_p99_us": c.percentile(shared_samples, 99) / 1e3,
             "control_rtt_p50_us": ping_p50,
             "speedup_vs_rtt": c.ratio(ping_p50, lease_p50),
             "handoff_p50_us": handoff_p50,
             "handoff_p99_us": c.percentile(handoffs, 99),
             "handoffs": len(handoffs),
+            "handoff_waits": handoff_waits,
         }
-        result.ok = lease_p50 <= 2.0 and result.figures["speedup_vs_rtt"] >= 40.0 and handoff_p50 <= 50.0
+        result.ok = (
+            lease_p50 <= 2.0
+            and result.figures["speedup_vs_rtt"] >= 40.0
+            and handoff_p50 <= 50.0
+            and len(handoffs) > 0
+            and handoff_waits >= len(handoffs)
+        )
 
     return c.run(BENCH, args.backend, body)
 
