@@ -248,7 +248,8 @@ class DaemonState:
                 f"client name {hello.name!r} is not valid: 1-128 characters of letters, digits and ._:@+-",
             )
         live = {_word_session(i) for i in self.sessions}
-        while _word_session(self._next_session) in live:  # lease words must tell live sessions apart
+        # Lease words must tell live sessions apart, and 0 in a slot's fields means nobody.
+        while _word_session(self._next_session) in live or _word_session(self._next_session) == 0:
             self._next_session += 1
         session = Session(
             id=self._next_session, name=hello.name, pid=pid, uid=uid, gid=gid, since=self.wall_clock(), token=os.urandom(16)
@@ -520,6 +521,9 @@ class DaemonState:
         self.graph_pools[pool.id] = pool
         self.lease_table.set_epoch(pool.slot, leases.lease_epoch(pool.id, pool.epoch))
         self.lease_table.set_flags(pool.slot, leases.FLAG_SHARED if pool.shared else 0)
+        # A free slot is clients' shared memory too: nothing written there carries over.
+        self.lease_table.forget_session(pool.slot, self.lease_table.handoff(pool.slot))
+        self.lease_table.forget_session(pool.slot, self.lease_table.escaped(pool.slot))
         return Outcome(p.GraphPoolReply(pool=pool.status()))
 
     def _update_graph_pool(self, session: Session | None, m: p.UpdateGraphPool) -> Outcome:
@@ -546,8 +550,13 @@ class DaemonState:
             what = f"graph pool {m.pool_id}"
         else:
             found = [g for g in self.graph_pools.values() if g.owner_name == m.owner and g.label == m.label]
-            pool = found[0] if found else None
             what = f"graph pool '{m.label}' of client '{m.owner}'"
+            if len(found) > 1:
+                raise p.ProtocolError(
+                    p.ErrorCode.INVALID_ARGUMENT,
+                    f"{len(found)} pools match {what} (pools {', '.join(str(g.id) for g in found)}): open one by id",
+                )
+            pool = found[0] if found else None
         if pool is None:
             raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no {what} on device {self.device.index} (not registered, retired, or its owner left)")
         if pool.owner_id != s.id:
@@ -570,20 +579,24 @@ class DaemonState:
         pool = self.graph_pools.get(m.pool_id)
         if pool is None:
             raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no graph pool {m.pool_id} on device {self.device.index}")
+        self._check_pool_user(s, pool)
         if not pool.shared:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"graph pool {pool.id} is not shared: its leases need no IPC event")
         if not 0 < len(m.handle) <= 256:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"an IPC event handle has 1-256 bytes, not {len(m.handle)}")
-        if s.id != pool.owner_id and s.id not in self.arenas[pool.arena].attached:
-            raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"this client has not attached arena '{pool.arena}' of graph pool {pool.id}")
         pool.events[s.id] = m.handle
         return Outcome(p.Ack())
 
+    def _check_pool_user(self, s: Session, pool: GraphPool) -> None:
+        if s.id != pool.owner_id and s.id not in self.arenas[pool.arena].attached:
+            raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"this client has not attached arena '{pool.arena}' of graph pool {pool.id}")
+
     def _lookup_lease_event(self, session: Session | None, m: p.LookupLeaseEvent) -> Outcome:
-        self._need_session(session)
+        s = self._need_session(session)
         pool = self.graph_pools.get(m.pool_id)
         if pool is None:
             raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no graph pool {m.pool_id} on device {self.device.index}")
+        self._check_pool_user(s, pool)
         for sid, handle in pool.events.items():
             if _word_session(sid) == m.session:
                 return Outcome(p.LeaseEventReply(handle=handle))

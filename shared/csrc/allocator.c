@@ -95,7 +95,8 @@ static void init_slots(void) {
     for (int i = 0; i < GPUMEM_MAX_SLOTS; i++) pthread_mutex_init(&g_slots[i].mu, NULL);
 }
 
-static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+/* SIZE_MAX for a size no address space holds: it then fits nowhere instead of wrapping to 0. */
+static size_t align_up(size_t v, size_t a) { return v > SIZE_MAX - a ? SIZE_MAX : (v + a - 1) / a * a; }
 
 static void recompute_largest(slot_t *s) {
     size_t best = 0;

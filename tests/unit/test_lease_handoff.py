@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-
 from gpumem_shared import leases
 from gpumem_shared import protocol as p
 from gpumem_shared.leases import (
@@ -294,6 +293,40 @@ def test_registration_writes_the_shared_flag_and_status_shows_it(h: Harness) -> 
     assert t.release(private.slot, w) == OK, "a private pool's lease is released without an event"
 
 
+def test_status_names_the_client_whose_escape_mark_blocks_replays(h: Harness) -> None:
+    s = owner(h)
+    h.state._next_session = (1 << 24) + 5  # the mark holds 24 bits of the id
+    b = sharer(h, s, "b")
+    pool = register(h, s, 0, "p", True)
+    t = h.state.lease_table
+
+    def escaped_by() -> str:
+        return {g.id: g.escaped_by for g in h.state.status().extents}[pool.id]
+
+    assert escaped_by() == ""
+    assert t.mark_escaped(pool.slot, word_session(b.id))
+    assert escaped_by() == "client 'b'"
+    assert t.clear_escaped(pool.slot, word_session(b.id)) and t.mark_escaped(pool.slot, 4242)
+    assert escaped_by() == "session 4242", "a session the daemon does not know (a tick repairs it) is named by number"
+
+
+def test_new_free_runs_move_the_slot_epoch_and_keep_the_handoff(h: Harness) -> None:
+    s = owner(h)
+    b = sharer(h, s, "b")
+    pool = register(h, s, 0, "p", True)
+    hand_over(h, pool, b)
+    runs = [p.Extent(offset=0, size=1 * MiB)]
+    moved = h.ok(s, p.UpdateGraphPool(pool_id=pool.id, extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=runs)).reply.pool
+    assert moved.epoch == 2 and moved.shared
+    t = h.state.lease_table
+    assert t.epoch(pool.slot) == leases.lease_epoch(pool.id, 2)
+    # b's GPU work may still be running on the pool whatever its runs are now.
+    assert fields(h, pool) == (FLAG_SHARED, word_session(b.id), 0)
+    w = leases.encode(BORROW, s.id, s.pid)
+    assert t.acquire(pool.slot, w, leases.lease_epoch(pool.id, 1), 0)[0] == leases.STALE, "a borrower's view of the old runs"
+    assert t.acquire(pool.slot, w, leases.lease_epoch(pool.id, 2), 0) == (OK_ORDER, 0)
+
+
 def drop_pool(h: Harness, s: Session, pool: p.GraphPoolStatus, how: str) -> None:
     if how == "retire":
         h.ok(s, p.RetireGraphPool(pool_id=pool.id))
@@ -381,14 +414,18 @@ def test_publish_is_for_shared_pools_and_handles_of_1_to_256_bytes(h: Harness) -
         assert lookup(h, s, shared, s) == handle, "a new handle replaces the session's old one"
 
 
-def test_publish_needs_the_arena_attached(h: Harness) -> None:
+def test_publish_and_lookup_need_the_arena_attached(h: Harness) -> None:
     s = owner(h)
     pool = register(h, s, 0, "shared", True)
+    private = register(h, s, 4 * MiB, "private", False)
+    h.ok(s, p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE))
     h.share(s, ARENA, "b")
     b = h.connect("b")
     h.refused(b, p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE), ErrorCode.PERMISSION_DENIED)
-    h.refused(b, p.LookupLeaseEvent(pool_id=pool.id, session=word_session(b.id)), ErrorCode.NOT_FOUND)
+    h.refused(b, p.PublishLeaseEvent(pool_id=private.id, handle=HANDLE), ErrorCode.PERMISSION_DENIED)  # before "not shared"
+    h.refused(b, p.LookupLeaseEvent(pool_id=pool.id, session=word_session(s.id)), ErrorCode.PERMISSION_DENIED)
     h.attach(b, ARENA)
+    h.refused(b, p.LookupLeaseEvent(pool_id=pool.id, session=word_session(b.id)), ErrorCode.NOT_FOUND)
     h.ok(b, p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE))
     assert lookup(h, s, pool, b) == HANDLE
 
@@ -430,13 +467,15 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
     assert fields(h, one) == (FLAG_SHARED, 0, word_session(c.id))
     assert fields(h, two) == (FLAG_SHARED, word_session(c.id), 0)
     # b's event died with it: nobody is told to wait on it, and its mark guards nothing.
-    w = leases.encode(REPLAY, s.id, s.pid)
-    assert t.acquire(two.slot, w, leases.lease_epoch(two.id, 1), 0) == (OK_ORDER, 0)  # c still lives
-    assert t.release_recorded(two.slot, w) == OK
+    borrow, replay = leases.encode(BORROW, s.id, s.pid), leases.encode(REPLAY, s.id, s.pid)
+    assert t.acquire(one.slot, borrow, leases.lease_epoch(one.id, 1), 0) == (OK, 0)
+    assert t.clear(one.slot, borrow) == OK
+    assert t.acquire(two.slot, replay, leases.lease_epoch(two.id, 1), 0) == (OK_ORDER, 0)  # after c, which lives
+    assert t.release_recorded(two.slot, replay) == OK
     h.state.close_session(c.id)
     assert fields(h, one) == (FLAG_SHARED, 0, 0)
     assert fields(h, two) == (FLAG_SHARED, word_session(s.id), 0)
-    assert t.acquire(one.slot, w, leases.lease_epoch(one.id, 1), 0) == (OK, 0)
+    assert t.acquire(one.slot, replay, leases.lease_epoch(one.id, 1), 0) == (OK, 0)
 
 
 def test_tick_repairs_flags_and_fields_naming_no_session(h: Harness) -> None:
@@ -458,3 +497,21 @@ def test_tick_repairs_flags_and_fields_naming_no_session(h: Harness) -> None:
     h.state.tick()  # idempotent
     assert fields(h, shared) == (FLAG_SHARED, 0, word_session(b.id))
     assert fields(h, private) == (0, word_session(b.id), 0)
+
+
+def test_a_session_never_gets_the_lease_session_that_means_nobody(h: Harness) -> None:
+    # 0 in a slot's handoff or escape field means nobody: a session whose id wraps to 0
+    # in 24 bits would get neither ordering nor escape marks.
+    h.state._next_session = 1 << 24
+    s = h.connect("wraps")
+    assert word_session(s.id) != 0
+
+
+def test_open_by_owner_and_label_refuses_an_ambiguous_match(h: Harness) -> None:
+    s = owner(h)
+    twin = h.connect(s.name)  # names are not unique
+    h.ok(twin, p.CreateArena(name="twin", reserve_bytes=GiB))
+    h.ok(twin, p.CommitArena(name="twin", nbytes=8 * MiB))
+    register(h, s, 0, "decode", True)
+    h.ok(twin, p.RegisterGraphPool(arena="twin", label="decode", extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=[], shared=True))
+    h.refused(s, p.OpenGraphPool(owner=s.name, label="decode"), ErrorCode.INVALID_ARGUMENT)

@@ -176,3 +176,110 @@ def test_backing_check_refuses_unmapped_space_unless_virtual(slot: Slot) -> None
     assert alloc(512) == base + 12 * MiB
     slot.set_backing(None)
     assert alloc(4 * MiB - 512) == base + 12 * MiB + 512
+
+
+# =========================================================================== Slot.alloc / free, stream binding
+
+STREAM, OTHER_STREAM = 0x7F00_0000_1000, 0x7F00_0000_2000  # cudaStream_t values are opaque pointers
+
+
+def test_a_bound_slot_serves_only_its_stream(slot: Slot) -> None:
+    from gpumem.allocator import FAIL_STREAM
+
+    base = 1 << 30
+    slot.set_extents([(base, 4096)])
+    slot.bind_stream(STREAM)
+    assert slot.alloc(512, stream=OTHER_STREAM) == 0
+    s = slot.stats()
+    assert (s.calls, s.failures, s.last_failed, s.last_fail_reason) == (1, 1, 512, FAIL_STREAM)
+    assert s.cursor_bytes == 0 and s.largest_free == 4096, "a refused request took no space"
+    assert slot.alloc(512) == 0, "the default stream is another stream"
+    alloc, _ = entry_points(slot)
+    assert alloc(512) is None  # what torch gets asking on its current (default) stream
+    assert slot.stats().failures == 3 and slot.stats().last_fail_reason == FAIL_STREAM
+    assert slot.alloc(512, stream=STREAM) == base
+    slot.bind_stream(None)
+    assert slot.alloc(512, stream=OTHER_STREAM) == base + 512
+    assert slot.alloc(512) == base + 1024
+    assert alloc(512) == base + 1536
+    assert slot.stats().failures == 3 and slot.stats().cursor_bytes == 2048
+
+
+def test_binding_the_default_stream_is_not_unbinding(slot: Slot) -> None:
+    from gpumem.allocator import FAIL_STREAM
+
+    slot.set_extents([(1 << 30, 4096)])
+    slot.bind_stream(0)  # torch's legacy default stream is a null cudaStream_t
+    assert slot.alloc(512, stream=STREAM) == 0
+    assert slot.stats().last_fail_reason == FAIL_STREAM
+    assert slot.alloc(512, stream=0) == 1 << 30
+
+
+def test_a_slot_handed_out_again_serves_any_stream() -> None:
+    bound = Slot(device=0)
+    index = bound.index
+    bound.bind_stream(STREAM)
+    bound.release()
+    again = Slot(device=0)  # the lowest free index: the one just released
+    try:
+        assert again.index == index
+        again.set_extents([(1 << 30, 4096)])
+        assert again.alloc(512, stream=OTHER_STREAM) == 1 << 30, "the previous owner's binding leaked into a new slot"
+    finally:
+        again.release()
+
+
+def test_alloc_is_first_fit_aligned_inside_the_extents_and_free_only_counts() -> None:
+    from gpumem.allocator import FAIL_FULL
+
+    a, b = 1 << 32, (1 << 32) + (1 << 20)
+    slot = Slot(device=0, alignment=4096)
+    try:
+        slot.set_extents([(a, 8192), (b, 3 * 4096)])
+        # (request, address, largest_free after it)
+        steps = [(1, a, 3 * 4096), (4097, b, 4096), (0, a + 4096, 4096), (4096, b + 8192, 0)]
+        for nbytes, address, largest in steps:
+            got = slot.alloc(nbytes)
+            assert got == address, f"alloc({nbytes}) = {got:#x}, first fit gives {address:#x}"
+            assert got % 4096 == 0
+            assert slot.stats().largest_free == largest
+        s = slot.stats()
+        assert s.cursor_bytes == s.capacity_bytes == 5 * 4096 and s.failures == 0
+        assert slot.alloc(1) == 0 and slot.stats().last_fail_reason == FAIL_FULL
+        slot.free(b, 4097)
+        slot.free(a, 1)
+        s = slot.stats()
+        assert (s.frees, s.freed_bytes) == (2, 4098), "frees count what torch reports, not the rounded size"
+        assert s.cursor_bytes == 5 * 4096 and slot.alloc(1) == 0, "a bump allocator never hands freed space out again"
+    finally:
+        slot.release()
+
+
+def test_cursors_and_largest_free_follow_a_first_fit_model(slot: Slot) -> None:
+    import random
+
+    from gpumem.allocator import FAIL_FULL
+
+    rng = random.Random(1234)
+    for _ in range(20):
+        order = rng.sample(range(1, 9), rng.randrange(1, 7))  # extent order is not address order
+        extents = [(i << 24, 512 * rng.randrange(1, 64)) for i in order]
+        slot.set_extents(extents)
+        cursors = [0] * len(extents)
+        failures = slot.stats().failures
+        for _ in range(30):
+            nbytes = rng.choice([0, 1, 511, 512, 513, 4096, rng.randrange(1, 16384)])
+            need = -(-max(nbytes, 1) // 512) * 512
+            assert slot.rounded(nbytes) == need
+            fit = next((i for i, (_, size) in enumerate(extents) if size - cursors[i] >= need), None)
+            got = slot.alloc(nbytes)
+            if fit is None:
+                failures += 1
+                assert got == 0
+                assert slot.stats().last_fail_reason == FAIL_FULL and slot.stats().last_failed == nbytes
+            else:
+                assert got == extents[fit][0] + cursors[fit]
+                cursors[fit] += need
+            s = slot.stats()
+            assert s.cursor_bytes == sum(cursors) and s.failures == failures
+            assert s.largest_free == max(size - c for (_, size), c in zip(extents, cursors))
