@@ -30,6 +30,8 @@ from gpumem.errors import BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNo
 if TYPE_CHECKING:
     from gpumem.session import Session
 
+_SLOTS = leases.SLOTS
+
 # While a slot holds an impossible value, waiters retry this often: the daemon clears
 # such a slot on its next tick.
 _CORRUPT_RETRY_S = 0.01
@@ -58,15 +60,17 @@ class Lease:
 
     @classmethod
     def acquire(cls, session: Session, pool: Any, kind: int, label: str, wait: float, stream: int | None = None) -> Lease:
-        if not 0 < pool.slot < leases.SLOTS:
-            raise InvalidArgument(f"graph pool {pool.id} has no lease slot ({pool.slot}); is it registered?")
+        # The uncontended path is one native call; every line before it is on it too.
+        slot = pool.slot
+        if not 0 < slot < _SLOTS:
+            raise InvalidArgument(f"graph pool {pool.id} has no lease slot ({slot}); is it registered?")
         table = session.leases
         word = session.lease_words[kind]
-        epoch = leases.lease_epoch(pool.id, pool.epoch)
+        epoch = ((pool.id & 0xFFFF) << 16 | (pool.epoch & 0xFFFF)) or 1  # leases.lease_epoch, inlined
         if session.borrow_escapes:
-            session.clear_escape(pool.slot)
-        status = table.try_acquire(pool.slot, word, epoch, label.encode())
-        if status == leases.OK:  # the uncontended path
+            session.clear_escape(slot)
+        status = table._try(table.address, slot, word, epoch, label.encode())
+        if not status:  # OK
             return cls(session, pool, kind, word, stream)
         if status == leases.OK_ORDER:
             return cls(session, pool, kind, word, stream)._ordered()
@@ -137,7 +141,9 @@ class Lease:
             raise LeaseNotHeld(f"{leases.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was already released")
         self.held = False
         table = self.session.leases
-        status = table.release(self.slot, self._word)
+        status = table._release(table.address, self.slot, self._word)
+        if not status:  # OK: the uncontended path
+            return
         if status == leases.RECORD:  # a shared pool: the next holder may be another process
             try:
                 self.session.record_handoff(self.pool_id, self._stream())

@@ -100,15 +100,6 @@ def _library() -> ctypes.CDLL:
         lib.gpumem_lease_set_flags.restype = None
         lib.gpumem_lease_forget_session.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
         lib.gpumem_lease_forget_session.restype = None
-        lib.gpumem_lease_try.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint32,
-            ctypes.c_char_p,
-            ctypes.c_uint32,
-        ]
-        lib.gpumem_lease_try.restype = ctypes.c_int
         lib.gpumem_lease_peek.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
         lib.gpumem_lease_peek.restype = ctypes.c_uint64
         lib.gpumem_lease_set_epoch.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
@@ -129,8 +120,10 @@ class LeaseTable:
         self._slots = (_Slot * SLOTS).from_buffer(self._map)
         self.address = ctypes.addressof(self._slots)
         self._lib = _library()
-        self._try = self._lib.gpumem_lease_try
-        self._release = self._lib.gpumem_lease_release
+        from gpumem_shared import _native
+
+        self._try = _native.lease_try
+        self._release = _native.lease_release
 
     @classmethod
     def create(cls) -> tuple[LeaseTable, int]:
@@ -144,7 +137,7 @@ class LeaseTable:
     def try_acquire(self, slot: int, word: int, epoch: int, label: bytes) -> int:
         """One attempt, no wait, the label recorded: the uncontended fast path (one
         compare-and-swap in one native call). OK or OK_ORDER when taken."""
-        return int(self._try(self.address, slot, word, epoch, label, len(label)))
+        return int(self._try(self.address, slot, word, epoch, label))
 
     def acquire(self, slot: int, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
         """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""

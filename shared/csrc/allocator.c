@@ -15,12 +15,9 @@
  * only counted: torch's caching allocator keeps blocks, and the memory comes back by
  * resetting the extents (a decommit or a rebuild), never by the free callback.
  *
- * Loaded with ctypes: it is built as a CPython extension only so that the package
- * build compiles it and `import gpumem._native` locates the file.
+ * Loaded with ctypes (torch loads the entry points by name from the same file); the
+ * extension module itself is defined in module.c.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -312,12 +309,3 @@ GPUMEM_ROW(0) GPUMEM_ROW(1) GPUMEM_ROW(2) GPUMEM_ROW(3)
 GPUMEM_ROW(4) GPUMEM_ROW(5) GPUMEM_ROW(6) GPUMEM_ROW(7)
 GPUMEM_ROW(8) GPUMEM_ROW(9) GPUMEM_ROW(a) GPUMEM_ROW(b)
 GPUMEM_ROW(c) GPUMEM_ROW(d) GPUMEM_ROW(e) GPUMEM_ROW(f)
-
-static struct PyModuleDef native_module = {
-    .m_base = PyModuleDef_HEAD_INIT,
-    .m_name = "_native",
-    .m_doc = "gpumem's native allocator, loaded through ctypes.",
-    .m_size = -1,
-};
-
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import gpumem
 from gpumem.leases import Lease
 from gpumem_shared import leases
 from gpumem_shared import protocol as p
@@ -568,3 +569,16 @@ def test_a_lease_that_changed_hands_before_the_message_is_not_misattributed(tabl
     corrupt = Lease._conflict(session, pool, CAPTURE, "cap", 9 << 56, 0, True)  # type: ignore[arg-type]
     assert "impossible value (0x900000000000000)" in corrupt.message
     assert table.release(SLOT, now) == OK
+
+
+@pytest.mark.parametrize("pool_id,epoch", [(1, 1), (0x1_0001, 7), (3, 0x1_0000), (0x1_0000, 0x1_0000)])
+def test_the_fast_path_checks_the_same_epoch_the_daemon_writes(table: LeaseTable, pool_id: int, epoch: int) -> None:
+    """Lease.acquire inlines leases.lease_epoch on its hot path: both must agree, wraps and
+    the "never 0" rule included."""
+    session = types.SimpleNamespace(leases=table, lease_words={REPLAY: word()}, borrow_escapes={})
+    table.set_epoch(SLOT, leases.lease_epoch(pool_id, epoch))
+    lease = Lease.acquire(session, types.SimpleNamespace(id=pool_id, slot=SLOT, epoch=epoch), REPLAY, "x", 0)  # type: ignore[arg-type]
+    assert table.peek(SLOT) == word()
+    lease.release()
+    with pytest.raises(gpumem.StaleEpoch):
+        Lease.acquire(session, types.SimpleNamespace(id=pool_id, slot=SLOT, epoch=epoch + 2), REPLAY, "x", 0)  # type: ignore[arg-type]
