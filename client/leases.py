@@ -161,6 +161,12 @@ class Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # release() inlined for its uncontended case: this is on every step's path.
+        if self.held:
+            table = self.session.leases
+            if not table._release(table.address, self.slot, self._word):
+                self.held = False
+                return
         self.release()
 
     def __repr__(self) -> str:
