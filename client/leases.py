@@ -24,8 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import leases
-from gpumem_shared import protocol as p
-from gpumem.errors import BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, StaleEpoch
+from gpumem.errors import InvalidArgument, LeaseConflict, LeaseNotHeld, StaleEpoch
 
 if TYPE_CHECKING:
     from gpumem.session import Session

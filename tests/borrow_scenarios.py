@@ -237,7 +237,6 @@ def oom_and_can_fit() -> None:
         with s.borrow(w.pool, user="first"):  # warms cuBLAS outside the runs
             pass
         if s.backend == "cuda":
-            import torch
 
             w.sync()
             outside = gpumem.memory_reserved()

@@ -187,7 +187,7 @@ def test_deadline_with_a_missing_member(daemon_factory, backend, run_client, run
         assert s["device"]["accounted_bytes"] == before + results[0]["budget"]["committed"]
         assert {k["name"]: k["tokens"] for k in s["kv"]}["kv-b"] == 0
         # the dropped engine is told when it reports late: no open round holds its pool
-        assert b.reply(f"capturex kv-b 0 0 0 0 1").startswith("ERR NotFound ")
+        assert b.reply("capturex kv-b 0 0 0 0 1").startswith("ERR NotFound ")
     else:
         assert r["state"] == "failed" and r["dropped"] == []
         assert "engine-b/kv-b" in r["error"] and "did not report capture-done" in r["error"]

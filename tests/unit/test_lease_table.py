@@ -439,7 +439,7 @@ def test_sweeps_compare_session_ids_as_the_word_holds_them(h: Harness) -> None:
     assert live.id > 0xFFFFFF and dying.id > 0xFFFFFF
     t = h.state.lease_table
     w = take(h, pool, live, REPLAY, label="held")
-    d = take(h, other, dying, CAPTURE)
+    take(h, other, dying, CAPTURE)
     h.state.tick()
     assert t.peek(pool.slot) == w, "a tick swept a live session's lease"
     assert [(e.holder, e.label) for e in h.state.status().leases if e.pool_id == pool.id] == [("live", "held")]
