@@ -10,12 +10,13 @@ import datetime
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
 from gpumem_shared import protocol as p
-from gpumem_shared.paths import Endpoints, daemon_alive, resolve_runtime_dir
+from gpumem_shared.paths import Endpoints, daemon_alive, discover, resolve_runtime_dir
 from gpumem_shared.units import format_size
 from gpumem.channel import ControlChannel
 from gpumem.errors import DaemonUnavailable, GpuMemError, ProtocolMismatch
@@ -26,7 +27,9 @@ EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_MISMATCH = 1, 3, 4
 def _target(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(
         [
-            click.option("--device", "-d", type=int, default=None, help="Device index [default: 0]."),
+            click.option(
+                "--device", "-d", default=None, help="Device index, or GPU UUID (or a unique prefix of it) [default: 0]."
+            ),
             click.option("--runtime-dir", default=None, help="Daemon socket directory [default: as gpumemd]."),
             click.option("--timeout", type=float, default=None, help="Seconds to wait for the daemon [default: 5]."),
         ]
@@ -38,15 +41,31 @@ def _target(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @_target
 @click.pass_context
-def main(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None) -> None:
+def main(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None) -> None:
     """Inspect gpumemd: clients, arenas, graph-pool extents, leases, KV commit rounds and KV pools."""
     ctx.obj = {"device": device, "runtime_dir": runtime_dir, "timeout": timeout}
 
 
-def _query(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, message: Any) -> Any:
+def _index(runtime_dir: Path, device: str) -> int:
+    """A daemon's index from ``--device``: the index itself, or the UUID (or a unique
+    prefix of it) a daemon in ``runtime_dir`` announced."""
+    if device.isdigit():
+        return int(device)
+    daemons = discover(runtime_dir)
+    matches = [d["index"] for d in daemons if str(d.get("uuid", "")).lower().startswith(device.lower())]
+    if len(matches) != 1:
+        known = ", ".join(f"{d['index']}={d.get('uuid')}" for d in daemons) or "none"
+        _die(EXIT_NOT_RUNNING if not matches else EXIT_ERROR,
+             f"{'no daemon serves' if not matches else 'several daemons match'} device {device!r} in {runtime_dir} (daemons there: {known})")
+    return int(matches[0])
+
+
+def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, message: Any) -> Any:
     group = ctx.obj
-    index = device if device is not None else (group["device"] if group["device"] is not None else 0)
-    endpoints = Endpoints(resolve_runtime_dir(runtime_dir or group["runtime_dir"]), index)
+    directory = resolve_runtime_dir(runtime_dir or group["runtime_dir"])
+    chosen = device if device is not None else group["device"]
+    index = _index(directory, chosen) if chosen is not None else 0
+    endpoints = Endpoints(directory, index)
     wait = timeout if timeout is not None else (group["timeout"] if group["timeout"] is not None else 5.0)
     if not endpoints.zmq_path.exists() or not daemon_alive(endpoints):
         _die(
@@ -78,14 +97,25 @@ def _die(code: int, message: str) -> None:
 @click.option(
     "--json", "as_json", is_flag=True, help="One JSON object: daemon, device, clients, arenas, extents, leases, rounds, kv."
 )
+@click.option("--all", "every", is_flag=True, help="Every daemon in the runtime directory, one per device (JSON: a list).")
 @click.pass_context
-def status(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
+def status(
+    ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, as_json: bool, every: bool
+) -> None:
     """Daemon, device, clients, arenas, extents, leases, KV commit rounds and KV pools."""
-    reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
-    if as_json:
-        click.echo(json.dumps(p.to_wire(reply), indent=2))
+    if not every:
+        reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
+        click.echo(json.dumps(p.to_wire(reply), indent=2) if as_json else render_status(reply))
         return
-    click.echo(render_status(reply))
+    directory = resolve_runtime_dir(runtime_dir or ctx.obj["runtime_dir"])
+    indices = [d["index"] for d in discover(directory) if daemon_alive(Endpoints(directory, d["index"]))]
+    if not indices:
+        _die(EXIT_NOT_RUNNING, f"no live gpumemd in {directory} (start them with 'systemctl start gpumemd@N')")
+    replies = [_query(ctx, str(index), str(directory), timeout, p.Status()) for index in indices]
+    if as_json:
+        click.echo(json.dumps([p.to_wire(r) for r in replies], indent=2))
+        return
+    click.echo("\n\n".join(f"=== device {r.device.index} ({r.device.uuid}) ===\n{render_status(r)}" for r in replies))
 
 
 def _list_view(key: str, title: str, render: Callable[[p.StatusReply], list[str]], doc: str) -> None:
@@ -95,7 +125,7 @@ def _list_view(key: str, title: str, render: Callable[[p.StatusReply], list[str]
     @_target
     @click.option("--json", "as_json", is_flag=True, help=f"The status's '{key}' list as JSON.")
     @click.pass_context
-    def view(ctx: click.Context, device: int | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
+    def view(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
         reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
         if as_json:
             click.echo(json.dumps(p.to_wire(getattr(reply, key)), indent=2))

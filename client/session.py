@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from gpumem.errors import (
     DaemonTimeout,
     DaemonUnavailable,
     GpuMemError,
+    InvalidArgument,
     NotFound,
     SessionClosed,
     error_from_protocol,
@@ -81,6 +83,7 @@ def connect(
     *,
     runtime_dir: str | os.PathLike[str] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    peers: Sequence[int] = (),
 ) -> Session:
     """Open a session with the daemon of ``device``.
 
@@ -88,9 +91,11 @@ def connect(
     (default: the program name and pid). ``runtime_dir`` defaults to
     $GPUMEMD_RUNTIME_DIR, /run/gpumemd for root, else $XDG_RUNTIME_DIR/gpumemd.
     ``timeout`` bounds every call of this session unless a call gives its own.
+    ``peers``: this process's CUDA ordinals of other GPUs whose kernels must reach the
+    memory this session maps (peer access; refused where the hardware has no path).
     """
     endpoints = resolve_device(device, resolve_runtime_dir(runtime_dir))
-    return Session(endpoints, name or _default_name(), timeout)
+    return Session(endpoints, name or _default_name(), timeout, peers)
 
 
 def _default_name() -> str:
@@ -117,8 +122,9 @@ class _Resources:
 
 
 class Session:
-    def __init__(self, endpoints: Endpoints, name: str, timeout: float) -> None:
+    def __init__(self, endpoints: Endpoints, name: str, timeout: float, peers: Sequence[int] = ()) -> None:
         self.endpoints = endpoints
+        self.peers = list(peers)
         self.name = name
         self.timeout = timeout
         self._lock = threading.RLock()
@@ -206,7 +212,10 @@ class Session:
         if self.backend == "host":
             from gpumem_shared.driver.host import HostDriver
 
-            return HostDriver(self.device.index)
+            try:
+                return HostDriver(self.device.index, peers=self.peers)
+            except DriverUnavailable as exc:
+                raise InvalidArgument(str(exc)) from None
         from gpumem_shared.driver.cuda import CudaDriver, visible_device_uuids
 
         try:
@@ -219,7 +228,12 @@ class Session:
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
             )
         self.device_ordinal = uuids.index(self.device.uuid)
-        return CudaDriver(self.device_ordinal)
+        try:
+            return CudaDriver(self.device_ordinal, peers=self.peers)
+        except DriverUnavailable as exc:
+            if not self.peers:
+                raise DaemonUnavailable(f"gpumemd serves CUDA device {self.device.uuid}, which this process cannot use: {exc}") from None
+            raise InvalidArgument(f"peer access for gpumemd@{self.device.index} ({self.device.uuid}): {exc}") from None
 
     # ------------------------------------------------------------------ calls
 

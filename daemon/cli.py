@@ -12,7 +12,7 @@ from gpumem_shared.paths import Endpoints, resolve_runtime_dir
 from gpumem_shared.units import parse_size
 from gpumemd.notify import SystemdNotifier
 from gpumemd.server import Server, StartupError
-from gpumemd.state import DaemonState, StateConfig
+from gpumemd.state import DaemonState, StateConfig, plan_range
 
 # sysexits EX_CONFIG: the unit file's RestartPreventExitStatus keeps systemd from
 # restarting a daemon that can never start as configured.
@@ -93,8 +93,11 @@ def main(
         if value <= 0 or value % driver.granularity:
             _fail(f"{flag} {value} is not a positive multiple of the device granularity {driver.granularity}")
     endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
+    va_base, va_limit = plan_range(device)
     config = StateConfig(
         index=device,
+        va_base=va_base,
+        va_limit=va_limit,
         runtime_dir=str(endpoints.runtime_dir),
         bulk_chunk=chunk_size,
         kv_chunk=kv_chunk_size,

@@ -46,6 +46,19 @@ def _word_session(session_id: int) -> int:
     return leases.decode(leases.encode(0, session_id, 0))[1]
 
 
+VA_PLAN_BASE = 0x2000_0000_0000
+VA_PLAN_SLICE = 4 << 40
+VA_PLAN_SLICES = 16  # 64 TiB in all, below the top-down mmap area near 128 TiB
+
+
+def plan_range(index: int) -> tuple[int, int]:
+    """The address range the daemon of device ``index`` plans arena windows in. Each
+    device has its own slice: a process that maps arenas of several daemons (a
+    tensor-parallel rank reading a peer GPU's chunks) needs their windows disjoint."""
+    base = VA_PLAN_BASE + (index % VA_PLAN_SLICES) * VA_PLAN_SLICE
+    return base, base + VA_PLAN_SLICE
+
+
 @dataclasses.dataclass
 class StateConfig:
     index: int
@@ -55,9 +68,9 @@ class StateConfig:
     # (fewer creates, exports and maps) and shrinks coarser (whole chunks only).
     kv_chunk: int = GiB
     reserve_bytes: int = 0  # never committed: the headroom other users of the device need
-    va_base: int = 0x2000_0000_0000  # arenas are planned from here, far from where
-    va_limit: int = 0x5000_0000_0000  # heaps, libraries and torch's own allocations sit
-    max_reserve: int = 16 << 40
+    va_base: int = VA_PLAN_BASE  # arenas are planned from here, far from where heaps,
+    va_limit: int = VA_PLAN_BASE + VA_PLAN_SLICE  # libraries and torch's own allocations sit
+    max_reserve: int = VA_PLAN_SLICE
     round_timeout: float = 300.0  # seconds from a round's first join to its deadline
     round_policy: str = "partial"  # at the deadline: "fail" the round, or commit the "partial" set
 

@@ -38,11 +38,26 @@ def cuda_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def cuda_device_count() -> int:
+    probe = "from gpumem_shared.driver.cuda import visible_device_uuids as v; print(len(v()))"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and not cuda_available():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU with a driver (run 'pytest -m gpu' on a GPU machine)")
         for item in gpu_items:
+            item.add_marker(skip)
+    two = [item for item in items if item.get_closest_marker("gpu2")]
+    if two and cuda_device_count() < 2:
+        skip = pytest.mark.skip(reason="needs two NVIDIA GPUs (run 'pytest -m gpu' on a machine with two)")
+        for item in two:
             item.add_marker(skip)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle
@@ -66,7 +67,9 @@ def visible_device_uuids() -> list[str]:
 class CudaDriver(Driver):
     kind = "cuda"
 
-    def __init__(self, ordinal: int) -> None:
+    def __init__(self, ordinal: int, peers: Sequence[int] = ()) -> None:
+        """``peers``: other CUDA ordinals of this process whose kernels must reach what
+        this driver maps (a tensor-parallel rank reading another GPU's chunks)."""
         cu = _load_driver()
         self._cu = cu
         err, count = cu.cuDeviceGetCount()
@@ -97,6 +100,9 @@ class CudaDriver(Driver):
         access.location.id = ordinal
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
+        self.peers = sorted({p for p in peers if p != ordinal})
+        for peer in self.peers:
+            self._access.append(self._peer_access(peer, count))
         self.granularity = int(
             self._ck(
                 cu.cuMemGetAllocationGranularity(
@@ -105,6 +111,24 @@ class CudaDriver(Driver):
                 "cuMemGetAllocationGranularity",
             )
         )
+
+    def _peer_access(self, peer: int, count: int) -> Any:
+        """An access descriptor for device ``peer``, once the hardware says it can reach
+        this device's memory (NVLink or PCIe P2P)."""
+        cu = self._cu
+        if not 0 <= peer < count:
+            raise DriverUnavailable(f"peer access from CUDA device {peer}: this process sees {count} device(s) (0-{count - 1})")
+        peer_dev = self._ck(cu.cuDeviceGet(peer), "cuDeviceGet")
+        if not self._ck(cu.cuDeviceCanAccessPeer(peer_dev, self._dev), "cuDeviceCanAccessPeer"):
+            raise DriverUnavailable(
+                f"CUDA device {peer} cannot access the memory of device {self.ordinal} (no peer-to-peer path between them; "
+                "'nvidia-smi topo -p2p r' shows which pairs can): map it from a process on a device that can, or copy it"
+            )
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = peer
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return access
 
     def _ck(self, result: Any, what: str) -> Any:
         err = result[0]
@@ -194,7 +218,7 @@ class CudaDriver(Driver):
     def _set_access(self, address: int, ranges: list[tuple[int, int]]) -> None:
         # One cuMemSetAccess per contiguous run: it may span several mappings.
         for start, size in _contiguous(ranges):
-            self._ck(self._cu.cuMemSetAccess(address + start, size, self._access, 1), "cuMemSetAccess")
+            self._ck(self._cu.cuMemSetAccess(address + start, size, self._access, len(self._access)), "cuMemSetAccess")
 
     def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
         cu = self._cu

@@ -15,9 +15,10 @@ import errno
 import hashlib
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
-from gpumem_shared.driver.base import Driver, DriverError, Handle
+from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -48,9 +49,14 @@ class HostDriver(Driver):
     kind = "host"
     granularity = HOST_GRANULARITY
 
-    def __init__(self, index: int, capacity: int = 0) -> None:
+    def __init__(self, index: int, capacity: int = 0, peers: Sequence[int] = ()) -> None:
+        """``peers`` mirrors the CUDA driver's: host memory is reachable from every
+        device, so they are only checked."""
+        if any(not isinstance(p, int) or p < 0 for p in peers):
+            raise DriverUnavailable(f"peer devices are non-negative ordinals, not {list(peers)}")
         self.index = index
         self.capacity = capacity
+        self.peers = sorted(set(peers))
 
     def device_name(self) -> str:
         return "host shared memory (memfd)"

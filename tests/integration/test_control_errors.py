@@ -139,7 +139,7 @@ FIELD_CASES = [
     (T.ARENA_CREATE, {"name": "n", "reserve_bytes": G + 4096}, E.INVALID_ARGUMENT),
     (T.ARENA_CREATE, {"name": "n", "reserve_bytes": (1 << 64) - 1}, E.INVALID_ARGUMENT),
     (T.ARENA_CREATE, {"name": "n", "reserve_bytes": 1 << 63}, E.INVALID_ARGUMENT),
-    (T.ARENA_CREATE, {"name": "n", "reserve_bytes": (16 << 40) + G}, E.INVALID_ARGUMENT),
+    (T.ARENA_CREATE, {"name": "n", "reserve_bytes": (4 << 40) + G}, E.INVALID_ARGUMENT),
     (T.ARENA_CREATE, {"name": "a-kv", "reserve_bytes": G}, E.ALREADY_EXISTS),
     (T.ARENA_COMMIT, {"name": "a-kv"}, E.INVALID_ARGUMENT),
     (T.ARENA_COMMIT, {"name": "a-kv", "nbytes": 0}, E.INVALID_ARGUMENT),
@@ -172,8 +172,8 @@ def test_bad_fields_and_sizes_are_refused(setup, runtime_dir) -> None:  # type: 
     reply = alice.call(T.ARENA_CREATE, {"name": "n", "reserve_bytes": G + 4096})
     assert reply["detail"] == {"reserve_bytes": G + 4096, "granularity": G}, reply
     assert str(G) in reply["msg"] and str(2 * G) in reply["msg"], reply  # names both nearest valid sizes
-    reply = alice.call(T.ARENA_CREATE, {"name": "n", "reserve_bytes": (16 << 40) + G})
-    assert reply["detail"]["limit"] == 16 << 40, reply
+    reply = alice.call(T.ARENA_CREATE, {"name": "n", "reserve_bytes": (4 << 40) + G})
+    assert reply["detail"]["limit"] == 4 << 40, reply
     reply = alice.call(T.ARENA_COMMIT, {"name": "a-kv", "nbytes": (1 << 30) + G})
     assert reply["detail"] == {"requested": (1 << 30) + G, "reserved": 1 << 30}, reply
     _unchanged(runtime_dir, before)

@@ -466,3 +466,15 @@ def test_decommit_of_a_chunk_nobody_maps_frees_it_at_once(h: Harness) -> None:
     assert [c.id for c in out.reply.retired] == [ids[2]], "only what the owner still maps is to unmap"
     assert sorted(h.state.retiring) == [ids[2]]
     assert h.state.accounted_bytes() == 36 * MiB
+
+
+def test_each_device_plans_in_its_own_address_slice() -> None:
+    """A process may map arenas of several daemons (a rank reading a peer GPU's chunks):
+    their windows must never overlap, so each device's range is its own."""
+    from gpumemd.state import VA_PLAN_SLICES, plan_range
+
+    ranges = [plan_range(i) for i in range(VA_PLAN_SLICES)]
+    assert ranges[0] == (StateConfig.va_base, StateConfig.va_limit)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:], strict=False))
+    assert ranges[-1][1] <= 0x6000_0000_0000, "the top 32 TiB stay for the kernel's top-down mmap area"
+    assert all(end - start >= StateConfig.max_reserve for start, end in ranges)
