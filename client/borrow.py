@@ -242,9 +242,10 @@ def _torch_for(session: Session) -> Any:
 def _warm_cublas(torch: Any, device: int, stream: int) -> None:
     if (device, stream) in _WARM_STREAMS:
         return
-    a = torch.ones((16, 16), device=f"cuda:{device}")
-    torch.nn.functional.linear(a, a, a[0])  # cublasLt, with its own workspace
-    a @ a
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+        a = torch.ones((16, 16), device=f"cuda:{device}")
+        torch.nn.functional.linear(a, a, a[0])  # cublasLt, with its own workspace
+        a @ a
     _WARM_STREAMS.add((device, stream))
 
 
@@ -279,6 +280,7 @@ class Borrow:
             existing.ensure(pool, self._torch is not None)
             # Blocks an earlier scope let escape are that scope's fault, not this one's.
             self._live_before = existing.live_bytes() if existing.escaped_scope else 0
+            self._failures_before = existing.slot.stats().failures
             if existing.torch_pool is not None:
                 self._route = self._torch.cuda.use_mem_pool(existing.torch_pool, device=existing.device)
                 self._route.__enter__()
@@ -312,8 +314,12 @@ class Borrow:
         if bp.torch_pool is None:
             return False
         block = torch_block_size(nbytes)
+        kind = "small" if block <= _SMALL_SIZE else "large"  # torch serves each size class from its own segments
         return any(
-            b["state"] == "inactive" and b["size"] >= block for segment in _pool_segments(bp.torch_pool) for b in segment["blocks"]
+            b["state"] == "inactive" and b["size"] >= block
+            for segment in _pool_segments(bp.torch_pool)
+            if segment.get("segment_type", kind) == kind
+            for b in segment["blocks"]
         )
 
     def release(self, error: BaseException | None = None) -> None:
@@ -322,17 +328,18 @@ class Borrow:
         if not self.lease.held:
             return
         bp = self.borrow_pool
+        live = 0
         try:
             if self._route is not None:
                 self._route.__exit__(None, None, None)
                 self._route = None
-        finally:
             live = bp.live_bytes() - self._live_before
-            if live > 0:
+            if live > 0 and self.pool.slot not in self.session.borrow_escapes:
+                # Marked while the lease is still ours: no replay can slip in between.
+                self.session.report_escape(self.pool, bp, self.user)
+            elif live > 0:
                 bp.escaped_scope = self.user
-            if live > 0 or bp.escaped_scope:
-                self.session.leases.mark_escaped(self.pool.slot, self.session.session_id)
-                self.session.borrow_escapes[self.pool.slot] = bp
+        finally:
             self.lease.release()
         if live > 0 and error is None:
             raise BorrowEscaped(
@@ -348,7 +355,9 @@ class Borrow:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         translated = None
         if isinstance(exc, RuntimeError) and not isinstance(exc, GpuMemError):
-            translated = self.borrow_pool.failure(0, self.user)  # torch's OOM from our allocator
+            # torch's out-of-memory error, when our allocator refused a request in this scope
+            if self.borrow_pool.slot.stats().failures > self._failures_before:
+                translated = self.borrow_pool.failure(0, self.user)
         self.release(error=exc)
         if translated is not None:
             raise translated from exc

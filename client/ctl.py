@@ -51,7 +51,7 @@ def _index(runtime_dir: Path, device: str) -> int:
     prefix of it) a daemon in ``runtime_dir`` announced."""
     if device.isdigit():
         return int(device)
-    daemons = discover(runtime_dir)
+    daemons = [d for d in discover(runtime_dir) if daemon_alive(Endpoints(runtime_dir, d["index"]))]
     matches = [d["index"] for d in daemons if str(d.get("uuid", "")).lower().startswith(device.lower())]
     if len(matches) != 1:
         known = ", ".join(f"{d['index']}={d.get('uuid')}" for d in daemons) or "none"
@@ -74,15 +74,20 @@ def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, time
             f"(start it with 'systemctl start gpumemd@{index}' or 'gpumemd --device {index}', "
             "or give --runtime-dir)",
         )
-    channel = ControlChannel(endpoints)
     try:
-        return channel.call(message, wait)[1]
+        return _ask(endpoints, message, wait)
     except ProtocolMismatch as exc:
         _die(EXIT_MISMATCH, exc.message)
     except DaemonUnavailable as exc:
         _die(EXIT_NOT_RUNNING, exc.message)
     except GpuMemError as exc:
         _die(EXIT_ERROR, exc.message)
+
+
+def _ask(endpoints: Endpoints, message: Any, wait: float) -> Any:
+    channel = ControlChannel(endpoints)
+    try:
+        return channel.call(message, wait)[1]
     finally:
         channel.close()
 
@@ -107,11 +112,19 @@ def status(
         reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
         click.echo(json.dumps(p.to_wire(reply), indent=2) if as_json else render_status(reply))
         return
+    if device is not None or ctx.obj["device"] is not None:
+        _die(EXIT_ERROR, "--all asks every daemon; leave out --device")
     directory = resolve_runtime_dir(runtime_dir or ctx.obj["runtime_dir"])
     indices = [d["index"] for d in discover(directory) if daemon_alive(Endpoints(directory, d["index"]))]
-    if not indices:
+    wait = timeout if timeout is not None else (ctx.obj["timeout"] if ctx.obj["timeout"] is not None else 5.0)
+    replies = []
+    for index in indices:
+        try:
+            replies.append(_ask(Endpoints(directory, index), p.Status(), wait))
+        except DaemonUnavailable as exc:  # it stopped since: the others still answer
+            click.echo(f"gpumemctl: device {index}: {exc.message}", err=True)
+    if not replies:
         _die(EXIT_NOT_RUNNING, f"no live gpumemd in {directory} (start them with 'systemctl start gpumemd@N')")
-    replies = [_query(ctx, str(index), str(directory), timeout, p.Status()) for index in indices]
     if as_json:
         click.echo(json.dumps([p.to_wire(r) for r in replies], indent=2))
         return

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import protocol as p
+from gpumem.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from gpumem.arena import Arena
@@ -84,15 +85,34 @@ class GraphPool:
         """The owner: report the pool's current extents and runs (``recaptured`` after a
         new capture into it). Another client: fetch the owner's latest view."""
         session = self.arena.session
-        if not self.arena.is_owner:
+        if not self.arena.is_owner:  # its owner reports captures; here the latest view is fetched
             reply: p.GraphPoolReply = session.call(p.OpenGraphPool(pool_id=self.id))
         else:
             extents, runs = extents_and_runs(self.arena.torch_pool().segments(), self.arena.address)
             reply = session.call(p.UpdateGraphPool(pool_id=self.id, extents=extents, free_runs=runs, recaptured=recaptured))
         self._set(reply.pool)
 
+    def begin_capture(self) -> None:
+        """Under the capture lease: no free runs until the capture is reported, and a new
+        epoch, so every borrower's view of the old runs goes stale."""
+        reply: p.GraphPoolReply = self.arena.session.call(
+            p.UpdateGraphPool(pool_id=self.id, extents=list(self.extents), free_runs=[], recaptured=True)
+        )
+        self._set(reply.pool)
+
     def retire(self) -> None:
-        self.arena.session.call(p.RetireGraphPool(pool_id=self.id))
+        session = self.arena.session
+        borrowed = session.borrow_pools.get(self.id)
+        if borrowed is not None:
+            live = borrowed.live_bytes()
+            if live:
+                raise InvalidArgument(
+                    f"graph pool {self.id} ('{self.label}') still has {live} bytes of borrowed tensors alive "
+                    f"(scope '{borrowed.escaped_scope or '?'}'): free them before retiring it"
+                )
+            del session.borrow_pools[self.id]
+            borrowed.close()
+        session.call(p.RetireGraphPool(pool_id=self.id))
 
     def __repr__(self) -> str:
         return f"<gpumem.GraphPool {self.id} '{self.label}' epoch {self.epoch}, {len(self.free_runs)} free runs, {self.free_bytes} bytes free>"

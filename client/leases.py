@@ -10,11 +10,13 @@ whatever lies in its free runs, and a borrow puts tensors there. Taking and givi
 a lease touches only the shared lease table (no daemon round trip); a conflict costs one
 status request, to name the holder. The daemon sweeps the leases of a client that dies.
 
-On a shared pool (one other processes open), a lease also orders GPU work: the releaser
-records its IPC event on its stream, and a holder from another process makes its stream
-wait on that event before it touches the pool. The first release publishes the event's
-handle to the daemon and the first wait on a peer looks it up: one round trip each, once.
-Within one process, stream order suffices and nothing is recorded.
+On a shared pool (one other processes open), a lease also orders GPU work: every release
+records the holder's IPC event on its stream, and a holder from another session makes its
+stream wait on that event before it touches the pool. The first release publishes the
+event's handle to the daemon and the first wait on a peer looks it up: one round trip
+each, once. A private pool records nothing. Within one session nothing is waited on:
+work on one stream is ordered by the stream, and replaying on one stream while borrowing
+on another is the caller's to order (a borrow takes ``stream=``).
 """
 
 from __future__ import annotations
@@ -76,10 +78,12 @@ class Lease:
         deadline = time.monotonic() + wait
         while True:
             if status == leases.ESCAPED:
-                if session.clear_escape(pool.slot):
-                    status = leases.HELD
-                    continue
-                raise session.escape_error(pool, leases.KIND_NAMES[kind], label)
+                if not session.clear_escape(slot):
+                    error = session.escape_error(pool, leases.KIND_NAMES[kind], label)
+                    if error is not None:
+                        raise error
+                status = leases.HELD  # the mark went meanwhile: try again
+                continue
             status, found = table.acquire(pool.slot, word, epoch, max(0.0, deadline - time.monotonic()))
             if status in (leases.OK, leases.OK_ORDER):
                 table.set_label(pool.slot, label)

@@ -23,7 +23,7 @@ from typing import Any
 
 from gpumem_shared import __version__, fdchannel, leases
 from gpumem_shared import protocol as p
-from gpumem_shared.driver import Driver, DriverError, DriverUnavailable
+from gpumem_shared.driver import Driver, DriverError, DriverUnavailable, PeerAccessError
 from gpumem_shared.leases import LeaseTable
 from gpumem_shared.paths import Endpoints, discover, resolve_runtime_dir
 from gpumem.arena import Arena
@@ -47,6 +47,10 @@ from gpumem.errors import (
 )
 
 DEFAULT_TIMEOUT = 10.0
+
+# IPC events this process's sessions record at lease handoffs, by (daemon, pool id,
+# 24-bit session): a taker from another session of this process waits on them directly.
+_PROCESS_EVENTS: dict[tuple[str, int, int], Any] = {}
 
 
 def resolve_device(device: int | str, runtime_dir: Path) -> Endpoints:
@@ -150,6 +154,8 @@ class Session:
             self.session_id = hello.session_id
             # This session's lease words, one per kind (the hot path must not rebuild them).
             self.lease_words = {kind: leases.encode(kind, hello.session_id, os.getpid()) for kind in leases.KIND_NAMES}
+            self._word_session = leases.decode(self.lease_words[leases.REPLAY])[1]
+            self._daemon_key = f"{endpoints.runtime_dir}:{endpoints.index}"
             self.backend = hello.backend
             self.device = hello.device
             self.daemon_version = hello.daemon_version
@@ -214,7 +220,7 @@ class Session:
 
             try:
                 return HostDriver(self.device.index, peers=self.peers)
-            except DriverUnavailable as exc:
+            except PeerAccessError as exc:
                 raise InvalidArgument(str(exc)) from None
         from gpumem_shared.driver.cuda import CudaDriver, visible_device_uuids
 
@@ -230,10 +236,10 @@ class Session:
         self.device_ordinal = uuids.index(self.device.uuid)
         try:
             return CudaDriver(self.device_ordinal, peers=self.peers)
-        except DriverUnavailable as exc:
-            if not self.peers:
-                raise DaemonUnavailable(f"gpumemd serves CUDA device {self.device.uuid}, which this process cannot use: {exc}") from None
+        except PeerAccessError as exc:
             raise InvalidArgument(f"peer access for gpumemd@{self.device.index} ({self.device.uuid}): {exc}") from None
+        except DriverUnavailable as exc:
+            raise DaemonUnavailable(f"gpumemd serves CUDA device {self.device.uuid}, which this process cannot use: {exc}") from None
 
     # ------------------------------------------------------------------ calls
 
@@ -396,13 +402,21 @@ class Session:
         return GraphPool(arena, reply.pool)
 
     def capture(self, pool: Any, *, wait: float = 0.0, label: str = "capture", stream: int | None = None) -> Lease:
-        """The capture lease on a graph pool: excludes every other lease, and retires this
-        process's borrow pool on it (capture re-carves the free runs). ``wait`` bounds how
-        long to wait for a holder (0: fail at once with LeaseConflict)."""
+        """The capture lease on a graph pool: excludes every other lease, retires this
+        process's borrow pool on it and, for the pool's owner, empties its registered runs
+        under a new epoch (capture re-carves them: no borrower may use the old ones once
+        the lease is given back). ``refresh(recaptured=True)`` after the capture reports the
+        new runs. ``wait`` bounds how long to wait for a holder (0: fail at once)."""
         lease = Lease.acquire(self, pool, leases.CAPTURE, label, wait, stream)
-        borrowed = self.borrow_pools.get(pool.id)
-        if borrowed is not None:
-            borrowed.retire()
+        try:
+            borrowed = self.borrow_pools.get(pool.id)
+            if borrowed is not None:
+                borrowed.retire()
+            if isinstance(pool, GraphPool) and pool.arena.is_owner:
+                pool.begin_capture()
+        except BaseException:
+            lease.release()
+            raise
         return lease
 
     def replay(self, pool: Any, *, wait: float = 0.0, label: str = "replay", stream: int | None = None) -> Lease:
@@ -424,14 +438,19 @@ class Session:
             event, handle = self.driver.event_create()
             self.call(p.PublishLeaseEvent(pool_id=pool_id, handle=handle))
             self._lease_events[pool_id] = event
+            _PROCESS_EVENTS[(self._daemon_key, pool_id, self._word_session)] = event
         self.driver.event_record(event, stream)
 
     def wait_for_handoff(self, pool_id: int, slot: int, stream: int) -> None:
-        """After taking a lease another process released: our stream waits for its work."""
+        """After taking a lease another session released: our stream waits for its work.
+        The releaser may be another session of this process: its event is used as is (a
+        process cannot open its own IPC handle)."""
         peer = self.leases.handoff(slot)
         if not peer:
             return
-        event = self._peer_events.get((pool_id, peer))
+        event = _PROCESS_EVENTS.get((self._daemon_key, pool_id, peer))
+        if event is None:
+            event = self._peer_events.get((pool_id, peer))
         if event is None:
             try:
                 reply: p.LeaseEventReply = self.call(p.LookupLeaseEvent(pool_id=pool_id, session=peer))
@@ -441,33 +460,44 @@ class Session:
         self.driver.stream_wait(event, stream)
         self.handoff_waits += 1
 
+    def report_escape(self, pool: Any, borrowed: BorrowPool, scope: str) -> None:
+        """Borrowed tensors outlived ``scope``: the daemon marks the pool's slot, refusing
+        replay and capture in every process until we report them gone."""
+        self.call(p.ReportEscape(pool_id=pool.id, escaped=True))
+        borrowed.escaped_scope = scope
+        self.borrow_escapes[pool.slot] = borrowed
+
     def clear_escape(self, slot: int) -> bool:
-        """Clear this session's escape mark on ``slot`` if the borrowed tensors are gone."""
-        pool = self.borrow_escapes.get(slot)
-        if pool is None or pool.live_bytes():
+        """Report this session's escaped tensors on ``slot`` gone, if they are."""
+        borrowed = self.borrow_escapes.get(slot)
+        if borrowed is None or borrowed.live_bytes():
             return False
+        self.call(p.ReportEscape(pool_id=borrowed.pool_id, escaped=False))
         del self.borrow_escapes[slot]
-        pool.escaped_scope = None
-        self.leases.clear_escaped(slot, self.session_id)
+        borrowed.escaped_scope = None
         return True
 
-    def escape_error(self, pool: Any, kind: str, label: str) -> BorrowEscaped:
+    def escape_error(self, pool: Any, kind: str, label: str) -> BorrowEscaped | None:
+        """Why the slot refused: our own tensors, or another client's. None when the mark
+        is gone already (the caller tries again)."""
         marker = self.leases.escaped(pool.slot)
+        if not marker:
+            return None
         mine = self.borrow_escapes.get(pool.slot)
-        if mine is not None and marker == leases.decode(self.lease_words[leases.BORROW])[1]:
+        if mine is not None:
             return BorrowEscaped(
                 f"{kind} lease '{label}' on graph pool {pool.id} refused: {mine.live_bytes()} bytes borrowed in scope "
                 f"'{mine.escaped_scope}' of this process are still alive and a {kind} would overwrite them; free them first",
                 {"scope": mine.escaped_scope or "", "pid": os.getpid()},
             )
-        name, pid = f"session {marker}", 0
-        for client in self.status().clients:
-            if leases.decode(leases.encode(0, client.session_id, 0))[1] == marker:
-                name, pid = client.name, client.pid
+        status = self.status()
+        client = next((c for c in status.clients if leases.decode(leases.encode(0, c.session_id, 0))[1] == marker), None)
+        name, pid = (client.name, client.pid) if client else (f"session {marker}", 0)
+        who = next((g.escaped_by for g in status.extents if g.id == pool.id and g.escaped_by), f"client '{name}'")
         return BorrowEscaped(
-            f"{kind} lease '{label}' on graph pool {pool.id} refused: client '{name}' (pid {pid}) holds tensors borrowed "
-            "from it past their borrow scope; it clears this once they are freed (at its next lease on the pool) or "
-            "when it exits",
+            f"{kind} lease '{label}' on graph pool {pool.id} refused: {who} (pid {pid}) holds tensors borrowed from it "
+            "past their borrow scope; the mark goes once they are freed (at the borrower's next lease on the pool) or "
+            "when the borrower exits",
             {"holder": name, "pid": pid},
         )
 
@@ -501,6 +531,14 @@ class Session:
             for borrowed in self.borrow_pools.values():
                 borrowed.close()
             self.borrow_pools.clear()
+            for event in self._peer_events.values():
+                try:
+                    self.driver.event_destroy(event)
+                except DriverError:
+                    pass  # a broken context: the process's teardown frees it
+            self._peer_events.clear()
+            for key in [k for k in _PROCESS_EVENTS if k[0] == self._daemon_key and k[2] == self._word_session]:
+                del _PROCESS_EVENTS[key]  # stays alive for importers; no new taker finds it
             self._finalizer()
 
     @property

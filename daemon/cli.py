@@ -12,7 +12,7 @@ from gpumem_shared.paths import Endpoints, resolve_runtime_dir
 from gpumem_shared.units import parse_size
 from gpumemd.notify import SystemdNotifier
 from gpumemd.server import Server, StartupError
-from gpumemd.state import DaemonState, StateConfig, plan_range
+from gpumemd.state import VA_PLAN_SLICES, DaemonState, StateConfig, plan_range
 
 # sysexits EX_CONFIG: the unit file's RestartPreventExitStatus keeps systemd from
 # restarting a daemon that can never start as configured.
@@ -88,6 +88,8 @@ def main(
 ) -> None:
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not 0 <= device < VA_PLAN_SLICES:
+        _fail(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     driver = _driver(backend, device, host_capacity)
     for flag, value in (("--chunk-size", chunk_size), ("--kv-chunk-size", kv_chunk_size)):
         if value <= 0 or value % driver.granularity:

@@ -55,7 +55,9 @@ def plan_range(index: int) -> tuple[int, int]:
     """The address range the daemon of device ``index`` plans arena windows in. Each
     device has its own slice: a process that maps arenas of several daemons (a
     tensor-parallel rank reading a peer GPU's chunks) needs their windows disjoint."""
-    base = VA_PLAN_BASE + (index % VA_PLAN_SLICES) * VA_PLAN_SLICE
+    if not 0 <= index < VA_PLAN_SLICES:
+        raise ValueError(f"device index {index}: address slices exist for 0-{VA_PLAN_SLICES - 1}")
+    base = VA_PLAN_BASE + index * VA_PLAN_SLICE
     return base, base + VA_PLAN_SLICE
 
 
@@ -144,6 +146,7 @@ class GraphPool:
     slot: int  # in the lease table
     shared: bool = False  # clients the arena is shared with may open it
     events: dict[int, bytes] = dataclasses.field(default_factory=dict)  # session id -> its IPC event handle
+    escapers: set[int] = dataclasses.field(default_factory=set)  # sessions with borrowed tensors past their scope
 
     def status(self) -> p.GraphPoolStatus:
         return p.GraphPoolStatus(
@@ -248,6 +251,7 @@ class DaemonState:
             p.OpenGraphPool: self._open_graph_pool,
             p.PublishLeaseEvent: self._publish_lease_event,
             p.LookupLeaseEvent: self._lookup_lease_event,
+            p.ReportEscape: self._report_escape,
         }
 
     # ------------------------------------------------------------------ sessions
@@ -444,6 +448,8 @@ class DaemonState:
         notices: list[tuple[int, p.Notice]] = []
         self._drop_holder_everywhere(arena, s.id)
         arena.attached.discard(s.id)
+        for pool in [g for g in self.graph_pools.values() if g.arena == arena.name]:
+            self._forget_user(pool, s.id)
         if arena.owner_id == s.id:
             arena.released = True
             arena.owner_alive = False
@@ -535,8 +541,8 @@ class DaemonState:
         self.lease_table.set_epoch(pool.slot, leases.lease_epoch(pool.id, pool.epoch))
         self.lease_table.set_flags(pool.slot, leases.FLAG_SHARED if pool.shared else 0)
         # A free slot is clients' shared memory too: nothing written there carries over.
-        self.lease_table.forget_session(pool.slot, self.lease_table.handoff(pool.slot))
-        self.lease_table.forget_session(pool.slot, self.lease_table.escaped(pool.slot))
+        self.lease_table.forget_handoff(pool.slot, self.lease_table.handoff(pool.slot))
+        self.lease_table.set_escaped(pool.slot, 0)
         return Outcome(p.GraphPoolReply(pool=pool.status()))
 
     def _update_graph_pool(self, session: Session | None, m: p.UpdateGraphPool) -> Outcome:
@@ -618,14 +624,40 @@ class DaemonState:
             f"session {m.session} published no IPC event for graph pool {pool.id} (it ended, or never released a lease there)",
         )
 
+    def _report_escape(self, session: Session | None, m: p.ReportEscape) -> Outcome:
+        s = self._need_session(session)
+        pool = self.graph_pools.get(m.pool_id)
+        if pool is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no graph pool {m.pool_id} on device {self.device.index}")
+        self._check_pool_user(s, pool)
+        if m.escaped:
+            pool.escapers.add(s.id)
+            log.warning("graph pool %d ('%s'): client %r holds borrowed tensors past their scope; replays refused", pool.id, pool.label, s.name)
+        else:
+            pool.escapers.discard(s.id)
+        self._write_escape(pool)
+        return Outcome(p.Ack())
+
+    def _write_escape(self, pool: GraphPool) -> None:
+        self.lease_table.set_escaped(pool.slot, _word_session(min(pool.escapers)) if pool.escapers else 0)
+
+    def _forget_user(self, pool: GraphPool, session_id: int) -> None:
+        """``session_id`` no longer uses the pool (it ended, or let go of its arena): its
+        event and its escapes go; if it was the last to release, nobody waits on it."""
+        pool.events.pop(session_id, None)
+        if session_id in pool.escapers:
+            pool.escapers.discard(session_id)
+            self._write_escape(pool)
+        self.lease_table.forget_handoff(pool.slot, _word_session(session_id))
+
     def _drop_graph_pool(self, pool: GraphPool) -> None:
         """Forget the pool and free its lease slot: a holder is swept, waiters wake and
         find the slot's epoch no longer theirs."""
         del self.graph_pools[pool.id]
         self.lease_table.set_epoch(pool.slot, 0)
         self.lease_table.set_flags(pool.slot, 0)
-        self.lease_table.forget_session(pool.slot, self.lease_table.handoff(pool.slot))
-        self.lease_table.forget_session(pool.slot, self.lease_table.escaped(pool.slot))
+        self.lease_table.forget_handoff(pool.slot, self.lease_table.handoff(pool.slot))
+        self.lease_table.set_escaped(pool.slot, 0)
         word = self.lease_table.peek(pool.slot)
         if word:
             self.lease_table.clear(pool.slot, word)
@@ -638,21 +670,23 @@ class DaemonState:
         owned = {g.slot: g for g in self.graph_pools.values()}
         live = {_word_session(i) for i in self.sessions}
         if session_id is not None:
-            gone = _word_session(session_id)
             for pool in self.graph_pools.values():
-                pool.events.pop(session_id, None)
-                self.lease_table.forget_session(pool.slot, gone)
+                self._forget_user(pool, session_id)
         else:
-            # Fields the daemon writes, or that must name a live session: a buggy client
-            # may have written anything there.
+            # Fields only the daemon writes, and one that must name a live session: a
+            # buggy client may have written anything there.
             for slot, pool in owned.items():
                 if self.lease_table.flags(slot) != (leases.FLAG_SHARED if pool.shared else 0):
                     log.warning("lease slot %d: flags %#x repaired", slot, self.lease_table.flags(slot))
                     self.lease_table.set_flags(slot, leases.FLAG_SHARED if pool.shared else 0)
-                for session in (self.lease_table.handoff(slot), self.lease_table.escaped(slot)):
-                    if session and session not in live:
-                        log.warning("lease slot %d named session %d, which does not exist; cleared", slot, session)
-                        self.lease_table.forget_session(slot, session)
+                escaped = _word_session(min(pool.escapers)) if pool.escapers else 0
+                if self.lease_table.escaped(slot) != escaped:
+                    log.warning("lease slot %d: escape mark %d repaired to %d", slot, self.lease_table.escaped(slot), escaped)
+                    self.lease_table.set_escaped(slot, escaped)
+                handoff = self.lease_table.handoff(slot)
+                if handoff and handoff not in live:
+                    log.warning("lease slot %d named session %d, which does not exist; cleared", slot, handoff)
+                    self.lease_table.forget_handoff(slot, handoff)
         for slot, word in enumerate(self.lease_table.words()):
             if not word:
                 continue
@@ -1328,10 +1362,7 @@ class DaemonState:
 
     def _graph_pool_view(self, pool: GraphPool, names: dict[int, str]) -> p.GraphPoolStatus:
         view = pool.status()
-        marker = self.lease_table.escaped(pool.slot)
-        if marker:
-            found = [f"client '{name}'" for sid, name in names.items() if _word_session(sid) == marker]
-            view.escaped_by = found[0] if found else f"session {marker}"
+        view.escaped_by = ", ".join(f"client '{names.get(sid, sid)}'" for sid in sorted(pool.escapers))
         return view
 
     def _lease_status(self) -> list[p.LeaseStatus]:

@@ -89,17 +89,12 @@ def _library() -> ctypes.CDLL:
             ctypes.POINTER(ctypes.c_uint64),
         ]
         lib.gpumem_lease_acquire.restype = ctypes.c_int
-        lib.gpumem_lease_release.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
-        lib.gpumem_lease_release.restype = ctypes.c_int
         for name in ("gpumem_lease_release_recorded", "gpumem_lease_clear"):
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
             getattr(lib, name).restype = ctypes.c_int
-        lib.gpumem_lease_mark_escaped.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
-        lib.gpumem_lease_mark_escaped.restype = ctypes.c_int
-        lib.gpumem_lease_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
-        lib.gpumem_lease_set_flags.restype = None
-        lib.gpumem_lease_forget_session.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
-        lib.gpumem_lease_forget_session.restype = None
+        for name in ("gpumem_lease_set_flags", "gpumem_lease_set_escaped", "gpumem_lease_forget_handoff"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
+            getattr(lib, name).restype = None
         lib.gpumem_lease_peek.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
         lib.gpumem_lease_peek.restype = ctypes.c_uint64
         lib.gpumem_lease_set_epoch.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
@@ -157,13 +152,10 @@ class LeaseTable:
         """Free the slot if it holds ``word``, without ordering: the daemon's sweep."""
         return int(self._lib.gpumem_lease_clear(self.address, slot, word))
 
-    def mark_escaped(self, slot: int, session: int) -> bool:
-        """Refuse replay and capture: ``session``'s borrowed tensors outlived their scope.
-        Does not overwrite another session's mark."""
-        return bool(self._lib.gpumem_lease_mark_escaped(self.address, slot, 0, session & 0xFFFFFF))
-
-    def clear_escaped(self, slot: int, session: int) -> bool:
-        return bool(self._lib.gpumem_lease_mark_escaped(self.address, slot, session & 0xFFFFFF, 0))
+    def set_escaped(self, slot: int, session: int) -> None:
+        """The daemon: refuse replay and capture while any session's borrowed tensors
+        outlive their scope; the slot names one of them (0: none)."""
+        self._lib.gpumem_lease_set_escaped(self.address, slot, session & 0xFFFFFF)
 
     def escaped(self, slot: int) -> int:
         return int(self._slots[slot].escaped)
@@ -177,9 +169,9 @@ class LeaseTable:
     def set_flags(self, slot: int, flags: int) -> None:
         self._lib.gpumem_lease_set_flags(self.address, slot, flags)
 
-    def forget_session(self, slot: int, session: int) -> None:
-        """A session ended: its IPC event is gone and its escape mark guards nothing."""
-        self._lib.gpumem_lease_forget_session(self.address, slot, session & 0xFFFFFF)
+    def forget_handoff(self, slot: int, session: int) -> None:
+        """A session ended: if it was the last to release, its IPC event went with it."""
+        self._lib.gpumem_lease_forget_handoff(self.address, slot, session & 0xFFFFFF)
 
     def peek(self, slot: int) -> int:
         return int(self._lib.gpumem_lease_peek(self.address, slot))

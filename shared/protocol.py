@@ -86,6 +86,7 @@ class MsgType(enum.IntEnum):
     GRAPH_POOL_OPEN = 33
     LEASE_EVENT_PUBLISH = 34
     LEASE_EVENT_LOOKUP = 35
+    GRAPH_POOL_ESCAPE = 36
     # fd channel, daemon -> client
     FD_BATCH = 100
     NOTICE = 101
@@ -521,13 +522,13 @@ class GraphPoolStatus:
     owner: str
     arena: str
     label: str
-    epoch: int  # bumped by every capture into the pool
+    epoch: int  # bumped by every capture into the pool and every change of its runs
     extents: list[Extent]  # the pool's segments
     free_runs: list[Extent]  # idle space between replays, largest first
     free_bytes: int
     slot: int = 0  # its lease slot in the shared lease table
     shared: bool = False  # other processes may take leases on it (and borrow its free runs)
-    escaped_by: str = ""  # a client whose borrowed tensors outlived their scope: replays are refused
+    escaped_by: str = ""  # clients whose borrowed tensors outlived their scope: replays are refused
 
 
 @dataclasses.dataclass(slots=True)
@@ -856,6 +857,18 @@ class LookupLeaseEvent:
     REPLY: ClassVar[type]
     pool_id: int
     session: int
+
+
+@request(MsgType.GRAPH_POOL_ESCAPE, Ack)
+class ReportEscape:
+    """This session's tensors borrowed from the pool outlived their scope (``escaped``),
+    or are gone again: while any session has such tensors, the pool's slot refuses
+    replay and capture."""
+
+    TYPE: ClassVar[MsgType]
+    REPLY: ClassVar[type]
+    pool_id: int
+    escaped: bool
 
 
 @request(MsgType.CHUNKS_UNMAPPED, Ack)

@@ -53,6 +53,7 @@ class HostWorkload:
             )
         )
         self.pool = gpumem.GraphPool(self.arena, reply.pool)
+        self._runs = list(reply.pool.free_runs)
         self.step = 0
         ctypes.memset(self.arena.address, 3, MiB)
 
@@ -76,6 +77,13 @@ class HostWorkload:
             p.UpdateGraphPool(
                 pool_id=self.pool.id, extents=[p.Extent(offset=0, size=64 * MiB)], free_runs=[p.Extent(offset=40 * MiB, size=16 * MiB)]
             )
+        )
+        self.pool._set(reply.pool)
+
+    def recaptured(self) -> None:
+        """After a capture lease: report the (unchanged) runs again."""
+        reply = self.session.call(
+            p.UpdateGraphPool(pool_id=self.pool.id, extents=list(self.pool.extents), free_runs=list(self._runs), recaptured=True)
         )
         self.pool._set(reply.pool)
 
@@ -121,6 +129,9 @@ class CudaWorkload:
 
     def check(self, output: Any) -> None:
         assert self.torch.equal(output, self.expected), "the graph's output is wrong (a borrower overlapped it?)"
+
+    def recaptured(self) -> None:
+        self.pool.refresh(recaptured=True)
 
     def change_runs(self) -> None:
         with self.arena.allocating():
@@ -358,11 +369,22 @@ def rebuild_rules() -> None:
         assert w.pool.epoch == epoch + 1
         borrow_once()
         assert bp.builds == before + 1 and bp.runs_key is not None and bp.runs_key[0] == w.pool.epoch
-        # capture retires the borrow pool; the next borrow builds it again
+        # capture retires the borrow pool and empties the registered runs under a new
+        # epoch until the owner reports them: a borrower in between finds no run at all
+        epoch = w.pool.epoch
         with s.capture(w.pool):
             assert bp.capacity == 0 and bp.runs_key is None
+            assert w.pool.epoch == epoch + 1 and w.pool.free_runs == [] and s.status().extents[0].free_runs == []
+        try:
+            borrow_once()
+        except gpumem.BorrowOutOfMemory:
+            pass
+        else:
+            raise AssertionError("a borrow between a capture and its report found runs")
+        w.recaptured()
+        assert w.pool.epoch == epoch + 2 and w.pool.free_runs
         borrow_once()
-        assert bp.builds == before + 2
+        assert bp.builds == before + 3
     print("PASS rebuild_rules")
 
 

@@ -274,8 +274,10 @@ static void slot_free(int slot, void *ptr, size_t size, int device, void *stream
     (void)stream;
     slot_t *s = &g_slots[slot];
     pthread_mutex_lock(&s->mu);
-    s->stats.frees++;
-    s->stats.freed_bytes += size;
+    if (s->in_use) { /* a block of a slot given up since: nothing to count it against */
+        s->stats.frees++;
+        s->stats.freed_bytes += size;
+    }
     pthread_mutex_unlock(&s->mu);
 }
 

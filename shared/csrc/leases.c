@@ -14,9 +14,10 @@
  * Across processes, a lease also orders GPU work: on a pool other processes use, the
  * releaser records its IPC event on its stream and names itself in ``handoff``; a taker
  * from another process waits on that event (LEASE_OK_ORDER tells it to). Within one
- * process stream order suffices and nothing is recorded. A borrower whose tensors
- * outlived their scope marks ``escaped``, which refuses replay and capture until it
- * clears the mark (or its session ends).
+ * process nothing is waited on: work on one stream is ordered by the stream, and work on
+ * two streams of one process is the caller's to order. A borrower whose tensors
+ * outlived their scope asks the daemon to mark ``escaped``, which refuses replay and
+ * capture until it reports them gone (or its session ends).
  */
 #define _GNU_SOURCE
 #include <limits.h>
@@ -71,6 +72,22 @@ static int escaped_for(lease_slot *slot, uint64_t mine) {
     return (mine >> 56) != KIND_BORROW && __atomic_load_n(&slot->escaped, __ATOMIC_ACQUIRE) != 0;
 }
 
+static void wake(lease_slot *slot);
+
+/* The epoch and escape checks come before the compare-and-swap; a whole retire or
+ * borrow-and-escape may fit between the two. Checked again once the slot is ours; if
+ * either changed, the take is undone. */
+static int recheck(lease_slot *slot, uint64_t mine, uint32_t epoch) {
+    int status = 0;
+    if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_SEQ_CST) != epoch) status = LEASE_STALE;
+    else if (escaped_for(slot, mine)) status = LEASE_ESCAPED;
+    if (status) {
+        uint64_t held = mine;
+        if (__atomic_compare_exchange_n(&slot->word, &held, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) wake(slot);
+    }
+    return status;
+}
+
 /* After a successful take: must the new holder order its stream after the releaser's? */
 static int taken(lease_slot *slot, uint64_t mine) {
     slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
@@ -96,8 +113,10 @@ int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint3
             if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
             if (escaped_for(slot, mine)) return LEASE_ESCAPED;
             uint64_t expected = 0;
-            if (__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-                return taken(slot, mine);
+            if (__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                int undone = recheck(slot, mine, epoch);
+                return undone ? undone : taken(slot, mine);
+            }
             continue; /* lost the race: look again */
         }
         *holder = seen;
@@ -124,6 +143,8 @@ int gpumem_lease_try(lease_slot *table, uint32_t index, uint64_t mine, uint32_t 
     if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
     if (escaped_for(slot, mine)) return LEASE_ESCAPED;
     if (!__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return LEASE_HELD;
+    int undone = recheck(slot, mine, epoch);
+    if (undone) return undone;
     if (len > sizeof(slot->label)) len = sizeof(slot->label);
     for (uint32_t i = 0; i < len; i++) slot->label[i] = label[i];
     if (len < sizeof(slot->label)) slot->label[len] = 0;
@@ -176,27 +197,20 @@ int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word) {
     return LEASE_OK;
 }
 
-/* Mark (session != 0) or clear (session == 0, only if ``expect`` still marks it) a
- * borrower whose tensors outlived their scope; a compare-and-swap, so a clear never
- * erases another borrower's mark. Returns 1 if the field changed. */
-int gpumem_lease_mark_escaped(lease_slot *table, uint32_t index, uint32_t expect, uint32_t session) {
-    lease_slot *slot = &table[index];
-    uint32_t seen = expect;
-    return __atomic_compare_exchange_n(&slot->escaped, &seen, session, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-}
-
-/* The daemon: flags of a slot, and forgetting a session that ended (its event died with
- * it; its escaped mark no longer guards anything). */
+/* The daemon: the slot's flags, its escape mark (one of the sessions whose borrowed
+ * tensors outlived their scope, 0 for none: the daemon keeps the whole set), and
+ * forgetting a session that ended as the last releaser (its event died with it). */
 void gpumem_lease_set_flags(lease_slot *table, uint32_t index, uint32_t flags) {
     __atomic_store_n(&table[index].flags, flags, __ATOMIC_RELEASE);
 }
 
-void gpumem_lease_forget_session(lease_slot *table, uint32_t index, uint32_t session) {
-    lease_slot *slot = &table[index];
+void gpumem_lease_set_escaped(lease_slot *table, uint32_t index, uint32_t session) {
+    __atomic_store_n(&table[index].escaped, session, __ATOMIC_SEQ_CST);
+}
+
+void gpumem_lease_forget_handoff(lease_slot *table, uint32_t index, uint32_t session) {
     uint32_t seen = session;
-    __atomic_compare_exchange_n(&slot->handoff, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-    seen = session;
-    if (session && __atomic_compare_exchange_n(&slot->escaped, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) wake(slot);
+    __atomic_compare_exchange_n(&table[index].handoff, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
 uint64_t gpumem_lease_peek(lease_slot *table, uint32_t index) { return __atomic_load_n(&table[index].word, __ATOMIC_ACQUIRE); }

@@ -35,12 +35,14 @@ static PyObject *lease_try(PyObject *module, PyObject *const *args, Py_ssize_t n
     }
     uint32_t index;
     void *table = PyLong_AsVoidPtr(args[0]);
-    if (PyErr_Occurred() || slot_arg(args[1], &index) < 0) return NULL;
+    if ((table == NULL && PyErr_Occurred()) || slot_arg(args[1], &index) < 0) return NULL;
     unsigned long long word = PyLong_AsUnsignedLongLong(args[2]);
+    if (word == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     unsigned long epoch = PyLong_AsUnsignedLong(args[3]);
+    if (epoch == (unsigned long)-1 && PyErr_Occurred()) return NULL;
     char *label;
     Py_ssize_t len;
-    if (PyErr_Occurred() || PyBytes_AsStringAndSize(args[4], &label, &len) < 0) return NULL;
+    if (PyBytes_AsStringAndSize(args[4], &label, &len) < 0) return NULL;
     return PyLong_FromLong(gpumem_lease_try(table, index, (uint64_t)word, (uint32_t)epoch, label, (uint32_t)len));
 }
 
@@ -53,9 +55,9 @@ static PyObject *lease_release(PyObject *module, PyObject *const *args, Py_ssize
     }
     uint32_t index;
     void *table = PyLong_AsVoidPtr(args[0]);
-    if (PyErr_Occurred() || slot_arg(args[1], &index) < 0) return NULL;
+    if ((table == NULL && PyErr_Occurred()) || slot_arg(args[1], &index) < 0) return NULL;
     unsigned long long word = PyLong_AsUnsignedLongLong(args[2]);
-    if (PyErr_Occurred()) return NULL;
+    if (word == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     return PyLong_FromLong(gpumem_lease_release(table, index, (uint64_t)word));
 }
 

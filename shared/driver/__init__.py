@@ -1,5 +1,5 @@
 """Driver backends: ``cuda`` (cuda.bindings.driver) and ``host`` (memfd + mmap)."""
 
-from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, align_up
+from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, PeerAccessError, align_up
 
-__all__ = ["Driver", "DriverError", "DriverUnavailable", "align_up"]
+__all__ = ["Driver", "DriverError", "DriverUnavailable", "PeerAccessError", "align_up"]

@@ -21,6 +21,10 @@ class DriverError(Exception):
         self.out_of_memory = out_of_memory
 
 
+class PeerAccessError(Exception):
+    """Another device cannot reach this device's memory (no peer path, or no such device)."""
+
+
 class DriverUnavailable(Exception):
     """The backend cannot run on this machine (no NVIDIA driver, no such device)."""
 
@@ -113,6 +117,11 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     def stream_wait(self, event: Any, stream: int) -> None:
         """Work queued on ``stream`` from now on runs after the event's recorded work."""
+
+    @abc.abstractmethod
+    def event_destroy(self, event: Any) -> None:
+        """Let go of an event (one opened from another process's handle: the exporter's
+        own must outlive every importer, so it lives as long as the process)."""
 
     # --- data access (tools, tests, small transfers) --------------------------
     @abc.abstractmethod

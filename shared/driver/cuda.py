@@ -15,12 +15,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle
+from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle, PeerAccessError
 
 
 _EVENT_DISABLE_TIMING = 0x2
 _EVENT_INTERPROCESS = 0x4
-_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 class _IpcEventHandle(ctypes.Structure):
@@ -117,10 +116,10 @@ class CudaDriver(Driver):
         this device's memory (NVLink or PCIe P2P)."""
         cu = self._cu
         if not 0 <= peer < count:
-            raise DriverUnavailable(f"peer access from CUDA device {peer}: this process sees {count} device(s) (0-{count - 1})")
+            raise PeerAccessError(f"peer access from CUDA device {peer}: this process sees {count} device(s) (0-{count - 1})")
         peer_dev = self._ck(cu.cuDeviceGet(peer), "cuDeviceGet")
         if not self._ck(cu.cuDeviceCanAccessPeer(peer_dev, self._dev), "cuDeviceCanAccessPeer"):
-            raise DriverUnavailable(
+            raise PeerAccessError(
                 f"CUDA device {peer} cannot access the memory of device {self.ordinal} (no peer-to-peer path between them; "
                 "'nvidia-smi topo -p2p r' shows which pairs can): map it from a process on a device that can, or copy it"
             )
@@ -152,15 +151,28 @@ class CudaDriver(Driver):
             lib.cuIpcOpenEventHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcEventHandle]
             lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-            lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+            lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
+            lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+            lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+            lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
             self._lib = lib
+            self._ctx_handle = int(self._ctx)
         return lib
 
     def _event_call(self, what: str, fn: Any, *args: Any) -> None:
-        rc = fn(*args)
-        if rc == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched CUDA
-            self._current()
+        # Events and streams belong to this device's context, which need not be the
+        # thread's current one (a process driving several GPUs).
+        lib = self._lib
+        current = ctypes.c_void_p()
+        lib.cuCtxGetCurrent(ctypes.byref(current))
+        if (current.value or 0) == self._ctx_handle:
             rc = fn(*args)
+        else:
+            lib.cuCtxPushCurrent_v2(self._ctx_handle)
+            try:
+                rc = fn(*args)
+            finally:
+                lib.cuCtxPopCurrent_v2(ctypes.byref(current))
         if rc != 0:
             raise DriverError(f"{what} failed: {_error_name(self._cu, self._cu.CUresult(rc))}")
 
@@ -186,6 +198,9 @@ class CudaDriver(Driver):
 
     def stream_wait(self, event: Any, stream: int) -> None:
         self._event_call("cuStreamWaitEvent", self._libcuda().cuStreamWaitEvent, stream, event, 0)
+
+    def event_destroy(self, event: Any) -> None:
+        self._event_call("cuEventDestroy", self._libcuda().cuEventDestroy_v2, event)
 
     def _current(self) -> None:
         # Driver calls need the context current on the calling thread; allocator

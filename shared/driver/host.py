@@ -18,7 +18,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle
+from gpumem_shared.driver.base import Driver, DriverError, Handle, PeerAccessError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -53,7 +53,7 @@ class HostDriver(Driver):
         """``peers`` mirrors the CUDA driver's: host memory is reachable from every
         device, so they are only checked."""
         if any(not isinstance(p, int) or p < 0 for p in peers):
-            raise DriverUnavailable(f"peer devices are non-negative ordinals, not {list(peers)}")
+            raise PeerAccessError(f"peer devices are non-negative ordinals, not {list(peers)}")
         self.index = index
         self.capacity = capacity
         self.peers = sorted(set(peers))
@@ -76,6 +76,9 @@ class HostDriver(Driver):
         pass
 
     def stream_wait(self, event: Any, stream: int) -> None:
+        pass
+
+    def event_destroy(self, event: Any) -> None:
         pass
 
     def device_uuid(self) -> str:

@@ -87,6 +87,8 @@ def test_gpumemctl_shows_one_device_or_all(two_host_daemons: Any, runtime_dir: P
         assert human.returncode == 0, human
         assert f"=== device 0 ({uuids[0]}) ===" in human.stdout and f"=== device 1 ({uuids[1]}) ===" in human.stdout
         assert human.stdout.index("engine-on-1") > human.stdout.index("=== device 1")
+    both = ctl(runtime_dir, "status", "--all", "--device", "1")
+    assert both.returncode == 1 and "leave out --device" in both.stderr, both
     ambiguous = ctl(runtime_dir, "status", "--device", "HOST-")
     assert ambiguous.returncode == 1 and "several daemons match" in ambiguous.stderr, ambiguous
     unknown = ctl(runtime_dir, "status", "--device", "GPU-ffff")
@@ -97,6 +99,14 @@ def test_gpumemctl_shows_one_device_or_all(two_host_daemons: Any, runtime_dir: P
     d0.stop()
     none = ctl(runtime_dir, "status", "--all")
     assert none.returncode == 3 and "no live gpumemd" in none.stderr, none
+
+
+def test_a_device_index_without_an_address_slice_is_a_config_error(runtime_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gpumemd", "--device", "16", "--backend", "host", "--runtime-dir", str(runtime_dir)],
+        capture_output=True, text=True, timeout=30, env=child_env(runtime_dir),
+    )
+    assert out.returncode == 78 and "serves devices 0-15" in out.stderr, out
 
 
 def test_peer_devices_are_checked(two_host_daemons: Any, runtime_dir: Path) -> None:

@@ -528,6 +528,7 @@ class _FakeArena:
         self.session = self
         self.backend = "host"
         self.is_owner = True
+        self.borrow_pools: dict[int, Any] = {}
         self._h, self._s = h, s
 
     def torch_pool(self) -> _FakeTorchPool:

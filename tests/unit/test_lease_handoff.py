@@ -185,7 +185,7 @@ def test_clear_frees_a_shared_slot_and_keeps_the_handoff(shared: LeaseTable) -> 
 
 @pytest.mark.parametrize("kind", [REPLAY, CAPTURE], ids=KIND_NAMES.get)
 def test_an_escape_mark_refuses_replay_and_capture_at_once(table: LeaseTable, kind: int) -> None:
-    assert table.mark_escaped(SLOT, 5)
+    table.set_escaped(SLOT, 5)
     assert table.escaped(SLOT) == 5
     for session in (5, 6):  # the marker's own replay would overwrite its tensors too
         mine = word(kind, session=session)
@@ -199,47 +199,31 @@ def test_an_escape_mark_refuses_replay_and_capture_at_once(table: LeaseTable, ki
 
 @pytest.mark.parametrize("take", TAKES.values(), ids=TAKES.keys())
 def test_borrowers_still_take_an_escaped_slot(table: LeaseTable, take: Take) -> None:
-    assert table.mark_escaped(SLOT, 5)
+    table.set_escaped(SLOT, 5)
     borrower = word(BORROW, session=6)
     assert take(table, borrower) == OK
     assert table.peek(SLOT) == borrower
     assert table.release(SLOT, borrower) == OK
 
 
-def test_marks_are_only_changed_by_their_owner(table: LeaseTable) -> None:
-    assert table.mark_escaped(SLOT, 5)
-    assert not table.mark_escaped(SLOT, 6), "a mark overwrote another session's"
-    assert not table.clear_escaped(SLOT, 6), "a session cleared another session's mark"
-    assert table.escaped(SLOT) == 5
+def test_the_escape_mark_keeps_24_bits_and_clears_to_nobody(table: LeaseTable) -> None:
+    table.set_escaped(SLOT, (1 << 24) + 6)
+    assert table.escaped(SLOT) == 6
     assert table.try_acquire(SLOT, word(REPLAY, session=6), EPOCH, b"x") == ESCAPED
-    assert table.clear_escaped(SLOT, 5)
-    assert table.escaped(SLOT) == 0
+    table.set_escaped(SLOT, 0)
     assert table.try_acquire(SLOT, word(REPLAY, session=6), EPOCH, b"x") == OK
     assert table.release(SLOT, word(REPLAY, session=6)) == OK
-    # The field holds the 24-bit session of the lease words.
-    assert table.mark_escaped(SLOT, (1 << 24) + 6)
-    assert table.escaped(SLOT) == 6
-    assert table.clear_escaped(SLOT, (2 << 24) + 6) and table.escaped(SLOT) == 0
 
 
-def test_forget_session_clears_only_the_fields_naming_it(shared: LeaseTable) -> None:
+def test_forget_handoff_clears_only_the_session_it_names(shared: LeaseTable) -> None:
     first = word(REPLAY, session=1)
     assert shared.acquire(SLOT, first, EPOCH, 0) == (OK, 0)
     handed_over(shared, first)
-    assert shared.mark_escaped(SLOT, 2)
-    shared.forget_session(SLOT, 3)
-    assert (shared.handoff(SLOT), shared.escaped(SLOT)) == (1, 2)
-    shared.forget_session(SLOT, 1)
-    assert (shared.handoff(SLOT), shared.escaped(SLOT)) == (0, 2)
-    shared.forget_session(SLOT, 2)
-    assert (shared.handoff(SLOT), shared.escaped(SLOT)) == (0, 0)
-    # One session named in both fields: both go.
-    assert shared.acquire(SLOT, word(REPLAY, session=4), EPOCH, 0) == (OK, 0)
-    handed_over(shared, word(REPLAY, session=4))
-    assert shared.mark_escaped(SLOT, 4)
-    shared.forget_session(SLOT, 4)
-    assert (shared.handoff(SLOT), shared.escaped(SLOT)) == (0, 0)
-    assert shared.acquire(SLOT, word(REPLAY, session=5), EPOCH, 0) == (OK, 0), "no order, no refusal once forgotten"
+    shared.forget_handoff(SLOT, 3)
+    assert shared.handoff(SLOT) == 1
+    shared.forget_handoff(SLOT, 1)
+    assert shared.handoff(SLOT) == 0
+    assert shared.acquire(SLOT, word(REPLAY, session=5), EPOCH, 0) == (OK, 0), "no order once forgotten"
 
 
 # =========================================================================== the daemon: flags and drops
@@ -304,10 +288,14 @@ def test_status_names_the_client_whose_escape_mark_blocks_replays(h: Harness) ->
         return {g.id: g.escaped_by for g in h.state.status().extents}[pool.id]
 
     assert escaped_by() == ""
-    assert t.mark_escaped(pool.slot, word_session(b.id))
-    assert escaped_by() == "client 'b'"
-    assert t.clear_escaped(pool.slot, word_session(b.id)) and t.mark_escaped(pool.slot, 4242)
-    assert escaped_by() == "session 4242", "a session the daemon does not know (a tick repairs it) is named by number"
+    h.ok(b, p.ReportEscape(pool_id=pool.id, escaped=True))
+    assert escaped_by() == "client 'b'" and t.escaped(pool.slot) == word_session(b.id)
+    h.ok(s, p.ReportEscape(pool_id=pool.id, escaped=True))  # the owner's own borrows escape too
+    assert escaped_by() == "client 'engine', client 'b'"
+    h.ok(b, p.ReportEscape(pool_id=pool.id, escaped=False))
+    assert escaped_by() == "client 'engine'" and t.escaped(pool.slot) == word_session(s.id), "the other escaper still blocks"
+    h.ok(s, p.ReportEscape(pool_id=pool.id, escaped=False))
+    assert escaped_by() == "" and t.escaped(pool.slot) == 0
 
 
 def test_new_free_runs_move_the_slot_epoch_and_keep_the_handoff(h: Harness) -> None:
@@ -343,7 +331,7 @@ def test_dropping_a_pool_resets_its_slot_for_the_next_pool(h: Harness, how: str)
     elsewhere = owner(h, "elsewhere", arena="spare")
     pool = register(h, s, 0, "p", True)
     hand_over(h, pool, b)
-    assert h.state.lease_table.mark_escaped(pool.slot, word_session(c.id))
+    h.ok(c, p.ReportEscape(pool_id=pool.id, escaped=True))
     assert fields(h, pool) == (FLAG_SHARED, word_session(b.id), word_session(c.id))
     drop_pool(h, s, pool, how)
     assert pool.id not in h.state.graph_pools
@@ -460,9 +448,9 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
     one, two = register(h, s, 0, "one", True), register(h, s, 4 * MiB, "two", True)
     t = h.state.lease_table
     hand_over(h, one, b)
-    assert t.mark_escaped(one.slot, word_session(c.id))
+    h.ok(c, p.ReportEscape(pool_id=one.id, escaped=True))
     hand_over(h, two, c)
-    assert t.mark_escaped(two.slot, word_session(b.id))
+    h.ok(b, p.ReportEscape(pool_id=two.id, escaped=True))
     h.state.close_session(b.id)
     assert fields(h, one) == (FLAG_SHARED, 0, word_session(c.id))
     assert fields(h, two) == (FLAG_SHARED, word_session(c.id), 0)
@@ -488,14 +476,17 @@ def test_tick_repairs_flags_and_fields_naming_no_session(h: Harness) -> None:
     # What a buggy client may scribble: the daemon's flags, sessions that never were.
     t.set_flags(shared.slot, 0)
     t.set_flags(private.slot, FLAG_SHARED | 0x80)
+    h.ok(b, p.ReportEscape(pool_id=shared.id, escaped=True))
     slots = t._slots
-    slots[shared.slot].handoff, slots[shared.slot].escaped = dead, word_session(b.id)
-    slots[private.slot].handoff, slots[private.slot].escaped = word_session(b.id), dead
+    slots[shared.slot].handoff = dead
+    slots[private.slot].handoff, slots[private.slot].escaped = word_session(b.id), word_session(b.id)
     h.state.tick()
-    assert fields(h, shared) == (FLAG_SHARED, 0, word_session(b.id)), "a live session's escape mark stays"
-    assert fields(h, private) == (0, word_session(b.id), 0), "a live session's handoff stays"
+    assert fields(h, shared) == (FLAG_SHARED, 0, word_session(b.id)), "a reported escape stays"
+    assert fields(h, private) == (0, word_session(b.id), 0), "a live session's handoff stays; an unreported mark goes"
+    slots[shared.slot].escaped = 0  # a client erasing a mark the daemon holds
+    h.state.tick()
+    assert fields(h, shared) == (FLAG_SHARED, 0, word_session(b.id)), "the daemon's set of escapers is the truth"
     h.state.tick()  # idempotent
-    assert fields(h, shared) == (FLAG_SHARED, 0, word_session(b.id))
     assert fields(h, private) == (0, word_session(b.id), 0)
 
 
@@ -515,3 +506,20 @@ def test_open_by_owner_and_label_refuses_an_ambiguous_match(h: Harness) -> None:
     register(h, s, 0, "decode", True)
     h.ok(twin, p.RegisterGraphPool(arena="twin", label="decode", extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=[], shared=True))
     h.refused(s, p.OpenGraphPool(owner=s.name, label="decode"), ErrorCode.INVALID_ARGUMENT)
+
+
+def test_a_sharer_letting_go_of_the_arena_takes_its_escape_and_event_along(h: Harness) -> None:
+    s = owner(h)
+    b = sharer(h, s, "b")
+    pool = register(h, s, 0, "p", True)
+    stranger = h.connect("stranger")
+    h.refused(stranger, p.ReportEscape(pool_id=pool.id, escaped=True), ErrorCode.PERMISSION_DENIED)
+    h.refused(b, p.ReportEscape(pool_id=pool.id + 100, escaped=True), ErrorCode.NOT_FOUND)
+    h.ok(b, p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE))
+    hand_over(h, pool, b)
+    h.ok(b, p.ReportEscape(pool_id=pool.id, escaped=True))
+    assert fields(h, pool) == (FLAG_SHARED, word_session(b.id), word_session(b.id))
+    h.ok(b, p.ReleaseArena(name=ARENA))
+    # It can no longer report its tensors gone (its mapping is), so the mark goes with it.
+    assert fields(h, pool) == (FLAG_SHARED, 0, 0)
+    h.refused(s, p.LookupLeaseEvent(pool_id=pool.id, session=word_session(b.id)), ErrorCode.NOT_FOUND)

@@ -41,6 +41,7 @@ SAMPLES: list[Any] = [
     p.OpenGraphPool(owner="engine-a", label="decode"),
     p.PublishLeaseEvent(pool_id=1, handle=bytes(range(64))),
     p.LookupLeaseEvent(pool_id=1, session=3),
+    p.ReportEscape(pool_id=1, escaped=True),
 ]
 
 
@@ -110,6 +111,7 @@ def test_message_type_numbers_never_change() -> None:
         "GRAPH_POOL_OPEN": 33,
         "LEASE_EVENT_PUBLISH": 34,
         "LEASE_EVENT_LOOKUP": 35,
+        "GRAPH_POOL_ESCAPE": 36,
         "FD_BATCH": 100,
         "NOTICE": 101,
     }
