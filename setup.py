@@ -9,7 +9,7 @@ setup(
             "gpumem_shared._native",
             sources=["shared/csrc/module.c", "shared/csrc/allocator.c", "shared/csrc/leases.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
-            libraries=["pthread"],
+            libraries=["pthread", "dl"],
         )
     ]
 )

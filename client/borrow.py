@@ -242,7 +242,17 @@ def _torch_for(session: Session) -> Any:
 def _warm_cublas(torch: Any, device: int, stream: int) -> None:
     if (device, stream) in _WARM_STREAMS:
         return
-    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+    # torch keys the workspaces by its stream object, not the raw handle: warm on the
+    # very stream torch will be running (an ExternalStream over the same handle would
+    # be another key).
+    current = torch.cuda.current_stream(device)
+    if int(current.cuda_stream) == stream:
+        target = current
+    elif stream == int(torch.cuda.default_stream(device).cuda_stream):
+        target = torch.cuda.default_stream(device)
+    else:
+        target = torch.cuda.ExternalStream(stream, device=device)
+    with torch.cuda.device(device), torch.cuda.stream(target):
         a = torch.ones((16, 16), device=f"cuda:{device}")
         torch.nn.functional.linear(a, a, a[0])  # cublasLt, with its own workspace
         a @ a

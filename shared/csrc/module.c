@@ -8,6 +8,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <dlfcn.h>
 #include <stdint.h>
 
 #define LEASE_SLOTS 1024
@@ -61,7 +62,83 @@ static PyObject *lease_release(PyObject *module, PyObject *const *args, Py_ssize
     return PyLong_FromLong(gpumem_lease_release(table, index, (uint64_t)word));
 }
 
+/* IPC-event calls at a lease handoff, into libcuda resolved at first use (the package
+ * builds without CUDA headers, and runs where no driver exists). Each runs in the given
+ * context, pushed only when the thread's current one differs: a process driving several
+ * GPUs calls them from any device. Returns the CUresult (0 = success), or -1 when no
+ * driver could be loaded. */
+typedef int (*ctx_get_fn)(void **);
+typedef int (*ctx_push_fn)(void *);
+typedef int (*ctx_pop_fn)(void **);
+typedef int (*event_record_fn)(void *, void *);
+typedef int (*stream_wait_fn)(void *, void *, unsigned int);
+
+static struct {
+    int loaded;
+    ctx_get_fn get;
+    ctx_push_fn push;
+    ctx_pop_fn pop;
+    event_record_fn record;
+    stream_wait_fn wait;
+} cu;
+
+static int load_cuda(void) {
+    if (cu.loaded) return cu.loaded > 0 ? 0 : -1;
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!lib) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (lib) {
+        cu.get = (ctx_get_fn)dlsym(lib, "cuCtxGetCurrent");
+        cu.push = (ctx_push_fn)dlsym(lib, "cuCtxPushCurrent_v2");
+        cu.pop = (ctx_pop_fn)dlsym(lib, "cuCtxPopCurrent_v2");
+        cu.record = (event_record_fn)dlsym(lib, "cuEventRecord");
+        cu.wait = (stream_wait_fn)dlsym(lib, "cuStreamWaitEvent");
+    }
+    cu.loaded = lib && cu.get && cu.push && cu.pop && cu.record && cu.wait ? 1 : -1;
+    return cu.loaded > 0 ? 0 : -1;
+}
+
+static int in_context(void *ctx, int wait, void *event, void *stream) {
+    if (load_cuda() < 0) return -1;
+    void *current = NULL;
+    cu.get(&current);
+    int pushed = current != ctx;
+    if (pushed) {
+        int rc = cu.push(ctx);
+        if (rc) return rc;
+    }
+    int rc = wait ? cu.wait(stream, event, 0) : cu.record(event, stream);
+    if (pushed) cu.pop(&current);
+    return rc;
+}
+
+static PyObject *cuda_event_call(PyObject *const *args, Py_ssize_t nargs, int wait) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "(context, event, stream) handles as ints");
+        return NULL;
+    }
+    void *ptr[3];
+    for (int i = 0; i < 3; i++) {
+        ptr[i] = PyLong_AsVoidPtr(args[i]);
+        if (ptr[i] == NULL && PyErr_Occurred()) return NULL;
+    }
+    return PyLong_FromLong(in_context(ptr[0], wait, ptr[1], ptr[2]));
+}
+
+/* cuda_event_record(context, event, stream) -> CUresult */
+static PyObject *cuda_event_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    return cuda_event_call(args, nargs, 0);
+}
+
+/* cuda_stream_wait(context, event, stream) -> CUresult */
+static PyObject *cuda_stream_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    return cuda_event_call(args, nargs, 1);
+}
+
 static PyMethodDef native_methods[] = {
+    {"cuda_event_record", (PyCFunction)(void (*)(void))cuda_event_record, METH_FASTCALL, "cuEventRecord in a context."},
+    {"cuda_stream_wait", (PyCFunction)(void (*)(void))cuda_stream_wait, METH_FASTCALL, "cuStreamWaitEvent in a context."},
     {"lease_try", (PyCFunction)(void (*)(void))lease_try, METH_FASTCALL, "The uncontended lease acquire (see leases.c)."},
     {"lease_release", (PyCFunction)(void (*)(void))lease_release, METH_FASTCALL, "A holder's release (see leases.c)."},
     {NULL, NULL, 0, NULL},

@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from gpumem_shared import _native
 from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle, PeerAccessError
 
 
@@ -87,6 +88,7 @@ class CudaDriver(Driver):
         # The primary context is the one torch's runtime uses, so a client shares it.
         self._ctx = self._ck(cu.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
         self._ck(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._ctx_handle = int(self._ctx)
         self._posix = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -149,14 +151,11 @@ class CudaDriver(Driver):
             lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
             lib.cuIpcGetEventHandle.argtypes = [ctypes.POINTER(_IpcEventHandle), ctypes.c_void_p]
             lib.cuIpcOpenEventHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcEventHandle]
-            lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
             lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
             lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
             lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
             lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
             self._lib = lib
-            self._ctx_handle = int(self._ctx)
         return lib
 
     def _event_call(self, what: str, fn: Any, *args: Any) -> None:
@@ -193,11 +192,19 @@ class CudaDriver(Driver):
         self._event_call("cuIpcOpenEventHandle", lib.cuIpcOpenEventHandle, ctypes.byref(event), raw)
         return event
 
+    # On every handoff: one native call each, context check included.
     def event_record(self, event: Any, stream: int) -> None:
-        self._event_call("cuEventRecord", self._libcuda().cuEventRecord, event, stream)
+        rc = _native.cuda_event_record(self._ctx_handle, event.value, stream)
+        if rc:
+            raise DriverError(f"cuEventRecord failed: {self._result_name(rc)}")
 
     def stream_wait(self, event: Any, stream: int) -> None:
-        self._event_call("cuStreamWaitEvent", self._libcuda().cuStreamWaitEvent, stream, event, 0)
+        rc = _native.cuda_stream_wait(self._ctx_handle, event.value, stream)
+        if rc:
+            raise DriverError(f"cuStreamWaitEvent failed: {self._result_name(rc)}")
+
+    def _result_name(self, rc: int) -> str:
+        return "libcuda could not be loaded" if rc < 0 else _error_name(self._cu, self._cu.CUresult(rc))
 
     def event_destroy(self, event: Any) -> None:
         self._event_call("cuEventDestroy", self._libcuda().cuEventDestroy_v2, event)
