@@ -80,18 +80,8 @@ def _library() -> ctypes.CDLL:
         from gpumem_shared import _native  # built with the package; see setup.py
 
         lib = ctypes.CDLL(_native.__file__)
-        lib.gpumem_lease_acquire.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint32,
-            ctypes.c_int64,
-            ctypes.POINTER(ctypes.c_uint64),
-        ]
-        lib.gpumem_lease_acquire.restype = ctypes.c_int
-        for name in ("gpumem_lease_release_recorded", "gpumem_lease_clear"):
-            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
-            getattr(lib, name).restype = ctypes.c_int
+        lib.gpumem_lease_clear.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
+        lib.gpumem_lease_clear.restype = ctypes.c_int
         for name in ("gpumem_lease_set_flags", "gpumem_lease_set_escaped", "gpumem_lease_forget_handoff"):
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
             getattr(lib, name).restype = None
@@ -119,6 +109,8 @@ class LeaseTable:
 
         self._try = _native.lease_try
         self._release = _native.lease_release
+        self._release_recorded = _native.lease_release_recorded
+        self._acquire = _native.lease_acquire
 
     @classmethod
     def create(cls) -> tuple[LeaseTable, int]:
@@ -136,9 +128,8 @@ class LeaseTable:
 
     def acquire(self, slot: int, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
         """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""
-        found = ctypes.c_uint64(0)
-        rc = self._lib.gpumem_lease_acquire(self.address, slot, word, epoch, int(timeout_s * 1e9), ctypes.byref(found))
-        return rc, int(found.value)
+        status, found = self._acquire(self.address, slot, word, epoch, int(timeout_s * 1e9))
+        return int(status), int(found)
 
     def release(self, slot: int, word: int) -> int:
         """OK, NOT_HOLDER, or RECORD (nothing released: a shared pool; record the IPC
@@ -146,7 +137,7 @@ class LeaseTable:
         return int(self._release(self.address, slot, word))
 
     def release_recorded(self, slot: int, word: int) -> int:
-        return int(self._lib.gpumem_lease_release_recorded(self.address, slot, word))
+        return int(self._release_recorded(self.address, slot, word))
 
     def clear(self, slot: int, word: int) -> int:
         """Free the slot if it holds ``word``, without ordering: the daemon's sweep."""

@@ -15,6 +15,8 @@
 
 int gpumem_lease_try(void *table, uint32_t index, uint64_t mine, uint32_t epoch, const char *label, uint32_t len);
 int gpumem_lease_release(void *table, uint32_t index, uint64_t word);
+int gpumem_lease_release_recorded(void *table, uint32_t index, uint64_t word);
+int gpumem_lease_acquire(void *table, uint32_t index, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder);
 
 static int slot_arg(PyObject *arg, uint32_t *out) {
     unsigned long index = PyLong_AsUnsignedLong(arg);
@@ -47,11 +49,45 @@ static PyObject *lease_try(PyObject *module, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLong(gpumem_lease_try(table, index, (uint64_t)word, (uint32_t)epoch, label, (uint32_t)len));
 }
 
+static int release_args(PyObject *const *args, Py_ssize_t nargs, void **table, uint32_t *index, uint64_t *word) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "(table_address, slot, word)");
+        return -1;
+    }
+    *table = PyLong_AsVoidPtr(args[0]);
+    if ((*table == NULL && PyErr_Occurred()) || slot_arg(args[1], index) < 0) return -1;
+    unsigned long long value = PyLong_AsUnsignedLongLong(args[2]);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *word = (uint64_t)value;
+    return 0;
+}
+
 /* lease_release(table_address, slot, word) -> status */
 static PyObject *lease_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "lease_release(table_address, slot, word)");
+    void *table;
+    uint32_t index;
+    uint64_t word;
+    if (release_args(args, nargs, &table, &index, &word) < 0) return NULL;
+    return PyLong_FromLong(gpumem_lease_release(table, index, word));
+}
+
+/* lease_release_recorded(table_address, slot, word) -> status */
+static PyObject *lease_release_recorded(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    void *table;
+    uint32_t index;
+    uint64_t word;
+    if (release_args(args, nargs, &table, &index, &word) < 0) return NULL;
+    return PyLong_FromLong(gpumem_lease_release_recorded(table, index, word));
+}
+
+/* lease_acquire(table_address, slot, word, epoch, timeout_ns) -> (status, word found);
+ * sleeps on the slot's futex without the GIL. */
+static PyObject *lease_acquire(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "lease_acquire(table_address, slot, word, epoch, timeout_ns)");
         return NULL;
     }
     uint32_t index;
@@ -59,7 +95,16 @@ static PyObject *lease_release(PyObject *module, PyObject *const *args, Py_ssize
     if ((table == NULL && PyErr_Occurred()) || slot_arg(args[1], &index) < 0) return NULL;
     unsigned long long word = PyLong_AsUnsignedLongLong(args[2]);
     if (word == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    return PyLong_FromLong(gpumem_lease_release(table, index, (uint64_t)word));
+    unsigned long epoch = PyLong_AsUnsignedLong(args[3]);
+    if (epoch == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    long long timeout_ns = PyLong_AsLongLong(args[4]);
+    if (timeout_ns == -1 && PyErr_Occurred()) return NULL;
+    uint64_t found = 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = gpumem_lease_acquire(table, index, (uint64_t)word, (uint32_t)epoch, (int64_t)timeout_ns, &found);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(iK)", status, (unsigned long long)found);
 }
 
 /* IPC-event calls at a lease handoff, into libcuda resolved at first use (the package
@@ -141,6 +186,9 @@ static PyMethodDef native_methods[] = {
     {"cuda_stream_wait", (PyCFunction)(void (*)(void))cuda_stream_wait, METH_FASTCALL, "cuStreamWaitEvent in a context."},
     {"lease_try", (PyCFunction)(void (*)(void))lease_try, METH_FASTCALL, "The uncontended lease acquire (see leases.c)."},
     {"lease_release", (PyCFunction)(void (*)(void))lease_release, METH_FASTCALL, "A holder's release (see leases.c)."},
+    {"lease_release_recorded", (PyCFunction)(void (*)(void))lease_release_recorded, METH_FASTCALL,
+     "A holder's release after recording its IPC event (see leases.c)."},
+    {"lease_acquire", (PyCFunction)(void (*)(void))lease_acquire, METH_FASTCALL, "Take a slot, waiting up to a timeout."},
     {NULL, NULL, 0, NULL},
 };
 
