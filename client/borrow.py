@@ -30,7 +30,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import leases
-from gpumem.allocator import FAIL_STREAM, MAX_EXTENTS, Slot
+from gpumem.allocator import FAIL_STREAM, MAX_EXTENTS, Slot, SlotStats
 from gpumem.errors import BorrowEscaped, BorrowOutOfMemory, BorrowStreamMismatch, GpuMemError, InvalidArgument
 from gpumem.leases import Lease, current_stream
 from gpumem.views import RawView
@@ -104,28 +104,29 @@ class BorrowPool:
         self.raw_live: dict[int, int] = {}
         self.escaped_scope: str | None = None  # the scope whose tensors outlived it
         self.builds = 0
-        self.failures_seen = 0
         _LIVE_POOLS.add(self)
 
     # ------------------------------------------------------------------ lifecycle
 
-    def ensure(self, pool: GraphPool, use_torch: bool) -> None:
+    def ensure(self, pool: GraphPool, use_torch: bool) -> SlotStats:
         """Ready to serve from ``pool``'s current runs: rebuild when they changed, when
-        torch gave segments back, or when the cursor passed half of them."""
+        torch gave segments back, or when the cursor passed half of them. Returns the
+        slot's counters as the scope starts."""
         key = (pool.epoch, tuple((r.offset, r.size) for r in pool.free_runs[:MAX_EXTENTS]))
         if self.runs_key is not None and (self.torch_pool is not None or not use_torch):
             stats = self.slot.stats()
             if key == self.runs_key and not stats.freed_bytes and stats.cursor_bytes <= self.capacity // 2:
-                return
+                return stats
             live = self.live_bytes()
             if live:
                 if key == self.runs_key:
-                    return  # blocks are live: keep serving around them, rebuild once they are gone
+                    return stats  # blocks are live: keep serving around them, rebuild once they are gone
                 raise BorrowEscaped(
                     f"graph pool {pool.id} ('{pool.label}') has new free runs (epoch {pool.epoch}), but {live} bytes "
                     f"borrowed from its old runs in scope '{self.escaped_scope or '?'}' are still alive: free them first"
                 )
         self._build(pool, key, use_torch)
+        return self.slot.stats()
 
     def _build(self, pool: GraphPool, key: tuple[int, tuple[tuple[int, int], ...]], use_torch: bool) -> None:
         base = pool.arena.address
@@ -141,7 +142,6 @@ class BorrowPool:
         self.slot.set_extents(extents)
         self.capacity = sum(size for _, size in extents)
         self.runs_key = key
-        self.failures_seen = self.slot.stats().failures
         if use_torch:
             self.torch_pool = _new_torch_pool(self)
         self.builds += 1
@@ -170,12 +170,9 @@ class BorrowPool:
         if self.raw_live.pop(address, None) is not None:
             self.slot.free(address, nbytes, self.stream)
 
-    def failure(self, nbytes: int, scope: str) -> GpuMemError | None:
-        """The error for a request the slot refused since the last look, if any."""
+    def failure(self, nbytes: int, scope: str) -> GpuMemError:
+        """The error for the request the slot refused last, by its reason."""
         stats = self.slot.stats()
-        if stats.failures == self.failures_seen:
-            return None
-        self.failures_seen = stats.failures
         if stats.last_fail_reason == FAIL_STREAM:
             return BorrowStreamMismatch(
                 f"borrow scope '{scope}' on graph pool {self.pool_id} ('{self.label}'): an allocation ran on another "
@@ -287,10 +284,9 @@ class Borrow:
             if existing is None:
                 existing = session.borrow_pools[pool.id] = BorrowPool(session, pool, self.stream)
             self.borrow_pool = existing
-            existing.ensure(pool, self._torch is not None)
+            self._failures_before = existing.ensure(pool, self._torch is not None).failures
             # Blocks an earlier scope let escape are that scope's fault, not this one's.
             self._live_before = existing.live_bytes() if existing.escaped_scope else 0
-            self._failures_before = existing.slot.stats().failures
             if existing.torch_pool is not None:
                 self._route = self._torch.cuda.use_mem_pool(existing.torch_pool, device=existing.device)
                 self._route.__enter__()
@@ -306,8 +302,7 @@ class Borrow:
         bp = self.borrow_pool
         address = bp.slot.alloc(nbytes, bp.stream)
         if not address:
-            error = bp.failure(nbytes, self.user)
-            raise error if error is not None else BorrowOutOfMemory(f"borrow '{self.user}': {nbytes} bytes did not fit")
+            raise bp.failure(nbytes, self.user)
         bp.raw_live[address] = nbytes
         block = _Block(bp, address, nbytes)
         if self.session.backend == "cuda":

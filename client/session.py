@@ -154,7 +154,7 @@ class Session:
             self.session_id = hello.session_id
             # This session's lease words, one per kind (the hot path must not rebuild them).
             self.lease_words = {kind: leases.encode(kind, hello.session_id, os.getpid()) for kind in leases.KIND_NAMES}
-            self._word_session = leases.decode(self.lease_words[leases.REPLAY])[1]
+            self._word_session = leases.word_session(hello.session_id)
             self._daemon_key = f"{endpoints.runtime_dir}:{endpoints.index}"
             self.backend = hello.backend
             self.device = hello.device
@@ -491,7 +491,7 @@ class Session:
                 {"scope": mine.escaped_scope or "", "pid": os.getpid()},
             )
         status = self.status()
-        client = next((c for c in status.clients if leases.decode(leases.encode(0, c.session_id, 0))[1] == marker), None)
+        client = next((c for c in status.clients if leases.word_session(c.session_id) == marker), None)
         name, pid = (client.name, client.pid) if client else (f"session {marker}", 0)
         who = next((g.escaped_by for g in status.extents if g.id == pool.id and g.escaped_by), f"client '{name}'")
         return BorrowEscaped(

@@ -41,11 +41,6 @@ MAX_PLACEHOLDER_SLOT = 256 * MiB
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")
 
 
-def _word_session(session_id: int) -> int:
-    """A session id as a lease word carries it (24 bits; see leases.encode)."""
-    return leases.decode(leases.encode(0, session_id, 0))[1]
-
-
 VA_PLAN_BASE = 0x2000_0000_0000
 VA_PLAN_SLICE = 4 << 40
 VA_PLAN_SLICES = 16  # 64 TiB in all, below the top-down mmap area near 128 TiB
@@ -264,9 +259,9 @@ class DaemonState:
                 p.ErrorCode.INVALID_ARGUMENT,
                 f"client name {hello.name!r} is not valid: 1-128 characters of letters, digits and ._:@+-",
             )
-        live = {_word_session(i) for i in self.sessions}
+        live = {leases.word_session(i) for i in self.sessions}
         # Lease words must tell live sessions apart, and 0 in a slot's fields means nobody.
-        while _word_session(self._next_session) in live or _word_session(self._next_session) == 0:
+        while leases.word_session(self._next_session) in live or leases.word_session(self._next_session) == 0:
             self._next_session += 1
         session = Session(
             id=self._next_session, name=hello.name, pid=pid, uid=uid, gid=gid, since=self.wall_clock(), token=os.urandom(16)
@@ -617,7 +612,7 @@ class DaemonState:
             raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no graph pool {m.pool_id} on device {self.device.index}")
         self._check_pool_user(s, pool)
         for sid, handle in pool.events.items():
-            if _word_session(sid) == m.session:
+            if leases.word_session(sid) == m.session:
                 return Outcome(p.LeaseEventReply(handle=handle))
         raise p.ProtocolError(
             p.ErrorCode.NOT_FOUND,
@@ -638,8 +633,13 @@ class DaemonState:
         self._write_escape(pool)
         return Outcome(p.Ack())
 
+    @staticmethod
+    def _escape_mark(pool: GraphPool) -> int:
+        """What the slot's escape field must hold: one of the escaping sessions, or 0."""
+        return leases.word_session(min(pool.escapers)) if pool.escapers else 0
+
     def _write_escape(self, pool: GraphPool) -> None:
-        self.lease_table.set_escaped(pool.slot, _word_session(min(pool.escapers)) if pool.escapers else 0)
+        self.lease_table.set_escaped(pool.slot, self._escape_mark(pool))
 
     def _forget_user(self, pool: GraphPool, session_id: int) -> None:
         """``session_id`` no longer uses the pool (it ended, or let go of its arena): its
@@ -648,7 +648,7 @@ class DaemonState:
         if session_id in pool.escapers:
             pool.escapers.discard(session_id)
             self._write_escape(pool)
-        self.lease_table.forget_handoff(pool.slot, _word_session(session_id))
+        self.lease_table.forget_handoff(pool.slot, leases.word_session(session_id))
 
     def _drop_graph_pool(self, pool: GraphPool) -> None:
         """Forget the pool and free its lease slot: a holder is swept, waiters wake and
@@ -668,7 +668,7 @@ class DaemonState:
         a state that cannot be: a kind the daemon does not know, a holder session that
         does not exist, a slot no pool owns. A buggy client can write anything there."""
         owned = {g.slot: g for g in self.graph_pools.values()}
-        live = {_word_session(i) for i in self.sessions}
+        live = {leases.word_session(i) for i in self.sessions}
         if session_id is not None:
             for pool in self.graph_pools.values():
                 self._forget_user(pool, session_id)
@@ -679,7 +679,7 @@ class DaemonState:
                 if self.lease_table.flags(slot) != (leases.FLAG_SHARED if pool.shared else 0):
                     log.warning("lease slot %d: flags %#x repaired", slot, self.lease_table.flags(slot))
                     self.lease_table.set_flags(slot, leases.FLAG_SHARED if pool.shared else 0)
-                escaped = _word_session(min(pool.escapers)) if pool.escapers else 0
+                escaped = self._escape_mark(pool)
                 if self.lease_table.escaped(slot) != escaped:
                     log.warning("lease slot %d: escape mark %d repaired to %d", slot, self.lease_table.escaped(slot), escaped)
                     self.lease_table.set_escaped(slot, escaped)
@@ -692,7 +692,7 @@ class DaemonState:
                 continue
             kind, holder, pid = leases.decode(word)
             if session_id is not None:
-                if holder == _word_session(session_id):
+                if holder == leases.word_session(session_id):
                     self.lease_table.clear(slot, word)
                     log.info("lease slot %d: swept a %s lease of session %d (pid %d), which ended", slot, leases.KIND_NAMES.get(kind, kind), holder, pid)
                 continue
@@ -1367,7 +1367,7 @@ class DaemonState:
 
     def _lease_status(self) -> list[p.LeaseStatus]:
         out = []
-        by_word = {_word_session(i): s for i, s in self.sessions.items()}
+        by_word = {leases.word_session(i): s for i, s in self.sessions.items()}
         for pool in self.graph_pools.values():
             holder = self.lease_table.holder(pool.slot)
             if holder is None:

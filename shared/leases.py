@@ -36,8 +36,14 @@ def lease_epoch(pool_id: int, epoch: int) -> int:
     return ((pool_id & 0xFFFF) << 16) | (epoch & 0xFFFF) or 1
 
 
+def word_session(session_id: int) -> int:
+    """A session id as lease words and slot fields carry it: its low 24 bits (the daemon
+    never hands out two live sessions, nor any session, whose 24 bits collide or are 0)."""
+    return session_id & 0xFFFFFF
+
+
 def encode(kind: int, session: int, pid: int) -> int:
-    return (kind << 56) | ((session & 0xFFFFFF) << 32) | (pid & 0xFFFFFFFF)
+    return (kind << 56) | (word_session(session) << 32) | (pid & 0xFFFFFFFF)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +152,7 @@ class LeaseTable:
     def set_escaped(self, slot: int, session: int) -> None:
         """The daemon: refuse replay and capture while any session's borrowed tensors
         outlive their scope; the slot names one of them (0: none)."""
-        self._lib.gpumem_lease_set_escaped(self.address, slot, session & 0xFFFFFF)
+        self._lib.gpumem_lease_set_escaped(self.address, slot, word_session(session))
 
     def escaped(self, slot: int) -> int:
         return int(self._slots[slot].escaped)
@@ -162,7 +168,7 @@ class LeaseTable:
 
     def forget_handoff(self, slot: int, session: int) -> None:
         """A session ended: if it was the last to release, its IPC event went with it."""
-        self._lib.gpumem_lease_forget_handoff(self.address, slot, session & 0xFFFFFF)
+        self._lib.gpumem_lease_forget_handoff(self.address, slot, word_session(session))
 
     def peek(self, slot: int) -> int:
         return int(self._lib.gpumem_lease_peek(self.address, slot))

@@ -282,8 +282,10 @@ def escape_is_caught() -> None:
 
         raises(gpumem.BorrowEscaped, escaping, "'EAGLE probability borrow'", "still alive")
         assert s.leases.peek(w.pool.slot) == 0, "an escape must still give the lease back"
-        assert s.leases.escaped(w.pool.slot) == s.session_id & 0xFFFFFF
+        assert s.leases.escaped(w.pool.slot) == leases.word_session(s.session_id)
         assert [g.escaped_by for g in s.status().extents] == [f"client '{OWNER}'"], "gpumemctl shows who blocks replays"
+        shown = subprocess.run([sys.executable, "-m", "gpumem.ctl", "extents"], capture_output=True, text=True, timeout=30)
+        assert f"replay and capture refused: client '{OWNER}' holds borrowed tensors" in shown.stdout, shown
         raises(gpumem.BorrowEscaped, lambda: s.replay(w.pool), "'EAGLE probability borrow'", "replay")
         raises(gpumem.BorrowEscaped, lambda: s.capture(w.pool), "capture")
         peer(["escaped_peer_refused", str(w.pool.id)])
@@ -544,7 +546,7 @@ def wait_for_turn(session: gpumem.Session, pool: gpumem.GraphPool, last: bool) -
     the releaser, a few microseconds from its next acquire, would mostly win again."""
     if last:
         return
-    me = leases.decode(session.lease_words[leases.BORROW])[1]
+    me = leases.word_session(session.session_id)
     deadline = time.monotonic() + 30.0
     while session.leases.handoff(pool.slot) == me:
         if time.monotonic() > deadline:

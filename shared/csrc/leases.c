@@ -159,35 +159,8 @@ static void wake(lease_slot *slot) {
         syscall(SYS_futex, &slot->futex, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Free slot ``index`` if it still holds ``word``; LEASE_NOT_HOLDER otherwise (a double
- * release, or a lease the daemon already swept). On a shared pool it frees nothing and
- * returns LEASE_RECORD: the holder records its IPC event first (release_recorded). */
-int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t word) {
-    lease_slot *slot = &table[index];
-    if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
-    if (__atomic_load_n(&slot->flags, __ATOMIC_ACQUIRE) & LEASE_FLAG_SHARED) return LEASE_RECORD;
-    uint64_t expected = word;
-    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-        return LEASE_NOT_HOLDER;
-    wake(slot);
-    return LEASE_OK;
-}
-
-/* The release of a holder that recorded its IPC event on its stream: the next holder
- * from another process waits on that event before touching the pool. */
-int gpumem_lease_release_recorded(lease_slot *table, uint32_t index, uint64_t word) {
-    lease_slot *slot = &table[index];
-    if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
-    __atomic_store_n(&slot->handoff, SESSION_OF(word), __ATOMIC_RELEASE);
-    uint64_t expected = word;
-    if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-        return LEASE_NOT_HOLDER;
-    wake(slot);
-    return LEASE_OK;
-}
-
-/* The daemon's sweep, and a holder's give-back without ordering: free the slot if it
- * still holds ``word``. */
+/* Free slot ``index`` if it still holds ``word``, without ordering: the daemon's sweep,
+ * and the last step of both releases below. */
 int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word) {
     lease_slot *slot = &table[index];
     uint64_t expected = word;
@@ -195,6 +168,25 @@ int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word) {
         return LEASE_NOT_HOLDER;
     wake(slot);
     return LEASE_OK;
+}
+
+/* A holder's release: LEASE_NOT_HOLDER if the slot no longer holds ``word`` (a double
+ * release, or a lease the daemon already swept). On a shared pool it frees nothing and
+ * returns LEASE_RECORD: the holder records its IPC event first (release_recorded). */
+int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t word) {
+    lease_slot *slot = &table[index];
+    if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
+    if (__atomic_load_n(&slot->flags, __ATOMIC_ACQUIRE) & LEASE_FLAG_SHARED) return LEASE_RECORD;
+    return gpumem_lease_clear(table, index, word);
+}
+
+/* The release of a holder that recorded its IPC event on its stream: the next holder
+ * from another session waits on that event before touching the pool. */
+int gpumem_lease_release_recorded(lease_slot *table, uint32_t index, uint64_t word) {
+    lease_slot *slot = &table[index];
+    if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
+    __atomic_store_n(&slot->handoff, SESSION_OF(word), __ATOMIC_RELEASE);
+    return gpumem_lease_clear(table, index, word);
 }
 
 /* The daemon: the slot's flags, its escape mark (one of the sessions whose borrowed

@@ -29,29 +29,12 @@ static int slot_arg(PyObject *arg, uint32_t *out) {
     return 0;
 }
 
-/* lease_try(table_address, slot, word, epoch, label: bytes) -> status */
-static PyObject *lease_try(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "lease_try(table_address, slot, word, epoch, label)");
-        return NULL;
-    }
-    uint32_t index;
-    void *table = PyLong_AsVoidPtr(args[0]);
-    if ((table == NULL && PyErr_Occurred()) || slot_arg(args[1], &index) < 0) return NULL;
-    unsigned long long word = PyLong_AsUnsignedLongLong(args[2]);
-    if (word == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    unsigned long epoch = PyLong_AsUnsignedLong(args[3]);
-    if (epoch == (unsigned long)-1 && PyErr_Occurred()) return NULL;
-    char *label;
-    Py_ssize_t len;
-    if (PyBytes_AsStringAndSize(args[4], &label, &len) < 0) return NULL;
-    return PyLong_FromLong(gpumem_lease_try(table, index, (uint64_t)word, (uint32_t)epoch, label, (uint32_t)len));
-}
-
-static int release_args(PyObject *const *args, Py_ssize_t nargs, void **table, uint32_t *index, uint64_t *word) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "(table_address, slot, word)");
+/* The arguments every lease call starts with: (table_address, slot, word, ...), checked
+ * for count and type; ``epoch`` too when asked for. */
+static int lease_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, void **table,
+                      uint32_t *index, uint64_t *word, uint32_t *epoch) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
         return -1;
     }
     *table = PyLong_AsVoidPtr(args[0]);
@@ -59,7 +42,26 @@ static int release_args(PyObject *const *args, Py_ssize_t nargs, void **table, u
     unsigned long long value = PyLong_AsUnsignedLongLong(args[2]);
     if (value == (unsigned long long)-1 && PyErr_Occurred()) return -1;
     *word = (uint64_t)value;
+    if (epoch) {
+        unsigned long e = PyLong_AsUnsignedLong(args[3]);
+        if (e == (unsigned long)-1 && PyErr_Occurred()) return -1;
+        *epoch = (uint32_t)e;
+    }
     return 0;
+}
+
+/* lease_try(table_address, slot, word, epoch, label: bytes) -> status */
+static PyObject *lease_try(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    void *table;
+    uint32_t index, epoch;
+    uint64_t word;
+    char *label;
+    Py_ssize_t len;
+    if (lease_args(args, nargs, 5, "lease_try(table_address, slot, word, epoch, label)", &table, &index, &word, &epoch) < 0 ||
+        PyBytes_AsStringAndSize(args[4], &label, &len) < 0)
+        return NULL;
+    return PyLong_FromLong(gpumem_lease_try(table, index, word, epoch, label, (uint32_t)len));
 }
 
 /* lease_release(table_address, slot, word) -> status */
@@ -68,7 +70,7 @@ static PyObject *lease_release(PyObject *module, PyObject *const *args, Py_ssize
     void *table;
     uint32_t index;
     uint64_t word;
-    if (release_args(args, nargs, &table, &index, &word) < 0) return NULL;
+    if (lease_args(args, nargs, 3, "lease_release(table_address, slot, word)", &table, &index, &word, NULL) < 0) return NULL;
     return PyLong_FromLong(gpumem_lease_release(table, index, word));
 }
 
@@ -78,7 +80,8 @@ static PyObject *lease_release_recorded(PyObject *module, PyObject *const *args,
     void *table;
     uint32_t index;
     uint64_t word;
-    if (release_args(args, nargs, &table, &index, &word) < 0) return NULL;
+    if (lease_args(args, nargs, 3, "lease_release_recorded(table_address, slot, word)", &table, &index, &word, NULL) < 0)
+        return NULL;
     return PyLong_FromLong(gpumem_lease_release_recorded(table, index, word));
 }
 
@@ -86,23 +89,17 @@ static PyObject *lease_release_recorded(PyObject *module, PyObject *const *args,
  * sleeps on the slot's futex without the GIL. */
 static PyObject *lease_acquire(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "lease_acquire(table_address, slot, word, epoch, timeout_ns)");
+    void *table;
+    uint32_t index, epoch;
+    uint64_t word;
+    if (lease_args(args, nargs, 5, "lease_acquire(table_address, slot, word, epoch, timeout_ns)", &table, &index, &word, &epoch) < 0)
         return NULL;
-    }
-    uint32_t index;
-    void *table = PyLong_AsVoidPtr(args[0]);
-    if ((table == NULL && PyErr_Occurred()) || slot_arg(args[1], &index) < 0) return NULL;
-    unsigned long long word = PyLong_AsUnsignedLongLong(args[2]);
-    if (word == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    unsigned long epoch = PyLong_AsUnsignedLong(args[3]);
-    if (epoch == (unsigned long)-1 && PyErr_Occurred()) return NULL;
     long long timeout_ns = PyLong_AsLongLong(args[4]);
     if (timeout_ns == -1 && PyErr_Occurred()) return NULL;
     uint64_t found = 0;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = gpumem_lease_acquire(table, index, (uint64_t)word, (uint32_t)epoch, (int64_t)timeout_ns, &found);
+    status = gpumem_lease_acquire(table, index, word, epoch, (int64_t)timeout_ns, &found);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(iK)", status, (unsigned long long)found);
 }

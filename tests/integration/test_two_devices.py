@@ -9,6 +9,7 @@ are visible."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -59,7 +60,9 @@ def test_clients_find_each_daemon_by_index_and_by_uuid_and_state_stays_apart(two
         y = b.create_arena("kv", GiB)  # the same name on the other daemon: its own namespace
         y.commit(32 * MiB)
         assert x.address + x.reserved <= y.address, "each device plans in its own address slice: both map in one process"
-        assert x.view(0, 8).__array_interface__ and y.view(0, 8).__array_interface__
+        ctypes.memset(x.address, 0xA0, MiB)  # both mappings live side by side in this process, each its own bytes
+        ctypes.memset(y.address, 0xB1, MiB)
+        assert ctypes.string_at(x.address, MiB) == b"\xa0" * MiB and ctypes.string_at(y.address, MiB) == b"\xb1" * MiB
         s0, s1 = status(runtime_dir, 0), status(runtime_dir, 1)
         assert [(r["name"], r["owner"], r["committed"]) for r in s0["arenas"]] == [("kv", "a", 64 * MiB)]
         assert [(r["name"], r["owner"], r["committed"]) for r in s1["arenas"]] == [("kv", "b", 32 * MiB)]
