@@ -7,7 +7,7 @@ setup(
     ext_modules=[
         Extension(
             "gpumem_shared._native",
-            sources=["shared/csrc/module.c", "shared/csrc/allocator.c", "shared/csrc/leases.c"],
+            sources=["shared/gpumem_shared/csrc/module.c", "shared/gpumem_shared/csrc/allocator.c", "shared/gpumem_shared/csrc/leases.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
             libraries=["pthread", "dl"],
         )

@@ -2,7 +2,7 @@
 
 - ``Engine``: a tests/clients.py shell that declares one KV pool and drives it through
   a round (placeholder, join, capture-done), as an engine would.
-- ``cost`` / ``expected_split``: the budget split as documented in daemon/kv.py,
+- ``cost`` / ``expected_split``: the budget split as documented in gpumemd/kv.py,
   recomputed from the figures a round reports, so the same expectations hold on the
   host backend (fixed capacity) and on CUDA (whatever the GPU has free).
 - ``ctl`` / ``ctl_json``: gpumemctl in its own process.

@@ -1,4 +1,4 @@
-"""docs/protocol.md must agree with shared/protocol.py: a renamed, renumbered or new
+"""docs/protocol.md must agree with gpumem_shared/protocol.py: a renamed, renumbered or new
 message type or error code, or a version bump, fails here until the page follows."""
 
 from __future__ import annotations

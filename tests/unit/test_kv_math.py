@@ -1,4 +1,4 @@
-"""daemon/kv.py on its own: KV layout validation and offsets, the rounded cost of a token
+"""gpumemd/kv.py on its own: KV layout validation and offsets, the rounded cost of a token
 prefix, the most tokens within a byte budget, and split()'s water-filling. No state, no
 driver: every expected figure below is worked out by hand in the comments."""
 

@@ -1,6 +1,6 @@
 """The lease table: shared memory the daemon creates and every client maps.
 
-One 64-byte slot per registered graph pool (layout in shared/csrc/leases.c). The word
+One 64-byte slot per registered graph pool (layout in csrc/leases.c beside this module). The word
 of a free slot is 0; a held slot's word is ``kind << 56 | session << 32 | pid``.
 Clients take and give back leases with the native library's compare-and-swap and
 futex calls, without a daemon round trip; the daemon sweeps a dead holder's slots

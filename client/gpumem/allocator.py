@@ -1,4 +1,4 @@
-"""ctypes bindings of the native bump allocator (shared/csrc/allocator.c), in one place.
+"""ctypes bindings of the native bump allocator (csrc/allocator.c in gpumem_shared), in one place.
 
 A ``Slot`` owns one of the library's 256 allocator entry-point pairs for its life.
 torch loads the pair by name (``CUDAPluggableAllocator(path, alloc, free)``); the
