@@ -253,7 +253,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     def chunk_sizes() -> list[int]:
         """The daemon's chunk plan for ``size`` (the same function it uses), checked
         against the chunk count its status reports for the committed arena."""
-        from gpumemd.state import plan_chunk_sizes
+        from gpumemd.arenas import plan_chunk_sizes
 
         planned = plan_chunk_sizes(size, args.chunk_bytes, gran)
         status = session.status()

@@ -7,12 +7,14 @@ import sys
 
 import click
 
+from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverUnavailable
 from gpumem_shared.paths import Endpoints, resolve_runtime_dir
 from gpumem_shared.units import parse_size
+from gpumemd.config import VA_PLAN_SLICES, StateConfig, plan_range
 from gpumemd.notify import SystemdNotifier
 from gpumemd.server import Server, StartupError
-from gpumemd.state import VA_PLAN_SLICES, DaemonState, StateConfig, plan_range
+from gpumemd.state import DaemonState
 
 # sysexits EX_CONFIG: the unit file's RestartPreventExitStatus keeps systemd from
 # restarting a daemon that can never start as configured.
@@ -105,7 +107,7 @@ def main(
         kv_chunk=kv_chunk_size,
         reserve_bytes=reserve if reserve is not None else (1 << 30 if driver.kind == "cuda" else 0),
         round_timeout=round_timeout,
-        round_policy=round_policy,
+        round_policy=p.RoundPolicy(round_policy),
     )
     server = Server(DaemonState(driver, config), endpoints, socket_group=socket_group, hello_timeout=hello_timeout, notifier=SystemdNotifier())
     try:

@@ -31,7 +31,8 @@ from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumem_shared.paths import Endpoints
 from gpumemd.notify import SystemdNotifier
-from gpumemd.state import Chunk, DaemonState, Session
+from gpumemd.records import ChunkRecord, SessionRecord
+from gpumemd.state import DaemonState
 
 log = logging.getLogger("gpumemd.server")
 
@@ -58,7 +59,7 @@ class Connection:
     uid: int
     gid: int
     deadline: float  # HELLO must arrive before this (monotonic)
-    session: Session | None = None
+    session: SessionRecord | None = None
 
 
 class Server:
@@ -81,7 +82,7 @@ class Server:
         self._stop_requested = False
         self._connections: dict[int, Connection] = {}  # by socket fd
         self._by_session: dict[int, Connection] = {}
-        self._by_token: dict[bytes, Session] = {}
+        self._by_token: dict[bytes, SessionRecord] = {}
         self._lock_fd = -1
         self._ctx: zmq.Context[Any] | None = None
         self._router: zmq.Socket[Any] | None = None
@@ -298,7 +299,7 @@ class Server:
             self._router.send(session.token, _SNDMORE_NOBLOCK)
             self._router.send(frame, _NOBLOCK)
 
-    def _hand_out(self, session: Session, request_id: int, chunks: list[Chunk]) -> None:
+    def _hand_out(self, session: SessionRecord, request_id: int, chunks: list[ChunkRecord]) -> None:
         conn = self._by_session[session.id]
         for start in range(0, len(chunks), p.MAX_FDS_PER_MESSAGE):
             batch = chunks[start : start + p.MAX_FDS_PER_MESSAGE]

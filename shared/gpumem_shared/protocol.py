@@ -92,6 +92,25 @@ class MsgType(enum.IntEnum):
     NOTICE = 101
 
 
+class RoundState(str, enum.Enum):
+    OPEN = "open"
+    AWAITING_SHRINK = "awaiting-shrink"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
+class RoundPolicy(str, enum.Enum):
+    PARTIAL = "partial"  # at the deadline, commit for the members that reported
+    FAIL = "fail"  # at the deadline, fail the round
+
+
+class NoticeKind(str, enum.Enum):
+    STOPPING = "stopping"
+    ARENA_GROWN = "arena-grown"
+    ARENA_RETIRED = "arena-retired"
+    KV_SHRINK = "kv-shrink"
+
+
 class ProtocolError(Exception):
     """A request the daemon refuses; becomes an error reply, never a traceback."""
 
@@ -373,11 +392,13 @@ class ArenaView:
 REQUESTS: dict[int, type] = {}
 
 
-def request(msg_type: MsgType, reply: type) -> Any:
+def request(msg_type: MsgType, reply: type, *, needs_session: bool = True, while_stopping: bool = False) -> Any:
     def register(cls: type) -> type:
         cls = dataclasses.dataclass(slots=True)(cls)
         cls.TYPE = msg_type  # type: ignore[attr-defined]
         cls.REPLY = reply  # type: ignore[attr-defined]
+        cls.NEEDS_SESSION = needs_session  # type: ignore[attr-defined]
+        cls.WHILE_STOPPING = while_stopping  # type: ignore[attr-defined]
         REQUESTS[int(msg_type)] = cls
         return cls
 
@@ -412,7 +433,7 @@ class Ack:
     pass
 
 
-@request(MsgType.PING, Ack)
+@request(MsgType.PING, Ack, needs_session=False, while_stopping=True)
 class Ping:
     """No-op round trip; needs no session."""
 
@@ -553,7 +574,7 @@ class StatusReply:
     kv: list[KvPoolStatus] = dataclasses.field(default_factory=list)
 
 
-@request(MsgType.STATUS, StatusReply)
+@request(MsgType.STATUS, StatusReply, needs_session=False, while_stopping=True)
 class Status:
     """Everything gpumemctl shows; needs no session."""
 
@@ -634,7 +655,7 @@ class SyncArena:
     name: str
 
 
-@request(MsgType.ARENA_RELEASE, Ack)
+@request(MsgType.ARENA_RELEASE, Ack, while_stopping=True)
 class ReleaseArena:
     """Owner: destroy the arena. Sharer: detach. The client has unmapped everything first."""
 
@@ -871,7 +892,7 @@ class ReportEscape:
     escaped: bool
 
 
-@request(MsgType.CHUNKS_UNMAPPED, Ack)
+@request(MsgType.CHUNKS_UNMAPPED, Ack, while_stopping=True)
 class ChunksUnmapped:
     TYPE: ClassVar[MsgType]
     REPLY: ClassVar[type]

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from gpumem_shared.driver.host import HostDriver
-from gpumemd.state import DaemonState, StateConfig
+from gpumemd.config import StateConfig
+from gpumemd.state import DaemonState
 
 from .harness import BULK, CAPACITY, WATCHED_SPAN, Clock, Harness, mapped_ranges, open_fds
 

@@ -10,7 +10,9 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HOST_GRANULARITY
-from gpumemd.state import DaemonState, Outcome, Session, StateConfig
+from gpumemd.config import StateConfig
+from gpumemd.records import Outcome, SessionRecord as Session
+from gpumemd.state import DaemonState
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpumemd.state import plan_chunk_sizes
+from gpumemd.arenas import plan_chunk_sizes
 
 MiB = 1 << 20
 G = 2 * MiB

@@ -12,7 +12,7 @@ import pytest
 from gpumem.graph_pools import GraphPool, extents_and_runs
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.state import Session
+from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, G, GiB, Harness, MiB
 
@@ -179,9 +179,9 @@ def refused_register(
     h: Harness, s: Session | None, code: ErrorCode, extents: list[p.Extent], runs: list[p.Extent] | None = None,
     label: str = "decode", arena: str = "graphs",
 ) -> p.ProtocolError:
-    before = [g.status() for g in h.state.graph_pools.values()]
+    before = [g.status() for g in h.state.graph_pools.by_id.values()]
     error = h.refused(s, p.RegisterGraphPool(arena=arena, label=label, extents=extents, free_runs=runs or []), code)
-    assert [g.status() for g in h.state.graph_pools.values()] == before, "a refused registration changed the registry"
+    assert [g.status() for g in h.state.graph_pools.by_id.values()] == before, "a refused registration changed the registry"
     return error
 
 
@@ -198,7 +198,7 @@ def registry(h: Harness) -> dict[int, p.GraphPoolStatus]:
 
 def test_register_normalizes_and_shows_in_status(h: Harness) -> None:
     a = owner_arena(h)
-    accounted = h.state.accounted_bytes()
+    accounted = h.state.arenas.accounted_bytes()
     pool = register(
         h,
         a,
@@ -213,7 +213,7 @@ def test_register_normalizes_and_shows_in_status(h: Harness) -> None:
     assert pairs(pool.free_runs) == [(1 * MiB, 1 * MiB), (4 * MiB, 1 * MiB), (9 * MiB, 1 * MiB), (0, 256 * KiB)]
     assert pool.free_bytes == 3 * MiB + 256 * KiB
     assert h.state.status().extents == [pool]
-    assert h.state.accounted_bytes() == accounted  # the registry commits nothing
+    assert h.state.arenas.accounted_bytes() == accounted  # the registry commits nothing
 
     second = register(h, a, [E(16 * MiB, 2 * MiB)], label="prefill")
     assert second.id == 2 and second.free_runs == [] and second.free_bytes == 0
@@ -222,7 +222,7 @@ def test_register_normalizes_and_shows_in_status(h: Harness) -> None:
 
 def test_an_extent_may_span_chunks_of_the_arena(h: Harness) -> None:
     a = owner_arena(h)
-    assert [c.offset for c in h.state.arenas["graphs"].chunks] == [0, BULK]
+    assert [c.offset for c in h.state.arenas.by_name["graphs"].chunks] == [0, BULK]
     pool = register(h, a, [E(BULK - 2 * MiB, 4 * MiB)], [E(BULK - 1 * MiB, 2 * MiB)])
     assert pairs(pool.extents) == [(BULK - 2 * MiB, 4 * MiB)]
     # up to the very end of what is committed
@@ -239,7 +239,7 @@ def test_only_the_owner_registers(h: Harness) -> None:
         assert f"client 'engine-a' (pid {a.pid})" in error.message
     refused_register(h, None, ErrorCode.NO_SESSION, [E(0, 2 * MiB)])
     refused_register(h, a, ErrorCode.NOT_FOUND, [E(0, 2 * MiB)], arena="nope")
-    assert h.state.graph_pools == {}
+    assert h.state.graph_pools.by_id == {}
     # refusals consumed no id
     assert register(h, a, [E(0, 2 * MiB)]).id == 1
 
@@ -272,7 +272,7 @@ def test_extents_must_lie_in_committed_memory_of_that_arena(h: Harness) -> None:
     empty = h.connect("engine-empty")
     h.create(empty, "empty", GiB)
     refused_register(h, empty, ErrorCode.INVALID_ARGUMENT, [E(0, 2 * MiB)], arena="empty")
-    assert h.state.graph_pools == {}
+    assert h.state.graph_pools.by_id == {}
 
 
 def test_extents_must_not_overlap_each_other(h: Harness) -> None:
@@ -312,7 +312,7 @@ def test_free_runs_must_lie_inside_the_extents_and_not_overlap(h: Harness) -> No
     for runs in ([E(0, 2 * MiB), E(1 * MiB, 2 * MiB)], [E(8 * MiB, 1 * MiB), E(8 * MiB, 1 * MiB)]):
         error = refused_register(h, a, ErrorCode.INVALID_ARGUMENT, extents, runs)
         assert "overlap" in error.message
-    assert h.state.graph_pools == {}
+    assert h.state.graph_pools.by_id == {}
 
 
 def test_runs_across_adjacent_extents_coalesce_and_the_reply_round_trips(h: Harness) -> None:
@@ -414,11 +414,11 @@ def test_the_owner_leaving_drops_its_pools_only(h: Harness) -> None:
     register(h, a, [E(4 * MiB, 4 * MiB)], label="a2")
     kept = register(h, b, [E(0, 4 * MiB)], label="b1", arena="b-graphs")
     h.state.close_session(a.id)
-    assert "graphs" in h.state.arenas  # the arena lives on, its pools do not
+    assert "graphs" in h.state.arenas.by_name  # the arena lives on, its pools do not
     assert registry(h) == {kept.id: kept}
     h.refused(b, p.RetireGraphPool(pool_id=1), ErrorCode.NOT_FOUND)
     h.state.close_session(b.id)
-    assert h.state.graph_pools == {} and h.state.status().extents == []
+    assert h.state.graph_pools.by_id == {} and h.state.status().extents == []
 
 
 def test_destroying_the_arena_drops_its_pools(h: Harness) -> None:
@@ -428,7 +428,7 @@ def test_destroying_the_arena_drops_its_pools(h: Harness) -> None:
     register(h, a, [E(0, 4 * MiB)], label="in-graphs")
     kept = register(h, a, [E(0, 4 * MiB)], label="in-second", arena="second")
     h.release(a, "graphs")
-    assert "graphs" not in h.state.arenas
+    assert "graphs" not in h.state.arenas.by_name
     assert registry(h) == {kept.id: kept}
     h.refused(a, p.UpdateGraphPool(pool_id=1, extents=[E(0, 2 * MiB)], free_runs=[]), ErrorCode.NOT_FOUND)
     # a new arena of the same name starts with an empty registry
@@ -442,7 +442,7 @@ def test_dropping_every_arena_at_exit_empties_the_registry(h: Harness) -> None:
     a = owner_arena(h)
     register(h, a, [E(0, 4 * MiB)])
     h.state.drop_all()
-    assert h.state.arenas == {} and h.state.graph_pools == {} and h.state.status().extents == []
+    assert h.state.arenas.by_name == {} and h.state.graph_pools.by_id == {} and h.state.status().extents == []
 
 
 def test_the_owner_releasing_a_shared_arena_drops_its_pools(h: Harness) -> None:
@@ -454,7 +454,7 @@ def test_the_owner_releasing_a_shared_arena_drops_its_pools(h: Harness) -> None:
     h.attach(b, "graphs")
     pool = register(h, a, [E(0, 4 * MiB)])
     h.release(a, "graphs")
-    assert "graphs" in h.state.arenas and h.state.arenas["graphs"].chunks == []
+    assert "graphs" in h.state.arenas.by_name and h.state.arenas.by_name["graphs"].chunks == []
     assert h.state.status().extents == []
     h.refused(a, p.RetireGraphPool(pool_id=pool.id), ErrorCode.NOT_FOUND)
     h.release(b, "graphs")
@@ -463,12 +463,12 @@ def test_the_owner_releasing_a_shared_arena_drops_its_pools(h: Harness) -> None:
 def test_decommit_under_a_registered_pool_is_refused_until_it_retires(h: Harness) -> None:
     a = owner_arena(h)  # chunks [0, 16M) and [16M, 32M)
     pool = register(h, a, [E(20 * MiB, 2 * MiB)], label="decode")
-    chunks = [c.id for c in h.state.arenas["graphs"].chunks]
+    chunks = [c.id for c in h.state.arenas.by_name["graphs"].chunks]
     for to in (BULK, 8 * MiB, 0):
         error = h.refused(a, p.DecommitArena(name="graphs", to_nbytes=to), ErrorCode.INVALID_ARGUMENT)
         assert f"graph pool {pool.id} ('decode')" in error.message, error.message
-    assert [c.id for c in h.state.arenas["graphs"].chunks] == chunks
-    assert h.state.arenas["graphs"].committed == ARENA_COMMIT and h.state.retiring == {}
+    assert [c.id for c in h.state.arenas.by_name["graphs"].chunks] == chunks
+    assert h.state.arenas.by_name["graphs"].committed == ARENA_COMMIT and h.state.arenas.retiring == {}
     # a decommit that keeps the pool's chunk (chunks go whole) retires nothing and is allowed
     assert h.decommit(a, "graphs", 20 * MiB).reply.arena.committed == ARENA_COMMIT
     # growing is fine
@@ -494,7 +494,7 @@ def test_a_kv_pool_arena_holds_no_graph_pool(h: Harness) -> None:
     a = h.connect("engine-a")
     h.ok(a, p.KvDeclare(name="kv", buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=8192))
     h.ok(a, p.KvGrow(pool="kv", tokens=8192))
-    assert h.state.arenas["kv"].committed == 32 * MiB
+    assert h.state.arenas.by_name["kv"].committed == 32 * MiB
     error = refused_register(h, a, ErrorCode.INVALID_ARGUMENT, [E(0, 4 * MiB)], arena="kv")
     assert "KV pool" in error.message
 
@@ -523,7 +523,7 @@ class _FakeArena:
 
     def __init__(self, h: Harness, s: Session, name: str) -> None:
         self.name = name
-        self.address = h.state.arenas[name].address
+        self.address = h.state.arenas.by_name[name].address
         self.pool = _FakeTorchPool()
         self.session = self
         self.backend = "host"
@@ -564,4 +564,4 @@ def test_client_graph_pool_registers_refreshes_and_retires_from_snapshots(h: Har
     assert registry(h)[1].epoch == 3 and registry(h)[1].free_bytes == pool.free_bytes == 2 * MiB + 1 * MiB + 512 * KiB
     assert "epoch 3" in repr(pool)
     pool.retire()
-    assert h.state.graph_pools == {}
+    assert h.state.graph_pools.by_id == {}

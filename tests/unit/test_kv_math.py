@@ -1,4 +1,4 @@
-"""gpumemd/kv.py on its own: KV layout validation and offsets, the rounded cost of a token
+"""gpumemd/kv_math.py on its own: KV layout validation and offsets, the rounded cost of a token
 prefix, the most tokens within a byte budget, and split()'s water-filling. No state, no
 driver: every expected figure below is worked out by hand in the comments."""
 
@@ -10,20 +10,21 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
-from gpumemd import kv
+from gpumemd import kv_math as kv
+from gpumemd.records import KvPoolRecord, MemberRecord, RoundRecord, align_up
 
 MiB = 1 << 20
 G = 2 * MiB  # the granularity, as on the GPUs and the host backend
 
 
-def make_pool(rows: list[int], max_tokens: int, name: str = "kv") -> kv.KvPool:
+def make_pool(rows: list[int], max_tokens: int, name: str = "kv") -> KvPoolRecord:
     buffers = [p.KvBuffer(name=f"b{i}", row_bytes=r) for i, r in enumerate(rows)]
     layouts, _ = kv.layout(buffers, max_tokens, G)
-    return kv.KvPool(name=name, owner_id=1, buffers=layouts, max_tokens=max_tokens, granularity=G)
+    return KvPoolRecord(name=name, owner_id=1, buffers=layouts, max_tokens=max_tokens, granularity=G)
 
 
-def member(pool: kv.KvPool, min_tokens: int = 0, max_tokens: int | None = None, weight: float = 1.0) -> kv.Member:
-    return kv.Member(
+def member(pool: KvPoolRecord, min_tokens: int = 0, max_tokens: int | None = None, weight: float = 1.0) -> MemberRecord:
+    return MemberRecord(
         pool=pool,
         session_id=1,
         client="engine",
@@ -45,8 +46,8 @@ def refused_layout(buffers: list[p.KvBuffer], max_tokens: int = 1024) -> str:
 
 
 def test_align_up() -> None:
-    assert [kv.align_up(v, G) for v in (0, 1, G - 1, G, G + 1, 3 * G)] == [0, G, G, G, 2 * G, 3 * G]
-    assert kv.align_up(100, 64) == 128
+    assert [align_up(v, G) for v in (0, 1, G - 1, G, G + 1, 3 * G)] == [0, G, G, G, 2 * G, 3 * G]
+    assert align_up(100, 64) == 128
 
 
 def test_layout_places_regions_back_to_back_at_granularity_aligned_offsets() -> None:
@@ -74,7 +75,7 @@ def test_layout_rounds_each_region_up_to_the_granularity() -> None:
 def test_layout_accepts_power_of_two_alignments_up_to_the_granularity(align: int) -> None:
     row = max(align, 1) * 3
     layouts, window = kv.layout([p.KvBuffer("k", row, align=align)], 10, G)
-    assert layouts[0].region == kv.align_up(row * 10, G) == window
+    assert layouts[0].region == align_up(row * 10, G) == window
 
 
 def test_layout_refuses_no_buffers() -> None:
@@ -133,12 +134,15 @@ def test_cost_of_unequal_buffers_rounds_each_separately() -> None:
     assert pool.prefix(pool.buffers[1], 32769) == 2 * G
 
 
-def test_ranges_are_each_buffers_committed_prefix() -> None:
-    pool = make_pool([6144, 6144], 32768)
-    assert pool.ranges(0) == []
-    assert pool.ranges(342) == [(0, 4 * MiB), (192 * MiB, 4 * MiB)]
-    assert pool.ranges(32768) == [(0, 192 * MiB), (192 * MiB, 192 * MiB)]
-    assert sum(size for _, size in pool.ranges(18090)) == pool.cost(18090)
+def test_tokens_within_a_reserve_counts_each_regions_rounding() -> None:
+    buffers = [p.KvBuffer("k", 6144), p.KvBuffer("v", 6144)]
+    # 384 MiB holds 32768 rows of both buffers exactly (192 MiB each, granule-aligned).
+    assert kv.tokens_within(buffers, 384 * MiB, G) == 32768
+    # 1 byte less: 32767 rows still need 192 MiB per region after rounding; the most
+    # that fit is the last count whose rounded regions sum to at most 384 MiB - 1.
+    fit = kv.tokens_within(buffers, 384 * MiB - 1, G)
+    assert kv.layout(buffers, fit, G)[1] <= 384 * MiB - 1 < kv.layout(buffers, fit + 1, G)[1]
+    assert kv.tokens_within(buffers, G - 1, G) == 0
 
 
 def test_most_tokens_within_at_the_rounding_boundaries() -> None:
@@ -306,6 +310,6 @@ def test_split_single_member_takes_the_most_that_fits() -> None:
 def test_round_pending_and_member_lookup() -> None:
     a, b = member(make_pool([64], 10, "a")), member(make_pool([64], 10, "b"))
     b.reported = False
-    round_ = kv.Round(id=1, created=0.0, deadline=5.0, policy="fail", members=[a, b])
+    round_ = RoundRecord(id=1, created=0.0, deadline=5.0, policy="fail", members=[a, b])
     assert round_.pending == [b]
     assert round_.member("a") is a and round_.member("b") is b and round_.member("c") is None

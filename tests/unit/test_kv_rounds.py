@@ -18,7 +18,7 @@ from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.state import Completion, Session
+from gpumemd.records import Completion, SessionRecord as Session
 
 from .harness import CAPACITY, G, Harness, MiB, open_fds, windows
 
@@ -97,7 +97,7 @@ def assert_handed(h: Harness, s: Session, c: Completion, pool: str) -> None:
     reply = commit_reply(c)
     assert c.session_id == s.id
     assert [x.id for x in c.handout] == [x.id for x in reply.chunks]
-    live = {x.id for x in h.state.arenas[pool].chunks}
+    live = {x.id for x in h.state.arenas.by_name[pool].chunks}
     assert {x.id for x in reply.chunks} <= live
     for chunk in c.handout:
         assert chunk.arena == pool and chunk.holders == {s.id} and chunk.handle is not None
@@ -127,7 +127,7 @@ def test_one_member_round_commits_the_most_that_fits(make_harness: Callable[...,
 
     joined = join(h, a, "kv")
     assert joined == p.RoundView(round_id=1, state="open", deadline_in_s=300.0, members=["engine-a/kv"])
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
 
     capture(h, a, "kv", 7, headroom_bytes=10 * MiB, graph_pool_bytes=3 * MiB)
     completions = done(h)
@@ -151,8 +151,8 @@ def test_one_member_round_commits_the_most_that_fits(make_harness: Callable[...,
     assert_prefixes(h, reply, {"b0": 106 * MiB, "b1": 106 * MiB})
     assert_handed(h, a, completions[7], "kv")
     assert reply.arena.committed == 212 * MiB and reply.retired == []
-    assert h.state.accounted_bytes() == 212 * MiB
-    assert h.state.rounds[0].state == "committed"
+    assert h.state.arenas.accounted_bytes() == 212 * MiB
+    assert h.state.kv.rounds[0].state == "committed"
     assert done(h) == {}, "a completion is handed out once"
 
 
@@ -171,7 +171,7 @@ def test_two_members_split_by_weight_and_the_reply_waits_for_the_last(h: Harness
     capture(h, b, "kvb", 21, headroom_bytes=10 * MiB, weight=3.0)  # joined last, reports first
     assert done(h) == {}
     assert [m.reported for m in round_status(h, 1).members] == [False, True]
-    assert h.state.accounted_bytes() == 0, "no minimum: nothing to stage while a is pending"
+    assert h.state.arenas.accounted_bytes() == 0, "no minimum: nothing to stage while a is pending"
 
     capture(h, a, "kva", 11, headroom_bytes=6 * MiB, min_tokens=1000, weight=1.0)
     completions = done(h)
@@ -195,7 +195,7 @@ def test_two_members_split_by_weight_and_the_reply_waits_for_the_last(h: Harness
     assert_handed(h, a, completions[11], "kva")
     assert_handed(h, b, completions[21], "kvb")
     assert not {c.id for c in ra.chunks} & {c.id for c in rb.chunks}
-    assert h.state.accounted_bytes() == 238 * MiB
+    assert h.state.arenas.accounted_bytes() == 238 * MiB
     assert (kv_status(h, "kva").committed_bytes, kv_status(h, "kvb").committed_bytes) == (62 * MiB, 176 * MiB)
 
 
@@ -218,7 +218,7 @@ def test_four_members_with_caps_redistribute_the_budget(make_harness: Callable[.
     capture(h, sa, "a", 1, headroom_bytes=8 * MiB, max_tokens=2048, weight=1.0)
     capture(h, sd, "d", 4, headroom_bytes=32 * MiB, weight=4.0)
     assert done(h) == {}
-    assert h.state.rounds[0].state == "open" and h.state.accounted_bytes() == 0
+    assert h.state.kv.rounds[0].state == "open" and h.state.arenas.accounted_bytes() == 0
     capture(h, sb, "b", 2, headroom_bytes=8 * MiB, min_tokens=1024, weight=2.0)
     completions = done(h)
     tokens = {rid: commit_reply(c).pool.tokens for rid, c in completions.items()}
@@ -240,7 +240,7 @@ def test_four_members_with_caps_redistribute_the_budget(make_harness: Callable[.
     assert_prefixes(h, commit_reply(completions[4]), {"b0": 224 * MiB})
     for rid, (s, name) in {1: (sa, "a"), 2: (sb, "b"), 3: (sc, "c"), 4: (sd, "d")}.items():
         assert_handed(h, s, completions[rid], name)
-    assert h.state.accounted_bytes() == 384 * MiB
+    assert h.state.arenas.accounted_bytes() == 384 * MiB
     members = {m.pool: m for m in round_status(h, 1).members}
     assert {k: (m.tokens, m.bytes) for k, m in members.items()} == {
         "a": (2048, 8 * MiB),
@@ -259,7 +259,7 @@ def test_headroom_beyond_free_memory_leaves_zero_minimums_with_nothing(h: Harnes
     reply = commit_reply(done(h)[1])
     assert reply.pool.tokens == 0 and reply.chunks == []
     assert reply.budget["budget"] == -2 * G and reply.budget["committed"] == 0
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
 
 
 def test_a_round_after_a_committed_one_is_a_new_round(h: Harness) -> None:
@@ -309,7 +309,7 @@ def test_deadline_with_partial_policy_commits_for_those_that_reported(h: Harness
     assert status.state == "committed"
     assert [m.pool for m in status.members] == ["kva"]
     assert status.dropped == ["engine-b/kvb: did not report capture-done by the deadline"]
-    assert kv_status(h, "kvb").tokens == 0 and h.state.arenas["kvb"].chunks == []
+    assert kv_status(h, "kvb").tokens == 0 and h.state.arenas.by_name["kvb"].chunks == []
 
     error = capture_refused(h, b, "kvb", ErrorCode.NOT_FOUND)  # its round is over
     assert "join one first" in error.message
@@ -343,8 +343,8 @@ def test_deadline_with_fail_policy_fails_the_round_naming_the_missing(make_harne
     assert completions[1].session_id == a.id and completions[3].session_id == c.id
     status = round_status(h, 1)
     assert status.state == "failed" and status.policy == "fail" and "engine-b/kvb" in status.error
-    assert h.state.accounted_bytes() == 0
-    assert all(h.state.arenas[n].chunks == [] for n in ("kva", "kvb", "kvc"))
+    assert h.state.arenas.accounted_bytes() == 0
+    assert all(h.state.arenas.by_name[n].chunks == [] for n in ("kva", "kvb", "kvc"))
     assert all(kv_status(h, n).tokens == 0 for n in ("kva", "kvb", "kvc"))
     # Nothing is lost: every pool can go again.
     assert join(h, b, "kvb").round_id == 2
@@ -361,7 +361,7 @@ def test_deadline_with_nobody_reported_fails_quietly(h: Harness) -> None:
     assert status.state == "failed" and status.members == []
     assert status.error == "no member reported capture-done"
     assert status.dropped == ["engine-a/kva: did not report capture-done by the deadline"]
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
 
 
 def test_tick_without_rounds_or_before_a_deadline_does_nothing(h: Harness) -> None:
@@ -396,8 +396,8 @@ def test_a_member_that_dies_before_reporting_is_dropped_and_the_round_goes_on(h:
     assert status.state == "committed"
     assert status.dropped == ["engine-b/kvb: the client went away"]
     assert [m.client for m in status.members] == ["engine-a", "engine-c"]
-    assert "kvb" not in h.state.kv_pools and "kvb" not in h.state.arenas
-    assert h.state.accounted_bytes() == 256 * MiB
+    assert "kvb" not in h.state.kv.pools and "kvb" not in h.state.arenas.by_name
+    assert h.state.arenas.accounted_bytes() == 256 * MiB
     assert open_fds() == fds + 16, "sixteen 16 MiB chunks, nothing for the dead member"
 
 
@@ -441,7 +441,7 @@ def test_a_member_that_releases_its_pool_mid_round_is_dropped(h: Harness) -> Non
     assert commit_reply(done(h)[1]).pool.tokens == 2048
     status = round_status(h, 1)
     assert status.state == "committed" and status.dropped == ["engine-b/kvb: the pool was released"]
-    assert set(h.state.kv_pools) == {"kva"}
+    assert set(h.state.kv.pools) == {"kva"}
 
 
 # --------------------------------------------------------------------------- expected members
@@ -501,7 +501,7 @@ def test_expected_pools_that_never_join_fail_the_round_under_policy_fail(make_ha
     h.state.tick()
     error = failure(done(h)[1])
     assert "1 expected pool(s) that never joined" in error.message and "engine-a/kva" not in error.message
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
 
 
 def test_a_negative_expect_is_refused_and_changes_nothing(h: Harness) -> None:
@@ -509,7 +509,7 @@ def test_a_negative_expect_is_refused_and_changes_nothing(h: Harness) -> None:
     declare(h, b, "kvb")
     error = h.refused(b, p.RoundJoin(pool="kvb", expect=-1), ErrorCode.INVALID_ARGUMENT)
     assert "expect" in error.message
-    assert h.state.rounds == [], "a refused join opens no round"
+    assert h.state.kv.rounds == [], "a refused join opens no round"
     # Nor does it disturb a round that waits for a shrink.
     fill_with(h, a, "kva")
     declare(h, c, "kvc")
@@ -548,7 +548,7 @@ def test_budget_short_without_donors_fails_with_figures_and_commits_nothing(make
     assert h.state.take_notices() == []
     status = round_status(h, 1)
     assert status.state == "failed" and status.budget["budget"] == 16 * MiB and status.budget["minimums"] == 20 * MiB
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
     assert kv_status(h, "kva").tokens == kv_status(h, "kvb").tokens == 0
 
 
@@ -595,7 +595,7 @@ def test_a_later_round_asks_an_earlier_pool_to_shrink_then_commits(h: Harness) -
     assert round_status(h, 2).state == "awaiting-shrink"
     assert kv_status(h, "kva").shrink_request == 57344
     # Nothing is taken without the owner's word.
-    assert kv_status(h, "kva").tokens == 65536 and h.state.arenas["kva"].committed == 256 * MiB
+    assert kv_status(h, "kva").tokens == 65536 and h.state.arenas.by_name["kva"].committed == 256 * MiB
     h.clock.now += 100
     h.state.tick()
     assert done(h) == {} and round_status(h, 2).state == "awaiting-shrink"
@@ -608,7 +608,7 @@ def test_a_later_round_asks_an_earlier_pool_to_shrink_then_commits(h: Harness) -
     assert {c.id for c in reply.retired} == {c.id for c in chunks if c.offset >= 224 * MiB}
     assert out.notices == []
     assert kv_status(h, "kva").shrink_request == -1
-    assert h.state.accounted_bytes() == 256 * MiB, "retiring chunks count until unmapped"
+    assert h.state.arenas.accounted_bytes() == 256 * MiB, "retiring chunks count until unmapped"
     assert done(h) == {}
 
     h.unmapped(a, "kva", [c.id for c in reply.retired])
@@ -620,7 +620,7 @@ def test_a_later_round_asks_an_earlier_pool_to_shrink_then_commits(h: Harness) -
     assert_prefixes(h, rb, {"b0": 32 * MiB})
     assert_handed(h, b, completions[5], "kvb")
     assert round_status(h, 2).state == "committed"
-    assert h.state.accounted_bytes() == 256 * MiB
+    assert h.state.arenas.accounted_bytes() == 256 * MiB
 
 
 def test_a_shrink_request_names_a_bound_whose_whole_chunks_cover_the_deficit(h: Harness) -> None:
@@ -664,7 +664,7 @@ def test_shrink_requests_go_to_every_donor_and_the_round_waits_for_all(h: Harnes
     rc = h.ok(c, p.KvShrink(pool="kvc", tokens=24576)).reply
     h.unmapped(c, "kvc", [x.id for x in rc.retired])
     assert commit_reply(done(h)[2]).pool.tokens == 16384
-    assert h.state.accounted_bytes() == 96 * MiB + 96 * MiB + 64 * MiB
+    assert h.state.arenas.accounted_bytes() == 96 * MiB + 96 * MiB + 64 * MiB
 
 
 def test_a_round_awaiting_shrinks_fails_at_its_deadline_and_takes_nothing(h: Harness) -> None:
@@ -679,8 +679,8 @@ def test_a_round_awaiting_shrinks_fails_at_its_deadline_and_takes_nothing(h: Har
     error = failure(done(h)[5])
     assert error.detail == {"needed": 32 * MiB, "budget": 0}
     assert round_status(h, 2).state == "failed"
-    assert kv_status(h, "kva").tokens == 65536 and h.state.arenas["kva"].committed == 256 * MiB
-    assert kv_status(h, "kvb").tokens == 0 and h.state.arenas["kvb"].chunks == []
+    assert kv_status(h, "kva").tokens == 65536 and h.state.arenas.by_name["kva"].committed == 256 * MiB
+    assert kv_status(h, "kvb").tokens == 0 and h.state.arenas.by_name["kvb"].chunks == []
 
 
 def test_a_donor_that_goes_away_frees_its_memory_for_the_waiting_round(h: Harness) -> None:
@@ -691,11 +691,11 @@ def test_a_donor_that_goes_away_frees_its_memory_for_the_waiting_round(h: Harnes
     capture(h, b, "kvb", 5, min_tokens=8192)
     assert len(h.state.take_notices()) == 1
     h.state.close_session(a.id)
-    assert "kva" not in h.state.arenas
+    assert "kva" not in h.state.arenas.by_name
     reply = commit_reply(done(h)[5])  # at once, not at the deadline
     assert reply.pool.tokens == 65536 and reply.budget["free"] == 256 * MiB
     assert round_status(h, 2).state == "committed"
-    assert h.state.accounted_bytes() == 256 * MiB, "all of it b's now"
+    assert h.state.arenas.accounted_bytes() == 256 * MiB, "all of it b's now"
 
 
 def test_pools_in_the_round_and_pools_at_their_minimum_are_not_asked(h: Harness) -> None:
@@ -738,28 +738,28 @@ def test_grow_within_the_budget_commits_the_missing_rows(h: Harness) -> None:
     assert sizes_mib(reply.chunks) == [(16, 16), (32, 8)]
     assert [c.id for c in out.handout] == [c.id for c in reply.chunks]
     assert all(c.holders == {a.id} for c in out.handout)
-    assert reply.arena.committed == 40 * MiB and h.state.accounted_bytes() == 40 * MiB
+    assert reply.arena.committed == 40 * MiB and h.state.arenas.accounted_bytes() == 40 * MiB
     assert reply.fd_batches == 1 and reply.retired == []
     # Growing into rows the last chunk already holds commits nothing new.
     again = h.ok(a, p.KvGrow(pool="kv", tokens=10240)).reply
-    assert again.pool.tokens == 10240 and again.chunks == [] and h.state.accounted_bytes() == 40 * MiB
+    assert again.pool.tokens == 10240 and again.chunks == [] and h.state.arenas.accounted_bytes() == 40 * MiB
 
 
 def test_grow_beyond_the_available_memory_is_refused_with_figures(make_harness: Callable[..., Harness]) -> None:
     h = make_harness(reserve_bytes=32 * MiB)
     a = h.connect("engine-a")
     committed_pool(h, a, "kv", 10240)  # 40 MiB
-    chunks = [c.id for c in h.state.arenas["kv"].chunks]
+    chunks = [c.id for c in h.state.arenas.by_name["kv"].chunks]
     fds = open_fds()
     # To 65536 rows (256 MiB): 216 MiB more; 256 - 40 - 32 = 184 MiB available.
     error = h.refused(a, p.KvGrow(pool="kv", tokens=65536), ErrorCode.OUT_OF_MEMORY)
     assert error.detail == {"requested": 216 * MiB, "available": 184 * MiB}
     assert str(216 * MiB) in error.message and str(184 * MiB) in error.message
-    assert [c.id for c in h.state.arenas["kv"].chunks] == chunks and open_fds() == fds
-    assert kv_status(h, "kv").tokens == 10240 and h.state.accounted_bytes() == 40 * MiB
+    assert [c.id for c in h.state.arenas.by_name["kv"].chunks] == chunks and open_fds() == fds
+    assert kv_status(h, "kv").tokens == 10240 and h.state.arenas.accounted_bytes() == 40 * MiB
     # Up to exactly what is available is fine: 224 MiB = 57344 rows.
     assert h.ok(a, p.KvGrow(pool="kv", tokens=57344)).reply.pool.tokens == 57344
-    assert h.state.accounted_bytes() == 224 * MiB
+    assert h.state.arenas.accounted_bytes() == 224 * MiB
 
 
 def test_grow_of_a_pool_that_waits_in_a_round_is_refused(h: Harness) -> None:
@@ -770,7 +770,7 @@ def test_grow_of_a_pool_that_waits_in_a_round_is_refused(h: Harness) -> None:
     join(h, a, "kva")
     error = h.refused(a, p.KvGrow(pool="kva", tokens=4096), ErrorCode.INVALID_ARGUMENT)
     assert "round 1" in error.message
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
     capture(h, a, "kva", 1, max_tokens=1024)
     reply = commit_reply(done(h)[1])
     assert reply.pool.tokens == 1024 and reply.arena.committed == 4 * MiB
@@ -784,7 +784,7 @@ def test_grow_outside_current_and_declared_bound_is_refused(h: Harness, tokens: 
     committed_pool(h, a, "kv", 4096)
     error = h.refused(a, p.KvGrow(pool="kv", tokens=tokens), ErrorCode.INVALID_ARGUMENT)
     assert "65536" in error.message and "4096" in error.message
-    assert kv_status(h, "kv").tokens == 4096 and h.state.accounted_bytes() == 16 * MiB
+    assert kv_status(h, "kv").tokens == 4096 and h.state.arenas.accounted_bytes() == 16 * MiB
 
 
 def test_grow_and_shrink_of_another_clients_pool_are_refused(h: Harness) -> None:
@@ -793,7 +793,7 @@ def test_grow_and_shrink_of_another_clients_pool_are_refused(h: Harness) -> None
     h.refused(b, p.KvGrow(pool="kv", tokens=5000), ErrorCode.PERMISSION_DENIED)
     h.refused(b, p.KvShrink(pool="kv", tokens=0), ErrorCode.PERMISSION_DENIED)
     h.refused(a, p.KvGrow(pool="nope", tokens=5000), ErrorCode.NOT_FOUND)
-    assert kv_status(h, "kv").tokens == 4096 and h.state.accounted_bytes() == 16 * MiB
+    assert kv_status(h, "kv").tokens == 4096 and h.state.arenas.accounted_bytes() == 16 * MiB
 
 
 @pytest.mark.parametrize("tokens", [26624, 30000, -1])
@@ -802,7 +802,7 @@ def test_shrink_to_at_or_above_the_current_tokens_is_refused(h: Harness, tokens:
     committed_pool(h, a, "kv", 26624)
     error = h.refused(a, p.KvShrink(pool="kv", tokens=tokens), ErrorCode.INVALID_ARGUMENT)
     assert "26624" in error.message
-    assert kv_status(h, "kv").tokens == 26624 and h.state.retiring == {}
+    assert kv_status(h, "kv").tokens == 26624 and h.state.arenas.retiring == {}
 
 
 def test_shrink_keeps_whole_chunks_and_accounting_drops_only_once_unmapped(h: Harness) -> None:
@@ -816,15 +816,15 @@ def test_shrink_keeps_whole_chunks_and_accounting_drops_only_once_unmapped(h: Ha
     assert reply.pool.tokens == 20480 and kv_status(h, "kv").tokens == 20480
     assert sizes_mib(reply.retired) == [(80, 16), (96, 8)]
     assert reply.arena.committed == 80 * MiB
-    assert h.state.accounted_bytes() == 104 * MiB
+    assert h.state.arenas.accounted_bytes() == 104 * MiB
     assert next(x for x in h.state.status().arenas if x.name == "kv").retiring_bytes == 24 * MiB
     h.unmapped(a, "kv", [c.id for c in reply.retired[:1]])
-    assert h.state.accounted_bytes() == 88 * MiB
+    assert h.state.arenas.accounted_bytes() == 88 * MiB
     h.unmapped(a, "kv", [c.id for c in reply.retired[1:]])
-    assert h.state.accounted_bytes() == 80 * MiB and h.state.retiring == {}
+    assert h.state.arenas.accounted_bytes() == 80 * MiB and h.state.arenas.retiring == {}
     # Grow back from where it stands: the rows up to the next chunk end are new chunks.
     grown = h.ok(a, p.KvGrow(pool="kv", tokens=26624)).reply
-    assert sizes_mib(grown.chunks) == [(80, 16), (96, 8)] and h.state.accounted_bytes() == 104 * MiB
+    assert sizes_mib(grown.chunks) == [(80, 16), (96, 8)] and h.state.arenas.accounted_bytes() == 104 * MiB
 
 
 def test_shrink_to_zero_frees_everything_and_the_pool_may_join_again(h: Harness) -> None:
@@ -833,7 +833,7 @@ def test_shrink_to_zero_frees_everything_and_the_pool_may_join_again(h: Harness)
     reply = h.ok(a, p.KvShrink(pool="kv", tokens=0)).reply
     assert reply.pool.tokens == 0 and sizes_mib(reply.retired) == [(0, 16), (256, 16)]
     h.unmapped(a, "kv", [c.id for c in reply.retired])
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
     assert join(h, a, "kv").round_id == 2
 
 
@@ -843,7 +843,7 @@ def test_shrink_with_a_bound_at_a_chunk_edge_of_a_two_buffer_pool(h: Harness) ->
     reply = h.ok(a, p.KvShrink(pool="kv", tokens=4096)).reply  # exactly 16 MiB a buffer
     assert reply.pool.tokens == 4096
     assert sizes_mib(reply.retired) == [(16, 16), (256 + 16, 16)]
-    assert h.state.arenas["kv"].committed == 32 * MiB
+    assert h.state.arenas.by_name["kv"].committed == 32 * MiB
 
 
 # --------------------------------------------------------------------------- bad input
@@ -874,7 +874,7 @@ def test_bad_declares_are_refused_and_reserve_nothing(h: Harness, message: p.KvD
     a = h.connect("engine-a")
     before = windows(h)
     h.refused(a, message, ErrorCode.INVALID_ARGUMENT)
-    assert h.state.arenas == {} and h.state.kv_pools == {}
+    assert h.state.arenas.by_name == {} and h.state.kv.pools == {}
     assert windows(h) == before
 
 
@@ -885,7 +885,7 @@ def test_a_window_beyond_max_reserve_is_refused(make_harness: Callable[..., Harn
     error = h.refused(a, p.KvDeclare(name="kv", buffers=[p.KvBuffer("k", 4096)], max_tokens=65536), ErrorCode.INVALID_ARGUMENT)
     assert error.detail == {"requested": 256 * MiB, "limit": 64 * MiB}
     assert "KV pool 'kv'" in error.message and "65536 tokens" in error.message
-    assert h.state.arenas == {} and h.state.kv_pools == {}
+    assert h.state.arenas.by_name == {} and h.state.kv.pools == {}
     # 16384 rows fit exactly.
     assert declare(h, a, "kv", max_tokens=16384).arena.reserved == 64 * MiB
 
@@ -896,8 +896,8 @@ def test_declare_with_a_name_taken_is_refused(h: Harness) -> None:
     declare(h, a, "kv")
     for name in ("plain", "kv"):
         h.refused(b, p.KvDeclare(name=name, buffers=[p.KvBuffer("k", 64)], max_tokens=10), ErrorCode.ALREADY_EXISTS)
-    assert set(h.state.kv_pools) == {"kv"} and h.state.kv_pools["kv"].owner_id == a.id
-    assert "plain" not in h.state.kv_pools
+    assert set(h.state.kv.pools) == {"kv"} and h.state.kv.pools["kv"].owner_id == a.id
+    assert "plain" not in h.state.kv.pools
 
 
 def test_declare_by_reserve_bytes_takes_as_many_tokens_as_fit(h: Harness) -> None:
@@ -917,7 +917,7 @@ def test_declare_by_reserve_bytes_takes_as_many_tokens_as_fit(h: Harness) -> Non
 
 def test_declare_needs_a_session(h: Harness) -> None:
     h.refused(None, p.KvDeclare(name="kv", buffers=[p.KvBuffer("k", 64)], max_tokens=10), ErrorCode.NO_SESSION)
-    assert h.state.arenas == {}
+    assert h.state.arenas.by_name == {}
 
 
 def test_capture_done_twice_is_refused_and_the_first_report_stands(h: Harness) -> None:
@@ -942,7 +942,7 @@ def test_capture_done_for_a_pool_another_session_owns_is_refused(h: Harness) -> 
     error = capture_refused(h, b, "kva", ErrorCode.PERMISSION_DENIED)
     assert "engine-a" in error.message
     capture_refused(h, b, "nope", ErrorCode.NOT_FOUND)
-    assert [m.reported for m in h.state.rounds[0].members] == [False]
+    assert [m.reported for m in h.state.kv.rounds[0].members] == [False]
     with pytest.raises(p.ProtocolError) as info:
         h.state.handle(None, p.CaptureDone(pool="kva"), 1)
     assert info.value.code is ErrorCode.NO_SESSION
@@ -956,7 +956,7 @@ def test_capture_done_without_joining_is_refused(h: Harness) -> None:
     assert "join" in error.message
     join(h, b, "kvb")  # a round is open, but kva is not in it
     capture_refused(h, a, "kva", ErrorCode.NOT_FOUND)
-    assert [m.pool.name for m in h.state.rounds[0].members] == ["kvb"]
+    assert [m.pool.name for m in h.state.kv.rounds[0].members] == ["kvb"]
 
 
 BAD_REPORTS = {
@@ -979,8 +979,8 @@ def test_bad_capture_reports_are_refused_and_may_be_retried(h: Harness, fields: 
     declare(h, a, "kva")
     join(h, a, "kva")
     capture_refused(h, a, "kva", ErrorCode.INVALID_ARGUMENT, **fields)
-    member = h.state.rounds[0].members[0]
-    assert not member.reported and done(h) == {} and h.state.accounted_bytes() == 0
+    member = h.state.kv.rounds[0].members[0]
+    assert not member.reported and done(h) == {} and h.state.arenas.accounted_bytes() == 0
     capture(h, a, "kva", 1, max_tokens=1000)
     assert commit_reply(done(h)[1]).pool.tokens == 1000
 
@@ -991,7 +991,7 @@ def test_joining_twice_is_refused(h: Harness) -> None:
     join(h, a, "kva")
     error = h.refused(a, p.RoundJoin(pool="kva"), ErrorCode.ALREADY_EXISTS)
     assert "round 1" in error.message
-    assert len(h.state.rounds[0].members) == 1
+    assert len(h.state.kv.rounds[0].members) == 1
 
 
 def test_joining_with_a_committed_pool_is_refused(h: Harness) -> None:
@@ -999,7 +999,7 @@ def test_joining_with_a_committed_pool_is_refused(h: Harness) -> None:
     committed_pool(h, a, "kv", 4096)
     error = h.refused(a, p.RoundJoin(pool="kv"), ErrorCode.INVALID_ARGUMENT)
     assert "4096 tokens" in error.message and "grow" in error.message
-    assert len(h.state.rounds) == 1
+    assert len(h.state.kv.rounds) == 1
 
 
 def test_joining_with_a_pool_one_does_not_own_or_that_does_not_exist(h: Harness) -> None:
@@ -1010,7 +1010,7 @@ def test_joining_with_a_pool_one_does_not_own_or_that_does_not_exist(h: Harness)
     h.refused(a, p.RoundJoin(pool="plain"), ErrorCode.NOT_FOUND)  # an arena, not a KV pool
     h.refused(a, p.RoundJoin(pool="nope"), ErrorCode.NOT_FOUND)
     h.refused(None, p.RoundJoin(pool="kva"), ErrorCode.NO_SESSION)
-    assert h.state.rounds == []
+    assert h.state.kv.rounds == []
 
 
 def test_prefix_commit_and_decommit_are_refused_on_a_kv_arena(h: Harness) -> None:
@@ -1018,12 +1018,12 @@ def test_prefix_commit_and_decommit_are_refused_on_a_kv_arena(h: Harness) -> Non
     declare(h, a, "kv")
     error = h.refused(a, p.CommitArena(name="kv", nbytes=G), ErrorCode.INVALID_ARGUMENT)
     assert "KV pool" in error.message
-    assert h.state.accounted_bytes() == 0 and h.state.arenas["kv"].chunks == []
+    assert h.state.arenas.accounted_bytes() == 0 and h.state.arenas.by_name["kv"].chunks == []
     committed_pool(h, a, "kv2", 4096)
     h.refused(a, p.CommitArena(name="kv2", nbytes=32 * MiB), ErrorCode.INVALID_ARGUMENT)
     error = h.refused(a, p.DecommitArena(name="kv2", to_nbytes=0), ErrorCode.INVALID_ARGUMENT)
     assert "KV pool" in error.message
-    assert h.state.arenas["kv2"].committed == 16 * MiB and h.state.retiring == {}
+    assert h.state.arenas.by_name["kv2"].committed == 16 * MiB and h.state.arenas.retiring == {}
 
 
 def test_a_stopping_daemon_takes_no_round_requests(h: Harness) -> None:
@@ -1039,8 +1039,8 @@ def test_a_stopping_daemon_takes_no_round_requests(h: Harness) -> None:
     ):
         h.refused(a, message, ErrorCode.SHUTTING_DOWN)
     capture_refused(h, a, "kva", ErrorCode.SHUTTING_DOWN)
-    assert not h.state.rounds[-1].members[0].reported
-    assert h.state.accounted_bytes() == 16 * MiB
+    assert not h.state.kv.rounds[-1].members[0].reported
+    assert h.state.arenas.accounted_bytes() == 16 * MiB
 
 
 def test_a_join_while_a_round_awaits_shrinks_reopens_it_and_asks_again(h: Harness) -> None:
@@ -1074,7 +1074,7 @@ def test_status_reports_rounds_and_kv_pools(h: Harness) -> None:
     capture(h, a, "kva", 1, headroom_bytes=10 * MiB, graph_pool_bytes=3 * MiB, min_tokens=100, max_tokens=20000, weight=2.5)
     # kvb is pending: kva's minimum is staged, 100 rows of 6 KiB = 600 KiB -> one 2 MiB
     # granule a buffer, 4 MiB, in the arena but held by no one and no tokens yet.
-    staged = sorted(h.state.rounds[0].members[0].staged, key=lambda c: c.offset)
+    staged = sorted(h.state.kv.rounds[0].members[0].staged, key=lambda c: c.offset)
     assert [(c.offset // MiB, c.size // MiB, c.holders, c.fresh) for c in staged] == [
         (0, 2, set(), False),
         (192, 2, set(), False),
@@ -1165,11 +1165,11 @@ class RecordingDriver(HostDriver):
 
 
 def layout_mib(h: Harness, name: str) -> list[tuple[int, int]]:
-    return [(c.offset // MiB, c.size // MiB) for c in h.state.arenas[name].chunks]
+    return [(c.offset // MiB, c.size // MiB) for c in h.state.arenas.by_name[name].chunks]
 
 
 def staged_of(h: Harness, name: str) -> list[tuple[int, int]]:
-    member = h.state.rounds[-1].member(name)
+    member = h.state.kv.rounds[-1].member(name)
     assert member is not None
     return [(c.offset // MiB, c.size // MiB) for c in sorted(member.staged, key=lambda c: c.offset)]
 
@@ -1192,14 +1192,14 @@ def test_a_report_while_others_are_pending_stages_its_minimum_zeroed_for_no_one(
 
     capture(h, a, "kva", 1, min_tokens=3000)
     assert done(h) == {} and round_status(h, 1).state == "open"
-    chunks = h.state.arenas["kva"].chunks
+    chunks = h.state.arenas.by_name["kva"].chunks
     assert layout_mib(h, "kva") == staged_of(h, "kva") == A_STAGED
-    assert [c.id for c in chunks] == [c.id for c in sorted(h.state.rounds[0].members[0].staged, key=lambda c: c.offset)]
+    assert [c.id for c in chunks] == [c.id for c in sorted(h.state.kv.rounds[0].members[0].staged, key=lambda c: c.offset)]
     assert all(c.holders == set() and c.handle is not None and c.fresh is False for c in chunks), "zeroed, handed to no one"
     assert driver.zeroed == [[(c.address, c.size) for c in chunks]], "zeroed once, in one call, at the report"
     assert open_fds() == fds + 4
-    assert h.state.arenas["kvb"].chunks == []
-    assert h.state.accounted_bytes() == 36 * MiB
+    assert h.state.arenas.by_name["kvb"].chunks == []
+    assert h.state.arenas.accounted_bytes() == 36 * MiB
     status = h.state.status()
     assert (status.device.accounted_bytes, status.device.free_bytes) == (36 * MiB, 220 * MiB)
     assert kv_status(h, "kva") == p.KvPoolStatus("kva", "engine-a", 2, 12288, 32768, 0, 36 * MiB, 0, -1)
@@ -1239,8 +1239,8 @@ def test_a_report_while_others_are_pending_stages_its_minimum_zeroed_for_no_one(
     assert len(driver.zeroed) == 1
     assert {c.id: c.fresh for c in completions[1].handout} == {c.id: c.id not in staged_ids for c in completions[1].handout}
     assert all(c.fresh for c in completions[2].handout)
-    assert h.state.rounds[0].members[0].staged == []
-    assert h.state.accounted_bytes() == 256 * MiB
+    assert h.state.kv.rounds[0].members[0].staged == []
+    assert h.state.arenas.accounted_bytes() == 256 * MiB
 
 
 def test_staging_needs_a_minimum_and_someone_to_wait_for(make_harness: Callable[..., Harness]) -> None:
@@ -1260,12 +1260,12 @@ def test_staging_needs_a_minimum_and_someone_to_wait_for(make_harness: Callable[
         declare(h, s, name)
     h.ok(a, p.RoundJoin(pool="kva", expect=3))
     capture(h, a, "kva", 1)  # others are expected, but a has no minimum to stage
-    assert h.state.arenas["kva"].chunks == [] and h.state.accounted_bytes() == 16 * MiB
+    assert h.state.arenas.by_name["kva"].chunks == [] and h.state.arenas.accounted_bytes() == 16 * MiB
     join(h, b, "kvb")
     capture(h, b, "kvb", 2, min_tokens=1000)  # nobody pending, but a third pool is expected
     assert layout_mib(h, "kvb") == staged_of(h, "kvb") == [(0, 4)]
-    assert h.state.accounted_bytes() == 20 * MiB and kv_status(h, "kvb").committed_bytes == 4 * MiB
-    assert driver.zeroed == [[(h.state.arenas["kvb"].chunks[0].address, 4 * MiB)]]
+    assert h.state.arenas.accounted_bytes() == 20 * MiB and kv_status(h, "kvb").committed_bytes == 4 * MiB
+    assert driver.zeroed == [[(h.state.arenas.by_name["kvb"].chunks[0].address, 4 * MiB)]]
     join(h, c, "kvc")
     capture(h, c, "kvc", 3, min_tokens=1000)  # the last: not staged
     completions = done(h)
@@ -1289,7 +1289,7 @@ def test_staging_needs_a_minimum_and_someone_to_wait_for(make_harness: Callable[
     assert sizes_mib(replies[2].chunks) == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 16)]
     for rid, (s, name) in {1: (a, "kva"), 2: (b, "kvb"), 3: (c, "kvc")}.items():
         assert_handed(h, s, completions[rid], name)
-    assert h.state.accounted_bytes() == 252 * MiB
+    assert h.state.arenas.accounted_bytes() == 252 * MiB
 
 
 def test_staging_leaves_the_budget_and_the_split_as_an_unstaged_round_has_them(
@@ -1311,20 +1311,20 @@ def test_staging_leaves_the_budget_and_the_split_as_an_unstaged_round_has_them(
             join(h, s, name)
         capture(h, a, "kva", 1, headroom_bytes=8 * MiB, min_tokens=3000, weight=1.0)
         capture(h, b, "kvb", 2, headroom_bytes=4 * MiB, min_tokens=1000, weight=2.0)
-        open_bytes = h.state.accounted_bytes()
+        open_bytes = h.state.arenas.accounted_bytes()
         capture(h, c, "kvc", 3, headroom_bytes=4 * MiB, max_tokens=8192, weight=1.0)
         completions = done(h)
         replies = [commit_reply(completions[i]) for i in (1, 2, 3)]
         assert all(r.budget == replies[0].budget for r in replies)
         out = (replies[0].budget, [r.pool.tokens for r in replies], [sizes_mib(r.chunks) for r in replies], open_bytes)
-        assert h.state.accounted_bytes() == 206 * MiB
+        assert h.state.arenas.accounted_bytes() == 206 * MiB
         for s in (a, b, c):
             h.state.close_session(s.id)
-        assert h.state.accounted_bytes() == 0
+        assert h.state.arenas.accounted_bytes() == 0
         return out
 
     with monkeypatch.context() as m:
-        m.setattr(h.state, "_stage", lambda member: None)
+        m.setattr(h.state.kv, "_stage", lambda member: None)
         plain_budget, plain_tokens, plain_chunks, plain_open = run()
     budget, tokens, chunks, open_bytes = run()
 
@@ -1366,8 +1366,8 @@ def test_a_round_failing_at_its_deadline_gives_the_staged_minimums_back(make_har
     capture(h, a, "kva", 1, min_tokens=3000)
     capture(h, c, "kvc", 3, min_tokens=1000)
     assert (staged_of(h, "kva"), staged_of(h, "kvc")) == (A_STAGED, [(0, 4)])
-    assert h.state.accounted_bytes() == 40 * MiB and open_fds() == fds + 5
-    assert all(c.holders == set() for n in ("kva", "kvc") for c in h.state.arenas[n].chunks)
+    assert h.state.arenas.accounted_bytes() == 40 * MiB and open_fds() == fds + 5
+    assert all(c.holders == set() for n in ("kva", "kvc") for c in h.state.arenas.by_name[n].chunks)
 
     h.clock.now = 1005.0
     h.state.tick()
@@ -1376,15 +1376,15 @@ def test_a_round_failing_at_its_deadline_gives_the_staged_minimums_back(make_har
     for rid in (1, 3):
         assert "engine-b/kvb" in failure(completions[rid]).message
     assert round_status(h, 1).state == "failed" and round_status(h, 1).budget == {}
-    assert h.state.accounted_bytes() == 0 and h.state.retiring == {} and open_fds() == fds
-    assert all(h.state.arenas[n].chunks == [] for n in ("kva", "kvb", "kvc"))
-    assert all(m.staged == [] for m in h.state.rounds[0].members)
+    assert h.state.arenas.accounted_bytes() == 0 and h.state.arenas.retiring == {} and open_fds() == fds
+    assert all(h.state.arenas.by_name[n].chunks == [] for n in ("kva", "kvb", "kvc"))
+    assert all(m.staged == [] for m in h.state.kv.rounds[0].members)
     assert all(kv_status(h, n).committed_bytes == 0 for n in ("kva", "kvb", "kvc"))
     # A new round stages afresh.
     assert join(h, a, "kva").round_id == 2
     join(h, b, "kvb")
     capture(h, a, "kva", 4, min_tokens=3000)
-    assert staged_of(h, "kva") == A_STAGED and h.state.accounted_bytes() == 36 * MiB
+    assert staged_of(h, "kva") == A_STAGED and h.state.arenas.accounted_bytes() == 36 * MiB
 
 
 def test_a_round_short_of_budget_gives_the_staged_minimums_back(make_harness: Callable[..., Harness]) -> None:
@@ -1398,7 +1398,7 @@ def test_a_round_short_of_budget_gives_the_staged_minimums_back(make_harness: Ca
     join(h, b, "kvb")
     fds = open_fds()
     capture(h, a, "kva", 1, min_tokens=3000)
-    assert staged_of(h, "kva") == A_STAGED and h.state.accounted_bytes() == 36 * MiB
+    assert staged_of(h, "kva") == A_STAGED and h.state.arenas.accounted_bytes() == 36 * MiB
     capture(h, b, "kvb", 2, headroom_bytes=40 * MiB)
     completions = done(h)
     assert sorted(completions) == [1, 2]
@@ -1418,8 +1418,8 @@ def test_a_round_short_of_budget_gives_the_staged_minimums_back(make_harness: Ca
         "budget": 16 * MiB,
         "minimums": 36 * MiB,
     }
-    assert h.state.accounted_bytes() == 0 and h.state.retiring == {} and open_fds() == fds
-    assert h.state.arenas["kva"].chunks == [] and h.state.rounds[0].members[0].staged == []
+    assert h.state.arenas.accounted_bytes() == 0 and h.state.arenas.retiring == {} and open_fds() == fds
+    assert h.state.arenas.by_name["kva"].chunks == [] and h.state.kv.rounds[0].members[0].staged == []
     assert kv_status(h, "kva").tokens == kv_status(h, "kva").committed_bytes == 0
 
 
@@ -1431,7 +1431,7 @@ def test_a_round_awaiting_shrinks_that_fails_gives_the_staged_minimum_back(h: Ha
     join(h, b, "kvb")
     join(h, c, "kvc")
     capture(h, b, "kvb", 2, min_tokens=2048)  # 8 MiB of the 16 free: staged
-    assert staged_of(h, "kvb") == [(0, 8)] and h.state.accounted_bytes() == 248 * MiB
+    assert staged_of(h, "kvb") == [(0, 8)] and h.state.arenas.accounted_bytes() == 248 * MiB
     # c needs 16 MiB more: 8 free + 8 staged = 16 < 24. x is asked for 8 MiB, a whole
     # 16 MiB chunk: down to 224 MiB = 57344 rows.
     capture(h, c, "kvc", 3, min_tokens=4096)
@@ -1445,7 +1445,7 @@ def test_a_round_awaiting_shrinks_that_fails_gives_the_staged_minimum_back(h: Ha
     completions = done(h)
     assert sorted(completions) == [2, 3]
     assert all(failure(c).detail == {"needed": 24 * MiB, "budget": 16 * MiB} for c in completions.values())
-    assert h.state.accounted_bytes() == 240 * MiB and h.state.arenas["kvb"].chunks == []
+    assert h.state.arenas.accounted_bytes() == 240 * MiB and h.state.arenas.by_name["kvb"].chunks == []
     assert kv_status(h, "kvx").tokens == 61440
 
 
@@ -1459,13 +1459,13 @@ def test_a_member_that_goes_away_takes_its_staged_minimum_with_its_arena(h: Harn
         join(h, s, name)
     fds = open_fds()
     capture(h, a, "kva", 1, min_tokens=3000)
-    assert staged_of(h, "kva") == A_STAGED and h.state.accounted_bytes() == 36 * MiB and open_fds() == fds + 4
+    assert staged_of(h, "kva") == A_STAGED and h.state.arenas.accounted_bytes() == 36 * MiB and open_fds() == fds + 4
     if how == "dies":
         h.state.close_session(a.id)
     else:
         h.release(a, "kva")
-    assert "kva" not in h.state.arenas and "kva" not in h.state.kv_pools
-    assert h.state.accounted_bytes() == 0 and h.state.retiring == {} and open_fds() == fds
+    assert "kva" not in h.state.arenas.by_name and "kva" not in h.state.kv.pools
+    assert h.state.arenas.accounted_bytes() == 0 and h.state.arenas.retiring == {} and open_fds() == fds
     assert done(h) == {} and round_status(h, 1).state == "open"
     assert [m.pool for m in round_status(h, 1).members] == ["kvb", "kvc"]
     capture(h, b, "kvb", 2)
@@ -1494,8 +1494,8 @@ def test_staging_that_fails_leaves_nothing_and_the_round_creates_the_minimum(
     capture(h, a, "kva", 1, min_tokens=3000)  # not refused: the round will create it
     driver.fail = ""
     assert done(h) == {} and round_status(h, 1).state == "open"
-    assert h.state.arenas["kva"].chunks == [] and staged_of(h, "kva") == []
-    assert h.state.accounted_bytes() == 0 and h.state.retiring == {} and open_fds() == fds
+    assert h.state.arenas.by_name["kva"].chunks == [] and staged_of(h, "kva") == []
+    assert h.state.arenas.accounted_bytes() == 0 and h.state.arenas.retiring == {} and open_fds() == fds
     assert driver.zeroed == []
     capture(h, b, "kvb", 2, min_tokens=1000)
     completions = done(h)
@@ -1520,8 +1520,8 @@ def test_a_minimum_that_does_not_fit_now_is_not_staged(make_harness: Callable[..
     join(h, a, "kva")
     join(h, b, "kvb")
     capture(h, a, "kva", 1, min_tokens=8192)  # 32 MiB; 16 MiB available
-    assert h.state.arenas["kva"].chunks == [] and staged_of(h, "kva") == [] and driver.zeroed == []
-    assert h.state.accounted_bytes() == 240 * MiB
+    assert h.state.arenas.by_name["kva"].chunks == [] and staged_of(h, "kva") == [] and driver.zeroed == []
+    assert h.state.arenas.accounted_bytes() == 240 * MiB
     h.release(s, "plain")  # the memory comes back before the last report
     capture(h, b, "kvb", 2)
     completions = done(h)

@@ -30,7 +30,7 @@ from gpumem_shared.leases import (
     LeaseTable,
 )
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.state import Session
+from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, GiB, Harness, MiB
 from .test_lease_table import Waiter, wait_until_sleeping
@@ -251,7 +251,7 @@ def sharer(h: Harness, s: Session, name: str) -> Session:
 
 def hand_over(h: Harness, pool: p.GraphPoolStatus, s: Session) -> None:
     """``s`` takes the pool's lease and gives it back with its event recorded, as its client would."""
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     w = leases.encode(REPLAY, s.id, s.pid)
     assert t.acquire(pool.slot, w, leases.lease_epoch(pool.id, pool.epoch), 0)[0] in (OK, OK_ORDER)
     assert t.release(pool.slot, w) == RECORD
@@ -259,7 +259,7 @@ def hand_over(h: Harness, pool: p.GraphPoolStatus, s: Session) -> None:
 
 
 def fields(h: Harness, pool: p.GraphPoolStatus) -> tuple[int, int, int]:
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     return t.flags(pool.slot), t.handoff(pool.slot), t.escaped(pool.slot)
 
 
@@ -267,7 +267,7 @@ def test_registration_writes_the_shared_flag_and_status_shows_it(h: Harness) -> 
     s = owner(h)
     shared, private = register(h, s, 0, "shared", True), register(h, s, 4 * MiB, "private", False)
     assert (shared.shared, private.shared) == (True, False)
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     assert (t.flags(shared.slot), t.flags(private.slot)) == (FLAG_SHARED, 0)
     assert {g.label: g.shared for g in h.state.status().extents} == {"shared": True, "private": False}
     w = leases.encode(REPLAY, s.id, s.pid)
@@ -282,7 +282,7 @@ def test_status_names_the_client_whose_escape_mark_blocks_replays(h: Harness) ->
     h.state._next_session = (1 << 24) + 5  # the mark holds 24 bits of the id
     b = sharer(h, s, "b")
     pool = register(h, s, 0, "p", True)
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
 
     def escaped_by() -> str:
         return {g.id: g.escaped_by for g in h.state.status().extents}[pool.id]
@@ -306,7 +306,7 @@ def test_new_free_runs_move_the_slot_epoch_and_keep_the_handoff(h: Harness) -> N
     runs = [p.Extent(offset=0, size=1 * MiB)]
     moved = h.ok(s, p.UpdateGraphPool(pool_id=pool.id, extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=runs)).reply.pool
     assert moved.epoch == 2 and moved.shared
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     assert t.epoch(pool.slot) == leases.lease_epoch(pool.id, 2)
     # b's GPU work may still be running on the pool whatever its runs are now.
     assert fields(h, pool) == (FLAG_SHARED, word_session(b.id), 0)
@@ -334,14 +334,14 @@ def test_dropping_a_pool_resets_its_slot_for_the_next_pool(h: Harness, how: str)
     h.ok(c, p.ReportEscape(pool_id=pool.id, escaped=True))
     assert fields(h, pool) == (FLAG_SHARED, word_session(b.id), word_session(c.id))
     drop_pool(h, s, pool, how)
-    assert pool.id not in h.state.graph_pools
-    assert fields(h, pool) == (0, 0, 0) and h.state.lease_table.epoch(pool.slot) == 0
+    assert pool.id not in h.state.graph_pools.by_id
+    assert fields(h, pool) == (0, 0, 0) and h.state.graph_pools.table.epoch(pool.slot) == 0
     # Leftovers would make the slot's next pool refuse replays, or order them after a
     # client that never used it.
     again = register(h, elsewhere, 0, "again", True, arena="spare")
     assert again.slot == pool.slot
     w = leases.encode(REPLAY, elsewhere.id, elsewhere.pid)
-    assert h.state.lease_table.acquire(again.slot, w, leases.lease_epoch(again.id, 1), 0) == (OK, 0)
+    assert h.state.graph_pools.table.acquire(again.slot, w, leases.lease_epoch(again.id, 1), 0) == (OK, 0)
 
 
 # =========================================================================== the daemon: opening another client's pool
@@ -430,7 +430,7 @@ def test_lookup_finds_each_sessions_handle_by_its_word_session_until_it_closes(h
     h.ok(b, p.PublishLeaseEvent(pool_id=other.id, handle=b"B" * 64))
     hand_over(h, pool, b)
     # What a taker does on OK_ORDER: look up the handle of the session the slot names.
-    assert h.ok(c, p.LookupLeaseEvent(pool_id=pool.id, session=h.state.lease_table.handoff(pool.slot))).reply.handle == b"b" * 64
+    assert h.ok(c, p.LookupLeaseEvent(pool_id=pool.id, session=h.state.graph_pools.table.handoff(pool.slot))).reply.handle == b"b" * 64
     assert (lookup(h, c, pool, c), lookup(h, c, other, b)) == (b"c" * 64, b"B" * 64)
     h.refused(c, p.LookupLeaseEvent(pool_id=other.id, session=word_session(c.id)), ErrorCode.NOT_FOUND)
     h.state.close_session(b.id)
@@ -446,7 +446,7 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
     s = owner(h)
     b, c = sharer(h, s, "b"), sharer(h, s, "c")
     one, two = register(h, s, 0, "one", True), register(h, s, 4 * MiB, "two", True)
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     hand_over(h, one, b)
     h.ok(c, p.ReportEscape(pool_id=one.id, escaped=True))
     hand_over(h, two, c)
@@ -471,7 +471,7 @@ def test_tick_repairs_flags_and_fields_naming_no_session(h: Harness) -> None:
     h.state._next_session = (1 << 24) + 5  # live sessions are compared as the fields hold them
     b = sharer(h, s, "b")
     shared, private = register(h, s, 0, "shared", True), register(h, s, 4 * MiB, "private", False)
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     dead = word_session(b.id) + 1  # no session has it
     # What a buggy client may scribble: the daemon's flags, sessions that never were.
     t.set_flags(shared.slot, 0)

@@ -21,7 +21,7 @@ from gpumem.leases import Lease
 from gpumem_shared import leases
 from gpumem_shared import protocol as p
 from gpumem_shared.leases import BORROW, CAPTURE, CORRUPT, HELD, KIND_NAMES, NOT_HOLDER, OK, REPLAY, STALE, LeaseTable
-from gpumemd.state import Session
+from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, GiB, Harness, MiB
 
@@ -343,8 +343,8 @@ def register(h: Harness, s: Session, offset: int, label: str) -> p.GraphPoolStat
 def take(h: Harness, pool: p.GraphPoolStatus, s: Session, kind: int = REPLAY, label: str = "") -> int:
     """``s`` takes the pool's lease as its client would; returns the word."""
     w = leases.encode(kind, s.id, s.pid)
-    assert h.state.lease_table.acquire(pool.slot, w, leases.lease_epoch(pool.id, pool.epoch), 0) == (OK, 0)
-    h.state.lease_table.set_label(pool.slot, label)
+    assert h.state.graph_pools.table.acquire(pool.slot, w, leases.lease_epoch(pool.id, pool.epoch), 0) == (OK, 0)
+    h.state.graph_pools.table.set_label(pool.slot, label)
     return w
 
 
@@ -352,7 +352,7 @@ def test_registration_assigns_slots_and_writes_epochs_recapture_rewrites(h: Harn
     s = owner(h)
     one, two = register(h, s, 0, "one"), register(h, s, 4 * MiB, "two")
     assert (one.slot, two.slot) == (1, 2), "slot 0 stays unused"
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     assert t.epoch(one.slot) == leases.lease_epoch(one.id, 1) and t.epoch(two.slot) == leases.lease_epoch(two.id, 1)
     extents = [p.Extent(offset=0, size=4 * MiB)]
     h.ok(s, p.UpdateGraphPool(pool_id=one.id, extents=extents, free_runs=[], recaptured=False))
@@ -370,8 +370,8 @@ def test_a_recapture_under_a_held_lease_keeps_the_holder(h: Harness) -> None:
     pool = register(h, s, 0, "one")
     w = take(h, pool, s, CAPTURE)
     h.ok(s, p.UpdateGraphPool(pool_id=pool.id, extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=[], recaptured=True))
-    assert h.state.lease_table.peek(pool.slot) == w
-    assert h.state.lease_table.release(pool.slot, w) == OK
+    assert h.state.graph_pools.table.peek(pool.slot) == w
+    assert h.state.graph_pools.table.release(pool.slot, w) == OK
 
 
 def test_close_session_sweeps_exactly_that_sessions_slots(h: Harness) -> None:
@@ -380,14 +380,14 @@ def test_close_session_sweeps_exactly_that_sessions_slots(h: Harness) -> None:
     b, c = h.connect("b"), h.connect("c")
     wb1, wb3 = take(h, p1, b, CAPTURE), take(h, p3, b, BORROW)
     wc2 = take(h, p2, c, REPLAY)
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     futex = t._slots[p1.slot].futex
     h.state.close_session(b.id)
     assert t.peek(p1.slot) == 0 and t.peek(p3.slot) == 0
     assert t.peek(p2.slot) == wc2 and t.peek(p4.slot) == 0
     assert t._slots[p1.slot].futex == futex + 1, "the sweep wakes waiters"
     assert t.release(p1.slot, wb1) == NOT_HOLDER and t.release(p3.slot, wb3) == NOT_HOLDER
-    assert set(h.state.graph_pools) == {p1.id, p2.id, p3.id, p4.id}, "b owned no pool: all stay"
+    assert set(h.state.graph_pools.by_id) == {p1.id, p2.id, p3.id, p4.id}, "b owned no pool: all stay"
     assert t.epoch(p1.slot) == leases.lease_epoch(p1.id, 1)
     h.state.close_session(c.id)
     assert t.words() == [0] * leases.SLOTS
@@ -399,8 +399,8 @@ def test_the_owner_leaving_sweeps_its_leases_and_retires_its_pools(h: Harness) -
     other = h.connect("other")
     held_by_other = take(h, mine, other, REPLAY)
     h.state.close_session(s.id)
-    t = h.state.lease_table
-    assert mine.id not in h.state.graph_pools
+    t = h.state.graph_pools.table
+    assert mine.id not in h.state.graph_pools.by_id
     assert t.epoch(mine.slot) == 0 and t.peek(mine.slot) == 0, "the pool went, and its holder was swept"
     assert t.release(mine.slot, held_by_other) == NOT_HOLDER
 
@@ -409,7 +409,7 @@ def test_tick_clears_impossible_words_and_leaves_valid_ones(h: Harness) -> None:
     s = owner(h)
     pools = [register(h, s, i * 4 * MiB, f"p{i}") for i in range(5)]
     b = h.connect("b")
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     valid = {pools[0].slot: take(h, pools[0], b, CAPTURE), pools[1].slot: take(h, pools[1], s, BORROW)}
     bad_kind = 9 << 56 | b.id << 32 | b.pid
     kind_zero = b.id << 32 | b.pid
@@ -437,7 +437,7 @@ def test_sweeps_compare_session_ids_as_the_word_holds_them(h: Harness) -> None:
     h.state._next_session = (1 << 24) + 5  # as if 16.7 million sessions came and went
     live, dying = h.connect("live"), h.connect("dying")
     assert live.id > 0xFFFFFF and dying.id > 0xFFFFFF
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     w = take(h, pool, live, REPLAY, label="held")
     take(h, other, dying, CAPTURE)
     h.state.tick()
@@ -456,7 +456,7 @@ def test_retire_clears_the_holder_sets_epoch_zero_and_frees_the_slot_for_reuse(h
     first, second = register(h, s, 0, "first"), register(h, s, 4 * MiB, "second")
     b = h.connect("b")
     held = take(h, first, b, CAPTURE)
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     waiter = Waiter(t, first.slot, leases.encode(REPLAY, s.id, s.pid), leases.lease_epoch(first.id, first.epoch), 10.0)
     waiter.start()
     wait_until_sleeping(t, first.slot)
@@ -479,14 +479,14 @@ def test_releasing_the_arena_drops_its_pools_and_their_slots(h: Harness) -> None
     pool = register(h, s, 0, "p")
     take(h, pool, s, REPLAY)
     h.release(s, ARENA)
-    t = h.state.lease_table
+    t = h.state.graph_pools.table
     assert t.peek(pool.slot) == 0 and t.epoch(pool.slot) == 0
     assert h.state.status().leases == []
 
 
 def test_all_slots_in_use_refuses_a_registration_and_retiring_frees_one(h: Harness) -> None:
     s = owner(h)
-    h.state._free_slots = h.state._free_slots[-2:]  # only two left, to keep the test small
+    h.state.graph_pools._free_slots = h.state.graph_pools._free_slots[-2:]  # only two left, to keep the test small
     a, b = register(h, s, 0, "a"), register(h, s, 4 * MiB, "b")
     m = p.RegisterGraphPool(arena=ARENA, label="c", extents=[p.Extent(offset=8 * MiB, size=4 * MiB)], free_runs=[])
     h.refused(s, m, p.ErrorCode.OUT_OF_MEMORY)
@@ -512,7 +512,7 @@ def test_status_lists_held_leases(h: Harness) -> None:
     e = out[p3.id]
     assert (e.slot, e.kind, e.holder, e.pid, e.label) == (p3.slot, "capture", "engine", s.pid, "cudagraph capture")
     # A holder whose session the daemon does not know (yet to be swept) is named by number.
-    h.state.lease_table._slots[p2.slot].word = leases.encode(REPLAY, 77, 4242)
+    h.state.graph_pools.table._slots[p2.slot].word = leases.encode(REPLAY, 77, 4242)
     e = {lease.pool_id: lease for lease in h.state.status().leases}[p2.id]
     assert (e.holder, e.pid, e.kind) == ("session 77", 4242, "replay")
     assert p.from_wire(p.StatusReply, p.to_wire(h.state.status())).leases == h.state.status().leases

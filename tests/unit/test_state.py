@@ -13,7 +13,8 @@ from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.state import Outcome, Session, StateConfig
+from gpumemd.config import StateConfig
+from gpumemd.records import Outcome, SessionRecord as Session
 
 from .harness import BULK, CAPACITY, G, GiB, Harness, MiB, is_reserved, mapped_ranges, open_fds, windows
 
@@ -58,7 +59,7 @@ def test_close_session_of_unknown_id_is_harmless(h: Harness) -> None:
     s = h.connect("engine-a")
     h.create(s, "kv")
     assert h.state.close_session(s.id + 100) == []
-    assert list(h.state.sessions) == [s.id] and list(h.state.arenas) == ["kv"]
+    assert list(h.state.sessions) == [s.id] and list(h.state.arenas.by_name) == ["kv"]
     h.state.close_session(s.id)
     assert h.state.close_session(s.id) == []  # twice: EOF seen after an explicit close
 
@@ -74,9 +75,9 @@ def test_create_reserves_a_window_and_no_memory(h: Harness) -> None:
         name="kv", owner="engine-a", address=h.config.va_base, reserved=64 * GiB, committed=0, granularity=G
     )
     assert is_reserved(view.address, 64 * GiB), "the daemon reserves the window in its own address space"
-    arena = h.state.arenas["kv"]
+    arena = h.state.arenas.by_name["kv"]
     assert (arena.owner_id, arena.attached, arena.chunks) == (s.id, {s.id}, [])
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
     assert open_fds() == fds
 
 
@@ -89,7 +90,7 @@ def test_create_accepts_valid_names(h: Harness, name: str) -> None:
 def test_create_refuses_invalid_names(h: Harness, name: str) -> None:
     error = h.refused(h.connect("engine-a"), p.CreateArena(name=name, reserve_bytes=GiB), ErrorCode.INVALID_ARGUMENT)
     assert "arena name" in error.message
-    assert h.state.arenas == {}
+    assert h.state.arenas.by_name == {}
     assert windows(h) == []
 
 
@@ -98,14 +99,14 @@ def test_create_refuses_zero_and_negative_reservations(h: Harness) -> None:
     for bad in (0, -G):
         error = h.refused(s, p.CreateArena(name="kv", reserve_bytes=bad), ErrorCode.INVALID_ARGUMENT)
         assert error.detail == {"reserve_bytes": bad}
-    assert h.state.arenas == {}
+    assert h.state.arenas.by_name == {}
 
 
 def test_create_refuses_unaligned_reservation_and_suggests_neighbours(h: Harness) -> None:
     error = h.refused(h.connect("engine-a"), p.CreateArena(name="kv", reserve_bytes=3 * MiB), ErrorCode.INVALID_ARGUMENT)
     assert error.detail == {"reserve_bytes": 3 * MiB, "granularity": G}
     assert f"{2 * MiB} or {4 * MiB}" in error.message
-    assert h.state.arenas == {}
+    assert h.state.arenas.by_name == {}
 
 
 def test_create_refuses_reservation_above_the_limit(make_harness: Callable[..., Harness]) -> None:
@@ -113,7 +114,7 @@ def test_create_refuses_reservation_above_the_limit(make_harness: Callable[..., 
     s = h.connect("engine-a")
     error = h.refused(s, p.CreateArena(name="kv", reserve_bytes=4 * GiB + G), ErrorCode.INVALID_ARGUMENT)
     assert error.detail == {"requested": 4 * GiB + G, "limit": 4 * GiB}
-    assert h.state.arenas == {}
+    assert h.state.arenas.by_name == {}
     assert h.create(s, "kv", 4 * GiB).reserved == 4 * GiB  # the limit itself is allowed
 
 
@@ -123,7 +124,7 @@ def test_duplicate_arena_name_is_already_exists_naming_the_owner(h: Harness) -> 
     for who in (b, a):
         error = h.refused(who, p.CreateArena(name="kv", reserve_bytes=2 * GiB), ErrorCode.ALREADY_EXISTS)
         assert f"client 'engine-a' (pid {a.pid})" in error.message
-    arena = h.state.arenas["kv"]
+    arena = h.state.arenas.by_name["kv"]
     assert (arena.owner_id, arena.reserved, arena.address) == (a.id, GiB, first.address)
     assert len(windows(h)) == 1, "the refused request reserved nothing"
 
@@ -184,7 +185,7 @@ def test_planning_range_exhausted_is_out_of_memory(make_harness: Callable[..., H
     else:
         pytest.fail("16 GiB of plan range held 16 arenas of 1 GiB and their guards")
     assert len(created) >= 2
-    assert sorted(h.state.arenas) == sorted(v.name for v in created)
+    assert sorted(h.state.arenas.by_name) == sorted(v.name for v in created)
     assert len(windows(h)) == len(created), "the refused request reserved nothing"
     assert max(end for _, end in windows(h)) <= h.config.va_limit
     h.release(s, created[0].name)
@@ -216,8 +217,8 @@ def test_commit_creates_memfd_chunks_in_a_bulk_and_ladder_plan(h: Harness) -> No
         assert os.fstat(chunk.handle).st_size == chunk.size
         assert os.readlink(f"/proc/self/fd/{chunk.handle}").startswith("/memfd:gpumemd-chunk")
     assert open_fds() == fds + 4
-    assert h.state.accounted_bytes() == 2 * BULK + 6 * MiB
-    assert h.state.free_bytes() == CAPACITY - (2 * BULK + 6 * MiB)
+    assert h.state.arenas.accounted_bytes() == 2 * BULK + 6 * MiB
+    assert h.state.arenas.free_bytes() == CAPACITY - (2 * BULK + 6 * MiB)
 
 
 def test_large_handouts_are_split_into_fd_batches(make_harness: Callable[..., Harness]) -> None:
@@ -239,8 +240,8 @@ def test_commit_grows_from_the_committed_end(h: Harness) -> None:
     second = h.commit(s, "kv", 24 * MiB)
     assert chunk_layout(second) == [(6 * MiB, BULK), (6 * MiB + BULK, 2 * MiB)]
     assert {c.id for c in second.handout}.isdisjoint(c.id for c in first.handout)
-    assert h.state.arenas["kv"].committed == 24 * MiB
-    assert h.state.accounted_bytes() == 24 * MiB
+    assert h.state.arenas.by_name["kv"].committed == 24 * MiB
+    assert h.state.arenas.accounted_bytes() == 24 * MiB
 
 
 def test_commit_to_the_committed_size_is_a_no_op(h: Harness) -> None:
@@ -249,13 +250,13 @@ def test_commit_to_the_committed_size_is_a_no_op(h: Harness) -> None:
     h.commit(s, "kv", 8 * MiB)
     h.share(s, "kv", "engine-b")
     h.attach(sharer, "kv")
-    fds, chunks = open_fds(), list(h.state.arenas["kv"].chunks)
+    fds, chunks = open_fds(), list(h.state.arenas.by_name["kv"].chunks)
     again = h.commit(s, "kv", 8 * MiB)
     assert again.handout == [] and again.reply.chunks == [] and again.reply.fd_batches == 0
     assert again.notices == [], "nothing grew: the sharer is not told"
     assert again.reply.arena.committed == 8 * MiB
-    assert h.state.arenas["kv"].chunks == chunks
-    assert open_fds() == fds and h.state.accounted_bytes() == 8 * MiB
+    assert h.state.arenas.by_name["kv"].chunks == chunks
+    assert open_fds() == fds and h.state.arenas.accounted_bytes() == 8 * MiB
 
 
 @pytest.mark.parametrize(
@@ -274,7 +275,7 @@ def test_commit_refuses_bad_sizes(h: Harness, nbytes: int, detail: dict) -> None
     h.commit(s, "kv", 4 * MiB)
     error = h.refused(s, p.CommitArena(name="kv", nbytes=nbytes), ErrorCode.INVALID_ARGUMENT)
     assert error.detail == detail
-    assert h.state.arenas["kv"].committed == 4 * MiB
+    assert h.state.arenas.by_name["kv"].committed == 4 * MiB
 
 
 def test_commit_never_shrinks(h: Harness) -> None:
@@ -284,34 +285,34 @@ def test_commit_never_shrinks(h: Harness) -> None:
     error = h.refused(s, p.CommitArena(name="kv", nbytes=4 * MiB), ErrorCode.INVALID_ARGUMENT)
     assert error.detail == {"requested": 4 * MiB, "committed": 8 * MiB}
     assert "decommit" in error.message
-    assert h.state.arenas["kv"].committed == 8 * MiB
+    assert h.state.arenas.by_name["kv"].committed == 8 * MiB
 
 
 def test_commit_beyond_free_memory_commits_nothing(h: Harness) -> None:
     s = h.connect("engine-a")
     h.create(s, "kv", GiB)
     h.commit(s, "kv", 100 * MiB)
-    fds, chunks = open_fds(), list(h.state.arenas["kv"].chunks)
+    fds, chunks = open_fds(), list(h.state.arenas.by_name["kv"].chunks)
     error = h.refused(s, p.CommitArena(name="kv", nbytes=300 * MiB), ErrorCode.OUT_OF_MEMORY)
     assert error.detail == {"requested": 200 * MiB, "available": CAPACITY - 100 * MiB}
-    assert h.state.arenas["kv"].chunks == chunks
-    assert h.state.accounted_bytes() == 100 * MiB
+    assert h.state.arenas.by_name["kv"].chunks == chunks
+    assert h.state.arenas.accounted_bytes() == 100 * MiB
     assert open_fds() == fds
     # exactly what is left still fits
     h.commit(s, "kv", CAPACITY)
-    assert h.state.free_bytes() == 0 and h.state.available_bytes() == 0
+    assert h.state.arenas.free_bytes() == 0 and h.state.arenas.available_bytes() == 0
 
 
 def test_reserve_is_kept_free(make_harness: Callable[..., Harness]) -> None:
     h = make_harness(reserve_bytes=32 * MiB)
     s = h.connect("engine-a")
     h.create(s, "kv", GiB)
-    assert h.state.available_bytes() == CAPACITY - 32 * MiB
+    assert h.state.arenas.available_bytes() == CAPACITY - 32 * MiB
     error = h.refused(s, p.CommitArena(name="kv", nbytes=CAPACITY - 30 * MiB), ErrorCode.OUT_OF_MEMORY)
     assert error.detail == {"requested": CAPACITY - 30 * MiB, "available": CAPACITY - 32 * MiB}
     assert f"the {32 * MiB}-byte reserve" in error.message
     h.commit(s, "kv", CAPACITY - 32 * MiB)
-    assert h.state.free_bytes() == 32 * MiB and h.state.available_bytes() == 0
+    assert h.state.arenas.free_bytes() == 32 * MiB and h.state.arenas.available_bytes() == 0
 
 
 def test_commit_is_shared_across_arenas_against_one_capacity(h: Harness) -> None:
@@ -322,7 +323,7 @@ def test_commit_is_shared_across_arenas_against_one_capacity(h: Harness) -> None
     error = h.refused(b, p.CommitArena(name="kv-b", nbytes=64 * MiB), ErrorCode.OUT_OF_MEMORY)
     assert error.detail["available"] == 56 * MiB
     h.commit(b, "kv-b", 56 * MiB)
-    assert h.state.accounted_bytes() == CAPACITY
+    assert h.state.arenas.accounted_bytes() == CAPACITY
 
 
 class FailingDriver(HostDriver):
@@ -352,7 +353,7 @@ def test_driver_failure_during_commit_commits_nothing(
     error = h.refused(s, p.CommitArena(name="kv", nbytes=40 * MiB), code)
     assert error.detail == {"requested": 36 * MiB, "available": CAPACITY - 4 * MiB}
     assert "injected failure" in error.message
-    assert h.state.arenas["kv"].committed == 4 * MiB and h.state.accounted_bytes() == 4 * MiB
+    assert h.state.arenas.by_name["kv"].committed == 4 * MiB and h.state.arenas.accounted_bytes() == 4 * MiB
     driver.fail = False
     assert h.commit(s, "kv", 40 * MiB).reply.arena.committed == 40 * MiB
 
@@ -376,7 +377,7 @@ def test_decommit_keeps_the_smallest_chunk_boundary_at_or_above_the_target(h: Ha
     s, _ = committed_38(h)
     out = h.decommit(s, "kv", to)
     assert out.reply.arena.committed == kept * MiB
-    assert h.state.arenas["kv"].committed == kept * MiB
+    assert h.state.arenas.by_name["kv"].committed == kept * MiB
     assert sum(c.size for c in out.reply.retired) == (38 - kept) * MiB
     assert out.handout == [] and out.reply.chunks == [] and out.reply.fd_batches == 0
 
@@ -389,14 +390,14 @@ def test_decommitted_chunks_stay_accounted_until_unmapped(h: Harness) -> None:
     assert chunk_layout(out.reply.retired) == [(32 * MiB, 4 * MiB), (36 * MiB, 2 * MiB)]
     assert out.notices == [], "the owner learns from the reply, not from a notice"
     assert open_fds() == fds - 2, "the daemon closed its memfds at once"
-    assert h.state.accounted_bytes() == 38 * MiB, "the client still maps them"
-    assert sorted(h.state.retiring) == ids[2:]
+    assert h.state.arenas.accounted_bytes() == 38 * MiB, "the client still maps them"
+    assert sorted(h.state.arenas.retiring) == ids[2:]
     assert h.state.status().arenas[0].retiring_bytes == 6 * MiB
     # until reported, every sync lists them again
     assert [c.id for c in h.sync(s, "kv").reply.retired] == ids[2:]
     h.unmapped(s, "kv", ids[2:])
-    assert h.state.accounted_bytes() == 32 * MiB
-    assert h.state.retiring == {}
+    assert h.state.arenas.accounted_bytes() == 32 * MiB
+    assert h.state.arenas.retiring == {}
     assert h.sync(s, "kv").reply.retired == []
     assert open_fds() == fds - 2
 
@@ -419,7 +420,7 @@ def test_decommit_to_the_committed_size_retires_nothing(h: Harness) -> None:
     s, _ = committed_38(h)
     fds = open_fds()
     out = h.decommit(s, "kv", 38 * MiB)
-    assert out.reply.retired == [] and h.state.retiring == {}
+    assert out.reply.retired == [] and h.state.arenas.retiring == {}
     assert open_fds() == fds
 
 
@@ -436,7 +437,7 @@ def test_decommit_refuses_bad_targets(h: Harness, to: int, detail: dict) -> None
     s, _ = committed_38(h)
     error = h.refused(s, p.DecommitArena(name="kv", to_nbytes=to), ErrorCode.INVALID_ARGUMENT)
     assert error.detail == detail
-    assert h.state.arenas["kv"].committed == 38 * MiB and h.state.retiring == {}
+    assert h.state.arenas.by_name["kv"].committed == 38 * MiB and h.state.arenas.retiring == {}
 
 
 def test_chunks_unmapped_is_all_or_nothing(h: Harness) -> None:
@@ -444,9 +445,9 @@ def test_chunks_unmapped_is_all_or_nothing(h: Harness) -> None:
     h.decommit(s, "kv", 0)
     error = h.refused(s, p.ChunksUnmapped(name="kv", chunk_ids=[ids[0], 999]), ErrorCode.NOT_FOUND)
     assert "chunk 999" in error.message
-    assert sorted(h.state.retiring) == ids and h.state.accounted_bytes() == 38 * MiB
+    assert sorted(h.state.arenas.retiring) == ids and h.state.arenas.accounted_bytes() == 38 * MiB
     h.unmapped(s, "kv", ids)
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
     # reporting the same chunks again is refused: the session no longer maps them
     h.refused(s, p.ChunksUnmapped(name="kv", chunk_ids=ids[:1]), ErrorCode.NOT_FOUND)
 
@@ -454,7 +455,7 @@ def test_chunks_unmapped_is_all_or_nothing(h: Harness) -> None:
 def test_unmapping_a_live_chunk_makes_sync_hand_it_out_again(h: Harness) -> None:
     s, ids = committed_38(h)
     h.unmapped(s, "kv", ids[:1])
-    assert h.state.accounted_bytes() == 38 * MiB, "live chunks are the arena's, whoever maps them"
+    assert h.state.arenas.accounted_bytes() == 38 * MiB, "live chunks are the arena's, whoever maps them"
     again = h.sync(s, "kv")
     assert [c.id for c in again.handout] == ids[:1]
 
@@ -464,14 +465,14 @@ def test_decommit_of_a_chunk_nobody_maps_frees_it_at_once(h: Harness) -> None:
     h.unmapped(s, "kv", ids[3:])  # the owner unmapped the last chunk [36, 38) MiB itself
     out = h.decommit(s, "kv", 32 * MiB)
     assert [c.id for c in out.reply.retired] == [ids[2]], "only what the owner still maps is to unmap"
-    assert sorted(h.state.retiring) == [ids[2]]
-    assert h.state.accounted_bytes() == 36 * MiB
+    assert sorted(h.state.arenas.retiring) == [ids[2]]
+    assert h.state.arenas.accounted_bytes() == 36 * MiB
 
 
 def test_each_device_plans_in_its_own_address_slice() -> None:
     """A process may map arenas of several daemons (a rank reading a peer GPU's chunks):
     their windows must never overlap, so each device's range is its own."""
-    from gpumemd.state import VA_PLAN_SLICES, plan_range
+    from gpumemd.config import VA_PLAN_SLICES, plan_range
 
     ranges = [plan_range(i) for i in range(VA_PLAN_SLICES)]
     assert ranges[0] == (StateConfig.va_base, StateConfig.va_limit)

@@ -81,7 +81,7 @@ def test_stopping_refuses_new_work_but_lets_clients_clean_up(h: Harness) -> None
     with pytest.raises(p.ProtocolError) as info:
         h.state.open_session(p.Hello(name="late"), pid=1, uid=0, gid=0)
     assert info.value.code is ErrorCode.SHUTTING_DOWN
-    assert sorted(h.state.arenas) == ["kv", "other"] and h.state.arenas["kv"].committed == 8 * MiB
+    assert sorted(h.state.arenas.by_name) == ["kv", "other"] and h.state.arenas.by_name["kv"].committed == 8 * MiB
     assert len(h.state.sessions) == 2
 
     assert h.ok(None, p.Ping()).reply == p.Ack()
@@ -93,7 +93,7 @@ def test_stopping_refuses_new_work_but_lets_clients_clean_up(h: Harness) -> None
     h.unmapped(b, "kv", chunk_ids)
     h.release(b, "kv")
     h.release(a, "kv")
-    assert sorted(h.state.arenas) == ["other"] and h.state.accounted_bytes() == 0
+    assert sorted(h.state.arenas.by_name) == ["other"] and h.state.arenas.accounted_bytes() == 0
 
 
 def test_drop_all_releases_the_daemons_references(h: Harness) -> None:
@@ -105,7 +105,7 @@ def test_drop_all_releases_the_daemons_references(h: Harness) -> None:
     h.decommit(a, "kv", 0)
     h.state.begin_stop()
     h.state.drop_all()
-    assert h.state.arenas == {} and h.state.retiring == {} and h.state.accounted_bytes() == 0
+    assert h.state.arenas.by_name == {} and h.state.arenas.retiring == {} and h.state.arenas.accounted_bytes() == 0
     # the fixture checks that every memfd and window is gone
 
 

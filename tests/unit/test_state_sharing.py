@@ -9,7 +9,7 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.state import Session
+from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, G, GiB, Harness, MiB, is_reserved, mapped_ranges, open_fds
 
@@ -45,10 +45,10 @@ def test_attach_maps_what_is_committed_without_new_memory(h: Harness) -> None:
     assert out.reply.arena == dataclasses.replace(view, committed=6 * MiB)
     assert ids(out.reply.chunks) == ids(out.handout) == committed
     assert out.reply.fd_batches == 1 and out.reply.retired == []
-    arena = h.state.arenas["kv"]
+    arena = h.state.arenas.by_name["kv"]
     assert arena.attached == {a.id, b.id}
     assert all(c.holders == {a.id, b.id} for c in arena.chunks)
-    assert h.state.accounted_bytes() == 6 * MiB and open_fds() == fds
+    assert h.state.arenas.accounted_bytes() == 6 * MiB and open_fds() == fds
 
 
 def test_attach_to_an_empty_arena_hands_out_nothing(h: Harness) -> None:
@@ -58,7 +58,7 @@ def test_attach_to_an_empty_arena_hands_out_nothing(h: Harness) -> None:
     out = h.attach(b, "kv")
     assert (out.handout, out.reply.chunks, out.reply.retired, out.reply.fd_batches) == ([], [], [], 0)
     assert out.reply.arena.committed == 0
-    assert h.state.arenas["kv"].attached == {a.id, b.id}
+    assert h.state.arenas.by_name["kv"].attached == {a.id, b.id}
     # what the owner commits later reaches b through sync
     committed = ids(h.commit(a, "kv", 4 * MiB).handout)
     assert ids(h.sync(b, "kv").handout) == committed
@@ -71,7 +71,7 @@ def test_attach_without_share_is_permission_denied_naming_the_owner(h: Harness) 
     error = h.refused(b, p.AttachArena(name="kv"), ErrorCode.PERMISSION_DENIED)
     assert f"client 'engine-a' (pid {a.pid})" in error.message
     assert "client 'engine-b'" in error.message
-    assert h.state.arenas["kv"].attached == {a.id}
+    assert h.state.arenas.by_name["kv"].attached == {a.id}
 
 
 def test_attach_refusals(h: Harness) -> None:
@@ -79,7 +79,7 @@ def test_attach_refusals(h: Harness) -> None:
     h.refused(b, p.AttachArena(name="nope"), ErrorCode.NOT_FOUND)
     h.refused(b, p.AttachArena(name="kv"), ErrorCode.ALREADY_EXISTS)  # attached already
     h.refused(a, p.AttachArena(name="kv"), ErrorCode.ALREADY_EXISTS)  # the owner is attached from the start
-    assert h.state.arenas["kv"].attached == {a.id, b.id}
+    assert h.state.arenas.by_name["kv"].attached == {a.id, b.id}
 
 
 def test_share_is_by_client_name(h: Harness) -> None:
@@ -89,7 +89,7 @@ def test_share_is_by_client_name(h: Harness) -> None:
     h.share(a, "kv", "engine-b")  # sharing twice is harmless
     h.attach(b1, "kv")
     h.attach(b2, "kv")
-    arena = h.state.arenas["kv"]
+    arena = h.state.arenas.by_name["kv"]
     assert arena.shared_with == {"engine-b"} and arena.attached == {a.id, b1.id, b2.id}
 
 
@@ -97,7 +97,7 @@ def test_share_with_an_invalid_client_name_is_refused(h: Harness) -> None:
     a = h.connect("engine-a")
     h.create(a, "kv")
     h.refused(a, p.ShareArena(name="kv", client="engine b"), ErrorCode.INVALID_ARGUMENT)
-    assert h.state.arenas["kv"].shared_with == set()
+    assert h.state.arenas.by_name["kv"].shared_with == set()
 
 
 @pytest.mark.parametrize(
@@ -119,8 +119,8 @@ def test_only_the_owner_may_change_an_arena(h: Harness, message: object, attache
         h.attach(b, "kv")
     error = h.refused(b, message, ErrorCode.PERMISSION_DENIED)
     assert f"belongs to client 'engine-a' (pid {a.pid})" in error.message
-    arena = h.state.arenas["kv"]
-    assert arena.committed == 6 * MiB and h.state.retiring == {}
+    arena = h.state.arenas.by_name["kv"]
+    assert arena.committed == 6 * MiB and h.state.arenas.retiring == {}
     assert arena.shared_with == ({"engine-b"} if attached else set())
 
 
@@ -157,7 +157,7 @@ def test_commit_tells_attached_sharers_and_sync_hands_out_only_new_chunks(h: Har
     assert [(ch.offset, ch.size) for ch in out.reply.chunks] == [(6 * MiB, BULK), (6 * MiB + BULK, 2 * MiB)]
     assert out.reply.arena.committed == 6 * MiB + BULK + 2 * MiB
     assert h.sync(b, "kv").handout == [], "a second sync has nothing new"
-    assert all(ch.holders == {a.id, b.id} for ch in h.state.arenas["kv"].chunks)
+    assert all(ch.holders == {a.id, b.id} for ch in h.state.arenas.by_name["kv"].chunks)
     assert set(first).isdisjoint(new)
 
 
@@ -173,10 +173,10 @@ def test_decommit_tells_holders_and_memory_returns_after_the_last_unmap(h: Harne
     assert synced.reply.arena.committed == 16 * MiB
 
     h.unmapped(a, "kv", chunk_ids[1:])
-    assert h.state.accounted_bytes() == BULK + 6 * MiB, "engine-b still maps them"
+    assert h.state.arenas.accounted_bytes() == BULK + 6 * MiB, "engine-b still maps them"
     assert h.state.status().arenas[0].retiring_bytes == 6 * MiB
     h.unmapped(b, "kv", chunk_ids[1:])
-    assert h.state.accounted_bytes() == BULK and h.state.retiring == {}
+    assert h.state.arenas.accounted_bytes() == BULK and h.state.arenas.retiring == {}
 
 
 def test_decommit_of_chunks_a_sharer_never_mapped_does_not_involve_it(h: Harness) -> None:
@@ -187,21 +187,21 @@ def test_decommit_of_chunks_a_sharer_never_mapped_does_not_involve_it(h: Harness
     assert out.notices == []
     assert h.sync(b, "kv").reply.retired == []
     h.unmapped(a, "kv", late)
-    assert h.state.accounted_bytes() == 6 * MiB
+    assert h.state.arenas.accounted_bytes() == 6 * MiB
 
 
 def test_sync_needs_an_attached_session(h: Harness) -> None:
     a, _, _ = shared_arena(h)
     c = h.connect("engine-c")
     h.refused(c, p.SyncArena(name="kv"), ErrorCode.PERMISSION_DENIED)
-    assert all(c.id not in ch.holders for ch in h.state.arenas["kv"].chunks)
+    assert all(c.id not in ch.holders for ch in h.state.arenas.by_name["kv"].chunks)
 
 
 def test_unmapped_report_from_a_session_that_does_not_hold_the_chunk(h: Harness) -> None:
     a, b, chunk_ids = shared_arena(h)
     c = h.connect("engine-c")
     h.refused(c, p.ChunksUnmapped(name="kv", chunk_ids=chunk_ids[:1]), ErrorCode.NOT_FOUND)
-    assert h.state.arenas["kv"].chunks[0].holders == {a.id, b.id}
+    assert h.state.arenas.by_name["kv"].chunks[0].holders == {a.id, b.id}
 
 
 # --------------------------------------------------------------------------- release
@@ -213,11 +213,11 @@ def test_owner_release_without_sharers_frees_everything(h: Harness) -> None:
     view = h.create(a, "kv", GiB)
     chunk_ids = ids(h.commit(a, "kv", 38 * MiB).handout)
     h.decommit(a, "kv", 16 * MiB)  # leaves retiring chunks the owner never reported
-    assert h.state.retiring
+    assert h.state.arenas.retiring
     out = h.release(a, "kv")
     assert out.reply == p.Ack() and out.notices == []
-    assert h.state.arenas == {} and h.state.retiring == {}
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.by_name == {} and h.state.arenas.retiring == {}
+    assert h.state.arenas.accounted_bytes() == 0
     assert open_fds() == fds
     assert mapped_ranges(view.address, view.address + GiB) == []
     assert h.state.status().clients[0].arenas == []
@@ -226,17 +226,17 @@ def test_owner_release_without_sharers_frees_everything(h: Harness) -> None:
 
 def test_owner_release_with_a_sharer_retires_the_arena_until_the_sharer_leaves(h: Harness) -> None:
     a, b, chunk_ids = shared_arena(h)
-    view_address = h.state.arenas["kv"].address
+    view_address = h.state.arenas.by_name["kv"].address
     fds = open_fds()
     out = h.release(a, "kv")
     assert recipients(out.notices, "arena-retired") == [b.id]
     assert "released by its owner" in out.notices[0][1].message
 
-    arena = h.state.arenas["kv"]
+    arena = h.state.arenas.by_name["kv"]
     assert arena.released and not arena.owner_alive
     assert arena.attached == {b.id} and arena.chunks == []
-    assert sorted(h.state.retiring) == chunk_ids
-    assert h.state.accounted_bytes() == 6 * MiB, "engine-b still maps the memory"
+    assert sorted(h.state.arenas.retiring) == chunk_ids
+    assert h.state.arenas.accounted_bytes() == 6 * MiB, "engine-b still maps the memory"
     assert open_fds() == fds - len(chunk_ids), "the daemon dropped its own references"
     assert is_reserved(view_address, GiB)
 
@@ -248,9 +248,9 @@ def test_owner_release_with_a_sharer_retires_the_arena_until_the_sharer_leaves(h
     synced = h.sync(b, "kv")
     assert synced.handout == [] and ids(synced.reply.retired) == chunk_ids
     h.unmapped(b, "kv", chunk_ids)
-    assert h.state.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 0
     h.release(b, "kv")
-    assert h.state.arenas == {}
+    assert h.state.arenas.by_name == {}
     assert mapped_ranges(view_address, view_address + GiB) == []
     assert h.create(a, "kv", GiB).address == view_address
 
@@ -258,7 +258,7 @@ def test_owner_release_with_a_sharer_retires_the_arena_until_the_sharer_leaves(h
 def test_owner_commands_on_its_released_arena_are_not_found(h: Harness) -> None:
     a, b, _ = shared_arena(h)
     h.release(a, "kv")
-    arena = h.state.arenas["kv"]
+    arena = h.state.arenas.by_name["kv"]
     assert arena.owner_id == a.id
     for message in (
         p.CommitArena(name="kv", nbytes=8 * MiB),
@@ -274,10 +274,10 @@ def test_sharer_release_detaches_only_the_sharer(h: Harness) -> None:
     a, b, chunk_ids = shared_arena(h)
     out = h.release(b, "kv")
     assert out.notices == []
-    arena = h.state.arenas["kv"]
+    arena = h.state.arenas.by_name["kv"]
     assert arena.attached == {a.id} and not arena.released and arena.owner_alive
     assert all(ch.holders == {a.id} for ch in arena.chunks)
-    assert h.state.accounted_bytes() == 6 * MiB
+    assert h.state.arenas.accounted_bytes() == 6 * MiB
     h.refused(b, p.SyncArena(name="kv"), ErrorCode.PERMISSION_DENIED)
     h.refused(b, p.ReleaseArena(name="kv"), ErrorCode.PERMISSION_DENIED)
     assert ids(h.attach(b, "kv").handout) == chunk_ids, "the share still stands: b may come back"
@@ -288,7 +288,7 @@ def test_release_by_a_session_not_attached_is_permission_denied(h: Harness) -> N
     c = h.connect("engine-c")
     h.create(a, "kv")
     h.refused(c, p.ReleaseArena(name="kv"), ErrorCode.PERMISSION_DENIED)
-    assert "kv" in h.state.arenas
+    assert "kv" in h.state.arenas.by_name
 
 
 # --------------------------------------------------------------------------- clients going away
@@ -301,12 +301,12 @@ def test_owner_death_leaves_the_arena_to_its_sharer(h: Harness) -> None:
     fds = open_fds()
     notices = h.state.close_session(a.id)
     assert notices == []
-    arena = h.state.arenas["kv"]
+    arena = h.state.arenas.by_name["kv"]
     assert not arena.owner_alive and not arena.released
     assert arena.attached == {b.id}
     assert ids(arena.chunks) == chunk_ids and all(ch.holders == {b.id} for ch in arena.chunks)
-    assert h.state.retiring == {}, "the dead owner's unmap is implied"
-    assert h.state.accounted_bytes() == 6 * MiB
+    assert h.state.arenas.retiring == {}, "the dead owner's unmap is implied"
+    assert h.state.arenas.accounted_bytes() == 6 * MiB
     assert open_fds() == fds, "live chunks keep their memfds"
     (status,) = h.state.status().arenas
     assert (status.owner, status.owner_alive, status.attached) == ("engine-a", False, ["engine-b"])
@@ -317,7 +317,7 @@ def test_owner_death_leaves_the_arena_to_its_sharer(h: Harness) -> None:
 
     address = arena.address
     h.state.close_session(b.id)
-    assert h.state.arenas == {} and h.state.accounted_bytes() == 0
+    assert h.state.arenas.by_name == {} and h.state.arenas.accounted_bytes() == 0
     assert open_fds() == fds - len(chunk_ids)
     assert mapped_ranges(address, address + GiB) == []
 
@@ -330,11 +330,11 @@ def test_last_holder_leaving_frees_everything(h: Harness) -> None:
     h.commit(a, "kv-1", 40 * MiB)
     h.commit(a, "kv-2", 20 * MiB)
     h.decommit(a, "kv-2", 0)
-    assert h.state.accounted_bytes() == 60 * MiB
+    assert h.state.arenas.accounted_bytes() == 60 * MiB
     assert h.state.close_session(a.id) == []
-    assert h.state.sessions == {} and h.state.arenas == {} and h.state.retiring == {}
-    assert h.state.accounted_bytes() == 0
-    assert h.state.free_bytes() == h.state.device.total_bytes
+    assert h.state.sessions == {} and h.state.arenas.by_name == {} and h.state.arenas.retiring == {}
+    assert h.state.arenas.accounted_bytes() == 0
+    assert h.state.arenas.free_bytes() == h.state.device.total_bytes
     assert open_fds() == fds
     assert mapped_ranges(h.config.va_base, h.config.va_base + 8 * GiB) == []
 
@@ -343,16 +343,16 @@ def test_sharer_death_forgets_what_it_held(h: Harness) -> None:
     a, b, chunk_ids = shared_arena(h)
     h.decommit(a, "kv", 0)
     h.unmapped(a, "kv", chunk_ids)
-    assert h.state.accounted_bytes() == 6 * MiB, "engine-b has not reported"
+    assert h.state.arenas.accounted_bytes() == 6 * MiB, "engine-b has not reported"
     h.state.close_session(b.id)
-    assert h.state.accounted_bytes() == 0 and h.state.retiring == {}
-    assert h.state.arenas["kv"].attached == {a.id}
+    assert h.state.arenas.accounted_bytes() == 0 and h.state.arenas.retiring == {}
+    assert h.state.arenas.by_name["kv"].attached == {a.id}
 
 
 def test_owner_released_and_sharer_dies(h: Harness) -> None:
     a, b, _ = shared_arena(h)
-    address = h.state.arenas["kv"].address
+    address = h.state.arenas.by_name["kv"].address
     h.release(a, "kv")
     h.state.close_session(b.id)
-    assert h.state.arenas == {} and h.state.retiring == {} and h.state.accounted_bytes() == 0
+    assert h.state.arenas.by_name == {} and h.state.arenas.retiring == {} and h.state.arenas.accounted_bytes() == 0
     assert mapped_ranges(address, address + GiB) == []

@@ -1,4 +1,4 @@
-"""KV pools and post-capture commit rounds: layout and budget math, no I/O.
+"""KV layout and the commit round's budget split: pure functions, no state, no I/O.
 
 A KV pool is an arena laid out as buffers (typically K and V per layer), each a run of
 token rows, so the first N rows of a buffer are a byte prefix of its region. A pool is
@@ -19,73 +19,11 @@ memory, takes off the reserve and the members' headroom, and splits the rest:
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
 
 from gpumem_shared import protocol as p
 
-
-@dataclasses.dataclass(eq=False)
-class KvBufferLayout:
-    name: str
-    row_bytes: int
-    offset: int  # from the arena's base, granularity-aligned
-    region: int  # bytes reserved for max_tokens rows, granularity-aligned
-
-
-@dataclasses.dataclass(eq=False)
-class KvPool:
-    name: str  # also its arena's name
-    owner_id: int
-    buffers: list[KvBufferLayout]
-    max_tokens: int  # the declared bound: every region holds this many rows
-    granularity: int
-    tokens: int = 0  # committed rows per buffer
-    min_tokens: int = 0  # from its round's capture-done, kept for shrink requests
-    shrink_request: int | None = None  # tokens the daemon asked it to shrink to
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(b.row_bytes for b in self.buffers)
-
-    def prefix(self, buffer: KvBufferLayout, tokens: int) -> int:
-        return align_up(tokens * buffer.row_bytes, self.granularity)
-
-    def cost(self, tokens: int) -> int:
-        """Bytes committed for ``tokens`` rows in every buffer."""
-        return sum(self.prefix(b, tokens) for b in self.buffers)
-
-    def ranges(self, tokens: int) -> list[tuple[int, int]]:
-        """(offset, size) of every buffer's committed prefix at ``tokens`` rows."""
-        return [(b.offset, self.prefix(b, tokens)) for b in self.buffers if self.prefix(b, tokens)]
-
-    def most_tokens_within(self, nbytes: int, cap: int) -> int:
-        """The most tokens (<= cap) whose cost fits in ``nbytes``."""
-        if self.cost(cap) <= nbytes:
-            return cap
-        lo, hi = 0, cap  # cost(lo) fits, cost(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.cost(mid) <= nbytes:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def view(self, arena: p.ArenaView) -> p.KvPoolView:
-        return p.KvPoolView(
-            name=self.name,
-            arena=arena,
-            buffers=[p.KvBufferView(name=b.name, offset=b.offset, row_bytes=b.row_bytes, region_bytes=b.region) for b in self.buffers],
-            max_tokens=self.max_tokens,
-            tokens=self.tokens,
-            bytes_per_token=self.bytes_per_token,
-        )
-
-
-def align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
+from gpumemd.records import KvBufferLayout, MemberRecord, align_up
 
 
 def layout(buffers: list[p.KvBuffer], max_tokens: int, granularity: int) -> tuple[list[KvBufferLayout], int]:
@@ -119,45 +57,21 @@ def layout(buffers: list[p.KvBuffer], max_tokens: int, granularity: int) -> tupl
     return out, offset
 
 
-@dataclasses.dataclass(eq=False)
-class Member:
-    pool: KvPool
-    session_id: int
-    client: str
-    reported: bool = False
-    headroom_bytes: int = 0
-    graph_pool_bytes: int = 0
-    min_tokens: int = 0
-    max_tokens: int = 0
-    weight: float = 1.0
-    request_id: int = 0  # the deferred CAPTURE_DONE to answer
-    tokens: int = 0
-    bytes: int = 0
-    # Chunks for its min_tokens, created and zeroed while the round waits for others
-    # (the daemon's Chunk objects): what the last report has to wait for shrinks.
-    staged: list[Any] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(eq=False)
-class Round:
-    id: int
-    created: float  # monotonic
-    deadline: float  # monotonic
-    policy: str  # "fail" | "partial"
-    state: str = "open"  # open | awaiting-shrink | committed | failed
-    expect: int = 0  # members to wait for before committing
-    joined: int = 0  # members that ever joined (dropped ones included)
-    members: list[Member] = dataclasses.field(default_factory=list)
-    dropped: list[str] = dataclasses.field(default_factory=list)  # "client/pool: why"
-    budget: dict[str, Any] = dataclasses.field(default_factory=dict)
-    error: str = ""
-
-    def member(self, pool: str) -> Member | None:
-        return next((m for m in self.members if m.pool.name == pool), None)
-
-    @property
-    def pending(self) -> list[Member]:
-        return [m for m in self.members if not m.reported]
+def tokens_within(buffers: list[p.KvBuffer], reserve_bytes: int, granularity: int) -> int:
+    """The most tokens whose laid-out window fits in ``reserve_bytes`` (0 if none does):
+    rounding each region up costs a little beyond the rows themselves."""
+    per_token = sum(max(b.row_bytes, 1) for b in buffers) or 1
+    tokens = reserve_bytes // per_token
+    if layout(buffers, tokens, granularity)[1] <= reserve_bytes:
+        return tokens
+    lo, hi = 0, tokens - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if layout(buffers, mid, granularity)[1] <= reserve_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class BudgetShort(Exception):
@@ -167,7 +81,7 @@ class BudgetShort(Exception):
         self.budget = budget
 
 
-def split(members: list[Member], budget: int) -> dict[Member, int]:
+def split(members: list[MemberRecord], budget: int) -> dict[MemberRecord, int]:
     """Tokens per member: minimums first, then weighted shares of the rest, capped."""
     needed = sum(m.pool.cost(m.min_tokens) for m in members)
     if needed > budget:

@@ -1,0 +1,423 @@
+"""The arena book: arenas and their chunks, the accounting of every byte the daemon
+created, commit admission, and the plan of address windows.
+
+Accounting: a chunk counts against the device from its creation until nobody holds
+it. The daemon drops its own reference when the chunk leaves an arena (decommit,
+release), but clients that mapped it keep the memory alive until they report the
+unmap or die, so such a chunk stays counted, as "retiring", until then.
+
+The driver is this book's only I/O. What a change means for graph pools and KV pools
+is decided above it, by the dispatcher (state.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from gpumem_shared import protocol as p
+from gpumem_shared.driver import Driver, DriverError
+
+from gpumemd.config import GiB, MiB, StateConfig
+from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
+
+log = logging.getLogger("gpumemd.arenas")
+
+MAX_PLACEHOLDER_SLOT = 256 * MiB
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")
+
+
+def check_name(name: str, what: str) -> None:
+    if not _NAME.match(name):
+        raise p.ProtocolError(
+            p.ErrorCode.INVALID_ARGUMENT, f"{what} {name!r} is not valid: 1-128 characters of letters, digits and ._:@+-"
+        )
+
+
+def check_size(value: int, what: str, granularity: int, *, allow_zero: bool) -> None:
+    g = granularity
+    if value < 0 or (value == 0 and not allow_zero):
+        raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"{what} must be positive, not {value}", **{what: value})
+    if value % g:
+        raise p.ProtocolError(
+            p.ErrorCode.INVALID_ARGUMENT,
+            f"{what} {value} is not a multiple of the device granularity {g} "
+            f"(nearest valid: {value // g * g} or {(value // g + 1) * g})",
+            **{what: value, "granularity": g},
+        )
+
+
+def plan_chunk_sizes(nbytes: int, bulk: int, granularity: int) -> list[int]:
+    """Bulk chunks while they fit, then a descending ladder of power-of-two multiples
+    of the granularity for the tail: few map calls, and no chunk larger than needed."""
+    sizes = [bulk] * (nbytes // bulk)
+    tail = (nbytes % bulk) // granularity
+    step = 1 << max(tail.bit_length() - 1, 0)
+    while tail:
+        if tail >= step:
+            sizes.append(step * granularity)
+            tail -= step
+        step >>= 1
+    return sizes
+
+
+def map_batches(chunks: int) -> int:
+    """FD_BATCH messages needed to pass ``chunks`` descriptors."""
+    return -(-chunks // p.MAX_FDS_PER_MESSAGE)
+
+
+class ArenaBook:
+    def __init__(self, driver: Driver, config: StateConfig, device: p.DeviceInfo) -> None:
+        self.driver = driver
+        self.config = config
+        self.device = device
+        self.by_name: dict[str, ArenaRecord] = {}
+        self.retiring: dict[int, ChunkRecord] = {}
+        self._next_chunk = 1
+
+    # ------------------------------------------------------------------ lookups
+
+    def get(self, name: str) -> ArenaRecord:
+        arena = self.by_name.get(name)
+        if arena is None:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no arena named '{name}' on device {self.device.index}")
+        return arena
+
+    def owned(self, s: SessionRecord, name: str, action: str, *, kv_ok: bool = False) -> ArenaRecord:
+        """The arena ``s`` owns and may ``action``; a KV pool's arena only if ``kv_ok``."""
+        arena = self.get(name)
+        if arena.owner_id != s.id:
+            raise p.ProtocolError(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"arena '{name}' belongs to {arena.owner_label()}; only its owner may {action} it",
+            )
+        if arena.released:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"arena '{name}' was released")
+        if arena.kv and not kv_ok:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"arena '{name}' is a KV pool (its memory comes from commit rounds, grow and shrink): clients cannot {action} it",
+            )
+        return arena
+
+    def attached(self, s: SessionRecord, name: str) -> ArenaRecord:
+        arena = self.get(name)
+        if s.id not in arena.attached:
+            raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"this session is not attached to arena '{name}'")
+        return arena
+
+    def view(self, arena: ArenaRecord) -> p.ArenaView:
+        return p.ArenaView(
+            name=arena.name,
+            owner=arena.owner_name,
+            address=arena.address,
+            reserved=arena.reserved,
+            committed=arena.committed,
+            granularity=self.device.granularity,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def create(self, s: SessionRecord, name: str, reserve_bytes: int, *, kv: bool = False) -> ArenaRecord:
+        check_name(name, "KV pool name" if kv else "arena name")
+        check_size(reserve_bytes, "reserve_bytes", self.device.granularity, allow_zero=False)
+        if reserve_bytes > self.config.max_reserve:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"reserve_bytes {reserve_bytes} exceeds the daemon's limit of {self.config.max_reserve} per arena",
+                requested=reserve_bytes,
+                limit=self.config.max_reserve,
+            )
+        existing = self.by_name.get(name)
+        if existing is not None:
+            raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"arena '{name}' already exists, owned by {existing.owner_label()}")
+        address = self._plan_window(reserve_bytes + PLACEHOLDER_SCRATCH)
+        arena = ArenaRecord(
+            name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=reserve_bytes, kv=kv
+        )
+        arena.attached.add(s.id)
+        self.by_name[name] = arena
+        log.info("arena %r created by %r: %d bytes at %#x", name, s.name, reserve_bytes, address)
+        return arena
+
+    def attach(self, s: SessionRecord, m: p.AttachArena) -> Outcome:
+        arena = self.get(m.name)
+        if s.id in arena.attached:
+            raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"this session is already attached to arena '{m.name}'")
+        if arena.released:
+            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"arena '{m.name}' was released by {arena.owner_label()}")
+        if s.name not in arena.shared_with:
+            raise p.ProtocolError(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"arena '{m.name}' belongs to {arena.owner_label()} and is not shared with client '{s.name}'",
+            )
+        arena.attached.add(s.id)
+        return self.map_reply(s, arena)
+
+    def share(self, s: SessionRecord, m: p.ShareArena) -> Outcome:
+        arena = self.owned(s, m.name, "share")
+        check_name(m.client, "client name")
+        arena.shared_with.add(m.client)
+        return Outcome(p.Ack())
+
+    def commit(self, s: SessionRecord, m: p.CommitArena) -> Outcome:
+        arena = self.owned(s, m.name, "commit")
+        check_size(m.nbytes, "nbytes", self.device.granularity, allow_zero=False)
+        if m.nbytes > arena.reserved:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"commit of {m.nbytes} bytes exceeds arena '{arena.name}'s reservation of {arena.reserved}",
+                requested=m.nbytes,
+                reserved=arena.reserved,
+            )
+        committed = arena.committed
+        if m.nbytes < committed:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"arena '{arena.name}' already has {committed} bytes committed; decommit shrinks it",
+                requested=m.nbytes,
+                committed=committed,
+            )
+        need = m.nbytes - committed
+        if need == 0:
+            return self.map_reply(s, arena)
+        available = self.require_available(need, f"committing {need} more bytes to arena '{arena.name}'")
+        self.create_chunks([(arena, committed, need)], available)
+        outcome = self.map_reply(s, arena)
+        notice = p.Notice(
+            kind=p.NoticeKind.ARENA_GROWN, message=f"arena '{arena.name}' grew to {arena.committed} bytes; sync to map it", arena=arena.name
+        )
+        outcome.notices = [(sid, notice) for sid in arena.attached if sid != s.id]
+        return outcome
+
+    def decommit_cut(self, s: SessionRecord, m: p.DecommitArena) -> tuple[ArenaRecord, list[ChunkRecord]]:
+        """The arena and the chunks a decommit would take out (validated, nothing done)."""
+        arena = self.owned(s, m.name, "decommit")
+        check_size(m.to_nbytes, "to_nbytes", self.device.granularity, allow_zero=True)
+        if m.to_nbytes > arena.committed:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"decommit to {m.to_nbytes} bytes is above arena '{arena.name}'s committed {arena.committed}; commit grows it",
+                requested=m.to_nbytes,
+                committed=arena.committed,
+            )
+        return arena, [c for c in arena.chunks if c.offset >= m.to_nbytes]
+
+    def decommit(self, s: SessionRecord, arena: ArenaRecord, drop: list[ChunkRecord]) -> Outcome:
+        arena.chunks = [c for c in arena.chunks if c not in drop]
+        notices: Notices = []
+        self.retire(drop, notices, f"arena '{arena.name}' shrank to {arena.committed} bytes; sync to unmap the rest", arena.name, exclude=s.id)
+        retired = [c.view() for c in drop if s.id in c.holders]
+        return Outcome(p.MapReply(arena=self.view(arena), chunks=[], retired=retired, fd_batches=0), notices=notices)
+
+    def sync(self, s: SessionRecord, m: p.SyncArena) -> Outcome:
+        return self.map_reply(s, self.attached(s, m.name))
+
+    def placeholder(self, s: SessionRecord, m: p.PlaceholderArena) -> Outcome:
+        arena = self.owned(s, m.name, "back with placeholders", kv_ok=True)
+        check_size(m.slot_bytes, "slot_bytes", self.device.granularity, allow_zero=False)
+        if m.slot_bytes > MAX_PLACEHOLDER_SLOT:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"placeholder slot of {m.slot_bytes} bytes exceeds the limit of {MAX_PLACEHOLDER_SLOT}",
+                slot_bytes=m.slot_bytes,
+                limit=MAX_PLACEHOLDER_SLOT,
+            )
+        sizes = sorted({m.slot_bytes, self.device.granularity}, reverse=True)
+        have = {c.size: c for c in arena.placeholders}
+        missing = [size for size in sizes if size not in have]
+        used = sum(c.size for c in arena.placeholders)
+        if used + sum(missing) > PLACEHOLDER_SCRATCH:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"arena '{arena.name}' already holds placeholders of {sorted(have)} bytes; "
+                f"at most {PLACEHOLDER_SCRATCH} bytes of placeholders per arena",
+            )
+        if missing:
+            need = sum(missing)
+            self.require_available(need, f"placeholders of {need} bytes for arena '{arena.name}'")
+            placements = []
+            for size in missing:
+                placements.append((arena.address + arena.reserved + used, size))
+                used += size
+            try:
+                handles = self.driver.create_chunks(placements)
+            except DriverError as exc:
+                code = p.ErrorCode.OUT_OF_MEMORY if exc.out_of_memory else p.ErrorCode.DRIVER_ERROR
+                raise p.ProtocolError(code, f"creating placeholders for arena '{arena.name}' failed: {exc}") from None
+            for (address, size), handle in zip(placements, handles):
+                chunk = ChunkRecord(id=self._next_chunk, arena=arena.name, offset=0, size=size, address=address, handle=handle)
+                self._next_chunk += 1
+                arena.placeholders.append(chunk)
+                have[size] = chunk
+        wanted = [have[size] for size in sizes]
+        handout = self.hand(s, [c for c in wanted if s.id not in c.holders])
+        reply = p.PlaceholderReply(arena=self.view(arena), chunks=[c.view() for c in wanted], fd_batches=map_batches(len(handout)))
+        return Outcome(reply, handout=handout)
+
+    def chunks_unmapped(self, s: SessionRecord, m: p.ChunksUnmapped) -> Outcome:
+        arena = self.get(m.name)
+        by_id = {c.id: c for c in arena.chunks + arena.placeholders}
+        for chunk_id in m.chunk_ids:
+            chunk = by_id.get(chunk_id) or self.retiring.get(chunk_id)
+            if chunk is None or chunk.arena != arena.name or s.id not in chunk.holders:
+                raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"chunk {chunk_id} of arena '{arena.name}' is not mapped by this session")
+        for chunk_id in m.chunk_ids:
+            chunk = by_id.get(chunk_id) or self.retiring[chunk_id]
+            chunk.holders.discard(s.id)
+            self._forget_if_unheld(chunk)
+        return Outcome(p.Ack())
+
+    # ------------------------------------------------------------------ leaving arenas
+
+    def detach(self, arena: ArenaRecord, session_id: int) -> None:
+        """``session_id`` maps nothing of the arena any more (it released it, or died)."""
+        for chunk in arena.chunks + arena.placeholders:
+            chunk.holders.discard(session_id)
+        for chunk in [c for c in self.retiring.values() if c.arena == arena.name]:
+            chunk.holders.discard(session_id)
+            self._forget_if_unheld(chunk)
+        arena.attached.discard(session_id)
+
+    def owner_left(self, arena: ArenaRecord, notices: Notices, *, released: bool) -> None:
+        """The owner released the arena or died: its placeholders go; on a release, the
+        sharers still attached are told to unmap the chunks too."""
+        arena.owner_alive = False
+        self.retire(arena.placeholders, notices, "", arena.name)
+        arena.placeholders = []
+        if released:
+            arena.released = True
+            if arena.attached:
+                self.retire(arena.chunks, notices, f"arena '{arena.name}' was released by its owner; release it too", arena.name)
+                arena.chunks = []
+
+    def destroy(self, arena: ArenaRecord, notices: Notices) -> None:
+        """Drop the arena and its window; chunks still mapped somewhere stay retiring."""
+        self.retire(arena.chunks + arena.placeholders, notices, f"arena '{arena.name}' is gone", arena.name)
+        arena.chunks = []
+        arena.placeholders = []
+        del self.by_name[arena.name]
+        try:
+            self.driver.free_reservation(arena.address, arena.window)
+        except DriverError:
+            log.exception("freeing the window of arena %r failed", arena.name)
+        log.info("arena %r destroyed", arena.name)
+
+    # ------------------------------------------------------------------ chunks
+
+    def create_chunks(self, work: list[tuple[ArenaRecord, int, int]], available: int, *, ladder: bool = True) -> list[ChunkRecord]:
+        """Create chunks for every (arena, offset, size) range at once, all or none: bulk
+        chunks, then a ladder for each range's tail (or, without ``ladder``, the tail as
+        one chunk: KV rounds touch a hundred buffers at once, and every chunk costs a
+        create, an export and a map). Returns the new chunks."""
+        placements: list[tuple[ArenaRecord, int, int]] = []
+        bulk = self.config.bulk_chunk if ladder else self.config.kv_chunk
+        for arena, offset, size in work:
+            if ladder:
+                sizes = plan_chunk_sizes(size, bulk, self.device.granularity)
+            else:
+                sizes = [bulk] * (size // bulk) + ([size % bulk] if size % bulk else [])
+            for chunk_size in sizes:
+                placements.append((arena, offset, chunk_size))
+                offset += chunk_size
+        need = sum(size for _, _, size in placements)
+        try:
+            handles = self.driver.create_chunks([(a.address + offset, size) for a, offset, size in placements])
+        except DriverError as exc:
+            code = p.ErrorCode.OUT_OF_MEMORY if exc.out_of_memory else p.ErrorCode.DRIVER_ERROR
+            raise p.ProtocolError(code, f"creating {need} bytes failed: {exc}", requested=need, available=available) from None
+        new = []
+        for (arena, offset, size), handle in zip(placements, handles):
+            chunk = ChunkRecord(id=self._next_chunk, arena=arena.name, offset=offset, size=size, address=arena.address + offset, handle=handle)
+            self._next_chunk += 1
+            arena.chunks.append(chunk)
+            new.append(chunk)
+        for arena in {a.name: a for a, _, _ in placements}.values():
+            arena.chunks.sort(key=lambda c: c.offset)
+        return new
+
+    def retire(self, chunks: list[ChunkRecord], notices: Notices, message: str, arena: str, exclude: int = 0) -> None:
+        """Take chunks out of service: the daemon drops its reference now, the bytes stay
+        counted until every holder reported the unmap (or died)."""
+        live = [c for c in chunks if c.handle is not None]
+        if live:
+            self.driver.destroy_chunks([(c.address, c.size) for c in live], [c.handle for c in live])
+        told: set[int] = set()
+        for chunk in chunks:
+            chunk.handle = None
+            if chunk.holders:
+                self.retiring[chunk.id] = chunk
+                told |= chunk.holders
+        notice = p.Notice(kind=p.NoticeKind.ARENA_RETIRED, message=message, arena=arena)
+        notices.extend((sid, notice) for sid in sorted(told) if sid != exclude)
+
+    def _forget_if_unheld(self, chunk: ChunkRecord) -> None:
+        if chunk.handle is None and not chunk.holders:
+            self.retiring.pop(chunk.id, None)
+
+    def hand(self, s: SessionRecord, chunks: list[ChunkRecord]) -> list[ChunkRecord]:
+        """``s`` maps these from now on (their fds go to it before the reply)."""
+        for chunk in chunks:
+            chunk.holders.add(s.id)
+        return chunks
+
+    def map_reply(self, s: SessionRecord, arena: ArenaRecord) -> Outcome:
+        """Chunks ``s`` does not map yet, and retired chunks it still maps."""
+        handout = self.hand(s, [c for c in arena.chunks if s.id not in c.holders])
+        retired = [c.view() for c in self.retiring.values() if c.arena == arena.name and s.id in c.holders]
+        reply = p.MapReply(
+            arena=self.view(arena), chunks=[c.view() for c in handout], retired=retired, fd_batches=map_batches(len(handout))
+        )
+        return Outcome(reply, handout=handout)
+
+    # ------------------------------------------------------------------ accounting
+
+    def accounted_bytes(self) -> int:
+        live = sum(c.size for a in self.by_name.values() for c in a.chunks + a.placeholders)
+        return live + sum(c.size for c in self.retiring.values())
+
+    def free_bytes(self) -> int:
+        measured = self.driver.measured_free()
+        return measured if measured is not None else max(0, self.device.total_bytes - self.accounted_bytes())
+
+    def available_bytes(self) -> int:
+        return max(0, self.free_bytes() - self.config.reserve_bytes)
+
+    def require_available(self, need: int, what: str) -> int:
+        available = self.available_bytes()
+        if need > available:
+            raise p.ProtocolError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"{what} needs {need} bytes; {available} are available on device {self.device.index} "
+                f"(free memory less the {self.config.reserve_bytes}-byte reserve)",
+                requested=need,
+                available=available,
+            )
+        return available
+
+    # ------------------------------------------------------------------ windows
+
+    def _plan_window(self, size: int) -> int:
+        """First fit between the live windows; the daemon reserves the window in its own
+        address space too, so the driver itself vouches that the range is usable."""
+        align = max(self.device.granularity, GiB)
+        taken = sorted((a.address, a.address + a.window) for a in self.by_name.values())
+        hint = self.config.va_base
+        for start, end in taken:
+            if (hint + size + align - 1) // align * align + align <= start:  # a guard step before it too
+                break
+            hint = max(hint, (end + align - 1) // align * align + align)  # one guard step between windows
+        if hint + size > self.config.va_limit:
+            raise p.ProtocolError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"no free virtual window of {size} bytes left in the daemon's plan range; release arenas first",
+                requested=size,
+            )
+        try:
+            address = self.driver.reserve(size, hint)
+        except DriverError as exc:
+            raise p.ProtocolError(p.ErrorCode.DRIVER_ERROR, f"reserving a {size}-byte window failed: {exc}") from None
+        if any(address < end and start < address + size for start, end in taken):
+            self.driver.free_reservation(address, size)
+            raise p.ProtocolError(p.ErrorCode.INTERNAL, f"the driver placed a window at {address:#x}, over a live arena")
+        return address

@@ -1,0 +1,239 @@
+"""The daemon's records: sessions, arenas, chunks, graph pools, KV pools and rounds.
+
+Plain data owned by the daemon's one thread, with the derived figures more than one
+book reads. The books (arenas.py, graph_pools.py, kv_pools.py) keep them; what a
+request changes across books is the dispatcher's (state.py). Names end in ``Record``:
+the client library has its own Session, Arena and GraphPool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpumem_shared import protocol as p
+from gpumem_shared.driver.base import Handle
+
+from gpumemd.config import MiB
+
+# Beyond each arena's client-visible window the daemon reserves this much more in its own
+# address space, to map (and scrub) the arena's placeholder chunks, which have no place
+# of their own in the window.
+PLACEHOLDER_SCRATCH = 512 * MiB
+
+# (session id, notice) pairs for the server to deliver.
+Notices = list[tuple[int, p.Notice]]
+
+
+@dataclasses.dataclass(eq=False)
+class SessionRecord:
+    id: int
+    name: str
+    pid: int
+    uid: int
+    gid: int
+    since: float  # unix time
+    token: bytes  # its ZeroMQ routing id
+
+
+@dataclasses.dataclass(eq=False)
+class ChunkRecord:
+    id: int
+    arena: str
+    offset: int
+    size: int
+    address: int
+    handle: Handle | None  # None once the daemon dropped its reference (retiring)
+    holders: set[int] = dataclasses.field(default_factory=set)  # sessions that map it
+    fresh: bool = True  # never handed out: zeroed before its first fd leaves the daemon
+
+    def view(self) -> p.ChunkView:
+        return p.ChunkView(id=self.id, offset=self.offset, size=self.size)
+
+
+@dataclasses.dataclass(eq=False)
+class ArenaRecord:
+    name: str
+    owner_id: int
+    owner_name: str
+    owner_pid: int
+    address: int
+    reserved: int
+    kv: bool = False  # a KV pool's arena: its memory comes from rounds, grow and shrink
+    owner_alive: bool = True
+    released: bool = False  # the owner released it; waits for sharers to detach
+    chunks: list[ChunkRecord] = dataclasses.field(default_factory=list)  # live, by offset
+    placeholders: list[ChunkRecord] = dataclasses.field(default_factory=list)  # owner's, any offset
+    shared_with: set[str] = dataclasses.field(default_factory=set)
+    attached: set[int] = dataclasses.field(default_factory=set)  # owner and sharers
+
+    @property
+    def window(self) -> int:
+        """What the daemon reserves: the clients' window plus the placeholder scratch."""
+        return self.reserved + PLACEHOLDER_SCRATCH
+
+    @property
+    def committed(self) -> int:
+        return sum(c.size for c in self.chunks)
+
+    def owner_label(self) -> str:
+        return f"client '{self.owner_name}' (pid {self.owner_pid})"
+
+
+@dataclasses.dataclass(eq=False)
+class GraphPoolRecord:
+    """A CUDA-graph pool captured into an arena, as its owner last described it."""
+
+    id: int
+    owner_id: int
+    owner_name: str
+    arena: str
+    label: str
+    epoch: int
+    extents: list[tuple[int, int]]  # (offset, size), by offset
+    free_runs: list[tuple[int, int]]  # (offset, size), largest first
+    slot: int  # in the lease table
+    shared: bool = False  # clients the arena is shared with may open it
+    events: dict[int, bytes] = dataclasses.field(default_factory=dict)  # session id -> its IPC event handle
+    escapers: set[int] = dataclasses.field(default_factory=set)  # sessions with borrowed tensors past their scope
+
+    def status(self) -> p.GraphPoolStatus:
+        return p.GraphPoolStatus(
+            id=self.id,
+            owner=self.owner_name,
+            arena=self.arena,
+            label=self.label,
+            epoch=self.epoch,
+            extents=[p.Extent(offset=o, size=n) for o, n in self.extents],
+            free_runs=[p.Extent(offset=o, size=n) for o, n in self.free_runs],
+            free_bytes=sum(n for _, n in self.free_runs),
+            slot=self.slot,
+            shared=self.shared,
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class KvBufferLayout:
+    name: str
+    row_bytes: int
+    offset: int  # from the arena's base, granularity-aligned
+    region: int  # bytes reserved for max_tokens rows, granularity-aligned
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclasses.dataclass(eq=False)
+class KvPoolRecord:
+    """An arena laid out as buffers of token rows; committed N tokens at a time: the
+    prefix of every buffer, rounded up to the granularity."""
+
+    name: str  # also its arena's name
+    owner_id: int
+    buffers: list[KvBufferLayout]
+    max_tokens: int  # the declared bound: every region holds this many rows
+    granularity: int
+    tokens: int = 0  # committed rows per buffer
+    min_tokens: int = 0  # from its round's capture-done, kept for shrink requests
+    shrink_request: int | None = None  # tokens the daemon asked it to shrink to
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(b.row_bytes for b in self.buffers)
+
+    def prefix(self, buffer: KvBufferLayout, tokens: int) -> int:
+        return align_up(tokens * buffer.row_bytes, self.granularity)
+
+    def cost(self, tokens: int) -> int:
+        """Bytes committed for ``tokens`` rows in every buffer."""
+        return sum(self.prefix(b, tokens) for b in self.buffers)
+
+    def most_tokens_within(self, nbytes: int, cap: int) -> int:
+        """The most tokens (<= cap) whose cost fits in ``nbytes``."""
+        if self.cost(cap) <= nbytes:
+            return cap
+        lo, hi = 0, cap  # cost(lo) fits, cost(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.cost(mid) <= nbytes:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def view(self, arena: p.ArenaView) -> p.KvPoolView:
+        return p.KvPoolView(
+            name=self.name,
+            arena=arena,
+            buffers=[p.KvBufferView(name=b.name, offset=b.offset, row_bytes=b.row_bytes, region_bytes=b.region) for b in self.buffers],
+            max_tokens=self.max_tokens,
+            tokens=self.tokens,
+            bytes_per_token=self.bytes_per_token,
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class MemberRecord:
+    """A KV pool in a commit round, with what its capture-done reported."""
+
+    pool: KvPoolRecord
+    session_id: int
+    client: str
+    reported: bool = False
+    headroom_bytes: int = 0
+    graph_pool_bytes: int = 0
+    min_tokens: int = 0
+    max_tokens: int = 0
+    weight: float = 1.0
+    request_id: int = 0  # the deferred CAPTURE_DONE to answer
+    tokens: int = 0
+    bytes: int = 0
+    # Chunks for its min_tokens, created and zeroed while the round waits for others:
+    # what the last report has to wait for shrinks.
+    staged: list[ChunkRecord] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class RoundRecord:
+    id: int
+    created: float  # monotonic
+    deadline: float  # monotonic
+    policy: p.RoundPolicy
+    state: p.RoundState = p.RoundState.OPEN
+    expect: int = 0  # members to wait for before committing
+    joined: int = 0  # members that ever joined (dropped ones included)
+    members: list[MemberRecord] = dataclasses.field(default_factory=list)
+    dropped: list[str] = dataclasses.field(default_factory=list)  # "client/pool: why"
+    budget: dict[str, int] = dataclasses.field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.state in (p.RoundState.OPEN, p.RoundState.AWAITING_SHRINK)
+
+    def member(self, pool: str) -> MemberRecord | None:
+        return next((m for m in self.members if m.pool.name == pool), None)
+
+    @property
+    def pending(self) -> list[MemberRecord]:
+        return [m for m in self.members if not m.reported]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a request produced: the reply (None: it comes later, as a Completion), the
+    chunks whose fds go to the requester before it, and notices for other sessions."""
+
+    reply: object
+    handout: list[ChunkRecord] = dataclasses.field(default_factory=list)
+    notices: Notices = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Completion:
+    """A deferred answer (a CAPTURE_DONE answered when its round commits or fails)."""
+
+    session_id: int
+    request_id: int
+    reply: object  # a reply body, or a ProtocolError
+    handout: list[ChunkRecord] = dataclasses.field(default_factory=list)

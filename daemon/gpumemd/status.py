@@ -1,0 +1,153 @@
+"""What gpumemctl shows: the STATUS reply, assembled from every book. Read-only."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from gpumem_shared import __version__, leases
+from gpumem_shared import protocol as p
+
+from gpumemd.arenas import ArenaBook
+from gpumemd.graph_pools import GraphPoolBook
+from gpumemd.kv_pools import KvBook
+from gpumemd.records import GraphPoolRecord, RoundRecord, SessionRecord
+
+
+def assemble(
+    daemon: p.DaemonStatus,
+    sessions: Mapping[int, SessionRecord],
+    arenas: ArenaBook,
+    graph_pools: GraphPoolBook,
+    kv: KvBook,
+    now: float,
+) -> p.StatusReply:
+    names = {sid: s.name for sid, s in sessions.items()}
+    device = arenas.device
+    return p.StatusReply(
+        daemon=daemon,
+        device=p.DeviceStatus(
+            index=device.index,
+            uuid=device.uuid,
+            name=device.name,
+            total_bytes=device.total_bytes,
+            free_bytes=arenas.free_bytes(),
+            granularity=device.granularity,
+            accounted_bytes=arenas.accounted_bytes(),
+            reserve_bytes=arenas.config.reserve_bytes,
+        ),
+        clients=[
+            p.ClientStatus(
+                session_id=s.id,
+                name=s.name,
+                pid=s.pid,
+                uid=s.uid,
+                gid=s.gid,
+                since=s.since,
+                arenas=sorted(a.name for a in arenas.by_name.values() if s.id in a.attached),
+            )
+            for s in sessions.values()
+        ],
+        arenas=[
+            p.ArenaStatus(
+                name=a.name,
+                owner=a.owner_name,
+                owner_pid=a.owner_pid,
+                owner_alive=a.owner_alive,
+                address=a.address,
+                reserved=a.reserved,
+                committed=a.committed,
+                chunks=len(a.chunks),
+                shared_with=sorted(a.shared_with),
+                attached=sorted(names[sid] for sid in a.attached if sid in names),
+                retiring_bytes=sum(c.size for c in arenas.retiring.values() if c.arena == a.name),
+                placeholder_bytes=sum(c.size for c in a.placeholders),
+            )
+            for a in arenas.by_name.values()
+        ],
+        extents=[_graph_pool(g, names) for g in graph_pools.by_id.values()],
+        leases=_leases(sessions, graph_pools),
+        rounds=[_round(r, now) for r in kv.rounds],
+        kv=[
+            p.KvPoolStatus(
+                name=pool.name,
+                owner=arenas.by_name[pool.name].owner_name,
+                buffers=len(pool.buffers),
+                bytes_per_token=pool.bytes_per_token,
+                max_tokens=pool.max_tokens,
+                tokens=pool.tokens,
+                committed_bytes=arenas.by_name[pool.name].committed,
+                min_tokens=pool.min_tokens,
+                shrink_request=-1 if pool.shrink_request is None else pool.shrink_request,
+            )
+            for pool in kv.pools.values()
+        ],
+    )
+
+
+def daemon_status(backend: str, uptime_s: float, runtime_dir: str, stopping: bool) -> p.DaemonStatus:
+    return p.DaemonStatus(
+        version=__version__,
+        protocol=f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}",
+        pid=os.getpid(),
+        backend=backend,
+        uptime_s=round(uptime_s, 3),
+        runtime_dir=runtime_dir,
+        state="stopping" if stopping else "serving",
+    )
+
+
+def _graph_pool(pool: GraphPoolRecord, names: dict[int, str]) -> p.GraphPoolStatus:
+    view = pool.status()
+    view.escaped_by = ", ".join(f"client '{names.get(sid, sid)}'" for sid in sorted(pool.escapers))
+    return view
+
+
+def _leases(sessions: Mapping[int, SessionRecord], graph_pools: GraphPoolBook) -> list[p.LeaseStatus]:
+    out = []
+    by_word = {leases.word_session(i): s for i, s in sessions.items()}
+    for pool in graph_pools.by_id.values():
+        holder = graph_pools.table.holder(pool.slot)
+        if holder is None:
+            continue
+        session = by_word.get(holder.session)
+        out.append(
+            p.LeaseStatus(
+                pool_id=pool.id,
+                slot=pool.slot,
+                kind=holder.kind_name,
+                holder=session.name if session else f"session {holder.session}",
+                pid=holder.pid,
+                label=holder.label,
+                since=holder.since_ns / 1e9,
+            )
+        )
+    return out
+
+
+def _round(r: RoundRecord, now: float) -> p.RoundStatus:
+    return p.RoundStatus(
+        id=r.id,
+        state=r.state,
+        expect=r.expect,
+        policy=r.policy,
+        deadline_in_s=round(r.deadline - now, 3),
+        members=[
+            p.RoundMemberStatus(
+                client=m.client,
+                pool=m.pool.name,
+                reported=m.reported,
+                headroom_bytes=m.headroom_bytes,
+                graph_pool_bytes=m.graph_pool_bytes,
+                min_tokens=m.min_tokens,
+                max_tokens=m.max_tokens,
+                weight=m.weight,
+                tokens=m.tokens,
+                bytes=m.bytes,
+            )
+            for m in r.members
+        ],
+        dropped=list(r.dropped),
+        budget=dict(r.budget),
+        error=r.error,
+    )
