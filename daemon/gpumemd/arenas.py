@@ -384,8 +384,13 @@ class ArenaBook:
         return max(0, self.free_bytes() - self.config.reserve_bytes)
 
     def require_available(self, need: int, what: str) -> int:
-        available = self.available_bytes()
+        free = self.free_bytes()
+        available = max(0, free - self.config.reserve_bytes)
         if need > available:
+            log.warning(
+                "refused: %s needs %d bytes; %d available on device %d (free %d less the %d-byte reserve)",
+                what, need, available, self.device.index, free, self.config.reserve_bytes,
+            )
             raise p.ProtocolError(
                 p.ErrorCode.OUT_OF_MEMORY,
                 f"{what} needs {need} bytes; {available} are available on device {self.device.index} "

@@ -1,59 +1,103 @@
-"""``gpumemd``: run the memory daemon for one GPU."""
+"""``gpumemd``: run the memory daemon for one GPU.
+
+Every configuration error (an unknown flag, a size that is not one, a directory the
+daemon cannot use, figures that contradict each other) ends the process with exit
+status 78 and one line on stderr: the unit's RestartPreventExitStatus=78 then keeps
+systemd from restarting a daemon that can never start as configured.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from typing import NoReturn
 
 import click
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverUnavailable
 from gpumem_shared.paths import Endpoints, resolve_runtime_dir
-from gpumem_shared.units import parse_size
+from gpumem_shared.units import Size, format_size, parse
+
 from gpumemd.config import VA_PLAN_SLICES, StateConfig, plan_range
 from gpumemd.notify import SystemdNotifier
 from gpumemd.server import Server, StartupError
 from gpumemd.state import DaemonState
 
-# sysexits EX_CONFIG: the unit file's RestartPreventExitStatus keeps systemd from
-# restarting a daemon that can never start as configured.
+# sysexits EX_CONFIG.
 EXIT_CONFIG = 78
 
 
-def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+class ConfigError(Exception):
+    """The daemon cannot start as configured; the message is the one line shown."""
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> Size | None:
     if value is None:
         return None
     try:
-        return parse_size(value)
+        return parse(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
 
-def _fail(message: str) -> None:
-    click.echo(f"gpumemd: {message}", err=True)
-    sys.exit(EXIT_CONFIG)
+def _positive(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not value > 0:
+        raise click.BadParameter(f"must be a positive number of seconds, not {value}")
+    return value
 
 
-def _driver(backend: str | None, device: int, host_capacity: int) -> Driver:
+def _granular(flag: str, size: Size, granularity: int) -> int:
+    if size.bytes <= 0 or size.bytes % granularity:
+        raise ConfigError(
+            f"{flag} {size} is not a positive multiple of the device granularity "
+            f"{format_size(granularity)}; nearest valid: {size.nearest_multiples(granularity)}"
+        )
+    return size.bytes
+
+
+def _driver(backend: str | None, device: int, host_capacity: Size) -> Driver:
     if backend == "host":
-        from gpumem_shared.driver.host import HostDriver
+        from gpumem_shared.driver.host import HOST_GRANULARITY, HostDriver
 
-        return HostDriver(device, host_capacity)
+        _granular("--host-capacity", host_capacity, HOST_GRANULARITY)
+        return HostDriver(device, host_capacity.bytes)
     from gpumem_shared.driver.cuda import CudaDriver
 
     try:
         return CudaDriver(device)
     except DriverUnavailable as exc:
-        _fail(f"cannot use the CUDA backend: {exc}; on a machine without a GPU, run with --backend host")
-        raise
+        raise ConfigError(f"cannot use the CUDA backend: {exc}; on a machine without a GPU, run with --backend host") from None
+
+
+def _under_journald() -> bool:
+    """Whether stderr is the journal (systemd sets JOURNAL_STREAM to its device:inode),
+    which stamps every line itself."""
+    stream = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    return stream == f"{st.st_dev}:{st.st_ino}"
+
+
+def _configure_logging(level: str) -> None:
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not _under_journald():
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--device", type=int, default=0, show_default=True, help="GPU index (nvidia-smi order) this daemon owns.")
 @click.option("--backend", type=click.Choice(["cuda", "host"]), default=None, help="Driver backend [default: cuda].")
 @click.option("--host-capacity", default="8GiB", show_default=True, callback=_size, help="Memory the host backend offers.")
-@click.option("--runtime-dir", default=None, help="Socket directory [default: $GPUMEMD_RUNTIME_DIR, /run/gpumemd for root, else $XDG_RUNTIME_DIR/gpumemd].")
+@click.option(
+    "--runtime-dir",
+    default=None,
+    help="Socket directory [default: $GPUMEMD_RUNTIME_DIR, /run/gpumemd for root, else $XDG_RUNTIME_DIR/gpumemd].",
+)
 @click.option("--socket-group", default=None, help="Group that owns the sockets (mode 0660); its members may connect.")
 @click.option("--chunk-size", default="512MiB", show_default=True, callback=_size, help="Size of bulk chunks; tails use smaller ones.")
 @click.option(
@@ -64,38 +108,51 @@ def _driver(backend: str | None, device: int, host_capacity: int) -> Driver:
     help="KV buffers are committed in chunks this large: larger means faster rounds, coarser shrinks.",
 )
 @click.option("--reserve", default=None, callback=_size, help="Memory never committed [default: 1GiB on CUDA, 0 on host].")
-@click.option("--hello-timeout", type=float, default=5.0, show_default=True, help="Seconds a new connection has to say HELLO.")
-@click.option("--round-timeout", type=float, default=300.0, show_default=True, help="Seconds from a KV commit round's first join to its deadline.")
+@click.option(
+    "--hello-timeout", type=float, default=5.0, show_default=True, callback=_positive, help="Seconds a new connection has to say HELLO."
+)
+@click.option(
+    "--round-timeout",
+    type=float,
+    default=300.0,
+    show_default=True,
+    callback=_positive,
+    help="Seconds from a KV commit round's first join to its deadline.",
+)
 @click.option(
     "--round-policy",
-    type=click.Choice(["partial", "fail"]),
-    default="partial",
+    type=click.Choice([policy.value for policy in p.RoundPolicy]),
+    default=p.RoundPolicy.PARTIAL.value,
     show_default=True,
     help="At a round's deadline: commit for the members that reported, or fail the round.",
 )
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
-def main(
+def command(
     device: int,
     backend: str | None,
-    host_capacity: int,
+    host_capacity: Size,
     runtime_dir: str | None,
     socket_group: str | None,
-    chunk_size: int,
-    kv_chunk_size: int,
-    reserve: int | None,
+    chunk_size: Size,
+    kv_chunk_size: Size,
+    reserve: Size | None,
     hello_timeout: float,
     round_timeout: float,
     round_policy: str,
     log_level: str,
 ) -> None:
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    _configure_logging(log_level)
     if not 0 <= device < VA_PLAN_SLICES:
-        _fail(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
+        raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     driver = _driver(backend, device, host_capacity)
-    for flag, value in (("--chunk-size", chunk_size), ("--kv-chunk-size", kv_chunk_size)):
-        if value <= 0 or value % driver.granularity:
-            _fail(f"{flag} {value} is not a positive multiple of the device granularity {driver.granularity}")
+    bulk = _granular("--chunk-size", chunk_size, driver.granularity)
+    kv_chunk = _granular("--kv-chunk-size", kv_chunk_size, driver.granularity)
+    reserve_bytes = reserve.bytes if reserve is not None else (1 << 30 if driver.kind == "cuda" else 0)
+    if reserve_bytes >= driver.total_bytes():
+        raise ConfigError(
+            f"--reserve {format_size(reserve_bytes)} leaves nothing to serve: the device has {format_size(driver.total_bytes())}"
+        )
     endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
     va_base, va_limit = plan_range(device)
     config = StateConfig(
@@ -103,9 +160,9 @@ def main(
         va_base=va_base,
         va_limit=va_limit,
         runtime_dir=str(endpoints.runtime_dir),
-        bulk_chunk=chunk_size,
-        kv_chunk=kv_chunk_size,
-        reserve_bytes=reserve if reserve is not None else (1 << 30 if driver.kind == "cuda" else 0),
+        bulk_chunk=bulk,
+        kv_chunk=kv_chunk,
+        reserve_bytes=reserve_bytes,
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
     )
@@ -113,5 +170,23 @@ def main(
     try:
         server.bind()
     except StartupError as exc:
-        _fail(str(exc))
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot use runtime directory {endpoints.runtime_dir}: {exc.strerror or exc}") from None
     server.serve_forever()
+
+
+def _fail(message: str) -> NoReturn:
+    click.echo(f"gpumemd: {message}", err=True)
+    sys.exit(EXIT_CONFIG)
+
+
+def main() -> None:
+    try:
+        command.main(standalone_mode=False)
+    except click.UsageError as exc:  # unknown flags, bad values: one line, not click's usage block
+        _fail(exc.format_message().replace("\n", " "))
+    except ConfigError as exc:
+        _fail(str(exc))
+    except click.Abort:
+        sys.exit(1)

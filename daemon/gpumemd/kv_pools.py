@@ -9,6 +9,7 @@ the budget split is kv_math's.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -34,6 +35,9 @@ log = logging.getLogger("gpumemd.kv_pools")
 
 # Finished rounds stay in the status for a while.
 _ROUNDS_KEPT = 16
+# Weights are relative shares: beyond this ratio between two members nothing changes
+# but the arithmetic (1e308 twice overflows to inf, and the split turns into NaN).
+MAX_WEIGHT = 1e6
 
 
 class KvBook:
@@ -82,6 +86,14 @@ class KvBook:
             raise p.ProtocolError(
                 p.ErrorCode.INVALID_ARGUMENT,
                 f"KV pool '{m.name}' needs exactly one positive bound: max_tokens ({m.max_tokens}) or reserve_bytes ({m.reserve_bytes})",
+            )
+        limit = self.config.max_reserve
+        if m.max_tokens > limit or m.reserve_bytes > limit:  # every token row is a byte at least
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"KV pool '{m.name}': max_tokens ({m.max_tokens}) or reserve_bytes ({m.reserve_bytes}) is above the "
+                f"daemon's limit of {limit} bytes per pool",
+                limit=limit,
             )
         max_tokens = m.max_tokens or kv_math.tokens_within(m.buffers, m.reserve_bytes, g)
         if max_tokens <= 0:
@@ -148,8 +160,17 @@ class KvBook:
                 f"KV pool '{pool.name}': need 0 <= min_tokens ({m.min_tokens}) <= max_tokens ({max_tokens}) <= the "
                 f"declared {pool.max_tokens}",
             )
-        if m.headroom_bytes < 0 or m.graph_pool_bytes < 0 or not m.weight > 0:
-            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "headroom_bytes and graph_pool_bytes must be >= 0 and weight > 0")
+        total = self.arenas.device.total_bytes
+        if not (0 <= m.headroom_bytes <= total and 0 <= m.graph_pool_bytes <= total):
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"KV pool '{pool.name}': headroom_bytes ({m.headroom_bytes}) and graph_pool_bytes ({m.graph_pool_bytes}) "
+                f"must lie between 0 and the device's {total} bytes",
+            )
+        if not (math.isfinite(m.weight) and 0 < m.weight <= MAX_WEIGHT):
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}': weight {m.weight} must be a number in (0, {MAX_WEIGHT:g}]"
+            )
         member.reported = True
         member.headroom_bytes = m.headroom_bytes
         member.graph_pool_bytes = m.graph_pool_bytes

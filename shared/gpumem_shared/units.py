@@ -1,27 +1,63 @@
-"""Byte sizes as people write them: 8GiB, 512MiB, 1.5GB, 4096."""
+"""Byte sizes as people write them: 8GiB, 512Mi, 1.5GB, 4096.
+
+IEC units (Ki, Mi, Gi, Ti, Pi, with or without a trailing B) are powers of 1024; SI
+units (k, M, G, T, P, with or without B) are powers of 1000. Case does not matter. A
+size must come to a whole number of bytes: 1.5GB is 1,500,000,000, but 1.0001KiB is
+refused rather than silently rounded.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from decimal import Decimal
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
+_PREFIXES = ("k", "m", "g", "t", "p")
+_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _power, _prefix in enumerate(_PREFIXES, start=1):
+    _UNITS[_prefix] = _UNITS[_prefix + "b"] = 1000**_power
+    _UNITS[_prefix + "i"] = _UNITS[_prefix + "ib"] = 1024**_power
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str) -> int:
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A parsed size, with the unit as the user typed it (to answer in that unit)."""
+
+    bytes: int
+    unit: str  # as typed, e.g. "MiB", "GB", "" for plain bytes
+    scale: int  # bytes per unit
+
+    def nearest_multiples(self, step: int) -> str:
+        """The positive multiples of ``step`` around this size, written in its unit."""
+        below = self.bytes // step * step
+        above = _in_unit(below + step, self.unit, self.scale)
+        return f"{_in_unit(below, self.unit, self.scale)} or {above}" if below else above
+
+    def __str__(self) -> str:
+        return _in_unit(self.bytes, self.unit, self.scale)
+
+
+def _in_unit(n: int, unit: str, scale: int) -> str:
+    value = Decimal(n) / Decimal(scale)
+    text = format(value.normalize(), "f") if value != value.to_integral_value() else str(int(value))
+    return f"{text}{unit}"
+
+
+def parse(text: str) -> Size:
     match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512MiB, 1073741824)")
-    number, scale = match.group(1), _UNITS[unit]
-    if "." not in number:
-        return int(number) * scale  # exact, however large
-    return int(float(number) * scale)
+    unit = match.group(2) if match else ""
+    if not match or unit.lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512Mi, 1.5GB, 1073741824)")
+    scale = _UNITS[unit.lower()]
+    exact = Decimal(match.group(1)) * scale
+    if exact != exact.to_integral_value():
+        raise ValueError(f"{text!r} is {exact} bytes: a size is a whole number of bytes")
+    return Size(int(exact), unit, scale)
+
+
+def parse_size(text: str) -> int:
+    return parse(text).bytes
 
 
 def format_size(n: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grp
 import os
+import re
 import signal
 import socket
 import stat
@@ -223,3 +224,57 @@ def test_watchdog_for_another_pid_is_not_ours(daemon_factory, runtime_dir) -> No
         assert listener.times("WATCHDOG=1") == [], listener.messages
     finally:
         listener.close()
+
+
+# ---------------------------------------------------------------------------- configuration errors
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--bogus"], "--bogus"),
+        (["--chunk-size", "3MiB"], "nearest valid: 2MiB or 4MiB"),
+        (["--kv-chunk-size", "3000kB"], "nearest valid: 2097.152kB or 4194.304kB"),
+        (["--chunk-size", "8XB"], "is not a size"),
+        (["--host-capacity", "1.5b"], "whole number of bytes"),
+        (["--host-capacity", "0"], "--host-capacity 0"),
+        (["--host-capacity", "1GiB", "--reserve", "1GiB"], "leaves nothing to serve"),
+        (["--round-timeout", "-1"], "positive number of seconds"),
+        (["--round-policy", "sometimes"], "--round-policy"),
+        (["--device", "99"], "devices 0-15"),
+    ],
+)
+def test_configuration_errors_are_one_line_and_exit_78(runtime_dir, args, says) -> None:  # type: ignore[no-untyped-def]
+    result = _gpumemd(runtime_dir, "--backend", "host", *args)
+    assert result.returncode == EX_CONFIG, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpumemd: ") and says in lines[0], result.stderr
+    assert not Endpoints(runtime_dir, 0).zmq_path.exists()
+
+
+def test_a_runtime_directory_it_cannot_use_is_one_line_and_exit_78(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for unusable in (blocker / "gpumemd", Path("/proc")):  # a file on the path; a directory nobody may write
+        result = _gpumemd(unusable, "--backend", "host")
+        assert result.returncode == EX_CONFIG, result
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(unusable) in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_sizes_take_iec_and_si_units(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    daemon_factory("host", args=["--host-capacity", "1Gi", "--chunk-size", "64Mi", "--reserve", "4194304", "--kv-chunk-size", "0.125GiB"])
+    assert status(runtime_dir)["device"]["total_bytes"] == 1 << 30
+    assert status(runtime_dir)["device"]["reserve_bytes"] == 4 << 20
+
+
+def test_log_lines_carry_timestamps_and_refusals_carry_figures(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory("host", args=["--host-capacity", "64MiB"])
+    with RawSession(runtime_dir, "greedy") as s:
+        s.create("big", 256 << 20)
+        refusal = s.commit("big", 128 << 20)
+        assert refusal["ok"] is False and refusal["code"] == p.ErrorCode.OUT_OF_MEMORY, refusal
+    lines = daemon.log().splitlines()
+    assert lines and all(re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ gpumemd", line) for line in lines), lines[:3]
+    refused = [line for line in lines if "refused" in line]
+    assert len(refused) == 1 and "arena 'big'" in refused[0] and str(128 << 20) in refused[0] and str(64 << 20) in refused[0], refused

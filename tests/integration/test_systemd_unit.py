@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,56 @@ def test_unit_declares_what_the_daemon_relies_on() -> None:
     assert exec_start[exec_start.index("--device") + 1] == "%i"
     assert "--socket-group" in exec_start and exec_start[exec_start.index("--socket-group") + 1]
     assert "--backend" not in exec_start  # CUDA, or a clear refusal
-    assert any(v == "CUDA_VISIBLE_DEVICES=" for k, v in service if k == "Environment")
+    # An empty CUDA_VISIBLE_DEVICES hides every GPU: the unit must unset it, never set it.
+    assert "CUDA_VISIBLE_DEVICES" in _one(service, "UnsetEnvironment").split()
+    assert not any(v.startswith("CUDA_VISIBLE_DEVICES") for k, v in service if k == "Environment")
+
+
+def _unit_environment(service: list[tuple[str, str]], inherited: dict[str, str]) -> dict[str, str]:
+    """The environment systemd gives ExecStart: the manager's, less UnsetEnvironment=,
+    plus Environment= (assignments of the form KEY=VALUE, unquoted in this unit)."""
+    env = dict(inherited)
+    for key, value in service:
+        if key == "UnsetEnvironment":
+            for name in value.split():
+                env.pop(name, None)
+        elif key == "Environment":
+            for assignment in value.split():
+                name, _, setting = assignment.partition("=")
+                env[name] = setting
+    return env
+
+
+@pytest.mark.gpu
+def test_the_daemon_serves_the_gpu_with_the_units_environment_and_arguments(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The unit's own environment and ExecStart arguments (instance 0), as systemd would
+    run them; only the runtime directory and the socket group point at test-owned ones.
+    The manager's environment here carries an empty CUDA_VISIBLE_DEVICES on purpose."""
+    import grp
+
+    from gpumem_shared.paths import Endpoints
+    from gpumemd_testkit import status
+
+    service = _sections(UNIT.read_text())["Service"]
+    inherited = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    env = _unit_environment(service, inherited)
+    assert "CUDA_VISIBLE_DEVICES" not in env
+    args = [a.replace("%i", "0") for a in _one(service, "ExecStart").split()[1:]]
+    args[args.index("--socket-group") + 1] = grp.getgrgid(os.getgid()).gr_name
+    runtime_dir = tmp_path / "run"
+    proc = subprocess.Popen([_installed_gpumemd(), *args, "--runtime-dir", str(runtime_dir)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        info = Endpoints(runtime_dir, 0).info_path
+        deadline = time.monotonic() + 120
+        while not info.exists():
+            assert proc.poll() is None, f"gpumemd@0 exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+            assert time.monotonic() < deadline, "gpumemd@0 did not start serving within 120 s"
+            time.sleep(0.1)
+        reply = status(runtime_dir)
+        assert reply["daemon"]["backend"] == "cuda" and reply["device"]["uuid"].startswith("GPU-"), reply["device"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")

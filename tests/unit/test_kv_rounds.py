@@ -253,13 +253,15 @@ def test_four_members_with_caps_redistribute_the_budget(make_harness: Callable[.
 
 def test_headroom_beyond_free_memory_leaves_zero_minimums_with_nothing(h: Harness) -> None:
     a = h.connect("engine-a")
+    h.create(a, "other", 2 * G)
+    h.commit(a, "other", 2 * G)
     declare(h, a, "kv")
     join(h, a, "kv")
-    capture(h, a, "kv", 1, headroom_bytes=CAPACITY + 2 * G)
+    capture(h, a, "kv", 1, headroom_bytes=CAPACITY)  # all of the device, of which 2 granules are taken
     reply = commit_reply(done(h)[1])
     assert reply.pool.tokens == 0 and reply.chunks == []
     assert reply.budget["budget"] == -2 * G and reply.budget["committed"] == 0
-    assert h.state.arenas.accounted_bytes() == 0
+    assert h.state.arenas.accounted_bytes() == 2 * G
 
 
 def test_a_round_after_a_committed_one_is_a_new_round(h: Harness) -> None:
@@ -1541,3 +1543,42 @@ def test_a_minimum_that_does_not_fit_now_is_not_staged(make_harness: Callable[..
     }
     assert sizes_mib(ra.chunks) == [(o, 16) for o in range(0, 144, 16)]
     assert driver.zeroed == []
+
+
+# --------------------------------------------------------------------------- hostile figures
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), 1e308, -1.0, 0.0, 2e6])
+def test_weights_that_break_the_split_are_refused_and_the_round_goes_on(h: Harness, weight: float) -> None:
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    declare(h, a, "kva")
+    declare(h, b, "kvb")
+    join(h, a, "kva")
+    join(h, b, "kvb")
+    error = capture_refused(h, a, "kva", ErrorCode.INVALID_ARGUMENT, weight=weight)
+    assert "weight" in error.message
+    # Before the fix, 1e308 from two members made the split NaN at the round's end, and
+    # an infinite weight crashed it: the daemon died at the next disconnect or deadline.
+    capture(h, a, "kva", 1, weight=1e6)
+    capture(h, b, "kvb", 2, weight=1e6)
+    replies = done(h)
+    assert commit_reply(replies[1]).pool.tokens == commit_reply(replies[2]).pool.tokens > 0
+    h.state.close_session(a.id)
+    h.state.tick()
+
+
+@pytest.mark.parametrize("field", ["headroom_bytes", "graph_pool_bytes"])
+def test_byte_figures_beyond_the_device_are_refused(h: Harness, field: str) -> None:
+    a = h.connect("engine-a")
+    declare(h, a, "kva")
+    join(h, a, "kva")
+    for value in (h.state.device.total_bytes + 1, 2**63 - 1, -1):
+        assert field in capture_refused(h, a, "kva", ErrorCode.INVALID_ARGUMENT, **{field: value}).message
+
+
+@pytest.mark.parametrize("bound", [{"max_tokens": 2**62}, {"max_tokens": 2**64 - 1}, {"reserve_bytes": 2**63}])
+def test_enormous_kv_bounds_are_refused_with_figures_that_fit_the_wire(h: Harness, bound: dict[str, int]) -> None:
+    a = h.connect("engine-a")
+    error = h.refused(a, p.KvDeclare(name="kv", buffers=[p.KvBuffer("k", 4096)], **bound), ErrorCode.INVALID_ARGUMENT)
+    assert all(not isinstance(v, int) or -(2**63) <= v < 2**64 for v in error.detail.values()), error.detail
+    assert h.state.arenas.by_name == {} and h.state.arenas.accounted_bytes() == 0

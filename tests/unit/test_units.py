@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpumem_shared.units import format_size, parse_size
+from gpumem_shared.units import format_size, parse, parse_size
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -14,6 +14,14 @@ def test_parse_binary_units() -> None:
     assert parse_size("512MiB") == 512 * MiB
     assert parse_size("4KiB") == 4 * KiB
     assert parse_size("2TiB") == 2 * TiB
+    assert parse_size("1PiB") == 1024 * TiB
+
+
+def test_parse_iec_units_without_the_b() -> None:
+    assert parse_size("8Gi") == 8 * GiB
+    assert parse_size("512Mi") == 512 * MiB
+    assert parse_size("4Ki") == 4 * KiB
+    assert parse_size("3Ti") == 3 * TiB
 
 
 def test_parse_decimal_units_are_powers_of_ten() -> None:
@@ -22,6 +30,8 @@ def test_parse_decimal_units_are_powers_of_ten() -> None:
     assert parse_size("3k") == 3000
     assert parse_size("2MB") == 2_000_000
     assert parse_size("1TB") == 10**12
+    assert parse_size("2K") == 2000
+    assert parse_size("1PB") == 10**15
 
 
 def test_parse_plain_bytes_case_and_whitespace() -> None:
@@ -32,9 +42,24 @@ def test_parse_plain_bytes_case_and_whitespace() -> None:
     assert parse_size("1.5GiB") == 3 * 512 * MiB
 
 
-def test_parse_truncates_fractional_bytes() -> None:
+def test_parse_accepts_fractions_that_come_to_whole_bytes() -> None:
     assert parse_size("0.5KiB") == 512
-    assert parse_size("1.0001KiB") == 1024  # 1024.1024 bytes: no such thing as a partial byte
+    assert parse_size("1.25Mi") == 1310720
+    assert parse_size("2.000000001GB") == 2_000_000_001
+
+
+@pytest.mark.parametrize("text", ["1.0001KiB", "0.5", "1.5b", "0.0000000001GB"])
+def test_parse_refuses_fractional_bytes(text: str) -> None:
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        parse_size(text)
+
+
+def test_nearest_multiples_are_written_in_the_unit_typed() -> None:
+    assert parse("3MiB").nearest_multiples(2 * MiB) == "2MiB or 4MiB"
+    assert parse("1025Mi").nearest_multiples(2 * MiB) == "1024Mi or 1026Mi"
+    assert parse("1.25GiB").nearest_multiples(3 * MiB) == "1.248046875GiB or 1.2509765625GiB"
+    assert parse("3000kB").nearest_multiples(2 * MiB) == "2097.152kB or 4194.304kB"
+    assert parse("3145728").nearest_multiples(2 * MiB) == "2097152 or 4194304"
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "8XB", "8 Gi B", "1.2.3", ".5GiB", "1e9", "8GiBs", "eight"])
