@@ -565,3 +565,17 @@ def test_client_graph_pool_registers_refreshes_and_retires_from_snapshots(h: Har
     assert "epoch 3" in repr(pool)
     pool.retire()
     assert h.state.graph_pools.by_id == {}
+
+
+def test_a_slot_scribbled_while_free_is_reset_when_a_pool_registers_over_it(h: Harness) -> None:
+    """A free slot is clients' shared memory too: whatever a buggy client wrote there
+    (a holder, a handoff session, an escape mark, flags, a label) must not carry over."""
+    a = owner_arena(h)
+    slot = h.state.graph_pools._free_slots[-1]  # the slot the next registration takes
+    table = h.state.graph_pools.table
+    raw = table._slots[slot]
+    raw.handoff, raw.escaped, raw.flags, raw.epoch = 7, 9, 0xFF, 0x12345
+    pool = register(h, a, [E(0, BULK)])
+    assert pool.slot == slot
+    assert (raw.handoff, raw.escaped, raw.flags) == (0, 0, 0)
+    assert table.epoch(slot) != 0x12345
