@@ -19,17 +19,39 @@ from pathlib import Path
 from typing import Any
 
 ENV_RUNTIME_DIR = "GPUMEMD_RUNTIME_DIR"
+# Where the system daemons (gpumemd@N under systemd, RuntimeDirectory=gpumemd) live.
+SYSTEM_RUNTIME_DIR = Path("/run/gpumemd")
+
+
+def _user_runtime_dir(environ: Mapping[str, str], euid: int) -> Path:
+    if environ.get("XDG_RUNTIME_DIR"):
+        return Path(environ["XDG_RUNTIME_DIR"]) / "gpumemd"
+    return Path(tempfile.gettempdir()) / f"gpumemd-{euid}"
 
 
 def default_runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where a daemon started by hand puts its sockets: $GPUMEMD_RUNTIME_DIR, the system
+    directory for root, else the user's own runtime directory."""
     environ = os.environ if environ is None else environ
     if environ.get(ENV_RUNTIME_DIR):
         return Path(environ[ENV_RUNTIME_DIR])
-    if os.geteuid() == 0:
-        return Path("/run/gpumemd")
-    if environ.get("XDG_RUNTIME_DIR"):
-        return Path(environ["XDG_RUNTIME_DIR"]) / "gpumemd"
-    return Path(tempfile.gettempdir()) / f"gpumemd-{os.geteuid()}"
+    euid = os.geteuid()
+    return SYSTEM_RUNTIME_DIR if euid == 0 else _user_runtime_dir(environ, euid)
+
+
+def runtime_dir_candidates(
+    environ: Mapping[str, str] | None = None, *, euid: int | None = None, system_dir: Path = SYSTEM_RUNTIME_DIR
+) -> list[Path]:
+    """Where clients look for daemons, in order: $GPUMEMD_RUNTIME_DIR alone if set; else
+    the system directory first (engines that are not root use the daemons systemd runs
+    as root), then the user's own (a daemon the user started by hand)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(ENV_RUNTIME_DIR):
+        return [Path(environ[ENV_RUNTIME_DIR])]
+    euid = os.geteuid() if euid is None else euid
+    if euid == 0:
+        return [system_dir]
+    return [system_dir, _user_runtime_dir(environ, euid)]
 
 
 def resolve_runtime_dir(explicit: str | os.PathLike[str] | None) -> Path:
