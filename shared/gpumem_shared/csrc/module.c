@@ -11,12 +11,7 @@
 #include <dlfcn.h>
 #include <stdint.h>
 
-#define LEASE_SLOTS 1024
-
-int gpumem_lease_try(void *table, uint32_t index, uint64_t mine, uint32_t epoch, const char *label, uint32_t len);
-int gpumem_lease_release(void *table, uint32_t index, uint64_t word);
-int gpumem_lease_release_recorded(void *table, uint32_t index, uint64_t word);
-int gpumem_lease_acquire(void *table, uint32_t index, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder);
+#include "lease_table.h"
 
 static int slot_arg(PyObject *arg, uint32_t *out) {
     unsigned long index = PyLong_AsUnsignedLong(arg);
@@ -31,7 +26,7 @@ static int slot_arg(PyObject *arg, uint32_t *out) {
 
 /* The arguments every lease call starts with: (table_address, slot, word, ...), checked
  * for count and type; ``epoch`` too when asked for. */
-static int lease_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, void **table,
+static int lease_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, lease_slot **table,
                       uint32_t *index, uint64_t *word, uint32_t *epoch) {
     if (nargs != want) {
         PyErr_SetString(PyExc_TypeError, usage);
@@ -53,7 +48,7 @@ static int lease_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, 
 /* lease_try(table_address, slot, word, epoch, label: bytes) -> status */
 static PyObject *lease_try(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    void *table;
+    lease_slot *table;
     uint32_t index, epoch;
     uint64_t word;
     char *label;
@@ -67,7 +62,7 @@ static PyObject *lease_try(PyObject *module, PyObject *const *args, Py_ssize_t n
 /* lease_release(table_address, slot, word) -> status */
 static PyObject *lease_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    void *table;
+    lease_slot *table;
     uint32_t index;
     uint64_t word;
     if (lease_args(args, nargs, 3, "lease_release(table_address, slot, word)", &table, &index, &word, NULL) < 0) return NULL;
@@ -77,7 +72,7 @@ static PyObject *lease_release(PyObject *module, PyObject *const *args, Py_ssize
 /* lease_release_recorded(table_address, slot, word) -> status */
 static PyObject *lease_release_recorded(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    void *table;
+    lease_slot *table;
     uint32_t index;
     uint64_t word;
     if (lease_args(args, nargs, 3, "lease_release_recorded(table_address, slot, word)", &table, &index, &word, NULL) < 0)
@@ -89,7 +84,7 @@ static PyObject *lease_release_recorded(PyObject *module, PyObject *const *args,
  * sleeps on the slot's futex without the GIL. */
 static PyObject *lease_acquire(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    void *table;
+    lease_slot *table;
     uint32_t index, epoch;
     uint64_t word;
     if (lease_args(args, nargs, 5, "lease_acquire(table_address, slot, word, epoch, timeout_ns)", &table, &index, &word, &epoch) < 0)
