@@ -24,7 +24,8 @@ import pytest
 
 import gpumem
 from conftest import child_env
-from gpumem_shared import leases
+from gpumem_shared import lease_table
+from gpumem_shared.lease_table import LeaseKind
 from gpumem_shared import protocol as p
 from gpumemd_testkit import MiB, status, wait_status
 
@@ -184,7 +185,7 @@ def test_the_client_library_stale_epoch_double_release_and_sweep(owner: Owner, s
         s.borrow(pool, user="x", wait=1.0)
     s.capture(fresh, label="recapture").release()
     # Retiring a pool under a held lease sweeps it: the holder learns at release.
-    lease = gpumem.Lease.acquire(s, fresh, leases.BORROW, "doomed", 0)
+    lease = gpumem.Lease.acquire(s, fresh, LeaseKind.BORROW, "doomed", 0)
     s.call(p.RetireGraphPool(pool_id=fresh.id))
     with pytest.raises(gpumem.LeaseNotHeld, match="no longer held"):
         lease.release()
@@ -256,7 +257,7 @@ def test_kill_9_of_a_waiter_leaves_nothing_held(owner: Owner, shell: Any) -> Non
     owner.wait_waiters(pool)
     b.kill()
     wait_status(owner.session.endpoints.runtime_dir, lambda s: "doomed-waiter" not in [c["name"] for c in s["clients"]], 5, "the waiter's session closed")
-    assert owner.session.leases.peek(pool.slot) == leases.encode(leases.BORROW, *_ids(a)), "a waiter's death does not touch the holder"
+    assert owner.session.leases.peek(pool.slot) == lease_table.encode(LeaseKind.BORROW, *_ids(a)), "a waiter's death does not touch the holder"
     assert ask(a, f"unlease {pool.id}") == ""
     assert owner.session.leases.peek(pool.slot) == 0
     start = time.monotonic()
@@ -266,7 +267,7 @@ def test_kill_9_of_a_waiter_leaves_nothing_held(owner: Owner, shell: Any) -> Non
     assert ask(a, f"unlease {pool.id}") == ""
     assert time.monotonic() - start < 5.0
     assert status(owner.session.endpoints.runtime_dir)["leases"] == []
-    assert owner.session.leases.words() == [0] * leases.SLOTS
+    assert owner.session.leases.words() == [0] * lease_table.SLOTS
 
 
 def _ids(client: Any) -> tuple[int, int]:
@@ -285,8 +286,8 @@ def test_garbage_in_the_table_is_cleared_within_a_second_and_leases_work_again(o
     unowned = 900
     garbage = {
         pools[0].slot: 0x09 << 56 | 0x000042_00000001,  # a kind that does not exist
-        pools[1].slot: leases.encode(leases.REPLAY, 0xABCDE, 4242),  # a session that does not exist
-        unowned: leases.encode(leases.CAPTURE, 1, os.getpid()),  # a slot no pool has
+        pools[1].slot: lease_table.encode(LeaseKind.REPLAY, 0xABCDE, 4242),  # a session that does not exist
+        unowned: lease_table.encode(LeaseKind.CAPTURE, 1, os.getpid()),  # a slot no pool has
     }
     # While the garbage lasts (a tick may clear it at any time): an impatient acquire is
     # refused, saying what it found.

@@ -1,11 +1,12 @@
 /*
  * The lease table's one description: the slot, what the lease calls return, the lease
  * kinds, the slot flags, the slot count and the label size. leases.c implements the
- * calls on it; module.c offers them to Python.
+ * calls on it; module.c exports every constant here and the slot's layout (each field's
+ * offset and size) to Python, where gpumem_shared/lease_table.py builds its enums and
+ * maps the table, and a unit test checks its ctypes view of a slot against that layout.
  *
- * The statuses, kinds and flags are lists of (name, value), expanded into the C enums
- * below and wherever else a list of them by name is needed, so that no second list can
- * fall out of step.
+ * The statuses, kinds and flags are lists of (name, value) expanded twice, into the C
+ * enums below and into module.c's exports, so that no second list can fall out of step.
  */
 #ifndef GPUMEM_LEASE_TABLE_H
 #define GPUMEM_LEASE_TABLE_H

@@ -3,12 +3,15 @@
  * table (leases.c) are plain C that torch and ctypes load from this file by symbol;
  * the lease fast path is also offered here as CPython functions, because a ctypes call
  * costs more than the compare-and-swap it wraps, and an uncontended lease must stay
- * within a few microseconds.
+ * within a few microseconds. The lease table's constants and slot layout
+ * (lease_table.h) are exported for gpumem_shared/lease_table.py, which states none of
+ * them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <dlfcn.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "lease_table.h"
@@ -184,6 +187,79 @@ static PyMethodDef native_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+typedef struct {
+    const char *name;
+    long value;
+} named_value;
+
+typedef struct {
+    const char *name;
+    size_t offset, size;
+} slot_field;
+
+#define NAMED(name, value) {#name, value},
+static const named_value lease_statuses[] = {LEASE_STATUSES(NAMED)};
+static const named_value lease_kinds[] = {LEASE_KINDS(NAMED)};
+static const named_value lease_flags[] = {LEASE_FLAGS(NAMED)};
+#undef NAMED
+
+/* Only the names are listed here; a unit test checks that the fields exported tile the
+ * whole slot, so one added to lease_slot and not here fails it. */
+#define FIELD(name) {#name, offsetof(lease_slot, name), sizeof(((lease_slot *)0)->name)}
+static const slot_field lease_slot_fields[] = {
+    FIELD(word), FIELD(futex), FIELD(waiters), FIELD(since_ns), FIELD(epoch),
+    FIELD(flags), FIELD(handoff), FIELD(escaped), FIELD(label),
+};
+#undef FIELD
+
+#define COUNT(array) (sizeof(array) / sizeof(*(array)))
+
+/* A tuple of (name, value) pairs as the module attribute ``attr``. */
+static int add_named(PyObject *module, const char *attr, const named_value *values, size_t n) {
+    PyObject *pairs = PyTuple_New((Py_ssize_t)n);
+    if (!pairs) return -1;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *pair = Py_BuildValue("(sl)", values[i].name, values[i].value);
+        if (!pair) {
+            Py_DECREF(pairs);
+            return -1;
+        }
+        PyTuple_SET_ITEM(pairs, (Py_ssize_t)i, pair);
+    }
+    int rc = PyModule_AddObjectRef(module, attr, pairs);
+    Py_DECREF(pairs);
+    return rc;
+}
+
+/* LEASE_SLOT_FIELDS: ((name, offset, size), ...) in the struct's order. */
+static int add_slot_fields(PyObject *module) {
+    size_t n = COUNT(lease_slot_fields);
+    PyObject *fields = PyTuple_New((Py_ssize_t)n);
+    if (!fields) return -1;
+    for (size_t i = 0; i < n; i++) {
+        const slot_field *f = &lease_slot_fields[i];
+        PyObject *entry = Py_BuildValue("(snn)", f->name, (Py_ssize_t)f->offset, (Py_ssize_t)f->size);
+        if (!entry) {
+            Py_DECREF(fields);
+            return -1;
+        }
+        PyTuple_SET_ITEM(fields, (Py_ssize_t)i, entry);
+    }
+    int rc = PyModule_AddObjectRef(module, "LEASE_SLOT_FIELDS", fields);
+    Py_DECREF(fields);
+    return rc;
+}
+
+static int add_constants(PyObject *m) {
+    if (PyModule_AddIntMacro(m, LEASE_SLOTS) < 0 || PyModule_AddIntMacro(m, LEASE_LABEL_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "LEASE_SLOT_BYTES", (long)sizeof(lease_slot)) < 0 ||
+        add_named(m, "LEASE_STATUSES", lease_statuses, COUNT(lease_statuses)) < 0 ||
+        add_named(m, "LEASE_KINDS", lease_kinds, COUNT(lease_kinds)) < 0 ||
+        add_named(m, "LEASE_FLAGS", lease_flags, COUNT(lease_flags)) < 0 || add_slot_fields(m) < 0)
+        return -1;
+    return 0;
+}
+
 static struct PyModuleDef native_module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "_native",
@@ -192,4 +268,8 @@ static struct PyModuleDef native_module = {
     .m_methods = native_methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&native_module);
+    if (m && add_constants(m) < 0) Py_CLEAR(m);
+    return m;
+}
