@@ -123,26 +123,6 @@ class _Slot(ctypes.Structure):
     ]
 
 
-_lib: ctypes.CDLL | None = None
-
-
-def _library() -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
-        lib = ctypes.CDLL(_native.__file__)
-        lib.gpumem_lease_clear.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
-        lib.gpumem_lease_clear.restype = ctypes.c_int
-        for name in ("gpumem_lease_set_flags", "gpumem_lease_set_escaped", "gpumem_lease_forget_handoff"):
-            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
-            getattr(lib, name).restype = None
-        lib.gpumem_lease_peek.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
-        lib.gpumem_lease_peek.restype = ctypes.c_uint64
-        lib.gpumem_lease_set_epoch.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
-        lib.gpumem_lease_set_epoch.restype = None
-        _lib = lib
-    return _lib
-
-
 class LeaseTable:
     """A mapping of the table. ``create()`` makes a new one (the daemon); ``LeaseTable(fd)``
     maps one received over the fd channel (clients). The mapping lives as long as the
@@ -154,11 +134,9 @@ class LeaseTable:
         self._map = mmap.mmap(fd, TABLE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._slots = (_Slot * SLOTS).from_buffer(self._map)
         self.address = ctypes.addressof(self._slots)
-        self._lib = _library()
+        # The client's fast path calls these straight (gpumem.leases): one native call each.
         self._try = _native.lease_try
         self._release = _native.lease_release
-        self._release_recorded = _native.lease_release_recorded
-        self._acquire = _native.lease_acquire
 
     @classmethod
     def create(cls) -> tuple[LeaseTable, int]:
@@ -172,29 +150,28 @@ class LeaseTable:
     def try_acquire(self, slot: int, word: int, epoch: int, label: bytes) -> int:
         """One attempt, no wait, the label recorded: the uncontended fast path (one
         compare-and-swap in one native call). OK or OK_ORDER when taken."""
-        return int(self._try(self.address, slot, word, epoch, label))
+        return self._try(self.address, slot, word, epoch, label)
 
     def acquire(self, slot: int, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
         """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""
-        status, found = self._acquire(self.address, slot, word, epoch, int(timeout_s * 1e9))
-        return int(status), int(found)
+        return _native.lease_acquire(self.address, slot, word, epoch, int(timeout_s * 1e9))
 
     def release(self, slot: int, word: int) -> int:
         """OK, NOT_HOLDER, or RECORD (nothing released: a shared pool; record the IPC
         event, then ``release_recorded``)."""
-        return int(self._release(self.address, slot, word))
+        return self._release(self.address, slot, word)
 
     def release_recorded(self, slot: int, word: int) -> int:
-        return int(self._release_recorded(self.address, slot, word))
+        return _native.lease_release_recorded(self.address, slot, word)
 
     def clear(self, slot: int, word: int) -> int:
         """Free the slot if it holds ``word``, without ordering: the daemon's sweep."""
-        return int(self._lib.gpumem_lease_clear(self.address, slot, word))
+        return _native.lease_clear(self.address, slot, word)
 
     def set_escaped(self, slot: int, session: int) -> None:
         """The daemon: refuse replay and capture while any session's borrowed tensors
         outlive their scope; the slot names one of them (0: none)."""
-        self._lib.gpumem_lease_set_escaped(self.address, slot, word_session(session))
+        _native.lease_set_escaped(self.address, slot, word_session(session))
 
     def escaped(self, slot: int) -> int:
         return int(self._slots[slot].escaped)
@@ -206,17 +183,17 @@ class LeaseTable:
         return LeaseFlag(self._slots[slot].flags)
 
     def set_flags(self, slot: int, flags: int) -> None:
-        self._lib.gpumem_lease_set_flags(self.address, slot, flags)
+        _native.lease_set_flags(self.address, slot, flags)
 
     def forget_handoff(self, slot: int, session: int) -> None:
         """A session ended: if it was the last to release, its IPC event went with it."""
-        self._lib.gpumem_lease_forget_handoff(self.address, slot, word_session(session))
+        _native.lease_forget_handoff(self.address, slot, word_session(session))
 
     def peek(self, slot: int) -> int:
-        return int(self._lib.gpumem_lease_peek(self.address, slot))
+        return _native.lease_peek(self.address, slot)
 
     def set_epoch(self, slot: int, epoch: int) -> None:
-        self._lib.gpumem_lease_set_epoch(self.address, slot, epoch)
+        _native.lease_set_epoch(self.address, slot, epoch)
 
     def epoch(self, slot: int) -> int:
         return int(self._slots[slot].epoch)
