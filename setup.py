@@ -8,6 +8,8 @@ setup(
         Extension(
             "gpumem_shared._native",
             sources=["shared/gpumem_shared/csrc/module.c", "shared/gpumem_shared/csrc/allocator.c", "shared/gpumem_shared/csrc/leases.c"],
+            # Rebuild when a header changes; setuptools also ships these in the sdist.
+            depends=["shared/gpumem_shared/csrc/allocator.h", "shared/gpumem_shared/csrc/lease_table.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
             libraries=["pthread", "dl"],
         )

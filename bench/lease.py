@@ -83,7 +83,7 @@ def main() -> int:
     def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
         result.targets = {"uncontended_p50_us_max": 2.0, "speedup_vs_rtt_min": 40.0, "handoff_p50_us_max": 50.0}
         import gpumem
-        from gpumem_shared import leases
+        from gpumem_shared.lease_table import LeaseFlag, LeaseKind, decode
         from gpumem_shared import protocol as p
 
         rt = cleanup.enter_context(c.runtime_dir())
@@ -123,8 +123,8 @@ def main() -> int:
 
         samples = uncontended(private)
         shared_samples = uncontended(shared)
-        me = leases.decode(session.lease_words[leases.REPLAY])[1]
-        if not session.leases.flags(shared.slot) & leases.FLAG_SHARED or session.leases.handoff(shared.slot) != me:
+        me = decode(session.lease_words[LeaseKind.REPLAY])[1]
+        if not session.leases.flags(shared.slot) & LeaseFlag.SHARED or session.leases.handoff(shared.slot) != me:
             raise RuntimeError(f"releases of shared pool {shared.id} did not record an IPC event: the shared path did not run")
         pings = []
         for _ in range(args.pings):

@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 import gpumem
-from gpumem_shared import leases
+from gpumem_shared import lease_table
+from gpumem_shared.lease_table import LeaseKind
 from gpumem_shared import protocol as p
 
 MiB = 1 << 20
@@ -282,7 +283,7 @@ def escape_is_caught() -> None:
 
         raises(gpumem.BorrowEscaped, escaping, "'EAGLE probability borrow'", "still alive")
         assert s.leases.peek(w.pool.slot) == 0, "an escape must still give the lease back"
-        assert s.leases.escaped(w.pool.slot) == leases.word_session(s.session_id)
+        assert s.leases.escaped(w.pool.slot) == lease_table.word_session(s.session_id)
         assert [g.escaped_by for g in s.status().extents] == [f"client '{OWNER}'"], "gpumemctl shows who blocks replays"
         shown = subprocess.run([sys.executable, "-m", "gpumem.ctl", "extents"], capture_output=True, text=True, timeout=30)
         assert f"replay and capture refused: client '{OWNER}' holds borrowed tensors" in shown.stdout, shown
@@ -529,7 +530,7 @@ def handoff_peer(pool_id: str) -> None:
         region = _region(s, pool, 4 * MiB)
         print("READY", flush=True)
         assert sys.stdin.readline().strip() == "borrow"
-        lease = gpumem.Lease.acquire(s, pool, leases.BORROW, "handoff", 10.0)
+        lease = gpumem.Lease.acquire(s, pool, LeaseKind.BORROW, "handoff", 10.0)
         assert s.handoff_waits == 1, "taking the lease from another process must wait on its event"
         assert _reads(s, region, 0xAB), "the borrow lease came before the owner's queued write finished"
         print("SAW AB", flush=True)
@@ -546,7 +547,7 @@ def wait_for_turn(session: gpumem.Session, pool: gpumem.GraphPool, last: bool) -
     the releaser, a few microseconds from its next acquire, would mostly win again."""
     if last:
         return
-    me = leases.word_session(session.session_id)
+    me = lease_table.word_session(session.session_id)
     deadline = time.monotonic() + 30.0
     while session.leases.handoff(pool.slot) == me:
         if time.monotonic() > deadline:

@@ -1,40 +1,26 @@
-"""ctypes bindings of the native bump allocator (csrc/allocator.c in gpumem_shared), in one place.
+"""The native bump allocator (csrc/allocator.c in gpumem_shared), through the native module.
 
-A ``Slot`` owns one of the library's 256 allocator entry-point pairs for its life.
-torch loads the pair by name (``CUDAPluggableAllocator(path, alloc, free)``); the
-Python side sets the slot's extents and reads its counters. No torch here.
+A ``Slot`` owns one of the library's allocator entry-point pairs for its life. torch
+loads the pair by name from the module's file (``CUDAPluggableAllocator(path, alloc,
+free)``); the Python side sets the slot's extents and reads its counters through the
+module's functions. No torch here.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import threading
+from typing import Final
 
-MAX_SLOTS = 256
-MAX_EXTENTS = 64
-MAX_BACKING = 512
+from gpumem_shared import _native  # built with the package; see setup.py
 
-FAIL_NONE, FAIL_FULL, FAIL_UNBACKED, FAIL_DEVICE, FAIL_STREAM = 0, 1, 2, 3, 4
-
-_lib: ctypes.CDLL | None = None
-_lib_lock = threading.Lock()
-
-
-class _Stats(ctypes.Structure):
-    _fields_ = [
-        ("calls", ctypes.c_uint64),
-        ("failures", ctypes.c_uint64),
-        ("frees", ctypes.c_uint64),
-        ("cursor_bytes", ctypes.c_uint64),
-        ("freed_bytes", ctypes.c_uint64),
-        ("capacity_bytes", ctypes.c_uint64),
-        ("largest_free", ctypes.c_uint64),
-        ("last_failed", ctypes.c_uint64),
-        ("last_fail_reason", ctypes.c_int64),
-        ("n_extents", ctypes.c_int64),
-        ("device", ctypes.c_int64),
-    ]
+# From csrc/allocator.h, through the module.
+MAX_SLOTS: Final[int] = _native.GPUMEM_MAX_SLOTS
+MAX_EXTENTS: Final[int] = _native.GPUMEM_MAX_EXTENTS
+FAIL_NONE: Final[int] = _native.GPUMEM_FAIL_NONE
+FAIL_FULL: Final[int] = _native.GPUMEM_FAIL_FULL
+FAIL_UNBACKED: Final[int] = _native.GPUMEM_FAIL_UNBACKED
+FAIL_DEVICE: Final[int] = _native.GPUMEM_FAIL_DEVICE
+FAIL_STREAM: Final[int] = _native.GPUMEM_FAIL_STREAM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,57 +33,16 @@ class SlotStats:
     capacity_bytes: int
     largest_free: int  # the largest request that still fits (after rounding)
     last_failed: int  # size of the last request that failed
-    last_fail_reason: int  # FAIL_* below
+    last_fail_reason: int  # FAIL_* above
     n_extents: int
     device: int
 
 
 def library_path() -> str:
-    from gpumem_shared import _native  # built with the package; see setup.py
-
+    """The built module's file, which torch loads the entry points from."""
     path = _native.__file__
     assert path is not None
     return path
-
-
-def library() -> ctypes.CDLL:
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            lib = ctypes.CDLL(library_path())
-            lib.gpumem_slot_acquire.argtypes = [ctypes.c_int, ctypes.c_size_t]
-            lib.gpumem_slot_acquire.restype = ctypes.c_int
-            lib.gpumem_slot_release.argtypes = [ctypes.c_int]
-            lib.gpumem_slot_release.restype = None
-            lib.gpumem_slot_set_extents.argtypes = [
-                ctypes.c_int,
-                ctypes.POINTER(ctypes.c_uint64),
-                ctypes.POINTER(ctypes.c_uint64),
-                ctypes.c_size_t,
-            ]
-            lib.gpumem_slot_set_extents.restype = ctypes.c_int
-            lib.gpumem_slot_stats.argtypes = [ctypes.c_int, ctypes.POINTER(_Stats)]
-            lib.gpumem_slot_stats.restype = ctypes.c_int
-            lib.gpumem_slot_rounded.argtypes = [ctypes.c_int, ctypes.c_size_t]
-            lib.gpumem_slot_rounded.restype = ctypes.c_size_t
-            lib.gpumem_slot_set_backing.argtypes = [
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.POINTER(ctypes.c_uint64),
-                ctypes.POINTER(ctypes.c_uint64),
-                ctypes.c_size_t,
-            ]
-            lib.gpumem_slot_set_backing.restype = ctypes.c_int
-            lib.gpumem_slot_bind_stream.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
-            lib.gpumem_slot_bind_stream.restype = ctypes.c_int
-            lib.gpumem_slot_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64]
-            lib.gpumem_slot_alloc.restype = ctypes.c_uint64
-            lib.gpumem_slot_free.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64]
-            lib.gpumem_slot_free.restype = None
-            lib.gpumem_thread_virtual.argtypes = [ctypes.c_int]
-            lib.gpumem_thread_virtual.restype = ctypes.c_int
-            _lib = lib
-        return _lib
 
 
 class SlotsExhausted(RuntimeError):
@@ -108,8 +53,7 @@ class Slot:
     """One independent bump allocator: up to 64 extents, first fit, fixed alignment."""
 
     def __init__(self, device: int, alignment: int = 512) -> None:
-        lib = library()
-        index = lib.gpumem_slot_acquire(device, alignment)
+        index = _native.slot_acquire(device, alignment)
         if index == -2:
             raise ValueError(f"alignment {alignment} is not a power of two")
         if index < 0:
@@ -117,7 +61,6 @@ class Slot:
         self.index = index
         self.device = device
         self.alignment = alignment
-        self._lib = lib
 
     @property
     def alloc_symbol(self) -> str:
@@ -129,12 +72,7 @@ class Slot:
 
     def set_extents(self, extents: list[tuple[int, int]]) -> None:
         """Replace the extents (address, size) and reset the cursors and byte counters."""
-        n = len(extents)
-        if n > MAX_EXTENTS:
-            raise ValueError(f"{n} extents; a slot holds at most {MAX_EXTENTS}")
-        bases = (ctypes.c_uint64 * max(n, 1))(*[a for a, _ in extents])
-        sizes = (ctypes.c_uint64 * max(n, 1))(*[s for _, s in extents])
-        rc = self._lib.gpumem_slot_set_extents(self.index, bases, sizes, n)
+        rc = _native.slot_set_extents(self.index, extents)
         if rc == -3:
             raise ValueError(f"extents must be {self.alignment}-byte aligned, non-empty and disjoint: {extents}")
         if rc != 0:
@@ -143,40 +81,35 @@ class Slot:
     def set_backing(self, ranges: list[tuple[int, int]] | None) -> None:
         """Serve requests only inside these mapped (address, size) ranges; None turns
         the check off. Threads inside ``virtual_only()`` are exempt."""
-        n = len(ranges or [])
-        if n > MAX_BACKING:
-            raise ValueError(f"{n} backing ranges; a slot tracks at most {MAX_BACKING}")
-        bases = (ctypes.c_uint64 * max(n, 1))(*[a for a, _ in ranges or []])
-        sizes = (ctypes.c_uint64 * max(n, 1))(*[s for _, s in ranges or []])
-        if self._lib.gpumem_slot_set_backing(self.index, int(ranges is not None), bases, sizes, n) != 0:
+        if _native.slot_set_backing(self.index, ranges) != 0:
             raise RuntimeError(f"allocator slot {self.index} refused its backing ranges")
 
     def bind_stream(self, stream: int | None) -> None:
         """Serve only requests made on ``stream`` (None: any stream)."""
-        if self._lib.gpumem_slot_bind_stream(self.index, int(stream is not None), stream or 0) != 0:
+        if _native.slot_bind_stream(self.index, stream) != 0:
             raise RuntimeError(f"allocator slot {self.index} is not in use")
 
     def alloc(self, nbytes: int, stream: int = 0) -> int:
         """An address for ``nbytes`` (0 when nothing fits: ``stats()`` says why), as torch
         would get it."""
-        return int(self._lib.gpumem_slot_alloc(self.index, nbytes, self.device, stream) or 0)
+        return _native.slot_alloc(self.index, nbytes, self.device, stream)
 
     def free(self, address: int, nbytes: int, stream: int = 0) -> None:
-        self._lib.gpumem_slot_free(self.index, address, nbytes, self.device, stream)
+        _native.slot_free(self.index, address, nbytes, self.device, stream)
 
     def stats(self) -> SlotStats:
-        raw = _Stats()
-        if self._lib.gpumem_slot_stats(self.index, ctypes.byref(raw)) != 0:
+        counters = _native.slot_stats(self.index)
+        if counters is None:
             raise RuntimeError(f"allocator slot {self.index} is not in use")
-        return SlotStats(**{name: int(getattr(raw, name)) for name, _ in _Stats._fields_})
+        return SlotStats(**counters)
 
     def rounded(self, nbytes: int) -> int:
         """Bytes a request of ``nbytes`` takes from an extent, alignment included."""
-        return int(self._lib.gpumem_slot_rounded(self.index, nbytes))
+        return _native.slot_rounded(self.index, nbytes)
 
     def release(self) -> None:
         if self.index >= 0:
-            self._lib.gpumem_slot_release(self.index)
+            _native.slot_release(self.index)
             self.index = -1
 
 
@@ -185,7 +118,7 @@ class virtual_only:
     (virtual-only tensors that nothing touches until their memory is committed)."""
 
     def __enter__(self) -> None:
-        self._before = library().gpumem_thread_virtual(1)
+        self._before = _native.thread_virtual(1)
 
     def __exit__(self, *exc: object) -> None:
-        library().gpumem_thread_virtual(self._before)
+        _native.thread_virtual(self._before)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from gpumem_shared import leases
+from gpumem_shared.lease_table import LeaseKind
 from gpumem.allocator import FAIL_STREAM, MAX_EXTENTS, Slot, SlotStats
 from gpumem.errors import BorrowEscaped, BorrowOutOfMemory, BorrowStreamMismatch, GpuMemError, InvalidArgument
 from gpumem.leases import Lease, current_stream
@@ -279,7 +279,7 @@ class Borrow:
             )
         if self._torch is not None:
             _warm_cublas(self._torch, session.device_ordinal or 0, self.stream)
-        self.lease = Lease.acquire(session, pool, leases.BORROW, user, wait, self.stream)
+        self.lease = Lease.acquire(session, pool, LeaseKind.BORROW, user, wait, self.stream)
         try:
             if existing is None:
                 existing = session.borrow_pools[pool.id] = BorrowPool(session, pool, self.stream)

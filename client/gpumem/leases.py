@@ -25,13 +25,17 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from gpumem_shared import leases
+from gpumem_shared import lease_table
+from gpumem_shared.lease_table import LeaseStatus
 from gpumem.errors import InvalidArgument, LeaseConflict, LeaseNotHeld, StaleEpoch
 
 if TYPE_CHECKING:
     from gpumem.session import Session
 
-_SLOTS = leases.SLOTS
+_SLOTS = lease_table.SLOTS
+# Module globals on the uncontended paths: before Python 3.12, reading an enum member off
+# its class costs about 60 ns (EnumType.__getattr__ slows every attribute lookup on it).
+_OK, _OK_ORDER, _RECORD = LeaseStatus.OK, LeaseStatus.OK_ORDER, LeaseStatus.RECORD
 
 # While a slot holds an impossible value, waiters retry this often: the daemon clears
 # such a slot on its next tick.
@@ -67,63 +71,63 @@ class Lease:
             raise InvalidArgument(f"graph pool {pool.id} has no lease slot ({slot}); is it registered?")
         table = session.leases
         word = session.lease_words[kind]
-        epoch = ((pool.id & 0xFFFF) << 16 | (pool.epoch & 0xFFFF)) or 1  # leases.lease_epoch, inlined
+        epoch = ((pool.id & 0xFFFF) << 16 | (pool.epoch & 0xFFFF)) or 1  # lease_table.lease_epoch, inlined
         if session.borrow_escapes:
             session.clear_escape(slot)
         status = table._try(table.address, slot, word, epoch, label.encode())
         if not status:  # OK
             return cls(session, pool, kind, word, stream)
-        if status == leases.OK_ORDER:
+        if status == _OK_ORDER:
             return cls(session, pool, kind, word, stream)._ordered()
         deadline = time.monotonic() + wait
         while True:
-            if status == leases.ESCAPED:
+            if status == LeaseStatus.ESCAPED:
                 if not session.clear_escape(slot):
-                    error = session.escape_error(pool, leases.KIND_NAMES[kind], label)
+                    error = session.escape_error(pool, lease_table.KIND_NAMES[kind], label)
                     if error is not None:
                         raise error
-                status = leases.HELD  # the mark went meanwhile: try again
+                status = LeaseStatus.HELD  # the mark went meanwhile: try again
                 continue
             status, found = table.acquire(pool.slot, word, epoch, max(0.0, deadline - time.monotonic()))
-            if status in (leases.OK, leases.OK_ORDER):
+            if status in (LeaseStatus.OK, LeaseStatus.OK_ORDER):
                 table.set_label(pool.slot, label)
                 lease = cls(session, pool, kind, word, stream)
-                return lease._ordered() if status == leases.OK_ORDER else lease
-            if status == leases.ESCAPED:
+                return lease._ordered() if status == LeaseStatus.OK_ORDER else lease
+            if status == LeaseStatus.ESCAPED:
                 continue
-            if status == leases.STALE:
+            if status == LeaseStatus.STALE:
                 raise StaleEpoch(
                     f"graph pool {pool.id} changed since this view of it (epoch {pool.epoch}): it was recaptured or "
                     "retired; refresh it (GraphPool.refresh or the daemon's status) and try again"
                 )
-            if status == leases.CORRUPT and time.monotonic() < deadline:
+            if status == LeaseStatus.CORRUPT and time.monotonic() < deadline:
                 time.sleep(_CORRUPT_RETRY_S)
                 continue
-            raise cls._conflict(session, pool, kind, label, found, wait, status == leases.CORRUPT)
+            raise cls._conflict(session, pool, kind, label, found, wait, status == LeaseStatus.CORRUPT)
 
     @staticmethod
     def _conflict(session: Session, pool: Any, kind: int, label: str, found: int, wait: float, corrupt: bool) -> LeaseConflict:
-        want = leases.KIND_NAMES[kind]
+        want = lease_table.KIND_NAMES[kind]
         if corrupt:
             return LeaseConflict(
                 f"{want} lease on graph pool {pool.id}: its slot holds an impossible value ({found:#x}); gpumemd clears "
                 "such slots within a tick; retry with wait > 0"
             )
         holder = session.leases.holder(pool.slot)
-        h_kind, h_session, h_pid = leases.decode(found)
-        if holder is not None and leases.encode(holder.kind, holder.session, holder.pid) != found:
+        h_kind, h_session, h_pid = lease_table.decode(found)
+        if holder is not None and lease_table.encode(holder.kind, holder.session, holder.pid) != found:
             holder = None  # the lease changed hands since: that label and time are another holder's
         name = f"session {h_session}"
         for entry in session.status().leases:  # the slow path only: name the holder
-            if entry.slot == pool.slot and entry.pid == h_pid and entry.kind == leases.KIND_NAMES.get(h_kind):
+            if entry.slot == pool.slot and entry.pid == h_pid and entry.kind == lease_table.KIND_NAMES.get(h_kind):
                 name = entry.holder
         since = time.strftime("%H:%M:%S", time.localtime(holder.since_ns / 1e9)) if holder else "?"
         held_label = holder.label if holder else ""
         waited = f" after waiting {wait:g}s" if wait else ""
         return LeaseConflict(
             f"{want} lease '{label}' on graph pool {pool.id} refused{waited}: client '{name}' (pid {h_pid}) holds its "
-            f"{leases.KIND_NAMES.get(h_kind, h_kind)} lease '{held_label}' since {since}",
-            {"holder": name, "pid": h_pid, "kind": leases.KIND_NAMES.get(h_kind, str(h_kind)), "label": held_label},
+            f"{lease_table.KIND_NAMES.get(h_kind, h_kind)} lease '{held_label}' since {since}",
+            {"holder": name, "pid": h_pid, "kind": lease_table.KIND_NAMES.get(h_kind, str(h_kind)), "label": held_label},
         )
 
     def _ordered(self) -> Lease:
@@ -141,22 +145,22 @@ class Lease:
 
     def release(self) -> None:
         if not self.held:
-            raise LeaseNotHeld(f"{leases.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was already released")
+            raise LeaseNotHeld(f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was already released")
         self.held = False
         table = self.session.leases
         status = table._release(table.address, self.slot, self._word)
         if not status:  # OK: the uncontended path
             return
-        if status == leases.RECORD:  # a shared pool: the next holder may be another process
+        if status == _RECORD:  # a shared pool: the next holder may be another process
             try:
                 self.session.record_handoff(self.pool_id, self._stream())
             except BaseException:
                 table.clear(self.slot, self._word)
                 raise
             status = table.release_recorded(self.slot, self._word)
-        if status != leases.OK:
+        if status != _OK:
             raise LeaseNotHeld(
-                f"{leases.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was no longer held at release: "
+                f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was no longer held at release: "
                 "gpumemd swept it (the pool was retired, or the table was repaired)"
             )
 
@@ -173,4 +177,4 @@ class Lease:
         self.release()
 
     def __repr__(self) -> str:
-        return f"<gpumem.Lease {leases.KIND_NAMES[self.kind]} on graph pool {self.pool_id}{'' if self.held else ' (released)'}>"
+        return f"<gpumem.Lease {lease_table.KIND_NAMES[self.kind]} on graph pool {self.pool_id}{'' if self.held else ' (released)'}>"

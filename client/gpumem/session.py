@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpumem_shared import __version__, fdchannel, leases
+from gpumem_shared import __version__, fdchannel, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError, DriverUnavailable, PeerAccessError
-from gpumem_shared.leases import LeaseTable
+from gpumem_shared.lease_table import LeaseKind, LeaseTable
 from gpumem_shared.paths import Endpoints, discover, resolve_runtime_dir
 from gpumem.arena import Arena
 from gpumem.channel import ControlChannel
@@ -47,6 +47,9 @@ from gpumem.errors import (
 )
 
 DEFAULT_TIMEOUT = 10.0
+# replay() runs on every step: a module global, because before Python 3.12 reading an enum
+# member off its class costs about 60 ns (EnumType.__getattr__).
+_REPLAY = LeaseKind.REPLAY
 
 # IPC events this process's sessions record at lease handoffs, by (daemon, pool id,
 # 24-bit session): a taker from another session of this process waits on them directly.
@@ -153,8 +156,8 @@ class Session:
             hello = self._hello()
             self.session_id = hello.session_id
             # This session's lease words, one per kind (the hot path must not rebuild them).
-            self.lease_words = {kind: leases.encode(kind, hello.session_id, os.getpid()) for kind in leases.KIND_NAMES}
-            self._word_session = leases.word_session(hello.session_id)
+            self.lease_words = {kind: lease_table.encode(kind, hello.session_id, os.getpid()) for kind in lease_table.KIND_NAMES}
+            self._word_session = lease_table.word_session(hello.session_id)
             self._daemon_key = f"{endpoints.runtime_dir}:{endpoints.index}"
             self.backend = hello.backend
             self.device = hello.device
@@ -407,7 +410,7 @@ class Session:
         under a new epoch (capture re-carves them: no borrower may use the old ones once
         the lease is given back). ``refresh(recaptured=True)`` after the capture reports the
         new runs. ``wait`` bounds how long to wait for a holder (0: fail at once)."""
-        lease = Lease.acquire(self, pool, leases.CAPTURE, label, wait, stream)
+        lease = Lease.acquire(self, pool, LeaseKind.CAPTURE, label, wait, stream)
         try:
             borrowed = self.borrow_pools.get(pool.id)
             if borrowed is not None:
@@ -421,7 +424,7 @@ class Session:
 
     def replay(self, pool: Any, *, wait: float = 0.0, label: str = "replay", stream: int | None = None) -> Lease:
         """The replay lease: excludes capture and borrow (and other replays)."""
-        return Lease.acquire(self, pool, leases.REPLAY, label, wait, stream)
+        return Lease.acquire(self, pool, _REPLAY, label, wait, stream)
 
     def borrow(self, pool: Any, *, user: str, wait: float = 0.0, stream: int | None = None) -> Borrow:
         """Borrow the pool's free runs for ``user`` (named to anyone who conflicts): holds
@@ -491,7 +494,7 @@ class Session:
                 {"scope": mine.escaped_scope or "", "pid": os.getpid()},
             )
         status = self.status()
-        client = next((c for c in status.clients if leases.word_session(c.session_id) == marker), None)
+        client = next((c for c in status.clients if lease_table.word_session(c.session_id) == marker), None)
         name, pid = (client.name, client.pid) if client else (f"session {marker}", 0)
         who = next((g.escaped_by for g in status.extents if g.id == pool.id and g.escaped_by), f"client '{name}'")
         return BorrowEscaped(

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from gpumem_shared import leases
+from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
 
 from gpumemd.arenas import ArenaBook
@@ -39,8 +39,8 @@ class GraphPoolBook:
         self.device = device
         self.by_id: dict[int, GraphPoolRecord] = {}
         self._next_id = 1
-        self.table, self.table_fd = leases.LeaseTable.create()
-        self._free_slots = list(range(leases.SLOTS - 1, 0, -1))  # slot 0 stays unused
+        self.table, self.table_fd = lease_table.LeaseTable.create()
+        self._free_slots = list(range(lease_table.SLOTS - 1, 0, -1))  # slot 0 stays unused
 
     # ------------------------------------------------------------------ lookups
 
@@ -76,7 +76,7 @@ class GraphPoolBook:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "a graph pool needs a label of 1-256 characters")
         extents, runs = self._checked(arena, m.extents, m.free_runs, exclude=None)
         if not self._free_slots:
-            raise p.ProtocolError(p.ErrorCode.OUT_OF_MEMORY, f"all {leases.SLOTS - 1} lease slots are in use; retire graph pools first")
+            raise p.ProtocolError(p.ErrorCode.OUT_OF_MEMORY, f"all {lease_table.SLOTS - 1} lease slots are in use; retire graph pools first")
         pool = GraphPoolRecord(
             id=self._next_id,
             owner_id=s.id,
@@ -91,7 +91,7 @@ class GraphPoolBook:
         )
         self._next_id += 1
         self.by_id[pool.id] = pool
-        self.table.set_epoch(pool.slot, leases.lease_epoch(pool.id, pool.epoch))
+        self.table.set_epoch(pool.slot, lease_table.lease_epoch(pool.id, pool.epoch))
         self.table.set_flags(pool.slot, self._flags(pool))
         # A free slot is clients' shared memory too: nothing written there carries over.
         self.table.forget_handoff(pool.slot, self.table.handoff(pool.slot))
@@ -106,7 +106,7 @@ class GraphPoolBook:
         pool.extents, pool.free_runs = extents, runs
         if m.recaptured or changed:
             pool.epoch += 1
-            self.table.set_epoch(pool.slot, leases.lease_epoch(pool.id, pool.epoch))
+            self.table.set_epoch(pool.slot, lease_table.lease_epoch(pool.id, pool.epoch))
         return Outcome(p.GraphPoolReply(pool=pool.status()))
 
     def retire(self, s: SessionRecord, m: p.RetireGraphPool) -> Outcome:
@@ -155,7 +155,7 @@ class GraphPoolBook:
     def lookup_event(self, s: SessionRecord, m: p.LookupLeaseEvent) -> Outcome:
         pool = self._used_by(s, m.pool_id)
         for sid, handle in pool.events.items():
-            if leases.word_session(sid) == m.session:
+            if lease_table.word_session(sid) == m.session:
                 return Outcome(p.LeaseEventReply(handle=handle))
         raise p.ProtocolError(
             p.ErrorCode.NOT_FOUND,
@@ -191,7 +191,7 @@ class GraphPoolBook:
         if session_id in pool.escapers:
             pool.escapers.discard(session_id)
             self.table.set_escaped(pool.slot, self._escape_mark(pool))
-        self.table.forget_handoff(pool.slot, leases.word_session(session_id))
+        self.table.forget_handoff(pool.slot, lease_table.word_session(session_id))
 
     def drop(self, pool: GraphPoolRecord) -> None:
         """Forget the pool and free its lease slot: a holder is swept, waiters wake and
@@ -216,12 +216,12 @@ class GraphPoolBook:
 
     @staticmethod
     def _flags(pool: GraphPoolRecord) -> int:
-        return leases.FLAG_SHARED if pool.shared else 0
+        return lease_table.LeaseFlag.SHARED if pool.shared else 0
 
     @staticmethod
     def _escape_mark(pool: GraphPoolRecord) -> int:
         """What the slot's escape field must hold: one of the escaping sessions, or 0."""
-        return leases.word_session(min(pool.escapers)) if pool.escapers else 0
+        return lease_table.word_session(min(pool.escapers)) if pool.escapers else 0
 
     def sweep(self, session_id: int | None = None) -> None:
         """Clear slots held by ``session_id`` (its client is gone), or, with None, slots in
@@ -229,7 +229,7 @@ class GraphPoolBook:
         does not exist, a slot no pool owns, daemon-written fields that disagree with the
         registry. A buggy client can write anything there."""
         owned = {g.slot: g for g in self.by_id.values()}
-        live = {leases.word_session(i) for i in self.sessions}
+        live = {lease_table.word_session(i) for i in self.sessions}
         if session_id is not None:
             for pool in self.by_id.values():
                 self.forget_user(pool, session_id)
@@ -249,13 +249,13 @@ class GraphPoolBook:
         for slot, word in enumerate(self.table.words()):
             if not word:
                 continue
-            kind, holder, pid = leases.decode(word)
+            kind, holder, pid = lease_table.decode(word)
             if session_id is not None:
-                if holder == leases.word_session(session_id):
+                if holder == lease_table.word_session(session_id):
                     self.table.clear(slot, word)
-                    log.info("lease slot %d: swept a %s lease of session %d (pid %d), which ended", slot, leases.KIND_NAMES.get(kind, kind), holder, pid)
+                    log.info("lease slot %d: swept a %s lease of session %d (pid %d), which ended", slot, lease_table.KIND_NAMES.get(kind, kind), holder, pid)
                 continue
-            if kind not in leases.KIND_NAMES or holder not in live or slot not in owned:
+            if kind not in lease_table.KIND_NAMES or holder not in live or slot not in owned:
                 self.table.clear(slot, word)
                 log.warning("lease slot %d held an impossible word %#x (kind %d, session %d, pid %d); cleared", slot, word, kind, holder, pid)
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpumem_shared import __version__, leases
+from gpumem_shared import __version__, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver
 
@@ -101,9 +101,9 @@ class DaemonState:
         if self.stopping:
             raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; connect again once it is back")
         check_name(hello.name, "client name")
-        live = {leases.word_session(i) for i in self.sessions}
+        live = {lease_table.word_session(i) for i in self.sessions}
         # Lease words must tell live sessions apart, and 0 in a slot's fields means nobody.
-        while leases.word_session(self._next_session) in live or leases.word_session(self._next_session) == 0:
+        while lease_table.word_session(self._next_session) in live or lease_table.word_session(self._next_session) == 0:
             self._next_session += 1
         session = SessionRecord(
             id=self._next_session, name=hello.name, pid=pid, uid=uid, gid=gid, since=self.wall_clock(), token=os.urandom(16)
@@ -112,7 +112,7 @@ class DaemonState:
         self.sessions[session.id] = session
         log.info("session %d opened: client %r pid %d uid %d", session.id, session.name, pid, uid)
         reply = p.HelloReply(
-            lease_slots=leases.SLOTS,
+            lease_slots=lease_table.SLOTS,
             protocol=list(p.PROTOCOL_VERSION),
             daemon_version=__version__,
             daemon_pid=os.getpid(),

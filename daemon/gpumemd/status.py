@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from gpumem_shared import __version__, leases
+from gpumem_shared import __version__, lease_table
 from gpumem_shared import protocol as p
 
 from gpumemd.arenas import ArenaBook
@@ -105,7 +105,7 @@ def _graph_pool(pool: GraphPoolRecord, names: dict[int, str]) -> p.GraphPoolStat
 
 def _leases(sessions: Mapping[int, SessionRecord], graph_pools: GraphPoolBook) -> list[p.LeaseStatus]:
     out = []
-    by_word = {leases.word_session(i): s for i, s in sessions.items()}
+    by_word = {lease_table.word_session(i): s for i, s in sessions.items()}
     for pool in graph_pools.by_id.values():
         holder = graph_pools.table.holder(pool.slot)
         if holder is None:

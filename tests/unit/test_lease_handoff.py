@@ -13,22 +13,9 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from gpumem_shared import leases
+from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
-from gpumem_shared.leases import (
-    BORROW,
-    CAPTURE,
-    ESCAPED,
-    FLAG_SHARED,
-    HELD,
-    KIND_NAMES,
-    NOT_HOLDER,
-    OK,
-    OK_ORDER,
-    RECORD,
-    REPLAY,
-    LeaseTable,
-)
+from gpumem_shared.lease_table import KIND_NAMES, LeaseFlag, LeaseKind, LeaseStatus, LeaseTable
 from gpumem_shared.protocol import ErrorCode
 from gpumemd.records import SessionRecord as Session
 
@@ -36,7 +23,7 @@ from .harness import BULK, GiB, Harness, MiB
 from .test_lease_table import Waiter, wait_until_sleeping
 
 SLOT = 9
-EPOCH = leases.lease_epoch(3, 1)
+EPOCH = lease_table.lease_epoch(3, 1)
 ARENA = "graphs"
 # An IPC event handle is opaque to the daemon; the driver's are 64 bytes.
 HANDLE = bytes(range(64))
@@ -54,17 +41,17 @@ def table() -> Iterator[LeaseTable]:
 @pytest.fixture
 def shared(table: LeaseTable) -> LeaseTable:
     """The table with SLOT flagged as a shared pool's, as the daemon registers one."""
-    table.set_flags(SLOT, FLAG_SHARED)
+    table.set_flags(SLOT, LeaseFlag.SHARED)
     return table
 
 
-def word(kind: int = REPLAY, session: int = 1, pid: int = 1001) -> int:
-    return leases.encode(kind, session, pid)
+def word(kind: int = LeaseKind.REPLAY, session: int = 1, pid: int = 1001) -> int:
+    return lease_table.encode(kind, session, pid)
 
 
 def word_session(session_id: int) -> int:
     """A session id as lease words, handoff and escaped carry it (24 bits)."""
-    return leases.decode(leases.encode(0, session_id, 0))[1]
+    return lease_table.decode(lease_table.encode(0, session_id, 0))[1]
 
 
 Take = Callable[[LeaseTable, int], int]
@@ -79,120 +66,120 @@ TAKES: dict[str, Take] = {
 
 def handed_over(t: LeaseTable, held: int) -> None:
     """``held`` gives the slot back the way a shared pool's holder must."""
-    assert t.release(SLOT, held) == RECORD
-    assert t.release_recorded(SLOT, held) == OK
+    assert t.release(SLOT, held) == LeaseStatus.RECORD
+    assert t.release_recorded(SLOT, held) == LeaseStatus.OK
 
 
 # =========================================================================== the handoff
 
 
 def test_a_shared_release_frees_nothing_until_the_event_is_recorded(shared: LeaseTable) -> None:
-    held = word(CAPTURE, session=1)
-    assert shared.acquire(SLOT, held, EPOCH, 0) == (OK, 0)
+    held = word(LeaseKind.CAPTURE, session=1)
+    assert shared.acquire(SLOT, held, EPOCH, 0) == (LeaseStatus.OK, 0)
     futex = shared._slots[SLOT].futex
-    assert shared.release(SLOT, held) == RECORD
+    assert shared.release(SLOT, held) == LeaseStatus.RECORD
     # Freed here, a taker from another process could run on the pool before the
     # releaser's GPU work is done.
     assert shared.peek(SLOT) == held and shared.handoff(SLOT) == 0
     assert shared._slots[SLOT].futex == futex, "nothing was released: nobody is woken"
-    assert shared.try_acquire(SLOT, word(REPLAY, session=2), EPOCH, b"x") == HELD
-    assert shared.release_recorded(SLOT, held) == OK
+    assert shared.try_acquire(SLOT, word(LeaseKind.REPLAY, session=2), EPOCH, b"x") == LeaseStatus.HELD
+    assert shared.release_recorded(SLOT, held) == LeaseStatus.OK
     assert shared.peek(SLOT) == 0 and shared.handoff(SLOT) == 1
     assert shared._slots[SLOT].futex == futex + 1
 
 
 @pytest.mark.parametrize("take", TAKES.values(), ids=TAKES.keys())
 def test_a_taker_of_another_session_orders_after_the_recorded_release(shared: LeaseTable, take: Take) -> None:
-    first = word(CAPTURE, session=1)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (OK, 0), "no release recorded yet: nothing to order after"
+    first = word(LeaseKind.CAPTURE, session=1)
+    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0), "no release recorded yet: nothing to order after"
     handed_over(shared, first)
-    other = word(REPLAY, session=2, pid=2002)
-    assert take(shared, other) == OK_ORDER
+    other = word(LeaseKind.REPLAY, session=2, pid=2002)
+    assert take(shared, other) == LeaseStatus.OK_ORDER
     assert shared.peek(SLOT) == other, "OK_ORDER is a taken lease"
     handed_over(shared, other)
     assert shared.handoff(SLOT) == 2
-    assert take(shared, word(BORROW, session=1)) == OK_ORDER, "the first releaser now orders after the second"
-    assert shared.release_recorded(SLOT, word(BORROW, session=1)) == OK
+    assert take(shared, word(LeaseKind.BORROW, session=1)) == LeaseStatus.OK_ORDER, "the first releaser now orders after the second"
+    assert shared.release_recorded(SLOT, word(LeaseKind.BORROW, session=1)) == LeaseStatus.OK
 
 
 @pytest.mark.parametrize("take", TAKES.values(), ids=TAKES.keys())
-@pytest.mark.parametrize("kind", [CAPTURE, REPLAY, BORROW], ids=KIND_NAMES.get)
+@pytest.mark.parametrize("kind", list(LeaseKind), ids=KIND_NAMES.get)
 def test_a_taker_of_the_same_session_needs_no_ordering(shared: LeaseTable, take: Take, kind: int) -> None:
     """Within one process stream order suffices: another pid or kind of the same session
     takes with plain OK."""
-    first = word(REPLAY, session=1, pid=1001)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (OK, 0)
+    first = word(LeaseKind.REPLAY, session=1, pid=1001)
+    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0)
     handed_over(shared, first)
     again = word(kind, session=1, pid=1002)
-    assert take(shared, again) == OK
+    assert take(shared, again) == LeaseStatus.OK
     assert shared.peek(SLOT) == again
 
 
 def test_a_sleeping_waiter_wakes_on_the_recorded_release_only(shared: LeaseTable) -> None:
-    held, mine = word(CAPTURE, session=1), word(REPLAY, session=2, pid=2002)
-    assert shared.acquire(SLOT, held, EPOCH, 0) == (OK, 0)
+    held, mine = word(LeaseKind.CAPTURE, session=1), word(LeaseKind.REPLAY, session=2, pid=2002)
+    assert shared.acquire(SLOT, held, EPOCH, 0) == (LeaseStatus.OK, 0)
     waiter = Waiter(shared, SLOT, mine, EPOCH, 10.0)
     waiter.start()
     wait_until_sleeping(shared, SLOT)
-    assert shared.release(SLOT, held) == RECORD
+    assert shared.release(SLOT, held) == LeaseStatus.RECORD
     time.sleep(0.05)
     assert waiter.is_alive(), "a release that freed nothing woke the waiter"
-    assert shared.release_recorded(SLOT, held) == OK
-    assert waiter.finish()[0] == OK_ORDER
+    assert shared.release_recorded(SLOT, held) == LeaseStatus.OK
+    assert waiter.finish()[0] == LeaseStatus.OK_ORDER
     assert waiter.elapsed < 5.0 and shared.peek(SLOT) == mine
 
 
 def test_without_the_flag_release_frees_at_once_and_leaves_handoff_alone(shared: LeaseTable) -> None:
-    first = word(REPLAY, session=1)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (OK, 0)
+    first = word(LeaseKind.REPLAY, session=1)
+    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0)
     handed_over(shared, first)
     shared.set_flags(SLOT, 0)  # the pool is private now: handoff 1 is a leftover
-    other = word(REPLAY, session=2, pid=2002)
-    assert shared.acquire(SLOT, other, EPOCH, 0) == (OK, 0), "a private pool never asks for ordering"
-    assert shared.release(SLOT, other) == OK
+    other = word(LeaseKind.REPLAY, session=2, pid=2002)
+    assert shared.acquire(SLOT, other, EPOCH, 0) == (LeaseStatus.OK, 0), "a private pool never asks for ordering"
+    assert shared.release(SLOT, other) == LeaseStatus.OK
     assert shared.peek(SLOT) == 0 and shared.handoff(SLOT) == 1
 
 
 def test_releasing_a_word_that_does_not_hold_the_slot_is_not_holder(shared: LeaseTable) -> None:
-    held, stranger = word(REPLAY, session=1), word(REPLAY, session=2, pid=2002)
-    assert shared.acquire(SLOT, held, EPOCH, 0) == (OK, 0)
-    assert shared.release(SLOT, stranger) == NOT_HOLDER
-    assert shared.release_recorded(SLOT, stranger) == NOT_HOLDER
-    assert shared.release_recorded(SLOT, word(CAPTURE, session=1)) == NOT_HOLDER  # the holder's session, another kind
+    held, stranger = word(LeaseKind.REPLAY, session=1), word(LeaseKind.REPLAY, session=2, pid=2002)
+    assert shared.acquire(SLOT, held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert shared.release(SLOT, stranger) == LeaseStatus.NOT_HOLDER
+    assert shared.release_recorded(SLOT, stranger) == LeaseStatus.NOT_HOLDER
+    assert shared.release_recorded(SLOT, word(LeaseKind.CAPTURE, session=1)) == LeaseStatus.NOT_HOLDER  # the holder's session, another kind
     assert shared.peek(SLOT) == held
     assert shared.handoff(SLOT) == 0, "a refused release named itself as the one to order after"
     handed_over(shared, held)
-    assert shared.release(SLOT, held) == NOT_HOLDER
-    assert shared.release_recorded(SLOT, stranger) == NOT_HOLDER  # of a free slot
+    assert shared.release(SLOT, held) == LeaseStatus.NOT_HOLDER
+    assert shared.release_recorded(SLOT, stranger) == LeaseStatus.NOT_HOLDER  # of a free slot
     assert shared.handoff(SLOT) == 1
 
 
 def test_clear_frees_a_shared_slot_and_keeps_the_handoff(shared: LeaseTable) -> None:
-    first = word(REPLAY, session=1)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (OK, 0)
+    first = word(LeaseKind.REPLAY, session=1)
+    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0)
     handed_over(shared, first)
-    other = word(BORROW, session=2, pid=2002)
-    assert shared.acquire(SLOT, other, EPOCH, 0) == (OK_ORDER, 0)
-    assert shared.clear(SLOT, first) == NOT_HOLDER
-    assert shared.clear(SLOT, other) == OK
+    other = word(LeaseKind.BORROW, session=2, pid=2002)
+    assert shared.acquire(SLOT, other, EPOCH, 0) == (LeaseStatus.OK_ORDER, 0)
+    assert shared.clear(SLOT, first) == LeaseStatus.NOT_HOLDER
+    assert shared.clear(SLOT, other) == LeaseStatus.OK
     # Session 2 recorded nothing: the next taker must still order after session 1.
     assert shared.peek(SLOT) == 0 and shared.handoff(SLOT) == 1
-    assert shared.acquire(SLOT, word(REPLAY, session=3), EPOCH, 0) == (OK_ORDER, 0)
+    assert shared.acquire(SLOT, word(LeaseKind.REPLAY, session=3), EPOCH, 0) == (LeaseStatus.OK_ORDER, 0)
 
 
 # =========================================================================== escape marks
 
 
-@pytest.mark.parametrize("kind", [REPLAY, CAPTURE], ids=KIND_NAMES.get)
+@pytest.mark.parametrize("kind", [LeaseKind.REPLAY, LeaseKind.CAPTURE], ids=KIND_NAMES.get)
 def test_an_escape_mark_refuses_replay_and_capture_at_once(table: LeaseTable, kind: int) -> None:
     table.set_escaped(SLOT, 5)
     assert table.escaped(SLOT) == 5
     for session in (5, 6):  # the marker's own replay would overwrite its tensors too
         mine = word(kind, session=session)
-        assert table.try_acquire(SLOT, mine, EPOCH, b"x") == ESCAPED
-        assert table.acquire(SLOT, mine, EPOCH, 0) == (ESCAPED, 0)
+        assert table.try_acquire(SLOT, mine, EPOCH, b"x") == LeaseStatus.ESCAPED
+        assert table.acquire(SLOT, mine, EPOCH, 0) == (LeaseStatus.ESCAPED, 0)
         start = time.monotonic()
-        assert table.acquire(SLOT, mine, EPOCH, 2.0) == (ESCAPED, 0)
+        assert table.acquire(SLOT, mine, EPOCH, 2.0) == (LeaseStatus.ESCAPED, 0)
         assert time.monotonic() - start < 0.5, "a mark only its owner clears is answered, not waited on"
     assert table.peek(SLOT) == 0
 
@@ -200,30 +187,30 @@ def test_an_escape_mark_refuses_replay_and_capture_at_once(table: LeaseTable, ki
 @pytest.mark.parametrize("take", TAKES.values(), ids=TAKES.keys())
 def test_borrowers_still_take_an_escaped_slot(table: LeaseTable, take: Take) -> None:
     table.set_escaped(SLOT, 5)
-    borrower = word(BORROW, session=6)
-    assert take(table, borrower) == OK
+    borrower = word(LeaseKind.BORROW, session=6)
+    assert take(table, borrower) == LeaseStatus.OK
     assert table.peek(SLOT) == borrower
-    assert table.release(SLOT, borrower) == OK
+    assert table.release(SLOT, borrower) == LeaseStatus.OK
 
 
 def test_the_escape_mark_keeps_24_bits_and_clears_to_nobody(table: LeaseTable) -> None:
     table.set_escaped(SLOT, (1 << 24) + 6)
     assert table.escaped(SLOT) == 6
-    assert table.try_acquire(SLOT, word(REPLAY, session=6), EPOCH, b"x") == ESCAPED
+    assert table.try_acquire(SLOT, word(LeaseKind.REPLAY, session=6), EPOCH, b"x") == LeaseStatus.ESCAPED
     table.set_escaped(SLOT, 0)
-    assert table.try_acquire(SLOT, word(REPLAY, session=6), EPOCH, b"x") == OK
-    assert table.release(SLOT, word(REPLAY, session=6)) == OK
+    assert table.try_acquire(SLOT, word(LeaseKind.REPLAY, session=6), EPOCH, b"x") == LeaseStatus.OK
+    assert table.release(SLOT, word(LeaseKind.REPLAY, session=6)) == LeaseStatus.OK
 
 
 def test_forget_handoff_clears_only_the_session_it_names(shared: LeaseTable) -> None:
-    first = word(REPLAY, session=1)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (OK, 0)
+    first = word(LeaseKind.REPLAY, session=1)
+    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0)
     handed_over(shared, first)
     shared.forget_handoff(SLOT, 3)
     assert shared.handoff(SLOT) == 1
     shared.forget_handoff(SLOT, 1)
     assert shared.handoff(SLOT) == 0
-    assert shared.acquire(SLOT, word(REPLAY, session=5), EPOCH, 0) == (OK, 0), "no order once forgotten"
+    assert shared.acquire(SLOT, word(LeaseKind.REPLAY, session=5), EPOCH, 0) == (LeaseStatus.OK, 0), "no order once forgotten"
 
 
 # =========================================================================== the daemon: flags and drops
@@ -252,10 +239,10 @@ def sharer(h: Harness, s: Session, name: str) -> Session:
 def hand_over(h: Harness, pool: p.GraphPoolStatus, s: Session) -> None:
     """``s`` takes the pool's lease and gives it back with its event recorded, as its client would."""
     t = h.state.graph_pools.table
-    w = leases.encode(REPLAY, s.id, s.pid)
-    assert t.acquire(pool.slot, w, leases.lease_epoch(pool.id, pool.epoch), 0)[0] in (OK, OK_ORDER)
-    assert t.release(pool.slot, w) == RECORD
-    assert t.release_recorded(pool.slot, w) == OK
+    w = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    assert t.acquire(pool.slot, w, lease_table.lease_epoch(pool.id, pool.epoch), 0)[0] in (LeaseStatus.OK, LeaseStatus.OK_ORDER)
+    assert t.release(pool.slot, w) == LeaseStatus.RECORD
+    assert t.release_recorded(pool.slot, w) == LeaseStatus.OK
 
 
 def fields(h: Harness, pool: p.GraphPoolStatus) -> tuple[int, int, int]:
@@ -268,13 +255,13 @@ def test_registration_writes_the_shared_flag_and_status_shows_it(h: Harness) -> 
     shared, private = register(h, s, 0, "shared", True), register(h, s, 4 * MiB, "private", False)
     assert (shared.shared, private.shared) == (True, False)
     t = h.state.graph_pools.table
-    assert (t.flags(shared.slot), t.flags(private.slot)) == (FLAG_SHARED, 0)
+    assert (t.flags(shared.slot), t.flags(private.slot)) == (LeaseFlag.SHARED, 0)
     assert {g.label: g.shared for g in h.state.status().extents} == {"shared": True, "private": False}
-    w = leases.encode(REPLAY, s.id, s.pid)
-    assert t.acquire(shared.slot, w, leases.lease_epoch(shared.id, 1), 0) == (OK, 0)
-    assert t.release(shared.slot, w) == RECORD
-    assert t.acquire(private.slot, w, leases.lease_epoch(private.id, 1), 0) == (OK, 0)
-    assert t.release(private.slot, w) == OK, "a private pool's lease is released without an event"
+    w = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    assert t.acquire(shared.slot, w, lease_table.lease_epoch(shared.id, 1), 0) == (LeaseStatus.OK, 0)
+    assert t.release(shared.slot, w) == LeaseStatus.RECORD
+    assert t.acquire(private.slot, w, lease_table.lease_epoch(private.id, 1), 0) == (LeaseStatus.OK, 0)
+    assert t.release(private.slot, w) == LeaseStatus.OK, "a private pool's lease is released without an event"
 
 
 def test_status_names_the_client_whose_escape_mark_blocks_replays(h: Harness) -> None:
@@ -307,12 +294,12 @@ def test_new_free_runs_move_the_slot_epoch_and_keep_the_handoff(h: Harness) -> N
     moved = h.ok(s, p.UpdateGraphPool(pool_id=pool.id, extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=runs)).reply.pool
     assert moved.epoch == 2 and moved.shared
     t = h.state.graph_pools.table
-    assert t.epoch(pool.slot) == leases.lease_epoch(pool.id, 2)
+    assert t.epoch(pool.slot) == lease_table.lease_epoch(pool.id, 2)
     # b's GPU work may still be running on the pool whatever its runs are now.
-    assert fields(h, pool) == (FLAG_SHARED, word_session(b.id), 0)
-    w = leases.encode(BORROW, s.id, s.pid)
-    assert t.acquire(pool.slot, w, leases.lease_epoch(pool.id, 1), 0)[0] == leases.STALE, "a borrower's view of the old runs"
-    assert t.acquire(pool.slot, w, leases.lease_epoch(pool.id, 2), 0) == (OK_ORDER, 0)
+    assert fields(h, pool) == (LeaseFlag.SHARED, word_session(b.id), 0)
+    w = lease_table.encode(LeaseKind.BORROW, s.id, s.pid)
+    assert t.acquire(pool.slot, w, lease_table.lease_epoch(pool.id, 1), 0)[0] == LeaseStatus.STALE, "a borrower's view of the old runs"
+    assert t.acquire(pool.slot, w, lease_table.lease_epoch(pool.id, 2), 0) == (LeaseStatus.OK_ORDER, 0)
 
 
 def drop_pool(h: Harness, s: Session, pool: p.GraphPoolStatus, how: str) -> None:
@@ -332,7 +319,7 @@ def test_dropping_a_pool_resets_its_slot_for_the_next_pool(h: Harness, how: str)
     pool = register(h, s, 0, "p", True)
     hand_over(h, pool, b)
     h.ok(c, p.ReportEscape(pool_id=pool.id, escaped=True))
-    assert fields(h, pool) == (FLAG_SHARED, word_session(b.id), word_session(c.id))
+    assert fields(h, pool) == (LeaseFlag.SHARED, word_session(b.id), word_session(c.id))
     drop_pool(h, s, pool, how)
     assert pool.id not in h.state.graph_pools.by_id
     assert fields(h, pool) == (0, 0, 0) and h.state.graph_pools.table.epoch(pool.slot) == 0
@@ -340,8 +327,8 @@ def test_dropping_a_pool_resets_its_slot_for_the_next_pool(h: Harness, how: str)
     # client that never used it.
     again = register(h, elsewhere, 0, "again", True, arena="spare")
     assert again.slot == pool.slot
-    w = leases.encode(REPLAY, elsewhere.id, elsewhere.pid)
-    assert h.state.graph_pools.table.acquire(again.slot, w, leases.lease_epoch(again.id, 1), 0) == (OK, 0)
+    w = lease_table.encode(LeaseKind.REPLAY, elsewhere.id, elsewhere.pid)
+    assert h.state.graph_pools.table.acquire(again.slot, w, lease_table.lease_epoch(again.id, 1), 0) == (LeaseStatus.OK, 0)
 
 
 # =========================================================================== the daemon: opening another client's pool
@@ -452,18 +439,18 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
     hand_over(h, two, c)
     h.ok(b, p.ReportEscape(pool_id=two.id, escaped=True))
     h.state.close_session(b.id)
-    assert fields(h, one) == (FLAG_SHARED, 0, word_session(c.id))
-    assert fields(h, two) == (FLAG_SHARED, word_session(c.id), 0)
+    assert fields(h, one) == (LeaseFlag.SHARED, 0, word_session(c.id))
+    assert fields(h, two) == (LeaseFlag.SHARED, word_session(c.id), 0)
     # b's event died with it: nobody is told to wait on it, and its mark guards nothing.
-    borrow, replay = leases.encode(BORROW, s.id, s.pid), leases.encode(REPLAY, s.id, s.pid)
-    assert t.acquire(one.slot, borrow, leases.lease_epoch(one.id, 1), 0) == (OK, 0)
-    assert t.clear(one.slot, borrow) == OK
-    assert t.acquire(two.slot, replay, leases.lease_epoch(two.id, 1), 0) == (OK_ORDER, 0)  # after c, which lives
-    assert t.release_recorded(two.slot, replay) == OK
+    borrow, replay = lease_table.encode(LeaseKind.BORROW, s.id, s.pid), lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    assert t.acquire(one.slot, borrow, lease_table.lease_epoch(one.id, 1), 0) == (LeaseStatus.OK, 0)
+    assert t.clear(one.slot, borrow) == LeaseStatus.OK
+    assert t.acquire(two.slot, replay, lease_table.lease_epoch(two.id, 1), 0) == (LeaseStatus.OK_ORDER, 0)  # after c, which lives
+    assert t.release_recorded(two.slot, replay) == LeaseStatus.OK
     h.state.close_session(c.id)
-    assert fields(h, one) == (FLAG_SHARED, 0, 0)
-    assert fields(h, two) == (FLAG_SHARED, word_session(s.id), 0)
-    assert t.acquire(one.slot, replay, leases.lease_epoch(one.id, 1), 0) == (OK, 0)
+    assert fields(h, one) == (LeaseFlag.SHARED, 0, 0)
+    assert fields(h, two) == (LeaseFlag.SHARED, word_session(s.id), 0)
+    assert t.acquire(one.slot, replay, lease_table.lease_epoch(one.id, 1), 0) == (LeaseStatus.OK, 0)
 
 
 def test_tick_repairs_flags_and_fields_naming_no_session(h: Harness) -> None:
@@ -475,17 +462,17 @@ def test_tick_repairs_flags_and_fields_naming_no_session(h: Harness) -> None:
     dead = word_session(b.id) + 1  # no session has it
     # What a buggy client may scribble: the daemon's flags, sessions that never were.
     t.set_flags(shared.slot, 0)
-    t.set_flags(private.slot, FLAG_SHARED | 0x80)
+    t.set_flags(private.slot, LeaseFlag.SHARED | 0x80)
     h.ok(b, p.ReportEscape(pool_id=shared.id, escaped=True))
     slots = t._slots
     slots[shared.slot].handoff = dead
     slots[private.slot].handoff, slots[private.slot].escaped = word_session(b.id), word_session(b.id)
     h.state.tick()
-    assert fields(h, shared) == (FLAG_SHARED, 0, word_session(b.id)), "a reported escape stays"
+    assert fields(h, shared) == (LeaseFlag.SHARED, 0, word_session(b.id)), "a reported escape stays"
     assert fields(h, private) == (0, word_session(b.id), 0), "a live session's handoff stays; an unreported mark goes"
     slots[shared.slot].escaped = 0  # a client erasing a mark the daemon holds
     h.state.tick()
-    assert fields(h, shared) == (FLAG_SHARED, 0, word_session(b.id)), "the daemon's set of escapers is the truth"
+    assert fields(h, shared) == (LeaseFlag.SHARED, 0, word_session(b.id)), "the daemon's set of escapers is the truth"
     h.state.tick()  # idempotent
     assert fields(h, private) == (0, word_session(b.id), 0)
 
@@ -518,8 +505,8 @@ def test_a_sharer_letting_go_of_the_arena_takes_its_escape_and_event_along(h: Ha
     h.ok(b, p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE))
     hand_over(h, pool, b)
     h.ok(b, p.ReportEscape(pool_id=pool.id, escaped=True))
-    assert fields(h, pool) == (FLAG_SHARED, word_session(b.id), word_session(b.id))
+    assert fields(h, pool) == (LeaseFlag.SHARED, word_session(b.id), word_session(b.id))
     h.ok(b, p.ReleaseArena(name=ARENA))
     # It can no longer report its tensors gone (its mapping is), so the mark goes with it.
-    assert fields(h, pool) == (FLAG_SHARED, 0, 0)
+    assert fields(h, pool) == (LeaseFlag.SHARED, 0, 0)
     h.refused(s, p.LookupLeaseEvent(pool_id=pool.id, session=word_session(b.id)), ErrorCode.NOT_FOUND)

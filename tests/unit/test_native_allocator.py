@@ -1,4 +1,6 @@
-"""The native bump allocator through ctypes, calling the same entry points torch calls.
+"""The native bump allocator: the slot calls through the native module, and the entry
+points torch calls, loaded by name from the module's file as torch loads them (ctypes
+stands in for torch here; gpumem itself never binds the file with ctypes).
 
 Addresses are plain numbers here: the allocator never touches memory, so extents need
 not be mapped for these tests.
@@ -12,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gpumem.allocator import MAX_EXTENTS, MAX_SLOTS, Slot, SlotsExhausted, library
+from gpumem.allocator import MAX_EXTENTS, MAX_SLOTS, Slot, SlotsExhausted, library_path
 
 MiB = 1 << 20
 AllocFn = Callable[[int, int], int | None]
@@ -26,7 +28,7 @@ def slot() -> Iterator[Slot]:
 
 
 def entry_points(slot: Slot) -> tuple[AllocFn, Callable[[int, int], None]]:
-    lib = library()
+    lib = ctypes.CDLL(library_path())
     alloc = getattr(lib, slot.alloc_symbol)
     alloc.restype = ctypes.c_void_p
     alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]

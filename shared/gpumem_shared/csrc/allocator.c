@@ -15,38 +15,15 @@
  * only counted: torch's caching allocator keeps blocks, and the memory comes back by
  * resetting the extents (a decommit or a rebuild), never by the free callback.
  *
- * Loaded with ctypes (torch loads the entry points by name from the same file); the
- * extension module itself is defined in module.c.
+ * torch loads the entry points by name from the built extension module; Python calls
+ * the same slots by index through the module's functions (module.c, allocator.h).
  */
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-#define GPUMEM_MAX_SLOTS 256
-#define GPUMEM_MAX_EXTENTS 64
-#define GPUMEM_MAX_BACKING 512
-
-/* Why the last request failed. */
-#define GPUMEM_FAIL_NONE 0
-#define GPUMEM_FAIL_FULL 1     /* no extent has room */
-#define GPUMEM_FAIL_UNBACKED 2 /* room, but the bytes there are not backed yet */
-#define GPUMEM_FAIL_DEVICE 3   /* asked for another device than the slot's */
-#define GPUMEM_FAIL_STREAM 4   /* asked on another stream than the one the slot is bound to */
-
-typedef struct {
-    uint64_t calls;           /* alloc calls, failed ones included */
-    uint64_t failures;        /* alloc calls that returned NULL */
-    uint64_t frees;           /* free callbacks */
-    uint64_t cursor_bytes;    /* bytes handed out since the extents were set */
-    uint64_t freed_bytes;     /* bytes torch gave back since the extents were set */
-    uint64_t capacity_bytes;  /* total size of the extents */
-    uint64_t largest_free;    /* largest request that would still fit */
-    uint64_t last_failed;     /* size of the last request that failed */
-    int64_t last_fail_reason; /* GPUMEM_FAIL_* */
-    int64_t n_extents;
-    int64_t device;
-} gpumem_stats;
+#include "allocator.h"
 
 typedef struct {
     pthread_mutex_t mu;
@@ -281,7 +258,7 @@ static void slot_free(int slot, void *ptr, size_t size, int device, void *stream
     pthread_mutex_unlock(&s->mu);
 }
 
-/* The same calls by slot index, for callers other than torch (ctypes). */
+/* The same calls by slot index, for callers other than torch (module.c). */
 void *gpumem_slot_alloc(int slot, size_t size, int device, uint64_t stream) {
     if (!slot_at(slot)) return NULL;
     return slot_alloc(slot, size, device, (void *)(uintptr_t)stream);

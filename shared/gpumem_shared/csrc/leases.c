@@ -3,13 +3,14 @@
  * graph pools.
  *
  * The daemon creates the lease table (a memfd) and every client maps it: one 64-byte
- * slot per registered graph pool. A free slot's word is 0; a held one encodes the lease
- * kind, the holder's session id and pid. An uncontended acquire or release is one
- * compare-and-swap, no daemon round trip. A waiter sleeps on the slot's futex word,
- * which every release bumps; a release makes the wake system call only when waiters
- * are counted. The daemon clears the slots of a session that ended (a holder killed
- * mid-lease) and slots in impossible states (garbage from a buggy client), and wakes
- * the waiters. Shared (not private) futexes: the table is MAP_SHARED across processes.
+ * slot per registered graph pool (lease_table.h describes it). A free slot's word is
+ * 0; a held one encodes the lease kind, the holder's session id and pid. An
+ * uncontended acquire or release is one compare-and-swap, no daemon round trip. A
+ * waiter sleeps on the slot's futex word, which every release bumps; a release makes
+ * the wake system call only when waiters are counted. The daemon clears the slots of a
+ * session that ended (a holder killed mid-lease) and slots in impossible states
+ * (garbage from a buggy client), and wakes the waiters. Shared (not private) futexes:
+ * the table is MAP_SHARED across processes.
  *
  * Across processes, a lease also orders GPU work: on a pool other processes use, the
  * releaser records its IPC event on its stream and names itself in ``handoff``; a taker
@@ -27,37 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef struct {
-    uint64_t word;     /* 0, or kind << 56 | session << 32 | pid */
-    uint32_t futex;    /* bumped by every release */
-    uint32_t waiters;  /* processes sleeping on futex */
-    uint64_t since_ns; /* CLOCK_REALTIME when the holder acquired */
-    uint32_t epoch;    /* the pool's epoch, written by the daemon */
-    uint32_t flags;    /* LEASE_FLAG_*, written by the daemon */
-    uint32_t handoff;  /* session of the last releaser that recorded its IPC event */
-    uint32_t escaped;  /* session whose borrowed tensors outlived their scope */
-    char label[24];    /* the holder's label, for error messages (not synchronised) */
-} lease_slot;
-
-_Static_assert(sizeof(lease_slot) == 64, "a lease slot is one cache line");
-
-#define KIND_MAX 3u
-#define KIND_BORROW 3u
-#define SESSION_OF(word) ((uint32_t)(((word) >> 32) & 0xFFFFFFu))
-
-/* Other processes take leases on this pool: releasers record their IPC event. */
-#define LEASE_FLAG_SHARED 1u
-
-enum {
-    LEASE_OK = 0,
-    LEASE_HELD = 1,
-    LEASE_STALE = 2,
-    LEASE_CORRUPT = 3,
-    LEASE_NOT_HOLDER = 4,
-    LEASE_OK_ORDER = 5, /* taken; the last releaser was another process: wait on its event */
-    LEASE_ESCAPED = 6,  /* refused: borrowed tensors outlived their scope (see `escaped`) */
-    LEASE_RECORD = 7,   /* not released: a shared pool; record the event, then release_recorded */
-};
+#include "lease_table.h"
 
 static int64_t now_ns(clockid_t clock) {
     struct timespec ts;
@@ -65,11 +36,20 @@ static int64_t now_ns(clockid_t clock) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static int valid(uint64_t word) { return word == 0 || ((word >> 56) >= 1 && (word >> 56) <= KIND_MAX); }
+static int valid(uint64_t word) {
+    switch (LEASE_KIND_OF(word)) {
+#define KIND_CASE(name, value) case value:
+        LEASE_KINDS(KIND_CASE)
+#undef KIND_CASE
+        return 1;
+    default:
+        return word == 0;
+    }
+}
 
 /* A replay or capture would overwrite (or re-carve) bytes a borrower still uses. */
 static int escaped_for(lease_slot *slot, uint64_t mine) {
-    return (mine >> 56) != KIND_BORROW && __atomic_load_n(&slot->escaped, __ATOMIC_ACQUIRE) != 0;
+    return LEASE_KIND_OF(mine) != LEASE_KIND_BORROW && __atomic_load_n(&slot->escaped, __ATOMIC_ACQUIRE) != 0;
 }
 
 static void wake(lease_slot *slot);
@@ -93,7 +73,7 @@ static int taken(lease_slot *slot, uint64_t mine) {
     slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
     if (!(__atomic_load_n(&slot->flags, __ATOMIC_ACQUIRE) & LEASE_FLAG_SHARED)) return LEASE_OK;
     uint32_t last = __atomic_load_n(&slot->handoff, __ATOMIC_ACQUIRE);
-    return last && last != SESSION_OF(mine) ? LEASE_OK_ORDER : LEASE_OK;
+    return last && last != LEASE_SESSION_OF(mine) ? LEASE_OK_ORDER : LEASE_OK;
 }
 
 /* Take slot ``index`` for ``mine`` (a nonzero word). ``epoch`` 0 skips the epoch check.
@@ -185,7 +165,7 @@ int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t word) {
 int gpumem_lease_release_recorded(lease_slot *table, uint32_t index, uint64_t word) {
     lease_slot *slot = &table[index];
     if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
-    __atomic_store_n(&slot->handoff, SESSION_OF(word), __ATOMIC_RELEASE);
+    __atomic_store_n(&slot->handoff, LEASE_SESSION_OF(word), __ATOMIC_RELEASE);
     return gpumem_lease_clear(table, index, word);
 }
 

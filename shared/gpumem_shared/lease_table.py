@@ -1,10 +1,15 @@
 """The lease table: shared memory the daemon creates and every client maps.
 
-One 64-byte slot per registered graph pool (layout in csrc/leases.c beside this module). The word
-of a free slot is 0; a held slot's word is ``kind << 56 | session << 32 | pid``.
-Clients take and give back leases with the native library's compare-and-swap and
-futex calls, without a daemon round trip; the daemon sweeps a dead holder's slots
-and clears impossible states, so the table is never trusted blindly.
+One 64-byte slot per registered graph pool. The word of a free slot is 0; a held
+slot's word is ``kind << 56 | session << 32 | pid``. Clients take and give back leases
+with the native module's compare-and-swap and futex calls, without a daemon round trip;
+the daemon sweeps a dead holder's slots and clears impossible states, so the table is
+never trusted blindly.
+
+The slot's layout, the statuses, kinds and flags, the slot count and the label size are
+described once, in csrc/lease_table.h; this module reads them from the native module,
+which exports them. The ctypes view of a slot below only reads fields of the mapping
+(and writes the holder's label); a unit test checks it against the exported layout.
 """
 
 from __future__ import annotations
@@ -14,20 +19,58 @@ import dataclasses
 import fcntl
 import mmap
 import os
+from enum import IntEnum, IntFlag
+from typing import Final
 
-SLOTS = 1024
-SLOT_BYTES = 64
-TABLE_BYTES = SLOTS * SLOT_BYTES
+from gpumem_shared import _native  # built with the package; see setup.py
 
-CAPTURE, REPLAY, BORROW = 1, 2, 3
-KIND_NAMES = {CAPTURE: "capture", REPLAY: "replay", BORROW: "borrow"}
+SLOTS: Final[int] = _native.LEASE_SLOTS
+SLOT_BYTES: Final[int] = _native.LEASE_SLOT_BYTES
+LABEL_BYTES: Final[int] = _native.LEASE_LABEL_BYTES
+TABLE_BYTES: Final[int] = SLOTS * SLOT_BYTES
 
-OK, HELD, STALE, CORRUPT, NOT_HOLDER, OK_ORDER, ESCAPED, RECORD = 0, 1, 2, 3, 4, 5, 6, 7
+_STATUSES = dict(_native.LEASE_STATUSES)
+_KINDS = dict(_native.LEASE_KINDS)
+_FLAGS = dict(_native.LEASE_FLAGS)
 
-# Slot flags (the daemon writes them): FLAG_SHARED marks a pool other processes take
-# leases on, whose releasers record an IPC event for the next holder to wait on.
-FLAG_SHARED = 1
-LABEL_BYTES = 24
+
+class LeaseStatus(IntEnum):
+    """What the lease calls return (lease_table.h says what each means). The calls
+    return plain ints, which compare equal to these: making an enum member on every call
+    would cost the uncontended path."""
+
+    OK = _STATUSES["OK"]
+    HELD = _STATUSES["HELD"]
+    STALE = _STATUSES["STALE"]
+    CORRUPT = _STATUSES["CORRUPT"]
+    NOT_HOLDER = _STATUSES["NOT_HOLDER"]
+    OK_ORDER = _STATUSES["OK_ORDER"]
+    ESCAPED = _STATUSES["ESCAPED"]
+    RECORD = _STATUSES["RECORD"]
+
+
+class LeaseKind(IntEnum):
+    """A lease word's kind: what its holder does with the pool."""
+
+    CAPTURE = _KINDS["CAPTURE"]
+    REPLAY = _KINDS["REPLAY"]
+    BORROW = _KINDS["BORROW"]
+
+    @property
+    def noun(self) -> str:
+        """The kind as messages and status replies name it: "capture", "replay", "borrow"."""
+        return self.name.lower()
+
+
+class LeaseFlag(IntFlag):
+    """A slot's flags, written by the daemon. SHARED: other processes take leases on the
+    pool, so its releasers record an IPC event for the next holder to wait on."""
+
+    SHARED = _FLAGS["SHARED"]
+
+
+# By kind value, for words that may hold any value (a corrupt slot's): ``.get(kind)``.
+KIND_NAMES: Final[dict[int, str]] = {kind: kind.noun for kind in LeaseKind}
 
 
 def lease_epoch(pool_id: int, epoch: int) -> int:
@@ -64,6 +107,9 @@ def decode(word: int) -> tuple[int, int, int]:
 
 
 class _Slot(ctypes.Structure):
+    """A slot as the mapping's fields (reads, and the holder's label); the native calls
+    do every synchronised write."""
+
     _fields_ = [
         ("word", ctypes.c_uint64),
         ("futex", ctypes.c_uint32),
@@ -77,28 +123,6 @@ class _Slot(ctypes.Structure):
     ]
 
 
-_lib: ctypes.CDLL | None = None
-
-
-def _library() -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
-        from gpumem_shared import _native  # built with the package; see setup.py
-
-        lib = ctypes.CDLL(_native.__file__)
-        lib.gpumem_lease_clear.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
-        lib.gpumem_lease_clear.restype = ctypes.c_int
-        for name in ("gpumem_lease_set_flags", "gpumem_lease_set_escaped", "gpumem_lease_forget_handoff"):
-            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
-            getattr(lib, name).restype = None
-        lib.gpumem_lease_peek.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
-        lib.gpumem_lease_peek.restype = ctypes.c_uint64
-        lib.gpumem_lease_set_epoch.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
-        lib.gpumem_lease_set_epoch.restype = None
-        _lib = lib
-    return _lib
-
-
 class LeaseTable:
     """A mapping of the table. ``create()`` makes a new one (the daemon); ``LeaseTable(fd)``
     maps one received over the fd channel (clients). The mapping lives as long as the
@@ -110,13 +134,9 @@ class LeaseTable:
         self._map = mmap.mmap(fd, TABLE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._slots = (_Slot * SLOTS).from_buffer(self._map)
         self.address = ctypes.addressof(self._slots)
-        self._lib = _library()
-        from gpumem_shared import _native
-
+        # The client's fast path calls these straight (gpumem.leases): one native call each.
         self._try = _native.lease_try
         self._release = _native.lease_release
-        self._release_recorded = _native.lease_release_recorded
-        self._acquire = _native.lease_acquire
 
     @classmethod
     def create(cls) -> tuple[LeaseTable, int]:
@@ -130,29 +150,28 @@ class LeaseTable:
     def try_acquire(self, slot: int, word: int, epoch: int, label: bytes) -> int:
         """One attempt, no wait, the label recorded: the uncontended fast path (one
         compare-and-swap in one native call). OK or OK_ORDER when taken."""
-        return int(self._try(self.address, slot, word, epoch, label))
+        return self._try(self.address, slot, word, epoch, label)
 
     def acquire(self, slot: int, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
         """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""
-        status, found = self._acquire(self.address, slot, word, epoch, int(timeout_s * 1e9))
-        return int(status), int(found)
+        return _native.lease_acquire(self.address, slot, word, epoch, int(timeout_s * 1e9))
 
     def release(self, slot: int, word: int) -> int:
         """OK, NOT_HOLDER, or RECORD (nothing released: a shared pool; record the IPC
         event, then ``release_recorded``)."""
-        return int(self._release(self.address, slot, word))
+        return self._release(self.address, slot, word)
 
     def release_recorded(self, slot: int, word: int) -> int:
-        return int(self._release_recorded(self.address, slot, word))
+        return _native.lease_release_recorded(self.address, slot, word)
 
     def clear(self, slot: int, word: int) -> int:
         """Free the slot if it holds ``word``, without ordering: the daemon's sweep."""
-        return int(self._lib.gpumem_lease_clear(self.address, slot, word))
+        return _native.lease_clear(self.address, slot, word)
 
     def set_escaped(self, slot: int, session: int) -> None:
         """The daemon: refuse replay and capture while any session's borrowed tensors
         outlive their scope; the slot names one of them (0: none)."""
-        self._lib.gpumem_lease_set_escaped(self.address, slot, word_session(session))
+        _native.lease_set_escaped(self.address, slot, word_session(session))
 
     def escaped(self, slot: int) -> int:
         return int(self._slots[slot].escaped)
@@ -160,21 +179,21 @@ class LeaseTable:
     def handoff(self, slot: int) -> int:
         return int(self._slots[slot].handoff)
 
-    def flags(self, slot: int) -> int:
-        return int(self._slots[slot].flags)
+    def flags(self, slot: int) -> LeaseFlag:
+        return LeaseFlag(self._slots[slot].flags)
 
     def set_flags(self, slot: int, flags: int) -> None:
-        self._lib.gpumem_lease_set_flags(self.address, slot, flags)
+        _native.lease_set_flags(self.address, slot, flags)
 
     def forget_handoff(self, slot: int, session: int) -> None:
         """A session ended: if it was the last to release, its IPC event went with it."""
-        self._lib.gpumem_lease_forget_handoff(self.address, slot, word_session(session))
+        _native.lease_forget_handoff(self.address, slot, word_session(session))
 
     def peek(self, slot: int) -> int:
-        return int(self._lib.gpumem_lease_peek(self.address, slot))
+        return _native.lease_peek(self.address, slot)
 
     def set_epoch(self, slot: int, epoch: int) -> None:
-        self._lib.gpumem_lease_set_epoch(self.address, slot, epoch)
+        _native.lease_set_epoch(self.address, slot, epoch)
 
     def epoch(self, slot: int) -> int:
         return int(self._slots[slot].epoch)

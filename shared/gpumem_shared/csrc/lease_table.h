@@ -1,0 +1,81 @@
+/*
+ * The lease table's one description: the slot, what the lease calls return, the lease
+ * kinds, the slot flags, the slot count and the label size. leases.c implements the
+ * calls on it; module.c exports every constant here and the slot's layout (each field's
+ * offset and size) to Python, where gpumem_shared/lease_table.py builds its enums and
+ * maps the table, and a unit test checks its ctypes view of a slot against that layout.
+ *
+ * The statuses, kinds and flags are lists of (name, value) expanded twice, into the C
+ * enums below and into module.c's exports, so that no second list can fall out of step.
+ */
+#ifndef GPUMEM_LEASE_TABLE_H
+#define GPUMEM_LEASE_TABLE_H
+
+#include <stdint.h>
+
+/* The daemon hands out slots 1 .. LEASE_SLOTS - 1; slot 0 stays unused. */
+#define LEASE_SLOTS 1024
+#define LEASE_LABEL_BYTES 24
+
+typedef struct {
+    uint64_t word;     /* 0, or kind << 56 | session << 32 | pid */
+    uint32_t futex;    /* bumped by every release */
+    uint32_t waiters;  /* processes sleeping on futex */
+    uint64_t since_ns; /* CLOCK_REALTIME when the holder acquired */
+    uint32_t epoch;    /* the pool's epoch, written by the daemon */
+    uint32_t flags;    /* LEASE_FLAG_*, written by the daemon */
+    uint32_t handoff;  /* session of the last releaser that recorded its IPC event */
+    uint32_t escaped;  /* session whose borrowed tensors outlived their scope */
+    char label[LEASE_LABEL_BYTES]; /* the holder's label, for error messages (not synchronised) */
+} lease_slot;
+
+_Static_assert(sizeof(lease_slot) == 64, "a lease slot is one cache line");
+
+#define LEASE_KIND_OF(word) ((uint32_t)((word) >> 56))
+#define LEASE_SESSION_OF(word) ((uint32_t)(((word) >> 32) & 0xFFFFFFu))
+
+/* What the lease calls return. */
+#define LEASE_STATUSES(X)                                                                            \
+    X(OK, 0)         /* taken, or released */                                                        \
+    X(HELD, 1)       /* another holder has the slot */                                               \
+    X(STALE, 2)      /* the slot's epoch is not the caller's: the pool was recaptured or retired */  \
+    X(CORRUPT, 3)    /* the slot holds an impossible word (the daemon clears it on its next tick) */ \
+    X(NOT_HOLDER, 4) /* the slot no longer holds the caller's word */                                \
+    X(OK_ORDER, 5)   /* taken; the last releaser was another process: wait on its event */           \
+    X(ESCAPED, 6)    /* refused: borrowed tensors outlived their scope (see `escaped`) */            \
+    X(RECORD, 7)     /* not released: a shared pool; record the event, then release_recorded */
+
+/* A lease word's kind, its top byte; 0 is no kind, so a held word is never 0. */
+#define LEASE_KINDS(X)                                                                               \
+    X(CAPTURE, 1)                                                                                    \
+    X(REPLAY, 2)                                                                                     \
+    X(BORROW, 3)
+
+/* Slot flags, written by the daemon. */
+#define LEASE_FLAGS(X)                                                                               \
+    X(SHARED, 1u) /* other processes take leases on this pool: releasers record their IPC event */
+
+#define LEASE_STATUS_MEMBER(name, value) LEASE_##name = value,
+#define LEASE_KIND_MEMBER(name, value) LEASE_KIND_##name = value,
+#define LEASE_FLAG_MEMBER(name, value) LEASE_FLAG_##name = value,
+enum lease_status { LEASE_STATUSES(LEASE_STATUS_MEMBER) };
+enum lease_kind { LEASE_KINDS(LEASE_KIND_MEMBER) };
+enum lease_flag { LEASE_FLAGS(LEASE_FLAG_MEMBER) };
+#undef LEASE_STATUS_MEMBER
+#undef LEASE_KIND_MEMBER
+#undef LEASE_FLAG_MEMBER
+
+/* The calls, on a mapped table (leases.c says what each does). */
+int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint32_t epoch, int64_t timeout_ns,
+                         uint64_t *holder);
+int gpumem_lease_try(lease_slot *table, uint32_t index, uint64_t mine, uint32_t epoch, const char *label, uint32_t len);
+int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word);
+int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t word);
+int gpumem_lease_release_recorded(lease_slot *table, uint32_t index, uint64_t word);
+void gpumem_lease_set_flags(lease_slot *table, uint32_t index, uint32_t flags);
+void gpumem_lease_set_escaped(lease_slot *table, uint32_t index, uint32_t session);
+void gpumem_lease_forget_handoff(lease_slot *table, uint32_t index, uint32_t session);
+uint64_t gpumem_lease_peek(lease_slot *table, uint32_t index);
+void gpumem_lease_set_epoch(lease_slot *table, uint32_t index, uint32_t epoch);
+
+#endif
