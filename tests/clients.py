@@ -94,7 +94,7 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
         tokens = pool.capture_done(
             headroom_bytes=int(args[1]), min_tokens=int(args[2]), max_tokens=int(args[3]), weight=float(args[4])
         )
-        return json.dumps({"tokens": tokens, "budget": pool.budget, "committed": pool.arena.committed_ranges()})
+        return json.dumps({"tokens": tokens, "budget": p.to_wire(pool.budget), "committed": pool.arena.committed_ranges()})
     if cmd == "grow":
         return POOLS[args[0]].grow(int(args[1]))
     if cmd == "shrink":
@@ -330,7 +330,7 @@ def _kv_info(pool: gpumem.KvPool) -> dict[str, object]:
         "max_tokens": pool.max_tokens,
         "bytes_per_token": pool.bytes_per_token,
         "round_id": pool.round_id,
-        "budget": pool.budget,
+        "budget": p.to_wire(pool.budget),
         "buffers": {b.name: [b.offset, b.row_bytes, b.region_bytes] for b in pool.buffers.values()},
         "committed": pool.arena.committed_ranges(),
         "reserved": pool.arena.reserved,

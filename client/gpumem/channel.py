@@ -42,7 +42,11 @@ class ControlChannel:
         """Send one request; return (request id, typed reply body) or raise the typed error.
         ``still_alive(request_id)`` runs whenever a slice of the wait passes unanswered."""
         request_id = next(self._ids)
-        self._sock.send(p.encode_request(request_id, message), copy=True)
+        try:
+            frame = p.encode_request(request_id, message)
+        except p.ProtocolError as exc:
+            raise error_from_protocol(exc, "request refused before sending") from None
+        self._sock.send(frame, copy=True)
         remaining_ms = max(int(timeout * 1000), 1)
         while True:
             wait = min(remaining_ms, _SLICE_MS)
@@ -68,7 +72,7 @@ class ControlChannel:
             if not reply.ok:
                 raise error_from_reply(reply)
             try:
-                return request_id, p.from_wire(message.REPLY, reply.body)
+                return request_id, p.decode_body(message.REPLY, reply.body)
             except p.ProtocolError as exc:
                 raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
 

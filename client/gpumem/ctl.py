@@ -100,7 +100,10 @@ def _die(code: int, message: str) -> None:
 @main.command()
 @_target
 @click.option(
-    "--json", "as_json", is_flag=True, help="One JSON object: daemon, device, clients, arenas, extents, leases, rounds, kv."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON object: daemon, device, clients, arenas, graph_pools (also as extents, deprecated), leases, rounds, kv.",
 )
 @click.option("--all", "every", is_flag=True, help="Every daemon in the runtime directory, one per device (JSON: a list).")
 @click.pass_context
@@ -131,17 +134,19 @@ def status(
     click.echo("\n\n".join(f"=== device {r.device.index} ({r.device.uuid}) ===\n{render_status(r)}" for r in replies))
 
 
-def _list_view(key: str, title: str, render: Callable[[p.StatusReply], list[str]], doc: str) -> None:
-    """``gpumemctl KEY [--json]``: one list of the status, as a table or as JSON."""
+def _list_view(
+    name: str, title: str, select: Callable[[p.StatusReply], list[Any]], render: Callable[[p.StatusReply], list[str]], doc: str
+) -> None:
+    """``gpumemctl NAME [--json]``: one list of the status, as a table or as JSON."""
 
-    @main.command(name=key, help=doc)
+    @main.command(name=name, help=doc)
     @_target
-    @click.option("--json", "as_json", is_flag=True, help=f"The status's '{key}' list as JSON.")
+    @click.option("--json", "as_json", is_flag=True, help=f"The status's {title.lower()} list as JSON.")
     @click.pass_context
     def view(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, as_json: bool) -> None:
         reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
         if as_json:
-            click.echo(json.dumps(p.to_wire(getattr(reply, key)), indent=2))
+            click.echo(json.dumps(p.to_wire(select(reply)), indent=2))
             return
         click.echo("\n".join([title] + render(reply)))
 
@@ -181,14 +186,14 @@ def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
                 format_size(g.free_bytes),
                 format_size(g.free_runs[0].size) if g.free_runs else "-",
             ]
-            for g in s.extents
+            for g in s.graph_pools
         ],
     )
-    for g in s.extents:
+    for g in s.graph_pools:
         if g.escaped_by:
             lines.append(f"  pool {g.id}: replay and capture refused: {g.escaped_by} holds borrowed tensors past their scope")
     if runs:
-        for g in s.extents:
+        for g in s.graph_pools:
             lines.append(f"  pool {g.id} free runs (offset+size): " + (", ".join(f"{r.offset:#x}+{format_size(r.size)}" for r in g.free_runs) or "none"))
     return lines
 
@@ -280,34 +285,33 @@ def _budget_lines(r: p.RoundStatus, pools: dict[str, p.KvPoolStatus]) -> list[st
     absent = max(0, r.expect - len(r.members) - len(r.dropped))
     waits = [f"capture-done from {', '.join(pending)}"] if pending else []
     waits += [f"{absent} more expected pool(s) to join"] if absent else []
-    waiting = f"waiting for {' and '.join(waits)}" if waits and r.state in ("open", "awaiting-shrink") else ""
-    if not b:
+    waiting = f"waiting for {' and '.join(waits)}" if waits and r.state in (p.RoundState.OPEN, p.RoundState.AWAITING_SHRINK) else ""
+    if b == p.RoundBudget():
         if waiting:
             return [f"budget: not computed yet; {waiting}"]
-        failed = r.state == "failed"
+        failed = r.state == p.RoundState.FAILED
         return ["budget: not computed (the round failed before it was measured)" if failed else "budget: not computed yet"]
-    free, reserve, headroom, budget = b.get("free", 0), b.get("reserve", 0), b.get("headroom", 0), b.get("budget", 0)
-    minimums = b.get("minimums", 0)
+    budget = max(b.budget, 0)
     lines = [f"{waiting}; the figures below are from the last attempt and are computed again then"] if waiting else []
     lines.append(
-        f"budget: free {format_size(free)} - reserve {format_size(reserve)} - headroom {format_size(headroom)}"
-        f" = {format_size(budget)}"
-        + (f"  (graph pools {format_size(b['graph_pools'])}: already in use, not deducted)" if b.get("graph_pools") else "")
+        f"budget: free {format_size(b.free)} - reserve {format_size(b.reserve)} - headroom {format_size(b.headroom)}"
+        f" = {format_size(b.budget)}"
+        + (f"  (graph pools {format_size(b.graph_pools)}: already in use, not deducted)" if b.graph_pools else "")
     )
-    if minimums > max(budget, 0):
-        lines.append(f"minimums: {format_size(minimums)} needed first; short by {format_size(minimums - max(budget, 0))}")
+    if b.minimums > budget:
+        lines.append(f"minimums: {format_size(b.minimums)} needed first; short by {format_size(b.minimums - budget)}")
     else:
         total_weight = sum(m.weight for m in r.members if m.reported)
         lines.append(
-            f"minimums: {format_size(minimums)} first; the other {format_size(max(budget, 0) - minimums)} shared by weight"
+            f"minimums: {format_size(b.minimums)} first; the other {format_size(budget - b.minimums)} shared by weight"
             + (f" (total weight {total_weight:g}), each capped at its max tokens" if total_weight else "")
         )
-    if "committed" in b:
+    if r.state == p.RoundState.COMMITTED:
         lines.append(
-            f"committed: {format_size(b['committed'])} to the members' pools; {format_size(max(budget, 0) - b['committed'])}"
+            f"committed: {format_size(b.committed)} to the members' pools; {format_size(budget - b.committed)}"
             " of the budget unused (max-token caps, granularity rounding)"
         )
-    elif r.state == "awaiting-shrink":
+    elif r.state == p.RoundState.AWAITING_SHRINK:
         asked = [f"{k.name} ({k.owner}) to {k.shrink_request} tokens" for k in pools.values() if k.shrink_request >= 0]
         lines.append("waiting for shrink confirmations: " + (", ".join(asked) if asked else "none pending"))
     return lines
@@ -371,10 +375,18 @@ def render_kv(s: p.StatusReply) -> list[str]:
     )
 
 
-_list_view("rounds", "ROUNDS", render_rounds, "KV commit rounds: members, what each reported, and the budget math.")
-_list_view("kv", "KV", render_kv, "KV pools: layout, committed tokens and bytes, pending shrink requests.")
-_list_view("extents", "EXTENTS", lambda s: render_extents(s, runs=True), "Graph pools: owner, extents, free runs, bytes free, epoch.")
-_list_view("leases", "LEASES", render_leases, "Leases held on graph pools: kind, holder, pid, label, since.")
+_list_view(
+    "rounds", "ROUNDS", lambda s: s.rounds, render_rounds, "KV commit rounds: members, what each reported, and the budget math."
+)
+_list_view("kv", "KV", lambda s: s.kv, render_kv, "KV pools: layout, committed tokens and bytes, pending shrink requests.")
+_list_view(
+    "extents",
+    "EXTENTS",
+    lambda s: s.graph_pools,
+    lambda s: render_extents(s, runs=True),
+    "Graph pools: owner, extents, free runs, bytes free, epoch.",
+)
+_list_view("leases", "LEASES", lambda s: s.leases, render_leases, "Leases held on graph pools: kind, holder, pid, label, since.")
 
 if __name__ == "__main__":
     main()

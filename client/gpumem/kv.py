@@ -41,7 +41,7 @@ class KvPool:
         self.max_tokens = view.max_tokens  # the declared bound
         self.tokens = view.tokens  # rows committed in every buffer
         self.bytes_per_token = view.bytes_per_token
-        self.budget: dict[str, int] = {}  # the figures of the round that sized the pool
+        self.budget = p.RoundBudget()  # the figures of the round that sized the pool
         self.round_id = 0
         self._round_deadline_s = 0.0
         # Set by the engine: the highest row it still uses. shrink() refuses to give
@@ -126,7 +126,7 @@ class KvPool:
 
     def shrink_requests(self) -> list[int]:
         """Bounds the daemon asked this pool to shrink to, oldest first."""
-        return [n.tokens for n in self.session.notices(kind="kv-shrink", arena=self.name)]
+        return [n.tokens for n in self.session.notices(kind=p.NoticeKind.KV_SHRINK, arena=self.name)]
 
     def shrink(self, tokens: int) -> int:
         """Confirm rows from ``tokens`` on are free and give them back. Whole chunks go,
@@ -144,7 +144,7 @@ class KvPool:
         self.tokens = reply.pool.tokens
         if reply.round_id:
             self.round_id = reply.round_id
-            self.budget = dict(reply.budget)
+            self.budget = reply.budget
 
     def release(self) -> None:
         self.arena.release()

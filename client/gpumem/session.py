@@ -205,11 +205,11 @@ class Session:
                 raise DaemonStopped(f"gpumemd for device {ep.index} closed the connection during HELLO")
             try:
                 reply = p.decode_reply(payload)
+                if not reply.ok:
+                    raise error_from_reply(reply)
+                hello = p.decode_body(p.HelloReply, reply.body)
             except p.ProtocolError as exc:
                 raise error_from_protocol(exc, "HELLO reply refused") from None
-            if not reply.ok:
-                raise error_from_reply(reply)
-            hello = p.from_wire(p.HelloReply, reply.body)
             if len(fds) != 1:
                 raise BadMessage(f"gpumemd's HELLO reply carried {len(fds)} descriptors, not the lease table")
             self.leases = LeaseTable(fds[0])
@@ -301,7 +301,7 @@ class Session:
         if isinstance(event, p.Notice):
             fdchannel.close_all(fds)
             self._notices.append(event)
-            if event.kind == "stopping":
+            if event.kind == p.NoticeKind.STOPPING:
                 self._mark_stopped(event.message)
             return None, []
         if len(fds) != len(event.chunk_ids):
@@ -496,7 +496,7 @@ class Session:
         status = self.status()
         client = next((c for c in status.clients if lease_table.word_session(c.session_id) == marker), None)
         name, pid = (client.name, client.pid) if client else (f"session {marker}", 0)
-        who = next((g.escaped_by for g in status.extents if g.id == pool.id and g.escaped_by), f"client '{name}'")
+        who = next((g.escaped_by for g in status.graph_pools if g.id == pool.id and g.escaped_by), f"client '{name}'")
         return BorrowEscaped(
             f"{kind} lease '{label}' on graph pool {pool.id} refused: {who} (pid {pid}) holds tensors borrowed from it "
             "past their borrow scope; the mark goes once they are freed (at the borrower's next lease on the pool) or "

@@ -13,6 +13,8 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
+import msgspec
+
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 
@@ -296,15 +298,15 @@ class KvBook:
         headroom = sum(m.headroom_bytes for m in members)
         reserve = self.config.reserve_bytes
         budget = free - reserve - headroom
-        round_.budget = {
-            "free": free,
-            "staged": staged,
-            "reserve": reserve,
-            "headroom": headroom,
-            "graph_pools": sum(m.graph_pool_bytes for m in members),
-            "budget": budget,
-            "minimums": sum(m.pool.cost(m.min_tokens) for m in members),
-        }
+        round_.budget = p.RoundBudget(
+            free=free,
+            staged=staged,
+            reserve=reserve,
+            headroom=headroom,
+            graph_pools=sum(m.graph_pool_bytes for m in members),
+            budget=budget,
+            minimums=sum(m.pool.cost(m.min_tokens) for m in members),
+        )
         try:
             tokens = kv_math.split(members, max(budget, 0))
         except kv_math.BudgetShort as short:
@@ -344,7 +346,7 @@ class KvBook:
             handouts.append((member, [c for c in self.arenas.by_name[pool.name].chunks if member.session_id not in c.holders]))
         handed = sum(len(new) for _, new in handouts)
         committed = sum(c.size for _, new in handouts for c in new)
-        round_.budget["committed"] = committed  # before the replies: each carries a copy of the budget
+        round_.budget.committed = committed  # before the replies: each carries a copy of the budget
         for member, new in handouts:
             reply = self._reply(member.pool, new, [], round_)
             self._completions.append(Completion(member.session_id, member.request_id, reply, self.arenas.hand(self.sessions[member.session_id], new)))
@@ -469,5 +471,5 @@ class KvBook:
             retired=retired,
             fd_batches=map_batches(len(new)),
             round_id=round_.id if round_ else 0,
-            budget=dict(round_.budget) if round_ else {},
+            budget=msgspec.structs.replace(round_.budget) if round_ else p.RoundBudget(),
         )

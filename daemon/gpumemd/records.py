@@ -204,7 +204,7 @@ class RoundRecord:
     joined: int = 0  # members that ever joined (dropped ones included)
     members: list[MemberRecord] = dataclasses.field(default_factory=list)
     dropped: list[str] = dataclasses.field(default_factory=list)  # "client/pool: why"
-    budget: dict[str, int] = dataclasses.field(default_factory=dict)
+    budget: p.RoundBudget = dataclasses.field(default_factory=p.RoundBudget)
     error: str = ""
 
     @property

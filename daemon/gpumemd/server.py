@@ -271,6 +271,7 @@ class Server:
             self._deliver(outcome.notices)
             if outcome.reply is None:
                 return None  # deferred: answered as a completion
+            # Never raises: a body it cannot encode becomes a logged INTERNAL error.
             return p.encode_reply(request_id, outcome.reply)
         except p.ProtocolError as exc:
             rid = exc.detail.get("request_id", request_id)
@@ -333,6 +334,8 @@ class Server:
                 conn.sock.send(p.encode_event(notice), socket.MSG_DONTWAIT)
             except OSError as exc:
                 log.info("notice %r to session %d not delivered: %s", notice.kind, session_id, exc)
+            except p.ProtocolError as exc:
+                log.error("notice %r to session %d not delivered: %s", notice, session_id, exc.message)
 
     # ------------------------------------------------------------------ fd channel
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+import msgspec
+
 from gpumem_shared import __version__, lease_table
 from gpumem_shared import protocol as p
 
@@ -65,7 +67,8 @@ def assemble(
             )
             for a in arenas.by_name.values()
         ],
-        extents=[_graph_pool(g, names) for g in graph_pools.by_id.values()],
+        graph_pools=[_graph_pool(g, names) for g in graph_pools.by_id.values()],
+        extents=[],  # filled from graph_pools for 1.1 readers (see StatusReply)
         leases=_leases(sessions, graph_pools),
         rounds=[_round(r, now) for r in kv.rounds],
         kv=[
@@ -148,6 +151,6 @@ def _round(r: RoundRecord, now: float) -> p.RoundStatus:
             for m in r.members
         ],
         dropped=list(r.dropped),
-        budget=dict(r.budget),
+        budget=msgspec.structs.replace(r.budget),
         error=r.error,
     )

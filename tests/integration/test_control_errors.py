@@ -268,3 +268,34 @@ def test_commit_beyond_free_memory_fails_whole(first_commit, daemon, runtime_dir
     # Closing the fd channel is the end of the session: everything it held comes back.
     s = wait_status(runtime_dir, lambda st: not st["clients"], 2.0, "greedy's session closed")
     assert s["arenas"] == [] and s["device"]["accounted_bytes"] == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1 << 62, (1 << 64) - 1], ids=["2**62", "2**64-1"])
+def test_huge_values_echoed_in_an_error_detail_get_a_typed_error(max_tokens, setup, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """The window a huge max_tokens asks for is beyond 64 bits. Before the fix the daemon
+    named it in the error detail, which msgpack could not encode, and died. Now such a
+    bound is refused before any window is computed, and whatever the detail names fits
+    the wire (encode_error's text fallback is tested in tests/unit/test_protocol.py)."""
+    alice, _, before = setup
+    buffers = [{"name": "k", "row_bytes": 4096, "align": 0}]
+    reply = alice.call(T.KV_DECLARE, {"name": "kv-huge", "buffers": buffers, "max_tokens": max_tokens, "reserve_bytes": 0}, 51)
+    assert_error(reply, E.INVALID_ARGUMENT, request_id=51)
+    assert "kv-huge" in reply["msg"] and str(max_tokens) in reply["msg"], reply
+    _unchanged(runtime_dir, before)
+    assert alice.commit("a-kv", 8 * MiB)["ok"], "the session carries on"
+
+
+def test_huge_values_through_the_client_library(daemon, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    import gpumem
+
+    with gpumem.connect(0, name="huge", runtime_dir=runtime_dir) as s:
+        with pytest.raises(gpumem.InvalidArgument) as info:
+            s.declare_kv_pool("kv-huge", [gpumem.KvBuffer("k", 4096)], max_tokens=1 << 62)
+        assert str(1 << 62) in info.value.message
+        # Its traceback holds this frame, which holds it: a cycle that would keep the
+        # session (and its lease-table mapping) until some later collection.
+        del info
+        with pytest.raises(gpumem.InvalidArgument, match="KvDeclare cannot be encoded"):  # refused before it is sent
+            s.declare_kv_pool("kv-huge", [gpumem.KvBuffer("k", 4096)], max_tokens=1 << 64)
+        s.ping()
+    ping(runtime_dir, timeout=2.0)

@@ -107,7 +107,7 @@ def test_register_update_retire_round_trip(host_daemon, connect, runtime_dir) ->
     assert pool.extents == [E(0, 4 * MiB), E(8 * MiB, 4 * MiB)]
     assert pool.free_runs == [E(8 * MiB, 2 * MiB), E(1 * MiB, 1 * MiB), E(0, 256 * KiB)]
     assert pool.free_bytes == 3 * MiB + 256 * KiB
-    assert status(runtime_dir)["extents"] == [p.to_wire(pool)]
+    assert status(runtime_dir)["graph_pools"] == [p.to_wire(pool)]
     assert owner.status().extents == [pool]  # the typed status decodes it too
 
     # not the owner: refused, whoever asks
@@ -127,7 +127,7 @@ def test_register_update_retire_round_trip(host_daemon, connect, runtime_dir) ->
         owner.call(p.RegisterGraphPool(arena="graphs", label="prefill", extents=[E(16 * MiB, 2 * MiB)], free_runs=[E(0, 1 * MiB)]))
     with pytest.raises(gpumem.NotFound):
         owner.call(p.UpdateGraphPool(pool_id=77, extents=[E(0, 2 * MiB)], free_runs=[]))
-    assert status(runtime_dir)["extents"] == [p.to_wire(pool)]
+    assert status(runtime_dir)["graph_pools"] == [p.to_wire(pool)]
 
     # update: a new epoch when the runs change or on a recapture
     out = owner.call(p.UpdateGraphPool(pool_id=pool.id, extents=[E(0, 6 * MiB)], free_runs=[E(4 * MiB, 2 * MiB)])).pool
@@ -136,7 +136,7 @@ def test_register_update_retire_round_trip(host_daemon, connect, runtime_dir) ->
     assert out.epoch == 2, "nothing changed"
     out = owner.call(p.UpdateGraphPool(pool_id=pool.id, extents=[E(0, 6 * MiB)], free_runs=[], recaptured=True)).pool
     assert out.epoch == 3 and out.free_bytes == 0
-    (shown,) = status(runtime_dir)["extents"]
+    (shown,) = status(runtime_dir)["graph_pools"]
     assert shown["epoch"] == 3 and shown["extents"] == [{"offset": 0, "size": 6 * MiB}] and shown["free_runs"] == []
 
     # a decommit under the pool is refused, and memory stays as it was
@@ -145,7 +145,7 @@ def test_register_update_retire_round_trip(host_daemon, connect, runtime_dir) ->
     assert arena.committed == 32 * MiB and status(runtime_dir)["device"]["accounted_bytes"] == 32 * MiB
 
     assert isinstance(owner.call(p.RetireGraphPool(pool_id=pool.id)), p.Ack)
-    assert status(runtime_dir)["extents"] == []
+    assert status(runtime_dir)["graph_pools"] == []
     with pytest.raises(gpumem.NotFound):
         owner.call(p.RetireGraphPool(pool_id=pool.id))
     assert arena.decommit(0) == 0
@@ -183,9 +183,9 @@ def test_registry_messages_on_the_raw_wire(host_daemon, runtime_dir) -> None:  #
         assert reply["ok"] and reply["b"]["pool"]["epoch"] == 2 and reply["b"]["pool"]["extents"] == wire([E(0, 8 * MiB)])
         with RawControl(runtime_dir) as anonymous:
             assert_error(anonymous.call(p.MsgType.GRAPH_POOL_RETIRE, {"pool_id": 1}), p.ErrorCode.NO_SESSION)
-        assert [g["id"] for g in status(runtime_dir)["extents"]] == [1]
+        assert [g["id"] for g in status(runtime_dir)["graph_pools"]] == [1]
         assert s.call(p.MsgType.GRAPH_POOL_RETIRE, {"pool_id": 1})["ok"]
-        assert status(runtime_dir)["extents"] == []
+        assert status(runtime_dir)["graph_pools"] == []
 
 
 # --------------------------------------------------------------------------- gpumemctl
@@ -213,7 +213,8 @@ def test_ctl_extents_json_and_human_and_status(host_daemon, connect, runtime_dir
     assert listed == [p.to_wire(first), p.to_wire(second)]
     assert listed[0]["free_runs"] == wire([E(5 * MiB, 1 * MiB), E(1 * MiB, 512 * KiB), E(256 * KiB, 256 * KiB)])
     assert listed[0]["free_bytes"] == 1 * MiB + 768 * KiB
-    assert json.loads(ctl(runtime_dir, "status", "--json").stdout)["extents"] == listed
+    shown = json.loads(ctl(runtime_dir, "status", "--json").stdout)
+    assert shown["graph_pools"] == shown["extents"] == listed
 
     expected = [
         {
@@ -315,13 +316,13 @@ def test_kill_9_of_the_owner_drops_its_pools_within_a_second(host_daemon, connec
         assert ids == [kept.id + 1, kept.id + 2]
         attached = bystander.attach_arena("doomed-graphs")  # the arena will outlive its owner
         before = status(runtime_dir)
-        assert sorted((g["owner"], g["label"]) for g in before["extents"]) == [("bystander", "kept"), ("doomed-owner", "g0"), ("doomed-owner", "g1")]
+        assert sorted((g["owner"], g["label"]) for g in before["graph_pools"]) == [("bystander", "kept"), ("doomed-owner", "g0"), ("doomed-owner", "g1")]
 
         killed_at = time.monotonic()
         proc.kill()
         proc.wait(10)
         after = wait_status(
-            runtime_dir, lambda s: all(g["owner"] != "doomed-owner" for g in s["extents"]), 1.0, "the dead owner's pools dropped"
+            runtime_dir, lambda s: all(g["owner"] != "doomed-owner" for g in s["graph_pools"]), 1.0, "the dead owner's pools dropped"
         )
         assert time.monotonic() - killed_at < 1.5  # the wait itself is bounded at 1 s
     finally:
@@ -332,13 +333,13 @@ def test_kill_9_of_the_owner_drops_its_pools_within_a_second(host_daemon, connec
             if stream is not None:
                 stream.close()
 
-    assert after["extents"] == [p.to_wire(kept)]  # the bystander's pool, untouched
+    assert after["graph_pools"] == [p.to_wire(kept)]  # the bystander's pool, untouched
     arenas = {a["name"]: a for a in after["arenas"]}
     assert arenas["doomed-graphs"]["owner_alive"] is False and arenas["doomed-graphs"]["attached"] == ["bystander"]
     for pool_id in ids:
         with pytest.raises(gpumem.NotFound):
             bystander.call(p.RetireGraphPool(pool_id=pool_id))
     attached.release()
-    assert wait_status(runtime_dir, lambda s: "doomed-graphs" not in {a["name"] for a in s["arenas"]}, 1.0, "arena gone")["extents"] == [
+    assert wait_status(runtime_dir, lambda s: "doomed-graphs" not in {a["name"] for a in s["arenas"]}, 1.0, "arena gone")["graph_pools"] == [
         p.to_wire(kept)
     ]

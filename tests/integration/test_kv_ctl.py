@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import child_env
+from gpumem_shared import protocol as p
 from gpumem_shared.units import format_size
 from gpumemd_testkit import MiB
 from kv_testkit import Engine, cost, ctl, ctl_json, headroom_for, wait_round
@@ -57,7 +58,7 @@ def test_views_of_an_open_then_committed_round(daemon_factory, backend, run_clie
     # open: one reported, one pending, no budget yet; a's minimum is staged (created,
     # zeroed, held by nobody), b's pool holds nothing
     (r,) = ctl_json(runtime_dir, "rounds")
-    assert r["id"] == round_id and r["state"] == "open" and r["budget"] == {} and r["dropped"] == []
+    assert r["id"] == round_id and r["state"] == "open" and r["budget"] == p.to_wire(p.RoundBudget()) and r["dropped"] == []
     assert r["policy"] == "partial" and r["expect"] == 2 and 0 < r["deadline_in_s"] <= 300
     members = [(m["client"], m["pool"], m["reported"]) for m in r["members"]]
     assert members == [("engine-a", "kv-a", True), ("engine-b", "kv-b", False)]

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from gpumem_shared import protocol as p
 from gpumemd_testkit import MiB, status, wait_status
 from kv_testkit import (
     Engine,
@@ -132,7 +133,7 @@ def test_round_splits_the_budget_by_minimums_and_weights(daemon_factory, backend
     staged = _staged(engines[:-1])  # those that reported while the last was pending
     if n > 1:
         r = wait_round(runtime_dir, round_id, lambda r: sum(m["reported"] for m in r["members"]) == n - 1, "n-1 reported")
-        assert r["state"] == "open" and r["budget"] == {} and r["members"][-1]["reported"] is False
+        assert r["state"] == "open" and r["budget"] == p.to_wire(p.RoundBudget()) and r["members"][-1]["reported"] is False
         _check_staged(status(runtime_dir), {e.pool: cost(e.rows, e.min) for e in engines[:-1]})
     # the last one's headroom leaves a budget of about 768 MiB, wherever the test runs
     # (status's free memory leaves the staged minimums out; the round adds them back)

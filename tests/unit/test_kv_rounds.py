@@ -135,7 +135,7 @@ def test_one_member_round_commits_the_most_that_fits(make_harness: Callable[...,
     reply = commit_reply(completions[7])
     assert reply.pool.tokens == 18090
     assert reply.round_id == 1
-    assert reply.budget == {
+    assert p.to_wire(reply.budget) == {
         "free": 256 * MiB,
         "staged": 0,  # the only member: nothing to wait for, nothing staged
         "reserve": 32 * MiB,
@@ -188,7 +188,7 @@ def test_two_members_split_by_weight_and_the_reply_waits_for_the_last(h: Harness
         "minimums": 4 * MiB,
         "committed": 238 * MiB,
     }
-    assert ra.budget == rb.budget == expected_budget
+    assert p.to_wire(ra.budget) == p.to_wire(rb.budget) == expected_budget
     assert sizes_mib(ra.chunks) == [(0, 16), (16, 16), (32, 16), (48, 14)]
     assert_prefixes(h, ra, {"b0": 62 * MiB})
     assert_prefixes(h, rb, {"b0": 88 * MiB, "b1": 88 * MiB})
@@ -224,7 +224,7 @@ def test_four_members_with_caps_redistribute_the_budget(make_harness: Callable[.
     tokens = {rid: commit_reply(c).pool.tokens for rid, c in completions.items()}
     assert tokens == {1: 2048, 2: 15360, 3: 4096, 4: 114688}
     budget = commit_reply(completions[1]).budget
-    assert budget == {
+    assert p.to_wire(budget) == {
         "free": 512 * MiB,
         "staged": 0,  # c, a and d asked for no minimum; b, the only one with one, reported last
         "reserve": 64 * MiB,
@@ -260,7 +260,7 @@ def test_headroom_beyond_free_memory_leaves_zero_minimums_with_nothing(h: Harnes
     capture(h, a, "kv", 1, headroom_bytes=CAPACITY)  # all of the device, of which 2 granules are taken
     reply = commit_reply(done(h)[1])
     assert reply.pool.tokens == 0 and reply.chunks == []
-    assert reply.budget["budget"] == -2 * G and reply.budget["committed"] == 0
+    assert reply.budget.budget == -2 * G and reply.budget.committed == 0
     assert h.state.arenas.accounted_bytes() == 2 * G
 
 
@@ -277,7 +277,7 @@ def test_a_round_after_a_committed_one_is_a_new_round(h: Harness) -> None:
     capture(h, b, "kvb", 2)
     # 256 - 16 = 240 MiB free: 61440 rows of 4 KiB.
     reply = commit_reply(done(h)[2])
-    assert (reply.round_id, reply.pool.tokens, reply.budget["free"]) == (2, 61440, 240 * MiB)
+    assert (reply.round_id, reply.pool.tokens, reply.budget.free) == (2, 61440, 240 * MiB)
     assert [r.state for r in h.state.status().rounds] == ["committed", "committed"]
 
 
@@ -306,7 +306,7 @@ def test_deadline_with_partial_policy_commits_for_those_that_reported(h: Harness
     # Only a's headroom counts: 256 - 16 = 240 MiB -> 61440 rows of 4 KiB.
     reply = commit_reply(completions[1])
     assert reply.pool.tokens == 61440
-    assert reply.budget["headroom"] == 16 * MiB and reply.budget["committed"] == 240 * MiB
+    assert reply.budget.headroom == 16 * MiB and reply.budget.committed == 240 * MiB
     status = round_status(h, 1)
     assert status.state == "committed"
     assert [m.pool for m in status.members] == ["kva"]
@@ -416,7 +416,7 @@ def test_a_member_that_dies_after_reporting_is_dropped_with_its_headroom(h: Harn
     completions = done(h)
     assert list(completions) == [1]
     reply = commit_reply(completions[1])
-    assert reply.budget["headroom"] == 0 and reply.pool.tokens == 65536  # the whole 256 MiB
+    assert reply.budget.headroom == 0 and reply.pool.tokens == 65536  # the whole 256 MiB
     assert round_status(h, 1).dropped == ["engine-b/kvb: the client went away"]
 
 
@@ -549,7 +549,7 @@ def test_budget_short_without_donors_fails_with_figures_and_commits_nothing(make
         assert f"free {256 * MiB} - reserve {200 * MiB} - headroom {40 * MiB}" in error.message
     assert h.state.take_notices() == []
     status = round_status(h, 1)
-    assert status.state == "failed" and status.budget["budget"] == 16 * MiB and status.budget["minimums"] == 20 * MiB
+    assert status.state == "failed" and status.budget.budget == 16 * MiB and status.budget.minimums == 20 * MiB
     assert h.state.arenas.accounted_bytes() == 0
     assert kv_status(h, "kva").tokens == kv_status(h, "kvb").tokens == 0
 
@@ -618,7 +618,7 @@ def test_a_later_round_asks_an_earlier_pool_to_shrink_then_commits(h: Harness) -
     assert list(completions) == [5]
     rb = commit_reply(completions[5])
     assert (rb.round_id, rb.pool.tokens) == (2, 8192)
-    assert rb.budget["free"] == 32 * MiB and rb.budget["committed"] == 32 * MiB
+    assert rb.budget.free == 32 * MiB and rb.budget.committed == 32 * MiB
     assert_prefixes(h, rb, {"b0": 32 * MiB})
     assert_handed(h, b, completions[5], "kvb")
     assert round_status(h, 2).state == "committed"
@@ -695,7 +695,7 @@ def test_a_donor_that_goes_away_frees_its_memory_for_the_waiting_round(h: Harnes
     h.state.close_session(a.id)
     assert "kva" not in h.state.arenas.by_name
     reply = commit_reply(done(h)[5])  # at once, not at the deadline
-    assert reply.pool.tokens == 65536 and reply.budget["free"] == 256 * MiB
+    assert reply.pool.tokens == 65536 and reply.budget.free == 256 * MiB
     assert round_status(h, 2).state == "committed"
     assert h.state.arenas.accounted_bytes() == 256 * MiB, "all of it b's now"
 
@@ -736,7 +736,7 @@ def test_grow_within_the_budget_commits_the_missing_rows(h: Harness) -> None:
     out = h.ok(a, p.KvGrow(pool="kv", tokens=10000))
     reply = out.reply
     assert isinstance(reply, p.KvCommitReply)
-    assert reply.pool.tokens == 10000 and reply.round_id == 0 and reply.budget == {}
+    assert reply.pool.tokens == 10000 and reply.round_id == 0 and reply.budget == p.RoundBudget()
     assert sizes_mib(reply.chunks) == [(16, 16), (32, 8)]
     assert [c.id for c in out.handout] == [c.id for c in reply.chunks]
     assert all(c.holders == {a.id} for c in out.handout)
@@ -1094,7 +1094,7 @@ def test_status_reports_rounds_and_kv_pools(h: Harness) -> None:
                 p.RoundMemberStatus("engine-b", "kvb", False, 0, 0, 0, 0, 1.0, 0, 0),
             ],
             dropped=[],
-            budget={},
+            budget=p.RoundBudget(),
             error="",
         )
     ]
@@ -1122,7 +1122,7 @@ def test_status_reports_rounds_and_kv_pools(h: Harness) -> None:
     [r] = status.rounds
     assert r.state == "committed"
     assert [(m.tokens, m.bytes) for m in r.members] == [(19456, 228 * MiB), (4096, 16 * MiB)]
-    assert r.budget == ra.budget == {
+    assert r.budget == ra.budget and p.to_wire(ra.budget) == {
         "free": 256 * MiB,
         "staged": 4 * MiB,
         "reserve": 0,
@@ -1207,7 +1207,7 @@ def test_a_report_while_others_are_pending_stages_its_minimum_zeroed_for_no_one(
     assert kv_status(h, "kva") == p.KvPoolStatus("kva", "engine-a", 2, 12288, 32768, 0, 36 * MiB, 0, -1)
     assert next(x for x in status.arenas if x.name == "kva").committed == 36 * MiB
     assert [(m.tokens, m.bytes) for m in round_status(h, 1).members] == [(0, 0), (0, 0)]
-    assert round_status(h, 1).budget == {}
+    assert round_status(h, 1).budget == p.RoundBudget()
 
     # b reports last: nothing left to wait for, so nothing of it is staged (its 1000 rows
     # = 4 MiB would otherwise be a chunk of their own). 220 MiB free + 36 staged = 256;
@@ -1217,7 +1217,7 @@ def test_a_report_while_others_are_pending_stages_its_minimum_zeroed_for_no_one(
     completions = done(h)
     ra, rb = commit_reply(completions[1]), commit_reply(completions[2])
     assert (ra.pool.tokens, rb.pool.tokens) == (12288, 28672)
-    assert ra.budget == rb.budget == {
+    assert ra.budget == rb.budget and p.to_wire(rb.budget) == {
         "free": 256 * MiB,
         "staged": 36 * MiB,
         "reserve": 0,
@@ -1255,7 +1255,7 @@ def test_staging_needs_a_minimum_and_someone_to_wait_for(make_harness: Callable[
     join(h, d, "kvd")
     capture(h, d, "kvd", 4, min_tokens=1000, max_tokens=4096)
     rd = commit_reply(done(h)[4])
-    assert (rd.pool.tokens, sizes_mib(rd.chunks), rd.budget["staged"]) == (4096, [(0, 16)], 0)
+    assert (rd.pool.tokens, sizes_mib(rd.chunks), rd.budget.staged) == (4096, [(0, 16)], 0)
     assert driver.zeroed == []
 
     for s, name in ((a, "kva"), (b, "kvb"), (c, "kvc")):
@@ -1276,7 +1276,7 @@ def test_staging_needs_a_minimum_and_someone_to_wait_for(make_harness: Callable[
     # a 38 granules = 76 MiB = 19456 rows; b and c 4 MiB + that -> 80 MiB = 20480 rows.
     replies = [commit_reply(completions[i]) for i in (1, 2, 3)]
     assert [r.pool.tokens for r in replies] == [19456, 20480, 20480]
-    assert replies[0].budget == {
+    assert p.to_wire(replies[0].budget) == {
         "free": 240 * MiB,
         "staged": 4 * MiB,
         "reserve": 0,
@@ -1332,8 +1332,8 @@ def test_staging_leaves_the_budget_and_the_split_as_an_unstaged_round_has_them(
 
     assert (plain_open, open_bytes) == (0, 40 * MiB)
     assert plain_tokens == tokens == [6826, 24064, 8192]
-    assert plain_budget == {**budget, "staged": 0}
-    assert budget == {
+    assert p.to_wire(plain_budget) == {**p.to_wire(budget), "staged": 0}
+    assert p.to_wire(budget) == {
         "free": 256 * MiB,
         "staged": 40 * MiB,
         "reserve": 32 * MiB,
@@ -1377,7 +1377,7 @@ def test_a_round_failing_at_its_deadline_gives_the_staged_minimums_back(make_har
     assert sorted(completions) == [1, 3]
     for rid in (1, 3):
         assert "engine-b/kvb" in failure(completions[rid]).message
-    assert round_status(h, 1).state == "failed" and round_status(h, 1).budget == {}
+    assert round_status(h, 1).state == "failed" and round_status(h, 1).budget == p.RoundBudget()
     assert h.state.arenas.accounted_bytes() == 0 and h.state.arenas.retiring == {} and open_fds() == fds
     assert all(h.state.arenas.by_name[n].chunks == [] for n in ("kva", "kvb", "kvc"))
     assert all(m.staged == [] for m in h.state.kv.rounds[0].members)
@@ -1411,7 +1411,7 @@ def test_a_round_short_of_budget_gives_the_staged_minimums_back(make_harness: Ca
     assert h.state.take_notices() == []
     status = round_status(h, 1)
     assert status.state == "failed"
-    assert status.budget == {
+    assert p.to_wire(status.budget) == {
         "free": 256 * MiB,
         "staged": 36 * MiB,
         "reserve": 200 * MiB,
@@ -1419,6 +1419,7 @@ def test_a_round_short_of_budget_gives_the_staged_minimums_back(make_harness: Ca
         "graph_pools": 0,
         "budget": 16 * MiB,
         "minimums": 36 * MiB,
+        "committed": 0,  # nothing: the round failed
     }
     assert h.state.arenas.accounted_bytes() == 0 and h.state.arenas.retiring == {} and open_fds() == fds
     assert h.state.arenas.by_name["kva"].chunks == [] and h.state.kv.rounds[0].members[0].staged == []
@@ -1440,7 +1441,7 @@ def test_a_round_awaiting_shrinks_that_fails_gives_the_staged_minimum_back(h: Ha
     assert [(sid, n.tokens) for sid, n in h.state.take_notices()] == [(x.id, 57344)]
     status = round_status(h, 2)
     assert status.state == "awaiting-shrink"
-    assert (status.budget["free"], status.budget["staged"], status.budget["minimums"]) == (16 * MiB, 8 * MiB, 24 * MiB)
+    assert (status.budget.free, status.budget.staged, status.budget.minimums) == (16 * MiB, 8 * MiB, 24 * MiB)
     assert staged_of(h, "kvb") == [(0, 8)], "still b's while the round waits"
     h.clock.now += 300
     h.state.tick()
@@ -1475,7 +1476,7 @@ def test_a_member_that_goes_away_takes_its_staged_minimum_with_its_arena(h: Harn
     completions = done(h)
     assert sorted(completions) == [2, 3], "nobody left to answer for a"
     assert [commit_reply(completions[i]).pool.tokens for i in (2, 3)] == [32768, 32768]  # 128 MiB each
-    assert (commit_reply(completions[2]).budget["free"], commit_reply(completions[2]).budget["staged"]) == (256 * MiB, 0)
+    assert (commit_reply(completions[2]).budget.free, commit_reply(completions[2]).budget.staged) == (256 * MiB, 0)
     dropped = "the client went away" if how == "dies" else "the pool was released"
     assert round_status(h, 1).dropped == [f"engine-a/kva: {dropped}"]
 
@@ -1504,7 +1505,7 @@ def test_staging_that_fails_leaves_nothing_and_the_round_creates_the_minimum(
     ra = commit_reply(completions[1])
     # The figures of the first test, unstaged: 72 MiB a buffer as four bulk chunks and a tail.
     assert (ra.pool.tokens, commit_reply(completions[2]).pool.tokens) == (12288, 28672)
-    assert (ra.budget["free"], ra.budget["staged"], ra.budget["committed"]) == (256 * MiB, 0, 256 * MiB)
+    assert (ra.budget.free, ra.budget.staged, ra.budget.committed) == (256 * MiB, 0, 256 * MiB)
     plan = [(0, 16), (16, 16), (32, 16), (48, 16), (64, 8)]
     assert sizes_mib(ra.chunks) == plan + [(192 + o, n) for o, n in plan]
     assert all(c.fresh for c in completions[1].handout)
@@ -1531,7 +1532,7 @@ def test_a_minimum_that_does_not_fit_now_is_not_staged(make_harness: Callable[..
     # rows, b 112 MiB = 28672 rows.
     ra, rb = commit_reply(completions[1]), commit_reply(completions[2])
     assert (ra.pool.tokens, rb.pool.tokens) == (36864, 28672)
-    assert ra.budget == {
+    assert p.to_wire(ra.budget) == {
         "free": 256 * MiB,
         "staged": 0,
         "reserve": 0,

@@ -6,9 +6,11 @@ would never produce; everything else goes through the real encode/decode pair.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 
 from gpumem_shared import protocol as p
@@ -122,6 +124,16 @@ def test_every_request_type_is_registered_under_its_number() -> None:
     for number, cls in p.REQUESTS.items():
         assert cls.TYPE == number
         assert number < MsgType.FD_BATCH, "fd-channel events are not requests"
+        assert issubclass(cls.REPLY, p.Message) and cls.REPLY is not p.Message
+
+
+def test_admission_flags_of_every_request() -> None:
+    """The dispatcher reads these: an anonymous peer may only look; a stopping daemon
+    still serves looking and giving memory back."""
+    anonymous = {t.__name__ for t in p.REQUESTS.values() if not t.NEEDS_SESSION}
+    stopping = {t.__name__ for t in p.REQUESTS.values() if t.WHILE_STOPPING}
+    assert anonymous == {"Ping", "Status"}
+    assert stopping == {"Ping", "Status", "ChunksUnmapped", "ReleaseArena"}
 
 
 # --------------------------------------------------------------------------- requests
@@ -160,11 +172,27 @@ def test_newer_minor_version_is_accepted() -> None:
 
 @pytest.mark.parametrize(
     "frame",
-    [b"\xc1", b"\x83\xa1v", b"", b"\x92\x01"],
-    ids=["reserved-byte", "truncated-map", "empty", "truncated-array"],
+    [b"\xc1", b"\x83\xa1v", b"", raw(envelope()) + b"\x00"],
+    ids=["reserved-byte", "truncated-map", "empty", "trailing-bytes"],
 )
 def test_malformed_msgpack_is_bad_message(frame: bytes) -> None:
     assert "not valid msgpack" in refused(frame, ErrorCode.BAD_MESSAGE).message
+
+
+DEEP = b"\x91" * 100_000 + b"\xc0"  # a list in a list ... 100,000 deep: more than the decoder recurses
+
+
+def test_deep_nesting_is_bad_message_never_a_recursion_error() -> None:
+    assert refused(DEEP, ErrorCode.BAD_MESSAGE).message == "request is not a map"
+    # the same depth inside the body of a valid envelope
+    head = {"v": [1, 0], "id": 41, "t": int(MsgType.PING)}
+    frame = b"\x84" + b"".join(raw(k) + raw(v) for k, v in head.items()) + raw("b") + DEEP
+    error = refused(frame, ErrorCode.BAD_MESSAGE)
+    assert "nests deeper" in error.message
+
+
+def test_truncated_array_is_bad_message() -> None:
+    refused(b"\x92\x01", ErrorCode.BAD_MESSAGE)
 
 
 @pytest.mark.parametrize("payload", [[1, 0, 41], 5, "hello", None], ids=["list", "int", "str", "nil"])
@@ -175,7 +203,7 @@ def test_non_map_frame_is_bad_message(payload: Any) -> None:
 def test_non_string_map_keys_are_bad_message() -> None:
     # an otherwise valid request: only the integer key is wrong
     error = refused(raw({**envelope(), 1: 2}), ErrorCode.BAD_MESSAGE)
-    assert "not valid msgpack" in error.message
+    assert error.message == "request map has keys that are not strings"
 
 
 @pytest.mark.parametrize("bad_id", [None, "41", True, 4.0, [41]], ids=["missing", "str", "bool", "float", "list"])
@@ -222,7 +250,8 @@ def test_missing_field_is_invalid_argument_naming_it() -> None:
 
 def test_body_that_is_not_a_map_is_invalid_argument() -> None:
     error = refused(raw(envelope(b=["kv", 2 << 20])), ErrorCode.INVALID_ARGUMENT)
-    assert "must be a map" in error.message
+    assert error.message == "CommitArena: expected `map`, got `array`"
+    assert error.detail == {"request_id": 41}
 
 
 @pytest.mark.parametrize(
@@ -239,7 +268,8 @@ def test_body_that_is_not_a_map_is_invalid_argument() -> None:
 )
 def test_wrongly_typed_field_is_invalid_argument(body: dict, field: str) -> None:
     error = refused(raw(envelope(b=body)), ErrorCode.INVALID_ARGUMENT)
-    assert error.message.startswith(f"{field} must be ")
+    assert error.message.startswith(f"{field}: expected `")
+    assert error.detail == {"request_id": 41}
 
 
 @pytest.mark.parametrize(
@@ -249,7 +279,7 @@ def test_wrongly_typed_field_is_invalid_argument(body: dict, field: str) -> None
 def test_list_fields_check_every_item(chunk_ids: Any, where: str) -> None:
     env = envelope(MsgType.CHUNKS_UNMAPPED, b={"name": "kv", "chunk_ids": chunk_ids})
     error = refused(raw(env), ErrorCode.INVALID_ARGUMENT)
-    assert error.message.startswith(f"ChunksUnmapped.{where} must be ")
+    assert error.message.startswith(f"ChunksUnmapped.{where}: expected `")
 
 
 def test_oversize_frame_is_refused_before_unpacking() -> None:
@@ -281,10 +311,11 @@ def test_ok_reply_round_trip_with_nested_body() -> None:
         retired=[],
         fd_batches=1,
     )
-    reply = p.decode_reply(p.encode_reply(9, body))
+    frame = p.encode_reply(9, body)
+    reply = p.decode_reply(frame)
     assert (reply.request_id, reply.ok, reply.code, reply.message, reply.detail) == (9, True, ErrorCode.OK, "", {})
-    assert reply.body == p.to_wire(body)
-    assert p.from_wire(p.MapReply, reply.body) == body
+    assert msgpack.unpackb(frame, raw=False)["b"] == p.to_wire(body)
+    assert p.decode_body(p.MapReply, reply.body) == p.from_wire(p.MapReply, reply.body) == body
 
 
 def test_hello_reply_round_trip_keeps_bytes_token() -> None:
@@ -302,7 +333,7 @@ def test_hello_reply_round_trip_keeps_bytes_token() -> None:
 
 def test_empty_ack_reply() -> None:
     reply = p.decode_reply(p.encode_reply(3, p.Ack()))
-    assert reply.ok and reply.body == {}
+    assert reply.ok and bytes(reply.body) == raw({}) and p.decode_body(p.Ack, reply.body) == p.Ack()
 
 
 def test_error_reply_carries_code_message_and_detail_but_not_request_id() -> None:
@@ -314,7 +345,7 @@ def test_error_reply_carries_code_message_and_detail_but_not_request_id() -> Non
     assert reply.code is ErrorCode.OUT_OF_MEMORY
     assert reply.message == "committing 8 bytes needs more"
     assert reply.detail == {"requested": 8 << 30, "available": 1 << 30}
-    assert reply.body == {}
+    assert bytes(reply.body) == raw({})
     assert error.detail["request_id"] == 77, "encoding must not strip the caller's exception"
 
 
@@ -327,7 +358,7 @@ def test_reply_fields_of_the_wrong_shape_are_defaulted_not_trusted() -> None:
     reply = p.decode_reply(raw({"v": [1, 0], "id": 1, "ok": 1, "detail": [1], "b": "x"}))
     assert reply.ok is False  # only a real true is success
     assert reply.code is ErrorCode.INTERNAL  # no code at all
-    assert (reply.message, reply.detail, reply.body) == ("", {}, {})
+    assert (reply.message, reply.detail, bytes(reply.body)) == ("", {}, raw({}))
 
 
 def test_reply_refusals() -> None:
@@ -355,7 +386,10 @@ def test_nested_type_error_names_the_path() -> None:
     with pytest.raises(p.ProtocolError) as info:
         p.from_wire(p.MapReply, body)
     assert info.value.code is ErrorCode.INVALID_ARGUMENT
-    assert info.value.message.startswith("MapReply.chunks[1].offset must be int")
+    assert info.value.message == "MapReply.chunks[1].offset: expected `int`, got `str`"
+    with pytest.raises(p.ProtocolError) as info:
+        p.from_wire(p.MapReply, {**body, "chunks": [{"id": 1, "offset": 0}]})
+    assert info.value.message == "MapReply.chunks[0].size is missing"
 
 
 def test_float_fields_accept_ints_but_not_bools() -> None:
@@ -364,6 +398,133 @@ def test_float_fields_accept_ints_but_not_bools() -> None:
     assert decoded.uptime_s == 3.0 and isinstance(decoded.uptime_s, float)
     with pytest.raises(p.ProtocolError):
         p.from_wire(p.DaemonStatus, {**status, "uptime_s": True})
+
+
+# --------------------------------------------------------------------------- encoding never raises out of the daemon
+
+
+@pytest.mark.parametrize("huge", [1 << 64, (1 << 70) + 3, -(1 << 63) - 1], ids=["2**64", "2**70+3", "-2**63-1"])
+def test_error_detail_msgpack_cannot_carry_travels_as_text(huge: int) -> None:
+    error = p.ProtocolError(ErrorCode.INVALID_ARGUMENT, "too big", requested=huge, limit=1 << 40, what="kv", flag=True)
+    reply = p.decode_reply(p.encode_error(5, error))
+    assert (reply.request_id, reply.code, reply.message) == (5, ErrorCode.INVALID_ARGUMENT, "too big")
+    assert reply.detail == {"requested": str(huge), "limit": 1 << 40, "what": "kv", "flag": "True"}  # a bool is no int here
+
+
+def test_error_detail_at_the_edges_of_msgpack_stays_a_number() -> None:
+    error = p.ProtocolError(ErrorCode.INVALID_ARGUMENT, "edges", top=(1 << 64) - 1, bottom=-(1 << 63))
+    assert p.decode_reply(p.encode_error(1, error)).detail == {"top": (1 << 64) - 1, "bottom": -(1 << 63)}
+
+
+def test_a_reply_body_msgpack_cannot_carry_becomes_an_internal_error(caplog: pytest.LogCaptureFixture) -> None:
+    body = p.ArenaReply(arena=p.ArenaView(name="kv", owner="a", address=1 << 64, reserved=0, committed=0, granularity=1))
+    with caplog.at_level(logging.ERROR, logger="gpumem_shared.protocol"):
+        reply = p.decode_reply(p.encode_reply(12, body))
+    assert (reply.request_id, reply.ok, reply.code) == (12, False, ErrorCode.INTERNAL)
+    assert "ArenaReply" in reply.message and "gpumemd bug" in reply.message
+    assert any("request 12" in r.getMessage() for r in caplog.records), "the daemon's log names the request"
+
+
+def test_a_request_msgpack_cannot_carry_is_the_callers_invalid_argument() -> None:
+    with pytest.raises(p.ProtocolError) as info:
+        p.encode_request(1, p.CommitArena(name="kv", nbytes=1 << 64))
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT and "CommitArena" in info.value.message
+
+
+def test_ints_up_to_the_msgpack_limits_round_trip() -> None:
+    for nbytes in ((1 << 64) - 1, 1 << 62, -(1 << 63)):
+        assert p.decode_request(p.encode_request(1, p.CommitArena(name="kv", nbytes=nbytes))).message.nbytes == nbytes
+
+
+# --------------------------------------------------------------------------- typed fields
+
+
+def _round_status(budget: Any) -> p.RoundStatus:
+    return p.RoundStatus(
+        id=1, state="open", expect=2, policy="fail", deadline_in_s=3.0, members=[], dropped=[], budget=budget, error=""
+    )
+
+
+def test_round_budget_travels_as_the_same_keys_whether_built_as_a_dict_or_a_struct() -> None:
+    figures = {"free": 10, "staged": 1, "reserve": 2, "headroom": 3, "graph_pools": 4, "budget": 5, "minimums": 6, "committed": 7}
+    from_dict = p.decode_reply(p.encode_reply(1, _round_status(dict(figures))))
+    from_struct = p.decode_reply(p.encode_reply(1, _round_status(p.RoundBudget(**figures))))
+    assert bytes(from_dict.body) == bytes(from_struct.body)
+    decoded = p.decode_body(p.RoundStatus, from_dict.body)
+    assert decoded.budget == p.RoundBudget(**figures) and decoded.budget.committed == 7
+    assert p.to_wire(decoded)["budget"] == figures
+
+
+def test_round_budget_keys_a_daemon_left_out_are_zero() -> None:
+    partial = {"free": 10, "reserve": 2, "headroom": 3, "budget": 5, "minimums": 6}  # before the round commits
+    decoded = p.decode_body(p.RoundStatus, p.decode_reply(p.encode_reply(1, _round_status(partial))).body)
+    assert decoded.budget == p.RoundBudget(free=10, reserve=2, headroom=3, budget=5, minimums=6)
+    reply = p.KvCommitReply(
+        pool=p.KvPoolView(name="kv", arena=SAMPLE_ARENA, buffers=[], max_tokens=1, tokens=0, bytes_per_token=1),
+        arena=SAMPLE_ARENA,
+        chunks=[],
+        retired=[],
+        fd_batches=0,
+    )
+    assert reply.budget == p.RoundBudget(), "a grow outside any round carries no figures"
+
+
+def test_string_enums_travel_compare_and_print_as_their_values() -> None:
+    status = p.decode_body(p.RoundStatus, p.decode_reply(p.encode_reply(1, _round_status({}))).body)
+    assert status.state is p.RoundState.OPEN and status.policy is p.RoundPolicy.FAIL
+    assert status.state == "open" and f"{status.state} {status.policy}" == "open fail"
+    notice = p.decode_event(p.encode_event(p.Notice(kind="kv-shrink", arena="kv", tokens=64)))
+    assert isinstance(notice, p.Notice) and notice.kind is p.NoticeKind.KV_SHRINK and notice.kind == "kv-shrink"
+    assert msgpack.unpackb(p.encode_event(p.Notice(kind=p.NoticeKind.STOPPING)), raw=False)["b"]["kind"] == "stopping"
+    assert {b.value for b in p.Backend} == {"cuda", "host"}
+    assert [s.value for s in p.RoundState] == ["open", "awaiting-shrink", "committed", "failed"]
+    assert {k.value for k in p.NoticeKind} == {"stopping", "arena-grown", "arena-retired", "kv-shrink"}
+
+
+def test_an_enum_value_this_side_does_not_know_is_invalid_argument() -> None:
+    with pytest.raises(p.ProtocolError) as info:
+        p.from_wire(p.RoundView, {"round_id": 1, "state": "pondering", "deadline_in_s": 1.0, "members": []})
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT and info.value.message.startswith("RoundView.state: ")
+
+
+SAMPLE_ARENA = p.ArenaView(name="kv", owner="a", address=0x2000_0000_0000, reserved=GiB, committed=0, granularity=2 << 20)
+
+
+def _status(**pools: Any) -> p.StatusReply:
+    return p.StatusReply(
+        daemon=p.DaemonStatus(version="0", protocol="1.2", pid=1, backend="host", uptime_s=0.0, runtime_dir="/r", state="serving"),
+        device=p.DeviceStatus(
+            index=0, uuid="HOST-1", name="host", total_bytes=GiB, free_bytes=GiB, granularity=2 << 20, accounted_bytes=0, reserve_bytes=0
+        ),
+        clients=[],
+        arenas=[],
+        leases=[],
+        **pools,
+    )
+
+
+GRAPH_POOL = p.GraphPoolStatus(id=1, owner="a", arena="g", label="decode", epoch=1, extents=[], free_runs=[], free_bytes=0)
+
+
+def test_status_carries_the_graph_pools_under_both_names() -> None:
+    for built in (_status(extents=[GRAPH_POOL]), _status(extents=[], graph_pools=[GRAPH_POOL])):
+        assert built.graph_pools == built.extents == [GRAPH_POOL]
+        wire = msgpack.unpackb(p.encode_reply(1, built), raw=False)["b"]
+        assert wire["graph_pools"] == wire["extents"] == [p.to_wire(GRAPH_POOL)]
+
+
+def test_status_from_a_1_1_daemon_fills_graph_pools() -> None:
+    old = p.to_wire(_status(extents=[GRAPH_POOL]))
+    del old["graph_pools"]
+    decoded = p.from_wire(p.StatusReply, old)
+    assert decoded.graph_pools == decoded.extents == [GRAPH_POOL]
+
+
+def test_to_wire_keeps_bytes_and_from_wire_reads_a_raw_body() -> None:
+    reply = p.LeaseEventReply(handle=b"\x00\x01ipc")
+    assert p.to_wire(reply) == {"handle": b"\x00\x01ipc"}
+    assert p.from_wire(p.LeaseEventReply, p.decode_reply(p.encode_reply(1, reply)).body) == reply
+    assert p.from_wire(p.LeaseEventReply, msgspec.Raw(raw({"handle": b"x"}))) == p.LeaseEventReply(handle=b"x")
 
 
 # --------------------------------------------------------------------------- fd-channel events

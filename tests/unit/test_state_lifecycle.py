@@ -118,7 +118,7 @@ def test_status_of_an_idle_daemon(make_harness: Callable[..., Harness]) -> None:
     status = h.state.status()
     assert p.to_wire(status.daemon) == {
         "version": __version__,
-        "protocol": "1.1",
+        "protocol": "%d.%d" % p.PROTOCOL_VERSION,
         "pid": os.getpid(),
         "backend": "host",
         "uptime_s": 12.346,

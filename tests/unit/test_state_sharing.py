@@ -3,8 +3,7 @@ going away, and which session hears about what."""
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 
 from gpumem_shared import protocol as p
@@ -42,7 +41,7 @@ def test_attach_maps_what_is_committed_without_new_memory(h: Harness) -> None:
     h.share(a, "kv", "engine-b")
     fds = open_fds()
     out = h.attach(b, "kv")
-    assert out.reply.arena == dataclasses.replace(view, committed=6 * MiB)
+    assert out.reply.arena == msgspec.structs.replace(view, committed=6 * MiB)
     assert ids(out.reply.chunks) == ids(out.handout) == committed
     assert out.reply.fd_batches == 1 and out.reply.retired == []
     arena = h.state.arenas.by_name["kv"]
