@@ -13,7 +13,7 @@
    slot's futex when it is released; the figure is from the release (CLOCK_MONOTONIC,
    shared by the processes) to the waiter holding the lease. Every handoff runs the
    cross-process path: the IPC event recorded at release and the stream wait on it at
-   acquire (``session.handoff_waits`` counts those waits; reported as a figure).
+   acquire (``session.leasing.handoff_waits`` counts those waits; reported as a figure).
 
 The pools are synthetic registrations in a committed arena (no GPU work is involved in
 a lease); on the host backend events are no-ops but the same code path runs, so the
@@ -64,7 +64,7 @@ def handoff_client(name: str, rounds: int) -> int:
         lease.release()
         events.append((acquired, released))
         time.sleep(0.0003)  # the other side, asleep on the futex, takes it now
-    print(json.dumps({"events": events, "handoff_waits": session.handoff_waits}), flush=True)
+    print(json.dumps({"events": events, "handoff_waits": session.leasing.handoff_waits}), flush=True)
     session.close()
     return 0
 
@@ -123,7 +123,7 @@ def main() -> int:
 
         samples = uncontended(private)
         shared_samples = uncontended(shared)
-        me = leases.decode(session.lease_words[leases.REPLAY])[1]
+        me = leases.decode(session.leasing.words[leases.REPLAY])[1]
         if not session.leases.flags(shared.slot) & leases.FLAG_SHARED or session.leases.handoff(shared.slot) != me:
             raise RuntimeError(f"releases of shared pool {shared.id} did not record an IPC event: the shared path did not run")
         pings = []
