@@ -127,6 +127,9 @@ class _Sockets:
 
     def __init__(self) -> None:
         self.fd_sock: socket.socket | None = None
+        # Whether the fd channel has something to read, without building fd sets per
+        # call: every request asks it first.
+        self.fd_ready: select.epoll | None = None
         self.control: ControlChannel | None = None
         self.early: list[tuple[p.FdBatch, list[int]]] = []  # fd batches that came before their reply
 
@@ -137,6 +140,9 @@ class _Sockets:
         if self.control is not None:
             self.control.close()
             self.control = None
+        if self.fd_ready is not None:
+            self.fd_ready.close()
+            self.fd_ready = None
         if self.fd_sock is not None:
             self.fd_sock.close()
             self.fd_sock = None
@@ -184,6 +190,8 @@ class SessionChannel:
             raise DaemonUnavailable(
                 f"no permission to connect to {ep.fd_path}: join the daemon's socket group (gpumemd --socket-group)"
             ) from None
+        self._sockets.fd_ready = select.epoll(1, select.EPOLL_CLOEXEC)
+        self._sockets.fd_ready.register(sock.fileno(), select.EPOLLIN)
         try:
             fdchannel.send(sock, p.encode_request(1, p.Hello(name=self.name, client_version=__version__)))
             payload, fds = fdchannel.recv(sock, max_fds=1)
@@ -215,9 +223,11 @@ class SessionChannel:
         """One request: (typed reply body, {chunk id: fd} for the chunks it hands out).
         The caller owns the descriptors. ``timeout`` defaults to the session's."""
         with self._lock:
-            if self._sockets.fd_sock is None:
+            ready = self._sockets.fd_ready
+            if ready is None:
                 raise SessionClosed(f"session '{self.name}' is closed")
-            self._poll_events()
+            if self._stopped is not None or ready.poll(0):  # a hang-up reads as ready too
+                self._poll_events()
             limit = self.timeout if timeout is None else timeout
             request_id, body = self._control.exchange(message, limit, self._keep_batches)
             batches = getattr(body, "fd_batches", 0)
@@ -228,8 +238,8 @@ class SessionChannel:
         Notices are queued; fd batches for request ``keep`` (in flight: the daemon sends
         them just before the reply) are kept for it, others belong to calls that timed
         out and are closed."""
-        sock = self._sockets.fd_sock
-        while sock is not None and self._stopped is None and select.select((sock,), (), (), 0)[0]:
+        sock, ready = self._sockets.fd_sock, self._sockets.fd_ready
+        while sock is not None and ready is not None and self._stopped is None and ready.poll(0):
             batch, fds = self._read_event(sock)
             if batch is not None and keep and batch.request_id == keep:
                 self._sockets.early.append((batch, fds))

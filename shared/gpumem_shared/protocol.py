@@ -875,9 +875,8 @@ def _not_a_map(frame: Any, what: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_MESSAGE, f"{what} is not a map")
 
 
-def _check_frame(frame: bytes) -> None:
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+def _too_large(frame: bytes) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_MESSAGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
 
 
 def _mismatch(version: Any, **detail: int) -> ProtocolError:
@@ -902,7 +901,8 @@ def _head(frame: bytes, what: str) -> _Head:
     """The envelope of a request or an fd-channel event. A frame the strict decoder
     refuses is decoded again loosely, to name what is wrong (with the request id
     attached wherever it could be read)."""
-    _check_frame(frame)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise _too_large(frame)
     try:
         head = _HEAD.decode(frame)
     except msgspec.ValidationError:
@@ -994,7 +994,8 @@ def encode_error(request_id: int, error: ProtocolError) -> bytes:
 def decode_reply(frame: bytes) -> Reply:
     """Decode a reply envelope (the body stays raw: ``decode_body``). Fields of the wrong
     shape are not trusted: success needs a real ``true``, an unknown code is INTERNAL."""
-    _check_frame(frame)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise _too_large(frame)
     try:
         reply = _REPLY.decode(frame)
     except msgspec.ValidationError:
