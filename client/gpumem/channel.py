@@ -62,8 +62,8 @@ class ControlChannel:
         if routing_id is not None:
             self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
         self._sock.connect(endpoints.zmq_url)
-        self._send = self._sock.send
-        self._recv = self._sock.recv
+        self._send: Callable[[bytes], Any] = self._sock.send
+        self._recv: Callable[[], bytes] = self._sock.recv
         self._ids = itertools.count(1)
 
     def call(self, message: p.RequestMessage, timeout: float) -> Any:
@@ -292,9 +292,9 @@ class SessionChannel:
         assert sock is not None
         received: dict[int, int] = {}
         early, self._sockets.early = self._sockets.early, []
-        for batch, fds in early:
-            if batch.request_id == request_id:
-                received.update(zip(batch.chunk_ids, fds))
+        for kept, fds in early:
+            if kept.request_id == request_id:
+                received.update(zip(kept.chunk_ids, fds))
                 batches -= 1
             else:
                 fdchannel.close_all(fds)

@@ -255,13 +255,13 @@ class Server:
             router.send(identity, _SNDMORE_NOBLOCK)
             router.send(p.encode_error(0, err), _NOBLOCK)
             return
-        reply = self._serve(identity, frame)
+        reply = self._serve(identity, frame.buffer)
         if reply is not None:
             router.send(identity, _SNDMORE_NOBLOCK)
             router.send(reply, _NOBLOCK)
         self._flush_state()
 
-    def _serve(self, identity: bytes, frame: zmq.Frame) -> bytes | None:
+    def _serve(self, identity: bytes, frame: bytes | memoryview) -> bytes | None:
         request_id = 0
         try:
             request = p.decode_request(frame)
