@@ -241,7 +241,9 @@ class HelloReply(Message):
 
 
 class Hello(RequestMessage, kw_only=True):
-    """First message on the fd channel; opens the session. Credentials come from SO_PEERCRED."""
+    """First message on the fd channel; opens the session. Credentials come from SO_PEERCRED.
+    On the control channel it is refused like an unknown type, so the admission rules
+    there keep their defaults."""
 
     TYPE = MsgType.HELLO
     REPLY = HelloReply
