@@ -45,6 +45,10 @@ from gpumem.errors import (
 # daemon is still there (its fd channel) instead of sleeping out the whole timeout.
 _SLICE_MS = 250
 
+# How long a request may wait to be queued: only a daemon that stopped reading while
+# a thousand requests piled up (ZeroMQ's high-water mark) makes a send wait at all.
+_SEND_TIMEOUT_MS = 5000
+
 # Notices nobody took yet; the oldest go first.
 _NOTICES_KEPT = 1024
 
@@ -59,6 +63,8 @@ class ControlChannel:
         # A blocking recv bounded by RCVTIMEO: cheaper than a poller per call.
         self._sock.setsockopt(zmq.RCVTIMEO, _SLICE_MS)
         self._rcvtimeo = _SLICE_MS
+        # A send waits only while the daemon leaves a full queue of requests unread.
+        self._sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         if routing_id is not None:
             self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
         self._sock.connect(endpoints.zmq_url)
@@ -71,16 +77,23 @@ class ControlChannel:
         return self.exchange(message, timeout)[1]
 
     def exchange(
-        self, message: p.RequestMessage, timeout: float, still_waiting: Callable[[int], None] | None = None
+        self, message: p.RequestMessage, timeout: float, in_flight: Callable[[int], None] | None = None
     ) -> tuple[int, Any]:
         """One request: (its id, the typed reply body), or the typed error.
-        ``still_waiting(request_id)`` runs whenever a slice of the wait passes unanswered."""
+        ``in_flight(request_id)`` runs once the request is out, while the daemon works on
+        it (what it costs hides behind the wait), and again after every slice of the wait
+        that passes unanswered; it may raise to end the wait."""
         request_id = next(self._ids)
         try:
             frame = p.encode_request(request_id, message)
         except p.ProtocolError as exc:
             raise error_from_protocol(exc, "request refused before sending") from None
-        self._send(frame)
+        try:
+            self._send(frame)
+        except zmq.Again:
+            raise DaemonTimeout(self._timeout_message(message, _SEND_TIMEOUT_MS / 1000, "take")) from None
+        if in_flight is not None:
+            in_flight(request_id)
         remaining_ms = max(int(timeout * 1000), 1)
         while True:
             wait = remaining_ms if remaining_ms < _SLICE_MS else _SLICE_MS
@@ -91,10 +104,10 @@ class ControlChannel:
                 frame = self._recv()
             except zmq.Again:
                 remaining_ms -= wait
-                if still_waiting is not None:
-                    still_waiting(request_id)
+                if in_flight is not None:
+                    in_flight(request_id)
                 if remaining_ms <= 0:
-                    raise DaemonTimeout(self._timeout_message(message, timeout)) from None
+                    raise DaemonTimeout(self._timeout_message(message, timeout, "answer")) from None
                 continue
             try:
                 reply = p.decode_reply(frame)
@@ -109,10 +122,10 @@ class ControlChannel:
             except p.ProtocolError as exc:
                 raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
 
-    def _timeout_message(self, message: p.RequestMessage, timeout: float) -> str:
+    def _timeout_message(self, message: p.RequestMessage, timeout: float, what: str) -> str:
         index = self.endpoints.index
         return (
-            f"gpumemd for device {index} did not answer {type(message).__name__} within {timeout:g}s "
+            f"gpumemd for device {index} did not {what} {type(message).__name__} within {timeout:g}s "
             f"(control socket {self.endpoints.zmq_path}); check 'systemctl status gpumemd@{index}' or that "
             f"'gpumemd --device {index}' runs with this runtime directory, and raise the timeout if the "
             "daemon is only busy"
@@ -223,12 +236,14 @@ class SessionChannel:
         """One request: (typed reply body, {chunk id: fd} for the chunks it hands out).
         The caller owns the descriptors. ``timeout`` defaults to the session's."""
         with self._lock:
-            ready = self._sockets.fd_ready
-            if ready is None:
+            if self._sockets.fd_sock is None:
                 raise SessionClosed(f"session '{self.name}' is closed")
-            if self._stopped is not None or ready.poll(0):  # a hang-up reads as ready too
-                self._poll_events()
+            if self._stopped is not None:
+                raise DaemonStopped(self._stopped)
             limit = self.timeout if timeout is None else timeout
+            # The fd channel is read while the request is out: a daemon that stopped or
+            # died never serves it (it handles no request once it has said "stopping"),
+            # and looking costs nothing while the reply is on its way.
             request_id, body = self._control.exchange(message, limit, self._keep_batches)
             batches = getattr(body, "fd_batches", 0)
             return body, (self._receive_fds(request_id, batches, limit) if batches else {})
@@ -249,7 +264,7 @@ class SessionChannel:
             raise DaemonStopped(self._stopped)
 
     def _keep_batches(self, request_id: int) -> None:
-        """While waiting for ``request_id``'s reply: is the daemon still there?"""
+        """While ``request_id`` is out: notices, stale batches, the daemon's going away."""
         self._poll_events(keep=request_id)
 
     def _read_event(self, sock: socket.socket) -> tuple[p.FdBatch | None, list[int]]:
