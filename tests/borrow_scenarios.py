@@ -283,7 +283,7 @@ def escape_is_caught() -> None:
         raises(gpumem.BorrowEscaped, escaping, "'EAGLE probability borrow'", "still alive")
         assert s.leases.peek(w.pool.slot) == 0, "an escape must still give the lease back"
         assert s.leases.escaped(w.pool.slot) == leases.word_session(s.session_id)
-        assert [g.escaped_by for g in s.status().extents] == [f"client '{OWNER}'"], "gpumemctl shows who blocks replays"
+        assert [g.escaped_by for g in s.status().graph_pools] == [f"client '{OWNER}'"], "gpumemctl shows who blocks replays"
         shown = subprocess.run([sys.executable, "-m", "gpumem.ctl", "extents"], capture_output=True, text=True, timeout=30)
         assert f"replay and capture refused: client '{OWNER}' holds borrowed tensors" in shown.stdout, shown
         raises(gpumem.BorrowEscaped, lambda: s.replay(w.pool), "'EAGLE probability borrow'", "replay")
@@ -298,7 +298,7 @@ def escape_is_caught() -> None:
         with s.replay(w.pool):  # the owner notices the tensor is gone and clears the mark
             w.replay()
         w.check(w.output())
-        assert s.leases.escaped(w.pool.slot) == 0 and s.status().extents[0].escaped_by == ""
+        assert s.leases.escaped(w.pool.slot) == 0 and s.status().graph_pools[0].escaped_by == ""
         peer(["peer_replays", str(w.pool.id)])
     print("PASS escape_is_caught")
 
@@ -376,7 +376,7 @@ def rebuild_rules() -> None:
         epoch = w.pool.epoch
         with s.capture(w.pool):
             assert bp.capacity == 0 and bp.runs_key is None
-            assert w.pool.epoch == epoch + 1 and w.pool.free_runs == [] and s.status().extents[0].free_runs == []
+            assert w.pool.epoch == epoch + 1 and w.pool.free_runs == [] and s.status().graph_pools[0].free_runs == []
         try:
             borrow_once()
         except gpumem.BorrowOutOfMemory:

@@ -265,7 +265,7 @@ def _graph_pool(session: gpumem.Session, pool_id: int, refresh: bool = False) ->
     """This client's view of a graph pool: from the daemon's status the first time (or
     with ``refresh``), kept afterwards, as a real client keeps it (it may go stale)."""
     if refresh or pool_id not in VIEWS:
-        for pool in session.status().extents:
+        for pool in session.status().graph_pools:
             if pool.id == pool_id:
                 VIEWS[pool_id] = pool
                 break
