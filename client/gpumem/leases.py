@@ -78,7 +78,7 @@ class SessionLeases:
         # This session's borrow pools whose tensors outlived their scope, by lease slot.
         self.escapes: dict[int, BorrowPool] = {}
         self.device_ordinal = device_ordinal
-        self.handoff_waits = 0  # stream waits on another session's event, for tests and benchmarks
+        self.handoff_waits = 0  # times a stream of this session waited on another session's event
         self._channel = channel
         self._driver = driver
         self._word_session = leases.word_session(session_id)
