@@ -73,6 +73,11 @@ class SessionLeases:
         daemon_key: str,
     ) -> None:
         self.table = table
+        # What the uncontended acquire and release call, one hop from the Lease: the
+        # native compare-and-swaps and the table's address.
+        self.address = table.address
+        self.try_acquire = table._try
+        self.try_release = table._release
         # One word per kind: the hot path must not rebuild them.
         self.words = {kind: leases.encode(kind, session_id, os.getpid()) for kind in leases.KIND_NAMES}
         # This session's borrow pools whose tensors outlived their scope, by lease slot.
@@ -201,16 +206,16 @@ class Lease:
         slot = pool.slot
         if not 0 < slot < _SLOTS:
             raise InvalidArgument(f"graph pool {pool.id} has no lease slot ({slot}); is it registered?")
-        table = owner.table
         word = owner.words[kind]
         epoch = ((pool.id & 0xFFFF) << 16 | (pool.epoch & 0xFFFF)) or 1  # leases.lease_epoch, inlined
         if owner.escapes:
             owner.clear_escape(slot)
-        status = table._try(table.address, slot, word, epoch, label.encode())
+        status = owner.try_acquire(owner.address, slot, word, epoch, label.encode())
         if not status:  # OK
             return cls(owner, pool, kind, word, stream)
         if status == leases.OK_ORDER:
             return cls(owner, pool, kind, word, stream)._ordered()
+        table = owner.table
         deadline = time.monotonic() + wait
         while True:
             if status == leases.ESCAPED:
@@ -279,17 +284,17 @@ class Lease:
         if not self.held:
             raise LeaseNotHeld(f"{leases.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was already released")
         self.held = False
-        table = self.owner.table
-        status = table._release(table.address, self.slot, self._word)
+        owner = self.owner
+        status = owner.try_release(owner.address, self.slot, self._word)
         if not status:  # OK: the uncontended path
             return
         if status == leases.RECORD:  # a shared pool: the next holder may be another process
             try:
-                self.owner.record_handoff(self.pool_id, self._stream())
+                owner.record_handoff(self.pool_id, self._stream())
             except BaseException:
-                table.clear(self.slot, self._word)
+                owner.table.clear(self.slot, self._word)
                 raise
-            status = table.release_recorded(self.slot, self._word)
+            status = owner.table.release_recorded(self.slot, self._word)
         if status != leases.OK:
             raise LeaseNotHeld(
                 f"{leases.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was no longer held at release: "
@@ -302,8 +307,8 @@ class Lease:
     def __exit__(self, *exc: object) -> None:
         # release() inlined for its uncontended case: this is on every step's path.
         if self.held:
-            table = self.owner.table
-            if not table._release(table.address, self.slot, self._word):
+            owner = self.owner
+            if not owner.try_release(owner.address, self.slot, self._word):
                 self.held = False
                 return
         self.release()

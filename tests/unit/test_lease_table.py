@@ -575,7 +575,9 @@ def test_a_lease_that_changed_hands_before_the_message_is_not_misattributed(tabl
 def test_the_fast_path_checks_the_same_epoch_the_daemon_writes(table: LeaseTable, pool_id: int, epoch: int) -> None:
     """Lease.acquire inlines leases.lease_epoch on its hot path: both must agree, wraps and
     the "never 0" rule included."""
-    session = types.SimpleNamespace(table=table, words={REPLAY: word()}, escapes={})
+    session = types.SimpleNamespace(
+        table=table, words={REPLAY: word()}, escapes={}, address=table.address, try_acquire=table._try, try_release=table._release
+    )
     table.set_epoch(SLOT, leases.lease_epoch(pool_id, epoch))
     lease = Lease.acquire(session, types.SimpleNamespace(id=pool_id, slot=SLOT, epoch=epoch), REPLAY, "x", 0)  # type: ignore[arg-type]
     assert table.peek(SLOT) == word()
