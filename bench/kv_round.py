@@ -46,6 +46,7 @@ def client(name: str, tokens: int, headroom: int, rounds: int) -> int:
     """One engine, one pool per round: declare, placeholder, join, report when told,
     print JSON, release when told."""
     import gpumem
+    from gpumem_shared.protocol import to_wire
 
     session = gpumem.connect(0, name=name)
     for i in range(rounds):
@@ -58,7 +59,7 @@ def client(name: str, tokens: int, headroom: int, rounds: int) -> int:
         got = pool.capture_done(headroom_bytes=headroom, min_tokens=tokens, max_tokens=tokens, timeout=600)
         mapped = time.monotonic()
         chunks = len(pool.arena._chunks)
-        print(json.dumps({"sent": sent, "mapped": mapped, "tokens": got, "bytes": pool.arena.mapped_bytes, "chunks": chunks, "budget": pool.budget}), flush=True)
+        print(json.dumps({"sent": sent, "mapped": mapped, "tokens": got, "bytes": pool.arena.mapped_bytes, "chunks": chunks, "budget": to_wire(pool.budget)}), flush=True)
         sys.stdin.readline()
         pool.release()
         print("RELEASED", flush=True)

@@ -13,7 +13,7 @@
    slot's futex when it is released; the figure is from the release (CLOCK_MONOTONIC,
    shared by the processes) to the waiter holding the lease. Every handoff runs the
    cross-process path: the IPC event recorded at release and the stream wait on it at
-   acquire (``session.handoff_waits`` counts those waits; reported as a figure).
+   acquire (``session.leasing.handoff_waits`` counts those waits; reported as a figure).
 
 The pools are synthetic registrations in a committed arena (no GPU work is involved in
 a lease); on the host backend events are no-ops but the same code path runs, so the
@@ -64,7 +64,7 @@ def handoff_client(name: str, rounds: int) -> int:
         lease.release()
         events.append((acquired, released))
         time.sleep(0.0003)  # the other side, asleep on the futex, takes it now
-    print(json.dumps({"events": events, "handoff_waits": session.handoff_waits}), flush=True)
+    print(json.dumps({"events": events, "handoff_waits": session.leasing.handoff_waits}), flush=True)
     session.close()
     return 0
 
@@ -83,7 +83,7 @@ def main() -> int:
     def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
         result.targets = {"uncontended_p50_us_max": 2.0, "speedup_vs_rtt_min": 40.0, "handoff_p50_us_max": 50.0}
         import gpumem
-        from gpumem_shared.lease_table import LeaseFlag, LeaseKind, decode
+        from gpumem_shared import lease_table
         from gpumem_shared import protocol as p
 
         rt = cleanup.enter_context(c.runtime_dir())
@@ -123,7 +123,7 @@ def main() -> int:
 
         samples = uncontended(private)
         shared_samples = uncontended(shared)
-        me = decode(session.lease_words[LeaseKind.REPLAY])[1]
+        me = lease_table.decode(session.leasing.words[LeaseKind.REPLAY])[1]
         if not session.leases.flags(shared.slot) & LeaseFlag.SHARED or session.leases.handoff(shared.slot) != me:
             raise RuntimeError(f"releases of shared pool {shared.id} did not record an IPC event: the shared path did not run")
         pings = []

@@ -44,6 +44,7 @@ def engine(args: argparse.Namespace) -> int:
     import torch
 
     import gpumem
+    from gpumem_shared.protocol import to_wire
 
     torch.manual_seed(args.seed)
     device = torch.device("cuda", 0)
@@ -141,7 +142,7 @@ def engine(args: argparse.Namespace) -> int:
         "buffers": len(buffers),
         "graph_pool_bytes": graph_bytes,
         "round": pool.round_id,
-        "budget": pool.budget,
+        "budget": to_wire(pool.budget),
         "steps": args.steps,
     }
     print(json.dumps(summary), flush=True)

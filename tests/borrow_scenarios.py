@@ -284,7 +284,7 @@ def escape_is_caught() -> None:
         raises(gpumem.BorrowEscaped, escaping, "'EAGLE probability borrow'", "still alive")
         assert s.leases.peek(w.pool.slot) == 0, "an escape must still give the lease back"
         assert s.leases.escaped(w.pool.slot) == lease_table.word_session(s.session_id)
-        assert [g.escaped_by for g in s.status().extents] == [f"client '{OWNER}'"], "gpumemctl shows who blocks replays"
+        assert [g.escaped_by for g in s.status().graph_pools] == [f"client '{OWNER}'"], "gpumemctl shows who blocks replays"
         shown = subprocess.run([sys.executable, "-m", "gpumem.ctl", "extents"], capture_output=True, text=True, timeout=30)
         assert f"replay and capture refused: client '{OWNER}' holds borrowed tensors" in shown.stdout, shown
         raises(gpumem.BorrowEscaped, lambda: s.replay(w.pool), "'EAGLE probability borrow'", "replay")
@@ -299,7 +299,7 @@ def escape_is_caught() -> None:
         with s.replay(w.pool):  # the owner notices the tensor is gone and clears the mark
             w.replay()
         w.check(w.output())
-        assert s.leases.escaped(w.pool.slot) == 0 and s.status().extents[0].escaped_by == ""
+        assert s.leases.escaped(w.pool.slot) == 0 and s.status().graph_pools[0].escaped_by == ""
         peer(["peer_replays", str(w.pool.id)])
     print("PASS escape_is_caught")
 
@@ -377,7 +377,7 @@ def rebuild_rules() -> None:
         epoch = w.pool.epoch
         with s.capture(w.pool):
             assert bp.capacity == 0 and bp.runs_key is None
-            assert w.pool.epoch == epoch + 1 and w.pool.free_runs == [] and s.status().extents[0].free_runs == []
+            assert w.pool.epoch == epoch + 1 and w.pool.free_runs == [] and s.status().graph_pools[0].free_runs == []
         try:
             borrow_once()
         except gpumem.BorrowOutOfMemory:
@@ -510,7 +510,7 @@ def handoff_orders_gpu_work() -> None:
         time.sleep(0.3)
         with s.replay(w.pool, wait=10.0, label="reader"):
             assert _reads(s, region, 0xCD), "the replay lease came before the borrower's queued write finished"
-        assert s.handoff_waits == 1, f"one wait on the borrower's event expected, saw {s.handoff_waits}"
+        assert s.leasing.handoff_waits == 1, f"one wait on the borrower's event expected, saw {s.leasing.handoff_waits}"
         other.send("done")  # only now: the daemon forgets a finished client's event
         other.finish("handoff_peer")
         # one process alone: stream order, no waits
@@ -518,7 +518,7 @@ def handoff_orders_gpu_work() -> None:
             pass
         with s.replay(w.pool):
             pass
-        assert s.handoff_waits == 1
+        assert s.leasing.handoff_waits == 1
     print("PASS handoff_orders_gpu_work")
 
 
@@ -530,8 +530,8 @@ def handoff_peer(pool_id: str) -> None:
         region = _region(s, pool, 4 * MiB)
         print("READY", flush=True)
         assert sys.stdin.readline().strip() == "borrow"
-        lease = gpumem.Lease.acquire(s, pool, LeaseKind.BORROW, "handoff", 10.0)
-        assert s.handoff_waits == 1, "taking the lease from another process must wait on its event"
+        lease = gpumem.Lease.acquire(s.leasing, pool, LeaseKind.BORROW, "handoff", 10.0)
+        assert s.leasing.handoff_waits == 1, "taking the lease from another process must wait on its event"
         assert _reads(s, region, 0xAB), "the borrow lease came before the owner's queued write finished"
         print("SAW AB", flush=True)
         assert sys.stdin.readline().strip() == "give back"
@@ -572,8 +572,8 @@ def torture(iterations: str) -> None:
             w.check(out)  # after the release: the borrower may hold the pool by now
             wait_for_turn(s, w.pool, i == n - 1)
         other.finish("torture_borrower")
-        print(f"owner: {n} replays checked in {time.monotonic() - started:.1f}s, {s.handoff_waits} waits on the borrower's event")
-        assert s.handoff_waits >= n - 1, f"the processes did not alternate ({s.handoff_waits} handoffs in {n})"
+        print(f"owner: {n} replays checked in {time.monotonic() - started:.1f}s, {s.leasing.handoff_waits} waits on the borrower's event")
+        assert s.leasing.handoff_waits >= n - 1, f"the processes did not alternate ({s.leasing.handoff_waits} handoffs in {n})"
     print("PASS torture")
 
 
@@ -602,8 +602,8 @@ def torture_borrower(pool_id: str, iterations: str) -> None:
                 del block, check
             assert bool(result), f"borrow {i}: the borrowed bytes changed within the lease"
             wait_for_turn(s, pool, i == n - 1)
-        assert s.handoff_waits >= n - 1, f"the processes did not alternate ({s.handoff_waits} handoffs in {n})"
-        print(f"borrower: {n} borrows checked, {s.handoff_waits} waits on the owner's event, "
+        assert s.leasing.handoff_waits >= n - 1, f"the processes did not alternate ({s.leasing.handoff_waits} handoffs in {n})"
+        print(f"borrower: {n} borrows checked, {s.leasing.handoff_waits} waits on the owner's event, "
               f"{s.borrow_pools[pool.id].builds} borrow-pool builds", file=sys.stderr)
     print("PASS torture_borrower")
 

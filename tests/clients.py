@@ -233,7 +233,7 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
         kind, pool_id, wait, label = args[0], int(args[1]), float(args[2]), args[3]
         pool = _graph_pool(session, pool_id)
         if kind == "borrow":  # the lease alone: these views are not GraphPool objects to borrow from
-            LEASES[pool_id] = gpumem.Lease.acquire(session, pool, LeaseKind.BORROW, label, wait)
+            LEASES[pool_id] = gpumem.Lease.acquire(session.leasing, pool, LeaseKind.BORROW, label, wait)
         else:
             LEASES[pool_id] = getattr(session, kind)(pool, wait=wait, label=label)
         return kind
@@ -265,7 +265,7 @@ def _graph_pool(session: gpumem.Session, pool_id: int, refresh: bool = False) ->
     """This client's view of a graph pool: from the daemon's status the first time (or
     with ``refresh``), kept afterwards, as a real client keeps it (it may go stale)."""
     if refresh or pool_id not in VIEWS:
-        for pool in session.status().extents:
+        for pool in session.status().graph_pools:
             if pool.id == pool_id:
                 VIEWS[pool_id] = pool
                 break
@@ -292,7 +292,7 @@ def _lease_loop(session: gpumem.Session, pool_id: int, seconds: float, shm_file:
     rng = random.Random(index)
     kinds = [lambda: session.capture(pool, wait=5.0, label=f"loop{index}"),
              lambda: session.replay(pool, wait=5.0, label=f"loop{index}"),
-             lambda: gpumem.Lease.acquire(session, pool, LeaseKind.BORROW, f"loop{index}", 5.0)]
+             lambda: gpumem.Lease.acquire(session.leasing, pool, LeaseKind.BORROW, f"loop{index}", 5.0)]
     count = violations = conflicts = contended = 0
     longest = 0.0
     deadline = time.monotonic() + seconds

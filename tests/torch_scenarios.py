@@ -132,13 +132,13 @@ def graph_pool_in_daemon_chunks() -> None:
         registered = arena.register_graph_pool("decode graph")
         assert registered.epoch == 1 and registered.free_runs[0].size >= 64 << 20, registered
         status = s.status()
-        (entry,) = status.extents
+        (entry,) = status.graph_pools
         assert entry.id == registered.id and entry.owner == "graphs" and entry.free_bytes >= 64 << 20
         assert sum(e.size for e in entry.extents) == sum(seg["total_size"] for seg in segments)
         registered.refresh(recaptured=True)
         assert registered.epoch == 2
         registered.retire()
-        assert s.status().extents == []
+        assert s.status().graph_pools == []
     print("PASS graph_pool_in_daemon_chunks")
 
 

@@ -38,7 +38,7 @@ from gpumem.borrow import Borrow, memory_reserved
 from gpumem.graph_pools import GraphPool
 from gpumem.leases import Lease
 from gpumem.views import RawView
-from gpumem.kv import KvBuffer, KvPool
+from gpumem.kv_pool import KvBuffer, KvPool
 from gpumem.session import Session, connect
 from gpumem_shared import __version__
 

@@ -84,13 +84,15 @@ class Arena:
         self._cover: Ranges = []  # where placeholder backing was asked for
         self._placeholder_fds: dict[int, int] = {}  # slot size -> fd, kept to map again
         self._reserved_here = False
-        self._va_bytes = self.reserved  # what _reserve took here (at least MIN_RESERVATION)
+        self._va_bytes = self.reserved  # what reserve_window took here (at least MIN_RESERVATION)
         self._released = False
         self._torch: ArenaPool | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _reserve(self) -> None:
+    def reserve_window(self) -> None:
+        """Reserve the arena's window in this process, at the daemon's planned address
+        (the session does, once the daemon created or shared the arena)."""
         driver = self.session.driver
         self._va_bytes = max(self.reserved, MIN_RESERVATION)
         try:
@@ -106,9 +108,11 @@ class Arena:
             )
         self._reserved_here = True
 
-    def _apply(self, reply: p.MapReply, fds: dict[int, int]) -> None:
-        """Map the chunks handed out (over any placeholder there), unmap the retired ones
-        (putting placeholder back where it was asked for), and tell the daemon."""
+    def apply(self, reply: p.MapReply | p.KvCommitReply, fds: dict[int, int]) -> None:
+        """Carry out a reply that changed the arena's backing (the session's and the KV
+        pool's requests too): map the chunks handed out (over any placeholder there),
+        unmap the retired ones (putting placeholder back where it was asked for), and
+        tell the daemon. Takes ownership of ``fds``."""
         self.committed = reply.arena.committed
         try:
             if reply.chunks:
@@ -194,8 +198,8 @@ class Arena:
         memory, replacing any placeholder there at the same addresses. Idempotent;
         growing only. Fails whole, with the figures, when the device lacks the memory."""
         self._check_open()
-        reply, fds = self.session._call(p.CommitArena(name=self.name, nbytes=nbytes))
-        self._apply(reply, fds)
+        reply, fds = self.session.channel.call(p.CommitArena(name=self.name, nbytes=nbytes))
+        self.apply(reply, fds)
 
     def decommit(self, to_nbytes: int) -> int:
         """Give back physical memory beyond ``to_nbytes``, in whole chunks: the arena
@@ -206,8 +210,8 @@ class Arena:
         if self._torch is not None:
             keep = max((c.offset + c.size for c in self._chunks.values() if c.offset < to_nbytes), default=0)
             self._torch.check_unused(keep, self.committed)
-        reply, fds = self.session._call(p.DecommitArena(name=self.name, to_nbytes=to_nbytes))
-        self._apply(reply, fds)
+        reply, fds = self.session.channel.call(p.DecommitArena(name=self.name, to_nbytes=to_nbytes))
+        self.apply(reply, fds)
         return self.committed
 
     def placeholder(self, offset: int = 0, nbytes: int | None = None, slot_bytes: int = DEFAULT_PLACEHOLDER_SLOT) -> None:
@@ -227,7 +231,7 @@ class Arena:
         if self._placeholder_fds and slot_bytes not in self._placeholder_fds:
             raise InvalidArgument(f"arena '{self.name}' already uses {max(self._placeholder_fds)}-byte placeholder slots")
         if not self._placeholder_fds:
-            reply, fds = self.session._call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
+            reply, fds = self.session.channel.call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
             self._placeholder_fds = {c.size: fds[c.id] for c in reply.chunks}
         self._cover = merge(self._cover + [(offset, offset + nbytes)])
         mapped = [(o, o + size) for o, (size, _) in self._maps.items()]
@@ -242,8 +246,8 @@ class Arena:
     def sync(self) -> None:
         """Map what was committed since, unmap what was retired since."""
         self._check_open()
-        reply, fds = self.session._call(p.SyncArena(name=self.name))
-        self._apply(reply, fds)
+        reply, fds = self.session.channel.call(p.SyncArena(name=self.name))
+        self.apply(reply, fds)
 
     def release(self) -> None:
         """Unmap everything and give the arena back (an owner destroys it, a sharer

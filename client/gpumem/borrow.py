@@ -279,7 +279,7 @@ class Borrow:
             )
         if self._torch is not None:
             _warm_cublas(self._torch, session.device_ordinal or 0, self.stream)
-        self.lease = Lease.acquire(session, pool, LeaseKind.BORROW, user, wait, self.stream)
+        self.lease = Lease.acquire(session.leasing, pool, LeaseKind.BORROW, user, wait, self.stream)
         try:
             if existing is None:
                 existing = session.borrow_pools[pool.id] = BorrowPool(session, pool, self.stream)
@@ -339,9 +339,9 @@ class Borrow:
                 self._route.__exit__(None, None, None)
                 self._route = None
             live = bp.live_bytes() - self._live_before
-            if live > 0 and self.pool.slot not in self.session.borrow_escapes:
+            if live > 0 and self.pool.slot not in self.session.leasing.escapes:
                 # Marked while the lease is still ours: no replay can slip in between.
-                self.session.report_escape(self.pool, bp, self.user)
+                self.session.leasing.report_escape(self.pool, bp, self.user)
             elif live > 0:
                 bp.escaped_scope = self.user
         finally:

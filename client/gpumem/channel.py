@@ -1,67 +1,113 @@
-"""The control channel: one ZeroMQ DEALER speaking request/reply to the daemon's ROUTER.
+"""The sockets a client speaks to one daemon over.
 
-Used with a session's token as routing id (the daemon then knows who is asking), or
-anonymously by gpumemctl for read-only requests. Every wait is bounded.
+``ControlChannel``: a ZeroMQ DEALER speaking request/reply to the daemon's ROUTER.
+gpumemctl uses one anonymously, for the requests that need no session (PING, STATUS).
+
+``SessionChannel``: both sockets of a session. The fd channel (AF_UNIX SEQPACKET) says
+HELLO, stays open for the session's life (the daemon sees EOF when this process dies),
+brings chunk descriptors (FD_BATCH) and notices, and tells us the daemon went away. The
+DEALER, bound to the session by the token HELLO returned as its routing id, carries
+every request. ``call`` returns the typed reply body and the descriptors that came with
+it, so arenas and KV pools never touch the sockets.
+
+One lock per session: a request's FD_BATCH messages and its reply pair up because no
+other request of this session is in flight. Every wait is bounded.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import select
+import socket
+import threading
+import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import zmq
 
+from gpumem_shared import __version__, fdchannel
 from gpumem_shared import protocol as p
+from gpumem_shared.lease_table import LeaseTable
 from gpumem_shared.paths import Endpoints
-from gpumem.errors import DaemonTimeout, error_from_protocol, error_from_reply
-
-T = TypeVar("T")
+from gpumem.errors import (
+    BadMessage,
+    DaemonStopped,
+    DaemonTimeout,
+    DaemonUnavailable,
+    SessionClosed,
+    error_from_protocol,
+    error_from_reply,
+)
 
 # While waiting for a reply, wake this often to let the caller check whether the
 # daemon is still there (its fd channel) instead of sleeping out the whole timeout.
 _SLICE_MS = 250
 
+# How long a request may wait to be queued: only a daemon that stopped reading while
+# a thousand requests piled up (ZeroMQ's high-water mark) makes a send wait at all.
+_SEND_TIMEOUT_MS = 5000
+
+# Notices nobody took yet; the oldest go first.
+_NOTICES_KEPT = 1024
+
 
 class ControlChannel:
+    """A DEALER on the daemon's control socket; ``routing_id`` binds it to a session."""
+
     def __init__(self, endpoints: Endpoints, routing_id: bytes | None = None) -> None:
         self.endpoints = endpoints
-        self._ctx = zmq.Context.instance()
-        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        self._sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A blocking recv bounded by RCVTIMEO: cheaper than a poller per call.
         self._sock.setsockopt(zmq.RCVTIMEO, _SLICE_MS)
         self._rcvtimeo = _SLICE_MS
+        # A send waits only while the daemon leaves a full queue of requests unread.
+        self._sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         if routing_id is not None:
             self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
         self._sock.connect(endpoints.zmq_url)
+        self._send: Callable[[bytes], Any] = self._sock.send
+        self._recv: Callable[[], bytes] = self._sock.recv
         self._ids = itertools.count(1)
 
-    def call(
-        self, message: Any, timeout: float, still_alive: Callable[[int], None] | None = None
+    def call(self, message: p.RequestMessage, timeout: float) -> Any:
+        """One request: the typed reply body, or the typed error."""
+        return self.exchange(message, timeout)[1]
+
+    def exchange(
+        self, message: p.RequestMessage, timeout: float, in_flight: Callable[[int], None] | None = None
     ) -> tuple[int, Any]:
-        """Send one request; return (request id, typed reply body) or raise the typed error.
-        ``still_alive(request_id)`` runs whenever a slice of the wait passes unanswered."""
+        """One request: (its id, the typed reply body), or the typed error.
+        ``in_flight(request_id)`` runs once the request is out, while the daemon works on
+        it (what it costs hides behind the wait), and again after every slice of the wait
+        that passes unanswered; it may raise to end the wait."""
         request_id = next(self._ids)
         try:
             frame = p.encode_request(request_id, message)
         except p.ProtocolError as exc:
             raise error_from_protocol(exc, "request refused before sending") from None
-        self._sock.send(frame, copy=True)
+        try:
+            self._send(frame)
+        except zmq.Again:
+            raise DaemonTimeout(self._timeout_message(message, _SEND_TIMEOUT_MS / 1000, "take")) from None
+        if in_flight is not None:
+            in_flight(request_id)
         remaining_ms = max(int(timeout * 1000), 1)
         while True:
-            wait = min(remaining_ms, _SLICE_MS)
+            wait = remaining_ms if remaining_ms < _SLICE_MS else _SLICE_MS
             if wait != self._rcvtimeo:
                 self._sock.setsockopt(zmq.RCVTIMEO, wait)
                 self._rcvtimeo = wait
             try:
-                # A blocking recv bounded by RCVTIMEO: cheaper than building a poller per call.
-                frame = self._sock.recv(copy=True)
+                frame = self._recv()
             except zmq.Again:
                 remaining_ms -= wait
-                if still_alive is not None:
-                    still_alive(request_id)
+                if in_flight is not None:
+                    in_flight(request_id)
                 if remaining_ms <= 0:
-                    raise DaemonTimeout(self._timeout_message(message, timeout)) from None
+                    raise DaemonTimeout(self._timeout_message(message, timeout, "answer")) from None
                 continue
             try:
                 reply = p.decode_reply(frame)
@@ -76,10 +122,10 @@ class ControlChannel:
             except p.ProtocolError as exc:
                 raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
 
-    def _timeout_message(self, message: Any, timeout: float) -> str:
+    def _timeout_message(self, message: p.RequestMessage, timeout: float, what: str) -> str:
         index = self.endpoints.index
         return (
-            f"gpumemd for device {index} did not answer {type(message).__name__} within {timeout:g}s "
+            f"gpumemd for device {index} did not {what} {type(message).__name__} within {timeout:g}s "
             f"(control socket {self.endpoints.zmq_path}); check 'systemctl status gpumemd@{index}' or that "
             f"'gpumemd --device {index}' runs with this runtime directory, and raise the timeout if the "
             "daemon is only busy"
@@ -88,3 +134,228 @@ class ControlChannel:
     def close(self) -> None:
         self._sock.close(linger=0)
 
+
+class _Sockets:
+    """What must be closed even if the channel is dropped without close()."""
+
+    def __init__(self) -> None:
+        self.fd_sock: socket.socket | None = None
+        # Whether the fd channel has something to read, without building fd sets per
+        # call: every request asks it first.
+        self.fd_ready: select.epoll | None = None
+        self.control: ControlChannel | None = None
+        self.early: list[tuple[p.FdBatch, list[int]]] = []  # fd batches that came before their reply
+
+    def __call__(self) -> None:
+        for _, fds in self.early:
+            fdchannel.close_all(fds)
+        self.early = []
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        if self.fd_ready is not None:
+            self.fd_ready.close()
+            self.fd_ready = None
+        if self.fd_sock is not None:
+            self.fd_sock.close()
+            self.fd_sock = None
+
+
+class SessionChannel:
+    """Both sockets of one session (see the module doc). Opening it says HELLO:
+    ``hello`` is the daemon's answer, ``lease_table`` the table that came with it."""
+
+    def __init__(self, endpoints: Endpoints, name: str, timeout: float) -> None:
+        self.endpoints = endpoints
+        self.name = name
+        self.timeout = timeout
+        self._lock = threading.RLock()
+        self._notices: collections.deque[p.Notice] = collections.deque(maxlen=_NOTICES_KEPT)
+        self._stopped: str | None = None
+        self._sockets = _Sockets()
+        # Registered before anything opens, so a half-built channel still cleans up.
+        self._finalizer = weakref.finalize(self, self._sockets)
+        ok = False
+        try:
+            self.hello, self.lease_table = self._say_hello()
+            self._control = self._sockets.control = ControlChannel(endpoints, routing_id=self.hello.token)
+            ok = True
+        finally:
+            if not ok:
+                self._finalizer()
+
+    # ------------------------------------------------------------------ HELLO
+
+    def _say_hello(self) -> tuple[p.HelloReply, LeaseTable]:
+        ep = self.endpoints
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._sockets.fd_sock = sock
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(str(ep.fd_path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonUnavailable(
+                f"no gpumemd serves device {ep.index}: nothing listens at {ep.fd_path}; start it with "
+                f"'systemctl start gpumemd@{ep.index}' (or 'gpumemd --device {ep.index}'), or point "
+                "runtime_dir / $GPUMEMD_RUNTIME_DIR at the daemon's directory"
+            ) from None
+        except PermissionError:
+            raise DaemonUnavailable(
+                f"no permission to connect to {ep.fd_path}: join the daemon's socket group (gpumemd --socket-group)"
+            ) from None
+        self._sockets.fd_ready = select.epoll(1, select.EPOLL_CLOEXEC)
+        self._sockets.fd_ready.register(sock.fileno(), select.EPOLLIN)
+        try:
+            fdchannel.send(sock, p.encode_request(1, p.Hello(name=self.name, client_version=__version__)))
+            payload, fds = fdchannel.recv(sock, max_fds=1)
+        except TimeoutError:
+            raise DaemonTimeout(
+                f"gpumemd for device {ep.index} accepted but did not answer HELLO within {self.timeout:g}s ({ep.fd_path})"
+            ) from None
+        except p.ProtocolError as exc:
+            raise BadMessage(exc.message) from None
+        try:
+            if not payload:
+                raise DaemonStopped(f"gpumemd for device {ep.index} closed the connection during HELLO")
+            try:
+                reply = p.decode_reply(payload)
+                if not reply.ok:
+                    raise error_from_reply(reply)
+                hello = p.decode_body(p.HelloReply, reply.body)
+            except p.ProtocolError as exc:
+                raise error_from_protocol(exc, "HELLO reply refused") from None
+            if len(fds) != 1:
+                raise BadMessage(f"gpumemd's HELLO reply carried {len(fds)} descriptors, not the lease table")
+            return hello, LeaseTable(fds[0])
+        finally:
+            fdchannel.close_all(fds)  # the table is mapped; the mapping keeps it
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, message: p.RequestMessage, timeout: float | None = None) -> tuple[Any, dict[int, int]]:
+        """One request: (typed reply body, {chunk id: fd} for the chunks it hands out).
+        The caller owns the descriptors. ``timeout`` defaults to the session's."""
+        with self._lock:
+            if self._sockets.fd_sock is None:
+                raise SessionClosed(f"session '{self.name}' is closed")
+            if self._stopped is not None:
+                raise DaemonStopped(self._stopped)
+            limit = self.timeout if timeout is None else timeout
+            # The fd channel is read while the request is out: a daemon that stopped or
+            # died never serves it (it handles no request once it has said "stopping"),
+            # and looking costs nothing while the reply is on its way.
+            request_id, body = self._control.exchange(message, limit, self._keep_batches)
+            batches = getattr(body, "fd_batches", 0)
+            return body, (self._receive_fds(request_id, batches, limit) if batches else {})
+
+    def _poll_events(self, keep: int = 0) -> None:
+        """Take pending fd-channel messages without blocking; raise if the daemon has gone.
+        Notices are queued; fd batches for request ``keep`` (in flight: the daemon sends
+        them just before the reply) are kept for it, others belong to calls that timed
+        out and are closed."""
+        sock, ready = self._sockets.fd_sock, self._sockets.fd_ready
+        while sock is not None and ready is not None and self._stopped is None and ready.poll(0):
+            batch, fds = self._read_event(sock)
+            if batch is not None and keep and batch.request_id == keep:
+                self._sockets.early.append((batch, fds))
+            else:
+                fdchannel.close_all(fds)
+        if self._stopped is not None:
+            raise DaemonStopped(self._stopped)
+
+    def _keep_batches(self, request_id: int) -> None:
+        """While ``request_id`` is out: notices, stale batches, the daemon's going away."""
+        self._poll_events(keep=request_id)
+
+    def _read_event(self, sock: socket.socket) -> tuple[p.FdBatch | None, list[int]]:
+        """Read one fd-channel message: notices are queued here; an FdBatch is returned
+        with its descriptors, which the caller keeps or closes."""
+        try:
+            payload, fds = fdchannel.recv(sock)
+        except p.ProtocolError as exc:
+            raise BadMessage(f"fd channel: {exc.message}") from None
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            self._mark_stopped(f"the fd channel to gpumemd failed ({exc})")
+            return None, []
+        if not payload and not fds:
+            self._mark_stopped(f"gpumemd for device {self.endpoints.index} went away")
+            return None, []
+        try:
+            event = p.decode_event(payload)
+        except p.ProtocolError as exc:
+            fdchannel.close_all(fds)
+            raise BadMessage(f"fd channel: {exc.message}") from None
+        if isinstance(event, p.Notice):
+            fdchannel.close_all(fds)
+            self._notices.append(event)
+            if event.kind == p.NoticeKind.STOPPING:
+                self._mark_stopped(event.message)
+            return None, []
+        if len(fds) != len(event.chunk_ids):
+            fdchannel.close_all(fds)
+            raise BadMessage(f"fd batch carries {len(fds)} descriptors for {len(event.chunk_ids)} chunks")
+        return event, fds
+
+    def _mark_stopped(self, reason: str) -> None:
+        if self._stopped is None:
+            self._stopped = f"{reason}; memory this process mapped stays valid, new requests need a new session"
+
+    def _receive_fds(self, request_id: int, batches: int, timeout: float) -> dict[int, int]:
+        sock = self._sockets.fd_sock
+        assert sock is not None
+        received: dict[int, int] = {}
+        early, self._sockets.early = self._sockets.early, []
+        for kept, fds in early:
+            if kept.request_id == request_id:
+                received.update(zip(kept.chunk_ids, fds))
+                batches -= 1
+            else:
+                fdchannel.close_all(fds)
+        sock.settimeout(timeout)
+        try:
+            while batches:
+                try:
+                    batch, fds = self._read_event(sock)
+                except TimeoutError:
+                    raise DaemonTimeout(
+                        f"gpumemd for device {self.endpoints.index} replied but sent no descriptors within {timeout:g}s"
+                    ) from None
+                if self._stopped is not None:
+                    raise DaemonStopped(self._stopped)
+                if batch is not None and batch.request_id == request_id:
+                    received.update(zip(batch.chunk_ids, fds))
+                    batches -= 1
+                else:
+                    fdchannel.close_all(fds)
+        except BaseException:
+            fdchannel.close_all(list(received.values()))
+            raise
+        return received
+
+    # ------------------------------------------------------------------ notices
+
+    def notices(self, kind: str | None = None, arena: str | None = None) -> list[p.Notice]:
+        """Take the notices received so far, optionally only those of one kind and arena."""
+        with self._lock:
+            if self._sockets.fd_sock is not None:
+                try:
+                    self._poll_events()
+                except DaemonStopped:
+                    pass
+            wanted = [n for n in self._notices if (kind is None or n.kind == kind) and (arena is None or n.arena == arena)]
+            for notice in wanted:
+                self._notices.remove(notice)
+            return wanted
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def closed(self) -> bool:
+        return self._sockets.fd_sock is None
+
+    def close(self) -> None:
+        """Close both sockets; the daemon releases what this session alone held."""
+        with self._lock:
+            self._finalizer()

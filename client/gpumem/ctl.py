@@ -10,16 +10,16 @@ import datetime
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from gpumem_shared import protocol as p
-from gpumem_shared.paths import Endpoints, daemon_alive, discover, resolve_runtime_dir
+from gpumem_shared.paths import Endpoints, daemon_alive, resolve_runtime_dir
 from gpumem_shared.units import format_size
 from gpumem.channel import ControlChannel
-from gpumem.errors import DaemonUnavailable, GpuMemError, ProtocolMismatch
+from gpumem.discovery import live_daemons, resolve_device
+from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch
 
 EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_MISMATCH = 1, 3, 4
 
@@ -46,26 +46,18 @@ def main(ctx: click.Context, device: str | None, runtime_dir: str | None, timeou
     ctx.obj = {"device": device, "runtime_dir": runtime_dir, "timeout": timeout}
 
 
-def _index(runtime_dir: Path, device: str) -> int:
-    """A daemon's index from ``--device``: the index itself, or the UUID (or a unique
-    prefix of it) a daemon in ``runtime_dir`` announced."""
-    if device.isdigit():
-        return int(device)
-    daemons = [d for d in discover(runtime_dir) if daemon_alive(Endpoints(runtime_dir, d["index"]))]
-    matches = [d["index"] for d in daemons if str(d.get("uuid", "")).lower().startswith(device.lower())]
-    if len(matches) != 1:
-        known = ", ".join(f"{d['index']}={d.get('uuid')}" for d in daemons) or "none"
-        _die(EXIT_NOT_RUNNING if not matches else EXIT_ERROR,
-             f"{'no daemon serves' if not matches else 'several daemons match'} device {device!r} in {runtime_dir} (daemons there: {known})")
-    return int(matches[0])
-
-
 def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, message: Any) -> Any:
     group = ctx.obj
     directory = resolve_runtime_dir(runtime_dir or group["runtime_dir"])
     chosen = device if device is not None else group["device"]
-    index = _index(directory, chosen) if chosen is not None else 0
-    endpoints = Endpoints(directory, index)
+    try:
+        # gpumemctl loads no CUDA: an index is the daemon's own, not a CUDA ordinal.
+        endpoints = resolve_device(chosen if chosen is not None else 0, directory, cuda_ordinal=False)
+    except DeviceAmbiguous as exc:
+        _die(EXIT_ERROR, exc.message)
+    except DaemonUnavailable as exc:
+        _die(EXIT_NOT_RUNNING, exc.message)
+    index = endpoints.index
     wait = timeout if timeout is not None else (group["timeout"] if group["timeout"] is not None else 5.0)
     if not endpoints.zmq_path.exists() or not daemon_alive(endpoints):
         _die(
@@ -84,15 +76,15 @@ def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, time
         _die(EXIT_ERROR, exc.message)
 
 
-def _ask(endpoints: Endpoints, message: Any, wait: float) -> Any:
+def _ask(endpoints: Endpoints, message: p.RequestMessage, wait: float) -> Any:
     channel = ControlChannel(endpoints)
     try:
-        return channel.call(message, wait)[1]
+        return channel.call(message, wait)
     finally:
         channel.close()
 
 
-def _die(code: int, message: str) -> None:
+def _die(code: int, message: str) -> NoReturn:
     click.echo(f"gpumemctl: {message}", err=True)
     sys.exit(code)
 
@@ -118,7 +110,7 @@ def status(
     if device is not None or ctx.obj["device"] is not None:
         _die(EXIT_ERROR, "--all asks every daemon; leave out --device")
     directory = resolve_runtime_dir(runtime_dir or ctx.obj["runtime_dir"])
-    indices = [d["index"] for d in discover(directory) if daemon_alive(Endpoints(directory, d["index"]))]
+    indices = [d["index"] for d in live_daemons(directory)]
     wait = timeout if timeout is not None else (ctx.obj["timeout"] if ctx.obj["timeout"] is not None else 5.0)
     replies = []
     for index in indices:

@@ -123,6 +123,10 @@ class DaemonTimeout(DaemonUnavailable, TimeoutError):
     """The daemon did not answer within the call's timeout."""
 
 
+class DeviceAmbiguous(DaemonUnavailable):
+    """The device was named by a UUID prefix that several daemons' devices share."""
+
+
 class DaemonStopped(DaemonUnavailable):
     """The daemon stopped (or died). Memory this process mapped stays valid."""
 

@@ -21,25 +21,34 @@ on another is the caller's to order (a borrow takes ``stream=``).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import lease_table
-from gpumem_shared.lease_table import LeaseStatus
-from gpumem.errors import InvalidArgument, LeaseConflict, LeaseNotHeld, StaleEpoch
+from gpumem_shared import protocol as p
+from gpumem_shared.driver import Driver, DriverError
+from gpumem_shared.lease_table import LeaseStatus, LeaseTable
+from gpumem.errors import BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, StaleEpoch
 
 if TYPE_CHECKING:
-    from gpumem.session import Session
+    from gpumem.borrow import BorrowPool
+    from gpumem.channel import SessionChannel
 
 _SLOTS = lease_table.SLOTS
 # Module globals on the uncontended paths: before Python 3.12, reading an enum member off
 # its class costs about 60 ns (EnumType.__getattr__ slows every attribute lookup on it).
-_OK, _OK_ORDER, _RECORD = LeaseStatus.OK, LeaseStatus.OK_ORDER, LeaseStatus.RECORD
+_OK_ORDER, _RECORD = LeaseStatus.OK_ORDER, LeaseStatus.RECORD
 
 # While a slot holds an impossible value, waiters retry this often: the daemon clears
 # such a slot on its next tick.
 _CORRUPT_RETRY_S = 0.01
+
+# IPC events this process's sessions record at lease handoffs, by (daemon, pool id,
+# 24-bit session): a taker from another session of this process waits on them directly
+# (a process cannot open its own IPC handle).
+_PROCESS_EVENTS: dict[tuple[str, int, int], Any] = {}
 
 
 def current_stream(device: int | None) -> int:
@@ -51,11 +60,139 @@ def current_stream(device: int | None) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-class Lease:
-    __slots__ = ("session", "pool_id", "slot", "kind", "_word", "held", "stream")
+class SessionLeases:
+    """One session's side of the lease table: its lease words, the IPC events that order
+    GPU work at handoffs on shared pools, and the pools its borrowed tensors escaped.
+    ``Lease`` and ``Borrow`` go through it; the daemon round trips it needs (publishing
+    and looking up events, reporting escapes, naming a holder) use the session's channel."""
 
-    def __init__(self, session: Session, pool: Any, kind: int, word: int, stream: int | None) -> None:
-        self.session = session
+    def __init__(
+        self,
+        table: LeaseTable,
+        channel: SessionChannel,
+        driver: Driver,
+        session_id: int,
+        device_ordinal: int | None,
+        daemon_key: str,
+    ) -> None:
+        self.table = table
+        # What the uncontended acquire and release call, one hop from the Lease: the
+        # native compare-and-swaps and the table's address.
+        self.address = table.address
+        self.try_acquire = table._try
+        self.try_release = table._release
+        # One word per kind: the hot path must not rebuild them.
+        self.words = {kind: lease_table.encode(kind, session_id, os.getpid()) for kind in lease_table.KIND_NAMES}
+        # This session's borrow pools whose tensors outlived their scope, by lease slot.
+        self.escapes: dict[int, BorrowPool] = {}
+        self.device_ordinal = device_ordinal
+        self.handoff_waits = 0  # times a stream of this session waited on another session's event
+        self._channel = channel
+        self._driver = driver
+        self._word_session = lease_table.word_session(session_id)
+        self._daemon_key = daemon_key
+        self._own_events: dict[int, Any] = {}  # by pool id
+        self._peer_events: dict[tuple[int, int], Any] = {}  # by (pool id, 24-bit session), once opened
+
+    def _call(self, message: p.RequestMessage) -> Any:
+        return self._channel.call(message)[0]
+
+    def status(self) -> p.StatusReply:
+        """The daemon's status: the slow paths name holders and escapers from it."""
+        reply: p.StatusReply = self._call(p.Status())
+        return reply
+
+    # ------------------------------------------------------------------ handoffs
+
+    def record_handoff(self, pool_id: int, stream: int) -> None:
+        """Before releasing a lease on a shared pool: mark our stream's work so far."""
+        event = self._own_events.get(pool_id)
+        if event is None:
+            event, handle = self._driver.event_create()
+            self._call(p.PublishLeaseEvent(pool_id=pool_id, handle=handle))
+            self._own_events[pool_id] = event
+            _PROCESS_EVENTS[(self._daemon_key, pool_id, self._word_session)] = event
+        self._driver.event_record(event, stream)
+
+    def wait_for_handoff(self, pool_id: int, slot: int, stream: int) -> None:
+        """After taking a lease another session released: our stream waits for its work.
+        The releaser may be another session of this process: its event is used as is."""
+        peer = self.table.handoff(slot)
+        if not peer:
+            return
+        event = _PROCESS_EVENTS.get((self._daemon_key, pool_id, peer))
+        if event is None:
+            event = self._peer_events.get((pool_id, peer))
+        if event is None:
+            try:
+                reply: p.LeaseEventReply = self._call(p.LookupLeaseEvent(pool_id=pool_id, session=peer))
+            except NotFound:
+                return  # the releaser ended: its context, and its queued work, went with it
+            event = self._peer_events[(pool_id, peer)] = self._driver.event_open(reply.handle)
+        self._driver.stream_wait(event, stream)
+        self.handoff_waits += 1
+
+    # ------------------------------------------------------------------ escapes
+
+    def report_escape(self, pool: Any, borrowed: BorrowPool, scope: str) -> None:
+        """Borrowed tensors outlived ``scope``: the daemon marks the pool's slot, refusing
+        replay and capture in every process until we report them gone."""
+        self._call(p.ReportEscape(pool_id=pool.id, escaped=True))
+        borrowed.escaped_scope = scope
+        self.escapes[pool.slot] = borrowed
+
+    def clear_escape(self, slot: int) -> bool:
+        """Report this session's escaped tensors on ``slot`` gone, if they are."""
+        borrowed = self.escapes.get(slot)
+        if borrowed is None or borrowed.live_bytes():
+            return False
+        self._call(p.ReportEscape(pool_id=borrowed.pool_id, escaped=False))
+        del self.escapes[slot]
+        borrowed.escaped_scope = None
+        return True
+
+    def escape_error(self, pool: Any, kind: str, label: str) -> BorrowEscaped | None:
+        """Why the slot refused: our own tensors, or another client's. None when the mark
+        is gone already (the caller tries again)."""
+        marker = self.table.escaped(pool.slot)
+        if not marker:
+            return None
+        mine = self.escapes.get(pool.slot)
+        if mine is not None:
+            return BorrowEscaped(
+                f"{kind} lease '{label}' on graph pool {pool.id} refused: {mine.live_bytes()} bytes borrowed in scope "
+                f"'{mine.escaped_scope}' of this process are still alive and a {kind} would overwrite them; free them first",
+                {"scope": mine.escaped_scope or "", "pid": os.getpid()},
+            )
+        status = self.status()
+        client = next((c for c in status.clients if lease_table.word_session(c.session_id) == marker), None)
+        name, pid = (client.name, client.pid) if client else (f"session {marker}", 0)
+        who = next((g.escaped_by for g in status.graph_pools if g.id == pool.id and g.escaped_by), f"client '{name}'")
+        return BorrowEscaped(
+            f"{kind} lease '{label}' on graph pool {pool.id} refused: {who} (pid {pid}) holds tensors borrowed from it "
+            "past their borrow scope; the mark goes once they are freed (at the borrower's next lease on the pool) or "
+            "when the borrower exits",
+            {"holder": name, "pid": pid},
+        )
+
+    def close(self) -> None:
+        """The session ends: drop the peers' events it opened; ours stay alive for the
+        importers that may still hold them, but no new taker finds them."""
+        for event in self._peer_events.values():
+            try:
+                self._driver.event_destroy(event)
+            except DriverError:
+                pass  # a broken context: the process's teardown frees it
+        self._peer_events.clear()
+        for pool_id in self._own_events:
+            _PROCESS_EVENTS.pop((self._daemon_key, pool_id, self._word_session), None)
+
+
+class Lease:
+    __slots__ = ("owner", "pool_id", "slot", "kind", "_word", "held", "stream")
+
+    def __init__(self, owner: SessionLeases, pool: Any, kind: int, word: int, stream: int | None) -> None:
+        self.owner = owner
         self.pool_id: int = pool.id
         self.slot: int = pool.slot
         self.kind = kind
@@ -64,26 +201,29 @@ class Lease:
         self.stream = stream  # None: the current stream when it matters (a shared pool)
 
     @classmethod
-    def acquire(cls, session: Session, pool: Any, kind: int, label: str, wait: float, stream: int | None = None) -> Lease:
+    def acquire(
+        cls, owner: SessionLeases, pool: Any, kind: int, label: str, wait: float, stream: int | None = None
+    ) -> Lease:
+        """Take ``kind`` on ``pool`` for the session ``owner`` belongs to (``session.leasing``)."""
         # The uncontended path is one native call; every line before it is on it too.
         slot = pool.slot
         if not 0 < slot < _SLOTS:
             raise InvalidArgument(f"graph pool {pool.id} has no lease slot ({slot}); is it registered?")
-        table = session.leases
-        word = session.lease_words[kind]
+        word = owner.words[kind]
         epoch = ((pool.id & 0xFFFF) << 16 | (pool.epoch & 0xFFFF)) or 1  # lease_table.lease_epoch, inlined
-        if session.borrow_escapes:
-            session.clear_escape(slot)
-        status = table._try(table.address, slot, word, epoch, label.encode())
+        if owner.escapes:
+            owner.clear_escape(slot)
+        status = owner.try_acquire(owner.address, slot, word, epoch, label.encode())
         if not status:  # OK
-            return cls(session, pool, kind, word, stream)
+            return cls(owner, pool, kind, word, stream)
         if status == _OK_ORDER:
-            return cls(session, pool, kind, word, stream)._ordered()
+            return cls(owner, pool, kind, word, stream)._ordered()
+        table = owner.table
         deadline = time.monotonic() + wait
         while True:
             if status == LeaseStatus.ESCAPED:
-                if not session.clear_escape(slot):
-                    error = session.escape_error(pool, lease_table.KIND_NAMES[kind], label)
+                if not owner.clear_escape(slot):
+                    error = owner.escape_error(pool, lease_table.KIND_NAMES[kind], label)
                     if error is not None:
                         raise error
                 status = LeaseStatus.HELD  # the mark went meanwhile: try again
@@ -91,7 +231,7 @@ class Lease:
             status, found = table.acquire(pool.slot, word, epoch, max(0.0, deadline - time.monotonic()))
             if status in (LeaseStatus.OK, LeaseStatus.OK_ORDER):
                 table.set_label(pool.slot, label)
-                lease = cls(session, pool, kind, word, stream)
+                lease = cls(owner, pool, kind, word, stream)
                 return lease._ordered() if status == LeaseStatus.OK_ORDER else lease
             if status == LeaseStatus.ESCAPED:
                 continue
@@ -103,22 +243,22 @@ class Lease:
             if status == LeaseStatus.CORRUPT and time.monotonic() < deadline:
                 time.sleep(_CORRUPT_RETRY_S)
                 continue
-            raise cls._conflict(session, pool, kind, label, found, wait, status == LeaseStatus.CORRUPT)
+            raise cls._conflict(owner, pool, kind, label, found, wait, status == LeaseStatus.CORRUPT)
 
     @staticmethod
-    def _conflict(session: Session, pool: Any, kind: int, label: str, found: int, wait: float, corrupt: bool) -> LeaseConflict:
+    def _conflict(owner: SessionLeases, pool: Any, kind: int, label: str, found: int, wait: float, corrupt: bool) -> LeaseConflict:
         want = lease_table.KIND_NAMES[kind]
         if corrupt:
             return LeaseConflict(
                 f"{want} lease on graph pool {pool.id}: its slot holds an impossible value ({found:#x}); gpumemd clears "
                 "such slots within a tick; retry with wait > 0"
             )
-        holder = session.leases.holder(pool.slot)
+        holder = owner.table.holder(pool.slot)
         h_kind, h_session, h_pid = lease_table.decode(found)
         if holder is not None and lease_table.encode(holder.kind, holder.session, holder.pid) != found:
             holder = None  # the lease changed hands since: that label and time are another holder's
         name = f"session {h_session}"
-        for entry in session.status().leases:  # the slow path only: name the holder
+        for entry in owner.status().leases:  # the slow path only: name the holder
             if entry.slot == pool.slot and entry.pid == h_pid and entry.kind == lease_table.KIND_NAMES.get(h_kind):
                 name = entry.holder
         since = time.strftime("%H:%M:%S", time.localtime(holder.since_ns / 1e9)) if holder else "?"
@@ -133,32 +273,32 @@ class Lease:
     def _ordered(self) -> Lease:
         """The lease came from another process: order this stream after its release."""
         try:
-            self.session.wait_for_handoff(self.pool_id, self.slot, self._stream())
+            self.owner.wait_for_handoff(self.pool_id, self.slot, self._stream())
         except BaseException:
             self.held = False
-            self.session.leases.clear(self.slot, self._word)
+            self.owner.table.clear(self.slot, self._word)
             raise
         return self
 
     def _stream(self) -> int:
-        return current_stream(self.session.device_ordinal) if self.stream is None else self.stream
+        return current_stream(self.owner.device_ordinal) if self.stream is None else self.stream
 
     def release(self) -> None:
         if not self.held:
             raise LeaseNotHeld(f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was already released")
         self.held = False
-        table = self.session.leases
-        status = table._release(table.address, self.slot, self._word)
+        owner = self.owner
+        status = owner.try_release(owner.address, self.slot, self._word)
         if not status:  # OK: the uncontended path
             return
         if status == _RECORD:  # a shared pool: the next holder may be another process
             try:
-                self.session.record_handoff(self.pool_id, self._stream())
+                owner.record_handoff(self.pool_id, self._stream())
             except BaseException:
-                table.clear(self.slot, self._word)
+                owner.table.clear(self.slot, self._word)
                 raise
-            status = table.release_recorded(self.slot, self._word)
-        if status != _OK:
+            status = owner.table.release_recorded(self.slot, self._word)
+        if status != LeaseStatus.OK:
             raise LeaseNotHeld(
                 f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was no longer held at release: "
                 "gpumemd swept it (the pool was retired, or the table was repaired)"
@@ -170,8 +310,8 @@ class Lease:
     def __exit__(self, *exc: object) -> None:
         # release() inlined for its uncontended case: this is on every step's path.
         if self.held:
-            table = self.session.leases
-            if not table._release(table.address, self.slot, self._word):
+            owner = self.owner
+            if not owner.try_release(owner.address, self.slot, self._word):
                 self.held = False
                 return
         self.release()

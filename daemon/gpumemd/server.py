@@ -36,15 +36,15 @@ from gpumemd.state import DaemonState
 
 log = logging.getLogger("gpumemd.server")
 
-# Requests drained from the ROUTER per poll wake-up, so a flood cannot starve the
-# fd channel (where deaths and HELLOs arrive).
-_BURST = 64
+# One control request per poll wake-up. Asking the ROUTER whether more are queued
+# (ZMQ_EVENTS) costs a syscall, the same as the poll that follows; polling again
+# instead lets the fd channel (where deaths and HELLOs arrive) in between any two
+# requests, so a flood of control requests cannot starve it.
 
 # pyzmq's flags are IntFlag members: combining or testing them on the hot path builds
 # new enum members on every call. Plain ints for the per-request path.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
 
@@ -181,9 +181,9 @@ class Server:
     def serve_forever(self) -> None:
         assert self._router is not None and self._listener is not None
         poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._listener.fileno(), zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._router, _POLLIN)
+        poller.register(self._listener.fileno(), _POLLIN)
+        poller.register(self._wake_r, _POLLIN)
         self._poller = poller
         self.notifier.send("READY=1", f"STATUS=serving device {self.endpoints.index} ({self.state.driver.kind})")
         log.info(
@@ -193,17 +193,22 @@ class Server:
         wait_ms = self.tick_interval * 1000
         if self.notifier.watchdog_interval is not None:
             wait_ms = min(wait_ms, self.notifier.watchdog_interval * 500)
+        wait_ms = max(int(wait_ms), 1)  # the poller would convert a float on every call
+        router, listener, wake = self._router, self._listener.fileno(), self._wake_r
+        connections = self._connections
         try:
             while not self._stop_requested:
-                events = dict(poller.poll(wait_ms))
-                if self._router in events:
-                    self._on_control()
-                if self._listener.fileno() in events:
-                    self._on_accept()
-                if self._wake_r in events:
-                    self._drain_wake()
-                for fd in [fd for fd in events if isinstance(fd, int) and fd in self._connections]:
-                    self._on_fd_channel(self._connections[fd])
+                for ready, _ in poller.poll(wait_ms):
+                    if ready is router:
+                        self._on_control()
+                    elif ready == listener:
+                        self._on_accept()
+                    elif ready == wake:
+                        self._drain_wake()
+                    else:
+                        conn = connections.get(ready)
+                        if conn is not None:  # not dropped by what ran before it in this round
+                            self._on_fd_channel(conn)
                 self._tick()
         finally:
             self._shutdown()
@@ -234,41 +239,43 @@ class Server:
     def _on_control(self) -> None:
         assert self._router is not None
         router = self._router
-        for n in range(_BURST):
-            # The poll said readable for the first; ask EVENTS before the others rather
-            # than paying for a zmq.Again exception on every wake-up.
-            if n and not router.getsockopt(_EVENTS) & _POLLIN:
-                return
-            try:
-                frames = router.recv_multipart(_NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                log.warning("control message with %d frames dropped (expected identity + one frame)", len(frames))
-                if len(frames) > 2:
-                    err = p.ProtocolError(p.ErrorCode.BAD_MESSAGE, "a request is exactly one frame")
-                    self._router.send_multipart([frames[0], p.encode_error(0, err)], zmq.NOBLOCK)
-                continue
-            identity, frame = frames
-            reply = self._serve(identity, frame)
-            if reply is not None:
-                router.send(identity, _SNDMORE_NOBLOCK)
-                router.send(reply, _NOBLOCK)
-            self._flush_state()
+        try:
+            identity = router.recv(_NOBLOCK)
+        except zmq.Again:
+            return  # the poll's readiness went stale; it reports it again
+        # The request frame without a copy (the decoder reads its buffer); its ``more``
+        # says whether frames follow, without asking the socket.
+        frame = router.recv(_NOBLOCK, copy=False)
+        if frame.more:
+            parts = 2
+            while frame.more:  # a multipart message arrives whole: the rest is there
+                frame = router.recv(_NOBLOCK, copy=False)
+                parts += 1
+            log.warning("control message with %d frames dropped (expected identity + one frame)", parts)
+            err = p.ProtocolError(p.ErrorCode.BAD_MESSAGE, "a request is exactly one frame")
+            router.send(identity, _SNDMORE_NOBLOCK)
+            router.send(p.encode_error(0, err), _NOBLOCK)
+            return
+        reply = self._serve(identity, frame.buffer)
+        if reply is not None:
+            router.send(identity, _SNDMORE_NOBLOCK)
+            router.send(reply, _NOBLOCK)
+        self._flush_state()
 
-    def _serve(self, identity: bytes, frame: bytes) -> bytes | None:
+    def _serve(self, identity: bytes, frame: bytes | memoryview) -> bytes | None:
         request_id = 0
         try:
             request = p.decode_request(frame)
             request_id = request.request_id
-            session = self._by_token.get(identity)
-            if isinstance(request.message, p.Hello):
+            if request.message.TYPE is p.MsgType.HELLO:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "HELLO goes on the fd channel, not the control channel")
+            session = self._by_token.get(identity)
             outcome = self.state.handle(session, request.message, request_id)
             if outcome.handout:
                 assert session is not None
                 self._hand_out(session, request_id, outcome.handout)
-            self._deliver(outcome.notices)
+            if outcome.notices:
+                self._deliver(outcome.notices)
             if outcome.reply is None:
                 return None  # deferred: answered as a completion
             # Never raises: a body it cannot encode becomes a logged INTERNAL error.
@@ -353,7 +360,7 @@ class Server:
             pid, uid, gid = fdchannel.peer_credentials(sock)
             conn = Connection(sock=sock, pid=pid, uid=uid, gid=gid, deadline=time.monotonic() + self.hello_timeout)
             self._connections[sock.fileno()] = conn
-            self._poller.register(sock.fileno(), zmq.POLLIN)
+            self._poller.register(sock.fileno(), _POLLIN)
 
     def _on_fd_channel(self, conn: Connection) -> None:
         try:

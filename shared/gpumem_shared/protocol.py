@@ -241,7 +241,9 @@ class HelloReply(Message):
 
 
 class Hello(RequestMessage, kw_only=True):
-    """First message on the fd channel; opens the session. Credentials come from SO_PEERCRED."""
+    """First message on the fd channel; opens the session. Credentials come from SO_PEERCRED.
+    On the control channel it is refused like an unknown type, so the admission rules
+    there keep their defaults."""
 
     TYPE = MsgType.HELLO
     REPLY = HelloReply
@@ -750,7 +752,6 @@ EVENTS: dict[int, type[FdBatch] | type[Notice]] = {int(MsgType.FD_BATCH): FdBatc
 # ---------------------------------------------------------------------------
 
 _EMPTY_MAP = msgspec.Raw(b"\x80")
-_NO_DETAIL: dict[str, Any] = {}
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -875,9 +876,8 @@ def _not_a_map(frame: Any, what: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_MESSAGE, f"{what} is not a map")
 
 
-def _check_frame(frame: bytes) -> None:
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+def _too_large(frame: bytes | memoryview) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_MESSAGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
 
 
 def _mismatch(version: Any, **detail: int) -> ProtocolError:
@@ -898,11 +898,12 @@ def check_version(version: Any) -> None:
         raise _mismatch(version)
 
 
-def _head(frame: bytes, what: str) -> _Head:
+def _head(frame: bytes | memoryview, what: str) -> _Head:
     """The envelope of a request or an fd-channel event. A frame the strict decoder
     refuses is decoded again loosely, to name what is wrong (with the request id
     attached wherever it could be read)."""
-    _check_frame(frame)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise _too_large(frame)
     try:
         head = _HEAD.decode(frame)
     except msgspec.ValidationError:
@@ -914,7 +915,7 @@ def _head(frame: bytes, what: str) -> _Head:
     return head
 
 
-def _loose_head(frame: bytes, what: str) -> _Head:
+def _loose_head(frame: bytes | memoryview, what: str) -> _Head:
     try:
         loose = _LOOSE_HEAD.decode(frame)
     except msgspec.ValidationError:
@@ -944,7 +945,7 @@ def encode_request(request_id: int, message: RequestMessage) -> bytes:
         ) from None
 
 
-def decode_request(frame: bytes) -> Request:
+def decode_request(frame: bytes | memoryview) -> Request:
     """Decode a request, raising ProtocolError with the request id when it is known."""
     head = _head(frame, "request")
     decoder = _REQUEST_DECODERS.get(head.t)
@@ -965,7 +966,7 @@ def encode_reply(request_id: int, body: Message) -> bytes:
     an integer beyond 64 bits) is logged and answered with INTERNAL, so the request
     still gets its answer and the daemon goes on."""
     try:
-        return _ENCODER.encode(_ReplyFrame(_VERSION, request_id, True, 0, "", _NO_DETAIL, body))
+        return _ENCODER.encode(_ReplyFrame(_VERSION, request_id, True, 0, "", {}, body))
     except (OverflowError, TypeError, msgspec.EncodeError) as exc:
         log.error("the %s reply to request %d cannot be encoded (%s): %r", type(body).__name__, request_id, exc, body)
         return encode_error(
@@ -994,7 +995,8 @@ def encode_error(request_id: int, error: ProtocolError) -> bytes:
 def decode_reply(frame: bytes) -> Reply:
     """Decode a reply envelope (the body stays raw: ``decode_body``). Fields of the wrong
     shape are not trusted: success needs a real ``true``, an unknown code is INTERNAL."""
-    _check_frame(frame)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise _too_large(frame)
     try:
         reply = _REPLY.decode(frame)
     except msgspec.ValidationError:

@@ -59,7 +59,7 @@ def assert_error(reply: dict[str, Any], code: p.ErrorCode, request_id: int | Non
 def status(runtime_dir: Path, device: int = 0, timeout: float = 5.0) -> dict[str, Any]:
     channel = ControlChannel(Endpoints(runtime_dir, device))
     try:
-        return p.to_wire(channel.call(p.Status(), timeout)[1])  # type: ignore[no-any-return]
+        return p.to_wire(channel.call(p.Status(), timeout))  # type: ignore[no-any-return]
     finally:
         channel.close()
 

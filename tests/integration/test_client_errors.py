@@ -75,3 +75,32 @@ def test_daemon_stop_reaches_client_and_mapping_survives(daemon, run_client, run
     assert do(client, "read kv 0 2") == "0102"
     client.send("exit")
     client.finish(timeout=20)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_call_after_the_daemon_went_away_fails_at_once(how, daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """Nothing read the fd channel since the daemon went: the call that finds out sends
+    its request, sees the hang-up (or the stopping notice) while the request is out,
+    and fails then, not after a slice of its wait or its timeout."""
+    d = daemon_factory("host")
+    s = gpumem.connect(0, name="orphan", runtime_dir=runtime_dir, timeout=10.0)
+    try:
+        s.ping()
+        if how == "killed":
+            d.proc.kill()
+            d.proc.wait()
+        else:
+            assert d.stop() == 0, d.log()
+        for _ in range(2):  # the call that finds out, and the next one
+            started = time.monotonic()
+            try:
+                s.ping()
+            except gpumem.DaemonStopped as exc:
+                message = exc.message
+            else:
+                pytest.fail("ping answered by a daemon that is gone")
+            elapsed = time.monotonic() - started
+            assert elapsed < 0.2, f"{elapsed:.3f}s to notice: the fd channel was not looked at while the request was out"
+            assert ("went away" if how == "killed" else "is stopping") in message and "stays valid" in message, message
+    finally:
+        s.close()

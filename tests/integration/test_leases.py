@@ -185,7 +185,7 @@ def test_the_client_library_stale_epoch_double_release_and_sweep(owner: Owner, s
         s.borrow(pool, user="x", wait=1.0)
     s.capture(fresh, label="recapture").release()
     # Retiring a pool under a held lease sweeps it: the holder learns at release.
-    lease = gpumem.Lease.acquire(s, fresh, LeaseKind.BORROW, "doomed", 0)
+    lease = gpumem.Lease.acquire(s.leasing, fresh, LeaseKind.BORROW, "doomed", 0)
     s.call(p.RetireGraphPool(pool_id=fresh.id))
     with pytest.raises(gpumem.LeaseNotHeld, match="no longer held"):
         lease.release()

@@ -524,10 +524,10 @@ def test_status_lists_held_leases(h: Harness) -> None:
 
 
 class _FakeSession:
-    """What Lease._conflict reads: the table, and the daemon's status (its leases)."""
+    """What Lease._conflict reads of SessionLeases: the table, and the daemon's status (its leases)."""
 
     def __init__(self, table: LeaseTable, entries: list[p.LeaseStatus]) -> None:
-        self.leases = table
+        self.table = table
         self._entries = entries
         self.status_calls = 0
 
@@ -575,7 +575,9 @@ def test_a_lease_that_changed_hands_before_the_message_is_not_misattributed(tabl
 def test_the_fast_path_checks_the_same_epoch_the_daemon_writes(table: LeaseTable, pool_id: int, epoch: int) -> None:
     """Lease.acquire inlines lease_table.lease_epoch on its hot path: both must agree, wraps and
     the "never 0" rule included."""
-    session = types.SimpleNamespace(leases=table, lease_words={LeaseKind.REPLAY: word()}, borrow_escapes={})
+    session = types.SimpleNamespace(
+        table=table, words={LeaseKind.REPLAY: word()}, escapes={}, address=table.address, try_acquire=table._try, try_release=table._release
+    )
     table.set_epoch(SLOT, lease_table.lease_epoch(pool_id, epoch))
     lease = Lease.acquire(session, types.SimpleNamespace(id=pool_id, slot=SLOT, epoch=epoch), LeaseKind.REPLAY, "x", 0)  # type: ignore[arg-type]
     assert table.peek(SLOT) == word()

@@ -111,7 +111,7 @@ class KvPool:
             weight=weight,
         )
         wait = timeout if timeout is not None else max(self.session.timeout, self._round_deadline_s + _DEADLINE_SLACK_S)
-        reply, fds = self.session._call(message, wait)
+        reply, fds = self.session.channel.call(message, wait)
         self._apply(reply, fds)
         return self.tokens
 
@@ -120,7 +120,7 @@ class KvPool:
     def grow(self, tokens: int) -> int:
         """Commit rows up to ``tokens`` if the device has the memory (else OutOfMemory
         with the figures)."""
-        reply, fds = self.session._call(p.KvGrow(pool=self.name, tokens=tokens))
+        reply, fds = self.session.channel.call(p.KvGrow(pool=self.name, tokens=tokens))
         self._apply(reply, fds)
         return self.tokens
 
@@ -135,12 +135,12 @@ class KvPool:
             raise InvalidArgument(
                 f"KV pool '{self.name}' still uses rows up to {self.rows_in_use()}; it cannot give back rows from {tokens} on"
             )
-        reply, fds = self.session._call(p.KvShrink(pool=self.name, tokens=tokens))
+        reply, fds = self.session.channel.call(p.KvShrink(pool=self.name, tokens=tokens))
         self._apply(reply, fds)
         return self.tokens
 
     def _apply(self, reply: p.KvCommitReply, fds: dict[int, int]) -> None:
-        self.arena._apply(reply, fds)
+        self.arena.apply(reply, fds)
         self.tokens = reply.pool.tokens
         if reply.round_id:
             self.round_id = reply.round_id

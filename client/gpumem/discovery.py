@@ -1,0 +1,61 @@
+"""Which daemon serves a device, for ``gpumem.connect()`` and gpumemctl alike.
+
+A device is named by an index or by its UUID (or a unique prefix of it, such as
+"GPU-8932f937"). Every daemon announces its index, UUID and backend in
+``gpu<N>.json`` in the runtime directory; only daemons that hold their lock count, so
+a file a killed daemon left behind never matches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpumem_shared.driver import DriverUnavailable
+from gpumem_shared.paths import Endpoints, daemon_alive, discover
+from gpumem.errors import DaemonUnavailable, DeviceAmbiguous
+
+
+def live_daemons(runtime_dir: Path) -> list[dict[str, Any]]:
+    """Identity records of the daemons running in ``runtime_dir``, by index."""
+    return [d for d in discover(runtime_dir) if daemon_alive(Endpoints(runtime_dir, d["index"]))]
+
+
+def resolve_device(device: int | str, runtime_dir: Path, *, cuda_ordinal: bool = True) -> Endpoints:
+    """The daemon for ``device``: a UUID (or unique prefix), or an index.
+
+    With ``cuda_ordinal`` (``connect()``), an index is this process's CUDA ordinal,
+    matched to its daemon by UUID, so CUDA_VISIBLE_DEVICES remapping is honoured;
+    without it (gpumemctl, which loads no CUDA), an index is the daemon's own.
+    Raises DaemonUnavailable when no live daemon has that UUID, DeviceAmbiguous (a
+    DaemonUnavailable too) when several do."""
+    if isinstance(device, str) and not device.isdigit():
+        return _by_uuid(device, runtime_dir)
+    index = int(device)
+    if not cuda_ordinal:
+        return Endpoints(runtime_dir, index)
+    daemons = live_daemons(runtime_dir)
+    if any(d.get("backend") == "cuda" for d in daemons):
+        from gpumem_shared.driver.cuda import visible_device_uuids
+
+        try:
+            uuids = visible_device_uuids()
+        except DriverUnavailable:
+            uuids = []
+        if index < len(uuids):
+            for d in daemons:
+                if d.get("uuid") == uuids[index]:
+                    return Endpoints(runtime_dir, d["index"])
+    return Endpoints(runtime_dir, index)
+
+
+def _by_uuid(prefix: str, runtime_dir: Path) -> Endpoints:
+    daemons = live_daemons(runtime_dir)
+    wanted = prefix.lower()
+    matches = [d for d in daemons if str(d.get("uuid", "")).lower().startswith(wanted)]
+    if len(matches) == 1:
+        return Endpoints(runtime_dir, matches[0]["index"])
+    known = ", ".join(f"{d['index']}={d.get('uuid')}" for d in daemons) or "none"
+    if not matches:
+        raise DaemonUnavailable(f"no daemon serves device {prefix!r} in {runtime_dir} (daemons there: {known})")
+    raise DeviceAmbiguous(f"several daemons match device {prefix!r} in {runtime_dir} (daemons there: {known}); give more of the UUID")
