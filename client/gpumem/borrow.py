@@ -194,7 +194,7 @@ def memory_reserved(device: int | None = None) -> int:
     from gpumem.torch_support import import_torch
 
     torch = import_torch("memory_reserved")
-    aliases = sum(
+    aliases: int = sum(
         segment["total_size"]
         for pool in list(_LIVE_POOLS)
         if pool.torch_pool is not None and (device is None or pool.device == device)

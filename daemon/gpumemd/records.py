@@ -224,7 +224,7 @@ class Outcome:
     """What a request produced: the reply (None: it comes later, as a Completion), the
     chunks whose fds go to the requester before it, and notices for other sessions."""
 
-    reply: object
+    reply: p.Message | None
     handout: list[ChunkRecord] = dataclasses.field(default_factory=list)
     notices: Notices = dataclasses.field(default_factory=list)
 
@@ -235,5 +235,5 @@ class Completion:
 
     session_id: int
     request_id: int
-    reply: object  # a reply body, or a ProtocolError
+    reply: p.Message | p.ProtocolError
     handout: list[ChunkRecord] = dataclasses.field(default_factory=list)

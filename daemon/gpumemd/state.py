@@ -118,7 +118,7 @@ class DaemonState:
             daemon_pid=os.getpid(),
             session_id=session.id,
             token=session.token,
-            backend=self.driver.kind,
+            backend=p.Backend(self.driver.kind),
             device=self.device,
         )
         return session, reply

@@ -93,7 +93,7 @@ def daemon_status(backend: str, uptime_s: float, runtime_dir: str, stopping: boo
         version=__version__,
         protocol=f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}",
         pid=os.getpid(),
-        backend=backend,
+        backend=p.Backend(backend),
         uptime_s=round(uptime_s, 3),
         runtime_dir=runtime_dir,
         state="stopping" if stopping else "serving",

@@ -215,7 +215,7 @@ class CudaDriver(Driver):
         self._ck(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
 
     def device_name(self) -> str:
-        raw = self._ck(self._cu.cuDeviceGetName(256, self._dev), "cuDeviceGetName")
+        raw: bytes = self._ck(self._cu.cuDeviceGetName(256, self._dev), "cuDeviceGetName")
         return raw.split(b"\0", 1)[0].decode()
 
     def device_uuid(self) -> str:
