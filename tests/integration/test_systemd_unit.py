@@ -102,19 +102,20 @@ def test_the_daemon_serves_the_gpu_with_the_units_environment_and_arguments(tmp_
     args = [a.replace("%i", "0") for a in _one(service, "ExecStart").split()[1:]]
     args[args.index("--socket-group") + 1] = grp.getgrgid(os.getgid()).gr_name
     runtime_dir = tmp_path / "run"
-    proc = subprocess.Popen([_installed_gpumemd(), *args, "--runtime-dir", str(runtime_dir)], env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        info = Endpoints(runtime_dir, 0).info_path
-        deadline = time.monotonic() + 120
-        while not info.exists():
-            assert proc.poll() is None, f"gpumemd@0 exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
-            assert time.monotonic() < deadline, "gpumemd@0 did not start serving within 120 s"
-            time.sleep(0.1)
-        reply = status(runtime_dir)
-        assert reply["daemon"]["backend"] == "cuda" and reply["device"]["uuid"].startswith("GPU-"), reply["device"]
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
+    log = tmp_path / "gpumemd.log"
+    with log.open("w") as stderr, subprocess.Popen([_installed_gpumemd(), *args, "--runtime-dir", str(runtime_dir)], env=env, stderr=stderr) as proc:
+        try:
+            info = Endpoints(runtime_dir, 0).info_path
+            deadline = time.monotonic() + 120
+            while not info.exists():
+                assert proc.poll() is None, f"gpumemd@0 exited {proc.returncode}: {log.read_text()}"
+                assert time.monotonic() < deadline, "gpumemd@0 did not start serving within 120 s"
+                time.sleep(0.1)
+            reply = status(runtime_dir)
+            assert reply["daemon"]["backend"] == "cuda" and reply["device"]["uuid"].startswith("GPU-"), reply["device"]
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0, log.read_text()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
