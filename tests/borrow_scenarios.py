@@ -541,6 +541,46 @@ def handoff_peer(pool_id: str) -> None:
     print("PASS handoff_peer")
 
 
+def handoff_without_wait_reads_stale_bytes() -> None:
+    """The control for handoff_orders_gpu_work, on CUDA: the same handoff with the taker's
+    stream wait switched off (in the peer, below) must let the taker see the releaser's
+    slow write unfinished. It shows that the check there can fail: the order it sees
+    comes from the event, not from the lease's timing."""
+    with gpumem.connect(0, name=OWNER) as s:
+        w = workload(s, shared=True)
+        w.arena.share(BORROWER)
+        w.sync()
+        region = _region(s, w.pool, 4 * MiB)
+        other = Peer(["unordered_peer", str(w.pool.id)])
+        other.expect("READY")
+        lease = s.replay(w.pool, label="slow writer")
+        other.send("borrow")
+        time.sleep(0.3)
+        _slow_fill(s, region, 0xAB)
+        lease.release()
+        other.expect("SAW STALE")
+        other.send("done")
+        other.finish("unordered_peer")
+    print("PASS handoff_without_wait_reads_stale_bytes")
+
+
+def unordered_peer(pool_id: str) -> None:
+    with gpumem.connect(0, name=BORROWER) as s:
+        s.attach_arena(ARENA)
+        pool = s.open_graph_pool(int(pool_id))
+        region = _region(s, pool, 4 * MiB)
+        s.driver.stream_wait = lambda event, stream: None  # type: ignore[method-assign]
+        print("READY", flush=True)
+        assert sys.stdin.readline().strip() == "borrow"
+        lease = gpumem.Lease.acquire(s.leasing, pool, LeaseKind.BORROW, "unordered", 10.0)
+        assert s.leasing.handoff_waits == 1, "the handoff path ran (its wait switched off)"
+        assert not _reads(s, region, 0xAB), "without the stream wait the taker still saw the finished write"
+        print("SAW STALE", flush=True)
+        lease.release()
+        assert sys.stdin.readline().strip() == "done"
+    print("PASS unordered_peer")
+
+
 def wait_for_turn(session: gpumem.Session, pool: gpumem.GraphPool, last: bool) -> None:
     """Strict alternation: after a release, wait until the other process has had the
     pool (its release recorded its event, so the slot's handoff names it). Without this
@@ -621,6 +661,8 @@ SCENARIOS = {
         cublas_warmed_before_first_borrow,
         handoff_orders_gpu_work,
         handoff_peer,
+        handoff_without_wait_reads_stale_bytes,
+        unordered_peer,
         torture,
         torture_borrower,
     )

@@ -24,6 +24,7 @@ SCENARIOS = [
     ("stream_binding", [], ("host", "cuda")),
     ("cublas_warmed_before_first_borrow", [], ("cuda",)),
     ("handoff_orders_gpu_work", [], ("host", "cuda")),
+    ("handoff_without_wait_reads_stale_bytes", [], ("cuda",)),  # host work is synchronous: nothing to see
 ]
 # Two processes alternating replay and cross-process borrow: 10,000 rounds on the GPU,
 # fewer on the host backend (CI), where each replay is a 12 MiB memset.
