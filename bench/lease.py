@@ -84,6 +84,7 @@ def main() -> int:
         result.targets = {"uncontended_p50_us_max": 2.0, "speedup_vs_rtt_min": 40.0, "handoff_p50_us_max": 50.0}
         import gpumem
         from gpumem_shared import lease_table
+        from gpumem_shared.lease_table import LeaseFlag, LeaseKind
         from gpumem_shared import protocol as p
 
         rt = cleanup.enter_context(c.runtime_dir())

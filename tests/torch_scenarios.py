@@ -169,7 +169,7 @@ def bad_routing() -> None:
     s = gpumem.connect(0, name="bad")
     empty = s.create_arena("empty", 1 * GiB)
     try:
-        empty.torch_pool().graph_pool
+        _ = empty.torch_pool().graph_pool  # the property raises without backing
     except gpumem.InvalidArgument as exc:
         assert "no backing" in str(exc), exc
     else:

@@ -15,10 +15,10 @@ from typing import Any, NoReturn
 import click
 
 from gpumem_shared import protocol as p
-from gpumem_shared.paths import Endpoints, daemon_alive, resolve_runtime_dir
+from gpumem_shared.paths import Endpoints, daemon_alive
 from gpumem_shared.units import format_size
 from gpumem.channel import ControlChannel
-from gpumem.discovery import live_daemons, resolve_device
+from gpumem.discovery import live_daemons, resolve_device, runtime_dirs
 from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch
 
 EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_MISMATCH = 1, 3, 4
@@ -48,11 +48,10 @@ def main(ctx: click.Context, device: str | None, runtime_dir: str | None, timeou
 
 def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, message: Any) -> Any:
     group = ctx.obj
-    directory = resolve_runtime_dir(runtime_dir or group["runtime_dir"])
     chosen = device if device is not None else group["device"]
     try:
         # gpumemctl loads no CUDA: an index is the daemon's own, not a CUDA ordinal.
-        endpoints = resolve_device(chosen if chosen is not None else 0, directory, cuda_ordinal=False)
+        endpoints = resolve_device(chosen if chosen is not None else 0, runtime_dir or group["runtime_dir"], cuda_ordinal=False)
     except DeviceAmbiguous as exc:
         _die(EXIT_ERROR, exc.message)
     except DaemonUnavailable as exc:
@@ -109,17 +108,18 @@ def status(
         return
     if device is not None or ctx.obj["device"] is not None:
         _die(EXIT_ERROR, "--all asks every daemon; leave out --device")
-    directory = resolve_runtime_dir(runtime_dir or ctx.obj["runtime_dir"])
-    indices = [d["index"] for d in live_daemons(directory)]
+    dirs = runtime_dirs(runtime_dir or ctx.obj["runtime_dir"])
+    found = [Endpoints(directory, d["index"]) for directory in dirs for d in live_daemons(directory)]
     wait = timeout if timeout is not None else (ctx.obj["timeout"] if ctx.obj["timeout"] is not None else 5.0)
     replies = []
-    for index in indices:
+    for endpoints in found:
         try:
-            replies.append(_ask(Endpoints(directory, index), p.Status(), wait))
+            replies.append(_ask(endpoints, p.Status(), wait))
         except DaemonUnavailable as exc:  # it stopped since: the others still answer
-            click.echo(f"gpumemctl: device {index}: {exc.message}", err=True)
+            click.echo(f"gpumemctl: device {endpoints.index} ({endpoints.runtime_dir}): {exc.message}", err=True)
     if not replies:
-        _die(EXIT_NOT_RUNNING, f"no live gpumemd in {directory} (start them with 'systemctl start gpumemd@N')")
+        where = " or ".join(str(d) for d in dirs)
+        _die(EXIT_NOT_RUNNING, f"no live gpumemd in {where} (start them with 'systemctl start gpumemd@N')")
     if as_json:
         click.echo(json.dumps([p.to_wire(r) for r in replies], indent=2))
         return

@@ -4,15 +4,20 @@ A device is named by an index or by its UUID (or a unique prefix of it, such as
 "GPU-8932f937"). Every daemon announces its index, UUID and backend in
 ``gpu<N>.json`` in the runtime directory; only daemons that hold their lock count, so
 a file a killed daemon left behind never matches.
+
+Without a runtime directory named (argument or $GPUMEMD_RUNTIME_DIR), a process that is
+not root looks in the system directory first, where systemd's daemons (running as root)
+live, then in its own: engines run as ordinary users, daemons as root.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from gpumem_shared.driver import DriverUnavailable
-from gpumem_shared.paths import Endpoints, daemon_alive, discover
+from gpumem_shared.paths import Endpoints, daemon_alive, discover, runtime_dir_candidates
 from gpumem.errors import DaemonUnavailable, DeviceAmbiguous
 
 
@@ -21,14 +26,43 @@ def live_daemons(runtime_dir: Path) -> list[dict[str, Any]]:
     return [d for d in discover(runtime_dir) if daemon_alive(Endpoints(runtime_dir, d["index"]))]
 
 
-def resolve_device(device: int | str, runtime_dir: Path, *, cuda_ordinal: bool = True) -> Endpoints:
+def runtime_dirs(explicit: str | os.PathLike[str] | None) -> list[Path]:
+    """Where to look: the directory given, else the candidates in order."""
+    return [Path(explicit)] if explicit else runtime_dir_candidates()
+
+
+def resolve_device(
+    device: int | str, runtime_dir: str | os.PathLike[str] | None = None, *, cuda_ordinal: bool = True
+) -> Endpoints:
     """The daemon for ``device``: a UUID (or unique prefix), or an index.
 
     With ``cuda_ordinal`` (``connect()``), an index is this process's CUDA ordinal,
     matched to its daemon by UUID, so CUDA_VISIBLE_DEVICES remapping is honoured;
     without it (gpumemctl, which loads no CUDA), an index is the daemon's own.
     Raises DaemonUnavailable when no live daemon has that UUID, DeviceAmbiguous (a
-    DaemonUnavailable too) when several do."""
+    DaemonUnavailable too) when several do. With several directories to look in, the
+    first with a live daemon for the device wins; with none, DaemonUnavailable names
+    every place looked."""
+    dirs = runtime_dirs(runtime_dir)
+    if len(dirs) == 1:
+        return _resolve_in(device, dirs[0], cuda_ordinal)
+    for directory in dirs:
+        try:
+            endpoints = _resolve_in(device, directory, cuda_ordinal)
+        except DeviceAmbiguous:
+            raise
+        except DaemonUnavailable:
+            continue
+        if daemon_alive(endpoints):
+            return endpoints
+    raise DaemonUnavailable(
+        f"no gpumemd serves device {device!r}: looked in {' and '.join(str(d) for d in dirs)}; start it with "
+        "'systemctl start gpumemd@N' (or 'gpumemd --device N'), or point runtime_dir / $GPUMEMD_RUNTIME_DIR at "
+        "the daemon's directory"
+    )
+
+
+def _resolve_in(device: int | str, runtime_dir: Path, cuda_ordinal: bool) -> Endpoints:
     if isinstance(device, str) and not device.isdigit():
         return _by_uuid(device, runtime_dir)
     index = int(device)

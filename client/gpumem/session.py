@@ -20,7 +20,7 @@ from gpumem_shared import fdchannel
 from gpumem_shared.lease_table import LeaseKind
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError, DriverUnavailable, PeerAccessError
-from gpumem_shared.paths import Endpoints, resolve_runtime_dir
+from gpumem_shared.paths import Endpoints
 from gpumem.arena import Arena
 from gpumem.borrow import Borrow, BorrowPool
 from gpumem.channel import SessionChannel
@@ -55,7 +55,7 @@ def connect(
     ``peers``: this process's CUDA ordinals of other GPUs whose kernels must reach the
     memory this session maps (peer access; refused where the hardware has no path).
     """
-    endpoints = resolve_device(device, resolve_runtime_dir(runtime_dir))
+    endpoints = resolve_device(device, runtime_dir)
     return Session(endpoints, name or _default_name(), timeout, peers)
 
 

@@ -39,9 +39,7 @@ def default_runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
     return SYSTEM_RUNTIME_DIR if euid == 0 else _user_runtime_dir(environ, euid)
 
 
-def runtime_dir_candidates(
-    environ: Mapping[str, str] | None = None, *, euid: int | None = None, system_dir: Path = SYSTEM_RUNTIME_DIR
-) -> list[Path]:
+def runtime_dir_candidates(environ: Mapping[str, str] | None = None, *, euid: int | None = None) -> list[Path]:
     """Where clients look for daemons, in order: $GPUMEMD_RUNTIME_DIR alone if set; else
     the system directory first (engines that are not root use the daemons systemd runs
     as root), then the user's own (a daemon the user started by hand)."""
@@ -50,8 +48,8 @@ def runtime_dir_candidates(
         return [Path(environ[ENV_RUNTIME_DIR])]
     euid = os.geteuid() if euid is None else euid
     if euid == 0:
-        return [system_dir]
-    return [system_dir, _user_runtime_dir(environ, euid)]
+        return [SYSTEM_RUNTIME_DIR]
+    return [SYSTEM_RUNTIME_DIR, _user_runtime_dir(environ, euid)]
 
 
 def resolve_runtime_dir(explicit: str | os.PathLike[str] | None) -> Path:
