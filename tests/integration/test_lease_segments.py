@@ -120,3 +120,20 @@ def test_a_sharer_that_let_go_of_the_arena_and_scribbles_is_repaired_within_a_ti
     assert f"pool {pool}: gpumemd repaired its lease slot 3 time(s)" in extents, extents
     header, private_row, shared_row = [line.split() for line in extents.splitlines()[1:4]]
     assert (header[-1], private_row[-1], shared_row[0], shared_row[-1]) == ("REPAIRS", "0", str(pool), "3"), extents
+
+
+def test_descriptors_a_caller_does_not_take_are_closed(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """``session.call`` returns the body only: the lease segment a registration or an open
+    brings is closed, not left open in the client for each pool."""
+    import gpumem
+    from gpumem_shared import protocol as p
+
+    daemon_factory("host")
+    with gpumem.connect(0, name="raw-caller", runtime_dir=runtime_dir) as s:
+        s.create_arena(ARENA, 1 << 30).commit(32 * MiB)
+        held = len(list(Path("/proc/self/fd").iterdir()))
+        for i in range(4):
+            extent = p.Extent(offset=i * 4 * MiB, size=4 * MiB)
+            pool = s.call(p.RegisterGraphPool(arena=ARENA, label=f"p{i}", extents=[extent], free_runs=[], shared=True)).pool
+            s.call(p.OpenGraphPool(pool_id=pool.id))
+        assert len(list(Path("/proc/self/fd").iterdir())) == held, "descriptors of lease segments left open"
