@@ -10,7 +10,7 @@
 3. Handoff: the owner shares the arena with two client processes; each attaches it,
    opens the shared pool (``session.open_graph_pool``) and they take turns holding its
    replay lease. The holder keeps it about a millisecond, so the other is asleep on the
-   slot's futex when it is released; the figure is from the release (CLOCK_MONOTONIC,
+   slot's futex (in the pool's lease segment, which each of them maps) when it is released; the figure is from the release (CLOCK_MONOTONIC,
    shared by the processes) to the waiter holding the lease. Every handoff runs the
    cross-process path: the IPC event recorded at release and the stream wait on it at
    acquire (``session.leasing.handoff_waits`` counts those waits; reported as a figure).
@@ -86,6 +86,7 @@ def main() -> int:
         from gpumem_shared import lease_table
         from gpumem_shared.lease_table import LeaseFlag, LeaseKind
         from gpumem_shared import protocol as p
+        from gpumem_shared.lease_table import LeaseFlag, LeaseKind
 
         rt = cleanup.enter_context(c.runtime_dir())
         daemon = c.Daemon(rt, args.backend)
@@ -97,20 +98,14 @@ def main() -> int:
         arena.commit(64 * MiB)
         # Two synthetic pools in the committed arena: a private one (the fast path: no
         # event at release) and a shared one that the handoff clients open.
-        private = session.call(
-            p.RegisterGraphPool(arena=ARENA, label="bench-private", extents=[p.Extent(offset=0, size=32 * MiB)], free_runs=[])
-        ).pool
-        shared = session.call(
-            p.RegisterGraphPool(
-                arena=ARENA, label=SHARED_POOL, extents=[p.Extent(offset=32 * MiB, size=32 * MiB)], free_runs=[], shared=True
-            )
-        ).pool
+        private = arena.register_graph_pool("bench-private", extents=[p.Extent(offset=0, size=32 * MiB)], free_runs=[])
+        shared = arena.register_graph_pool(SHARED_POOL, extents=[p.Extent(offset=32 * MiB, size=32 * MiB)], free_runs=[], shared=True)
         if private.shared or not shared.shared:
             raise RuntimeError(f"the daemon registered the pools as shared={private.shared}/{shared.shared}, not False/True")
 
         clock = time.perf_counter_ns
 
-        def uncontended(pool: p.GraphPoolStatus) -> list[int]:
+        def uncontended(pool: gpumem.GraphPool) -> list[int]:
             for _ in range(2000):
                 with session.replay(pool):
                     pass
@@ -125,7 +120,7 @@ def main() -> int:
         samples = uncontended(private)
         shared_samples = uncontended(shared)
         me = lease_table.decode(session.leasing.words[LeaseKind.REPLAY])[1]
-        if not session.leases.flags(shared.slot) & LeaseFlag.SHARED or session.leases.handoff(shared.slot) != me:
+        if not shared.segment.flags() & LeaseFlag.SHARED or shared.segment.handoff() != me:
             raise RuntimeError(f"releases of shared pool {shared.id} did not record an IPC event: the shared path did not run")
         pings = []
         for _ in range(args.pings):

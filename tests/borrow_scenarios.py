@@ -44,17 +44,13 @@ class HostWorkload:
         self.session = session
         self.arena = session.create_arena(ARENA, GiB)
         self.arena.commit(64 * MiB)
-        reply = session.call(
-            p.RegisterGraphPool(
-                arena=ARENA,
-                label=LABEL,
-                extents=[p.Extent(offset=0, size=64 * MiB)],
-                free_runs=[p.Extent(offset=8 * MiB, size=8 * MiB), p.Extent(offset=24 * MiB, size=32 * MiB)],
-                shared=shared,
-            )
+        self.pool = self.arena.register_graph_pool(
+            LABEL,
+            extents=[p.Extent(offset=0, size=64 * MiB)],
+            free_runs=[p.Extent(offset=8 * MiB, size=8 * MiB), p.Extent(offset=24 * MiB, size=32 * MiB)],
+            shared=shared,
         )
-        self.pool = gpumem.GraphPool(self.arena, reply.pool)
-        self._runs = list(reply.pool.free_runs)
+        self._runs = list(self.pool.free_runs)
         self.step = 0
         ctypes.memset(self.arena.address, 3, MiB)
 
@@ -265,7 +261,7 @@ def oom_and_can_fit() -> None:
                 got = False
                 assert f"borrow scope 'fit-{nbytes}'" in str(exc) and "never falls back" in str(exc), exc
             assert predicted == got, f"can_fit({nbytes}) said {predicted}, the allocation {'succeeded' if got else 'failed'}"
-            assert s.leases.peek(w.pool.slot) == 0, "a failed scope still holds its lease"
+            assert w.pool.segment.peek() == 0, "a failed scope still holds its lease"
         if s.backend == "cuda":
             assert gpumem.memory_reserved() <= outside, "a refused request fell back to torch's pools"
     print("PASS oom_and_can_fit")
@@ -282,8 +278,8 @@ def escape_is_caught() -> None:
                 kept.append(fill(s, b, 4 * MiB, 9))
 
         raises(gpumem.BorrowEscaped, escaping, "'EAGLE probability borrow'", "still alive")
-        assert s.leases.peek(w.pool.slot) == 0, "an escape must still give the lease back"
-        assert s.leases.escaped(w.pool.slot) == lease_table.word_session(s.session_id)
+        assert w.pool.segment.peek() == 0, "an escape must still give the lease back"
+        assert w.pool.segment.escaped() == lease_table.word_session(s.session_id)
         assert [g.escaped_by for g in s.status().graph_pools] == [f"client '{OWNER}'"], "gpumemctl shows who blocks replays"
         shown = subprocess.run([sys.executable, "-m", "gpumem.ctl", "extents"], capture_output=True, text=True, timeout=30)
         assert f"replay and capture refused: client '{OWNER}' holds borrowed tensors" in shown.stdout, shown
@@ -299,7 +295,7 @@ def escape_is_caught() -> None:
         with s.replay(w.pool):  # the owner notices the tensor is gone and clears the mark
             w.replay()
         w.check(w.output())
-        assert s.leases.escaped(w.pool.slot) == 0 and s.status().graph_pools[0].escaped_by == ""
+        assert w.pool.segment.escaped() == 0 and s.status().graph_pools[0].escaped_by == ""
         peer(["peer_replays", str(w.pool.id)])
     print("PASS escape_is_caught")
 
@@ -402,7 +398,7 @@ def stream_binding() -> None:
             other = torch.cuda.Stream()
             with torch.cuda.stream(other):
                 raises(gpumem.BorrowStreamMismatch, lambda: s.borrow(w.pool, user="side stream"), "stream", "first borrow")
-            assert s.leases.peek(w.pool.slot) == 0, "a refused borrow took the lease"
+            assert w.pool.segment.peek() == 0, "a refused borrow took the lease"
 
             def allocate_on_other_stream() -> None:
                 with s.borrow(w.pool, user="mixed"):
@@ -410,12 +406,12 @@ def stream_binding() -> None:
                         torch.empty(MiB, dtype=torch.uint8, device="cuda")
 
             raises(gpumem.BorrowStreamMismatch, allocate_on_other_stream, "another stream", "'mixed'")
-            assert s.leases.peek(w.pool.slot) == 0
+            assert w.pool.segment.peek() == 0
         else:
             with s.borrow(w.pool, user="stream 0", stream=0):
                 pass
             raises(gpumem.BorrowStreamMismatch, lambda: s.borrow(w.pool, user="stream 7", stream=7), "stream 0x7")
-            assert s.leases.peek(w.pool.slot) == 0
+            assert w.pool.segment.peek() == 0
     print("PASS stream_binding")
 
 
@@ -589,7 +585,7 @@ def wait_for_turn(session: gpumem.Session, pool: gpumem.GraphPool, last: bool) -
         return
     me = lease_table.word_session(session.session_id)
     deadline = time.monotonic() + 30.0
-    while session.leases.handoff(pool.slot) == me:
+    while pool.segment.handoff() == me:
         if time.monotonic() > deadline:
             raise AssertionError("the other process did not take the pool within 30 s")
         time.sleep(0.00005)

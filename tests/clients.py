@@ -23,22 +23,28 @@ Commands:
   capturex POOL HEADROOM GRAPHPOOL MIN MAX WEIGHT TIMEOUT   (as capture, every figure; JSON result)
   kvinfo POOL (JSON)           kvrelease POOL             joinx POOL EXPECT
   errinfo COMMAND ...          (runs COMMAND; a GpuMemError comes back as OK JSON with its detail)
-  gpregister ARENA LABEL OFFSET SIZE   (a synthetic graph pool in committed memory; JSON id/slot/epoch)
-  lease KIND POOL WAIT LABEL   (KIND capture|replay|borrow; the pool's view from status on first use, then kept)
-  unlease POOL                 scribble SLOT HEXWORD (a buggy client: writes the word into the shared table)
-  peek SLOT (JSON word/waiters)  gpview POOL (refresh this client's view of a pool; JSON id/slot/epoch)
+  gpregister ARENA LABEL OFFSET SIZE [shared]   (a synthetic graph pool in committed memory; JSON id/epoch)
+  open POOL                    (open another client's shared pool; its arena attached; JSON id/epoch)
+  lease KIND POOL WAIT LABEL   (KIND capture|replay|borrow; the pool as registered or opened here,
+                                opened on first use, then kept: the view may go stale)
+  unlease POOL                 gpview POOL (refresh this client's view of an opened pool; JSON id/epoch)
+  scribble POOL FIELD HEX      (a buggy client: writes FIELD, one of word handoff escaped epoch flags,
+                                of the pool's lease slot, through this process's mapping of it)
+  peek POOL (JSON: the slot's word, waiters, handoff, escaped)
+  segments (JSON: the graph pools whose lease segments this process maps, and holds descriptors of)
   leaseloop POOL SECONDS SHMFILE INDEX   (acquire/release in a loop, checking exclusion in SHMFILE; JSON)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
 import gpumem
 from gpumem_shared import protocol as p
-from gpumem_shared.lease_table import LeaseKind
+from gpumem_shared.lease_table import SEGMENT_NAME, LeaseKind
 
 
 def main() -> int:
@@ -225,53 +231,78 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
             return json.dumps({"error": type(exc).__name__, "message": exc.message, "detail": exc.detail})
         return json.dumps({"result": result})
     if cmd == "gpregister":
-        reply = session.call(
-            p.RegisterGraphPool(arena=args[0], label=args[1], extents=[p.Extent(offset=int(args[2]), size=int(args[3]))], free_runs=[])
-        )
-        return json.dumps({"id": reply.pool.id, "slot": reply.pool.slot, "epoch": reply.pool.epoch})
+        extents = [p.Extent(offset=int(args[2]), size=int(args[3]))]
+        pool = arenas[args[0]].register_graph_pool(args[1], extents=extents, free_runs=[], shared=args[4:] == ["shared"])
+        GRAPH_POOLS[pool.id] = pool
+        return json.dumps({"id": pool.id, "epoch": pool.epoch})
+    if cmd == "open":
+        pool = _graph_pool(session, int(args[0]))
+        return json.dumps({"id": pool.id, "epoch": pool.epoch})
     if cmd == "lease":
         kind, pool_id, wait, label = args[0], int(args[1]), float(args[2]), args[3]
         pool = _graph_pool(session, pool_id)
-        if kind == "borrow":  # the lease alone: these views are not GraphPool objects to borrow from
+        if kind == "borrow":  # the borrow lease alone: no borrow pool over the runs
             LEASES[pool_id] = gpumem.Lease.acquire(session.leasing, pool, LeaseKind.BORROW, label, wait)
         else:
             LEASES[pool_id] = getattr(session, kind)(pool, wait=wait, label=label)
         return kind
     if cmd == "gpview":
-        pool = _graph_pool(session, int(args[0]), refresh=True)
-        return json.dumps({"id": pool.id, "slot": pool.slot, "epoch": pool.epoch})
+        pool = _graph_pool(session, int(args[0]))
+        pool.refresh()
+        return json.dumps({"id": pool.id, "epoch": pool.epoch})
     if cmd == "unlease":
         LEASES.pop(int(args[0])).release()  # type: ignore[attr-defined]
         return None
     if cmd == "scribble":
-        session.leases._slots[int(args[0])].word = int(args[1], 16)
+        setattr(_graph_pool(session, int(args[0])).segment._slot, args[1], int(args[2], 16))
         return None
-    if cmd == "scribble+lease":  # no daemon tick can fall between the two
-        _graph_pool(session, int(args[3]))
-        session.leases._slots[int(args[0])].word = int(args[1], 16)
-        return run(session, arenas, "lease", args[2:])
+    if cmd == "scribble+lease":  # POOL HEXWORD KIND WAIT LABEL: no daemon tick can fall between the two
+        _graph_pool(session, int(args[0])).segment._slot.word = int(args[1], 16)
+        return run(session, arenas, "lease", [args[2], args[0], *args[3:]])
     if cmd == "peek":
-        slot = session.leases._slots[int(args[0])]
-        return json.dumps({"word": int(slot.word), "waiters": int(slot.waiters)})
+        slot = _graph_pool(session, int(args[0])).segment._slot
+        return json.dumps({"word": int(slot.word), "waiters": int(slot.waiters), "handoff": int(slot.handoff), "escaped": int(slot.escaped)})
+    if cmd == "segments":
+        return json.dumps({"mapped": _segments_mapped(), "fds": _segments_held()})
     if cmd == "leaseloop":
         return json.dumps(_lease_loop(session, int(args[0]), float(args[1]), args[2], int(args[3])))
     raise ValueError(f"unknown command {cmd!r}")
 
 
-VIEWS: dict[int, p.GraphPoolStatus] = {}
+GRAPH_POOLS: dict[int, gpumem.GraphPool] = {}
 
 
-def _graph_pool(session: gpumem.Session, pool_id: int, refresh: bool = False) -> p.GraphPoolStatus:
-    """This client's view of a graph pool: from the daemon's status the first time (or
-    with ``refresh``), kept afterwards, as a real client keeps it (it may go stale)."""
-    if refresh or pool_id not in VIEWS:
-        for pool in session.status().graph_pools:
-            if pool.id == pool_id:
-                VIEWS[pool_id] = pool
-                break
-        else:
-            raise ValueError(f"no graph pool {pool_id} in the daemon's status")
-    return VIEWS[pool_id]
+def _graph_pool(session: gpumem.Session, pool_id: int) -> gpumem.GraphPool:
+    """This client's graph pool: registered here, or opened the first time it is asked
+    for, and kept afterwards, as a real client keeps it (its view may go stale)."""
+    if pool_id not in GRAPH_POOLS:
+        GRAPH_POOLS[pool_id] = session.open_graph_pool(pool_id)
+    return GRAPH_POOLS[pool_id]
+
+
+def _segment_pool(name: str) -> int | None:
+    """The graph pool a lease segment's memfd name (as /proc shows it) belongs to."""
+    prefix = f"/memfd:{SEGMENT_NAME}"
+    if not name.startswith(prefix):
+        return None
+    return int(name[len(prefix) :].split()[0])
+
+
+def _segments_mapped() -> list[int]:
+    with open("/proc/self/maps") as maps:
+        fields = [line.split(maxsplit=5) for line in maps]
+    found = (_segment_pool(f[5].strip()) for f in fields if len(f) == 6)
+    return sorted(pool for pool in found if pool is not None)
+
+
+def _segments_held() -> list[int]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(_segment_pool(os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:
+            pass  # the directory's own descriptor, gone once listed
+    return sorted(pool for pool in found if pool is not None)
 
 
 def _lease_loop(session: gpumem.Session, pool_id: int, seconds: float, shm_file: str, index: int) -> dict[str, object]:
@@ -298,7 +329,7 @@ def _lease_loop(session: gpumem.Session, pool_id: int, seconds: float, shm_file:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         asked = time.monotonic()
-        if session.leases.peek(pool.slot):
+        if pool.segment.peek():
             contended += 1  # someone holds it as this one asks: the test exercises the wait
         try:
             lease = kinds[count % 3]()

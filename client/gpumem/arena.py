@@ -363,14 +363,18 @@ class Arena:
         with self.torch_pool().routing(virtual=virtual) as pool:
             yield pool
 
-    def register_graph_pool(self, label: str, *, shared: bool = False) -> GraphPool:
+    def register_graph_pool(
+        self, label: str, *, shared: bool = False, extents: list[p.Extent] | None = None, free_runs: list[p.Extent] | None = None
+    ) -> GraphPool:
         """Register the graphs captured into this arena's pool with the daemon (extents
         and free runs; owner only). ``shared``: clients the arena is shared with may
-        open the pool, take its leases and borrow its free runs. See gpumem.graph_pools."""
+        open the pool, take its leases and borrow its free runs. ``extents`` and
+        ``free_runs`` (offsets from the arena's base) describe a pool laid out by other
+        means than the arena's torch pool. See gpumem.graph_pools."""
         from gpumem.graph_pools import GraphPool
 
         self._check_open()
-        return GraphPool.register(self, label, shared=shared)
+        return GraphPool.register(self, label, shared=shared, extents=extents, free_runs=free_runs)
 
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """A torch tensor over the arena's bytes at ``offset``, outside any pool (for

@@ -20,7 +20,7 @@ one its first borrow ran on: torch caches blocks per stream, and the lease order
 that stream's work.
 
 At scope exit, a borrowed tensor still alive is an error naming the scope, and the
-pool's slot is marked: every replay and capture, in any process, is refused until the
+pool's lease slot is marked: every replay and capture, in any process, is refused until the
 tensor is freed and this process notices (at its next lease on the pool) or exits.
 """
 
@@ -339,7 +339,7 @@ class Borrow:
                 self._route.__exit__(None, None, None)
                 self._route = None
             live = bp.live_bytes() - self._live_before
-            if live > 0 and self.pool.slot not in self.session.leasing.escapes:
+            if live > 0 and self.pool.id not in self.session.leasing.escapes:
                 # Marked while the lease is still ours: no replay can slip in between.
                 self.session.leasing.report_escape(self.pool, bp, self.user)
             elif live > 0:

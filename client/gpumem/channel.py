@@ -8,7 +8,7 @@ HELLO, stays open for the session's life (the daemon sees EOF when this process 
 brings chunk descriptors (FD_BATCH) and notices, and tells us the daemon went away. The
 DEALER, bound to the session by the token HELLO returned as its routing id, carries
 every request. ``call`` returns the typed reply body and the descriptors that came with
-it, so arenas and KV pools never touch the sockets.
+it (chunks, a graph pool's lease segment), so arenas and pools never touch the sockets.
 
 One lock per session: a request's FD_BATCH messages and its reply pair up because no
 other request of this session is in flight. Every wait is bounded.
@@ -29,7 +29,6 @@ import zmq
 
 from gpumem_shared import __version__, fdchannel
 from gpumem_shared import protocol as p
-from gpumem_shared.lease_table import LeaseTable
 from gpumem_shared.paths import Endpoints
 from gpumem.errors import (
     BadMessage,
@@ -163,7 +162,7 @@ class _Sockets:
 
 class SessionChannel:
     """Both sockets of one session (see the module doc). Opening it says HELLO:
-    ``hello`` is the daemon's answer, ``lease_table`` the table that came with it."""
+    ``hello`` is the daemon's answer."""
 
     def __init__(self, endpoints: Endpoints, name: str, timeout: float) -> None:
         self.endpoints = endpoints
@@ -177,7 +176,7 @@ class SessionChannel:
         self._finalizer = weakref.finalize(self, self._sockets)
         ok = False
         try:
-            self.hello, self.lease_table = self._say_hello()
+            self.hello = self._say_hello()
             self._control = self._sockets.control = ControlChannel(endpoints, routing_id=self.hello.token)
             ok = True
         finally:
@@ -186,7 +185,7 @@ class SessionChannel:
 
     # ------------------------------------------------------------------ HELLO
 
-    def _say_hello(self) -> tuple[p.HelloReply, LeaseTable]:
+    def _say_hello(self) -> p.HelloReply:
         ep = self.endpoints
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sockets.fd_sock = sock
@@ -207,6 +206,8 @@ class SessionChannel:
         self._sockets.fd_ready.register(sock.fileno(), select.EPOLLIN)
         try:
             fdchannel.send(sock, p.encode_request(1, p.Hello(name=self.name, client_version=__version__)))
+            # Nothing rides with HELLO since 1.3: an older daemon's lease table is received
+            # only to be closed (the version check below refuses that daemon).
             payload, fds = fdchannel.recv(sock, max_fds=1)
         except TimeoutError:
             raise DaemonTimeout(
@@ -221,14 +222,12 @@ class SessionChannel:
                 reply = p.decode_reply(payload)
                 if not reply.ok:
                     raise error_from_reply(reply)
-                hello = p.decode_body(p.HelloReply, reply.body)
+                p.check_hello_version(reply.version)
+                return p.decode_body(p.HelloReply, reply.body)
             except p.ProtocolError as exc:
-                raise error_from_protocol(exc, "HELLO reply refused") from None
-            if len(fds) != 1:
-                raise BadMessage(f"gpumemd's HELLO reply carried {len(fds)} descriptors, not the lease table")
-            return hello, LeaseTable(fds[0])
+                raise error_from_protocol(exc, f"gpumemd for device {ep.index}: HELLO reply refused") from None
         finally:
-            fdchannel.close_all(fds)  # the table is mapped; the mapping keeps it
+            fdchannel.close_all(fds)
 
     # ------------------------------------------------------------------ calls
 

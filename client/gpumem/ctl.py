@@ -145,11 +145,10 @@ def _list_view(
 
 def render_leases(s: p.StatusReply) -> list[str]:
     return _table(
-        ["POOL", "SLOT", "KIND", "HOLDER", "PID", "LABEL", "SINCE"],
+        ["POOL", "KIND", "HOLDER", "PID", "LABEL", "SINCE"],
         [
             [
                 str(lease.pool_id),
-                str(lease.slot),
                 lease.kind,
                 lease.holder,
                 str(lease.pid),
@@ -163,7 +162,7 @@ def render_leases(s: p.StatusReply) -> list[str]:
 
 def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
     lines = _table(
-        ["POOL", "OWNER", "ARENA", "LABEL", "EPOCH", "SHARED", "EXTENTS", "EXTENT BYTES", "FREE RUNS", "FREE", "LARGEST RUN"],
+        ["POOL", "OWNER", "ARENA", "LABEL", "EPOCH", "SHARED", "EXTENTS", "EXTENT BYTES", "FREE RUNS", "FREE", "LARGEST RUN", "REPAIRS"],
         [
             [
                 str(g.id),
@@ -177,6 +176,7 @@ def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
                 str(len(g.free_runs)),
                 format_size(g.free_bytes),
                 format_size(g.free_runs[0].size) if g.free_runs else "-",
+                str(g.lease_repairs),
             ]
             for g in s.graph_pools
         ],
@@ -184,6 +184,11 @@ def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
     for g in s.graph_pools:
         if g.escaped_by:
             lines.append(f"  pool {g.id}: replay and capture refused: {g.escaped_by} holds borrowed tensors past their scope")
+        if g.lease_repairs:
+            lines.append(
+                f"  pool {g.id}: gpumemd repaired its lease slot {g.lease_repairs} time(s): a client wrote there what no "
+                "client may (a session without the right to the pool, an impossible value); the daemon's log names it"
+            )
     if runs:
         for g in s.graph_pools:
             lines.append(f"  pool {g.id} free runs (offset+size): " + (", ".join(f"{r.offset:#x}+{format_size(r.size)}" for r in g.free_runs) or "none"))
@@ -376,7 +381,7 @@ _list_view(
     "EXTENTS",
     lambda s: s.graph_pools,
     lambda s: render_extents(s, runs=True),
-    "Graph pools: owner, extents, free runs, bytes free, epoch.",
+    "Graph pools: owner, extents, free runs, bytes free, epoch, repairs of their lease slots.",
 )
 _list_view("leases", "LEASES", lambda s: s.leases, render_leases, "Leases held on graph pools: kind, holder, pid, label, since.")
 

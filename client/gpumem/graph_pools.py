@@ -10,14 +10,20 @@ The runs are free only while nothing else allocates in the arena's pool: after e
 allocations there (``arena.allocating()``), ``refresh()`` before the next borrow.
 A pool registered with ``shared=True`` can be opened by clients the arena is shared
 with (``session.open_graph_pool``): their view refreshes from the daemon.
+
+Registering or opening a pool brings its lease segment (gpumem.leases): the page of
+shared memory its lease slot lives in, which the daemon grants only to the pool's
+owner and to the sessions that open it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
-from gpumem.errors import InvalidArgument
+from gpumem_shared.lease_table import LeaseSegment
+from gpumem.errors import BadMessage, InvalidArgument
 
 if TYPE_CHECKING:
     from gpumem.arena import Arena
@@ -50,19 +56,36 @@ def extents_and_runs(segments: list[dict[str, Any]], base: int) -> tuple[list[p.
     return extents, runs
 
 
+def granted_segment(reply: p.GraphPoolReply, fds: dict[int, int]) -> LeaseSegment:
+    """The lease segment that came with ``reply`` (register, open), mapped. Every
+    descriptor in ``fds`` is closed: the mapping keeps the segment."""
+    fd = fds.pop(reply.pool.id, None)
+    try:
+        if fd is None:
+            raise BadMessage(f"gpumemd granted graph pool {reply.pool.id} without its lease segment")
+        try:
+            return LeaseSegment(fd)
+        except ValueError as exc:
+            raise BadMessage(f"the lease segment of graph pool {reply.pool.id}: {exc}") from None
+    finally:
+        fdchannel.close_all(list(fds.values()) + ([] if fd is None else [fd]))
+
+
 class GraphPool:
     """A registered graph pool: ``refresh()`` after the pool changed, with
     ``recaptured=True`` after a new capture into it."""
 
-    def __init__(self, arena: Arena, status: p.GraphPoolStatus) -> None:
+    def __init__(self, arena: Arena, status: p.GraphPoolStatus, segment: LeaseSegment) -> None:
         self.arena = arena
         self.id = status.id
         self.label = status.label
+        # This session's mapping of the pool's lease slot. Every lease on the pool calls
+        # into it (and keeps it mapped while held).
+        self.segment = segment
         self._set(status)
 
     def _set(self, status: p.GraphPoolStatus) -> None:
         self.epoch = status.epoch
-        self.slot = status.slot
         self.extents = status.extents
         self.free_runs = status.free_runs
         self.free_bytes = status.free_bytes
@@ -70,23 +93,35 @@ class GraphPool:
         self.owner = status.owner
 
     @classmethod
-    def register(cls, arena: Arena, label: str, *, shared: bool = False) -> GraphPool:
-        if arena.session.backend == "cuda":
-            # A borrower from another process may start on the runs right away: the
-            # warm-up and capture work that used them must be done.
-            arena.torch_pool().torch.cuda.synchronize(arena.session.device_ordinal)
-        extents, runs = extents_and_runs(arena.torch_pool().segments(), arena.address)
-        reply: p.GraphPoolReply = arena.session.call(
-            p.RegisterGraphPool(arena=arena.name, label=label, extents=extents, free_runs=runs, shared=shared)
+    def register(
+        cls,
+        arena: Arena,
+        label: str,
+        *,
+        shared: bool = False,
+        extents: list[p.Extent] | None = None,
+        free_runs: list[p.Extent] | None = None,
+    ) -> GraphPool:
+        """Register the arena's torch pool, or, with ``extents`` (and ``free_runs``), a
+        pool laid out by other means, whose GPU work that used the runs is done."""
+        if extents is None:
+            if arena.session.backend == "cuda":
+                # A borrower from another process may start on the runs right away: the
+                # warm-up and capture work that used them must be done.
+                arena.torch_pool().torch.cuda.synchronize(arena.session.device_ordinal)
+            extents, free_runs = extents_and_runs(arena.torch_pool().segments(), arena.address)
+        reply, fds = arena.session.channel.call(
+            p.RegisterGraphPool(arena=arena.name, label=label, extents=extents, free_runs=free_runs or [], shared=shared)
         )
-        return cls(arena, reply.pool)
+        return cls(arena, reply.pool, granted_segment(reply, fds))
 
     def refresh(self, *, recaptured: bool = False) -> None:
         """The owner: report the pool's current extents and runs (``recaptured`` after a
         new capture into it). Another client: fetch the owner's latest view."""
         session = self.arena.session
         if not self.arena.is_owner:  # its owner reports captures; here the latest view is fetched
-            reply: p.GraphPoolReply = session.call(p.OpenGraphPool(pool_id=self.id))
+            reply, fds = session.channel.call(p.OpenGraphPool(pool_id=self.id))
+            fdchannel.close_all(list(fds.values()))  # the segment again: this pool maps it already
         else:
             extents, runs = extents_and_runs(self.arena.torch_pool().segments(), self.arena.address)
             reply = session.call(p.UpdateGraphPool(pool_id=self.id, extents=extents, free_runs=runs, recaptured=recaptured))

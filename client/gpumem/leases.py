@@ -7,8 +7,10 @@
 
 Each lease is exclusive: capture re-carves the pool's free space, a replay overwrites
 whatever lies in its free runs, and a borrow puts tensors there. Taking and giving back
-a lease touches only the shared lease table (no daemon round trip); a conflict costs one
-status request, to name the holder. The daemon sweeps the leases of a client that dies.
+a lease touches only the pool's lease slot (no daemon round trip), in the segment of
+shared memory the daemon granted this session with the pool (``GraphPool.segment``);
+a conflict costs one status request, to name the holder. The daemon sweeps the leases
+of a client that dies.
 
 On a shared pool (one other processes open), a lease also orders GPU work: every release
 records the holder's IPC event on its stream, and a holder from another session makes its
@@ -26,17 +28,16 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from gpumem_shared import lease_table
+from gpumem_shared import _native, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
-from gpumem_shared.lease_table import LeaseStatus, LeaseTable
+from gpumem_shared.lease_table import LeaseSegment, LeaseStatus
 from gpumem.errors import BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, StaleEpoch
 
 if TYPE_CHECKING:
     from gpumem.borrow import BorrowPool
     from gpumem.channel import SessionChannel
 
-_SLOTS = lease_table.SLOTS
 # Module globals on the uncontended paths: before Python 3.12, reading an enum member off
 # its class costs about 60 ns (EnumType.__getattr__ slows every attribute lookup on it).
 _OK_ORDER, _RECORD = LeaseStatus.OK_ORDER, LeaseStatus.RECORD
@@ -61,29 +62,26 @@ def current_stream(device: int | None) -> int:
 
 
 class SessionLeases:
-    """One session's side of the lease table: its lease words, the IPC events that order
-    GPU work at handoffs on shared pools, and the pools its borrowed tensors escaped.
+    """One session's side of its leases: its lease words, the IPC events that order GPU
+    work at handoffs on shared pools, and the pools its borrowed tensors escaped.
     ``Lease`` and ``Borrow`` go through it; the daemon round trips it needs (publishing
     and looking up events, reporting escapes, naming a holder) use the session's channel."""
 
     def __init__(
         self,
-        table: LeaseTable,
         channel: SessionChannel,
         driver: Driver,
         session_id: int,
         device_ordinal: int | None,
         daemon_key: str,
     ) -> None:
-        self.table = table
-        # What the uncontended acquire and release call, one hop from the Lease: the
-        # native compare-and-swaps and the table's address.
-        self.address = table.address
-        self.try_acquire = table._try
-        self.try_release = table._release
+        # What the uncontended acquire and release call, one hop from the Lease, on the
+        # pool's segment address: the native compare-and-swaps.
+        self.try_acquire = _native.lease_try
+        self.try_release = _native.lease_release
         # One word per kind: the hot path must not rebuild them.
         self.words = {kind: lease_table.encode(kind, session_id, os.getpid()) for kind in lease_table.KIND_NAMES}
-        # This session's borrow pools whose tensors outlived their scope, by lease slot.
+        # This session's borrow pools whose tensors outlived their scope, by graph pool id.
         self.escapes: dict[int, BorrowPool] = {}
         self.device_ordinal = device_ordinal
         self.handoff_waits = 0  # times a stream of this session waited on another session's event
@@ -114,10 +112,10 @@ class SessionLeases:
             _PROCESS_EVENTS[(self._daemon_key, pool_id, self._word_session)] = event
         self._driver.event_record(event, stream)
 
-    def wait_for_handoff(self, pool_id: int, slot: int, stream: int) -> None:
+    def wait_for_handoff(self, pool_id: int, segment: LeaseSegment, stream: int) -> None:
         """After taking a lease another session released: our stream waits for its work.
         The releaser may be another session of this process: its event is used as is."""
-        peer = self.table.handoff(slot)
+        peer = segment.handoff()
         if not peer:
             return
         event = _PROCESS_EVENTS.get((self._daemon_key, pool_id, peer))
@@ -139,25 +137,25 @@ class SessionLeases:
         replay and capture in every process until we report them gone."""
         self._call(p.ReportEscape(pool_id=pool.id, escaped=True))
         borrowed.escaped_scope = scope
-        self.escapes[pool.slot] = borrowed
+        self.escapes[pool.id] = borrowed
 
-    def clear_escape(self, slot: int) -> bool:
-        """Report this session's escaped tensors on ``slot`` gone, if they are."""
-        borrowed = self.escapes.get(slot)
+    def clear_escape(self, pool_id: int) -> bool:
+        """Report this session's escaped tensors from graph pool ``pool_id`` gone, if they are."""
+        borrowed = self.escapes.get(pool_id)
         if borrowed is None or borrowed.live_bytes():
             return False
-        self._call(p.ReportEscape(pool_id=borrowed.pool_id, escaped=False))
-        del self.escapes[slot]
+        self._call(p.ReportEscape(pool_id=pool_id, escaped=False))
+        del self.escapes[pool_id]
         borrowed.escaped_scope = None
         return True
 
     def escape_error(self, pool: Any, kind: str, label: str) -> BorrowEscaped | None:
         """Why the slot refused: our own tensors, or another client's. None when the mark
         is gone already (the caller tries again)."""
-        marker = self.table.escaped(pool.slot)
+        marker = pool.segment.escaped()
         if not marker:
             return None
-        mine = self.escapes.get(pool.slot)
+        mine = self.escapes.get(pool.id)
         if mine is not None:
             return BorrowEscaped(
                 f"{kind} lease '{label}' on graph pool {pool.id} refused: {mine.live_bytes()} bytes borrowed in scope "
@@ -189,12 +187,13 @@ class SessionLeases:
 
 
 class Lease:
-    __slots__ = ("owner", "pool_id", "slot", "kind", "_word", "held", "stream")
+    __slots__ = ("owner", "pool_id", "segment", "address", "kind", "_word", "held", "stream")
 
-    def __init__(self, owner: SessionLeases, pool: Any, kind: int, word: int, stream: int | None) -> None:
+    def __init__(self, owner: SessionLeases, pool: Any, segment: LeaseSegment, kind: int, word: int, stream: int | None) -> None:
         self.owner = owner
         self.pool_id: int = pool.id
-        self.slot: int = pool.slot
+        self.segment = segment  # kept mapped while the lease lives, whatever becomes of the pool object
+        self.address = segment.address
         self.kind = kind
         self._word = word
         self.held = True
@@ -204,34 +203,37 @@ class Lease:
     def acquire(
         cls, owner: SessionLeases, pool: Any, kind: int, label: str, wait: float, stream: int | None = None
     ) -> Lease:
-        """Take ``kind`` on ``pool`` for the session ``owner`` belongs to (``session.leasing``)."""
+        """Take ``kind`` on ``pool`` (a GraphPool of this session: registered or opened
+        here) for the session ``owner`` belongs to (``session.leasing``)."""
         # The uncontended path is one native call; every line before it is on it too.
-        slot = pool.slot
-        if not 0 < slot < _SLOTS:
-            raise InvalidArgument(f"graph pool {pool.id} has no lease slot ({slot}); is it registered?")
+        try:
+            segment = pool.segment
+        except AttributeError:
+            raise InvalidArgument(
+                f"{pool!r} is not a graph pool this session registered or opened: its lease slot is mapped only there"
+            ) from None
         word = owner.words[kind]
         epoch = ((pool.id & 0xFFFF) << 16 | (pool.epoch & 0xFFFF)) or 1  # lease_table.lease_epoch, inlined
         if owner.escapes:
-            owner.clear_escape(slot)
-        status = owner.try_acquire(owner.address, slot, word, epoch, label.encode())
+            owner.clear_escape(pool.id)
+        status = owner.try_acquire(segment.address, word, epoch, label.encode())
         if not status:  # OK
-            return cls(owner, pool, kind, word, stream)
+            return cls(owner, pool, segment, kind, word, stream)
         if status == _OK_ORDER:
-            return cls(owner, pool, kind, word, stream)._ordered()
-        table = owner.table
+            return cls(owner, pool, segment, kind, word, stream)._ordered()
         deadline = time.monotonic() + wait
         while True:
             if status == LeaseStatus.ESCAPED:
-                if not owner.clear_escape(slot):
+                if not owner.clear_escape(pool.id):
                     error = owner.escape_error(pool, lease_table.KIND_NAMES[kind], label)
                     if error is not None:
                         raise error
                 status = LeaseStatus.HELD  # the mark went meanwhile: try again
                 continue
-            status, found = table.acquire(pool.slot, word, epoch, max(0.0, deadline - time.monotonic()))
+            status, found = segment.acquire(word, epoch, max(0.0, deadline - time.monotonic()))
             if status in (LeaseStatus.OK, LeaseStatus.OK_ORDER):
-                table.set_label(pool.slot, label)
-                lease = cls(owner, pool, kind, word, stream)
+                segment.set_label(label)
+                lease = cls(owner, pool, segment, kind, word, stream)
                 return lease._ordered() if status == LeaseStatus.OK_ORDER else lease
             if status == LeaseStatus.ESCAPED:
                 continue
@@ -253,13 +255,13 @@ class Lease:
                 f"{want} lease on graph pool {pool.id}: its slot holds an impossible value ({found:#x}); gpumemd clears "
                 "such slots within a tick; retry with wait > 0"
             )
-        holder = owner.table.holder(pool.slot)
+        holder = pool.segment.holder()
         h_kind, h_session, h_pid = lease_table.decode(found)
         if holder is not None and lease_table.encode(holder.kind, holder.session, holder.pid) != found:
             holder = None  # the lease changed hands since: that label and time are another holder's
         name = f"session {h_session}"
         for entry in owner.status().leases:  # the slow path only: name the holder
-            if entry.slot == pool.slot and entry.pid == h_pid and entry.kind == lease_table.KIND_NAMES.get(h_kind):
+            if entry.pool_id == pool.id and entry.pid == h_pid and entry.kind == lease_table.KIND_NAMES.get(h_kind):
                 name = entry.holder
         since = time.strftime("%H:%M:%S", time.localtime(holder.since_ns / 1e9)) if holder else "?"
         held_label = holder.label if holder else ""
@@ -273,10 +275,10 @@ class Lease:
     def _ordered(self) -> Lease:
         """The lease came from another process: order this stream after its release."""
         try:
-            self.owner.wait_for_handoff(self.pool_id, self.slot, self._stream())
+            self.owner.wait_for_handoff(self.pool_id, self.segment, self._stream())
         except BaseException:
             self.held = False
-            self.owner.table.clear(self.slot, self._word)
+            self.segment.clear(self._word)
             raise
         return self
 
@@ -288,20 +290,20 @@ class Lease:
             raise LeaseNotHeld(f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was already released")
         self.held = False
         owner = self.owner
-        status = owner.try_release(owner.address, self.slot, self._word)
+        status = owner.try_release(self.address, self._word)
         if not status:  # OK: the uncontended path
             return
         if status == _RECORD:  # a shared pool: the next holder may be another process
             try:
                 owner.record_handoff(self.pool_id, self._stream())
             except BaseException:
-                owner.table.clear(self.slot, self._word)
+                self.segment.clear(self._word)
                 raise
-            status = owner.table.release_recorded(self.slot, self._word)
+            status = self.segment.release_recorded(self._word)
         if status != LeaseStatus.OK:
             raise LeaseNotHeld(
                 f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was no longer held at release: "
-                "gpumemd swept it (the pool was retired, or the table was repaired)"
+                "gpumemd swept it (the pool was retired, or its slot was repaired)"
             )
 
     def __enter__(self) -> Lease:
@@ -310,8 +312,7 @@ class Lease:
     def __exit__(self, *exc: object) -> None:
         # release() inlined for its uncontended case: this is on every step's path.
         if self.held:
-            owner = self.owner
-            if not owner.try_release(owner.address, self.slot, self._word):
+            if not self.owner.try_release(self.address, self._word):
                 self.held = False
                 return
         self.release()

@@ -4,7 +4,7 @@
 the fd channel says HELLO and stays open for the session's life, and the ZeroMQ
 DEALER carries every request under the session's token. The session keeps what it
 made through them: arenas, KV pools, graph pools, borrow pools, the driver that maps
-chunks, and its side of the lease table (``leasing``, gpumem.leases).
+chunks, and its side of the leases on graph pools (``leasing``, gpumem.leases).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gpumem.borrow import Borrow, BorrowPool
 from gpumem.channel import SessionChannel
 from gpumem.discovery import resolve_device
 from gpumem.errors import DaemonUnavailable, GpuMemError, InvalidArgument, NotFound
-from gpumem.graph_pools import GraphPool
+from gpumem.graph_pools import GraphPool, granted_segment
 from gpumem.kv_pool import KvPool
 from gpumem.leases import Lease, SessionLeases
 
@@ -83,7 +83,6 @@ class Session:
         self.device = hello.device
         self.daemon_version = hello.daemon_version
         self.daemon_pid = hello.daemon_pid
-        self.leases = self.channel.lease_table
         # This process's CUDA ordinal for the daemon's device (None on the host backend).
         self.device_ordinal: int | None = None
         try:
@@ -92,7 +91,6 @@ class Session:
             self.channel.close()
             raise
         self.leasing = SessionLeases(
-            self.leases,
             self.channel,
             self.driver,
             self.session_id,
@@ -130,9 +128,13 @@ class Session:
     # ------------------------------------------------------------------ calls
 
     def call(self, message: p.RequestMessage, timeout: float | None = None) -> Any:
-        """One request; returns the typed reply body. Requests that hand out chunks go
-        through ``channel.call``, which returns their descriptors too."""
-        return self.channel.call(message, timeout)[0]
+        """One request; returns the typed reply body. Requests whose descriptors matter
+        (chunks, lease segments) go through ``channel.call``, which returns them too;
+        here they are closed."""
+        body, fds = self.channel.call(message, timeout)
+        if fds:
+            fdchannel.close_all(list(fds.values()))
+        return body
 
     # ------------------------------------------------------------------ API
 
@@ -177,12 +179,15 @@ class Session:
 
     def open_graph_pool(self, pool_id: int = 0, *, owner: str = "", label: str = "") -> GraphPool:
         """Another client's shared graph pool (by id, or by owner and label), to take
-        leases on and borrow from. Its arena must be attached in this session first."""
-        reply: p.GraphPoolReply = self.call(p.OpenGraphPool(pool_id=pool_id, owner=owner, label=label))
+        leases on and borrow from. Its arena must be attached in this session first. The
+        daemon grants the pool's lease segment with it."""
+        reply, fds = self.channel.call(p.OpenGraphPool(pool_id=pool_id, owner=owner, label=label))
+        segment = granted_segment(reply, fds)
         arena = self.arenas.get(reply.pool.arena)
         if arena is None:
+            segment.close()
             raise NotFound(f"graph pool {reply.pool.id} lives in arena '{reply.pool.arena}': attach it first (attach_arena)")
-        return GraphPool(arena, reply.pool)
+        return GraphPool(arena, reply.pool, segment)
 
     def capture(self, pool: Any, *, wait: float = 0.0, label: str = "capture", stream: int | None = None) -> Lease:
         """The capture lease on a graph pool: excludes every other lease, retires this

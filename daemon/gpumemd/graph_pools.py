@@ -1,10 +1,19 @@
 """The graph-pool book: the registry of CUDA-graph pools captured into arenas, and the
-upkeep of the lease table that clients take capture / replay / borrow leases in.
+upkeep of their lease slots, in which clients take capture / replay / borrow leases.
 
-The table is shared memory every client maps read-write, so it is not trusted: the
-daemon writes a slot's epoch, flags and escape mark, and every tick repairs what a
-client could have scribbled there (an unknown kind, a holder session that does not
-exist, a slot no pool owns, fields that disagree with the registry).
+Each pool's slot lives in a lease segment of its own (a sealed memfd of one page),
+created here at registration and granted only to the sessions that may use the pool:
+its owner, and the sessions that open it (a shared pool, its arena attached). The book
+keeps those sessions per pool (``users``); a session that may not use a pool never
+receives its segment, so it cannot reach the pool's lease words at all.
+
+A segment is shared memory its users map read-write, and a session that loses its
+right (it lets go of the arena) keeps its mapping. So a segment is not trusted: the
+daemon writes the slot's epoch, flags and escape mark, and every tick repairs, logs and
+counts (``lease_repairs``) what no client could rightly have written there: a word or a
+field naming a session that is not a user, a kind it does not know, daemon-written
+fields that disagree with the registry. A retired pool's segment goes with it, never to
+another pool: a stale view or waiter can only ever see its own pool, retired.
 """
 
 from __future__ import annotations
@@ -15,11 +24,16 @@ from collections.abc import Mapping
 
 from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
+from gpumem_shared.lease_table import LeaseSegment
 
 from gpumemd.arenas import ArenaBook
 from gpumemd.records import ArenaRecord, GraphPoolRecord, Outcome, SessionRecord
 
 log = logging.getLogger("gpumemd.graph_pools")
+
+# Graph pools the daemon keeps at once: each holds a lease segment (a memfd and a page
+# mapped here), and no client may make the daemon run out of descriptors.
+MAX_POOLS = 1023
 
 
 def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -39,8 +53,6 @@ class GraphPoolBook:
         self.device = device
         self.by_id: dict[int, GraphPoolRecord] = {}
         self._next_id = 1
-        self.table, self.table_fd = lease_table.LeaseTable.create()
-        self._free_slots = list(range(lease_table.SLOTS - 1, 0, -1))  # slot 0 stays unused
 
     # ------------------------------------------------------------------ lookups
 
@@ -59,10 +71,14 @@ class GraphPoolBook:
         return pool
 
     def _used_by(self, s: SessionRecord, pool_id: int) -> GraphPoolRecord:
-        """A pool ``s`` may take leases on: its own, or one in an arena it attached."""
+        """A pool ``s`` may take leases on: its own, or one it opened (its arena still attached)."""
         pool = self._get(pool_id)
-        if s.id != pool.owner_id and s.id not in self.arenas.by_name[pool.arena].attached:
-            raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"this client has not attached arena '{pool.arena}' of graph pool {pool.id}")
+        if s.id not in pool.users:
+            raise p.ProtocolError(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"graph pool {pool.id} ('{pool.label}') of client '{pool.owner_name}' is not open in this session: "
+                f"attach arena '{pool.arena}', then open the pool (open_graph_pool)",
+            )
         return pool
 
     def in_arena(self, arena: str) -> list[GraphPoolRecord]:
@@ -75,10 +91,21 @@ class GraphPoolBook:
         if not m.label or len(m.label) > 256:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "a graph pool needs a label of 1-256 characters")
         extents, runs = self._checked(arena, m.extents, m.free_runs, exclude=None)
-        if not self._free_slots:
-            raise p.ProtocolError(p.ErrorCode.OUT_OF_MEMORY, f"all {lease_table.SLOTS - 1} lease slots are in use; retire graph pools first")
+        if len(self.by_id) >= MAX_POOLS:
+            raise p.ProtocolError(
+                p.ErrorCode.OUT_OF_MEMORY, f"gpumemd keeps {MAX_POOLS} graph pools, its limit (each has a lease segment); retire graph pools first"
+            )
+        pool_id = self._next_id
+        try:
+            segment, fd = LeaseSegment.create(pool_id)
+        except OSError as exc:
+            log.error("creating the lease segment of graph pool %d failed: %s", pool_id, exc)
+            raise p.ProtocolError(
+                p.ErrorCode.INTERNAL,
+                f"gpumemd could not create graph pool {pool_id}'s lease segment ({exc.strerror}); check its descriptor limit (LimitNOFILE)",
+            ) from None
         pool = GraphPoolRecord(
-            id=self._next_id,
+            id=pool_id,
             owner_id=s.id,
             owner_name=s.name,
             arena=arena.name,
@@ -86,17 +113,16 @@ class GraphPoolBook:
             epoch=1,
             extents=extents,
             free_runs=runs,
-            slot=self._free_slots.pop(),
+            segment=segment,
+            segment_fd=fd,
             shared=m.shared,
+            users={s.id},
         )
         self._next_id += 1
         self.by_id[pool.id] = pool
-        self.table.set_epoch(pool.slot, lease_table.lease_epoch(pool.id, pool.epoch))
-        self.table.set_flags(pool.slot, self._flags(pool))
-        # A free slot is clients' shared memory too: nothing written there carries over.
-        self.table.forget_handoff(pool.slot, self.table.handoff(pool.slot))
-        self.table.set_escaped(pool.slot, 0)
-        return Outcome(p.GraphPoolReply(pool=pool.status()))
+        segment.set_epoch(lease_table.lease_epoch(pool.id, pool.epoch))
+        segment.set_flags(self._flags(pool))
+        return self._granted(pool)
 
     def update(self, s: SessionRecord, m: p.UpdateGraphPool) -> Outcome:
         pool = self._owned(s, m.pool_id)
@@ -106,7 +132,7 @@ class GraphPoolBook:
         pool.extents, pool.free_runs = extents, runs
         if m.recaptured or changed:
             pool.epoch += 1
-            self.table.set_epoch(pool.slot, lease_table.lease_epoch(pool.id, pool.epoch))
+            pool.segment.set_epoch(lease_table.lease_epoch(pool.id, pool.epoch))
         return Outcome(p.GraphPoolReply(pool=pool.status()))
 
     def retire(self, s: SessionRecord, m: p.RetireGraphPool) -> Outcome:
@@ -141,7 +167,15 @@ class GraphPoolBook:
                     f"graph pool {pool.id} ('{pool.label}') lives in arena '{pool.arena}', which this client has not "
                     f"attached: '{pool.owner_name}' shares the arena with it, then it attaches",
                 )
-        return Outcome(p.GraphPoolReply(pool=pool.status()))
+        pool.users.add(s.id)
+        return self._granted(pool)
+
+    @staticmethod
+    def _granted(pool: GraphPoolRecord) -> Outcome:
+        """The pool, its lease segment going with the reply: to its owner at registration,
+        to a session that opens it (every time: a client that dropped its mapping needs it
+        again)."""
+        return Outcome(p.GraphPoolReply(pool=pool.status(), fd_batches=1), grants=[(pool.id, pool.segment_fd)])
 
     def publish_event(self, s: SessionRecord, m: p.PublishLeaseEvent) -> Outcome:
         pool = self._used_by(s, m.pool_id)
@@ -169,7 +203,7 @@ class GraphPoolBook:
             log.warning("graph pool %d ('%s'): client %r holds borrowed tensors past their scope; replays refused", pool.id, pool.label, s.name)
         else:
             pool.escapers.discard(s.id)
-        self.table.set_escaped(pool.slot, self._escape_mark(pool))
+        pool.segment.set_escaped(self._escape_mark(pool))
         return Outcome(p.Ack())
 
     # ------------------------------------------------------------------ what others change
@@ -184,35 +218,48 @@ class GraphPoolBook:
                     "lives there; retire it first",
                 )
 
-    def forget_user(self, pool: GraphPoolRecord, session_id: int) -> None:
-        """``session_id`` no longer uses the pool (it ended, or let go of its arena): its
-        event and its escapes go; if it was the last to release, nobody waits on it."""
+    def forget_user(self, pool: GraphPoolRecord, session_id: int, why: str) -> None:
+        """``session_id`` may no longer use the pool (``why``: it ended, or let go of the
+        arena): its lease goes, its event and escapes with it, and the slot stops naming
+        it. Its mapping may outlive its right: whatever names it in the slot from now on,
+        the tick repairs."""
+        if session_id not in pool.users:
+            return
+        pool.users.discard(session_id)
         pool.events.pop(session_id, None)
+        segment = pool.segment
         if session_id in pool.escapers:
             pool.escapers.discard(session_id)
-            self.table.set_escaped(pool.slot, self._escape_mark(pool))
-        self.table.forget_handoff(pool.slot, lease_table.word_session(session_id))
+            segment.set_escaped(self._escape_mark(pool))
+        segment.forget_handoff(session_id)
+        word = segment.peek()
+        kind, holder, pid = lease_table.decode(word)
+        if word and holder == lease_table.word_session(session_id) and segment.clear(word) == lease_table.LeaseStatus.OK:
+            log.info(
+                "graph pool %d ('%s'): swept a %s lease of session %d (pid %d), which %s",
+                pool.id, pool.label, lease_table.KIND_NAMES.get(kind, kind), session_id, pid, why,
+            )
 
     def drop(self, pool: GraphPoolRecord) -> None:
-        """Forget the pool and free its lease slot: a holder is swept, waiters wake and
-        find the slot's epoch no longer theirs."""
+        """Forget the pool and its segment: a holder is swept, and waiters wake to find
+        the epoch 0. Clients keep their mappings of the segment; no other pool ever gets it."""
         del self.by_id[pool.id]
-        self.table.set_epoch(pool.slot, 0)
-        self.table.set_flags(pool.slot, 0)
-        self.table.forget_handoff(pool.slot, self.table.handoff(pool.slot))
-        self.table.set_escaped(pool.slot, 0)
-        word = self.table.peek(pool.slot)
+        segment = pool.segment
+        segment.set_epoch(0)  # before the clear: a waiter woken by it finds the pool retired
+        word = segment.peek()
         if word:
-            self.table.clear(pool.slot, word)
-        self._free_slots.append(pool.slot)
+            segment.clear(word)
+        segment.close()
+        os.close(pool.segment_fd)
 
     def session_ended(self, session_id: int) -> None:
         """Its leases are swept, its events and escapes forgotten, its pools dropped."""
-        self.sweep(session_id)
+        for pool in self.by_id.values():
+            self.forget_user(pool, session_id, "ended")
         for pool in [g for g in self.by_id.values() if g.owner_id == session_id]:
             self.drop(pool)
 
-    # ------------------------------------------------------------------ the table's upkeep
+    # ------------------------------------------------------------------ the slots' upkeep
 
     @staticmethod
     def _flags(pool: GraphPoolRecord) -> int:
@@ -223,47 +270,69 @@ class GraphPoolBook:
         """What the slot's escape field must hold: one of the escaping sessions, or 0."""
         return lease_table.word_session(min(pool.escapers)) if pool.escapers else 0
 
-    def sweep(self, session_id: int | None = None) -> None:
-        """Clear slots held by ``session_id`` (its client is gone), or, with None, slots in
-        a state that cannot be: a kind the daemon does not know, a holder session that
-        does not exist, a slot no pool owns, daemon-written fields that disagree with the
-        registry. A buggy client can write anything there."""
-        owned = {g.slot: g for g in self.by_id.values()}
-        live = {lease_table.word_session(i) for i in self.sessions}
-        if session_id is not None:
-            for pool in self.by_id.values():
-                self.forget_user(pool, session_id)
-        else:
-            for slot, pool in owned.items():
-                if self.table.flags(slot) != self._flags(pool):
-                    log.warning("lease slot %d: flags %#x repaired", slot, self.table.flags(slot))
-                    self.table.set_flags(slot, self._flags(pool))
-                escaped = self._escape_mark(pool)
-                if self.table.escaped(slot) != escaped:
-                    log.warning("lease slot %d: escape mark %d repaired to %d", slot, self.table.escaped(slot), escaped)
-                    self.table.set_escaped(slot, escaped)
-                handoff = self.table.handoff(slot)
-                if handoff and handoff not in live:
-                    log.warning("lease slot %d named session %d, which does not exist; cleared", slot, handoff)
-                    self.table.forget_handoff(slot, handoff)
-        for slot, word in enumerate(self.table.words()):
-            if not word:
-                continue
-            kind, holder, pid = lease_table.decode(word)
-            if session_id is not None:
-                if holder == lease_table.word_session(session_id):
-                    self.table.clear(slot, word)
-                    log.info("lease slot %d: swept a %s lease of session %d (pid %d), which ended", slot, lease_table.KIND_NAMES.get(kind, kind), holder, pid)
-                continue
-            if kind not in lease_table.KIND_NAMES or holder not in live or slot not in owned:
-                self.table.clear(slot, word)
-                log.warning("lease slot %d held an impossible word %#x (kind %d, session %d, pid %d); cleared", slot, word, kind, holder, pid)
+    def sweep(self) -> None:
+        """Every pool's slot as the registry says it must be: the daemon's fields (epoch,
+        flags, escape mark) rewritten where they differ, a handoff or a held word naming
+        a session that is not one of the pool's users (or a kind that does not exist)
+        cleared. Each repair is logged and counted: the segment's users can write anything."""
+        for pool in self.by_id.values():
+            self._repair(pool)
+
+    def _repair(self, pool: GraphPoolRecord) -> None:
+        segment = pool.segment
+        users = {lease_table.word_session(sid) for sid in pool.users}
+        epoch = lease_table.lease_epoch(pool.id, pool.epoch)
+        if segment.epoch() != epoch:
+            self._repaired(pool, "epoch", f"{segment.epoch():#x}, not {epoch:#x}")
+            segment.set_epoch(epoch)
+        flags = self._flags(pool)
+        if segment.flags() != flags:
+            self._repaired(pool, "flags", f"{int(segment.flags()):#x}, not {flags:#x}")
+            segment.set_flags(flags)
+        mark, found = self._escape_mark(pool), segment.escaped()
+        if found != mark:
+            named = self._named(found, pool) if found else "no session"
+            self._repaired(pool, "escape mark", f"{named}, not {self._named(mark, pool) if mark else 'no session'}")
+            segment.set_escaped(mark)
+        handoff = segment.handoff()
+        if handoff and handoff not in users:
+            self._repaired(pool, "handoff", self._named(handoff, pool))
+            segment.forget_handoff(handoff)
+        word = segment.peek()
+        if not word:
+            return
+        kind, holder, pid = lease_table.decode(word)
+        if kind in lease_table.KIND_NAMES and holder in users:
+            return
+        if segment.clear(word) != lease_table.LeaseStatus.OK:
+            return  # it changed meanwhile: the next tick looks again
+        what = f"an unknown kind {kind}" if kind not in lease_table.KIND_NAMES else self._named(holder, pool)
+        self._repaired(pool, "lease word", f"{word:#x} (pid {pid}): {what}")
+
+    def _named(self, session: int, pool: GraphPoolRecord) -> str:
+        """A 24-bit session as a slot field names it, for the log: who, and why it may not
+        be there."""
+        client = next((s for sid, s in self.sessions.items() if lease_table.word_session(sid) == session), None)
+        if client is None:
+            return f"session {session}, which does not exist"
+        if client.id in pool.users:
+            return f"session {session}, client '{client.name}' (pid {client.pid})"
+        return (
+            f"session {session}, client '{client.name}' (pid {client.pid}), which may not use the pool "
+            "(it never opened it, or let go of its arena)"
+        )
+
+    def _repaired(self, pool: GraphPoolRecord, field: str, found: str) -> None:
+        pool.lease_repairs += 1
+        log.warning(
+            "graph pool %d ('%s') of client '%s': its lease slot's %s held %s; repaired (%d repairs of this pool so far)",
+            pool.id, pool.label, pool.owner_name, field, found, pool.lease_repairs,
+        )
 
     def close(self) -> None:
-        self.table.close()
-        if self.table_fd >= 0:
-            os.close(self.table_fd)
-            self.table_fd = -1
+        """At exit: every pool left goes, with its segment."""
+        for pool in list(self.by_id.values()):
+            self.drop(pool)
 
     # ------------------------------------------------------------------ validation
 

@@ -12,6 +12,7 @@ import dataclasses
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.base import Handle
+from gpumem_shared.lease_table import LeaseSegment
 
 from gpumemd.config import MiB
 
@@ -81,7 +82,8 @@ class ArenaRecord:
 
 @dataclasses.dataclass(eq=False)
 class GraphPoolRecord:
-    """A CUDA-graph pool captured into an arena, as its owner last described it."""
+    """A CUDA-graph pool captured into an arena, as its owner last described it, with its
+    lease segment and the sessions that may use it."""
 
     id: int
     owner_id: int
@@ -91,10 +93,15 @@ class GraphPoolRecord:
     epoch: int
     extents: list[tuple[int, int]]  # (offset, size), by offset
     free_runs: list[tuple[int, int]]  # (offset, size), largest first
-    slot: int  # in the lease table
+    segment: LeaseSegment  # its lease slot, in a segment of its own
+    segment_fd: int  # the segment's memfd, granted to each session that may use the pool
     shared: bool = False  # clients the arena is shared with may open it
+    # Sessions granted the segment that still may use the pool: its owner, and those that
+    # opened it and still have its arena attached.
+    users: set[int] = dataclasses.field(default_factory=set)
     events: dict[int, bytes] = dataclasses.field(default_factory=dict)  # session id -> its IPC event handle
     escapers: set[int] = dataclasses.field(default_factory=set)  # sessions with borrowed tensors past their scope
+    lease_repairs: int = 0  # fields of its slot the daemon repaired (written by no rightful client)
 
     def status(self) -> p.GraphPoolStatus:
         return p.GraphPoolStatus(
@@ -106,8 +113,8 @@ class GraphPoolRecord:
             extents=[p.Extent(offset=o, size=n) for o, n in self.extents],
             free_runs=[p.Extent(offset=o, size=n) for o, n in self.free_runs],
             free_bytes=sum(n for _, n in self.free_runs),
-            slot=self.slot,
             shared=self.shared,
+            lease_repairs=self.lease_repairs,
         )
 
 
@@ -222,11 +229,14 @@ class RoundRecord:
 @dataclasses.dataclass
 class Outcome:
     """What a request produced: the reply (None: it comes later, as a Completion), the
-    chunks whose fds go to the requester before it, and notices for other sessions."""
+    chunks whose fds go to the requester before it, the lease segments it grants
+    (graph pool id, the segment's memfd, which the daemon keeps) whose fds go the same
+    way, and notices for other sessions."""
 
     reply: p.Message | None
     handout: list[ChunkRecord] = dataclasses.field(default_factory=list)
     notices: Notices = dataclasses.field(default_factory=list)
+    grants: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

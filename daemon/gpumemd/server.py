@@ -274,6 +274,9 @@ class Server:
             if outcome.handout:
                 assert session is not None
                 self._hand_out(session, request_id, outcome.handout)
+            if outcome.grants:
+                assert session is not None
+                self._grant(session, request_id, outcome.grants)
             if outcome.notices:
                 self._deliver(outcome.notices)
             if outcome.reply is None:
@@ -332,6 +335,18 @@ class Server:
             finally:
                 fdchannel.close_all(fds)  # the peer holds its own copies now
 
+    def _grant(self, session: SessionRecord, request_id: int, segments: list[tuple[int, int]]) -> None:
+        """Lease segments, (graph pool id, memfd), in one FD_BATCH before the reply; the
+        daemon keeps its descriptors."""
+        conn = self._by_session[session.id]
+        try:
+            payload = p.encode_event(p.FdBatch(request_id=request_id, chunk_ids=[pool_id for pool_id, _ in segments]))
+            socket.send_fds(conn.sock, [payload], [fd for _, fd in segments], socket.MSG_DONTWAIT)
+        except OSError as exc:
+            log.warning("fd channel of client %r (pid %d) is not draining (%s); closing its session", session.name, session.pid, exc)
+            self._drop(conn)
+            raise p.ProtocolError(p.ErrorCode.INTERNAL, "the fd channel is not accepting descriptors; session closed") from None
+
     def _deliver(self, notices: list[tuple[int, p.Notice]]) -> None:
         for session_id, notice in notices:
             conn = self._by_session.get(session_id)
@@ -389,6 +404,7 @@ class Server:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "requests after HELLO go on the control channel")
             if not isinstance(request.message, p.Hello):
                 raise p.ProtocolError(p.ErrorCode.NO_SESSION, "the first message on the fd channel must be HELLO")
+            p.check_hello_version(request.version)
             session, reply = self.state.open_session(request.message, conn.pid, conn.uid, conn.gid)
         except p.ProtocolError as exc:
             rid = exc.detail.get("request_id", request_id)
@@ -397,11 +413,7 @@ class Server:
         conn.session = session
         self._by_session[session.id] = conn
         self._by_token[session.token] = session
-        try:
-            # The lease table rides with the reply: every client maps the same memory.
-            socket.send_fds(conn.sock, [p.encode_reply(request_id, reply)], [self.state.lease_fd], socket.MSG_DONTWAIT)
-        except OSError:
-            self._drop(conn)
+        self._send_on(conn, p.encode_reply(request_id, reply))
 
     def _send_on(self, conn: Connection, payload: bytes) -> None:
         try:

@@ -7,7 +7,7 @@ pass the handed-out chunks' fds, deliver notices). The driver is the only I/O, b
 zmq at all.
 
 The books, each in its own module, bottom up: arenas.py (arenas, chunks, accounting,
-admission, window plan), graph_pools.py (the registry and the lease table),
+admission, window plan), graph_pools.py (the registry and the pools' lease segments),
 kv_pools.py (KV pools and commit rounds), status.py (the STATUS reply). A book never
 imports one above it; what one event means for several books (a session ending, an
 arena released or destroyed, a decommit under a graph pool) is decided here.
@@ -90,11 +90,6 @@ class DaemonState:
         # Answered later, when their round commits or fails: they need the request id.
         self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done}
 
-    @property
-    def lease_fd(self) -> int:
-        """The lease table's memfd, passed to every client with its HELLO reply."""
-        return self.graph_pools.table_fd
-
     # ------------------------------------------------------------------ sessions
 
     def open_session(self, hello: p.Hello, pid: int, uid: int, gid: int) -> tuple[SessionRecord, p.HelloReply]:
@@ -112,7 +107,6 @@ class DaemonState:
         self.sessions[session.id] = session
         log.info("session %d opened: client %r pid %d uid %d", session.id, session.name, pid, uid)
         reply = p.HelloReply(
-            lease_slots=lease_table.SLOTS,
             protocol=list(p.PROTOCOL_VERSION),
             daemon_version=__version__,
             daemon_pid=os.getpid(),
@@ -181,7 +175,7 @@ class DaemonState:
         notices: Notices = []
         self.arenas.detach(arena, s.id)
         for pool in self.graph_pools.in_arena(arena.name):
-            self.graph_pools.forget_user(pool, s.id)
+            self.graph_pools.forget_user(pool, s.id, f"let go of arena '{arena.name}'")
         if arena.owner_id == s.id:
             for pool in self.graph_pools.in_arena(arena.name):
                 self.graph_pools.drop(pool)  # its memory goes now, even while sharers stay attached
@@ -202,7 +196,7 @@ class DaemonState:
     # ------------------------------------------------------------------ the loop's hooks
 
     def tick(self) -> None:
-        """The lease table's sanity and round deadlines: called by the server's loop."""
+        """The lease slots' repairs and round deadlines: called by the server's loop."""
         self.graph_pools.sweep()
         self.kv.tick()
 

@@ -110,14 +110,14 @@ def _leases(sessions: Mapping[int, SessionRecord], graph_pools: GraphPoolBook) -
     out = []
     by_word = {lease_table.word_session(i): s for i, s in sessions.items()}
     for pool in graph_pools.by_id.values():
-        holder = graph_pools.table.holder(pool.slot)
+        holder = pool.segment.holder()
         if holder is None:
             continue
         session = by_word.get(holder.session)
         out.append(
             p.LeaseStatus(
                 pool_id=pool.id,
-                slot=pool.slot,
+                slot=0,
                 kind=holder.kind_name,
                 holder=session.name if session else f"session {holder.session}",
                 pid=holder.pid,

@@ -1,12 +1,17 @@
-"""The lease table: shared memory the daemon creates and every client maps.
+"""Lease slots: one per registered graph pool, each in a lease segment of its own.
 
-One 64-byte slot per registered graph pool. The word of a free slot is 0; a held
-slot's word is ``kind << 56 | session << 32 | pid``. Clients take and give back leases
-with the native module's compare-and-swap and futex calls, without a daemon round trip;
-the daemon sweeps a dead holder's slots and clears impossible states, so the table is
-never trusted blindly.
+A segment is a sealed memfd of one page that the daemon creates when the pool is
+registered and hands only to the sessions allowed to use the pool: its owner, and the
+sessions that open it (a shared pool, its arena attached). A session that may not use a
+pool never receives its segment, so it holds no mapping of the pool's lease words.
 
-The slot's layout, the statuses, kinds and flags, the slot count and the label size are
+The word of a free slot is 0; a held slot's word is ``kind << 56 | session << 32 |
+pid``. Clients take and give back leases with the native module's compare-and-swap and
+futex calls on the segment's address, without a daemon round trip; the daemon sweeps a
+dead holder's word and repairs what a client could not rightly have written there, so
+a segment is never trusted blindly.
+
+The slot's layout, the statuses, kinds and flags, the segment and label sizes are
 described once, in csrc/lease_table.h; this module reads them from the native module,
 which exports them. The ctypes view of a slot below only reads fields of the mapping
 (and writes the holder's label); a unit test checks it against the exported layout.
@@ -24,10 +29,12 @@ from typing import Final
 
 from gpumem_shared import _native  # built with the package; see setup.py
 
-SLOTS: Final[int] = _native.LEASE_SLOTS
+SEGMENT_BYTES: Final[int] = _native.LEASE_SEGMENT_BYTES
 SLOT_BYTES: Final[int] = _native.LEASE_SLOT_BYTES
 LABEL_BYTES: Final[int] = _native.LEASE_LABEL_BYTES
-TABLE_BYTES: Final[int] = SLOTS * SLOT_BYTES
+
+# The name a segment's memfd carries (and /proc/PID/maps shows), before the pool's id.
+SEGMENT_NAME = "gpumemd-lease-pool-"
 
 _STATUSES = dict(_native.LEASE_STATUSES)
 _KINDS = dict(_native.LEASE_KINDS)
@@ -74,8 +81,8 @@ KIND_NAMES: Final[dict[int, str]] = {kind: kind.noun for kind in LeaseKind}
 
 
 def lease_epoch(pool_id: int, epoch: int) -> int:
-    """The 32-bit value a slot carries for a pool at an epoch. It names the pool too, so a
-    waiter on a retired pool whose slot went to another pool sees a stale epoch."""
+    """The 32-bit value a slot carries for a pool at an epoch (never 0: a retired slot's).
+    It names the pool too, so a view of one pool never passes another's check."""
     return ((pool_id & 0xFFFF) << 16) | (epoch & 0xFFFF) or 1
 
 
@@ -123,86 +130,109 @@ class _Slot(ctypes.Structure):
     ]
 
 
-class LeaseTable:
-    """A mapping of the table. ``create()`` makes a new one (the daemon); ``LeaseTable(fd)``
-    maps one received over the fd channel (clients). The mapping lives as long as the
-    process: the native calls hold raw pointers into it."""
+# mmap(2) and munmap(2) themselves: Python's mmap keeps a duplicate of the descriptor
+# open for the mapping's life, one more per segment in every process that maps one.
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class LeaseSegment:
+    """A mapping of one graph pool's lease segment. ``create()`` makes a new one (the
+    daemon); ``LeaseSegment(fd)`` maps one received over the fd channel (clients), and
+    the descriptor may be closed then. The native calls take the raw ``address``: the
+    mapping lives as long as this object, so whatever may still call them (a pool, a
+    held lease) keeps a reference to it."""
+
+    __slots__ = ("_slot", "address")
 
     def __init__(self, fd: int) -> None:
-        if os.fstat(fd).st_size != TABLE_BYTES:
-            raise ValueError(f"a lease table is {TABLE_BYTES} bytes, this fd has {os.fstat(fd).st_size}")
-        self._map = mmap.mmap(fd, TABLE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._slots = (_Slot * SLOTS).from_buffer(self._map)
-        self.address = ctypes.addressof(self._slots)
-        # The client's fast path calls these straight (gpumem.leases): one native call each.
-        self._try = _native.lease_try
-        self._release = _native.lease_release
+        self.address: int = 0  # until mapped: what close() finds if this fails
+        size = os.fstat(fd).st_size
+        if size != SEGMENT_BYTES:
+            raise ValueError(f"a lease segment is {SEGMENT_BYTES} bytes, this fd has {size}")
+        address = _mmap(None, SEGMENT_BYTES, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mapping a lease segment failed: {os.strerror(err)}")
+        self.address = address
+        self._slot = _Slot.from_address(address)
 
     @classmethod
-    def create(cls) -> tuple[LeaseTable, int]:
-        """A fresh table and its memfd. The memfd is sealed against resizing: a client
-        that truncated it would make the daemon's next access fault."""
-        fd = os.memfd_create("gpumemd-leases", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(fd, TABLE_BYTES)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        return cls(fd), fd
+    def create(cls, pool_id: int) -> tuple[LeaseSegment, int]:
+        """A fresh segment for graph pool ``pool_id`` and its memfd. Sealed against
+        resizing: a client that truncated it would make the daemon's next access fault."""
+        fd = os.memfd_create(f"{SEGMENT_NAME}{pool_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, SEGMENT_BYTES)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            return cls(fd), fd
+        except BaseException:
+            os.close(fd)
+            raise
 
-    def try_acquire(self, slot: int, word: int, epoch: int, label: bytes) -> int:
+    def try_acquire(self, word: int, epoch: int, label: bytes) -> int:
         """One attempt, no wait, the label recorded: the uncontended fast path (one
         compare-and-swap in one native call). OK or OK_ORDER when taken."""
-        return self._try(self.address, slot, word, epoch, label)
+        return _native.lease_try(self.address, word, epoch, label)
 
-    def acquire(self, slot: int, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
+    def acquire(self, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
         """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""
-        return _native.lease_acquire(self.address, slot, word, epoch, int(timeout_s * 1e9))
+        return _native.lease_acquire(self.address, word, epoch, int(timeout_s * 1e9))
 
-    def release(self, slot: int, word: int) -> int:
+    def release(self, word: int) -> int:
         """OK, NOT_HOLDER, or RECORD (nothing released: a shared pool; record the IPC
         event, then ``release_recorded``)."""
-        return self._release(self.address, slot, word)
+        return _native.lease_release(self.address, word)
 
-    def release_recorded(self, slot: int, word: int) -> int:
-        return _native.lease_release_recorded(self.address, slot, word)
+    def release_recorded(self, word: int) -> int:
+        return _native.lease_release_recorded(self.address, word)
 
-    def clear(self, slot: int, word: int) -> int:
+    def clear(self, word: int) -> int:
         """Free the slot if it holds ``word``, without ordering: the daemon's sweep."""
-        return _native.lease_clear(self.address, slot, word)
+        return _native.lease_clear(self.address, word)
 
-    def set_escaped(self, slot: int, session: int) -> None:
+    def set_escaped(self, session: int) -> None:
         """The daemon: refuse replay and capture while any session's borrowed tensors
         outlive their scope; the slot names one of them (0: none)."""
-        _native.lease_set_escaped(self.address, slot, word_session(session))
+        _native.lease_set_escaped(self.address, word_session(session))
 
-    def escaped(self, slot: int) -> int:
-        return int(self._slots[slot].escaped)
+    def escaped(self) -> int:
+        return int(self._slot.escaped)
 
-    def handoff(self, slot: int) -> int:
-        return int(self._slots[slot].handoff)
+    def handoff(self) -> int:
+        return int(self._slot.handoff)
 
-    def flags(self, slot: int) -> LeaseFlag:
-        return LeaseFlag(self._slots[slot].flags)
+    def flags(self) -> LeaseFlag:
+        return LeaseFlag(self._slot.flags)
 
-    def set_flags(self, slot: int, flags: int) -> None:
-        _native.lease_set_flags(self.address, slot, flags)
+    def set_flags(self, flags: int) -> None:
+        _native.lease_set_flags(self.address, flags)
 
-    def forget_handoff(self, slot: int, session: int) -> None:
-        """A session ended: if it was the last to release, its IPC event went with it."""
-        _native.lease_forget_handoff(self.address, slot, word_session(session))
+    def forget_handoff(self, session: int) -> None:
+        """If ``session`` released last, forget it: its IPC event is gone, or it may no
+        longer use the pool."""
+        _native.lease_forget_handoff(self.address, word_session(session))
 
-    def peek(self, slot: int) -> int:
-        return _native.lease_peek(self.address, slot)
+    def peek(self) -> int:
+        return _native.lease_peek(self.address)
 
-    def set_epoch(self, slot: int, epoch: int) -> None:
-        _native.lease_set_epoch(self.address, slot, epoch)
+    def set_epoch(self, epoch: int) -> None:
+        _native.lease_set_epoch(self.address, epoch)
 
-    def epoch(self, slot: int) -> int:
-        return int(self._slots[slot].epoch)
+    def epoch(self) -> int:
+        return int(self._slot.epoch)
 
-    def set_label(self, slot: int, label: str) -> None:
-        self._slots[slot].label = label.encode()[:LABEL_BYTES]
+    def set_label(self, label: str) -> None:
+        self._slot.label = label.encode()[:LABEL_BYTES]
 
-    def holder(self, slot: int) -> Holder | None:
-        entry = self._slots[slot]
+    def holder(self) -> Holder | None:
+        entry = self._slot
         word = int(entry.word)
         if word == 0:
             return None
@@ -210,10 +240,12 @@ class LeaseTable:
         return Holder(kind, session, pid, int(entry.since_ns), entry.label.decode(errors="replace"))
 
     def close(self) -> None:
-        """Unmap (only once nothing will call the native functions on it again)."""
-        if not self._map.closed:
-            del self._slots
-            self._map.close()
+        """Unmap now (only once nothing will call the native functions on it again).
+        Reads find zeros from then on, and native calls a refused address."""
+        address, self.address = self.address, 0
+        if address:
+            self._slot = _Slot()
+            _munmap(address, SEGMENT_BYTES)
 
-    def words(self) -> list[int]:
-        return [int(self._slots[i].word) for i in range(SLOTS)]
+    def __del__(self) -> None:
+        self.close()

@@ -22,6 +22,12 @@ maps with named fields, so a newer minor can add fields that an older peer ignor
 every field is sent, defaults included, because an older minor may require it.
 Error codes are append-only: a number, once shipped, never changes meaning.
 
+A minor may raise the oldest minor HELLO accepts (``MIN_HELLO_VERSION``), only where
+serving an older peer would be unsafe; both sides then refuse each other at HELLO with
+PROTOCOL_MISMATCH. 1.3 does: leases moved from one table every session mapped to a
+segment per graph pool, which a 1.2 client would not know to map, and a 1.2 daemon
+hands every session the whole table.
+
 Every message is a ``msgspec.Struct``: msgspec checks types while it decodes (a bool
 is not an int, a float is not an int), so a frame becomes a typed message in one pass.
 The envelope is decoded first with the body left raw, then the body with the decoder
@@ -39,7 +45,10 @@ from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
+
+# The oldest protocol HELLO accepts, on either side (see the module doc).
+MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
 
 # A control frame is a few hundred bytes; anything near this bound is an attack or
 # a bug, and unpacking it would let one peer make the daemon allocate freely.
@@ -236,7 +245,8 @@ class HelloReply(Message):
     token: bytes  # the session's ZeroMQ routing id; proves the session on the control channel
     backend: Backend
     device: DeviceInfo
-    # The lease table's fd rides with this reply (SCM_RIGHTS); the client maps it.
+    # Deprecated since 1.3, always 0: the size of the lease table that rode with HELLO.
+    # Lease slots now come one per graph pool, in a segment granted with the pool.
     lease_slots: int = 0
 
 
@@ -354,14 +364,17 @@ class GraphPoolStatus(Message):
     extents: list[Extent]  # the pool's segments
     free_runs: list[Extent]  # idle space between replays, largest first
     free_bytes: int
-    slot: int = 0  # its lease slot in the shared lease table
+    slot: int = 0  # deprecated since 1.3, always 0: the pool's lease slot is in its own segment
     shared: bool = False  # other processes may take leases on it (and borrow its free runs)
     escaped_by: str = ""  # clients whose borrowed tensors outlived their scope: replays are refused
+    # Times gpumemd repaired its lease slot: a word or field no client could rightly have
+    # written (a session that may not use the pool, an impossible value). See its log.
+    lease_repairs: int = 0
 
 
 class LeaseStatus(Message):
     pool_id: int
-    slot: int
+    slot: int  # deprecated since 1.3, always 0 (see GraphPoolStatus.slot)
     kind: str  # capture | replay | borrow
     holder: str  # client name
     pid: int
@@ -610,7 +623,11 @@ class KvShrink(RequestMessage, kw_only=True):
 
 
 class GraphPoolReply(Message):
+    """A graph pool. ``fd_batches`` 1: the reply grants the pool's lease segment, whose
+    memfd follows in one FD_BATCH whose one id is the pool's (REGISTER and OPEN)."""
+
     pool: GraphPoolStatus
+    fd_batches: int = 0
 
 
 class RegisterGraphPool(RequestMessage, kw_only=True):
@@ -727,7 +744,8 @@ REQUESTS: dict[int, type[RequestMessage]] = {
 
 
 class FdBatch(Message):
-    """One descriptor per chunk id, in order, as SCM_RIGHTS."""
+    """One descriptor per id, in order, as SCM_RIGHTS: chunk ids, or, for a graph pool's
+    lease segment (GraphPoolReply), the pool's id."""
 
     TYPE: ClassVar[MsgType] = MsgType.FD_BATCH
     request_id: int = 0
@@ -755,10 +773,11 @@ _EMPTY_MAP = msgspec.Raw(b"\x80")
 
 
 class Request(msgspec.Struct, frozen=True):
-    """A decoded request: its id and its typed message."""
+    """A decoded request: its id, its typed message and the protocol its sender speaks."""
 
     request_id: int
     message: RequestMessage
+    version: tuple[int, int] = PROTOCOL_VERSION
 
 
 class Reply(msgspec.Struct, frozen=True):
@@ -898,6 +917,20 @@ def check_version(version: Any) -> None:
         raise _mismatch(version)
 
 
+def check_hello_version(version: tuple[int, int]) -> None:
+    """Refuse a peer of this major older than MIN_HELLO_VERSION (see the module doc)."""
+    if tuple(version) < MIN_HELLO_VERSION:
+        peer, ours = f"{version[0]}.{version[1]}", f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
+        raise ProtocolError(
+            ErrorCode.PROTOCOL_MISMATCH,
+            f"peer speaks protocol {peer}, this side {ours}, which opens sessions only with "
+            f"{MIN_HELLO_VERSION[0]}.{MIN_HELLO_VERSION[1]} or later (lease slots come one per graph pool since 1.3); "
+            "upgrade the older of the client and gpumemd",
+            peer=peer,
+            ours=ours,
+        )
+
+
 def _head(frame: bytes | memoryview, what: str) -> _Head:
     """The envelope of a request or an fd-channel event. A frame the strict decoder
     refuses is decoded again loosely, to name what is wrong (with the request id
@@ -952,7 +985,7 @@ def decode_request(frame: bytes | memoryview) -> Request:
     if decoder is None:
         raise ProtocolError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {head.t!r}", request_id=head.id)
     try:
-        return Request(head.id, decoder.decode(head.b))
+        return Request(head.id, decoder.decode(head.b), head.v)
     except msgspec.ValidationError as exc:
         raise ProtocolError(ErrorCode.INVALID_ARGUMENT, _field_error(REQUESTS[head.t].__name__, exc), request_id=head.id) from None
     except _UNDECODABLE as exc:

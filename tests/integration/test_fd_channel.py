@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import msgpack
+import pytest
 
 from gpumem_shared import protocol as p
 from gpumemd_testkit import (
@@ -159,3 +161,61 @@ def test_hello_with_other_protocol_major_is_refused(daemon_factory, runtime_dir)
         ok = decode(fd_recv(sock)[0])
         assert ok["ok"] is True and ok["b"]["protocol"] == [major, minor], ok
         assert [c["name"] for c in status(runtime_dir)["clients"]] == ["from-a-newer-minor"]
+
+
+def test_hello_from_a_minor_older_than_lease_segments_is_refused(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """A 1.2 client expects the whole lease table with HELLO: it gets a clear refusal."""
+    daemon_factory("host")
+    before = status(runtime_dir)
+    major, minor = p.PROTOCOL_VERSION
+    with fd_connect(runtime_dir) as sock:
+        sock.send(_hello("from-the-past", 6, version=[1, 2]))
+        payload, fds = fd_recv(sock)
+        assert fds == [], "nothing rides with HELLO"
+        reply = assert_error(decode(payload), E.PROTOCOL_MISMATCH, request_id=6)
+        assert reply["detail"] == {"peer": "1.2", "ours": f"{major}.{minor}"}, reply
+        assert "1.3 or later" in reply["msg"] and "upgrade" in reply["msg"], reply
+        assert accounting(status(runtime_dir)) == accounting(before)
+        sock.send(_hello("now-current", 7))
+        payload, fds = fd_recv(sock)
+        ok = decode(payload)
+        assert ok["ok"] is True and ok["b"]["lease_slots"] == 0 and fds == [], (ok, fds)
+
+
+def test_a_client_refuses_a_daemon_older_than_lease_segments(runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """A 1.2 daemon hands every session the whole lease table with HELLO: the client
+    refuses it, and keeps no descriptor of that table."""
+    from gpumem.channel import SessionChannel
+    from gpumem.errors import ProtocolMismatch
+    from gpumem_shared.paths import Endpoints
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(runtime_dir / "gpu0.fd"))
+    listener.listen(1)
+    device = p.DeviceInfo(index=0, uuid="HOST-old", name="old", total_bytes=1 << 30, granularity=2 << 20)
+    hello = p.HelloReply(
+        protocol=[1, 2], daemon_version="old", daemon_pid=1, session_id=1, token=b"t" * 16, backend=p.Backend.HOST, device=device, lease_slots=1024
+    )
+    table = os.memfd_create("gpumemd-leases")
+    os.ftruncate(table, 64 * 1024)
+
+    def old_daemon() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1 << 16)
+            frame = {"v": [1, 2], "id": 1, "ok": True, "code": 0, "msg": "", "detail": {}, "b": p.to_wire(hello)}
+            socket.send_fds(conn, [msgpack.packb(frame)], [table])
+            conn.recv(1)  # until the client hangs up
+
+    server = threading.Thread(target=old_daemon, daemon=True)
+    server.start()
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(ProtocolMismatch, match=r"peer speaks protocol 1\.2.*1\.3 or later"):
+            SessionChannel(Endpoints(runtime_dir, 0), "new-client", 5.0)
+        server.join(5.0)
+        assert not server.is_alive(), "the client did not hang up"
+        assert len(os.listdir("/proc/self/fd")) == held, "the client kept the old daemon's table (or its socket)"
+    finally:
+        listener.close()
+        os.close(table)

@@ -167,10 +167,12 @@ def test_registry_messages_on_the_raw_wire(host_daemon, runtime_dir) -> None:  #
             "extents": [{"offset": 0, "size": 4 * MiB}],
             "free_runs": [{"offset": 2 * MiB, "size": MiB}],
             "free_bytes": MiB,
-            "slot": 1,  # the first lease slot handed out
+            "slot": 0,  # deprecated since 1.3: the pool's lease slot has a segment of its own
             "shared": False,
             "escaped_by": "",
+            "lease_repairs": 0,
         }
+        assert reply["b"]["fd_batches"] == 1, "the lease segment rides with the registration"
         for bad in (
             dict(body, extents=[{"offset": 4 * MiB}]),  # size missing
             dict(body, extents="0+4MiB"),
@@ -229,6 +231,7 @@ def test_ctl_extents_json_and_human_and_status(host_daemon, connect, runtime_dir
             "FREE RUNS": "3",
             "FREE": format_size(1 * MiB + 768 * KiB),
             "LARGEST RUN": "1 MiB",
+            "REPAIRS": "0",
         },
         {
             "POOL": "2",
@@ -242,6 +245,7 @@ def test_ctl_extents_json_and_human_and_status(host_daemon, connect, runtime_dir
             "FREE RUNS": "0",
             "FREE": "0 B",
             "LARGEST RUN": "-",
+            "REPAIRS": "0",
         },
     ]
     assert expected[0]["FREE"] == "1.75 MiB"

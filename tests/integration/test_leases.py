@@ -1,11 +1,13 @@
 """Leases on graph pools against a real gpumemd (host backend) and real client processes:
 conflicts that name the holder, bounded waits, kill -9 of a holder and of a waiter, a
-buggy client scribbling over the shared table, contention among 2 and 8 processes
+buggy client scribbling over a pool's lease slot, contention among 2 and 8 processes
 with a shared invariant, and what ``gpumemctl`` shows.
 
-The test process owns the arena and registers a synthetic graph pool in it (the host
-backend has no torch pool); the contenders are ``tests/clients.py shell`` processes,
-so a kill -9 of one of them never takes the pool with it. Every wait is bounded."""
+The test process owns the arena and registers synthetic shared graph pools in it (the
+host backend has no torch pool); the contenders are ``tests/clients.py shell``
+processes the arena is shared with, which attach it and open the pools (that is what
+brings them the pools' lease segments), so a kill -9 of one of them never takes a pool
+with it. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -47,16 +49,15 @@ class Owner:
         self.arena.commit(64 * MiB)
         self._next = 0
 
-    def register(self, label: str = "decode") -> p.GraphPoolStatus:
+    def register(self, label: str = "decode") -> gpumem.GraphPool:
         extent = p.Extent(offset=self._next, size=4 * MiB)
         self._next += 4 * MiB
-        reply = self.session.call(p.RegisterGraphPool(arena=ARENA, label=label, extents=[extent], free_runs=[]))
-        return reply.pool  # type: ignore[no-any-return]
+        return self.arena.register_graph_pool(label, extents=[extent], free_runs=[], shared=True)
 
-    def slot(self, pool: p.GraphPoolStatus) -> Any:
-        return self.session.leases._slots[pool.slot]
+    def slot(self, pool: gpumem.GraphPool) -> Any:
+        return pool.segment._slot
 
-    def wait_waiters(self, pool: p.GraphPoolStatus, n: int = 1, timeout: float = 10.0) -> None:
+    def wait_waiters(self, pool: gpumem.GraphPool, n: int = 1, timeout: float = 10.0) -> None:
         """Until ``n`` processes are counted asleep on the pool's slot."""
         deadline = time.monotonic() + timeout
         while self.slot(pool).waiters < n:
@@ -64,11 +65,11 @@ class Owner:
             time.sleep(0.005)
         time.sleep(0.02)
 
-    def wait_word(self, slot: int, want: int, timeout: float, what: str) -> float:
-        """Until the slot holds ``want``; returns how long that took."""
+    def wait_word(self, pool: gpumem.GraphPool, want: int, timeout: float, what: str) -> float:
+        """Until the pool's slot holds ``want``; returns how long that took."""
         start = time.monotonic()
-        while self.session.leases.peek(slot) != want:
-            assert time.monotonic() - start < timeout, f"{what}: slot {slot} still {self.session.leases.peek(slot):#x} after {timeout}s"
+        while pool.segment.peek() != want:
+            assert time.monotonic() - start < timeout, f"{what}: graph pool {pool.id}'s word still {pool.segment.peek():#x} after {timeout}s"
             time.sleep(0.002)
         return time.monotonic() - start
 
@@ -87,6 +88,20 @@ def shell(run_client: Any, host_daemon: Any) -> Any:
     def start(name: str) -> Any:
         c = run_client("shell", name)
         c.expect("CONNECTED", timeout=30)
+        return c
+
+    return start
+
+
+@pytest.fixture
+def contender(owner: Owner, shell: Any) -> Any:
+    """``contender(name)``: a client process the owner's arena is shared with, attached:
+    it opens a pool the first time it leases it."""
+
+    def start(name: str) -> Any:
+        owner.arena.share(name)
+        c = shell(name)
+        ask(c, f"attach {ARENA}")
         return c
 
     return start
@@ -125,9 +140,9 @@ def refused(client: Any, line: str, timeout: float = 30.0) -> dict[str, Any]:
 # =========================================================================== conflicts
 
 
-def test_a_conflict_names_the_holder_for_every_pair_of_kinds(owner: Owner, shell: Any) -> None:
+def test_a_conflict_names_the_holder_for_every_pair_of_kinds(owner: Owner, contender: Any) -> None:
     pool = owner.register()
-    holder, other = shell("holder-a"), shell("engine-b")
+    holder, other = contender("holder-a"), contender("engine-b")
     for held in ("capture", "replay", "borrow"):
         assert ask(holder, f"lease {held} {pool.id} 0 held-by-a-{held}") == held
         for wanted in ("capture", "replay", "borrow"):
@@ -144,9 +159,9 @@ def test_a_conflict_names_the_holder_for_every_pair_of_kinds(owner: Owner, shell
     assert ask(other, f"unlease {pool.id}") == ""
 
 
-def test_a_bounded_wait_succeeds_when_the_holder_lets_go_in_time_and_fails_when_not(owner: Owner, shell: Any) -> None:
+def test_a_bounded_wait_succeeds_when_the_holder_lets_go_in_time_and_fails_when_not(owner: Owner, contender: Any) -> None:
     pool = owner.register()
-    a, b = shell("holder-a"), shell("waiter-b")
+    a, b = contender("holder-a"), contender("waiter-b")
     assert ask(a, f"lease capture {pool.id} 0 long-capture") == "capture"
     b.send(f"lease replay {pool.id} 10 patient")
     owner.wait_waiters(pool)
@@ -166,19 +181,19 @@ def test_a_bounded_wait_succeeds_when_the_holder_lets_go_in_time_and_fails_when_
     assert ask(b, f"unlease {pool.id}") == ""
 
 
-def test_the_client_library_stale_epoch_double_release_and_sweep(owner: Owner, shell: Any) -> None:
+def test_the_client_library_stale_epoch_double_release_and_sweep(owner: Owner, contender: Any) -> None:
     pool = owner.register()
     s = owner.session
     with s.replay(pool, label="in-process") as lease:
         assert lease.held
-        h = s.leases.holder(pool.slot)
+        h = pool.segment.holder()
         assert h is not None and (h.kind_name, h.session, h.pid, h.label) == ("replay", s.session_id, os.getpid(), "in-process")
-    assert not lease.held and s.leases.peek(pool.slot) == 0
+    assert not lease.held and pool.segment.peek() == 0
     with pytest.raises(gpumem.LeaseNotHeld, match="already released"):
         lease.release()
     # A recapture bumps the epoch: the old view is stale, a fresh one works.
     extents = [p.Extent(offset=e.offset, size=e.size) for e in pool.extents]
-    fresh = s.call(p.UpdateGraphPool(pool_id=pool.id, extents=extents, free_runs=[], recaptured=True)).pool
+    fresh = gpumem.GraphPool(owner.arena, s.call(p.UpdateGraphPool(pool_id=pool.id, extents=extents, free_runs=[], recaptured=True)).pool, pool.segment)
     with pytest.raises(gpumem.StaleEpoch, match=f"graph pool {pool.id}"):
         s.capture(pool)
     with pytest.raises(gpumem.StaleEpoch):
@@ -191,16 +206,16 @@ def test_the_client_library_stale_epoch_double_release_and_sweep(owner: Owner, s
         lease.release()
     with pytest.raises(gpumem.StaleEpoch):
         s.replay(fresh)
-    # A client process's view of a retired pool is stale too, and so is its view of a
-    # new pool that got the same slot.
+    # A client process's view of a retired pool is stale too, and stays so once another
+    # pool is registered: that one has a segment of its own.
     other = owner.register("other")
-    c = shell("client-c")
-    assert json.loads(ask(c, f"gpview {other.id}"))["slot"] == other.slot
+    c = contender("client-c")
+    assert json.loads(ask(c, f"gpview {other.id}"))["id"] == other.id
     s.call(p.RetireGraphPool(pool_id=other.id))
-    assert owner.session.leases.epoch(other.slot) == 0
+    assert other.segment.epoch() == 0
     assert refused(c, f"lease replay {other.id} 0 x")["error"] == "StaleEpoch"
     reused = owner.register("reused")
-    assert reused.slot == other.slot
+    assert reused.segment.address != other.segment.address and other.segment.epoch() == 0
     assert refused(c, f"lease replay {other.id} 2 x")["error"] == "StaleEpoch"
     assert ask(c, f"lease replay {reused.id} 0 new") == "replay"
     assert ask(c, f"unlease {reused.id}") == ""
@@ -210,9 +225,9 @@ def test_the_client_library_stale_epoch_double_release_and_sweep(owner: Owner, s
 # =========================================================================== dead holders and waiters
 
 
-def test_kill_9_of_a_holder_hands_the_lease_to_a_waiter_in_another_process(owner: Owner, shell: Any, host_daemon: Any) -> None:
+def test_kill_9_of_a_holder_hands_the_lease_to_a_waiter_in_another_process(owner: Owner, contender: Any, host_daemon: Any) -> None:
     pool = owner.register()
-    a, b = shell("doomed-holder"), shell("waiter-b")
+    a, b = contender("doomed-holder"), contender("waiter-b")
     assert ask(a, f"lease capture {pool.id} 0 dying") == "capture"
     b.send(f"lease replay {pool.id} 10 waiting")
     owner.wait_waiters(pool)
@@ -221,7 +236,7 @@ def test_kill_9_of_a_holder_hands_the_lease_to_a_waiter_in_another_process(owner
     assert answer(b, timeout=15) == "replay"
     took = time.monotonic() - killed
     assert took < 1.0, f"the waiter got the lease {took:.3f}s after the holder's kill -9"
-    h = owner.session.leases.holder(pool.slot)
+    h = pool.segment.holder()
     assert h is not None and h.pid == b.pid and h.kind_name == "replay"
     assert logged(host_daemon, "swept a capture lease"), host_daemon.log()
     assert ask(b, f"unlease {pool.id}") == ""
@@ -231,12 +246,15 @@ def test_kill_9_of_the_pool_owner_wakes_its_waiters_with_a_stale_epoch(runtime_d
     o = shell("owner-o")
     ask(o, f"create {ARENA} {1 << 30}")
     ask(o, f"commit {ARENA} {32 * MiB}")
-    pool = json.loads(ask(o, f"gpregister {ARENA} decode 0 {4 * MiB}"))
+    pool = json.loads(ask(o, f"gpregister {ARENA} decode 0 {4 * MiB} shared"))
     h, w = shell("holder-h"), shell("waiter-w")
+    for name, c in (("holder-h", h), ("waiter-w", w)):
+        ask(o, f"share {ARENA} {name}")
+        ask(c, f"attach {ARENA}")
     assert ask(h, f"lease capture {pool['id']} 0 held") == "capture"
     w.send(f"errinfo lease replay {pool['id']} 10 waiting")
     deadline = time.monotonic() + 10
-    while json.loads(ask(h, f"peek {pool['slot']}"))["waiters"] < 1:
+    while json.loads(ask(h, f"peek {pool['id']}"))["waiters"] < 1:
         assert time.monotonic() < deadline, "the waiter never slept on the slot"
         time.sleep(0.01)
     killed = time.monotonic()
@@ -249,17 +267,17 @@ def test_kill_9_of_the_pool_owner_wakes_its_waiters_with_a_stale_epoch(runtime_d
     assert status(runtime_dir)["extents"] == [] and status(runtime_dir)["leases"] == []
 
 
-def test_kill_9_of_a_waiter_leaves_nothing_held(owner: Owner, shell: Any) -> None:
+def test_kill_9_of_a_waiter_leaves_nothing_held(owner: Owner, contender: Any) -> None:
     pool = owner.register()
-    a, b, c = shell("holder-a"), shell("doomed-waiter"), shell("next-c")
+    a, b, c = contender("holder-a"), contender("doomed-waiter"), contender("next-c")
     assert ask(a, f"lease borrow {pool.id} 0 borrowed") == "borrow"
     b.send(f"lease capture {pool.id} 20 never")
     owner.wait_waiters(pool)
     b.kill()
     wait_status(owner.session.endpoints.runtime_dir, lambda s: "doomed-waiter" not in [c["name"] for c in s["clients"]], 5, "the waiter's session closed")
-    assert owner.session.leases.peek(pool.slot) == lease_table.encode(LeaseKind.BORROW, *_ids(a)), "a waiter's death does not touch the holder"
+    assert pool.segment.peek() == lease_table.encode(LeaseKind.BORROW, *_ids(a)), "a waiter's death does not touch the holder"
     assert ask(a, f"unlease {pool.id}") == ""
-    assert owner.session.leases.peek(pool.slot) == 0
+    assert pool.segment.peek() == 0
     start = time.monotonic()
     assert ask(c, f"lease capture {pool.id} 0 next") == "capture"
     assert ask(c, f"unlease {pool.id}") == ""
@@ -267,7 +285,7 @@ def test_kill_9_of_a_waiter_leaves_nothing_held(owner: Owner, shell: Any) -> Non
     assert ask(a, f"unlease {pool.id}") == ""
     assert time.monotonic() - start < 5.0
     assert status(owner.session.endpoints.runtime_dir)["leases"] == []
-    assert owner.session.leases.words() == [0] * lease_table.SLOTS
+    assert pool.segment.peek() == 0
 
 
 def _ids(client: Any) -> tuple[int, int]:
@@ -280,42 +298,47 @@ def _ids(client: Any) -> tuple[int, int]:
 # =========================================================================== a buggy client
 
 
-def test_garbage_in_the_table_is_cleared_within_a_second_and_leases_work_again(owner: Owner, shell: Any, host_daemon: Any) -> None:
+def test_garbage_in_a_slot_is_cleared_within_a_second_and_leases_work_again(owner: Owner, contender: Any, shell: Any, host_daemon: Any) -> None:
     pools = [owner.register(f"p{i}") for i in range(3)]
-    buggy, user = shell("buggy"), shell("user-u")
-    unowned = 900
+    buggy, user = contender("buggy"), contender("user-u")
+    outsider = shell("outsider")  # connected, but the arena is not shared with it
     garbage = {
-        pools[0].slot: 0x09 << 56 | 0x000042_00000001,  # a kind that does not exist
-        pools[1].slot: lease_table.encode(LeaseKind.REPLAY, 0xABCDE, 4242),  # a session that does not exist
-        unowned: lease_table.encode(LeaseKind.CAPTURE, 1, os.getpid()),  # a slot no pool has
+        pools[0].id: 0x09 << 56 | 0x000042_00000001,  # a kind that does not exist
+        pools[1].id: lease_table.encode(LeaseKind.REPLAY, 0xABCDE, 4242),  # a session that does not exist
+        pools[2].id: lease_table.encode(LeaseKind.CAPTURE, *_ids(outsider)),  # a session that may not use the pool
     }
     # While the garbage lasts (a tick may clear it at any time): an impatient acquire is
     # refused, saying what it found.
-    r = refused(user, f"scribble+lease {pools[0].slot} {garbage[pools[0].slot]:x} capture {pools[0].id} 0 impatient")
+    ask(user, f"open {pools[0].id}")
+    r = refused(user, f"scribble+lease {pools[0].id} {garbage[pools[0].id]:x} capture 0 impatient")
     assert r["error"] == "LeaseConflict" and "impossible value" in r["message"], r
-    for slot, w in garbage.items():
-        assert ask(buggy, f"scribble {slot} {w:x}") == ""
-    for slot in garbage:
-        took = owner.wait_word(slot, 0, 1.0, "the daemon's tick clears garbage")
+    for pool in pools:
+        assert ask(buggy, f"scribble {pool.id} word {garbage[pool.id]:x}") == ""
+    for pool in pools:
+        took = owner.wait_word(pool, 0, 1.0, "the daemon's tick clears garbage")
         assert took < 1.0
-    assert logged(host_daemon, "impossible word"), host_daemon.log()
+    assert logged(host_daemon, "an unknown kind 9"), host_daemon.log()
+    assert logged(host_daemon, f"client 'outsider' (pid {outsider.pid}), which may not use the pool"), host_daemon.log()
     for pool in pools:
         assert ask(user, f"lease capture {pool.id} 0 works-again") == "capture"
         assert ask(user, f"unlease {pool.id}") == ""
     # A patient acquire rides out the garbage: it has the lease within about a tick.
-    for slot in (pools[0].slot, pools[1].slot):
-        pool = next(q for q in pools if q.slot == slot)
-        assert ask(buggy, f"scribble {slot} {garbage[slot]:x}") == ""
+    for pool in pools[:2]:
+        assert ask(buggy, f"scribble {pool.id} word {garbage[pool.id]:x}") == ""
         start = time.monotonic()
         assert ask(user, f"lease replay {pool.id} 3 patient") == "replay"
         assert time.monotonic() - start < 1.0
         assert ask(user, f"unlease {pool.id}") == ""
-    # Garbage over a held lease: the daemon repairs the table, the holder learns at release.
+    # Garbage over a held lease: the daemon repairs the slot, the holder learns at release.
     assert ask(user, f"lease borrow {pools[2].id} 0 overwritten") == "borrow"
-    assert ask(buggy, f"scribble {pools[2].slot} {0xFF << 56:x}") == ""
-    owner.wait_word(pools[2].slot, 0, 1.0, "the daemon's tick clears garbage over a holder")
+    assert ask(buggy, f"scribble {pools[2].id} word {0xFF << 56:x}") == ""
+    owner.wait_word(pools[2], 0, 1.0, "the daemon's tick clears garbage over a holder")
     assert refused(user, f"unlease {pools[2].id}")["error"] == "LeaseNotHeld"
-    assert status(owner.session.endpoints.runtime_dir)["leases"] == []
+    s = status(owner.session.endpoints.runtime_dir)
+    assert s["leases"] == []
+    repairs = {g["id"]: g["lease_repairs"] for g in s["graph_pools"]}
+    # One per clear; the first pool's two scribbles in a row may fall within one tick.
+    assert repairs[pools[0].id] in (2, 3) and (repairs[pools[1].id], repairs[pools[2].id]) == (2, 2), repairs
     assert ask(buggy, "ping") == "", "the buggy client is not disconnected for it"
 
 
@@ -323,11 +346,11 @@ def test_garbage_in_the_table_is_cleared_within_a_second_and_leases_work_again(o
 
 
 @pytest.mark.parametrize("processes", [2, 8])
-def test_contention_keeps_exclusion_and_everyone_progresses(owner: Owner, shell: Any, runtime_dir: Path, processes: int) -> None:
+def test_contention_keeps_exclusion_and_everyone_progresses(owner: Owner, contender: Any, runtime_dir: Path, processes: int) -> None:
     pool = owner.register()
     shm = runtime_dir / "counter"
     shm.write_bytes(bytes(4096))
-    clients = [shell(f"loop-{i}") for i in range(processes)]
+    clients = [contender(f"loop-{i}") for i in range(processes)]
     for i, c in enumerate(clients):
         c.send(f"leaseloop {pool.id} {CONTENTION_SECONDS} {shm} {i}")
     results = [json.loads(answer(c, timeout=CONTENTION_SECONDS + 30)) for c in clients]
@@ -341,7 +364,7 @@ def test_contention_keeps_exclusion_and_everyone_progresses(owner: Owner, shell:
     assert all(n > 0 for n in counts), f"a process made no progress: {counts}"
     assert sum(contended) > 0, "the processes never found the lease held: no contention was tested"
     assert sum(r["conflicts"] for r in results) == 0, f"a 5s wait ran out: {results}"
-    assert owner.session.leases.peek(pool.slot) == 0
+    assert pool.segment.peek() == 0
     assert status(runtime_dir)["leases"] == []
 
 
@@ -357,9 +380,9 @@ def ctl(runtime_dir: Path, *args: str) -> str:
     return result.stdout
 
 
-def test_gpumemctl_status_json_shows_a_held_lease(owner: Owner, shell: Any, runtime_dir: Path) -> None:
+def test_gpumemctl_status_json_shows_a_held_lease(owner: Owner, contender: Any, runtime_dir: Path) -> None:
     pool, idle = owner.register("decode"), owner.register("idle")
-    a = shell("borrower-a")
+    a = contender("borrower-a")
     before = time.time()
     assert ask(a, f"lease borrow {pool.id} 0 EAGLE-probability-borrow") == "borrow"
     after = time.time()
@@ -368,7 +391,7 @@ def test_gpumemctl_status_json_shows_a_held_lease(owner: Owner, shell: Any, runt
     since = entry.pop("since")
     assert entry == {
         "pool_id": pool.id,
-        "slot": pool.slot,
+        "slot": 0,  # deprecated: each pool's slot is in its own segment
         "kind": "borrow",
         "holder": "borrower-a",
         "pid": a.pid,

@@ -15,14 +15,13 @@ from collections.abc import Callable, Iterator
 import pytest
 from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
-from gpumem_shared.lease_table import KIND_NAMES, LeaseFlag, LeaseKind, LeaseStatus, LeaseTable
+from gpumem_shared.lease_table import KIND_NAMES, LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus
 from gpumem_shared.protocol import ErrorCode
 from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, GiB, Harness, MiB
-from .test_lease_table import Waiter, wait_until_sleeping
+from .test_lease_table import Pool, Waiter, fresh_segment, give_back, granted, wait_until_sleeping
 
-SLOT = 9
 EPOCH = lease_table.lease_epoch(3, 1)
 ARENA = "graphs"
 # An IPC event handle is opaque to the daemon; the driver's are 64 bytes.
@@ -30,18 +29,17 @@ HANDLE = bytes(range(64))
 
 
 @pytest.fixture
-def table() -> Iterator[LeaseTable]:
-    t, fd = LeaseTable.create()
-    t.set_epoch(SLOT, EPOCH)
-    yield t
-    t.close()
-    os.close(fd)
+def table() -> Iterator[LeaseSegment]:
+    seg = fresh_segment(3)
+    seg.set_epoch(EPOCH)
+    yield seg
+    seg.close()
 
 
 @pytest.fixture
-def shared(table: LeaseTable) -> LeaseTable:
-    """The table with SLOT flagged as a shared pool's, as the daemon registers one."""
-    table.set_flags(SLOT, LeaseFlag.SHARED)
+def shared(table: LeaseSegment) -> LeaseSegment:
+    """The segment flagged as a shared pool's, as the daemon registers one."""
+    table.set_flags(LeaseFlag.SHARED)
     return table
 
 
@@ -54,163 +52,163 @@ def word_session(session_id: int) -> int:
     return lease_table.decode(lease_table.encode(0, session_id, 0))[1]
 
 
-Take = Callable[[LeaseTable, int], int]
+Take = Callable[[LeaseSegment, int], int]
 
 # The three ways a client takes a free slot; each must report the handoff the same way.
 TAKES: dict[str, Take] = {
-    "try": lambda t, w: t.try_acquire(SLOT, w, EPOCH, b"taker"),
-    "acquire": lambda t, w: t.acquire(SLOT, w, EPOCH, 0)[0],
-    "acquire-wait": lambda t, w: t.acquire(SLOT, w, EPOCH, 1.0)[0],
+    "try": lambda t, w: t.try_acquire(w, EPOCH, b"taker"),
+    "acquire": lambda t, w: t.acquire(w, EPOCH, 0)[0],
+    "acquire-wait": lambda t, w: t.acquire(w, EPOCH, 1.0)[0],
 }
 
 
-def handed_over(t: LeaseTable, held: int) -> None:
+def handed_over(t: LeaseSegment, held: int) -> None:
     """``held`` gives the slot back the way a shared pool's holder must."""
-    assert t.release(SLOT, held) == LeaseStatus.RECORD
-    assert t.release_recorded(SLOT, held) == LeaseStatus.OK
+    assert t.release(held) == LeaseStatus.RECORD
+    assert t.release_recorded(held) == LeaseStatus.OK
 
 
 # =========================================================================== the handoff
 
 
-def test_a_shared_release_frees_nothing_until_the_event_is_recorded(shared: LeaseTable) -> None:
+def test_a_shared_release_frees_nothing_until_the_event_is_recorded(shared: LeaseSegment) -> None:
     held = word(LeaseKind.CAPTURE, session=1)
-    assert shared.acquire(SLOT, held, EPOCH, 0) == (LeaseStatus.OK, 0)
-    futex = shared._slots[SLOT].futex
-    assert shared.release(SLOT, held) == LeaseStatus.RECORD
+    assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    futex = shared._slot.futex
+    assert shared.release(held) == LeaseStatus.RECORD
     # Freed here, a taker from another process could run on the pool before the
     # releaser's GPU work is done.
-    assert shared.peek(SLOT) == held and shared.handoff(SLOT) == 0
-    assert shared._slots[SLOT].futex == futex, "nothing was released: nobody is woken"
-    assert shared.try_acquire(SLOT, word(LeaseKind.REPLAY, session=2), EPOCH, b"x") == LeaseStatus.HELD
-    assert shared.release_recorded(SLOT, held) == LeaseStatus.OK
-    assert shared.peek(SLOT) == 0 and shared.handoff(SLOT) == 1
-    assert shared._slots[SLOT].futex == futex + 1
+    assert shared.peek() == held and shared.handoff() == 0
+    assert shared._slot.futex == futex, "nothing was released: nobody is woken"
+    assert shared.try_acquire(word(LeaseKind.REPLAY, session=2), EPOCH, b"x") == LeaseStatus.HELD
+    assert shared.release_recorded(held) == LeaseStatus.OK
+    assert shared.peek() == 0 and shared.handoff() == 1
+    assert shared._slot.futex == futex + 1
 
 
 @pytest.mark.parametrize("take", TAKES.values(), ids=TAKES.keys())
-def test_a_taker_of_another_session_orders_after_the_recorded_release(shared: LeaseTable, take: Take) -> None:
+def test_a_taker_of_another_session_orders_after_the_recorded_release(shared: LeaseSegment, take: Take) -> None:
     first = word(LeaseKind.CAPTURE, session=1)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0), "no release recorded yet: nothing to order after"
+    assert shared.acquire(first, EPOCH, 0) == (LeaseStatus.OK, 0), "no release recorded yet: nothing to order after"
     handed_over(shared, first)
     other = word(LeaseKind.REPLAY, session=2, pid=2002)
     assert take(shared, other) == LeaseStatus.OK_ORDER
-    assert shared.peek(SLOT) == other, "OK_ORDER is a taken lease"
+    assert shared.peek() == other, "OK_ORDER is a taken lease"
     handed_over(shared, other)
-    assert shared.handoff(SLOT) == 2
+    assert shared.handoff() == 2
     assert take(shared, word(LeaseKind.BORROW, session=1)) == LeaseStatus.OK_ORDER, "the first releaser now orders after the second"
-    assert shared.release_recorded(SLOT, word(LeaseKind.BORROW, session=1)) == LeaseStatus.OK
+    assert shared.release_recorded(word(LeaseKind.BORROW, session=1)) == LeaseStatus.OK
 
 
 @pytest.mark.parametrize("take", TAKES.values(), ids=TAKES.keys())
 @pytest.mark.parametrize("kind", list(LeaseKind), ids=KIND_NAMES.get)
-def test_a_taker_of_the_same_session_needs_no_ordering(shared: LeaseTable, take: Take, kind: int) -> None:
+def test_a_taker_of_the_same_session_needs_no_ordering(shared: LeaseSegment, take: Take, kind: int) -> None:
     """Within one process stream order suffices: another pid or kind of the same session
     takes with plain OK."""
     first = word(LeaseKind.REPLAY, session=1, pid=1001)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert shared.acquire(first, EPOCH, 0) == (LeaseStatus.OK, 0)
     handed_over(shared, first)
     again = word(kind, session=1, pid=1002)
     assert take(shared, again) == LeaseStatus.OK
-    assert shared.peek(SLOT) == again
+    assert shared.peek() == again
 
 
-def test_a_sleeping_waiter_wakes_on_the_recorded_release_only(shared: LeaseTable) -> None:
+def test_a_sleeping_waiter_wakes_on_the_recorded_release_only(shared: LeaseSegment) -> None:
     held, mine = word(LeaseKind.CAPTURE, session=1), word(LeaseKind.REPLAY, session=2, pid=2002)
-    assert shared.acquire(SLOT, held, EPOCH, 0) == (LeaseStatus.OK, 0)
-    waiter = Waiter(shared, SLOT, mine, EPOCH, 10.0)
+    assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    waiter = Waiter(shared, mine, EPOCH, 10.0)
     waiter.start()
-    wait_until_sleeping(shared, SLOT)
-    assert shared.release(SLOT, held) == LeaseStatus.RECORD
+    wait_until_sleeping(shared)
+    assert shared.release(held) == LeaseStatus.RECORD
     time.sleep(0.05)
     assert waiter.is_alive(), "a release that freed nothing woke the waiter"
-    assert shared.release_recorded(SLOT, held) == LeaseStatus.OK
+    assert shared.release_recorded(held) == LeaseStatus.OK
     assert waiter.finish()[0] == LeaseStatus.OK_ORDER
-    assert waiter.elapsed < 5.0 and shared.peek(SLOT) == mine
+    assert waiter.elapsed < 5.0 and shared.peek() == mine
 
 
-def test_without_the_flag_release_frees_at_once_and_leaves_handoff_alone(shared: LeaseTable) -> None:
+def test_without_the_flag_release_frees_at_once_and_leaves_handoff_alone(shared: LeaseSegment) -> None:
     first = word(LeaseKind.REPLAY, session=1)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert shared.acquire(first, EPOCH, 0) == (LeaseStatus.OK, 0)
     handed_over(shared, first)
-    shared.set_flags(SLOT, 0)  # the pool is private now: handoff 1 is a leftover
+    shared.set_flags(0)  # the pool is private now: handoff 1 is a leftover
     other = word(LeaseKind.REPLAY, session=2, pid=2002)
-    assert shared.acquire(SLOT, other, EPOCH, 0) == (LeaseStatus.OK, 0), "a private pool never asks for ordering"
-    assert shared.release(SLOT, other) == LeaseStatus.OK
-    assert shared.peek(SLOT) == 0 and shared.handoff(SLOT) == 1
+    assert shared.acquire(other, EPOCH, 0) == (LeaseStatus.OK, 0), "a private pool never asks for ordering"
+    assert shared.release(other) == LeaseStatus.OK
+    assert shared.peek() == 0 and shared.handoff() == 1
 
 
-def test_releasing_a_word_that_does_not_hold_the_slot_is_not_holder(shared: LeaseTable) -> None:
+def test_releasing_a_word_that_does_not_hold_the_slot_is_not_holder(shared: LeaseSegment) -> None:
     held, stranger = word(LeaseKind.REPLAY, session=1), word(LeaseKind.REPLAY, session=2, pid=2002)
-    assert shared.acquire(SLOT, held, EPOCH, 0) == (LeaseStatus.OK, 0)
-    assert shared.release(SLOT, stranger) == LeaseStatus.NOT_HOLDER
-    assert shared.release_recorded(SLOT, stranger) == LeaseStatus.NOT_HOLDER
-    assert shared.release_recorded(SLOT, word(LeaseKind.CAPTURE, session=1)) == LeaseStatus.NOT_HOLDER  # the holder's session, another kind
-    assert shared.peek(SLOT) == held
-    assert shared.handoff(SLOT) == 0, "a refused release named itself as the one to order after"
+    assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert shared.release(stranger) == LeaseStatus.NOT_HOLDER
+    assert shared.release_recorded(stranger) == LeaseStatus.NOT_HOLDER
+    assert shared.release_recorded(word(LeaseKind.CAPTURE, session=1)) == LeaseStatus.NOT_HOLDER  # the holder's session, another kind
+    assert shared.peek() == held
+    assert shared.handoff() == 0, "a refused release named itself as the one to order after"
     handed_over(shared, held)
-    assert shared.release(SLOT, held) == LeaseStatus.NOT_HOLDER
-    assert shared.release_recorded(SLOT, stranger) == LeaseStatus.NOT_HOLDER  # of a free slot
-    assert shared.handoff(SLOT) == 1
+    assert shared.release(held) == LeaseStatus.NOT_HOLDER
+    assert shared.release_recorded(stranger) == LeaseStatus.NOT_HOLDER  # of a free slot
+    assert shared.handoff() == 1
 
 
-def test_clear_frees_a_shared_slot_and_keeps_the_handoff(shared: LeaseTable) -> None:
+def test_clear_frees_a_shared_slot_and_keeps_the_handoff(shared: LeaseSegment) -> None:
     first = word(LeaseKind.REPLAY, session=1)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert shared.acquire(first, EPOCH, 0) == (LeaseStatus.OK, 0)
     handed_over(shared, first)
     other = word(LeaseKind.BORROW, session=2, pid=2002)
-    assert shared.acquire(SLOT, other, EPOCH, 0) == (LeaseStatus.OK_ORDER, 0)
-    assert shared.clear(SLOT, first) == LeaseStatus.NOT_HOLDER
-    assert shared.clear(SLOT, other) == LeaseStatus.OK
+    assert shared.acquire(other, EPOCH, 0) == (LeaseStatus.OK_ORDER, 0)
+    assert shared.clear(first) == LeaseStatus.NOT_HOLDER
+    assert shared.clear(other) == LeaseStatus.OK
     # Session 2 recorded nothing: the next taker must still order after session 1.
-    assert shared.peek(SLOT) == 0 and shared.handoff(SLOT) == 1
-    assert shared.acquire(SLOT, word(LeaseKind.REPLAY, session=3), EPOCH, 0) == (LeaseStatus.OK_ORDER, 0)
+    assert shared.peek() == 0 and shared.handoff() == 1
+    assert shared.acquire(word(LeaseKind.REPLAY, session=3), EPOCH, 0) == (LeaseStatus.OK_ORDER, 0)
 
 
 # =========================================================================== escape marks
 
 
 @pytest.mark.parametrize("kind", [LeaseKind.REPLAY, LeaseKind.CAPTURE], ids=KIND_NAMES.get)
-def test_an_escape_mark_refuses_replay_and_capture_at_once(table: LeaseTable, kind: int) -> None:
-    table.set_escaped(SLOT, 5)
-    assert table.escaped(SLOT) == 5
+def test_an_escape_mark_refuses_replay_and_capture_at_once(table: LeaseSegment, kind: int) -> None:
+    table.set_escaped(5)
+    assert table.escaped() == 5
     for session in (5, 6):  # the marker's own replay would overwrite its tensors too
         mine = word(kind, session=session)
-        assert table.try_acquire(SLOT, mine, EPOCH, b"x") == LeaseStatus.ESCAPED
-        assert table.acquire(SLOT, mine, EPOCH, 0) == (LeaseStatus.ESCAPED, 0)
+        assert table.try_acquire(mine, EPOCH, b"x") == LeaseStatus.ESCAPED
+        assert table.acquire(mine, EPOCH, 0) == (LeaseStatus.ESCAPED, 0)
         start = time.monotonic()
-        assert table.acquire(SLOT, mine, EPOCH, 2.0) == (LeaseStatus.ESCAPED, 0)
+        assert table.acquire(mine, EPOCH, 2.0) == (LeaseStatus.ESCAPED, 0)
         assert time.monotonic() - start < 0.5, "a mark only its owner clears is answered, not waited on"
-    assert table.peek(SLOT) == 0
+    assert table.peek() == 0
 
 
 @pytest.mark.parametrize("take", TAKES.values(), ids=TAKES.keys())
-def test_borrowers_still_take_an_escaped_slot(table: LeaseTable, take: Take) -> None:
-    table.set_escaped(SLOT, 5)
+def test_borrowers_still_take_an_escaped_slot(table: LeaseSegment, take: Take) -> None:
+    table.set_escaped(5)
     borrower = word(LeaseKind.BORROW, session=6)
     assert take(table, borrower) == LeaseStatus.OK
-    assert table.peek(SLOT) == borrower
-    assert table.release(SLOT, borrower) == LeaseStatus.OK
+    assert table.peek() == borrower
+    assert table.release(borrower) == LeaseStatus.OK
 
 
-def test_the_escape_mark_keeps_24_bits_and_clears_to_nobody(table: LeaseTable) -> None:
-    table.set_escaped(SLOT, (1 << 24) + 6)
-    assert table.escaped(SLOT) == 6
-    assert table.try_acquire(SLOT, word(LeaseKind.REPLAY, session=6), EPOCH, b"x") == LeaseStatus.ESCAPED
-    table.set_escaped(SLOT, 0)
-    assert table.try_acquire(SLOT, word(LeaseKind.REPLAY, session=6), EPOCH, b"x") == LeaseStatus.OK
-    assert table.release(SLOT, word(LeaseKind.REPLAY, session=6)) == LeaseStatus.OK
+def test_the_escape_mark_keeps_24_bits_and_clears_to_nobody(table: LeaseSegment) -> None:
+    table.set_escaped((1 << 24) + 6)
+    assert table.escaped() == 6
+    assert table.try_acquire(word(LeaseKind.REPLAY, session=6), EPOCH, b"x") == LeaseStatus.ESCAPED
+    table.set_escaped(0)
+    assert table.try_acquire(word(LeaseKind.REPLAY, session=6), EPOCH, b"x") == LeaseStatus.OK
+    assert table.release(word(LeaseKind.REPLAY, session=6)) == LeaseStatus.OK
 
 
-def test_forget_handoff_clears_only_the_session_it_names(shared: LeaseTable) -> None:
+def test_forget_handoff_clears_only_the_session_it_names(shared: LeaseSegment) -> None:
     first = word(LeaseKind.REPLAY, session=1)
-    assert shared.acquire(SLOT, first, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert shared.acquire(first, EPOCH, 0) == (LeaseStatus.OK, 0)
     handed_over(shared, first)
-    shared.forget_handoff(SLOT, 3)
-    assert shared.handoff(SLOT) == 1
-    shared.forget_handoff(SLOT, 1)
-    assert shared.handoff(SLOT) == 0
-    assert shared.acquire(SLOT, word(LeaseKind.REPLAY, session=5), EPOCH, 0) == (LeaseStatus.OK, 0), "no order once forgotten"
+    shared.forget_handoff(3)
+    assert shared.handoff() == 1
+    shared.forget_handoff(1)
+    assert shared.handoff() == 0
+    assert shared.acquire(word(LeaseKind.REPLAY, session=5), EPOCH, 0) == (LeaseStatus.OK, 0), "no order once forgotten"
 
 
 # =========================================================================== the daemon: flags and drops
@@ -223,9 +221,10 @@ def owner(h: Harness, name: str = "engine", arena: str = ARENA) -> Session:
     return s
 
 
-def register(h: Harness, s: Session, offset: int, label: str, shared: bool, arena: str = ARENA) -> p.GraphPoolStatus:
+def register(h: Harness, s: Session, offset: int, label: str, shared: bool, arena: str = ARENA) -> Pool:
     m = p.RegisterGraphPool(arena=arena, label=label, extents=[p.Extent(offset=offset, size=4 * MiB)], free_runs=[], shared=shared)
-    return h.ok(s, m).reply.pool
+    outcome = h.ok(s, m)
+    return Pool(outcome.reply.pool, granted(outcome))
 
 
 def sharer(h: Harness, s: Session, name: str) -> Session:
@@ -236,32 +235,35 @@ def sharer(h: Harness, s: Session, name: str) -> Session:
     return other
 
 
-def hand_over(h: Harness, pool: p.GraphPoolStatus, s: Session) -> None:
+def opens(h: Harness, who: Session, *pools: Pool) -> None:
+    """``who`` opens the pools (its client maps their segments: the same memory as ``pool.segment``)."""
+    for pool in pools:
+        granted(h.ok(who, p.OpenGraphPool(pool_id=pool.id))).close()
+
+
+def hand_over(pool: Pool, s: Session) -> None:
     """``s`` takes the pool's lease and gives it back with its event recorded, as its client would."""
-    t = h.state.graph_pools.table
     w = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
-    assert t.acquire(pool.slot, w, lease_table.lease_epoch(pool.id, pool.epoch), 0)[0] in (LeaseStatus.OK, LeaseStatus.OK_ORDER)
-    assert t.release(pool.slot, w) == LeaseStatus.RECORD
-    assert t.release_recorded(pool.slot, w) == LeaseStatus.OK
+    assert pool.segment.acquire(w, pool.epoch, 0)[0] in (LeaseStatus.OK, LeaseStatus.OK_ORDER)
+    assert pool.segment.release(w) == LeaseStatus.RECORD
+    assert pool.segment.release_recorded(w) == LeaseStatus.OK
 
 
-def fields(h: Harness, pool: p.GraphPoolStatus) -> tuple[int, int, int]:
-    t = h.state.graph_pools.table
-    return t.flags(pool.slot), t.handoff(pool.slot), t.escaped(pool.slot)
+def fields(pool: Pool) -> tuple[int, int, int]:
+    return pool.segment.flags(), pool.segment.handoff(), pool.segment.escaped()
 
 
 def test_registration_writes_the_shared_flag_and_status_shows_it(h: Harness) -> None:
     s = owner(h)
     shared, private = register(h, s, 0, "shared", True), register(h, s, 4 * MiB, "private", False)
-    assert (shared.shared, private.shared) == (True, False)
-    t = h.state.graph_pools.table
-    assert (t.flags(shared.slot), t.flags(private.slot)) == (LeaseFlag.SHARED, 0)
+    assert (shared.view.shared, private.view.shared) == (True, False)
+    assert (shared.segment.flags(), private.segment.flags()) == (LeaseFlag.SHARED, 0)
     assert {g.label: g.shared for g in h.state.status().extents} == {"shared": True, "private": False}
     w = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
-    assert t.acquire(shared.slot, w, lease_table.lease_epoch(shared.id, 1), 0) == (LeaseStatus.OK, 0)
-    assert t.release(shared.slot, w) == LeaseStatus.RECORD
-    assert t.acquire(private.slot, w, lease_table.lease_epoch(private.id, 1), 0) == (LeaseStatus.OK, 0)
-    assert t.release(private.slot, w) == LeaseStatus.OK, "a private pool's lease is released without an event"
+    assert shared.segment.acquire(w, shared.epoch, 0) == (LeaseStatus.OK, 0)
+    assert shared.segment.release(w) == LeaseStatus.RECORD
+    assert private.segment.acquire(w, private.epoch, 0) == (LeaseStatus.OK, 0)
+    assert private.segment.release(w) == LeaseStatus.OK, "a private pool's lease is released without an event"
 
 
 def test_status_names_the_client_whose_escape_mark_blocks_replays(h: Harness) -> None:
@@ -269,40 +271,40 @@ def test_status_names_the_client_whose_escape_mark_blocks_replays(h: Harness) ->
     h.state._next_session = (1 << 24) + 5  # the mark holds 24 bits of the id
     b = sharer(h, s, "b")
     pool = register(h, s, 0, "p", True)
-    t = h.state.graph_pools.table
+    opens(h, b, pool)
 
     def escaped_by() -> str:
         return {g.id: g.escaped_by for g in h.state.status().extents}[pool.id]
 
     assert escaped_by() == ""
     h.ok(b, p.ReportEscape(pool_id=pool.id, escaped=True))
-    assert escaped_by() == "client 'b'" and t.escaped(pool.slot) == word_session(b.id)
+    assert escaped_by() == "client 'b'" and pool.segment.escaped() == word_session(b.id)
     h.ok(s, p.ReportEscape(pool_id=pool.id, escaped=True))  # the owner's own borrows escape too
     assert escaped_by() == "client 'engine', client 'b'"
     h.ok(b, p.ReportEscape(pool_id=pool.id, escaped=False))
-    assert escaped_by() == "client 'engine'" and t.escaped(pool.slot) == word_session(s.id), "the other escaper still blocks"
+    assert escaped_by() == "client 'engine'" and pool.segment.escaped() == word_session(s.id), "the other escaper still blocks"
     h.ok(s, p.ReportEscape(pool_id=pool.id, escaped=False))
-    assert escaped_by() == "" and t.escaped(pool.slot) == 0
+    assert escaped_by() == "" and pool.segment.escaped() == 0
 
 
 def test_new_free_runs_move_the_slot_epoch_and_keep_the_handoff(h: Harness) -> None:
     s = owner(h)
     b = sharer(h, s, "b")
     pool = register(h, s, 0, "p", True)
-    hand_over(h, pool, b)
+    opens(h, b, pool)
+    hand_over(pool, b)
     runs = [p.Extent(offset=0, size=1 * MiB)]
     moved = h.ok(s, p.UpdateGraphPool(pool_id=pool.id, extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=runs)).reply.pool
     assert moved.epoch == 2 and moved.shared
-    t = h.state.graph_pools.table
-    assert t.epoch(pool.slot) == lease_table.lease_epoch(pool.id, 2)
+    assert pool.segment.epoch() == lease_table.lease_epoch(pool.id, 2)
     # b's GPU work may still be running on the pool whatever its runs are now.
-    assert fields(h, pool) == (LeaseFlag.SHARED, word_session(b.id), 0)
+    assert fields(pool) == (LeaseFlag.SHARED, word_session(b.id), 0)
     w = lease_table.encode(LeaseKind.BORROW, s.id, s.pid)
-    assert t.acquire(pool.slot, w, lease_table.lease_epoch(pool.id, 1), 0)[0] == LeaseStatus.STALE, "a borrower's view of the old runs"
-    assert t.acquire(pool.slot, w, lease_table.lease_epoch(pool.id, 2), 0) == (LeaseStatus.OK_ORDER, 0)
+    assert pool.segment.acquire(w, lease_table.lease_epoch(pool.id, 1), 0)[0] == LeaseStatus.STALE, "a borrower's view of the old runs"
+    assert pool.segment.acquire(w, lease_table.lease_epoch(pool.id, 2), 0) == (LeaseStatus.OK_ORDER, 0)
 
 
-def drop_pool(h: Harness, s: Session, pool: p.GraphPoolStatus, how: str) -> None:
+def drop_pool(h: Harness, s: Session, pool: Pool, how: str) -> None:
     if how == "retire":
         h.ok(s, p.RetireGraphPool(pool_id=pool.id))
     elif how == "arena released":
@@ -312,35 +314,39 @@ def drop_pool(h: Harness, s: Session, pool: p.GraphPoolStatus, how: str) -> None
 
 
 @pytest.mark.parametrize("how", ["retire", "arena released", "owner left"])
-def test_dropping_a_pool_resets_its_slot_for_the_next_pool(h: Harness, how: str) -> None:
+def test_dropping_a_pool_retires_its_segment_and_the_next_pool_starts_clean(h: Harness, how: str) -> None:
     s = owner(h)
     b, c = sharer(h, s, "b"), sharer(h, s, "c")
     elsewhere = owner(h, "elsewhere", arena="spare")
     pool = register(h, s, 0, "p", True)
-    hand_over(h, pool, b)
+    opens(h, b, pool)
+    opens(h, c, pool)
+    hand_over(pool, b)
     h.ok(c, p.ReportEscape(pool_id=pool.id, escaped=True))
-    assert fields(h, pool) == (LeaseFlag.SHARED, word_session(b.id), word_session(c.id))
+    assert fields(pool) == (LeaseFlag.SHARED, word_session(b.id), word_session(c.id))
     drop_pool(h, s, pool, how)
     assert pool.id not in h.state.graph_pools.by_id
-    assert fields(h, pool) == (0, 0, 0) and h.state.graph_pools.table.epoch(pool.slot) == 0
-    # Leftovers would make the slot's next pool refuse replays, or order them after a
-    # client that never used it.
+    assert pool.segment.epoch() == 0 and pool.segment.peek() == 0, "its clients' views of it are stale"
+    # What the old segment still holds would make the next pool refuse replays, or order
+    # them after a client that never used it: the next pool has a segment of its own.
     again = register(h, elsewhere, 0, "again", True, arena="spare")
-    assert again.slot == pool.slot
+    assert fields(again) == (LeaseFlag.SHARED, 0, 0)
     w = lease_table.encode(LeaseKind.REPLAY, elsewhere.id, elsewhere.pid)
-    assert h.state.graph_pools.table.acquire(again.slot, w, lease_table.lease_epoch(again.id, 1), 0) == (LeaseStatus.OK, 0)
+    assert again.segment.acquire(w, again.epoch, 0) == (LeaseStatus.OK, 0)
 
 
 # =========================================================================== the daemon: opening another client's pool
 
 
-def test_open_by_id_and_by_owner_and_label(h: Harness) -> None:
+def test_open_by_id_and_by_owner_and_label_grants_the_segment_every_time(h: Harness) -> None:
     s = owner(h)
     b = sharer(h, s, "b")
     register(h, s, 0, "prefill", True)
     pool = register(h, s, 4 * MiB, "decode", True)
-    assert h.ok(b, p.OpenGraphPool(pool_id=pool.id)).reply.pool == pool
-    assert h.ok(b, p.OpenGraphPool(owner="engine", label="decode")).reply.pool == pool
+    for message in (p.OpenGraphPool(pool_id=pool.id), p.OpenGraphPool(owner="engine", label="decode")):
+        outcome = h.ok(b, message)
+        assert outcome.reply.pool == pool.view
+        assert outcome.reply.fd_batches == 1 and outcome.grants == [(pool.id, h.state.graph_pools.by_id[pool.id].segment_fd)]
     h.refused(b, p.OpenGraphPool(pool_id=pool.id + 100), ErrorCode.NOT_FOUND)
     h.refused(b, p.OpenGraphPool(owner="engine", label="nope"), ErrorCode.NOT_FOUND)
     h.refused(b, p.OpenGraphPool(owner="b", label="decode"), ErrorCode.NOT_FOUND)
@@ -362,16 +368,18 @@ def test_open_refuses_a_private_pool_and_a_client_that_has_not_attached(h: Harne
     error = h.refused(c, p.OpenGraphPool(pool_id=shared.id), ErrorCode.PERMISSION_DENIED)  # shared, not attached
     assert "attach" in error.message
     h.attach(c, ARENA)
-    assert h.ok(c, p.OpenGraphPool(pool_id=shared.id)).reply.pool == shared
+    assert h.ok(c, p.OpenGraphPool(pool_id=shared.id)).reply.pool == shared.view
     # Its owner opens its own pool, private or not.
-    assert h.ok(s, p.OpenGraphPool(pool_id=private.id)).reply.pool == private
-    assert h.ok(s, p.OpenGraphPool(owner="engine", label="private")).reply.pool == private
+    assert h.ok(s, p.OpenGraphPool(pool_id=private.id)).reply.pool == private.view
+    assert h.ok(s, p.OpenGraphPool(owner="engine", label="private")).reply.pool == private.view
+    assert h.state.graph_pools.by_id[private.id].users == {s.id}, "the private pool's segment went to its owner only"
+    assert h.state.graph_pools.by_id[shared.id].users == {s.id, c.id}
 
 
 # =========================================================================== the daemon: IPC event handles
 
 
-def lookup(h: Harness, s: Session, pool: p.GraphPoolStatus, of: Session) -> bytes:
+def lookup(h: Harness, s: Session, pool: Pool, of: Session) -> bytes:
     return h.ok(s, p.LookupLeaseEvent(pool_id=pool.id, session=word_session(of.id))).reply.handle
 
 
@@ -389,20 +397,29 @@ def test_publish_is_for_shared_pools_and_handles_of_1_to_256_bytes(h: Harness) -
         assert lookup(h, s, shared, s) == handle, "a new handle replaces the session's old one"
 
 
-def test_publish_and_lookup_need_the_arena_attached(h: Harness) -> None:
+def test_publish_lookup_and_escapes_need_the_pool_opened(h: Harness) -> None:
     s = owner(h)
     pool = register(h, s, 0, "shared", True)
     private = register(h, s, 4 * MiB, "private", False)
     h.ok(s, p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE))
     h.share(s, ARENA, "b")
     b = h.connect("b")
-    h.refused(b, p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE), ErrorCode.PERMISSION_DENIED)
-    h.refused(b, p.PublishLeaseEvent(pool_id=private.id, handle=HANDLE), ErrorCode.PERMISSION_DENIED)  # before "not shared"
-    h.refused(b, p.LookupLeaseEvent(pool_id=pool.id, session=word_session(s.id)), ErrorCode.PERMISSION_DENIED)
+    refusals = [
+        p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE),
+        p.PublishLeaseEvent(pool_id=private.id, handle=HANDLE),  # before "not shared"
+        p.LookupLeaseEvent(pool_id=pool.id, session=word_session(s.id)),
+        p.ReportEscape(pool_id=pool.id, escaped=True),
+    ]
+    for message in refusals:
+        h.refused(b, message, ErrorCode.PERMISSION_DENIED)
     h.attach(b, ARENA)
+    for message in refusals:  # attached, but the pool not opened: it holds no segment to lease in
+        assert "open" in h.refused(b, message, ErrorCode.PERMISSION_DENIED).message
+    opens(h, b, pool)
     h.refused(b, p.LookupLeaseEvent(pool_id=pool.id, session=word_session(b.id)), ErrorCode.NOT_FOUND)
     h.ok(b, p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE))
     assert lookup(h, s, pool, b) == HANDLE
+    h.refused(b, p.PublishLeaseEvent(pool_id=private.id, handle=HANDLE), ErrorCode.PERMISSION_DENIED)
 
 
 def test_lookup_finds_each_sessions_handle_by_its_word_session_until_it_closes(h: Harness) -> None:
@@ -412,12 +429,14 @@ def test_lookup_finds_each_sessions_handle_by_its_word_session_until_it_closes(h
     b, c = sharer(h, s, "b"), sharer(h, s, "c")
     assert b.id > 0xFFFFFF and word_session(b.id) != b.id
     pool, other = register(h, s, 0, "shared", True), register(h, s, 4 * MiB, "other", True)
+    opens(h, b, pool, other)
+    opens(h, c, pool, other)
     h.ok(b, p.PublishLeaseEvent(pool_id=pool.id, handle=b"b" * 64))
     h.ok(c, p.PublishLeaseEvent(pool_id=pool.id, handle=b"c" * 64))
     h.ok(b, p.PublishLeaseEvent(pool_id=other.id, handle=b"B" * 64))
-    hand_over(h, pool, b)
+    hand_over(pool, b)
     # What a taker does on OK_ORDER: look up the handle of the session the slot names.
-    assert h.ok(c, p.LookupLeaseEvent(pool_id=pool.id, session=h.state.graph_pools.table.handoff(pool.slot))).reply.handle == b"b" * 64
+    assert h.ok(c, p.LookupLeaseEvent(pool_id=pool.id, session=pool.segment.handoff())).reply.handle == b"b" * 64
     assert (lookup(h, c, pool, c), lookup(h, c, other, b)) == (b"c" * 64, b"B" * 64)
     h.refused(c, p.LookupLeaseEvent(pool_id=other.id, session=word_session(c.id)), ErrorCode.NOT_FOUND)
     h.state.close_session(b.id)
@@ -433,48 +452,51 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
     s = owner(h)
     b, c = sharer(h, s, "b"), sharer(h, s, "c")
     one, two = register(h, s, 0, "one", True), register(h, s, 4 * MiB, "two", True)
-    t = h.state.graph_pools.table
-    hand_over(h, one, b)
+    opens(h, b, one, two)
+    opens(h, c, one, two)
+    hand_over(one, b)
     h.ok(c, p.ReportEscape(pool_id=one.id, escaped=True))
-    hand_over(h, two, c)
+    hand_over(two, c)
     h.ok(b, p.ReportEscape(pool_id=two.id, escaped=True))
     h.state.close_session(b.id)
-    assert fields(h, one) == (LeaseFlag.SHARED, 0, word_session(c.id))
-    assert fields(h, two) == (LeaseFlag.SHARED, word_session(c.id), 0)
+    assert fields(one) == (LeaseFlag.SHARED, 0, word_session(c.id))
+    assert fields(two) == (LeaseFlag.SHARED, word_session(c.id), 0)
     # b's event died with it: nobody is told to wait on it, and its mark guards nothing.
     borrow, replay = lease_table.encode(LeaseKind.BORROW, s.id, s.pid), lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
-    assert t.acquire(one.slot, borrow, lease_table.lease_epoch(one.id, 1), 0) == (LeaseStatus.OK, 0)
-    assert t.clear(one.slot, borrow) == LeaseStatus.OK
-    assert t.acquire(two.slot, replay, lease_table.lease_epoch(two.id, 1), 0) == (LeaseStatus.OK_ORDER, 0)  # after c, which lives
-    assert t.release_recorded(two.slot, replay) == LeaseStatus.OK
+    assert one.segment.acquire(borrow, one.epoch, 0) == (LeaseStatus.OK, 0)
+    assert one.segment.clear(borrow) == LeaseStatus.OK
+    assert two.segment.acquire(replay, two.epoch, 0) == (LeaseStatus.OK_ORDER, 0)  # after c, which lives
+    assert two.segment.release_recorded(replay) == LeaseStatus.OK
     h.state.close_session(c.id)
-    assert fields(h, one) == (LeaseFlag.SHARED, 0, 0)
-    assert fields(h, two) == (LeaseFlag.SHARED, word_session(s.id), 0)
-    assert t.acquire(one.slot, replay, lease_table.lease_epoch(one.id, 1), 0) == (LeaseStatus.OK, 0)
+    assert fields(one) == (LeaseFlag.SHARED, 0, 0)
+    assert fields(two) == (LeaseFlag.SHARED, word_session(s.id), 0)
+    assert one.segment.acquire(replay, one.epoch, 0) == (LeaseStatus.OK, 0)
 
 
-def test_tick_repairs_flags_and_fields_naming_no_session(h: Harness) -> None:
+def test_tick_repairs_flags_and_fields_naming_a_session_that_may_not_use_the_pool(h: Harness) -> None:
     s = owner(h)
     h.state._next_session = (1 << 24) + 5  # live sessions are compared as the fields hold them
     b = sharer(h, s, "b")
     shared, private = register(h, s, 0, "shared", True), register(h, s, 4 * MiB, "private", False)
-    t = h.state.graph_pools.table
+    opens(h, b, shared)
     dead = word_session(b.id) + 1  # no session has it
-    # What a buggy client may scribble: the daemon's flags, sessions that never were.
-    t.set_flags(shared.slot, 0)
-    t.set_flags(private.slot, LeaseFlag.SHARED | 0x80)
+    # What a buggy client may scribble: the daemon's flags, sessions that never were, and
+    # (the owner, in its private pool) a session that may not use the pool.
+    shared.segment.set_flags(0)
+    private.segment.set_flags(LeaseFlag.SHARED | 0x80)
     h.ok(b, p.ReportEscape(pool_id=shared.id, escaped=True))
-    slots = t._slots
-    slots[shared.slot].handoff = dead
-    slots[private.slot].handoff, slots[private.slot].escaped = word_session(b.id), word_session(b.id)
+    shared.segment._slot.handoff = dead
+    private.segment._slot.handoff, private.segment._slot.escaped = word_session(b.id), word_session(b.id)
     h.state.tick()
-    assert fields(h, shared) == (LeaseFlag.SHARED, 0, word_session(b.id)), "a reported escape stays"
-    assert fields(h, private) == (0, word_session(b.id), 0), "a live session's handoff stays; an unreported mark goes"
-    slots[shared.slot].escaped = 0  # a client erasing a mark the daemon holds
+    assert fields(shared) == (LeaseFlag.SHARED, 0, word_session(b.id)), "a reported escape stays"
+    assert fields(private) == (0, 0, 0), "b may not use the private pool: neither its handoff nor a mark stays"
+    shared.segment._slot.escaped = 0  # a client erasing a mark the daemon holds
+    hand_over(shared, b)
     h.state.tick()
-    assert fields(h, shared) == (LeaseFlag.SHARED, 0, word_session(b.id)), "the daemon's set of escapers is the truth"
+    assert fields(shared) == (LeaseFlag.SHARED, word_session(b.id), word_session(b.id)), "the daemon's set of escapers is the truth"
     h.state.tick()  # idempotent
-    assert fields(h, private) == (0, word_session(b.id), 0)
+    assert fields(private) == (0, 0, 0)
+    assert {g.label: g.lease_repairs for g in h.state.status().graph_pools} == {"shared": 3, "private": 3}
 
 
 def test_a_session_never_gets_the_lease_session_that_means_nobody(h: Harness) -> None:
@@ -495,18 +517,26 @@ def test_open_by_owner_and_label_refuses_an_ambiguous_match(h: Harness) -> None:
     h.refused(s, p.OpenGraphPool(owner=s.name, label="decode"), ErrorCode.INVALID_ARGUMENT)
 
 
-def test_a_sharer_letting_go_of_the_arena_takes_its_escape_and_event_along(h: Harness) -> None:
+def test_a_sharer_letting_go_of_the_arena_takes_its_escape_event_and_lease_along(h: Harness) -> None:
     s = owner(h)
     b = sharer(h, s, "b")
     pool = register(h, s, 0, "p", True)
     stranger = h.connect("stranger")
     h.refused(stranger, p.ReportEscape(pool_id=pool.id, escaped=True), ErrorCode.PERMISSION_DENIED)
     h.refused(b, p.ReportEscape(pool_id=pool.id + 100, escaped=True), ErrorCode.NOT_FOUND)
+    opens(h, b, pool)
     h.ok(b, p.PublishLeaseEvent(pool_id=pool.id, handle=HANDLE))
-    hand_over(h, pool, b)
+    hand_over(pool, b)
     h.ok(b, p.ReportEscape(pool_id=pool.id, escaped=True))
-    assert fields(h, pool) == (LeaseFlag.SHARED, word_session(b.id), word_session(b.id))
+    held = lease_table.encode(LeaseKind.BORROW, b.id, b.pid)
+    assert pool.segment.acquire(held, pool.epoch, 0) == (LeaseStatus.OK, 0)
+    assert fields(pool) == (LeaseFlag.SHARED, word_session(b.id), word_session(b.id))
     h.ok(b, p.ReleaseArena(name=ARENA))
-    # It can no longer report its tensors gone (its mapping is), so the mark goes with it.
-    assert fields(h, pool) == (LeaseFlag.SHARED, 0, 0)
+    # It can no longer report its tensors gone (its mapping is), so the mark goes with it;
+    # and its lease, as at its end.
+    assert fields(pool) == (LeaseFlag.SHARED, 0, 0) and pool.segment.peek() == 0
     h.refused(s, p.LookupLeaseEvent(pool_id=pool.id, session=word_session(b.id)), ErrorCode.NOT_FOUND)
+    h.refused(b, p.ReportEscape(pool_id=pool.id, escaped=False), ErrorCode.PERMISSION_DENIED)
+    assert h.state.graph_pools.by_id[pool.id].users == {s.id}
+    h.state.tick()
+    assert [g.lease_repairs for g in h.state.status().graph_pools] == [0], "letting go is no repair"

@@ -18,7 +18,7 @@ import pytest
 
 from gpumem.allocator import Slot
 from gpumem_shared import _native, lease_table
-from gpumem_shared.lease_table import LeaseFlag, LeaseKind, LeaseStatus, LeaseTable, _Slot
+from gpumem_shared.lease_table import LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus, _Slot
 
 
 def test_the_ctypes_slot_matches_the_exported_layout() -> None:
@@ -67,25 +67,27 @@ def test_the_stub_names_what_the_module_offers() -> None:
 
 
 @pytest.fixture
-def table() -> Iterator[LeaseTable]:
-    t, fd = LeaseTable.create()
-    yield t
-    t.close()
+def segment() -> Iterator[LeaseSegment]:
+    seg, fd = LeaseSegment.create(1)
+    yield seg
+    seg.close()
     os.close(fd)
 
 
-def test_lease_calls_check_their_arguments(table: LeaseTable) -> None:
-    with pytest.raises(ValueError, match="outside the table"):
-        _native.lease_peek(table.address, lease_table.SLOTS)
-    with pytest.raises(TypeError, match=r"lease_set_epoch\(table_address, slot, epoch\)"):
-        _native.lease_set_epoch(table.address, 1)  # type: ignore[call-arg]
+def test_lease_calls_check_their_arguments(segment: LeaseSegment) -> None:
+    with pytest.raises(ValueError, match="is not 0"):
+        _native.lease_peek(0)
+    with pytest.raises(ValueError, match="not 64-byte aligned"):
+        _native.lease_peek(segment.address + 8)
+    with pytest.raises(TypeError, match=r"lease_set_epoch\(segment_address, epoch\)"):
+        _native.lease_set_epoch(segment.address)  # type: ignore[call-arg]
     with pytest.raises(OverflowError, match="32-bit"):
-        table.set_epoch(1, 1 << 32)
+        segment.set_epoch(1 << 32)
     with pytest.raises(OverflowError):
-        table.clear(1, -1)
+        segment.clear(-1)
     with pytest.raises(TypeError):
-        table.set_flags(1, "shared")  # type: ignore[arg-type]
-    assert table.epoch(1) == 0 and table.flags(1) == 0, "a refused call wrote nothing"
+        segment.set_flags("shared")  # type: ignore[arg-type]
+    assert segment.epoch() == 0 and segment.flags() == 0, "a refused call wrote nothing"
 
 
 def test_slot_calls_check_their_arguments() -> None:

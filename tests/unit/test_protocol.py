@@ -158,12 +158,12 @@ def test_optional_field_takes_its_default() -> None:
 def test_body_may_be_absent_for_messages_without_fields() -> None:
     env = envelope(MsgType.PING)
     del env["b"]
-    assert p.decode_request(raw(env)) == p.Request(41, p.Ping())
+    assert p.decode_request(raw(env)) == p.Request(41, p.Ping(), (1, 0))
 
 
 def test_unknown_fields_are_ignored_in_body_and_envelope() -> None:
     env = envelope(b={"name": "kv", "nbytes": 4 << 20, "hint": "from a newer minor", "flags": [1, 2]}, extra={"x": 1})
-    assert p.decode_request(raw(env)) == p.Request(41, p.CommitArena(name="kv", nbytes=4 << 20))
+    assert p.decode_request(raw(env)) == p.Request(41, p.CommitArena(name="kv", nbytes=4 << 20), (1, 0))
 
 
 def test_newer_minor_version_is_accepted() -> None:

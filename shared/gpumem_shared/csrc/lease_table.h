@@ -1,9 +1,10 @@
 /*
- * The lease table's one description: the slot, what the lease calls return, the lease
- * kinds, the slot flags, the slot count and the label size. leases.c implements the
- * calls on it; module.c exports every constant here and the slot's layout (each field's
- * offset and size) to Python, where gpumem_shared/lease_table.py builds its enums and
- * maps the table, and a unit test checks its ctypes view of a slot against that layout.
+ * The one description of a graph pool's lease slot: its layout, what the lease calls
+ * return, the lease kinds, the slot flags, the segment and label sizes. leases.c
+ * implements the calls on it; module.c exports every constant here and the slot's layout
+ * (each field's offset and size) to Python, where gpumem_shared/lease_table.py builds
+ * its enums and maps segments, and a unit test checks its ctypes view of a slot against
+ * that layout.
  *
  * The statuses, kinds and flags are lists of (name, value) expanded twice, into the C
  * enums below and into module.c's exports, so that no second list can fall out of step.
@@ -13,8 +14,9 @@
 
 #include <stdint.h>
 
-/* The daemon hands out slots 1 .. LEASE_SLOTS - 1; slot 0 stays unused. */
-#define LEASE_SLOTS 1024
+/* Each graph pool's slot lives alone in its own lease segment, a memfd of one page (the
+ * unit a mapping comes in) that only the sessions allowed to use the pool receive. */
+#define LEASE_SEGMENT_BYTES 4096
 #define LEASE_LABEL_BYTES 24
 
 typedef struct {
@@ -30,6 +32,7 @@ typedef struct {
 } lease_slot;
 
 _Static_assert(sizeof(lease_slot) == 64, "a lease slot is one cache line");
+_Static_assert(sizeof(lease_slot) <= LEASE_SEGMENT_BYTES, "a lease slot fits its segment");
 
 #define LEASE_KIND_OF(word) ((uint32_t)((word) >> 56))
 #define LEASE_SESSION_OF(word) ((uint32_t)(((word) >> 32) & 0xFFFFFFu))
@@ -65,17 +68,16 @@ enum lease_flag { LEASE_FLAGS(LEASE_FLAG_MEMBER) };
 #undef LEASE_KIND_MEMBER
 #undef LEASE_FLAG_MEMBER
 
-/* The calls, on a mapped table (leases.c says what each does). */
-int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint32_t epoch, int64_t timeout_ns,
-                         uint64_t *holder);
-int gpumem_lease_try(lease_slot *table, uint32_t index, uint64_t mine, uint32_t epoch, const char *label, uint32_t len);
-int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word);
-int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t word);
-int gpumem_lease_release_recorded(lease_slot *table, uint32_t index, uint64_t word);
-void gpumem_lease_set_flags(lease_slot *table, uint32_t index, uint32_t flags);
-void gpumem_lease_set_escaped(lease_slot *table, uint32_t index, uint32_t session);
-void gpumem_lease_forget_handoff(lease_slot *table, uint32_t index, uint32_t session);
-uint64_t gpumem_lease_peek(lease_slot *table, uint32_t index);
-void gpumem_lease_set_epoch(lease_slot *table, uint32_t index, uint32_t epoch);
+/* The calls, on a mapped slot (leases.c says what each does). */
+int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder);
+int gpumem_lease_try(lease_slot *slot, uint64_t mine, uint32_t epoch, const char *label, uint32_t len);
+int gpumem_lease_clear(lease_slot *slot, uint64_t word);
+int gpumem_lease_release(lease_slot *slot, uint64_t word);
+int gpumem_lease_release_recorded(lease_slot *slot, uint64_t word);
+void gpumem_lease_set_flags(lease_slot *slot, uint32_t flags);
+void gpumem_lease_set_escaped(lease_slot *slot, uint32_t session);
+void gpumem_lease_forget_handoff(lease_slot *slot, uint32_t session);
+uint64_t gpumem_lease_peek(lease_slot *slot);
+void gpumem_lease_set_epoch(lease_slot *slot, uint32_t epoch);
 
 #endif

@@ -2,15 +2,16 @@
  * Lease words in shared memory: the fast path of capture / replay / borrow leases on
  * graph pools.
  *
- * The daemon creates the lease table (a memfd) and every client maps it: one 64-byte
- * slot per registered graph pool (lease_table.h describes it). A free slot's word is
- * 0; a held one encodes the lease kind, the holder's session id and pid. An
- * uncontended acquire or release is one compare-and-swap, no daemon round trip. A
- * waiter sleeps on the slot's futex word, which every release bumps; a release makes
- * the wake system call only when waiters are counted. The daemon clears the slots of a
- * session that ended (a holder killed mid-lease) and slots in impossible states
- * (garbage from a buggy client), and wakes the waiters. Shared (not private) futexes:
- * the table is MAP_SHARED across processes.
+ * Each registered graph pool has one 64-byte slot (lease_table.h describes it) in a
+ * segment of its own: a memfd the daemon creates and hands only to the sessions allowed
+ * to use the pool, which map it. A free slot's word is 0; a held one encodes the lease
+ * kind, the holder's session id and pid. An uncontended acquire or release is one
+ * compare-and-swap, no daemon round trip. A waiter sleeps on the slot's futex word,
+ * which every release bumps; a release makes the wake system call only when waiters are
+ * counted. The daemon clears the word of a session that ended (a holder killed
+ * mid-lease) and words and fields a client could not rightly have written (garbage, or a
+ * session that may not use the pool), and wakes the waiters. Shared (not private)
+ * futexes: a segment is MAP_SHARED across processes.
  *
  * Across processes, a lease also orders GPU work: on a pool other processes use, the
  * releaser records its IPC event on its stream and names itself in ``handoff``; a taker
@@ -76,12 +77,10 @@ static int taken(lease_slot *slot, uint64_t mine) {
     return last && last != LEASE_SESSION_OF(mine) ? LEASE_OK_ORDER : LEASE_OK;
 }
 
-/* Take slot ``index`` for ``mine`` (a nonzero word). ``epoch`` 0 skips the epoch check.
+/* Take the slot for ``mine`` (a nonzero word). ``epoch`` 0 skips the epoch check.
  * timeout_ns 0 tries once; > 0 waits at most that long. On LEASE_HELD or LEASE_CORRUPT,
  * *holder is the word found. */
-int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint32_t epoch, int64_t timeout_ns,
-                         uint64_t *holder) {
-    lease_slot *slot = &table[index];
+int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder) {
     int64_t deadline = timeout_ns > 0 ? now_ns(CLOCK_MONOTONIC) + timeout_ns : 0;
     for (;;) {
         uint64_t seen = __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE);
@@ -117,8 +116,7 @@ int gpumem_lease_acquire(lease_slot *table, uint32_t index, uint64_t mine, uint3
 /* The uncontended path in one call: take a free slot whose epoch matches and record
  * the holder's label. Returns LEASE_OK or LEASE_OK_ORDER when taken, or anything else
  * to send the caller to gpumem_lease_acquire for the reason and the wait. */
-int gpumem_lease_try(lease_slot *table, uint32_t index, uint64_t mine, uint32_t epoch, const char *label, uint32_t len) {
-    lease_slot *slot = &table[index];
+int gpumem_lease_try(lease_slot *slot, uint64_t mine, uint32_t epoch, const char *label, uint32_t len) {
     uint64_t expected = 0;
     if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
     if (escaped_for(slot, mine)) return LEASE_ESCAPED;
@@ -139,10 +137,9 @@ static void wake(lease_slot *slot) {
         syscall(SYS_futex, &slot->futex, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Free slot ``index`` if it still holds ``word``, without ordering: the daemon's sweep,
+/* Free the slot if it still holds ``word``, without ordering: the daemon's sweep,
  * and the last step of both releases below. */
-int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word) {
-    lease_slot *slot = &table[index];
+int gpumem_lease_clear(lease_slot *slot, uint64_t word) {
     uint64_t expected = word;
     if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         return LEASE_NOT_HOLDER;
@@ -153,40 +150,34 @@ int gpumem_lease_clear(lease_slot *table, uint32_t index, uint64_t word) {
 /* A holder's release: LEASE_NOT_HOLDER if the slot no longer holds ``word`` (a double
  * release, or a lease the daemon already swept). On a shared pool it frees nothing and
  * returns LEASE_RECORD: the holder records its IPC event first (release_recorded). */
-int gpumem_lease_release(lease_slot *table, uint32_t index, uint64_t word) {
-    lease_slot *slot = &table[index];
+int gpumem_lease_release(lease_slot *slot, uint64_t word) {
     if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
     if (__atomic_load_n(&slot->flags, __ATOMIC_ACQUIRE) & LEASE_FLAG_SHARED) return LEASE_RECORD;
-    return gpumem_lease_clear(table, index, word);
+    return gpumem_lease_clear(slot, word);
 }
 
 /* The release of a holder that recorded its IPC event on its stream: the next holder
  * from another session waits on that event before touching the pool. */
-int gpumem_lease_release_recorded(lease_slot *table, uint32_t index, uint64_t word) {
-    lease_slot *slot = &table[index];
+int gpumem_lease_release_recorded(lease_slot *slot, uint64_t word) {
     if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
     __atomic_store_n(&slot->handoff, LEASE_SESSION_OF(word), __ATOMIC_RELEASE);
-    return gpumem_lease_clear(table, index, word);
+    return gpumem_lease_clear(slot, word);
 }
 
 /* The daemon: the slot's flags, its escape mark (one of the sessions whose borrowed
  * tensors outlived their scope, 0 for none: the daemon keeps the whole set), and
  * forgetting a session that ended as the last releaser (its event died with it). */
-void gpumem_lease_set_flags(lease_slot *table, uint32_t index, uint32_t flags) {
-    __atomic_store_n(&table[index].flags, flags, __ATOMIC_RELEASE);
+void gpumem_lease_set_flags(lease_slot *slot, uint32_t flags) { __atomic_store_n(&slot->flags, flags, __ATOMIC_RELEASE); }
+
+void gpumem_lease_set_escaped(lease_slot *slot, uint32_t session) {
+    __atomic_store_n(&slot->escaped, session, __ATOMIC_SEQ_CST);
 }
 
-void gpumem_lease_set_escaped(lease_slot *table, uint32_t index, uint32_t session) {
-    __atomic_store_n(&table[index].escaped, session, __ATOMIC_SEQ_CST);
-}
-
-void gpumem_lease_forget_handoff(lease_slot *table, uint32_t index, uint32_t session) {
+void gpumem_lease_forget_handoff(lease_slot *slot, uint32_t session) {
     uint32_t seen = session;
-    __atomic_compare_exchange_n(&table[index].handoff, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    __atomic_compare_exchange_n(&slot->handoff, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
-uint64_t gpumem_lease_peek(lease_slot *table, uint32_t index) { return __atomic_load_n(&table[index].word, __ATOMIC_ACQUIRE); }
+uint64_t gpumem_lease_peek(lease_slot *slot) { return __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE); }
 
-void gpumem_lease_set_epoch(lease_slot *table, uint32_t index, uint32_t epoch) {
-    __atomic_store_n(&table[index].epoch, epoch, __ATOMIC_RELEASE);
-}
+void gpumem_lease_set_epoch(lease_slot *slot, uint32_t epoch) { __atomic_store_n(&slot->epoch, epoch, __ATOMIC_RELEASE); }

@@ -2,10 +2,11 @@
  * The extension module gpumem_shared._native: every call Python makes into the native
  * library, as CPython functions (METH_FASTCALL), and the constants Python needs from it.
  *
- * - The lease table (leases.c; its layout, statuses, kinds and flags in lease_table.h):
- *   the fast path a client takes on every step, the waiting acquire (without the GIL),
- *   and the daemon's writes. The constants and the slot's layout (each field's offset
- *   and size) are exported for gpumem_shared/lease_table.py, which states none of them.
+ * - Lease slots (leases.c; the layout, statuses, kinds and flags in lease_table.h), one
+ *   per graph pool in its own segment: the fast path a client takes on every step, the
+ *   waiting acquire (without the GIL), and the daemon's writes. The constants and the
+ *   slot's layout (each field's offset and size) are exported for
+ *   gpumem_shared/lease_table.py, which states none of them.
  * - The allocator slots (allocator.c, allocator.h), by index; torch alone loads this
  *   file's gpumem_alloc_xx / gpumem_free_xx entry points by name.
  * - The IPC-event calls at a lease handoff, into libcuda resolved at first use.
@@ -68,124 +69,123 @@ static int size_arg(PyObject *arg, size_t *out) {
     return 0;
 }
 
-/* ======================================================================== lease table */
+/* ======================================================================== lease slots */
 
-/* The arguments every lease call starts with: (table_address, slot, ...), checked for
- * count and type, the slot against the table's size. */
-static int lease_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, lease_slot **table,
-                      uint32_t *index) {
+/* The argument every lease call starts with: the address of a mapped lease segment,
+ * where its slot lies. It cannot be checked against a mapping; a null or misaligned one
+ * (never a segment: mappings are page-aligned) is refused. */
+static int lease_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, lease_slot **slot) {
     if (count_args(nargs, want, usage) < 0) return -1;
-    *table = PyLong_AsVoidPtr(args[0]);
-    if (*table == NULL && PyErr_Occurred()) return -1;
-    unsigned long slot = PyLong_AsUnsignedLong(args[1]);
-    if (slot == (unsigned long)-1 && PyErr_Occurred()) return -1;
-    if (slot >= LEASE_SLOTS) {
-        PyErr_Format(PyExc_ValueError, "lease slot %lu is outside the table (%d slots)", slot, LEASE_SLOTS);
+    *slot = PyLong_AsVoidPtr(args[0]);
+    if (*slot == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a lease segment's address is not 0");
         return -1;
     }
-    *index = (uint32_t)slot;
+    if ((uintptr_t)*slot % sizeof(lease_slot)) {
+        PyErr_Format(PyExc_ValueError, "%p is not a lease segment's address (not %zu-byte aligned)", (void *)*slot,
+                     sizeof(lease_slot));
+        return -1;
+    }
     return 0;
 }
 
-/* lease_try(table_address, slot, word, epoch, label: bytes) -> status */
+/* lease_try(segment_address, word, epoch, label: bytes) -> status */
 static PyObject *lease_try(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    lease_slot *table;
-    uint32_t index, epoch;
+    lease_slot *slot;
+    uint32_t epoch;
     uint64_t word;
     char *label;
     Py_ssize_t len;
-    if (lease_args(args, nargs, 5, "lease_try(table_address, slot, word, epoch, label)", &table, &index) < 0 ||
-        u64_arg(args[2], &word) < 0 || u32_arg(args[3], &epoch) < 0 || PyBytes_AsStringAndSize(args[4], &label, &len) < 0)
+    if (lease_args(args, nargs, 4, "lease_try(segment_address, word, epoch, label)", &slot) < 0 ||
+        u64_arg(args[1], &word) < 0 || u32_arg(args[2], &epoch) < 0 || PyBytes_AsStringAndSize(args[3], &label, &len) < 0)
         return NULL;
-    return PyLong_FromLong(gpumem_lease_try(table, index, word, epoch, label, (uint32_t)len));
+    return PyLong_FromLong(gpumem_lease_try(slot, word, epoch, label, (uint32_t)len));
 }
 
-/* lease_acquire(table_address, slot, word, epoch, timeout_ns) -> (status, word found);
+/* lease_acquire(segment_address, word, epoch, timeout_ns) -> (status, word found);
  * sleeps on the slot's futex without the GIL. */
 static PyObject *lease_acquire(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    lease_slot *table;
-    uint32_t index, epoch;
+    lease_slot *slot;
+    uint32_t epoch;
     uint64_t word;
-    if (lease_args(args, nargs, 5, "lease_acquire(table_address, slot, word, epoch, timeout_ns)", &table, &index) < 0 ||
-        u64_arg(args[2], &word) < 0 || u32_arg(args[3], &epoch) < 0)
+    if (lease_args(args, nargs, 4, "lease_acquire(segment_address, word, epoch, timeout_ns)", &slot) < 0 ||
+        u64_arg(args[1], &word) < 0 || u32_arg(args[2], &epoch) < 0)
         return NULL;
-    long long timeout_ns = PyLong_AsLongLong(args[4]);
+    long long timeout_ns = PyLong_AsLongLong(args[3]);
     if (timeout_ns == -1 && PyErr_Occurred()) return NULL;
     uint64_t found = 0;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = gpumem_lease_acquire(table, index, word, epoch, (int64_t)timeout_ns, &found);
+    status = gpumem_lease_acquire(slot, word, epoch, (int64_t)timeout_ns, &found);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(iK)", status, (unsigned long long)found);
 }
 
-/* The calls that take (table_address, slot, word) and return a status. */
+/* The calls that take (segment_address, word) and return a status. */
 static inline PyObject *lease_word_call(PyObject *const *args, Py_ssize_t nargs, const char *usage,
-                                        int (*call)(lease_slot *, uint32_t, uint64_t)) {
-    lease_slot *table;
-    uint32_t index;
+                                        int (*call)(lease_slot *, uint64_t)) {
+    lease_slot *slot;
     uint64_t word;
-    if (lease_args(args, nargs, 3, usage, &table, &index) < 0 || u64_arg(args[2], &word) < 0) return NULL;
-    return PyLong_FromLong(call(table, index, word));
+    if (lease_args(args, nargs, 2, usage, &slot) < 0 || u64_arg(args[1], &word) < 0) return NULL;
+    return PyLong_FromLong(call(slot, word));
 }
 
-/* lease_release(table_address, slot, word) -> status */
+/* lease_release(segment_address, word) -> status */
 static PyObject *lease_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    return lease_word_call(args, nargs, "lease_release(table_address, slot, word)", gpumem_lease_release);
+    return lease_word_call(args, nargs, "lease_release(segment_address, word)", gpumem_lease_release);
 }
 
-/* lease_release_recorded(table_address, slot, word) -> status */
+/* lease_release_recorded(segment_address, word) -> status */
 static PyObject *lease_release_recorded(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    return lease_word_call(args, nargs, "lease_release_recorded(table_address, slot, word)", gpumem_lease_release_recorded);
+    return lease_word_call(args, nargs, "lease_release_recorded(segment_address, word)", gpumem_lease_release_recorded);
 }
 
-/* lease_clear(table_address, slot, word) -> status */
+/* lease_clear(segment_address, word) -> status */
 static PyObject *lease_clear(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    return lease_word_call(args, nargs, "lease_clear(table_address, slot, word)", gpumem_lease_clear);
+    return lease_word_call(args, nargs, "lease_clear(segment_address, word)", gpumem_lease_clear);
 }
 
-/* lease_peek(table_address, slot) -> word */
+/* lease_peek(segment_address) -> word */
 static PyObject *lease_peek(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    lease_slot *table;
-    uint32_t index;
-    if (lease_args(args, nargs, 2, "lease_peek(table_address, slot)", &table, &index) < 0) return NULL;
-    return PyLong_FromUnsignedLongLong(gpumem_lease_peek(table, index));
+    lease_slot *slot;
+    if (lease_args(args, nargs, 1, "lease_peek(segment_address)", &slot) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(gpumem_lease_peek(slot));
 }
 
-/* The daemon's writes: (table_address, slot, a 32-bit field value) -> None. */
+/* The daemon's writes: (segment_address, a 32-bit field value) -> None. */
 static PyObject *lease_set_call(PyObject *const *args, Py_ssize_t nargs, const char *usage,
-                                void (*call)(lease_slot *, uint32_t, uint32_t)) {
-    lease_slot *table;
-    uint32_t index, value;
-    if (lease_args(args, nargs, 3, usage, &table, &index) < 0 || u32_arg(args[2], &value) < 0) return NULL;
-    call(table, index, value);
+                                void (*call)(lease_slot *, uint32_t)) {
+    lease_slot *slot;
+    uint32_t value;
+    if (lease_args(args, nargs, 2, usage, &slot) < 0 || u32_arg(args[1], &value) < 0) return NULL;
+    call(slot, value);
     Py_RETURN_NONE;
 }
 
 static PyObject *lease_set_epoch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    return lease_set_call(args, nargs, "lease_set_epoch(table_address, slot, epoch)", gpumem_lease_set_epoch);
+    return lease_set_call(args, nargs, "lease_set_epoch(segment_address, epoch)", gpumem_lease_set_epoch);
 }
 
 static PyObject *lease_set_flags(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    return lease_set_call(args, nargs, "lease_set_flags(table_address, slot, flags)", gpumem_lease_set_flags);
+    return lease_set_call(args, nargs, "lease_set_flags(segment_address, flags)", gpumem_lease_set_flags);
 }
 
 static PyObject *lease_set_escaped(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    return lease_set_call(args, nargs, "lease_set_escaped(table_address, slot, session)", gpumem_lease_set_escaped);
+    return lease_set_call(args, nargs, "lease_set_escaped(segment_address, session)", gpumem_lease_set_escaped);
 }
 
 static PyObject *lease_forget_handoff(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    return lease_set_call(args, nargs, "lease_forget_handoff(table_address, slot, session)", gpumem_lease_forget_handoff);
+    return lease_set_call(args, nargs, "lease_forget_handoff(segment_address, session)", gpumem_lease_forget_handoff);
 }
 
 /* ==================================================================== allocator slots */
@@ -416,7 +416,7 @@ static PyObject *cuda_stream_wait(PyObject *module, PyObject *const *args, Py_ss
 
 static PyMethodDef native_methods[] = {
     FASTCALL(lease_try, "The uncontended lease acquire (see leases.c)."),
-    FASTCALL(lease_acquire, "Take a slot, waiting up to a timeout."),
+    FASTCALL(lease_acquire, "Take a lease, waiting up to a timeout."),
     FASTCALL(lease_release, "A holder's release (see leases.c)."),
     FASTCALL(lease_release_recorded, "A holder's release after recording its IPC event (see leases.c)."),
     FASTCALL(lease_clear, "Free a slot that holds a word, without ordering: the daemon's sweep."),
@@ -504,7 +504,7 @@ static int add_slot_fields(PyObject *module) {
 }
 
 static int add_constants(PyObject *m) {
-    if (PyModule_AddIntMacro(m, LEASE_SLOTS) < 0 || PyModule_AddIntMacro(m, LEASE_LABEL_BYTES) < 0 ||
+    if (PyModule_AddIntMacro(m, LEASE_SEGMENT_BYTES) < 0 || PyModule_AddIntMacro(m, LEASE_LABEL_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "LEASE_SLOT_BYTES", (long)sizeof(lease_slot)) < 0 ||
         add_named(m, "LEASE_STATUSES", lease_statuses, COUNT(lease_statuses)) < 0 ||
         add_named(m, "LEASE_KINDS", lease_kinds, COUNT(lease_kinds)) < 0 ||
@@ -521,7 +521,7 @@ static int add_constants(PyObject *m) {
 static struct PyModuleDef native_module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "_native",
-    .m_doc = "gpumem's native allocator and lease table (C in gpumem_shared/csrc).",
+    .m_doc = "gpumem's native allocator and lease slots (C in gpumem_shared/csrc).",
     .m_size = -1,
     .m_methods = native_methods,
 };
