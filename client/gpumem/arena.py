@@ -1,5 +1,6 @@
-"""An arena as a client sees it: a reserved window at the daemon's planned address,
-with the chunks it was handed mapped in place.
+"""An arena as a client sees it: a window at the daemon's planned address, inside the
+daemon's address slice that this process reserved (gpumem.address_slices), with the
+chunks it was handed mapped in place.
 
 Every process maps an arena at the same virtual address, so an address inside it
 names the same bytes in each of them (graph-pool extents rely on this).
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
-from gpumem.errors import InvalidArgument, MappingError, SessionClosed, VaCollision
+from gpumem.errors import InvalidArgument, MappingError, SessionClosed
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -30,11 +31,6 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 DEFAULT_PLACEHOLDER_SLOT = 64 * MiB
-# The CUDA driver places small reservations wherever it likes, ignoring the address
-# asked for (seen on an H200, driver 580: at 16 MiB and below). A smaller arena reserves
-# this much here: the daemon plans every window with 512 MiB of placeholder scratch past
-# the arena's end, so the extra never reaches another arena.
-MIN_RESERVATION = 256 * MiB
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint [start, end) offsets
 
@@ -85,30 +81,23 @@ class Arena:
         self._aliases: dict[int, int] = {}  # placeholder mappings: offset -> size
         self._cover: Ranges = []  # where placeholder backing was asked for
         self._placeholder_fds: dict[int, int] = {}  # slot size -> fd, kept to map again
-        self._reserved_here = False
-        self._va_bytes = self.reserved  # what reserve_window took here (at least MIN_RESERVATION)
         self._released = False
         self._torch: ArenaPool | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def reserve_window(self) -> None:
-        """Reserve the arena's window in this process, at the daemon's planned address
-        (the session does, once the daemon created or shared the arena)."""
-        driver = self.session.driver
-        self._va_bytes = max(self.reserved, MIN_RESERVATION)
-        try:
-            got = driver.reserve(self._va_bytes, self.address)
-        except DriverError as exc:
-            raise MappingError(f"reserving arena '{self.name}' ({self.reserved} bytes at {self.address:#x}) failed: {exc}") from None
-        if got != self.address:
-            driver.free_reservation(got, self._va_bytes)
-            raise VaCollision(
-                f"arena '{self.name}' is planned at [{self.address:#x}, {self.address + self.reserved:#x}) but that "
-                f"window is taken in this process (the driver offered {got:#x}); create or attach arenas before "
-                "other large reservations, or move the daemon's plan range"
+        """Make sure the arena's window is reserved in this process, at the daemon's
+        planned address: it lies in the daemon's address slice, which the session holds
+        from its first arena on (the session calls this once the daemon created or
+        shared the arena)."""
+        held = self.session.address_slice()
+        if not held.base <= self.address <= self.address + self.reserved <= held.end:
+            raise MappingError(
+                f"arena '{self.name}' is planned at [{self.address:#x}, {self.address + self.reserved:#x}), outside the "
+                f"address slice of its daemon [{held.base:#x}, {held.end:#x}): the daemon and this client disagree on "
+                "the address plan (check that both are the same gpumemd version)"
             )
-        self._reserved_here = True
 
     def apply(self, reply: p.MapReply | p.KvCommitReply, fds: dict[int, int]) -> None:
         """Carry out a reply that changed the arena's backing (the session's and the KV
@@ -276,9 +265,6 @@ class Arena:
         self._chunks.clear()
         fdchannel.close_all(list(self._placeholder_fds.values()))
         self._placeholder_fds.clear()
-        if self._reserved_here:
-            driver.free_reservation(self.address, self._va_bytes)
-            self._reserved_here = False
         self._released = True
         self.session.arenas.pop(self.name, None)
         self.session.call(p.ReleaseArena(name=self.name))

@@ -21,6 +21,8 @@ from gpumem_shared.lease_table import LeaseKind
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError, DriverUnavailable, PeerAccessError
 from gpumem_shared.paths import Endpoints, resolve_runtime_dir
+from gpumem import address_slices
+from gpumem.address_slices import AddressSlice
 from gpumem.arena import Arena
 from gpumem.borrow import Borrow, BorrowPool
 from gpumem.channel import SessionChannel
@@ -75,6 +77,7 @@ class Session:
         # Closes its own sockets if anything below fails, or if the session is dropped.
         self.channel = SessionChannel(endpoints, name, timeout)
         self.arenas: dict[str, Arena] = {}
+        self._slice: AddressSlice | None = None  # the daemon's address slice, from the first arena on
         # This process's borrow pools, by graph pool id (gpumem.borrow).
         self.borrow_pools: dict[int, BorrowPool] = {}
         hello = self.channel.hello
@@ -126,6 +129,15 @@ class Session:
             raise InvalidArgument(f"peer access for gpumemd@{self.device.index} ({self.device.uuid}): {exc}") from None
         except DriverUnavailable as exc:
             raise DaemonUnavailable(f"gpumemd serves CUDA device {self.device.uuid}, which this process cannot use: {exc}") from None
+
+    def address_slice(self) -> AddressSlice:
+        """The daemon's address slice in this process, where its arenas are mapped:
+        reserved at the session's first arena, shared with the process's other sessions
+        of the same daemon (gpumem.address_slices)."""
+        if self._slice is None:
+            daemon = f"gpumemd pid {self.daemon_pid} (device {self.device.index}, {self.endpoints.runtime_dir})"
+            self._slice = address_slices.hold(self.driver, self.device.index, daemon)
+        return self._slice
 
     # ------------------------------------------------------------------ calls
 
@@ -238,6 +250,10 @@ class Session:
         for borrowed in self.borrow_pools.values():
             borrowed.close()
         self.borrow_pools.clear()
+        # An arena that could not be released is still mapped: its slice stays reserved.
+        if self._slice is not None and not self.arenas:
+            address_slices.let_go(self._slice)
+            self._slice = None
         self.leasing.close()
         self.channel.close()
 

@@ -1,6 +1,7 @@
 """The client arena's map of its window, driven by replies built here and carried out
 with the real host driver: which chunk is mapped where (by id, not by offset), the
-placeholder cover around them, and what is reported back. Every check reads the
+placeholder cover around them, what is reported back, and that a window lies in the
+daemon's address slice. Every check reads the
 process's real mappings (/proc/self/maps) before touching the bytes, so a wrong unmap
 fails an assertion instead of faulting the test process."""
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from gpumem.address_slices import AddressSlice
 from gpumem.arena import Arena
 from gpumem.errors import MappingError
 from gpumem_shared import protocol as p
@@ -46,6 +48,10 @@ class FakeSession:
             reply = p.PlaceholderReply(arena=view(0), chunks=self.placeholder_chunks, fd_batches=1)
             return reply, {cid: os.dup(fd) for cid, fd in self.placeholder_fds.items()}
         return p.Ack(), {}
+
+    def address_slice(self) -> AddressSlice:
+        """The test's window stands in for the daemon's slice."""
+        return AddressSlice(BASE, WINDOW, "the test's daemon", self.driver)
 
     def unmapped_reports(self) -> list[list[int]]:
         return [m.chunk_ids for m in self.sent if isinstance(m, p.ChunksUnmapped)]
@@ -179,3 +185,12 @@ def test_chunks_over_committed_memory_still_mapped_are_refused(setup: tuple[Aren
     assert byte_at(2 * MiB) == 1, "the mapped chunk was replaced"
     assert arena.committed_ranges() == [(0, 4 * MiB)]
     assert session.unmapped_reports() == [[2]], "the refused chunk is not held here: the daemon must hear so"
+
+
+def test_a_window_outside_the_daemons_slice_is_refused(setup: tuple[Arena, FakeSession, Chunks]) -> None:
+    arena, session, _ = setup
+    arena.reserve_window()  # the test's window is the whole slice
+    beyond = p.ArenaView(name="stray", owner="owner", address=BASE + WINDOW - G, reserved=2 * G, committed=0, granularity=G)
+    with pytest.raises(MappingError, match=r"outside the address slice of its daemon") as info:
+        Arena(session, beyond, owner=False).reserve_window()  # type: ignore[arg-type]
+    assert f"[{BASE + WINDOW - G:#x}, {BASE + WINDOW + G:#x})" in str(info.value)
