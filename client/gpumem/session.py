@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ class Session:
         self.channel = SessionChannel(endpoints, name, timeout)
         self.arenas: dict[str, Arena] = {}
         self._slice: AddressSlice | None = None  # the daemon's address slice, from the first arena on
+        self._slice_lock = threading.Lock()  # two threads' first arenas take one hold
         # This process's borrow pools, by graph pool id (gpumem.borrow).
         self.borrow_pools: dict[int, BorrowPool] = {}
         hello = self.channel.hello
@@ -134,10 +136,11 @@ class Session:
         """The daemon's address slice in this process, where its arenas are mapped:
         reserved at the session's first arena, shared with the process's other sessions
         of the same daemon (gpumem.address_slices)."""
-        if self._slice is None:
-            daemon = f"gpumemd pid {self.daemon_pid} (device {self.device.index}, {self.endpoints.runtime_dir})"
-            self._slice = address_slices.hold(self.driver, self.device.index, daemon)
-        return self._slice
+        with self._slice_lock:
+            if self._slice is None:
+                daemon = f"gpumemd pid {self.daemon_pid} (device {self.device.index}, {self.endpoints.runtime_dir})"
+                self._slice = address_slices.hold(self.driver, self.device.index, daemon)
+            return self._slice
 
     # ------------------------------------------------------------------ calls
 
@@ -250,12 +253,13 @@ class Session:
         for borrowed in self.borrow_pools.values():
             borrowed.close()
         self.borrow_pools.clear()
-        # An arena that could not be released is still mapped: its slice stays reserved.
-        if self._slice is not None and not self.arenas:
-            address_slices.let_go(self._slice)
-            self._slice = None
         self.leasing.close()
         self.channel.close()
+        # An arena that could not be released is still mapped: its slice stays reserved.
+        with self._slice_lock:
+            if self._slice is not None and not self.arenas:
+                held, self._slice = self._slice, None
+                address_slices.let_go(held)
 
     @property
     def closed(self) -> bool:
