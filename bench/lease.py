@@ -86,7 +86,6 @@ def main() -> int:
         from gpumem_shared import lease_table
         from gpumem_shared.lease_table import LeaseFlag, LeaseKind
         from gpumem_shared import protocol as p
-        from gpumem_shared.lease_table import LeaseFlag, LeaseKind
 
         rt = cleanup.enter_context(c.runtime_dir())
         daemon = c.Daemon(rt, args.backend)

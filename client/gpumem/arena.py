@@ -1,5 +1,6 @@
-"""An arena as a client sees it: a reserved window at the daemon's planned address,
-with the chunks it was handed mapped in place.
+"""An arena as a client sees it: a window at the daemon's planned address, inside the
+daemon's address slice that this process reserved (gpumem.address_slices), with the
+chunks it was handed mapped in place.
 
 Every process maps an arena at the same virtual address, so an address inside it
 names the same bytes in each of them (graph-pool extents rely on this).
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
-from gpumem.errors import InvalidArgument, MappingError, SessionClosed, VaCollision
+from gpumem.errors import InvalidArgument, MappingError, SessionClosed
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -30,11 +31,6 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 DEFAULT_PLACEHOLDER_SLOT = 64 * MiB
-# The CUDA driver places small reservations wherever it likes, ignoring the address
-# asked for (seen on an H200, driver 580: at 16 MiB and below). A smaller arena reserves
-# this much here: the daemon plans every window with 512 MiB of placeholder scratch past
-# the arena's end, so the extra never reaches another arena.
-MIN_RESERVATION = 256 * MiB
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint [start, end) offsets
 
@@ -79,82 +75,78 @@ class Arena:
         self.granularity = view.granularity
         self.is_owner = owner
         self.committed = view.committed
-        self._maps: dict[int, tuple[int, int | None]] = {}  # offset -> (size, chunk id or None: placeholder)
-        self._chunks: dict[int, p.ChunkView] = {}  # real chunks mapped here, by id
+        # Real chunks mapped here, by id: the daemon may put a new chunk at the offset of
+        # one this process still maps, so an offset does not name a chunk.
+        self._chunks: dict[int, p.ChunkView] = {}
+        self._aliases: dict[int, int] = {}  # placeholder mappings: offset -> size
         self._cover: Ranges = []  # where placeholder backing was asked for
         self._placeholder_fds: dict[int, int] = {}  # slot size -> fd, kept to map again
-        self._reserved_here = False
-        self._va_bytes = self.reserved  # what reserve_window took here (at least MIN_RESERVATION)
         self._released = False
         self._torch: ArenaPool | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def reserve_window(self) -> None:
-        """Reserve the arena's window in this process, at the daemon's planned address
-        (the session does, once the daemon created or shared the arena)."""
-        driver = self.session.driver
-        self._va_bytes = max(self.reserved, MIN_RESERVATION)
-        try:
-            got = driver.reserve(self._va_bytes, self.address)
-        except DriverError as exc:
-            raise MappingError(f"reserving arena '{self.name}' ({self.reserved} bytes at {self.address:#x}) failed: {exc}") from None
-        if got != self.address:
-            driver.free_reservation(got, self._va_bytes)
-            raise VaCollision(
-                f"arena '{self.name}' is planned at [{self.address:#x}, {self.address + self.reserved:#x}) but that "
-                f"window is taken in this process (the driver offered {got:#x}); create or attach arenas before "
-                "other large reservations, or move the daemon's plan range"
+        """Make sure the arena's window is reserved in this process, at the daemon's
+        planned address: it lies in the daemon's address slice, which the session holds
+        from its first arena on (the session calls this once the daemon created or
+        shared the arena)."""
+        held = self.session.address_slice()
+        if not held.base <= self.address <= self.address + self.reserved <= held.end:
+            raise MappingError(
+                f"arena '{self.name}' is planned at [{self.address:#x}, {self.address + self.reserved:#x}), outside the "
+                f"address slice of its daemon [{held.base:#x}, {held.end:#x}): the daemon and this client disagree on "
+                "the address plan (check that both are the same gpumemd version)"
             )
-        self._reserved_here = True
 
     def apply(self, reply: p.MapReply | p.KvCommitReply, fds: dict[int, int]) -> None:
         """Carry out a reply that changed the arena's backing (the session's and the KV
-        pool's requests too): map the chunks handed out (over any placeholder there),
-        unmap the retired ones (putting placeholder back where it was asked for), and
-        tell the daemon. Takes ownership of ``fds``."""
+        pool's requests too): unmap the retired chunks, map the chunks handed out (over
+        any placeholder there), put placeholder back where it was asked for and nothing
+        else is mapped, and tell the daemon. Takes ownership of ``fds``."""
         self.committed = reply.arena.committed
         try:
-            if reply.chunks:
-                self._map_chunks(reply.chunks, fds)
+            # Retired first: a chunk handed out now may sit where a retired one is mapped.
+            self._unmap(reply.retired)
+            try:
+                if reply.chunks:
+                    self._map_chunks(reply.chunks, fds)
+            finally:
+                self._cover_free(subtract(self._cover, self.backed_ranges()))
         finally:
             fdchannel.close_all(list(fds.values()))  # the mappings hold the memory now
         if reply.retired:
-            self._unmap(reply.retired)
+            self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in reply.retired]))
         self._backing_changed()
+
+    def _unmap(self, retired: list[p.ChunkView]) -> None:
+        """Unmap the retired chunks mapped here, where this process mapped them."""
+        mine = [self._chunks.pop(c.id) for c in retired if c.id in self._chunks]
+        if mine:
+            self.session.driver.unmap_many(self.address, [(c.offset, c.size) for c in mine])
 
     def _map_chunks(self, chunks: list[p.ChunkView], fds: dict[int, int]) -> None:
         driver = self.session.driver
         wanted = merge([(c.offset, c.offset + c.size) for c in chunks])
-        under = [
-            (offset, size)
-            for offset, (size, chunk_id) in self._maps.items()
-            if chunk_id is None and intersect([(offset, offset + size)], wanted)
-        ]
+        overlap = intersect(wanted, self.committed_ranges())
+        if overlap:
+            self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
+            raise MappingError(
+                f"the daemon handed out chunks of arena '{self.name}' over committed memory this process still maps "
+                f"(offsets {overlap}); they were not mapped"
+            )
+        under = [(offset, size) for offset, size in self._aliases.items() if intersect([(offset, offset + size)], wanted)]
         if under:
             driver.unmap_many(self.address, under)
             for offset, _ in under:
-                del self._maps[offset]
+                del self._aliases[offset]
         try:
             driver.map_fds(self.address, [(fds[c.id], c.offset, c.size) for c in chunks])
         except DriverError as exc:
-            self._cover_free(subtract(merge([(o, o + s) for o, s in under]), []))
             self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
             raise MappingError(f"mapping {len(chunks)} chunk(s) of arena '{self.name}' failed: {exc}") from None
         for chunk in chunks:
             self._chunks[chunk.id] = chunk
-            self._maps[chunk.offset] = (chunk.size, chunk.id)
-        # Placeholder slots only partly covered by the new chunks: re-alias the rest.
-        self._cover_free(subtract(merge([(o, o + s) for o, s in under]), wanted))
-
-    def _unmap(self, chunks: list[p.ChunkView]) -> None:
-        mine = [c for c in chunks if c.id in self._chunks]
-        self.session.driver.unmap_many(self.address, [(c.offset, c.size) for c in mine])
-        for chunk in mine:
-            del self._chunks[chunk.id]
-            del self._maps[chunk.offset]
-        self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
-        self._cover_free(intersect(merge([(c.offset, c.offset + c.size) for c in mine]), self._cover))
 
     def _cover_free(self, ranges: Ranges) -> None:
         """Alias the placeholder over ``ranges`` (which must be unmapped): slot-sized
@@ -183,9 +175,9 @@ class Arena:
         except DriverError as exc:
             raise MappingError(f"aliasing the placeholder over arena '{self.name}' failed: {exc}") from None
         for offset in big:
-            self._maps[offset] = (slot, None)
+            self._aliases[offset] = slot
         for offset in small if granule != slot else []:
-            self._maps[offset] = (granule, None)
+            self._aliases[offset] = granule
 
     def _backing_changed(self) -> None:
         if self._torch is not None:
@@ -234,8 +226,7 @@ class Arena:
             reply, fds = self.session.channel.call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
             self._placeholder_fds = {c.size: fds[c.id] for c in reply.chunks}
         self._cover = merge(self._cover + [(offset, offset + nbytes)])
-        mapped = [(o, o + size) for o, (size, _) in self._maps.items()]
-        self._cover_free(subtract([(offset, offset + nbytes)], mapped))
+        self._cover_free(subtract(self._cover, self.backed_ranges()))
         self._backing_changed()
 
     def share(self, client: str) -> None:
@@ -269,14 +260,11 @@ class Arena:
         if self._torch is not None:
             self._torch.retire()
         driver = self.session.driver
-        driver.unmap_many(self.address, [(o, size) for o, (size, _) in self._maps.items()])
-        self._maps.clear()
+        driver.unmap_many(self.address, [(c.offset, c.size) for c in self._chunks.values()] + list(self._aliases.items()))
+        self._aliases.clear()
         self._chunks.clear()
         fdchannel.close_all(list(self._placeholder_fds.values()))
         self._placeholder_fds.clear()
-        if self._reserved_here:
-            driver.free_reservation(self.address, self._va_bytes)
-            self._reserved_here = False
         self._released = True
         self.session.arenas.pop(self.name, None)
         self.session.call(p.ReleaseArena(name=self.name))
@@ -291,7 +279,7 @@ class Arena:
 
     def backed_ranges(self) -> Ranges:
         """Offsets that are mapped here, committed or placeholder (merged)."""
-        return merge([(o, o + size) for o, (size, _) in self._maps.items()])
+        return merge(self.committed_ranges() + [(o, o + size) for o, size in self._aliases.items()])
 
     def committed_ranges(self) -> Ranges:
         return merge([(c.offset, c.offset + c.size) for c in self._chunks.values()])
@@ -303,7 +291,7 @@ class Arena:
 
     @property
     def placeholder_bytes(self) -> int:
-        return sum(size for size, chunk_id in self._maps.values() if chunk_id is None)
+        return sum(self._aliases.values())
 
     def _check_range(self, offset: int, size: int) -> None:
         end = offset + size

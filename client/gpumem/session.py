@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from gpumem_shared.lease_table import LeaseKind
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError, DriverUnavailable, PeerAccessError
 from gpumem_shared.paths import Endpoints
+from gpumem import address_slices
+from gpumem.address_slices import AddressSlice
 from gpumem.arena import Arena
 from gpumem.borrow import Borrow, BorrowPool
 from gpumem.channel import SessionChannel
@@ -75,6 +78,8 @@ class Session:
         # Closes its own sockets if anything below fails, or if the session is dropped.
         self.channel = SessionChannel(endpoints, name, timeout)
         self.arenas: dict[str, Arena] = {}
+        self._slice: AddressSlice | None = None  # the daemon's address slice, from the first arena on
+        self._slice_lock = threading.Lock()  # two threads' first arenas take one hold
         # This process's borrow pools, by graph pool id (gpumem.borrow).
         self.borrow_pools: dict[int, BorrowPool] = {}
         hello = self.channel.hello
@@ -124,6 +129,16 @@ class Session:
             raise InvalidArgument(f"peer access for gpumemd@{self.device.index} ({self.device.uuid}): {exc}") from None
         except DriverUnavailable as exc:
             raise DaemonUnavailable(f"gpumemd serves CUDA device {self.device.uuid}, which this process cannot use: {exc}") from None
+
+    def address_slice(self) -> AddressSlice:
+        """The daemon's address slice in this process, where its arenas are mapped:
+        reserved at the session's first arena, shared with the process's other sessions
+        of the same daemon (gpumem.address_slices)."""
+        with self._slice_lock:
+            if self._slice is None:
+                daemon = f"gpumemd pid {self.daemon_pid} (device {self.device.index}, {self.endpoints.runtime_dir})"
+                self._slice = address_slices.hold(self.driver, self.device.index, daemon)
+            return self._slice
 
     # ------------------------------------------------------------------ calls
 
@@ -245,6 +260,11 @@ class Session:
         self.borrow_pools.clear()
         self.leasing.close()
         self.channel.close()
+        # An arena that could not be released is still mapped: its slice stays reserved.
+        with self._slice_lock:
+            if self._slice is not None and not self.arenas:
+                held, self._slice = self._slice, None
+                address_slices.let_go(held)
 
     @property
     def closed(self) -> bool:

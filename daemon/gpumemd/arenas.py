@@ -1,6 +1,11 @@
 """The arena book: arenas and their chunks, the accounting of every byte the daemon
 created, commit admission, and the plan of address windows.
 
+Windows: the daemon reserves its device's whole address slice once, at start, and plans
+every arena's window inside it; chunks are mapped there, and nothing is reserved per
+arena. Clients reserve the same slice, so a window means the same addresses in every
+process (gpumem_shared.address_plan).
+
 Accounting: a chunk counts against the device from its creation until nobody holds
 it. The daemon drops its own reference when the chunk leaves an arena (decommit,
 release), but clients that mapped it keep the memory alive until they report the
@@ -17,6 +22,7 @@ import re
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
+from gpumem_shared.units import format_size
 
 from gpumemd.config import GiB, MiB, StateConfig
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
@@ -25,6 +31,11 @@ log = logging.getLogger("gpumemd.arenas")
 
 MAX_PLACEHOLDER_SLOT = 256 * MiB
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")
+
+
+class SliceUnavailable(Exception):
+    """The daemon cannot reserve its address slice at the planned address; the message
+    is the one line an operator sees."""
 
 
 def check_name(name: str, what: str) -> None:
@@ -74,6 +85,35 @@ class ArenaBook:
         self.by_name: dict[str, ArenaRecord] = {}
         self.retiring: dict[int, ChunkRecord] = {}
         self._next_chunk = 1
+        self._slice: tuple[int, int] | None = self._reserve_slice()
+
+    def _reserve_slice(self) -> tuple[int, int]:
+        base, size = self.config.va_base, self.config.va_limit - self.config.va_base
+        where = f"device {self.device.index}'s address slice [{base:#x}, {base + size:#x}) ({format_size(size)})"
+        try:
+            got = self.driver.reserve(size, base)
+        except DriverError as exc:
+            raise SliceUnavailable(
+                f"cannot reserve {where}: {exc} (address space only, no memory: a 'ulimit -v' below it refuses it)"
+            ) from None
+        if got != base:
+            self.driver.free_reservation(got, size)
+            raise SliceUnavailable(
+                f"cannot reserve {where} at its planned address: the driver placed it at {got:#x}, so something in "
+                "the gpumemd process holds part of that range already (a preloaded library, a sanitizer's shadow memory)"
+            )
+        log.debug("reserved %s", where)
+        return base, size
+
+    def close(self) -> None:
+        """Give the address slice back (at exit, once every arena is destroyed)."""
+        if self._slice is None:
+            return
+        try:
+            self.driver.free_reservation(*self._slice)
+        except DriverError as exc:  # a chunk whose unmap failed at destroy: exit frees it all anyway
+            log.warning("freeing the address slice at exit failed: %s", exc)
+        self._slice = None
 
     # ------------------------------------------------------------------ lookups
 
@@ -297,10 +337,6 @@ class ArenaBook:
         arena.chunks = []
         arena.placeholders = []
         del self.by_name[arena.name]
-        try:
-            self.driver.free_reservation(arena.address, arena.window)
-        except DriverError:
-            log.exception("freeing the window of arena %r failed", arena.name)
         log.info("arena %r destroyed", arena.name)
 
     # ------------------------------------------------------------------ chunks
@@ -403,8 +439,8 @@ class ArenaBook:
     # ------------------------------------------------------------------ windows
 
     def _plan_window(self, size: int) -> int:
-        """First fit between the live windows; the daemon reserves the window in its own
-        address space too, so the driver itself vouches that the range is usable."""
+        """First fit between the live windows, inside the slice reserved at start (no
+        driver call: the slice is reserved whole in this process and in every client)."""
         align = max(self.device.granularity, GiB)
         taken = sorted((a.address, a.address + a.window) for a in self.by_name.values())
         hint = self.config.va_base
@@ -418,11 +454,4 @@ class ArenaBook:
                 f"no free virtual window of {size} bytes left in the daemon's plan range; release arenas first",
                 requested=size,
             )
-        try:
-            address = self.driver.reserve(size, hint)
-        except DriverError as exc:
-            raise p.ProtocolError(p.ErrorCode.DRIVER_ERROR, f"reserving a {size}-byte window failed: {exc}") from None
-        if any(address < end and start < address + size for start, end in taken):
-            self.driver.free_reservation(address, size)
-            raise p.ProtocolError(p.ErrorCode.INTERNAL, f"the driver placed a window at {address:#x}, over a live arena")
-        return address
+        return hint

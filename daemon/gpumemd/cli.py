@@ -1,9 +1,10 @@
 """``gpumemd``: run the memory daemon for one GPU.
 
 Every configuration error (an unknown flag, a size that is not one, a directory the
-daemon cannot use, figures that contradict each other) ends the process with exit
-status 78 and one line on stderr: the unit's RestartPreventExitStatus=78 then keeps
-systemd from restarting a daemon that can never start as configured.
+daemon cannot use, figures that contradict each other, an address slice that is not
+free in the daemon's process) ends the process with exit status 78 and one line on
+stderr: the unit's RestartPreventExitStatus=78 then keeps systemd from restarting a
+daemon that can never start as configured.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import NoReturn
 import click
 
 from gpumem_shared import protocol as p
+from gpumem_shared.address_plan import VA_PLAN_SLICES, plan_range
 from gpumem_shared.driver import Driver, DriverUnavailable
 from gpumem_shared.paths import Endpoints, resolve_runtime_dir
 from gpumem_shared.units import Size, format_size, parse
 
-from gpumemd.config import VA_PLAN_SLICES, StateConfig, plan_range
+from gpumemd.arenas import SliceUnavailable
+from gpumemd.config import StateConfig
 from gpumemd.notify import SystemdNotifier
 from gpumemd.server import Server, StartupError
 from gpumemd.state import DaemonState
@@ -166,7 +169,11 @@ def command(
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
     )
-    server = Server(DaemonState(driver, config), endpoints, socket_group=socket_group, hello_timeout=hello_timeout, notifier=SystemdNotifier())
+    try:
+        state = DaemonState(driver, config)
+    except SliceUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+    server = Server(state, endpoints, socket_group=socket_group, hello_timeout=hello_timeout, notifier=SystemdNotifier())
     try:
         server.bind()
     except StartupError as exc:

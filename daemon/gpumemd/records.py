@@ -16,9 +16,9 @@ from gpumem_shared.lease_table import LeaseSegment
 
 from gpumemd.config import MiB
 
-# Beyond each arena's client-visible window the daemon reserves this much more in its own
-# address space, to map (and scrub) the arena's placeholder chunks, which have no place
-# of their own in the window.
+# Beyond each arena's client-visible window the daemon plans this much more of its slice,
+# to map (and scrub) the arena's placeholder chunks, which have no place of their own in
+# the window. Clients never map there.
 PLACEHOLDER_SCRATCH = 512 * MiB
 
 # (session id, notice) pairs for the server to deliver.
@@ -69,7 +69,7 @@ class ArenaRecord:
 
     @property
     def window(self) -> int:
-        """What the daemon reserves: the clients' window plus the placeholder scratch."""
+        """What the daemon plans: the clients' window plus the placeholder scratch."""
         return self.reserved + PLACEHOLDER_SCRATCH
 
     @property

@@ -222,4 +222,5 @@ class DaemonState:
         for arena in list(self.arenas.by_name.values()):
             self._destroy(arena, [])
         self.arenas.retiring.clear()
+        self.arenas.close()
         self.graph_pools.close()

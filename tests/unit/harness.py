@@ -35,6 +35,16 @@ def windows(h: Harness) -> list[tuple[int, int]]:
     return mapped_ranges(h.config.va_base, h.config.va_base + WATCHED_SPAN)
 
 
+def the_slice(h: Harness) -> tuple[int, int]:
+    """The address slice the daemon reserves at start, whole: its only reservation."""
+    return h.config.va_base, h.config.va_limit
+
+
+def planned(h: Harness) -> list[tuple[int, int]]:
+    """The windows the daemon plans in its slice (placeholder scratch included), by address."""
+    return sorted((a.address, a.address + a.window) for a in h.state.arenas.by_name.values())
+
+
 def mapped_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
     """Mappings of this process that intersect [lo, hi), from /proc/self/maps."""
     out = []

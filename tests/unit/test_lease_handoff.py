@@ -8,7 +8,6 @@ bounded."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -20,7 +19,7 @@ from gpumem_shared.protocol import ErrorCode
 from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, GiB, Harness, MiB
-from .test_lease_table import Pool, Waiter, fresh_segment, give_back, granted, wait_until_sleeping
+from .test_lease_table import Pool, Waiter, fresh_segment, granted, wait_until_sleeping
 
 EPOCH = lease_table.lease_epoch(3, 1)
 ARENA = "graphs"

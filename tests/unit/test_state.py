@@ -16,7 +16,7 @@ from gpumem_shared.protocol import ErrorCode
 from gpumemd.config import StateConfig
 from gpumemd.records import Outcome, SessionRecord as Session
 
-from .harness import BULK, CAPACITY, G, GiB, Harness, MiB, is_reserved, mapped_ranges, open_fds, windows
+from .harness import BULK, CAPACITY, G, GiB, Harness, MiB, is_reserved, mapped_ranges, open_fds, planned, the_slice, windows
 
 VALID_NAMES = ["a", "kv", "engine-a", "Qwen2.5:7b@gpu0+draft_1", "x" * 128]
 INVALID_NAMES = ["", "-kv", ".hidden", "_x", "kv cache", "kv/0", "x" * 129, "kv\n", "\nkv", "kv\x00", "ké"]
@@ -74,7 +74,8 @@ def test_create_reserves_a_window_and_no_memory(h: Harness) -> None:
     assert view == p.ArenaView(
         name="kv", owner="engine-a", address=h.config.va_base, reserved=64 * GiB, committed=0, granularity=G
     )
-    assert is_reserved(view.address, 64 * GiB), "the daemon reserves the window in its own address space"
+    assert is_reserved(view.address, 64 * GiB), "the window lies in the slice the daemon reserved"
+    assert windows(h) == [the_slice(h)], "nothing is reserved per arena"
     arena = h.state.arenas.by_name["kv"]
     assert (arena.owner_id, arena.attached, arena.chunks) == (s.id, {s.id}, [])
     assert h.state.arenas.accounted_bytes() == 0
@@ -91,7 +92,7 @@ def test_create_refuses_invalid_names(h: Harness, name: str) -> None:
     error = h.refused(h.connect("engine-a"), p.CreateArena(name=name, reserve_bytes=GiB), ErrorCode.INVALID_ARGUMENT)
     assert "arena name" in error.message
     assert h.state.arenas.by_name == {}
-    assert windows(h) == []
+    assert windows(h) == [the_slice(h)] and planned(h) == []
 
 
 def test_create_refuses_zero_and_negative_reservations(h: Harness) -> None:
@@ -126,7 +127,7 @@ def test_duplicate_arena_name_is_already_exists_naming_the_owner(h: Harness) -> 
         assert f"client 'engine-a' (pid {a.pid})" in error.message
     arena = h.state.arenas.by_name["kv"]
     assert (arena.owner_id, arena.reserved, arena.address) == (a.id, GiB, first.address)
-    assert len(windows(h)) == 1, "the refused request reserved nothing"
+    assert len(planned(h)) == 1 and windows(h) == [the_slice(h)], "the refused request planned and reserved nothing"
 
 
 # --------------------------------------------------------------------------- window planning
@@ -138,13 +139,50 @@ def assert_guarded(ranges: list[tuple[int, int]]) -> None:
         assert start >= end + GiB, f"windows too close: {end:#x} .. {start:#x}"
 
 
+def test_the_daemon_reserves_its_slice_once_and_gives_it_back_at_exit(h: Harness) -> None:
+    assert windows(h) == [the_slice(h)]
+    s = h.connect("engine-a")
+    views = [h.create(s, f"a{i}", size) for i, size in enumerate([GiB, 64 * GiB, 2 * MiB])]
+    h.commit(s, "a0", 8 * MiB)
+    h.release(s, "a1")
+    assert windows(h) == [the_slice(h)], "an arena reserves, maps or frees nothing of its own in the daemon"
+    assert all(h.config.va_base <= v.address and v.address + v.reserved <= h.config.va_limit for v in views)
+    h.state.drop_all()
+    assert windows(h) == []
+    h.state.drop_all()  # twice: the server's exit after a test's own
+
+
+def test_a_slice_taken_at_start_is_refused_in_one_line(make_harness: Callable[..., Harness]) -> None:
+    from gpumemd.arenas import SliceUnavailable
+    from gpumemd.state import DaemonState
+
+    config = StateConfig(index=0, va_base=StateConfig.va_base, va_limit=StateConfig.va_base + 64 * GiB)
+    squatter = HostDriver(index=0)
+    taken = config.va_base + 40 * GiB
+    assert squatter.reserve(G, taken) == taken
+    fds = open_fds()
+    huge = [(start, end) for start, end in mapped_ranges(0, 1 << 47) if end - start >= 64 * GiB]
+    try:
+        with pytest.raises(SliceUnavailable) as info:
+            DaemonState(HostDriver(index=0, capacity=CAPACITY), config)
+        message = str(info.value)
+        assert "\n" not in message
+        assert f"device 0's address slice [{config.va_base:#x}, {config.va_limit:#x}) (64 GiB)" in message
+        assert "at its planned address: the driver placed it at 0x" in message
+        assert mapped_ranges(config.va_base, config.va_limit) == [(taken, taken + G)]
+        assert [(a, b) for a, b in mapped_ranges(0, 1 << 47) if b - a >= 64 * GiB] == huge, "the misplaced slice was kept"
+        assert open_fds() == fds
+    finally:
+        squatter.free_reservation(taken, G)
+
+
 def test_windows_never_overlap_and_keep_a_guard_between(h: Harness) -> None:
     s = h.connect("engine-a")
     sizes = [GiB, 4 * MiB, 3 * GiB, 2 * MiB, 10 * GiB + 6 * MiB]
     views = [h.create(s, f"a{i}", size) for i, size in enumerate(sizes)]
     assert min(v.address for v in views) == h.config.va_base
     assert_guarded([(v.address, v.address + v.reserved) for v in views])  # as clients see them
-    assert_guarded(windows(h))  # as the daemon reserved them
+    assert_guarded(planned(h))  # as the daemon planned them, placeholder scratch included
     for v in views:
         assert v.address % GiB == 0
         assert is_reserved(v.address, v.reserved)
@@ -158,15 +196,14 @@ def test_a_hole_is_used_only_with_a_guard_before_the_next_window(h: Harness) -> 
     c = h.create(s, "c", 2 * GiB)  # as large as the hole a left, guard included
     assert c.address != h.config.va_base, "placed flush against b"
     assert_guarded([(v.address, v.address + v.reserved) for v in (b, c)])
-    assert_guarded(windows(h))
+    assert_guarded(planned(h))
 
 
 def test_freed_window_is_reused(h: Harness) -> None:
     s = h.connect("engine-a")
     first, second = h.create(s, "a", GiB), h.create(s, "b", GiB)
     h.release(s, "a")
-    assert mapped_ranges(first.address, first.address + GiB) == [], "release unreserved the window"
-    assert is_reserved(second.address, GiB)
+    assert [start for start, _ in planned(h)] == [second.address], "release let go of the window"
     assert h.create(s, "c", GiB).address == first.address
 
 
@@ -186,8 +223,8 @@ def test_planning_range_exhausted_is_out_of_memory(make_harness: Callable[..., H
         pytest.fail("16 GiB of plan range held 16 arenas of 1 GiB and their guards")
     assert len(created) >= 2
     assert sorted(h.state.arenas.by_name) == sorted(v.name for v in created)
-    assert len(windows(h)) == len(created), "the refused request reserved nothing"
-    assert max(end for _, end in windows(h)) <= h.config.va_limit
+    assert len(planned(h)) == len(created) and windows(h) == [the_slice(h)], "the refused request planned nothing"
+    assert max(end for _, end in planned(h)) <= h.config.va_limit
     h.release(s, created[0].name)
     assert h.create(s, "again", GiB).address == created[0].address == h.config.va_base
 
@@ -472,7 +509,7 @@ def test_decommit_of_a_chunk_nobody_maps_frees_it_at_once(h: Harness) -> None:
 def test_each_device_plans_in_its_own_address_slice() -> None:
     """A process may map arenas of several daemons (a rank reading a peer GPU's chunks):
     their windows must never overlap, so each device's range is its own."""
-    from gpumemd.config import VA_PLAN_SLICES, plan_range
+    from gpumem_shared.address_plan import VA_PLAN_SLICES, plan_range
 
     ranges = [plan_range(i) for i in range(VA_PLAN_SLICES)]
     assert ranges[0] == (StateConfig.va_base, StateConfig.va_limit)

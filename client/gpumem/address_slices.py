@@ -1,0 +1,82 @@
+"""Each daemon's address slice, reserved once in this process.
+
+Every process maps an arena at the address its daemon planned (graph-pool extents
+rely on it). A driver reservation per arena at that address is not reliable: the CUDA
+driver treats the address as a hint, and with several processes creating, attaching
+and releasing arenas it often places the reservation elsewhere (seen on an H200). So a
+process reserves the daemon's whole slice of the plan (gpumem_shared.address_plan)
+once, when one of its sessions with that daemon needs its first arena, and maps every
+arena of that daemon inside it. The sessions of one daemon in a process share the
+reservation; the last of them to close frees it. A peer daemon's slice is another
+range, reserved beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from gpumem_shared.address_plan import plan_range
+from gpumem_shared.driver import Driver, DriverError
+from gpumem.errors import MappingError, VaCollision
+
+
+@dataclasses.dataclass(eq=False)
+class AddressSlice:
+    base: int
+    size: int
+    daemon: str  # the daemon whose arenas live here, as collisions name it
+    driver: Driver  # the one that reserved it, and frees it
+    holders: int = 0  # sessions of this process that map arenas here
+
+    @property
+    def end(self) -> int:
+        return self.base + self.size
+
+
+_held: dict[int, AddressSlice] = {}  # by base
+_lock = threading.Lock()  # sessions of one process may open and close on any thread
+
+
+def hold(driver: Driver, index: int, daemon: str) -> AddressSlice:
+    """The slice of device ``index``'s daemon (described by ``daemon``), reserved in
+    this process unless a session of the same daemon already holds it."""
+    base, end = plan_range(index)
+    with _lock:
+        held = _held.get(base)
+        if held is None:
+            held = AddressSlice(base, end - base, daemon, driver)
+            _reserve(held, index)
+            _held[base] = held
+        elif held.daemon != daemon:
+            raise VaCollision(
+                f"the address slice of device {index}, [{base:#x}, {end:#x}), is in use in this process by the arenas "
+                f"of {held.daemon}; {daemon} plans its arenas there too, so they would land on each other: close the "
+                "sessions of the first daemon (its arenas released) before using the second"
+            )
+        held.holders += 1
+        return held
+
+
+def let_go(held: AddressSlice) -> None:
+    """One session that held ``held`` closed, its arenas released; the last frees it."""
+    with _lock:
+        held.holders -= 1
+        if held.holders == 0:
+            held.driver.free_reservation(held.base, held.size)
+            del _held[held.base]
+
+
+def _reserve(held: AddressSlice, index: int) -> None:
+    where = f"the address slice of device {index}, [{held.base:#x}, {held.end:#x})"
+    try:
+        got = held.driver.reserve(held.size, held.base)
+    except DriverError as exc:
+        raise MappingError(f"reserving {where} failed: {exc} (address space only, no memory: check 'ulimit -v')") from None
+    if got != held.base:
+        held.driver.free_reservation(got, held.size)
+        raise VaCollision(
+            f"{where}, where {held.daemon} plans every arena, is taken in this process (the driver offered {got:#x} "
+            "instead): something reserved or mapped part of it first; connect and create or attach the first arena "
+            "before making other large reservations"
+        )

@@ -1,0 +1,196 @@
+"""The client arena's map of its window, driven by replies built here and carried out
+with the real host driver: which chunk is mapped where (by id, not by offset), the
+placeholder cover around them, what is reported back, and that a window lies in the
+daemon's address slice. Every check reads the
+process's real mappings (/proc/self/maps) before touching the bytes, so a wrong unmap
+fails an assertion instead of faulting the test process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gpumem.address_slices import AddressSlice
+from gpumem.arena import Arena
+from gpumem.errors import MappingError
+from gpumem_shared import protocol as p
+from gpumem_shared.driver.host import HostDriver
+
+MiB = 1 << 20
+G = 2 * MiB
+WINDOW = 64 * MiB
+SLOT = 16 * MiB
+
+
+class FakeSession:
+    """What an Arena asks of its session, with the daemon's side played by the test."""
+
+    def __init__(self, driver: HostDriver) -> None:
+        self.driver = driver
+        self.name = "bookkeeper"
+        self.backend = "host"
+        self.closed = False
+        self.arenas: dict[str, Arena] = {}
+        self.borrow_pools: dict[int, Any] = {}
+        self.sent: list[p.RequestMessage] = []
+        self.channel = self
+        self.placeholder_chunks: list[p.ChunkView] = []
+        self.placeholder_fds: dict[int, int] = {}
+
+    def call(self, message: p.RequestMessage, timeout: float | None = None) -> Any:
+        """Both session.call and channel.call: the request is recorded; a placeholder
+        request is answered with the chunks the test prepared."""
+        self.sent.append(message)
+        if isinstance(message, p.PlaceholderArena):
+            reply = p.PlaceholderReply(arena=view(0), chunks=self.placeholder_chunks, fd_batches=1)
+            return reply, {cid: os.dup(fd) for cid, fd in self.placeholder_fds.items()}
+        return p.Ack(), {}
+
+    def address_slice(self) -> AddressSlice:
+        """The test's window stands in for the daemon's slice."""
+        return AddressSlice(BASE, WINDOW, "the test's daemon", self.driver)
+
+    def unmapped_reports(self) -> list[list[int]]:
+        return [m.chunk_ids for m in self.sent if isinstance(m, p.ChunksUnmapped)]
+
+
+def view(committed: int) -> p.ArenaView:
+    return p.ArenaView(name="kv", owner="owner", address=BASE, reserved=WINDOW, committed=committed, granularity=G)
+
+
+BASE = 0  # set by the fixture: where this test's window is reserved
+TEST_HINT = 0x6800_0000_0000  # above every device's address slice; anywhere else would do too
+
+
+class Chunks:
+    """memfd chunks, each filled with its own byte, as the daemon would create them."""
+
+    def __init__(self, driver: HostDriver) -> None:
+        self.driver = driver
+        self.fds: dict[int, int] = {}
+
+    def make(self, chunk_id: int, offset: int, size: int) -> p.ChunkView:
+        (fd,) = self.driver.create_chunks([(0, size)])
+        os.pwrite(fd, bytes([chunk_id]) * size, 0)
+        self.fds[chunk_id] = fd
+        return p.ChunkView(id=chunk_id, offset=offset, size=size)
+
+    def handed(self, chunks: list[p.ChunkView]) -> dict[int, int]:
+        return {c.id: os.dup(self.fds[c.id]) for c in chunks}
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+@pytest.fixture
+def setup() -> Iterator[tuple[Arena, FakeSession, Chunks]]:
+    global BASE
+    driver = HostDriver(index=0)
+    BASE = driver.reserve(WINDOW, TEST_HINT)
+    session = FakeSession(driver)
+    chunks = Chunks(driver)
+    arena = Arena(session, view(0), owner=True)  # type: ignore[arg-type]
+    try:
+        yield arena, session, chunks
+    finally:
+        arena.release()
+        driver.free_reservation(BASE, WINDOW)
+        chunks.close()
+
+
+def apply(arena: Arena, chunks: Chunks, committed: int, new: list[p.ChunkView], retired: list[p.ChunkView]) -> None:
+    reply = p.MapReply(arena=view(committed), chunks=new, retired=retired, fd_batches=1 if new else 0)
+    arena.apply(reply, chunks.handed(new))
+
+
+def mappings(start: int, end: int) -> list[tuple[int, int, str]]:
+    """(offset, end offset, kind) of this process's mappings over the window's
+    [start, end), neighbours of one kind merged: "chunk" for chunks' memfds, "none"
+    for reserved-only space."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) - BASE for x in fields[0].split("-"))
+            if lo < end and start < hi:
+                kind = "chunk" if "gpumemd-chunk" in line else ("none" if fields[1].startswith("---") else fields[1])
+                if out and out[-1][1] == max(lo, start) and out[-1][2] == kind:
+                    out[-1] = (out[-1][0], min(hi, end), kind)
+                else:
+                    out.append((max(lo, start), min(hi, end), kind))
+    return out
+
+
+def byte_at(offset: int) -> int:
+    import ctypes
+
+    return ctypes.string_at(BASE + offset, 1)[0]
+
+
+def test_a_new_chunk_at_a_retired_chunks_offset_stays_mapped(setup: tuple[Arena, FakeSession, Chunks]) -> None:
+    arena, session, chunks = setup
+    first = chunks.make(1, 0, 4 * MiB)
+    apply(arena, chunks, 4 * MiB, [first], [])
+    assert byte_at(0) == 1
+    # One reply (a sharer's sync): chunk 1 retired, chunks 2 and 3 handed out over its offsets.
+    second, third = chunks.make(2, 0, 2 * MiB), chunks.make(3, 2 * MiB, 4 * MiB)
+    apply(arena, chunks, 6 * MiB, [second, third], [first])
+    assert mappings(0, 6 * MiB) == [(0, 6 * MiB, "chunk")], "a new chunk was unmapped with the retired one"
+    assert (byte_at(0), byte_at(2 * MiB - 1), byte_at(2 * MiB), byte_at(6 * MiB - 1)) == (2, 2, 3, 3)
+    assert arena.committed_ranges() == [(0, 6 * MiB)] and arena.mapped_bytes == 6 * MiB
+    assert session.unmapped_reports() == [[1]]
+    # The new chunks retire by their own ids, whatever sat at their offsets before.
+    apply(arena, chunks, 0, [], [second, third])
+    assert mappings(0, 6 * MiB) == [(0, 6 * MiB, "none")]
+    assert arena.committed_ranges() == [] and arena.backed_ranges() == []
+    assert session.unmapped_reports() == [[1], [2, 3]]
+
+
+def test_placeholder_cover_follows_chunks_retired_and_handed_out_together(setup: tuple[Arena, FakeSession, Chunks]) -> None:
+    arena, session, chunks = setup
+    slot, granule = chunks.make(100, 0, SLOT), chunks.make(101, 0, G)
+    session.placeholder_chunks = [slot, granule]
+    session.placeholder_fds = {100: chunks.fds[100], 101: chunks.fds[101]}
+    arena.placeholder(0, WINDOW, SLOT)
+    assert arena.placeholder_bytes == WINDOW and mappings(0, WINDOW) == [(0, WINDOW, "chunk")]
+    first = chunks.make(1, 0, 20 * MiB)
+    apply(arena, chunks, 20 * MiB, [first], [])
+    assert arena.committed_ranges() == [(0, 20 * MiB)] and arena.placeholder_bytes == WINDOW - 20 * MiB
+    # Retired and new in one reply: the new chunk is shorter, placeholder fills the rest.
+    second = chunks.make(2, 0, 6 * MiB)
+    apply(arena, chunks, 6 * MiB, [second], [first])
+    assert arena.committed_ranges() == [(0, 6 * MiB)]
+    assert arena.backed_ranges() == [(0, WINDOW)] and arena.placeholder_bytes == WINDOW - 6 * MiB
+    assert mappings(0, WINDOW) == [(0, WINDOW, "chunk")], "part of the cover was left unmapped"
+    assert (byte_at(0), byte_at(6 * MiB - 1)) == (2, 2)
+    assert byte_at(6 * MiB) == 101 and byte_at(32 * MiB) == 100, "placeholder granules and slots re-aliased"
+    apply(arena, chunks, 0, [], [second])
+    assert arena.committed_ranges() == [] and arena.placeholder_bytes == WINDOW
+    assert mappings(0, WINDOW) == [(0, WINDOW, "chunk")] and byte_at(0) == 101
+    assert session.unmapped_reports() == [[1], [2]]
+
+
+def test_chunks_over_committed_memory_still_mapped_are_refused(setup: tuple[Arena, FakeSession, Chunks]) -> None:
+    arena, session, chunks = setup
+    first = chunks.make(1, 0, 4 * MiB)
+    apply(arena, chunks, 4 * MiB, [first], [])
+    stray = chunks.make(2, 2 * MiB, 4 * MiB)
+    with pytest.raises(MappingError, match="over committed memory this process still maps"):
+        apply(arena, chunks, 6 * MiB, [stray], [])
+    assert mappings(0, 6 * MiB) == [(0, 4 * MiB, "chunk"), (4 * MiB, 6 * MiB, "none")]
+    assert byte_at(2 * MiB) == 1, "the mapped chunk was replaced"
+    assert arena.committed_ranges() == [(0, 4 * MiB)]
+    assert session.unmapped_reports() == [[2]], "the refused chunk is not held here: the daemon must hear so"
+
+
+def test_a_window_outside_the_daemons_slice_is_refused(setup: tuple[Arena, FakeSession, Chunks]) -> None:
+    arena, session, _ = setup
+    arena.reserve_window()  # the test's window is the whole slice
+    beyond = p.ArenaView(name="stray", owner="owner", address=BASE + WINDOW - G, reserved=2 * G, committed=0, granularity=G)
+    with pytest.raises(MappingError, match=r"outside the address slice of its daemon") as info:
+        Arena(session, beyond, owner=False).reserve_window()  # type: ignore[arg-type]
+    assert f"[{BASE + WINDOW - G:#x}, {BASE + WINDOW + G:#x})" in str(info.value)
