@@ -64,7 +64,7 @@ class ErrorCode(enum.IntEnum):
     INVALID_ARGUMENT = 4  # missing or wrongly typed field, bad size, bad name
     NO_SESSION = 5  # request needs a session (HELLO on the fd channel first)
     NOT_FOUND = 6  # no such arena or chunk
-    ALREADY_EXISTS = 7  # duplicate arena name
+    ALREADY_EXISTS = 7  # duplicate arena name; a client name a live session holds
     PERMISSION_DENIED = 8  # acting on what another client owns
     OUT_OF_MEMORY = 9  # commit beyond the device's free memory
     UNEXPECTED_FDS = 10  # the client sent descriptors nobody asked for
@@ -247,6 +247,7 @@ class Hello(RequestMessage, kw_only=True):
 
     TYPE = MsgType.HELLO
     REPLY = HelloReply
+    # Unique among live sessions (ALREADY_EXISTS names the holder): grants name it.
     name: str
     client_version: str = ""
 

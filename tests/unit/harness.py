@@ -78,9 +78,10 @@ class Harness:
     def config(self) -> StateConfig:
         return self.state.config
 
-    def connect(self, name: str) -> Session:
+    def connect(self, name: str, uid: int = 1000, gid: int = 1000) -> Session:
+        """A session as SO_PEERCRED would describe it: a fresh pid, ``uid`` and ``gid``."""
         self._pid += 1
-        session, _ = self.state.open_session(p.Hello(name=name), pid=self._pid, uid=1000, gid=1000)
+        session, _ = self.state.open_session(p.Hello(name=name), pid=self._pid, uid=uid, gid=gid)
         return session
 
     def ok(self, session: Session | None, message: Any) -> Outcome:
