@@ -69,6 +69,7 @@ class DaemonState:
             p.CreateArena: self._create_arena,
             p.AttachArena: self.arenas.attach,
             p.ShareArena: self.arenas.share,
+            p.UnshareArena: self.arenas.unshare,
             p.CommitArena: self.arenas.commit,
             p.DecommitArena: self._decommit,
             p.SyncArena: self.arenas.sync,
