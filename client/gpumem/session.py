@@ -181,9 +181,11 @@ class Session:
         self.arenas[name] = arena
         return arena
 
-    def attach_arena(self, name: str) -> Arena:
-        """Map an arena another client shared with this client's name."""
-        reply, fds = self.channel.call(p.AttachArena(name=name))
+    def attach_arena(self, name: str, token: str | None = None) -> Arena:
+        """Map an arena another client owns, where one of its grants admits this session:
+        by its identity (client name, uid, gid), or by ``token``, the one the owner's
+        ``share`` returned and handed over. Refused with ``PermissionDenied`` saying why."""
+        reply, fds = self.channel.call(p.AttachArena(name=name, token=token or ""))
         arena = Arena(self, reply.arena, owner=False)
         try:
             arena.reserve_window()
