@@ -126,8 +126,8 @@ class Worker:
             "reconnect": (1, self.op_reconnect),
         }
 
-    def connect(self) -> Any:
-        return self.gpumem.connect(0, name=self.name, runtime_dir=self.runtime_dir, timeout=30.0)
+    def connect(self, name: str | None = None) -> Any:
+        return self.gpumem.connect(0, name=name or self.name, runtime_dir=self.runtime_dir, timeout=30.0)
 
     def fresh_name(self, kind: str) -> str:
         self.serial += 1
@@ -352,7 +352,7 @@ class Worker:
     def op_second_session(self) -> bool:
         """Another session of the same daemon in this process, with an arena of its own:
         it shares the address slice with the first and leaves it reserved when it closes."""
-        with self.connect() as extra:
+        with self.connect(f"{self.name}-extra") as extra:  # a live name belongs to one session
             arena = extra.create_arena(self.fresh_name("x"), ARENA_BYTES)
             arena.commit(4 * MiB)
             self.write_tags(arena, 0, 4 * MiB)

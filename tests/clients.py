@@ -1,13 +1,16 @@
 """A scriptable gpumem client process for integration and GPU tests.
 
-    python tests/clients.py shell NAME [DEVICE]
+    python tests/clients.py shell NAME [DEVICE] [--as UID:GID]
 
 connects as client NAME and then runs one command per stdin line, answering each
-with one stdout line: ``OK [result]`` or ``ERR <ExceptionClass> <message>``.
+with one stdout line: ``OK [result]`` or ``ERR <ExceptionClass> <message>``. With
+``--as``, the process drops to that uid and gid (no supplementary groups) once its
+modules are loaded and before it connects: the daemon sees another user.
 
 Commands:
   create ARENA RESERVE         commit ARENA NBYTES        decommit ARENA TO
-  share ARENA CLIENT           attach ARENA               sync ARENA
+  share ARENA CLIENT|- [uid=N] [gid=N]  (the grant's token)  unshare ARENA TOKEN
+  attach ARENA [TOKEN]         sync ARENA
   release ARENA                write ARENA OFFSET HEX     read ARENA OFFSET N
   fill ARENA OFFSET N BYTE     check ARENA OFFSET N BYTE  (whole-range pattern, device side)
   placeholder ARENA OFFSET NBYTES SLOT                     backed ARENA (JSON)
@@ -33,12 +36,17 @@ Commands:
   peek POOL (JSON: the slot's word, waiters, handoff, escaped)
   segments (JSON: the graph pools whose lease segments this process maps, and holds descriptors of)
   leaseloop POOL SECONDS SHMFILE INDEX   (acquire/release in a loop, checking exclusion in SHMFILE; JSON)
+  rawattach ARENA [TOKEN]      (ARENA_ATTACH on the control channel alone: the fd channel is left unread)
+  fdqueue                      (take what waits on the fd channel, bypassing the library; JSON messages/fds)
+  probe ADDRESS SIZE           (JSON: open fds, and whether anything is mapped at [ADDRESS, +SIZE) in this process)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import socket
 import sys
 import traceback
 
@@ -50,6 +58,11 @@ from gpumem_shared.lease_table import SEGMENT_NAME, LeaseKind
 def main() -> int:
     _, scenario, name, *rest = sys.argv
     assert scenario == "shell", scenario
+    if "--as" in rest:
+        at = rest.index("--as")
+        uid, gid = (int(x) for x in rest[at + 1].split(":"))
+        del rest[at : at + 2]
+        become(uid, gid)
     device: int | str = int(rest[0]) if rest and rest[0].isdigit() else (rest[0] if rest else 0)
     try:
         session = gpumem.connect(device, name=name)
@@ -76,6 +89,21 @@ def main() -> int:
             continue
         print(f"OK {result}" if result is not None else "OK", flush=True)
     return 0
+
+
+def become(uid: int, gid: int) -> None:
+    """Drop to ``uid``/``gid`` for good. What the session loads later is loaded first:
+    the checkout need not be readable by that user."""
+    import importlib
+
+    importlib.import_module("gpumem_shared.driver.host")
+    try:
+        importlib.import_module("gpumem_shared.driver.cuda")
+    except ImportError:
+        pass
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
 
 
 POOLS: dict[str, gpumem.KvPool] = {}
@@ -121,16 +149,26 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
         arenas[args[0]] = session.create_arena(args[0], int(args[1]))
         return arenas[args[0]].address
     if cmd == "attach":
-        arenas[args[0]] = session.attach_arena(args[0])
+        arenas[args[0]] = session.attach_arena(args[0], token=args[1] if len(args) > 1 else None)
         return arenas[args[0]].address
+    if cmd == "rawattach":
+        reply = session.channel._control.call(p.AttachArena(name=args[0], token=args[1] if len(args) > 1 else ""), session.timeout)
+        return json.dumps({"chunks": len(reply.chunks), "fd_batches": reply.fd_batches})
+    if cmd == "fdqueue":
+        return json.dumps(_drain_fd_channel(session))
+    if cmd == "probe":
+        return json.dumps({"fds": len(os.listdir("/proc/self/fd")), "mapped": _mapped(session, int(args[0]), int(args[1]))})
+    if cmd == "unshare":
+        arenas[args[0]].unshare(args[1])
+        return None
     if cmd == "commit":
         arenas[args[0]].commit(int(args[1]))
         return arenas[args[0]].committed
     if cmd == "decommit":
         return arenas[args[0]].decommit(int(args[1]))
     if cmd == "share":
-        arenas[args[0]].share(args[1])
-        return None
+        ids = {k: int(v) for k, v in (a.split("=") for a in args[2:])}
+        return arenas[args[0]].share(None if args[1] == "-" else args[1], **ids)
     if cmd == "sync":
         arenas[args[0]].sync()
         return arenas[args[0]].mapped_bytes
@@ -270,6 +308,49 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
 
 
 GRAPH_POOLS: dict[int, gpumem.GraphPool] = {}
+def _drain_fd_channel(session: gpumem.Session) -> dict[str, object]:
+    """Every message waiting on the session's fd channel, read at the socket (not through
+    the library, which closes stray descriptors itself): how many, and how many fds
+    came with them (closed here)."""
+    sock = session.channel._sockets.fd_sock
+    assert sock is not None
+    messages = fds = 0
+    kinds = []
+    while select.select([sock], [], [], 0)[0]:
+        payload, got, _, _ = socket.recv_fds(sock, 1 << 16, p.MAX_FDS_PER_MESSAGE)
+        messages += 1
+        fds += len(got)
+        kinds.append(type(p.decode_event(payload)).__name__)
+        for fd in got:
+            os.close(fd)
+    return {"messages": messages, "fds": fds, "kinds": kinds}
+
+
+def _mapped(session: gpumem.Session, address: int, size: int) -> bool:
+    """Whether this process maps memory in [address, address + size): readable host
+    mappings from /proc/self/maps; on CUDA, what the driver says of the first and the last byte
+    (whether each is backed by an allocation mapped in this process)."""
+    if session.backend == "cuda":
+        from cuda.bindings import driver as cu
+
+        mapped = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MAPPED
+        for at in (address, address + size - 1):
+            err, value = cu.cuPointerGetAttribute(mapped, at)
+            if err == cu.CUresult.CUDA_SUCCESS and value:
+                return True
+        return False
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            # The address slice stays reserved (PROT_NONE, "---p") while the session lives:
+            # only a readable mapping holds bytes.
+            if start < address + size and address < end and perms.startswith("r"):
+                return True
+    return False
+
+
+VIEWS: dict[int, p.GraphPoolStatus] = {}
 
 
 def _graph_pool(session: gpumem.Session, pool_id: int) -> gpumem.GraphPool:

@@ -4,7 +4,7 @@
     with gpumem.connect(device=0, name="engine-a") as session:
         arena = session.create_arena("kv", 256 << 30)
         arena.commit(16 << 30)
-        arena.share("engine-b")
+        token = arena.share("engine-b")  # engine-b under this uid; the token admits it under another
 
 Nothing here touches CUDA or opens a socket at import time.
 """

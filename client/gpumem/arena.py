@@ -229,10 +229,28 @@ class Arena:
         self._cover_free(subtract(self._cover, self.backed_ranges()))
         self._backing_changed()
 
-    def share(self, client: str) -> None:
-        """Let sessions named ``client`` attach to this arena."""
+    def share(self, client: str | None = None, *, uid: int | None = None, gid: int | None = None) -> str:
+        """Grant attach rights to this arena; returns the grant's token. The grant admits
+        sessions whose identity matches everything it names: ``client`` (the name given
+        to ``connect``; alone, it means that name under this process's uid), ``uid``,
+        ``gid`` (the peer's primary gid), as the kernel reports them. The token, handed to
+        another engine out of band (``attach_arena(name, token=...)``), admits it under
+        any uid where only ``client`` was named, and anyone where nothing was; what the
+        share names explicitly still applies. Keep it secret; ``unshare(token)`` revokes."""
         self._check_open()
-        self.session.call(p.ShareArena(name=self.name, client=client))
+        for what, value in (("uid", uid), ("gid", gid)):
+            if value is not None and value < 0:
+                raise InvalidArgument(f"{what} {value} is not a valid id; leave it out to admit any {what}")
+        reply: p.ShareReply = self.session.call(
+            p.ShareArena(name=self.name, client=client or "", uid=-1 if uid is None else uid, gid=-1 if gid is None else gid)
+        )
+        return reply.token
+
+    def unshare(self, token: str) -> None:
+        """Revoke the grant ``share`` returned ``token`` for: new attaches it would admit
+        are refused. Sessions attached already stay attached and keep what they map."""
+        self._check_open()
+        self.session.call(p.UnshareArena(name=self.name, token=token))
 
     def sync(self) -> None:
         """Map what was committed since, unmap what was retired since."""

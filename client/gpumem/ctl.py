@@ -195,6 +195,52 @@ def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
     return lines
 
 
+def _grant_text(g: p.GrantStatus) -> str:
+    """A grant in a few words; "token" where only its token admits."""
+    named = [g.client] if g.client else []
+    named += [f"uid {g.uid}"] if g.uid != -1 else []
+    named += [f"gid {g.gid}"] if g.gid != -1 else []
+    return " ".join(named) if named else "token"
+
+
+def render_arenas(s: p.StatusReply) -> list[str]:
+    """Arenas, then their grants: who may attach by identity, and whom a grant's token
+    admits besides (the status carries no token)."""
+    lines = _table(
+        ["NAME", "OWNER", "RESERVED", "COMMITTED", "CHUNKS", "ADDRESS", "GRANTS", "ATTACHED", "RETIRING"],
+        [
+            [
+                a.name,
+                a.owner if a.owner_alive else f"{a.owner} (gone)",
+                format_size(a.reserved),
+                format_size(a.committed),
+                str(a.chunks),
+                f"{a.address:#x}",
+                ", ".join(_grant_text(g) for g in a.grants) or "-",
+                ",".join(a.attached) or "-",
+                format_size(a.retiring_bytes) if a.retiring_bytes else "-",
+            ]
+            for a in s.arenas
+        ],
+    )
+    rows = [
+        [
+            a.name,
+            str(g.id),
+            g.client or "any",
+            "any" if g.uid == -1 else (f"{g.uid} (owner's)" if g.uid_implied else str(g.uid)),
+            "any" if g.gid == -1 else str(g.gid),
+            f"{g.client}, any uid" if g.uid_implied else ("anyone" if _grant_text(g) == "token" else "no one more"),
+        ]
+        for a in s.arenas
+        for g in a.grants
+    ]
+    if rows:
+        lines += ["", "  GRANTS: a session matching CLIENT, UID and GID may attach; with the grant's token, also whom TOKEN ADMITS says"]
+        lines += _table(["ARENA", "GRANT", "CLIENT", "UID", "GID", "TOKEN ADMITS"], rows)
+    return lines
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     if not rows:
         return ["  (none)"]
@@ -240,24 +286,7 @@ def render_status(s: p.StatusReply) -> str:
             for c in s.clients
         ],
     )
-    lines += ["", "ARENAS"]
-    lines += _table(
-        ["NAME", "OWNER", "RESERVED", "COMMITTED", "CHUNKS", "ADDRESS", "SHARED WITH", "ATTACHED", "RETIRING"],
-        [
-            [
-                a.name,
-                a.owner if a.owner_alive else f"{a.owner} (gone)",
-                format_size(a.reserved),
-                format_size(a.committed),
-                str(a.chunks),
-                f"{a.address:#x}",
-                ",".join(a.shared_with) or "-",
-                ",".join(a.attached) or "-",
-                format_size(a.retiring_bytes) if a.retiring_bytes else "-",
-            ]
-            for a in s.arenas
-        ],
-    )
+    lines += ["", "ARENAS"] + render_arenas(s)
     lines += ["", "EXTENTS"] + render_extents(s)
     lines += ["", "LEASES"] + render_leases(s)
     lines += ["", "ROUNDS"] + render_rounds(s)
@@ -383,6 +412,7 @@ _list_view(
     lambda s: render_extents(s, runs=True),
     "Graph pools: owner, extents, free runs, bytes free, epoch, repairs of their lease slots.",
 )
+_list_view("arenas", "ARENAS", lambda s: s.arenas, render_arenas, "Arenas: owner, sizes, grants (never their tokens), attached clients.")
 _list_view("leases", "LEASES", lambda s: s.leases, render_leases, "Leases held on graph pools: kind, holder, pid, label, since.")
 
 if __name__ == "__main__":

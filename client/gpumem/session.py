@@ -9,6 +9,7 @@ chunks, and its side of the leases on graph pools (``leasing``, gpumem.leases).
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
@@ -28,7 +29,7 @@ from gpumem.arena import Arena
 from gpumem.borrow import Borrow, BorrowPool
 from gpumem.channel import SessionChannel
 from gpumem.discovery import resolve_device
-from gpumem.errors import DaemonUnavailable, GpuMemError, InvalidArgument, NotFound
+from gpumem.errors import AlreadyExists, DaemonUnavailable, GpuMemError, InvalidArgument, NotFound
 from gpumem.graph_pools import GraphPool, granted_segment
 from gpumem.kv_pool import KvPool
 from gpumem.leases import Lease, SessionLeases
@@ -51,22 +52,41 @@ def connect(
     (matched to its daemon by UUID, so CUDA_VISIBLE_DEVICES remapping is honoured), or a
     UUID or unique prefix of one, such as "GPU-8932f937".
 
-    ``name`` identifies this client in ``gpumemctl status`` and in arena shares
-    (default: the program name and pid). ``runtime_dir`` defaults to
+    ``name`` identifies this client in ``gpumemctl status`` and in arena shares; no two
+    live sessions of a daemon hold one name (``AlreadyExists`` names the holder). The
+    default is the program name and pid, with a counter from the second session of the
+    process on; a default that another process holds already (a pid namespace of its
+    own) moves on to the next count. ``runtime_dir`` defaults to
     $GPUMEMD_RUNTIME_DIR, /run/gpumemd for root, else $XDG_RUNTIME_DIR/gpumemd.
     ``timeout`` bounds every call of this session unless a call gives its own.
     ``peers``: this process's CUDA ordinals of other GPUs whose kernels must reach the
     memory this session maps (peer access; refused where the hardware has no path).
     """
     endpoints = resolve_device(device, runtime_dir)
-    return Session(endpoints, name or _default_name(), timeout, peers)
+    if name:
+        return Session(endpoints, name, timeout, peers)
+    for _ in range(_DEFAULT_NAME_TRIES - 1):
+        try:
+            return Session(endpoints, _default_name(), timeout, peers)
+        except AlreadyExists:
+            continue  # another process holds it (another pid namespace, or its own choice)
+    return Session(endpoints, _default_name(), timeout, peers)
+
+
+# A default name held elsewhere is tried again with the next count, this many times.
+_DEFAULT_NAME_TRIES = 16
+# Default names handed out, per process id: a forked child counts from 1 under its own
+# pid. itertools.count and dict.setdefault need no lock, so a fork cannot inherit one held.
+_default_counts: dict[int, itertools.count[int]] = {}
 
 
 def _default_name() -> str:
-    program = re.sub(r"[^A-Za-z0-9._-]", "", Path(sys.argv[0] if sys.argv else "").stem)
+    program = re.sub(r"[^A-Za-z0-9._-]", "", Path(sys.argv[0] if sys.argv else "").stem)[:96]
     if not program[:1].isalnum():
         program = "client" + program
-    return f"{program}-{os.getpid()}"
+    pid = os.getpid()
+    n = next(_default_counts.setdefault(pid, itertools.count(1)))
+    return f"{program}-{pid}" if n == 1 else f"{program}-{pid}-{n}"
 
 
 class Session:
@@ -178,9 +198,11 @@ class Session:
         self.arenas[name] = arena
         return arena
 
-    def attach_arena(self, name: str) -> Arena:
-        """Map an arena another client shared with this client's name."""
-        reply, fds = self.channel.call(p.AttachArena(name=name))
+    def attach_arena(self, name: str, token: str | None = None) -> Arena:
+        """Map an arena another client owns, where one of its grants admits this session:
+        by its identity (client name, uid, gid), or by ``token``, the one the owner's
+        ``share`` returned and handed over. Refused with ``PermissionDenied`` saying why."""
+        reply, fds = self.channel.call(p.AttachArena(name=name, token=token or ""))
         arena = Arena(self, reply.arena, owner=False)
         try:
             arena.reserve_window()

@@ -52,6 +52,23 @@ class ChunkRecord:
 
 
 @dataclasses.dataclass(eq=False)
+class GrantRecord:
+    """Who may attach an arena, by identity (what the grant names) or by its token
+    (see p.GrantStatus for the rules)."""
+
+    id: int
+    # Compared in constant time; kept out of repr so no log line can carry it.
+    token: bytes = dataclasses.field(repr=False)
+    client: str = ""
+    uid: int = -1
+    gid: int = -1
+    uid_implied: bool = False
+
+    def status(self) -> p.GrantStatus:
+        return p.GrantStatus(id=self.id, client=self.client, uid=self.uid, gid=self.gid, uid_implied=self.uid_implied)
+
+
+@dataclasses.dataclass(eq=False)
 class ArenaRecord:
     name: str
     owner_id: int
@@ -64,7 +81,7 @@ class ArenaRecord:
     released: bool = False  # the owner released it; waits for sharers to detach
     chunks: list[ChunkRecord] = dataclasses.field(default_factory=list)  # live, by offset
     placeholders: list[ChunkRecord] = dataclasses.field(default_factory=list)  # owner's, any offset
-    shared_with: set[str] = dataclasses.field(default_factory=set)
+    grants: list[GrantRecord] = dataclasses.field(default_factory=list)
     attached: set[int] = dataclasses.field(default_factory=set)  # owner and sharers
 
     @property

@@ -69,6 +69,7 @@ class DaemonState:
             p.CreateArena: self._create_arena,
             p.AttachArena: self.arenas.attach,
             p.ShareArena: self.arenas.share,
+            p.UnshareArena: self.arenas.unshare,
             p.CommitArena: self.arenas.commit,
             p.DecommitArena: self._decommit,
             p.SyncArena: self.arenas.sync,
@@ -96,6 +97,17 @@ class DaemonState:
         if self.stopping:
             raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; connect again once it is back")
         check_name(hello.name, "client name")
+        # Shares name clients: a name a live session holds cannot be said again, so no
+        # second process can pass for the first one.
+        holder = next((x for x in self.sessions.values() if x.name == hello.name), None)
+        if holder is not None:
+            raise p.ProtocolError(
+                p.ErrorCode.ALREADY_EXISTS,
+                f"client name '{hello.name}' is held by a live session (session {holder.id}, pid {holder.pid}, uid {holder.uid}); "
+                "connect under another name, or once that process has closed its session",
+                holder_pid=holder.pid,
+                holder_session=holder.id,
+            )
         live = {lease_table.word_session(i) for i in self.sessions}
         # Lease words must tell live sessions apart, and 0 in a slot's fields means nobody.
         while lease_table.word_session(self._next_session) in live or lease_table.word_session(self._next_session) == 0:

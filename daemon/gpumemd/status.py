@@ -60,10 +60,11 @@ def assemble(
                 reserved=a.reserved,
                 committed=a.committed,
                 chunks=len(a.chunks),
-                shared_with=sorted(a.shared_with),
+                shared_with=sorted({g.client for g in a.grants if g.client}),
                 attached=sorted(names[sid] for sid in a.attached if sid in names),
                 retiring_bytes=sum(c.size for c in arenas.retiring.values() if c.arena == a.name),
                 placeholder_bytes=sum(c.size for c in a.placeholders),
+                grants=[g.status() for g in a.grants],
             )
             for a in arenas.by_name.values()
         ],

@@ -73,7 +73,7 @@ class ErrorCode(enum.IntEnum):
     INVALID_ARGUMENT = 4  # missing or wrongly typed field, bad size, bad name
     NO_SESSION = 5  # request needs a session (HELLO on the fd channel first)
     NOT_FOUND = 6  # no such arena or chunk
-    ALREADY_EXISTS = 7  # duplicate arena name
+    ALREADY_EXISTS = 7  # duplicate arena name; a client name a live session holds
     PERMISSION_DENIED = 8  # acting on what another client owns
     OUT_OF_MEMORY = 9  # commit beyond the device's free memory
     UNEXPECTED_FDS = 10  # the client sent descriptors nobody asked for
@@ -96,6 +96,7 @@ class MsgType(enum.IntEnum):
     ARENA_RELEASE = 16
     CHUNKS_UNMAPPED = 17
     ARENA_PLACEHOLDER = 18
+    ARENA_UNSHARE = 19
     KV_DECLARE = 20
     ROUND_JOIN = 21
     CAPTURE_DONE = 22
@@ -257,6 +258,7 @@ class Hello(RequestMessage, kw_only=True):
 
     TYPE = MsgType.HELLO
     REPLY = HelloReply
+    # Unique among live sessions (ALREADY_EXISTS names the holder): arena shares name it.
     name: str
     client_version: str = ""
 
@@ -301,6 +303,21 @@ class ClientStatus(Message):
     arenas: list[str]
 
 
+class GrantStatus(Message):
+    """One grant on an arena, as status shows it (its token never travels here): a
+    session may attach when every field the grant names matches it (-1 and "" name
+    nothing), or when it gives the grant's token and every field the share named
+    explicitly matches."""
+
+    id: int
+    client: str = ""  # the client name it admits ("": any name)
+    uid: int = -1  # the uid it admits (-1: any)
+    gid: int = -1  # the primary gid it admits (-1: any)
+    # ``uid`` is the owner's, implied by a share that named a client alone: a session
+    # that gives the token is admitted under any uid.
+    uid_implied: bool = False
+
+
 class ArenaStatus(Message):
     name: str
     owner: str
@@ -310,10 +327,11 @@ class ArenaStatus(Message):
     reserved: int
     committed: int
     chunks: int
-    shared_with: list[str]
+    shared_with: list[str]  # the client names its grants name (1.2's view of them)
     attached: list[str]
     retiring_bytes: int  # decommitted, still mapped by some client
     placeholder_bytes: int = 0  # small chunks the owner aliases over uncommitted space
+    grants: list[GrantStatus] = msgspec.field(default_factory=list)
 
 
 class RoundMemberStatus(Message):
@@ -437,18 +455,47 @@ class CreateArena(RequestMessage, kw_only=True):
 
 
 class AttachArena(RequestMessage, kw_only=True):
-    """Join an arena its owner shared with this client's name; maps what is committed."""
+    """Join an arena a grant of its owner admits this session to; maps what is committed."""
 
     TYPE = MsgType.ARENA_ATTACH
     REPLY = MapReply
     name: str
+    # A token from the owner's ARENA_SHARE, handed over out of band: admits a session
+    # the grant's identity alone does not (another uid, where the share named a client
+    # alone; anyone, where it named nobody). "": none.
+    token: str = ""
+
+
+class ShareReply(Message):
+    """The new grant's token (give it to the engine that attaches) and the grant as
+    status shows it. A 1.2 daemon answers with an empty body: no token."""
+
+    token: str = ""
+    grant: GrantStatus = msgspec.field(default_factory=lambda: GrantStatus(id=0))
 
 
 class ShareArena(RequestMessage, kw_only=True):
+    """Owner only: a new grant on the arena. It admits sessions by what the kernel
+    vouches for (SO_PEERCRED) and the name they said HELLO with: ``client`` alone means
+    that name under the owner's uid; ``uid`` and ``gid`` admit another user's engine.
+    Its token admits whoever gives it, subject to what the share named explicitly."""
+
     TYPE = MsgType.ARENA_SHARE
+    REPLY = ShareReply
+    name: str
+    client: str = ""  # a client name (as given to HELLO); "": any name
+    uid: int = -1  # -1: any uid (the owner's, where only ``client`` is named)
+    gid: int = -1  # a primary gid; -1: any
+
+
+class UnshareArena(RequestMessage, kw_only=True):
+    """Owner only: revoke the grant ``token`` came with. New attaches it would admit are
+    refused; sessions attached already stay attached and keep what they map."""
+
+    TYPE = MsgType.ARENA_UNSHARE
     REPLY = Ack
     name: str
-    client: str  # a client name (as given to HELLO) allowed to attach
+    token: str
 
 
 class CommitArena(RequestMessage, kw_only=True):
@@ -718,6 +765,7 @@ REQUESTS: dict[int, type[RequestMessage]] = {
         CreateArena,
         AttachArena,
         ShareArena,
+        UnshareArena,
         CommitArena,
         DecommitArena,
         SyncArena,

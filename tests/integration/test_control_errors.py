@@ -152,8 +152,14 @@ FIELD_CASES = [
     (T.ARENA_DECOMMIT, {"name": "a-kv", "to_nbytes": -1}, E.INVALID_ARGUMENT),
     (T.ARENA_DECOMMIT, {"name": "a-kv", "to_nbytes": 3 * MiB}, E.INVALID_ARGUMENT),
     (T.ARENA_DECOMMIT, {"name": "a-kv", "to_nbytes": 6 * MiB}, E.INVALID_ARGUMENT),  # above committed
-    (T.ARENA_SHARE, {"name": "a-kv"}, E.INVALID_ARGUMENT),
+    (T.ARENA_SHARE, {"client": "bob"}, E.INVALID_ARGUMENT),
     (T.ARENA_SHARE, {"name": "a-kv", "client": "no spaces"}, E.INVALID_ARGUMENT),
+    (T.ARENA_SHARE, {"name": "a-kv", "uid": "1000"}, E.INVALID_ARGUMENT),
+    (T.ARENA_SHARE, {"name": "a-kv", "uid": -2}, E.INVALID_ARGUMENT),
+    (T.ARENA_SHARE, {"name": "a-kv", "gid": 1 << 32}, E.INVALID_ARGUMENT),
+    (T.ARENA_UNSHARE, {"name": "a-kv"}, E.INVALID_ARGUMENT),
+    (T.ARENA_UNSHARE, {"name": "a-kv", "token": "0" * 64}, E.NOT_FOUND),
+    (T.ARENA_ATTACH, {"name": "a-kv", "token": b"raw bytes"}, E.INVALID_ARGUMENT),
     (T.ARENA_SYNC, {"name": "nope"}, E.NOT_FOUND),
     (T.ARENA_ATTACH, {"name": "a-kv"}, E.ALREADY_EXISTS),  # the owner is attached already
     (T.ARENA_RELEASE, {"name": "nope"}, E.NOT_FOUND),
@@ -186,7 +192,9 @@ def test_acting_on_another_clients_arena(setup, runtime_dir) -> None:  # type: i
         (T.ARENA_COMMIT, {"name": "a-kv", "nbytes": 8 * MiB}, E.PERMISSION_DENIED),
         (T.ARENA_DECOMMIT, {"name": "a-kv", "to_nbytes": 0}, E.PERMISSION_DENIED),
         (T.ARENA_SHARE, {"name": "a-kv", "client": "bob"}, E.PERMISSION_DENIED),
+        (T.ARENA_UNSHARE, {"name": "a-kv", "token": "0" * 64}, E.PERMISSION_DENIED),
         (T.ARENA_ATTACH, {"name": "a-kv"}, E.PERMISSION_DENIED),  # not shared with bob
+        (T.ARENA_ATTACH, {"name": "a-kv", "token": "0" * 64}, E.PERMISSION_DENIED),  # a guessed token
         (T.ARENA_SYNC, {"name": "a-kv"}, E.PERMISSION_DENIED),
         (T.ARENA_RELEASE, {"name": "a-kv"}, E.PERMISSION_DENIED),
         (T.CHUNKS_UNMAPPED, {"name": "a-kv", "chunk_ids": [1]}, E.NOT_FOUND),

@@ -88,9 +88,10 @@ class Harness:
     def config(self) -> StateConfig:
         return self.state.config
 
-    def connect(self, name: str) -> Session:
+    def connect(self, name: str, uid: int = 1000, gid: int = 1000) -> Session:
+        """A session as SO_PEERCRED would describe it: a fresh pid, ``uid`` and ``gid``."""
         self._pid += 1
-        session, _ = self.state.open_session(p.Hello(name=name), pid=self._pid, uid=1000, gid=1000)
+        session, _ = self.state.open_session(p.Hello(name=name), pid=self._pid, uid=uid, gid=gid)
         return session
 
     def ok(self, session: Session | None, message: Any) -> Outcome:
@@ -111,11 +112,14 @@ class Harness:
     def decommit(self, session: Session, name: str, to_nbytes: int) -> Outcome:
         return self.ok(session, p.DecommitArena(name=name, to_nbytes=to_nbytes))
 
-    def share(self, session: Session, name: str, client: str) -> None:
-        self.ok(session, p.ShareArena(name=name, client=client))
+    def share(self, session: Session, name: str, client: str = "", *, uid: int = -1, gid: int = -1) -> str:
+        """A new grant on the arena; returns its token."""
+        reply = self.ok(session, p.ShareArena(name=name, client=client, uid=uid, gid=gid)).reply
+        assert isinstance(reply, p.ShareReply)
+        return reply.token
 
-    def attach(self, session: Session, name: str) -> Outcome:
-        return self.ok(session, p.AttachArena(name=name))
+    def attach(self, session: Session, name: str, token: str = "") -> Outcome:
+        return self.ok(session, p.AttachArena(name=name, token=token))
 
     def sync(self, session: Session, name: str) -> Outcome:
         return self.ok(session, p.SyncArena(name=name))

@@ -508,11 +508,10 @@ def test_a_session_never_gets_the_lease_session_that_means_nobody(h: Harness) ->
 
 def test_open_by_owner_and_label_refuses_an_ambiguous_match(h: Harness) -> None:
     s = owner(h)
-    twin = h.connect(s.name)  # names are not unique
-    h.ok(twin, p.CreateArena(name="twin", reserve_bytes=GiB))
-    h.ok(twin, p.CommitArena(name="twin", nbytes=8 * MiB))
+    h.ok(s, p.CreateArena(name="twin", reserve_bytes=GiB))  # one owner, one label, two arenas
+    h.ok(s, p.CommitArena(name="twin", nbytes=8 * MiB))
     register(h, s, 0, "decode", True)
-    h.ok(twin, p.RegisterGraphPool(arena="twin", label="decode", extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=[], shared=True))
+    h.ok(s, p.RegisterGraphPool(arena="twin", label="decode", extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=[], shared=True))
     h.refused(s, p.OpenGraphPool(owner=s.name, label="decode"), ErrorCode.INVALID_ARGUMENT)
 
 

@@ -24,8 +24,9 @@ SAMPLES: list[Any] = [
     p.Ping(),
     p.Status(),
     p.CreateArena(name="kv", reserve_bytes=64 * GiB),
-    p.AttachArena(name="kv"),
-    p.ShareArena(name="kv", client="engine-b"),
+    p.AttachArena(name="kv", token="cd" * 32),
+    p.ShareArena(name="kv", client="engine-b", uid=1001, gid=50),
+    p.UnshareArena(name="kv", token="ab" * 32),
     p.CommitArena(name="kv", nbytes=GiB + (6 << 20)),
     p.DecommitArena(name="kv", to_nbytes=0),
     p.SyncArena(name="kv"),
@@ -102,6 +103,7 @@ def test_message_type_numbers_never_change() -> None:
         "ARENA_RELEASE": 16,
         "CHUNKS_UNMAPPED": 17,
         "ARENA_PLACEHOLDER": 18,
+        "ARENA_UNSHARE": 19,
         "KV_DECLARE": 20,
         "ROUND_JOIN": 21,
         "CAPTURE_DONE": 22,
@@ -518,6 +520,25 @@ def test_status_from_a_1_1_daemon_fills_graph_pools() -> None:
     del old["graph_pools"]
     decoded = p.from_wire(p.StatusReply, old)
     assert decoded.graph_pools == decoded.extents == [GRAPH_POOL]
+
+
+def test_grants_between_1_2_and_1_3_peers() -> None:
+    """A 1.2 daemon answers a share with an empty Ack (no token) and lists no grants; a
+    1.2 client reads a ShareReply as its Ack and a 1.2 attach carries no token."""
+    assert p.decode_body(p.ShareReply, p.decode_reply(p.encode_reply(1, p.Ack())).body) == p.ShareReply(token="")
+    reply = p.ShareReply(token="ab" * 32, grant=p.GrantStatus(id=3, client="engine-b", uid=1000, uid_implied=True))
+    assert p.decode_body(p.Ack, p.decode_reply(p.encode_reply(1, reply)).body) == p.Ack()
+    arena = p.ArenaStatus(
+        name="kv", owner="a", owner_pid=1, owner_alive=True, address=0, reserved=GiB, committed=0, chunks=0,
+        shared_with=["engine-b"], attached=["a"], retiring_bytes=0, grants=[reply.grant],
+    )
+    old = p.to_wire(arena)
+    del old["grants"], old["placeholder_bytes"]
+    assert p.from_wire(p.ArenaStatus, old).grants == []
+    attach_1_2 = raw(envelope(t=int(MsgType.ARENA_ATTACH), v=[1, 2], b={"name": "kv"}))
+    assert p.decode_request(attach_1_2).message == p.AttachArena(name="kv", token="")
+    share_1_2 = raw(envelope(t=int(MsgType.ARENA_SHARE), v=[1, 2], b={"name": "kv", "client": "engine-b"}))
+    assert p.decode_request(share_1_2).message == p.ShareArena(name="kv", client="engine-b", uid=-1, gid=-1)
 
 
 def test_to_wire_keeps_bytes_and_from_wire_reads_a_raw_body() -> None:

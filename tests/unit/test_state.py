@@ -39,12 +39,24 @@ def test_open_session_registers_the_client_and_describes_the_device(h: Harness) 
 
 
 def test_sessions_get_distinct_ids_and_tokens(h: Harness) -> None:
-    a, b, c = h.connect("engine-a"), h.connect("engine-a"), h.connect("engine-b")
+    a, b, c = h.connect("engine-a"), h.connect("engine-a2"), h.connect("engine-b")
     assert len({a.id, b.id, c.id}) == 3
     assert len({a.token, b.token, c.token}) == 3
     h.state.close_session(b.id)
     d = h.connect("engine-c")
     assert d.id not in {a.id, b.id, c.id}, "a closed session's id is never reused"
+
+
+def test_hello_with_a_name_a_live_session_holds_is_refused_naming_the_holder(h: Harness) -> None:
+    b = h.connect("engine-b")
+    with pytest.raises(p.ProtocolError) as info:
+        h.state.open_session(p.Hello(name="engine-b"), pid=7777, uid=2000, gid=2000)
+    assert info.value.code is ErrorCode.ALREADY_EXISTS
+    assert f"session {b.id}, pid {b.pid}, uid 1000" in info.value.message
+    assert info.value.detail == {"holder_pid": b.pid, "holder_session": b.id}
+    assert list(h.state.sessions.values()) == [b]
+    h.state.close_session(b.id)
+    assert h.connect("engine-b", uid=2000).name == "engine-b", "a name is free again once its session ended"
 
 
 @pytest.mark.parametrize("name", INVALID_NAMES)

@@ -81,22 +81,22 @@ def test_attach_refusals(h: Harness) -> None:
     assert h.state.arenas.by_name["kv"].attached == {a.id, b.id}
 
 
-def test_share_is_by_client_name(h: Harness) -> None:
-    a, b1, b2 = h.connect("engine-a"), h.connect("engine-b"), h.connect("engine-b")
+def test_sharing_twice_makes_two_grants_each_with_its_own_token(h: Harness) -> None:
+    a, b = h.connect("engine-a"), h.connect("engine-b")
     h.create(a, "kv")
-    h.share(a, "kv", "engine-b")
-    h.share(a, "kv", "engine-b")  # sharing twice is harmless
-    h.attach(b1, "kv")
-    h.attach(b2, "kv")
+    first, second = h.share(a, "kv", "engine-b"), h.share(a, "kv", "engine-b")
+    assert first != second
     arena = h.state.arenas.by_name["kv"]
-    assert arena.shared_with == {"engine-b"} and arena.attached == {a.id, b1.id, b2.id}
+    assert [(g.client, g.uid, g.gid, g.uid_implied) for g in arena.grants] == [("engine-b", 1000, -1, True)] * 2
+    h.attach(b, "kv")
+    assert arena.attached == {a.id, b.id}
 
 
 def test_share_with_an_invalid_client_name_is_refused(h: Harness) -> None:
     a = h.connect("engine-a")
     h.create(a, "kv")
     h.refused(a, p.ShareArena(name="kv", client="engine b"), ErrorCode.INVALID_ARGUMENT)
-    assert h.state.arenas.by_name["kv"].shared_with == set()
+    assert h.state.arenas.by_name["kv"].grants == []
 
 
 @pytest.mark.parametrize(
@@ -120,7 +120,7 @@ def test_only_the_owner_may_change_an_arena(h: Harness, message: object, attache
     assert f"belongs to client 'engine-a' (pid {a.pid})" in error.message
     arena = h.state.arenas.by_name["kv"]
     assert arena.committed == 6 * MiB and h.state.arenas.retiring == {}
-    assert arena.shared_with == ({"engine-b"} if attached else set())
+    assert [g.client for g in arena.grants] == (["engine-b"] if attached else [])
 
 
 def test_arena_requests_on_a_missing_arena_are_not_found(h: Harness) -> None:
@@ -135,6 +135,206 @@ def test_arena_requests_on_a_missing_arena_are_not_found(h: Harness) -> None:
     ):
         error = h.refused(a, message, ErrorCode.NOT_FOUND)
         assert "no arena named 'kv'" in error.message
+
+
+# --------------------------------------------------------------------------- grants
+
+OWNER_UID, OTHER_UID = 1000, 2000
+
+
+def owned_arena(h: Harness, commit: int = 6 * MiB) -> Session:
+    """engine-a (uid 1000) owns 'kv' with ``commit`` bytes committed and no grants yet."""
+    a = h.connect("engine-a", uid=OWNER_UID, gid=OWNER_UID)
+    h.create(a, "kv", GiB)
+    if commit:
+        h.commit(a, "kv", commit)
+    return a
+
+
+def assert_not_admitted(h: Harness, s: Session, token: str = "", *why: str) -> p.ProtocolError:
+    """The attach is refused, says why, and changes nothing: ``s`` is not attached and
+    holds no chunk (so the server has nothing to send it)."""
+    arena = h.state.arenas.by_name["kv"]
+    attached, holders = set(arena.attached), [set(c.holders) for c in arena.chunks]
+    error = h.refused(s, p.AttachArena(name="kv", token=token), ErrorCode.PERMISSION_DENIED)
+    assert f"arena 'kv' belongs to client 'engine-a' (pid {arena.owner_pid})" in error.message
+    assert f"client '{s.name}' (uid {s.uid}, gid {s.gid})" in error.message
+    for part in why:
+        assert part in error.message, error.message
+    assert error.detail == {"arena": "kv", "owner": "engine-a", "owner_pid": arena.owner_pid, "uid": s.uid, "gid": s.gid}
+    assert arena.attached == attached and [c.holders for c in arena.chunks] == holders
+    assert s.id not in arena.attached and all(s.id not in c.holders for c in arena.chunks)
+    return error
+
+
+def test_a_share_by_name_alone_admits_that_name_under_the_owners_uid_only(h: Harness) -> None:
+    a = owned_arena(h)
+    h.share(a, "kv", "engine-b")
+    impostor = h.connect("engine-b", uid=OTHER_UID, gid=OTHER_UID)
+    assert_not_admitted(h, impostor, "", "its grant to client 'engine-b' under the owner's uid 1000", "admits uid 1000 only")
+    h.state.close_session(impostor.id)
+    stranger = h.connect("engine-c")  # the owner's uid, another name
+    assert_not_admitted(h, stranger, "", "is not shared with", "no grant names this client")
+    b = h.connect("engine-b")
+    assert ids(h.attach(b, "kv").handout) == ids(h.state.arenas.by_name["kv"].chunks)
+
+
+def test_the_token_lifts_the_implied_uid_and_nothing_the_share_named(h: Harness) -> None:
+    a = owned_arena(h)
+    token = h.share(a, "kv", "engine-b")
+    c = h.connect("engine-c")
+    assert_not_admitted(h, c, token, "names client 'engine-b'")
+    b = h.connect("engine-b", uid=OTHER_UID, gid=OTHER_UID)
+    assert_not_admitted(h, b, "", "admits uid 1000 only")
+    out = h.attach(b, "kv", token)
+    assert ids(out.handout) == ids(out.reply.chunks) == ids(h.state.arenas.by_name["kv"].chunks)
+
+
+def test_a_share_by_uid_admits_that_uid_under_any_name(h: Harness) -> None:
+    a = owned_arena(h)
+    token = h.share(a, "kv", uid=OTHER_UID)
+    h.attach(h.connect("anything", uid=OTHER_UID, gid=77), "kv")
+    third = h.connect("third", uid=3000, gid=3000)
+    assert_not_admitted(h, third, "", "is not shared with")
+    assert_not_admitted(h, third, token, "it admits uid 2000 only")  # named explicitly: the token does not lift it
+    owners_uid = h.connect("same-user")
+    assert_not_admitted(h, owners_uid, "", "is not shared with")
+
+
+def test_a_share_by_client_and_uid_needs_both(h: Harness) -> None:
+    a = owned_arena(h)
+    h.share(a, "kv", "engine-b", uid=OTHER_UID)
+    (grant,) = h.state.arenas.by_name["kv"].grants
+    assert (grant.uid, grant.uid_implied) == (OTHER_UID, False)
+    same_uid_as_owner = h.connect("engine-b")
+    assert_not_admitted(h, same_uid_as_owner, "", "admits uid 2000 only")
+    h.state.close_session(same_uid_as_owner.id)
+    h.attach(h.connect("engine-b", uid=OTHER_UID), "kv")
+
+
+def test_a_share_by_gid_admits_the_group_under_any_uid(h: Harness) -> None:
+    a = owned_arena(h)
+    token = h.share(a, "kv", gid=50)
+    h.attach(h.connect("in-group", uid=3000, gid=50), "kv")
+    outside = h.connect("outside", uid=3001, gid=51)
+    assert_not_admitted(h, outside, "", "is not shared with")
+    assert_not_admitted(h, outside, token, "it admits gid 50 only")
+
+
+def test_a_share_that_names_nobody_admits_by_token_alone(h: Harness) -> None:
+    a = owned_arena(h)
+    token = h.share(a, "kv")
+    (grant,) = h.state.arenas.by_name["kv"].grants
+    assert (grant.client, grant.uid, grant.gid, grant.uid_implied) == ("", -1, -1, False)
+    same_user = h.connect("same-user")
+    assert_not_admitted(h, same_user, "", "is not shared with")
+    assert_not_admitted(h, same_user, "0" * 64, "the token given matches none of its grants")
+    assert_not_admitted(h, same_user, token[:-1], "matches none")
+    h.attach(h.connect("far-away", uid=4242, gid=4242), "kv", token)
+    h.attach(same_user, "kv", token)
+
+
+def test_tokens_are_long_random_and_of_their_own_arena(h: Harness) -> None:
+    a = owned_arena(h)
+    h.create(a, "other", GiB)
+    tokens = {h.share(a, "kv") for _ in range(8)}
+    assert len(tokens) == 8 and all(len(t) == 64 and int(t, 16) >= 0 for t in tokens), "256 bits, hex"
+    other = h.share(a, "other")
+    assert_not_admitted(h, h.connect("b", uid=OTHER_UID), other, "matches none")
+
+
+def test_every_grant_is_compared_in_constant_time(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup that stopped at the first match, or compared with ==, would tell a guesser
+    by its timing how close it came."""
+    import gpumemd.arenas
+
+    a = owned_arena(h)
+    tokens = [h.share(a, "kv") for _ in range(3)]
+    compared: list[tuple[bytes, bytes]] = []
+    real = gpumemd.arenas.hmac.compare_digest
+
+    def recording(x: bytes, y: bytes) -> bool:
+        compared.append((x, y))
+        return real(x, y)
+
+    monkeypatch.setattr(gpumemd.arenas.hmac, "compare_digest", recording)
+    h.attach(h.connect("b", uid=OTHER_UID), "kv", tokens[0])
+    assert sorted(x for x, _ in compared) == sorted(t.encode() for t in tokens)
+    assert {y for _, y in compared} == {tokens[0].encode()}
+
+
+def test_an_identity_grant_admits_whatever_token_comes_along(h: Harness) -> None:
+    a = owned_arena(h)
+    h.share(a, "kv", "engine-b")
+    h.attach(h.connect("engine-b"), "kv", "f" * 64)  # a stale token takes nothing away
+
+
+def test_share_refusals(h: Harness) -> None:
+    a = owned_arena(h)
+    for message in (
+        p.ShareArena(name="kv", uid=-2),
+        p.ShareArena(name="kv", gid=-2),
+        p.ShareArena(name="kv", uid=0xFFFF_FFFF),
+        p.ShareArena(name="kv", gid=1 << 40),
+        p.ShareArena(name="kv", client="../x"),
+    ):
+        h.refused(a, message, ErrorCode.INVALID_ARGUMENT)
+    assert h.state.arenas.by_name["kv"].grants == []
+    h.share(a, "kv", uid=0)  # root is an id like any other
+    h.share(a, "kv", uid=0xFFFF_FFFE, gid=0xFFFF_FFFE)
+    for _ in range(62):
+        h.share(a, "kv")
+    error = h.refused(a, p.ShareArena(name="kv"), ErrorCode.INVALID_ARGUMENT)
+    assert "64 grants" in error.message and "unshare" in error.message
+    assert len(h.state.arenas.by_name["kv"].grants) == 64
+
+
+def test_revoking_refuses_new_attaches_and_takes_nothing_from_attached_sharers(h: Harness) -> None:
+    a = owned_arena(h)
+    token = h.share(a, "kv", "engine-b")
+    keep = h.share(a, "kv", "engine-c")
+    b = h.connect("engine-b", uid=OTHER_UID)
+    first = ids(h.attach(b, "kv", token).handout)
+    h.ok(a, p.UnshareArena(name="kv", token=token))
+    arena = h.state.arenas.by_name["kv"]
+    assert [g.client for g in arena.grants] == ["engine-c"]
+    assert b.id in arena.attached and all(b.id in c.holders for c in arena.chunks), "b keeps what it maps"
+    grown = ids(h.commit(a, "kv", 10 * MiB).handout)
+    assert ids(h.sync(b, "kv").handout) == grown, "an attached sharer stays attached"
+    h.release(b, "kv")
+    assert_not_admitted(h, b, token, "matches none")
+    b2 = h.connect("engine-b2")
+    assert_not_admitted(h, b2, "", "is not shared with")
+    h.attach(h.connect("engine-c"), "kv")  # the other grant stands
+    h.refused(a, p.UnshareArena(name="kv", token=token), ErrorCode.NOT_FOUND)  # once only
+    h.refused(b, p.UnshareArena(name="kv", token=keep), ErrorCode.PERMISSION_DENIED)
+    assert [g.client for g in arena.grants] == ["engine-c"]
+    assert first and set(first).isdisjoint(grown)
+
+
+def test_status_shows_grants_and_never_their_tokens(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("DEBUG")
+    a = owned_arena(h)
+    tokens = [
+        h.share(a, "kv", "engine-b"),
+        h.share(a, "kv", uid=OTHER_UID),
+        h.share(a, "kv", "engine-c", gid=50),
+        h.share(a, "kv"),
+    ]
+    h.attach(h.connect("engine-b", uid=OTHER_UID), "kv", tokens[0])
+    assert_not_admitted(h, h.connect("x", uid=3000), tokens[3][:-1] + "0", "matches none")
+    h.ok(a, p.UnshareArena(name="kv", token=tokens[3]))
+    (arena,) = h.state.status().arenas
+    assert [p.to_wire(g) for g in arena.grants] == [
+        {"id": 1, "client": "engine-b", "uid": OWNER_UID, "gid": -1, "uid_implied": True},
+        {"id": 2, "client": "", "uid": OTHER_UID, "gid": -1, "uid_implied": False},
+        {"id": 3, "client": "engine-c", "uid": -1, "gid": 50, "uid_implied": False},
+    ]
+    assert arena.shared_with == ["engine-b", "engine-c"]
+    seen = p.encode_reply(1, h.state.status()) + caplog.text.encode() + repr(h.state.arenas.by_name["kv"]).encode()
+    for token in tokens:
+        assert token.encode() not in seen and token[:-1].encode() not in seen
+    assert "refused" in caplog.text and "grant 4" in caplog.text and "revoked" in caplog.text
 
 
 # --------------------------------------------------------------------------- growth, sync, notices
