@@ -52,15 +52,6 @@ def tag(name: str) -> bytes:
     return hashlib.blake2b(name.encode(), digest_size=8).digest()
 
 
-def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        elif start < end:
-            out.append((start, end))
-    return out
-
 
 # --------------------------------------------------------------------------- one worker
 
@@ -199,6 +190,8 @@ class Worker:
 
     def check_backing(self, arena: Any, cover: list[tuple[int, int]]) -> None:
         """Committed memory and placeholder together back exactly what was asked."""
+        from gpumem.arena import merge
+
         want = merge(arena.committed_ranges() + cover)
         if arena.backed_ranges() != want:
             raise Mismatch(f"arena '{arena.name}' is backed over {arena.backed_ranges()}, not {want}")
