@@ -39,6 +39,7 @@ def _target(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gpumemd", prog_name="gpumemctl")
 @_target
 @click.pass_context
 def main(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None) -> None:

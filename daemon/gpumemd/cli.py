@@ -90,6 +90,7 @@ def _configure_logging(level: str) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gpumemd", prog_name="gpumemd")
 @click.option("--device", type=int, default=0, show_default=True, help="GPU index (nvidia-smi order) this daemon owns.")
 @click.option("--backend", type=click.Choice(["cuda", "host"]), default=None, help="Driver backend [default: cuda].")
 @click.option("--host-capacity", default="8GiB", show_default=True, callback=_size, help="Memory the host backend offers.")
