@@ -179,6 +179,15 @@ class LeaseTable:
     def handoff(self, slot: int) -> int:
         return int(self._slots[slot].handoff)
 
+    def releases(self, slot: int) -> int:
+        """The slot's futex word, which every release (and every clear) bumps by one:
+        leases ended on the slot, modulo 2**32. The daemon's metrics count from it."""
+        return int(self._slots[slot].futex)
+
+    def waiters(self, slot: int) -> int:
+        """Processes asleep on the slot right now, waiting for its holder to let go."""
+        return int(self._slots[slot].waiters)
+
     def flags(self, slot: int) -> LeaseFlag:
         return LeaseFlag(self._slots[slot].flags)
 
