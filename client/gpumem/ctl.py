@@ -7,10 +7,15 @@ Exit status follows the LSB status convention: 0 ok, 1 error, 3 no daemon answer
 from __future__ import annotations
 
 import datetime
+import importlib.resources
 import json
+import os
+import re
 import shutil
 import sys
+import sysconfig
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NoReturn, TextIO
 
@@ -522,6 +527,44 @@ def top(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout
     endpoints = resolve_device(chosen if chosen is not None else 0, runtime_dir or ctx.obj["runtime_dir"], cuda_ordinal=False)
     wait = timeout if timeout is not None else (ctx.obj["timeout"] if ctx.obj["timeout"] is not None else 5.0)
     _top_loop(lambda: _ask(endpoints, p.Status(), wait), interval, count, sys.stdout)
+
+
+# ---------------------------------------------------------------------------- unit
+
+
+def _installed_gpumemd() -> str | None:
+    """The gpumemd installed with this gpumemctl: beside it, else in its Python's
+    scripts directory (``python -m gpumem.ctl``), else on PATH."""
+    for folder in (Path(sys.argv[0]).absolute().parent, Path(sysconfig.get_path("scripts"))):
+        candidate = folder / "gpumemd"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("gpumemd")
+    return str(Path(found).absolute()) if found else None
+
+
+def _exec_path(path: str) -> str:
+    """``path`` as the first word of ExecStart: % starts a specifier there, and a path
+    with blanks or quotes needs quoting."""
+    path = path.replace("%", "%%")
+    if re.search(r"[\s\"'\\]", path):
+        path = '"' + path.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return path
+
+
+@main.command()
+@click.option("--gpumemd", "executable", default=None, help="The gpumemd ExecStart runs [default: the one installed with gpumemctl].")
+def unit(executable: str | None) -> None:
+    """Print the systemd template unit gpumemd@.service, its ExecStart naming the
+    installed gpumemd: gpumemctl unit > /etc/systemd/system/gpumemd@.service"""
+    path = executable or _installed_gpumemd()
+    if path is None:
+        _die(EXIT_ERROR, f"no gpumemd installed beside {sys.argv[0]}, in {sysconfig.get_path('scripts')} or on PATH; name it with --gpumemd")
+    if not os.path.isabs(path):
+        _die(EXIT_ERROR, f"--gpumemd {path}: systemd needs an absolute path")
+    text = importlib.resources.files("gpumem").joinpath("gpumemd@.service").read_text()
+    click.echo(re.sub(r"^ExecStart=\S+", lambda _: "ExecStart=" + _exec_path(path), text, count=1, flags=re.MULTILINE), nl=False)
+
 
 if __name__ == "__main__":
     main()
