@@ -2,9 +2,11 @@
 thread of its own with prometheus-client (the ``metrics`` extra).
 
 The thread never touches the daemon's state. Per scrape it reads the latest snapshot
-(metrics.py: a reference the daemon's thread replaces whole) and renders it, only when
-it is not the one rendered last; the process's own figures (CPU, memory, open
-descriptors) are read fresh each time. One scrape at a time, each bounded by a socket
+(metrics.py: a reference the daemon's thread replaces whole) and renders the families
+it has not rendered before: a snapshot keeps the very objects of the families that did
+not change, and prometheus-client takes a few microseconds per sample, which this
+thread would spend holding the GIL the daemon's thread waits for. The process's own
+figures (CPU, memory, open descriptors) are read fresh each time. One scrape at a time, each bounded by a socket
 timeout, so a scraper that stalls can hold up only the next scrape, never the daemon.
 """
 
@@ -58,12 +60,18 @@ def _metric(family: Family) -> Metric:
     return metric
 
 
-class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: Snapshot) -> None:
-        self.snapshot = snapshot
+class _FamilyCollector(Collector):
+    def __init__(self, family: Family) -> None:
+        self.family = family
 
     def collect(self) -> Iterator[Metric]:
-        return (_metric(family) for family in self.snapshot.families)
+        yield _metric(self.family)
+
+
+def _render(family: Family) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_FamilyCollector(family))
+    return generate_latest(registry)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -111,6 +119,7 @@ class Exporter:
         self.address, self.port = address, int(self._httpd.server_address[1])
         self._metrics: Metrics | None = None
         self._rendered: tuple[Snapshot | None, bytes] = (None, b"")
+        self._families: dict[int, tuple[Family, bytes]] = {}  # by id(): the family is kept, so its id is not reused
         self._process = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=self._process)
         self._stop = threading.Event()
@@ -141,7 +150,7 @@ class Exporter:
         assert self._metrics is not None
         snapshot = self._metrics.snapshot  # one read of a reference replaced whole: no lock
         if snapshot is not self._rendered[0]:
-            registry = CollectorRegistry(auto_describe=False)
-            registry.register(_SnapshotCollector(snapshot))
-            self._rendered = (snapshot, generate_latest(registry))
+            done = self._families
+            self._families = {id(f): done.get(id(f)) or (f, _render(f)) for f in snapshot.families}
+            self._rendered = (snapshot, b"".join(text for _, text in self._families.values()))
         return self._rendered[1] + generate_latest(self._process)

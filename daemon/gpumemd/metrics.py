@@ -93,14 +93,19 @@ class _LeaseWatch:
 
 
 class _Families:
-    """Collects the families of one snapshot; every one carries the ``device`` label."""
+    """Collects the families of one snapshot; every one carries the ``device`` label. A
+    family equal to the one in the snapshot before is that same object, so the exporter
+    renders only the families that changed."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, before: Snapshot | None) -> None:
         self.device = device
+        self.before = {f.name: f for f in before.families} if before is not None else {}
         self.out: list[Family] = []
 
     def add(self, name: str, kind: Kind, help: str, labels: tuple[str, ...], samples: list[Sample]) -> None:
-        self.out.append(Family(name, kind, help, ("device", *labels), tuple(((self.device, *values), v) for values, v in samples)))
+        family = Family(name, kind, help, ("device", *labels), tuple(((self.device, *values), v) for values, v in samples))
+        same = self.before.get(name)
+        self.out.append(same if same == family else family)
 
     def one(self, name: str, kind: Kind, help: str, value: float | HistogramValue) -> None:
         self.add(name, kind, help, (), [((), value)])
@@ -112,7 +117,7 @@ class Metrics:
         self._started = state.wall_clock() - (state.clock() - state.started)
         self._watch: dict[int, _LeaseWatch] = {}
         self._seen: tuple[object, ...] = ()
-        self.snapshot = self._build(state.arenas.free_bytes())
+        self.snapshot = self._build(state.arenas.free_bytes(), None)
 
     def refresh(self) -> None:
         """On the daemon's thread: read the lease table; publish a new snapshot if
@@ -130,7 +135,7 @@ class Metrics:
         )
         if leases_moved or seen != self._seen:
             self._seen = seen
-            self.snapshot = self._build(free)
+            self.snapshot = self._build(free, self.snapshot)
 
     # ------------------------------------------------------------------ leases
 
@@ -173,10 +178,10 @@ class Metrics:
 
     # ------------------------------------------------------------------ the snapshot
 
-    def _build(self, free: int) -> Snapshot:
+    def _build(self, free: int, before: Snapshot | None) -> Snapshot:
         state, tally = self.state, self.state.tally
         arenas, device = state.arenas, state.device
-        f = _Families(str(device.index))
+        f = _Families(str(device.index), before)
 
         f.add(
             "gpumemd_info", "gauge", "The daemon: version, backend, and the device it serves (always 1).",

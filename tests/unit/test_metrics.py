@@ -6,6 +6,7 @@ The rendering to the Prometheus format and the scrape are the integration tier's
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import pytest
 
@@ -109,6 +110,46 @@ def test_a_new_snapshot_only_when_something_changed(h: Harness) -> None:
     assert fresh(m) is third
     # Published whole: the one an exporter took earlier still says what it said.
     assert number(first, "gpumemd_sessions") == 0
+
+
+def test_a_family_that_did_not_change_is_the_same_object(h: Harness) -> None:
+    """What lets the exporter render only what changed."""
+    m = Metrics(h.state)
+    h.connect("engine-a")
+    first = fresh(m)
+    h.ok(None, p.Ping())
+    second = fresh(m)
+    assert [f.name for f in second.families if not any(f is g for g in first.families)] == ["gpumemd_requests_total"]
+
+
+def _scrape(url: str) -> bytes:
+    """The daemon's families of a scrape (the process's own figures come after them)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().split(b"# HELP process_")[0]  # type: ignore[no-any-return]
+
+
+def test_the_exporter_serves_a_changed_snapshot_as_a_whole_new_one(h: Harness) -> None:
+    """It renders only the families that changed; what it serves is what rendering them
+    all gives."""
+    pytest.importorskip("prometheus_client")
+    from gpumemd.exporter import Exporter
+
+    m = Metrics(h.state)
+    s = h.connect("engine-a")
+    served, fresh_one = Exporter("127.0.0.1", 0), Exporter("127.0.0.1", 0)
+    try:
+        served.start(m)
+        first = _scrape(served.url)
+        h.create(s, "kv", GiB)
+        h.commit(s, "kv", BULK)
+        m.refresh()
+        fresh_one.start(m)
+        after = _scrape(served.url)
+        assert after == _scrape(fresh_one.url) and after != first
+        assert b'gpumemd_arena_committed_bytes{arena="kv",client="engine-a",device="0"} 1.6777216e+07' in after
+    finally:
+        served.close()
+        fresh_one.close()
 
 
 def test_kv_rounds_by_outcome_with_duration_and_budget(h: Harness) -> None:
