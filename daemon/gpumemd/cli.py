@@ -99,7 +99,7 @@ def _exporter(address: str, port: int) -> Exporter:
     default=None,
     help="Socket directory [default: $GPUMEMD_RUNTIME_DIR, /run/gpumemd for root, else $XDG_RUNTIME_DIR/gpumemd].",
 )
-@click.option("--socket-group", default=None, help="Group that owns the sockets (mode 0660); its members may connect.")
+@click.option("--socket-group", default=None, help="Group (name or number) that owns the sockets (mode 0660); its members may connect.")
 @click.option("--chunk-size", default="512MiB", show_default=True, callback=_size, help="Size of bulk chunks; tails use smaller ones.")
 @click.option(
     "--kv-chunk-size",

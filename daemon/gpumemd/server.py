@@ -147,6 +147,8 @@ class Server:
     def _group_id(self) -> int | None:
         if not self.socket_group:
             return None
+        if self.socket_group.isdigit():  # a container may know the group by number only
+            return int(self.socket_group)
         try:
             return grp.getgrnam(self.socket_group).gr_gid
         except KeyError:
