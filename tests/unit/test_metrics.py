@@ -5,8 +5,10 @@ The rendering to the Prometheus format and the scrape are the integration tier's
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -279,3 +281,11 @@ def test_every_family_is_named_for_prometheus(h: Harness) -> None:
         assert set(family.labels) <= {"device", "client", "arena", "pool", "pool_id", "kind", "type", "outcome", "reason",
                                       "version", "backend", "uuid", "name"}, family.name
     assert len(names) == len(Metrics(h.state).snapshot.families), "a family appears twice"
+
+
+def test_the_readme_lists_every_family_with_its_type(h: Harness) -> None:
+    owned_pool(h)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## Monitoring\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(gpumemd_\w+)` \| (\w+) \|", section, re.M))
+    assert listed == {(f.name, f.kind) for f in Metrics(h.state).snapshot.families}
