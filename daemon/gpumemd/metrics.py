@@ -126,7 +126,8 @@ class Metrics:
         free = self.state.arenas.free_bytes()
         tally = self.state.tally
         seen = (
-            sum(tally.requests.values()),
+            sum(tally.served.values()),
+            sum(tally.refused.values()),
             tally.sessions_opened,
             len(self.state.sessions),
             sum(tally.rounds.values()),
@@ -224,19 +225,19 @@ class Metrics:
         f.add("gpumemd_arena_retiring_bytes", "gauge", "Bytes taken out of each arena that some client still maps.", arena_labels,
               [((a.name, a.owner_name), sum(c.size for c in arenas.retiring.values() if c.arena == a.name)) for a in by_arena])
 
-        requests = sorted(tally.requests.items(), key=lambda item: (item[0][0].TYPE, item[0][1]))
+        requests = tally.requests()
         f.add("gpumemd_requests_total", "counter", "Control requests served, by message type and outcome (ok, or the error code).",
-              ("type", "outcome"), [((cls.TYPE.name.lower(), _outcome(code)), n) for (cls, code), n in requests])
+              ("type", "outcome"), [((cls.TYPE.name.lower(), _outcome(code)), n) for cls, code, n in requests])
         f.one("gpumemd_commits_total", "counter", "Commits served (arena commits and KV pool grows).",
-              sum(n for (cls, code), n in requests if cls in _COMMITS and code == 0))
+              sum(n for cls, code, n in requests if cls in _COMMITS and code == 0))
         refused: dict[str, int] = {}
-        for (cls, code), n in requests:
+        for cls, code, n in requests:
             if cls in _COMMITS and code != 0:
                 refused[_outcome(code)] = refused.get(_outcome(code), 0) + n
         f.add("gpumemd_commits_refused_total", "counter", "Commits refused, by reason (the error code: out_of_memory, invalid_argument, ...).",
               ("reason",), [((reason,), n) for reason, n in sorted(refused.items())])
         f.one("gpumemd_decommits_total", "counter", "Decommits served (arena decommits and KV pool shrinks).",
-              sum(n for (cls, code), n in requests if cls in _DECOMMITS and code == 0))
+              sum(n for cls, code, n in requests if cls in _DECOMMITS and code == 0))
 
         kv = state.kv
         f.add("gpumemd_kv_rounds_total", "counter", "KV commit rounds that ended, by outcome.", ("outcome",),

@@ -9,6 +9,7 @@ here needs a lock, and counting costs the control path a dict update per request
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 
 from gpumem_shared import protocol as p
@@ -38,8 +39,10 @@ class Histogram:
 
 @dataclasses.dataclass(eq=False)
 class Tally:
-    # (request message class, error code: 0 when served) -> requests
-    requests: dict[tuple[type[p.RequestMessage], int], int] = dataclasses.field(default_factory=dict)
+    # Requests served, by message class: a defaultdict's ``+= 1`` stays in C, the
+    # cheapest count the control path can pay. Refused ones by class and error code.
+    served: collections.defaultdict[type[p.RequestMessage], int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
+    refused: dict[tuple[type[p.RequestMessage], int], int] = dataclasses.field(default_factory=dict)
     sessions_opened: int = 0
     # Sessions that ended still attached to arenas (the client died, or closed without
     # releasing): the daemon took back what they held.
@@ -54,6 +57,15 @@ class Tally:
     # that leases are counted from the registration on (metrics.py reads the rest).
     lease_base: dict[int, int] = dataclasses.field(default_factory=dict)
     escapes: dict[int, int] = dataclasses.field(default_factory=dict)  # graph pool id -> escapes reported
+
+    def refuse(self, cls: type[p.RequestMessage], code: int) -> None:
+        key = (cls, code)
+        self.refused[key] = self.refused.get(key, 0) + 1
+
+    def requests(self) -> list[tuple[type[p.RequestMessage], int, int]]:
+        """(message class, error code: 0 when served, count), by type then code."""
+        rows = [(cls, 0, n) for cls, n in self.served.items()] + [(cls, code, n) for (cls, code), n in self.refused.items()]
+        return sorted(rows, key=lambda row: (row[0].TYPE, row[1]))
 
     def round_ended(self, state: p.RoundState, seconds: float, budget: p.RoundBudget) -> None:
         self.rounds[state] = self.rounds.get(state, 0) + 1
