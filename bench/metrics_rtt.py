@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
 """Control round trip with metrics on and scraped, against the same daemon without them.
 
-Two private gpumemd processes with the same state (a helper process's session holding
+Three private gpumemd processes with the same state (a helper process's session holding
 ``--arenas`` committed arenas and a registered graph pool, in each): one with
-``--metrics-port 0``, one without. The benchmark pings both through the whole client stack
-(``Session.ping()``), call by call, alternating which goes first, in two phases:
+``--metrics-port 0``, two without ("plain" and "control"). The benchmark pings all three
+through the whole client stack (``Session.ping()``), call by call, rotating which goes
+first, in two phases:
 
 - idle: nobody scrapes. The metrics daemon still rebuilds its snapshot on every tick
   (each ping changes a counter): what the snapshot costs, and any difference between
   two daemon processes on this machine.
 - scraped: a scraper process GETs /metrics every ``--scrape-interval`` seconds (0.1).
 
+The control daemon is the same as the plain one: control_ratio_p50 (control p50 / plain
+p50) is how far two identical daemons land apart on this machine in the same run, the
+floor under which ratio_p50 says nothing.
+
     python bench/metrics_rtt.py --backend host
-    python bench/metrics_rtt.py --backend cuda
+    python bench/metrics_rtt.py --backend cuda --cpus 2:4
 
 Last line: {"bench": "metrics_rtt", "backend", "figures", "targets", "ok"}; ok means
 ratio_p50 (scraped phase: metrics p50 / plain p50) <= --target (default 1.02).
@@ -78,24 +83,16 @@ def holder(runtime_dir: str, device: int, arenas: int, ready_file: str) -> int:
         time.sleep(3600)
 
 
-def time_pair(metrics: object, plain: object, n: int, metrics_out: list[float], plain_out: list[float]) -> None:
-    """One ping to each daemon per iteration, alternating which goes first."""
-    ping_m, ping_p = metrics.ping, plain.ping  # type: ignore[attr-defined]
+def time_rotating(sessions: list[object], n: int, outs: list[list[float]]) -> None:
+    """One ping to each daemon per iteration, the first one rotating."""
+    pings = [s.ping for s in sessions]  # type: ignore[attr-defined]
+    order = [[(k + i) % len(pings) for k in range(len(pings))] for i in range(len(pings))]
     clock = time.perf_counter_ns
     for i in range(n):
-        if i & 1:
+        for k in order[i % len(order)]:
             t0 = clock()
-            ping_m()
-            t1 = clock()
-        t2 = clock()
-        ping_p()
-        t3 = clock()
-        if not i & 1:
-            t0 = clock()
-            ping_m()
-            t1 = clock()
-        metrics_out.append(t1 - t0)
-        plain_out.append(t3 - t2)
+            pings[k]()
+            outs[k].append(clock() - t0)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -110,43 +107,48 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--target", type=float, default=1.02, help="ok when the scraped phase's ratio_p50 <= this (default: 1.02)")
     ap.add_argument("--start-timeout", type=float, default=60.0, help="seconds the daemons get to start")
     ap.add_argument("--call-timeout", type=float, default=10.0, help="seconds one round trip may take before failing")
+    ap.add_argument("--cpus", metavar="CLIENT:SERVER", default=None,
+                    help="pin the benchmark to CPU list CLIENT, the daemons, holders and scraper to SERVER (default: no pinning)")
     ap.add_argument("--scraper", metavar="URL", help=argparse.SUPPRESS)
     ap.add_argument("--holder", metavar="RUNTIME_DIR", help=argparse.SUPPRESS)
     ap.add_argument("--ready-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.scraper is None and args.holder is None and (args.iterations < 1 or args.rounds < 1 or args.warmup < 0 or args.arenas < 1):
-        ap.error("--iterations, --rounds and --arenas must be >= 1, --warmup >= 0")
+    if args.scraper is None and args.holder is None:
+        if args.iterations < 1 or args.rounds < 1 or args.warmup < 0 or args.arenas < 1:
+            ap.error("--iterations, --rounds and --arenas must be >= 1, --warmup >= 0")
+        try:
+            args.cpus = c.parse_cpus(args.cpus)
+        except ValueError as exc:
+            ap.error(str(exc))
     return args
 
 
-def phase(name: str, metrics: object, plain: object, args: argparse.Namespace) -> dict[str, float]:
-    m_all: list[float] = []
-    p_all: list[float] = []
+ROLES = ("metrics", "plain", "control")
+
+
+def phase(name: str, sessions: dict[str, object], args: argparse.Namespace) -> dict[str, float]:
+    every: dict[str, list[float]] = {role: [] for role in ROLES}
     ratios = []
     per_round = [args.iterations // args.rounds + (1 if r < args.iterations % args.rounds else 0) for r in range(args.rounds)]
     for r, n in enumerate(per_round):
-        m: list[float] = []
-        w: list[float] = []
+        outs: list[list[float]] = [[] for _ in ROLES]
         gc.collect()
         gc.disable()
         try:
-            time_pair(metrics, plain, n, m, w)
+            time_rotating([sessions[role] for role in ROLES], n, outs)
         finally:
             gc.enable()
-        m_all += m
-        p_all += w
-        ratios.append(c.ratio(c.median(m), c.median(w)))
-        c.say(f"  {name} round {r + 1:2d}/{args.rounds}: metrics p50 {c.median(m) / 1e3:7.1f} us  plain p50 {c.median(w) / 1e3:7.1f} us  "
-              f"ratio {ratios[-1]:.3f}")
+        p50 = {role: c.median(out) for role, out in zip(ROLES, outs)}
+        for role, out in zip(ROLES, outs):
+            every[role] += out
+        ratios.append(c.ratio(p50["metrics"], p50["plain"]))
+        c.say(f"  {name} round {r + 1:2d}/{args.rounds}: p50 metrics {p50['metrics'] / 1e3:6.1f} us  plain {p50['plain'] / 1e3:6.1f} us  "
+              f"control {p50['control'] / 1e3:6.1f} us  ratio {ratios[-1]:.3f}")
     us = 1e-3
-    out = {
-        "metrics_p50_us": c.percentile(m_all, 50) * us,
-        "metrics_p99_us": c.percentile(m_all, 99) * us,
-        "plain_p50_us": c.percentile(p_all, 50) * us,
-        "plain_p99_us": c.percentile(p_all, 99) * us,
-    }
+    out = {f"{role}_{q}_us": c.percentile(every[role], int(q[1:])) * us for role in ROLES for q in ("p50", "p99")}
     out["ratio_p50"] = c.ratio(out["metrics_p50_us"], out["plain_p50_us"])
     out["ratio_p99"] = c.ratio(out["metrics_p99_us"], out["plain_p99_us"])
+    out["control_ratio_p50"] = c.ratio(out["control_p50_us"], out["plain_p50_us"])
     out["round_ratio_p50_min"], out["round_ratio_p50_max"] = min(ratios), max(ratios)
     return out
 
@@ -155,8 +157,10 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     result.targets = {"ratio_p50_max": args.target, "scrape_interval_s": args.scrape_interval}
     c.say(f"{BENCH}: backend={args.backend} device={args.device} iterations={args.iterations} per phase, "
           f"arenas={args.arenas}, scrape every {args.scrape_interval:g}s")
+    c.pin(args.cpus)
     daemons = {}
-    for role, extra in (("metrics", ["--metrics-port", "0"]), ("plain", [])):
+    for role in ROLES:
+        extra = ["--metrics-port", "0"] if role == "metrics" else []
         rdir = cleanup.enter_context(c.runtime_dir(f"gmb-met-{role[0]}-"))
         daemon = c.Daemon(rdir, args.backend, args.device, extra)
         cleanup.callback(daemon.stop)
@@ -180,16 +184,16 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         cleanup.callback(session.close)
         sessions[role] = session
     for _ in range(args.warmup):
-        sessions["metrics"].ping()
-        sessions["plain"].ping()
+        for session in sessions.values():
+            session.ping()
 
-    idle = phase("idle", sessions["metrics"], sessions["plain"], args)
+    idle = phase("idle", sessions, args)
     log = daemons["metrics"].runtime_dir / "scraper.log"
     scrape = c.Child("scraper", [str(Path(__file__).resolve()), "--scraper", url, "--scrape-interval", str(args.scrape_interval)], log)
     cleanup.callback(scrape.stop)
     scrape.wait_for(lambda: "ok " in log.read_text(), args.start_timeout, "its first scrape")
     started = time.monotonic()
-    scraped = phase("scraped", sessions["metrics"], sessions["plain"], args)
+    scraped = phase("scraped", sessions, args)
     elapsed = time.monotonic() - started
     scrape.stop()
     lines = log.read_text().splitlines()
@@ -202,6 +206,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     fig = {f"idle_{k}": v for k, v in idle.items()} | scraped
     fig |= {
         "iterations": args.iterations,
+        "cpus": None if args.cpus is None else "{}:{}".format(*(",".join(map(str, sorted(s))) for s in args.cpus)),
         "scrapes": len(times),
         "scraped_phase_s": elapsed,
         "scrape_p50_ms": c.median(times),
@@ -211,10 +216,11 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     result.ok = scraped["ratio_p50"] <= args.target
     c.say("")
     c.say(f"idle (metrics on, not scraped): ratio p50 {idle['ratio_p50']:.3f}  (metrics {idle['metrics_p50_us']:.1f} us, "
-          f"plain {idle['plain_p50_us']:.1f} us)")
+          f"plain {idle['plain_p50_us']:.1f} us); control/plain {idle['control_ratio_p50']:.3f}")
     c.say(f"scraped every {args.scrape_interval:g}s ({len(times)} scrapes of {max(sizes)} bytes, p50 {c.median(times):.2f} ms): "
           f"ratio p50 {scraped['ratio_p50']:.3f} (target <= {args.target}: {'met' if result.ok else 'NOT met'}), "
-          f"p99 {scraped['ratio_p99']:.3f}  (metrics {scraped['metrics_p50_us']:.1f} us, plain {scraped['plain_p50_us']:.1f} us)")
+          f"p99 {scraped['ratio_p99']:.3f}  (metrics {scraped['metrics_p50_us']:.1f} us, plain {scraped['plain_p50_us']:.1f} us); "
+          f"control/plain {scraped['control_ratio_p50']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
