@@ -133,7 +133,7 @@ def _exporter(address: str, port: int) -> Exporter:
     default=None,
     help="Serve Prometheus metrics at http://ADDRESS:PORT/metrics (needs: pip install 'gpumemd[metrics]'); 0 picks a free port, logged.",
 )
-@click.option("--metrics-address", default="127.0.0.1", show_default=True, help="Address the metrics endpoint listens on.")
+@click.option("--metrics-address", default=None, help="Address the metrics endpoint listens on [default: 127.0.0.1].")
 @click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
@@ -161,7 +161,7 @@ def command(
     round_timeout: float,
     round_policy: str,
     metrics_port: int | None,
-    metrics_address: str,
+    metrics_address: str | None,
     log_level: str,
     log_format: logs.LogFormat,
 ) -> None:
@@ -190,7 +190,9 @@ def command(
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
     )
-    exporter = _exporter(metrics_address, metrics_port) if metrics_port is not None else None
+    if metrics_address is not None and metrics_port is None:
+        raise ConfigError(f"--metrics-address {metrics_address} serves nothing without --metrics-port")
+    exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None
     state = DaemonState(driver, config)
     metrics = Metrics(state) if exporter is not None else None
     server = Server(

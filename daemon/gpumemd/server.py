@@ -243,7 +243,11 @@ class Server:
             self.state.tick()  # round deadlines
             self._flush_state()
             if self._on_tick is not None:
-                self._on_tick()
+                try:
+                    self._on_tick()
+                except Exception:  # the metrics must never take the memory daemon down
+                    log.exception("the tick hook failed; it is off from now on (the metrics stop moving), the daemon goes on")
+                    self._on_tick = None
         interval = self.notifier.watchdog_interval
         if interval is not None and now - self._last_watchdog >= interval:
             self.notifier.send("WATCHDOG=1")

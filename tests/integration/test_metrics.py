@@ -213,6 +213,11 @@ def test_asking_for_metrics_without_prometheus_client_is_a_configuration_error(r
         assert proc.wait(timeout=30) == 0
 
 
+def test_a_metrics_address_without_a_port_is_a_configuration_error(runtime_dir: Path) -> None:
+    result = _config_error(runtime_dir, ["-m", "gpumemd"], ["--metrics-address", "0.0.0.0"])
+    assert "--metrics-address 0.0.0.0 serves nothing without --metrics-port" in result.stderr, result.stderr
+
+
 def test_a_metrics_port_in_use_is_a_configuration_error(runtime_dir: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
