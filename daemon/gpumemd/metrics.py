@@ -147,9 +147,8 @@ class Metrics:
         moved = False
         for pool in graph_pools.by_id.values():
             watch = self._watch.get(pool.id)
-            if watch is None:
-                base = self.state.tally.lease_base.get(pool.id)
-                watch = self._watch[pool.id] = _LeaseWatch(releases=table.releases(pool.slot) if base is None else base)
+            if watch is None:  # counted from its registration (state.py took the base then)
+                watch = self._watch[pool.id] = _LeaseWatch(releases=self.state.tally.lease_base[pool.id])
                 moved = True
             releases = table.releases(pool.slot)
             ended = (releases - watch.releases) & _U32  # the word wraps; a tick sees far fewer than 2**32
@@ -167,11 +166,13 @@ class Metrics:
                         watch.waits.observe(watch.blocked_for)
                     watch.blocking = key
                     watch.conflicts += 1
+                    moved = True
                 # A client writes since_ns: a clock it got wrong must not make a negative wait.
                 watch.blocked_for = max(0.0, now - holder.since_ns / 1e9)
             elif watch.blocking is not None:
                 watch.waits.observe(watch.blocked_for)
                 watch.blocking = None
+                moved = True
         for gone in self._watch.keys() - graph_pools.by_id.keys():
             del self._watch[gone]
             moved = True

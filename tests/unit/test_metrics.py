@@ -252,6 +252,37 @@ def test_a_holder_with_a_sleeper_behind_it_is_one_conflict_and_one_wait(h: Harne
     assert number(snap, "gpumemd_lease_acquisitions_total", **labels) == 1, "the capture ended; the replay is still held"
 
 
+def test_each_holder_that_keeps_sleepers_waiting_is_its_own_conflict(h: Harness) -> None:
+    m = Metrics(h.state)
+    s, pool = owned_pool(h)
+    labels = lease_labels(pool)
+    table, epoch = h.state.graph_pools.table, lease_table.lease_epoch(pool.id, pool.epoch)
+    first = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    assert table.try_acquire(pool.slot, first, epoch, b"a") == LeaseStatus.OK
+    waiters = [Waiter(table, pool.slot, lease_table.encode(LeaseKind.REPLAY, s.id, s.pid + k), epoch, 10.0) for k in (1, 2)]
+    for w in waiters:
+        w.start()
+    wait_until_sleeping(table, pool.slot, waiters=2)
+    assert number(fresh(m), "gpumemd_lease_conflicts_total", **labels) == 1
+    assert table.release(pool.slot, first) == LeaseStatus.OK
+    deadline = time.monotonic() + 10
+    while not any(w.result for w in waiters):  # one of them holds it now, the other sleeps behind it
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    wait_until_sleeping(table, pool.slot)
+    snap = fresh(m)
+    assert number(snap, "gpumemd_lease_conflicts_total", **labels) == 2, "a new holder with a sleeper behind it"
+    assert sum(histogram(snap, "gpumemd_lease_wait_seconds", **labels).counts) == 1, "the first conflict ended"
+    assert sum(1 for w in waiters if w.result) == 1
+    assert table.release(pool.slot, table.peek(pool.slot)) == LeaseStatus.OK
+    for w in waiters:
+        w.finish()
+    assert table.release(pool.slot, table.peek(pool.slot)) == LeaseStatus.OK
+    snap = fresh(m)
+    assert number(snap, "gpumemd_lease_acquisitions_total", **labels) == 3
+    assert sum(histogram(snap, "gpumemd_lease_wait_seconds", **labels).counts) == 2
+
+
 def test_escapes_are_counted_and_the_escaped_clients_shown(h: Harness) -> None:
     m = Metrics(h.state)
     s, pool = owned_pool(h)
