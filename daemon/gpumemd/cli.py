@@ -167,6 +167,8 @@ def command(
 ) -> None:
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
     logs.configure(log_level, log_format)
+    if metrics_address is not None and metrics_port is None:
+        raise ConfigError(f"--metrics-address {metrics_address} serves nothing without --metrics-port")
     if not 0 <= device < VA_PLAN_SLICES:
         raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     driver = _driver(backend, device, host_capacity)
@@ -190,8 +192,6 @@ def command(
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
     )
-    if metrics_address is not None and metrics_port is None:
-        raise ConfigError(f"--metrics-address {metrics_address} serves nothing without --metrics-port")
     exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None
     state = DaemonState(driver, config)
     metrics = Metrics(state) if exporter is not None else None
