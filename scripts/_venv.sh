@@ -9,6 +9,9 @@ fi
 . .venv/bin/activate
 stamp=.venv/.gpumemd-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    # The editable build puts the native module beside its sources; one left from an
+    # older build (another file suffix: cpython-3XX before abi3) would shadow the new one.
+    rm -f shared/gpumem_shared/_native.*.so
     python -m pip install -q --disable-pip-version-check -e '.[test]'
     touch "$stamp"
 fi

@@ -7,10 +7,17 @@ Exit status follows the LSB status convention: 0 ok, 1 error, 3 no daemon answer
 from __future__ import annotations
 
 import datetime
+import importlib.resources
 import json
+import os
+import re
+import shutil
 import sys
+import sysconfig
+import time
+from pathlib import Path
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 import click
 
@@ -39,6 +46,7 @@ def _target(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gpumemd", prog_name="gpumemctl")
 @_target
 @click.pass_context
 def main(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None) -> None:
@@ -414,6 +422,184 @@ _list_view(
 )
 _list_view("arenas", "ARENAS", lambda s: s.arenas, render_arenas, "Arenas: owner, sizes, grants (never their tokens), attached clients.")
 _list_view("leases", "LEASES", lambda s: s.leases, render_leases, "Leases held on graph pools: kind, holder, pid, label, since.")
+
+
+# ---------------------------------------------------------------------------- top
+
+# ANSI: cursor home, clear to the end of the line, clear below, hide and show the
+# cursor. Any terminal (and tmux, screen, a serial console) knows these; no curses.
+_HOME, _CLEAR_LINE, _CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
+_HIDE_CURSOR, _SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
+
+
+def _owned(s: p.StatusReply) -> dict[str, int]:
+    """Committed bytes of the arenas each live client owns, by client name."""
+    owned = {c.name: 0 for c in s.clients}
+    for arena in s.arenas:
+        if arena.owner_alive and arena.owner in owned:
+            owned[arena.owner] += arena.committed
+    return owned
+
+
+def _change(now: int, before: int | None) -> str:
+    if before is None or now == before:
+        return ""
+    return ("+" if now > before else "-") + format_size(abs(now - before))
+
+
+def _held_for(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}ms" if seconds < 1 else _duration(seconds)
+
+
+def render_top(s: p.StatusReply, before: p.StatusReply | None, now: float) -> list[str]:
+    """One frame of ``gpumemctl top``: the status, busiest first, with each client's
+    change in committed bytes since the frame ``before``."""
+    d, dev = s.daemon, s.device
+    held = 100 * dev.accounted_bytes / dev.total_bytes if dev.total_bytes else 0.0
+    active = [r for r in s.rounds if r.state in (p.RoundState.OPEN, p.RoundState.AWAITING_SHRINK)]
+    lines = [
+        f"gpumemd {d.version}  device {dev.index}: {dev.name}  {d.backend}  {d.state}, up {_duration(d.uptime_s)}"
+        f"  {datetime.datetime.fromtimestamp(now).strftime('%H:%M:%S')}",
+        f"memory  total {format_size(dev.total_bytes)}  free {format_size(dev.free_bytes)}  held by gpumemd "
+        f"{format_size(dev.accounted_bytes)} ({held:.0f}%)  reserve {format_size(dev.reserve_bytes)}",
+        f"{len(s.clients)} clients  {len(s.arenas)} arenas  {len(s.graph_pools)} graph pools  "
+        f"{len(s.leases)} leases held  {len(active)} KV rounds active",
+        "",
+        "CLIENTS",
+    ]
+    owned, owned_before = _owned(s), _owned(before) if before is not None else {}
+    clients = sorted(s.clients, key=lambda c: (-owned[c.name], c.name, c.session_id))
+    lines += _table(
+        ["CLIENT", "PID", "SESSION", "COMMITTED", "CHANGE", "ARENAS"],
+        [
+            [c.name, str(c.pid), str(c.session_id), format_size(owned[c.name]), _change(owned[c.name], owned_before.get(c.name) if before else None),
+             ",".join(c.arenas) or "-"]
+            for c in clients
+        ],
+    )
+    lines += ["", "ARENAS"]
+    lines += _table(
+        ["ARENA", "OWNER", "COMMITTED", "RESERVED", "USED", "CHUNKS", "ATTACHED", "RETIRING"],
+        [
+            [a.name, a.owner if a.owner_alive else f"{a.owner} (gone)", format_size(a.committed), format_size(a.reserved),
+             f"{100 * a.committed / a.reserved:.0f}%" if a.reserved else "-", str(a.chunks), ",".join(a.attached) or "-",
+             format_size(a.retiring_bytes) if a.retiring_bytes else "-"]
+            for a in sorted(s.arenas, key=lambda a: (-a.committed, a.name))
+        ],
+    )
+    pools = {g.id: g for g in s.graph_pools}
+    lines += ["", "LEASES"]
+    lines += _table(
+        ["POOL", "ARENA", "KIND", "HOLDER", "PID", "LABEL", "HELD FOR"],
+        [
+            [f"{pools[lease.pool_id].label} ({lease.pool_id})" if lease.pool_id in pools else str(lease.pool_id),
+             pools[lease.pool_id].arena if lease.pool_id in pools else "-", lease.kind, lease.holder, str(lease.pid), lease.label or "-",
+             _held_for(max(0.0, now - lease.since))]
+            for lease in sorted(s.leases, key=lambda lease: lease.since)
+        ],
+    )
+    lines += ["", "ROUNDS"]
+    if not s.rounds:
+        lines.append("  (none)")
+    for r in s.rounds[-3:]:  # the active one last
+        reported = sum(1 for m in r.members if m.reported)
+        figures = f"  budget {format_size(r.budget.budget)}  committed {format_size(r.budget.committed)}" if r.budget != p.RoundBudget() else ""
+        pending = [f"{m.client}/{m.pool}" for m in r.members if not m.reported]
+        waiting = f"  waiting for {', '.join(pending)}" if pending and r in active else ""
+        lines.append(f"  round {r.id}  {r.state}  {reported}/{len(r.members)} reported{figures}{waiting}" + (f"  error: {r.error}" if r.error else ""))
+    return lines
+
+
+def _top_loop(fetch: Callable[[], p.StatusReply], interval: float, count: int, out: TextIO) -> None:
+    """Redraw a frame in place every ``interval`` seconds (``count`` frames, 0: until
+    Ctrl-C). Not on a terminal, frames follow each other, as top's batch mode."""
+    tty = out.isatty()
+    before: p.StatusReply | None = None
+    frames = 0
+    if tty:
+        out.write(_HIDE_CURSOR)
+    try:
+        while True:
+            try:
+                reply = fetch()
+                lines = render_top(reply, before, time.time())
+                before = reply
+            except GpuMemError as exc:  # the daemon stopped or restarted: say so, keep trying
+                lines = [f"gpumemctl top: {exc.message}", "", f"trying again every {interval:g}s (Ctrl-C quits)"]
+            if tty:
+                size = shutil.get_terminal_size()
+                shown = [line[: size.columns] for line in lines[: max(size.lines - 1, 1)]]
+                out.write(_HOME + "".join(line + _CLEAR_LINE + "\n" for line in shown) + _CLEAR_BELOW)
+            else:
+                out.write("\n".join(lines) + "\n\n")
+            out.flush()
+            frames += 1
+            if count and frames >= count:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if tty:
+            out.write(_SHOW_CURSOR)
+            out.flush()
+
+
+@main.command()
+@_target
+@click.option("--once", is_flag=True, help="Print one frame, plainly, and exit (for scripts).")
+@click.option("--interval", "-n", type=click.FloatRange(min=0.05), default=1.0, show_default=True, help="Seconds between frames.")
+@click.option("--count", "-c", type=click.IntRange(min=0), default=0, help="Stop after this many frames [default: 0, until Ctrl-C].")
+@click.pass_context
+def top(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, once: bool, interval: float, count: int) -> None:
+    """Live view of clients, arenas, committed bytes, leases and their holders, KV rounds."""
+    first: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())  # no daemon: fail as status does
+    if once:
+        click.echo("\n".join(render_top(first, None, time.time())))
+        return
+    # Live: once started, a daemon that goes away is shown in the frame, not an exit.
+    chosen = device if device is not None else ctx.obj["device"]
+    endpoints = resolve_device(chosen if chosen is not None else 0, runtime_dir or ctx.obj["runtime_dir"], cuda_ordinal=False)
+    wait = timeout if timeout is not None else (ctx.obj["timeout"] if ctx.obj["timeout"] is not None else 5.0)
+    _top_loop(lambda: _ask(endpoints, p.Status(), wait), interval, count, sys.stdout)
+
+
+# ---------------------------------------------------------------------------- unit
+
+
+def _installed_gpumemd() -> str | None:
+    """The gpumemd installed with this gpumemctl: beside it, else in its Python's
+    scripts directory (``python -m gpumem.ctl``), else on PATH."""
+    for folder in (Path(sys.argv[0]).absolute().parent, Path(sysconfig.get_path("scripts"))):
+        candidate = folder / "gpumemd"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("gpumemd")
+    return str(Path(found).absolute()) if found else None
+
+
+def _exec_path(path: str) -> str:
+    """``path`` as the first word of ExecStart: % starts a specifier there, and a path
+    with blanks or quotes needs quoting."""
+    path = path.replace("%", "%%")
+    if re.search(r"[\s\"'\\]", path):
+        path = '"' + path.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return path
+
+
+@main.command()
+@click.option("--gpumemd", "executable", default=None, help="The gpumemd ExecStart runs [default: the one installed with gpumemctl].")
+def unit(executable: str | None) -> None:
+    """Print the systemd template unit gpumemd@.service, its ExecStart naming the
+    installed gpumemd: gpumemctl unit > /etc/systemd/system/gpumemd@.service"""
+    path = executable or _installed_gpumemd()
+    if path is None:
+        _die(EXIT_ERROR, f"no gpumemd installed beside {sys.argv[0]}, in {sysconfig.get_path('scripts')} or on PATH; name it with --gpumemd")
+    if not os.path.isabs(path):
+        _die(EXIT_ERROR, f"--gpumemd {path}: systemd needs an absolute path")
+    text = importlib.resources.files("gpumem").joinpath("gpumemd@.service").read_text()
+    click.echo(re.sub(r"^ExecStart=\S+", lambda _: "ExecStart=" + _exec_path(path), text, count=1, flags=re.MULTILINE), nl=False)
+
 
 if __name__ == "__main__":
     main()

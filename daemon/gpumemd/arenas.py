@@ -542,6 +542,7 @@ class ArenaBook:
             log.warning(
                 "refused: %s needs %d bytes; %d available on device %d (free %d less the %d-byte reserve)",
                 what, need, available, self.device.index, free, self.config.reserve_bytes,
+                extra={"figures": {"requested": need, "available": available, "free": free, "reserve": self.config.reserve_bytes}},
             )
             raise p.ProtocolError(
                 p.ErrorCode.OUT_OF_MEMORY,

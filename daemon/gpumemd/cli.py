@@ -9,10 +9,8 @@ daemon that can never start as configured.
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -22,11 +20,16 @@ from gpumem_shared.driver import Driver, DriverUnavailable
 from gpumem_shared.paths import Endpoints, resolve_runtime_dir
 from gpumem_shared.units import Size, format_size, parse
 
+from gpumemd import logs
 from gpumemd.arenas import SliceUnavailable
 from gpumemd.config import StateConfig
+from gpumemd.metrics import Metrics
 from gpumemd.notify import SystemdNotifier
 from gpumemd.server import Server, StartupError
 from gpumemd.state import DaemonState
+
+if TYPE_CHECKING:
+    from gpumemd.exporter import Exporter
 
 # sysexits EX_CONFIG.
 EXIT_CONFIG = 78
@@ -74,25 +77,23 @@ def _driver(backend: str | None, device: int, host_capacity: Size) -> Driver:
         raise ConfigError(f"cannot use the CUDA backend: {exc}; on a machine without a GPU, run with --backend host") from None
 
 
-def _under_journald() -> bool:
-    """Whether stderr is the journal (systemd sets JOURNAL_STREAM to its device:inode),
-    which stamps every line itself."""
-    stream = os.environ.get("JOURNAL_STREAM", "")
+def _exporter(address: str, port: int) -> Exporter:
+    """The metrics endpoint, bound: a missing extra or an address in use is a
+    configuration error, found before the daemon takes its device."""
     try:
-        st = os.fstat(sys.stderr.fileno())
-    except (OSError, ValueError):
-        return False
-    return stream == f"{st.st_dev}:{st.st_ino}"
-
-
-def _configure_logging(level: str) -> None:
-    fmt = "%(levelname)s %(name)s: %(message)s"
-    if not _under_journald():
-        fmt = "%(asctime)s " + fmt
-    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr)
+        from gpumemd.exporter import Exporter
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "prometheus_client":
+            raise
+        raise ConfigError("--metrics-port needs prometheus-client, which is not installed: pip install 'gpumemd[metrics]'") from None
+    try:
+        return Exporter(address, port)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on {address} port {port}: {exc.strerror or exc}") from None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gpumemd", prog_name="gpumemd")
 @click.option("--device", type=int, default=0, show_default=True, help="GPU index (nvidia-smi order) this daemon owns.")
 @click.option("--backend", type=click.Choice(["cuda", "host"]), default=None, help="Driver backend [default: cuda].")
 @click.option("--host-capacity", default="8GiB", show_default=True, callback=_size, help="Memory the host backend offers.")
@@ -101,7 +102,7 @@ def _configure_logging(level: str) -> None:
     default=None,
     help="Socket directory [default: $GPUMEMD_RUNTIME_DIR, /run/gpumemd for root, else $XDG_RUNTIME_DIR/gpumemd].",
 )
-@click.option("--socket-group", default=None, help="Group that owns the sockets (mode 0660); its members may connect.")
+@click.option("--socket-group", default=None, help="Group (name or number) that owns the sockets (mode 0660); its members may connect.")
 @click.option("--chunk-size", default="512MiB", show_default=True, callback=_size, help="Size of bulk chunks; tails use smaller ones.")
 @click.option(
     "--kv-chunk-size",
@@ -129,7 +130,27 @@ def _configure_logging(level: str) -> None:
     show_default=True,
     help="At a round's deadline: commit for the members that reported, or fail the round.",
 )
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics at http://ADDRESS:PORT/metrics (needs: pip install 'gpumemd[metrics]'); 0 picks a free port, logged.",
+)
+@click.option("--metrics-address", default=None, help="Address the metrics endpoint listens on [default: 127.0.0.1].")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+    help="debug adds a line per control request: type, client, size, outcome, time in µs.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(logs.FORMATS),
+    default="text",
+    show_default=True,
+    help="text: timestamped lines (not under journald, which stamps them); json: one object per line, with figures.",
+)
 def command(
     device: int,
     backend: str | None,
@@ -142,10 +163,15 @@ def command(
     hello_timeout: float,
     round_timeout: float,
     round_policy: str,
+    metrics_port: int | None,
+    metrics_address: str | None,
     log_level: str,
+    log_format: logs.LogFormat,
 ) -> None:
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
-    _configure_logging(log_level)
+    logs.configure(log_level, log_format)
+    if metrics_address is not None and metrics_port is None:
+        raise ConfigError(f"--metrics-address {metrics_address} serves nothing without --metrics-port")
     if not 0 <= device < VA_PLAN_SLICES:
         raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     driver = _driver(backend, device, host_capacity)
@@ -169,18 +195,33 @@ def command(
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
     )
+    exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None
     try:
         state = DaemonState(driver, config)
     except SliceUnavailable as exc:
         raise ConfigError(str(exc)) from None
-    server = Server(state, endpoints, socket_group=socket_group, hello_timeout=hello_timeout, notifier=SystemdNotifier())
+    metrics = Metrics(state) if exporter is not None else None
+    server = Server(
+        state,
+        endpoints,
+        socket_group=socket_group,
+        hello_timeout=hello_timeout,
+        notifier=SystemdNotifier(),
+        on_tick=metrics.refresh if metrics is not None else None,
+    )
     try:
         server.bind()
     except StartupError as exc:
         raise ConfigError(str(exc)) from None
     except OSError as exc:
         raise ConfigError(f"cannot use runtime directory {endpoints.runtime_dir}: {exc.strerror or exc}") from None
-    server.serve_forever()
+    if exporter is not None and metrics is not None:
+        exporter.start(metrics)
+    try:
+        server.serve_forever()
+    finally:
+        if exporter is not None:
+            exporter.close()
 
 
 def _fail(message: str) -> NoReturn:

@@ -32,6 +32,7 @@ from gpumemd.records import (
     RoundRecord,
     SessionRecord,
 )
+from gpumemd.tally import Tally
 
 log = logging.getLogger("gpumemd.kv_pools")
 
@@ -42,6 +43,11 @@ _ROUNDS_KEPT = 16
 MAX_WEIGHT = 1e6
 
 
+def _budget_figures(round_: RoundRecord) -> dict[str, int]:
+    """The round's budget for a log line's figures; none before it was measured."""
+    return {} if round_.budget == p.RoundBudget() else msgspec.structs.asdict(round_.budget)
+
+
 class KvBook:
     def __init__(
         self,
@@ -49,11 +55,13 @@ class KvBook:
         sessions: Mapping[int, SessionRecord],
         config: StateConfig,
         clock: Callable[[], float],
+        tally: Tally,
     ) -> None:
         self.arenas = arenas
         self.sessions = sessions
         self.config = config
         self.clock = clock
+        self.tally = tally
         self.pools: dict[str, KvPoolRecord] = {}
         self.rounds: list[RoundRecord] = []  # the active one last; finished ones kept for status
         self._next_round = 1
@@ -292,6 +300,7 @@ class KvBook:
         if not members:
             round_.state = p.RoundState.FAILED
             round_.error = "no member reported capture-done"
+            self._ended(round_)
             return
         staged = sum(c.size for m in members for c in m.staged)
         free = self.arenas.free_bytes() + staged  # staged minimums are the members' own
@@ -347,6 +356,7 @@ class KvBook:
         handed = sum(len(new) for _, new in handouts)
         committed = sum(c.size for _, new in handouts for c in new)
         round_.budget.committed = committed  # before the replies: each carries a copy of the budget
+        self._ended(round_)
         for member, new in handouts:
             reply = self._reply(member.pool, new, [], round_)
             self._completions.append(Completion(member.session_id, member.request_id, reply, self.arenas.hand(self.sessions[member.session_id], new)))
@@ -358,6 +368,7 @@ class KvBook:
             handed,
             staged,
             created_ms,
+            extra={"figures": {"round": round_.id, "chunks": handed, "created_ms": round(created_ms, 3), **_budget_figures(round_)}},
         )
 
     def _stage(self, member: MemberRecord) -> None:
@@ -392,10 +403,14 @@ class KvBook:
             self.arenas.retire(drop, [], "", arena.name)
         member.staged = []
 
+    def _ended(self, round_: RoundRecord) -> None:
+        self.tally.round_ended(round_.state, self.clock() - round_.created, round_.budget)
+
     def _fail(self, round_: RoundRecord, message: str, **detail: int | str) -> None:
         round_.state = p.RoundState.FAILED
         round_.error = message
-        log.warning("%s", message)
+        self._ended(round_)
+        log.warning("%s", message, extra={"figures": {"round": round_.id, **_budget_figures(round_), **detail}})
         for member in round_.members:
             self._unstage(member)
             if member.reported:

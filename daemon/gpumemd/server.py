@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,9 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 
+# A request's size, for its debug line: the first of these fields it has.
+_SIZE_FIELDS = ("nbytes", "to_nbytes", "reserve_bytes", "slot_bytes", "tokens")
+
 
 class StartupError(Exception):
     """The daemon cannot start; the message is the one line an operator sees."""
@@ -72,6 +76,7 @@ class Server:
         hello_timeout: float = 5.0,
         notifier: SystemdNotifier | None = None,
         tick_interval: float = 0.2,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self.state = state
         self.endpoints = endpoints
@@ -79,6 +84,7 @@ class Server:
         self.hello_timeout = hello_timeout
         self.notifier = notifier or SystemdNotifier({})
         self.tick_interval = tick_interval
+        self._on_tick = on_tick  # after each tick's work, on this thread (the metrics snapshot)
         self._stop_requested = False
         self._connections: dict[int, Connection] = {}  # by socket fd
         self._by_session: dict[int, Connection] = {}
@@ -90,6 +96,9 @@ class Server:
         self._wake_r = self._wake_w = -1
         self._last_watchdog = 0.0
         self._next_tick = 0.0
+        # Chosen once, when the loop starts: at info the control path pays nothing for
+        # the debug line it does not write.
+        self._serve_request = self._serve
 
     # ------------------------------------------------------------------ startup
 
@@ -138,6 +147,8 @@ class Server:
     def _group_id(self) -> int | None:
         if not self.socket_group:
             return None
+        if self.socket_group.isdigit():  # a container may know the group by number only
+            return int(self.socket_group)
         try:
             return grp.getgrnam(self.socket_group).gr_gid
         except KeyError:
@@ -185,6 +196,8 @@ class Server:
         poller.register(self._listener.fileno(), _POLLIN)
         poller.register(self._wake_r, _POLLIN)
         self._poller = poller
+        if log.isEnabledFor(logging.DEBUG):
+            self._serve_request = self._serve_traced
         self.notifier.send("READY=1", f"STATUS=serving device {self.endpoints.index} ({self.state.driver.kind})")
         log.info(
             "serving device %d (%s, %s) at %s", self.endpoints.index, self.state.device.name, self.state.device.uuid, self.endpoints.runtime_dir
@@ -229,6 +242,12 @@ class Server:
                 self._drop(conn)
             self.state.tick()  # round deadlines
             self._flush_state()
+            if self._on_tick is not None:
+                try:
+                    self._on_tick()
+                except Exception:  # the metrics must never take the memory daemon down
+                    log.exception("the tick hook failed; it is off from now on (the metrics stop moving), the daemon goes on")
+                    self._on_tick = None
         interval = self.notifier.watchdog_interval
         if interval is not None and now - self._last_watchdog >= interval:
             self.notifier.send("WATCHDOG=1")
@@ -256,7 +275,7 @@ class Server:
             router.send(identity, _SNDMORE_NOBLOCK)
             router.send(p.encode_error(0, err), _NOBLOCK)
             return
-        reply = self._serve(identity, frame.buffer)
+        reply = self._serve_request(identity, frame.buffer)
         if reply is not None:
             router.send(identity, _SNDMORE_NOBLOCK)
             router.send(reply, _NOBLOCK)
@@ -289,6 +308,40 @@ class Server:
         except Exception:
             log.exception("request %d failed inside the daemon", request_id)
             return p.encode_error(request_id, p.ProtocolError(p.ErrorCode.INTERNAL, "internal error in gpumemd; see its log"))
+
+    def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> bytes | None:
+        """``_serve``, and a debug line for the request: its type, client, size, outcome,
+        and the time the daemon took for it (decode to encoded reply) in µs."""
+        started = time.perf_counter_ns()
+        reply = self._serve(identity, frame)
+        micros = (time.perf_counter_ns() - started) / 1e3
+        session = self._by_token.get(identity)
+        client = f"client {session.name!r} (session {session.id})" if session is not None else "an anonymous peer"
+        size: dict[str, int] = {}
+        try:
+            request = p.decode_request(frame)
+            kind, request_id = request.message.TYPE.name, request.request_id
+            field = next((f for f in _SIZE_FIELDS if hasattr(request.message, f)), None)
+            if field is not None:
+                size[field] = getattr(request.message, field)
+        except p.ProtocolError:
+            kind, request_id = "undecodable", 0
+        if reply is None:
+            outcome = "deferred"
+        else:
+            answer = p.decode_reply(reply)
+            outcome = "ok" if answer.ok else answer.code.name
+        log.debug(
+            "request %d %s from %s%s: %s in %.0f µs",
+            request_id, kind, client, "".join(f", {k} {v}" for k, v in size.items()), outcome, micros,
+            extra={
+                "figures": {
+                    "request_id": request_id, "type": kind, "client": session.name if session else "", **size,
+                    "frame_bytes": len(frame), "outcome": outcome, "micros": round(micros, 1),
+                }
+            },
+        )
+        return reply
 
     def _flush_state(self) -> None:
         """Deliver what the state produced on its own: deferred replies, notices."""

@@ -31,6 +31,7 @@ from gpumemd.config import StateConfig
 from gpumemd.graph_pools import GraphPoolBook
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
+from gpumemd.tally import Tally
 
 log = logging.getLogger("gpumemd.state")
 
@@ -60,9 +61,11 @@ class DaemonState:
             total_bytes=driver.total_bytes(),
             granularity=driver.granularity,
         )
+        self.tally = Tally()
+        self._served = self.tally.served  # counted on every request: one lookup fewer
         self.arenas = ArenaBook(driver, config, self.device)
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device)
-        self.kv = KvBook(self.arenas, self.sessions, config, clock)
+        self.kv = KvBook(self.arenas, self.sessions, config, clock, self.tally)
         self._handlers: dict[type, Handler] = {
             p.Ping: lambda s, m: Outcome(p.Ack()),
             p.Status: lambda s, m: Outcome(self.status()),
@@ -86,7 +89,7 @@ class DaemonState:
             p.OpenGraphPool: self.graph_pools.open,
             p.PublishLeaseEvent: self.graph_pools.publish_event,
             p.LookupLeaseEvent: self.graph_pools.lookup_event,
-            p.ReportEscape: self.graph_pools.report_escape,
+            p.ReportEscape: self._report_escape,
         }
         # Answered later, when their round commits or fails: they need the request id.
         self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done}
@@ -117,6 +120,7 @@ class DaemonState:
         )
         self._next_session += 1
         self.sessions[session.id] = session
+        self.tally.sessions_opened += 1
         log.info("session %d opened: client %r pid %d uid %d", session.id, session.name, pid, uid)
         reply = p.HelloReply(
             protocol=list(p.PROTOCOL_VERSION),
@@ -134,10 +138,13 @@ class DaemonState:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return []
+        started = time.perf_counter()
+        held = self.arenas.accounted_bytes()
+        left = [a for a in self.arenas.by_name.values() if session_id in a.attached]
         notices: Notices = []
         rounds = self.kv.drop_session(session_id)
         self.graph_pools.session_ended(session_id)
-        for arena in [a for a in self.arenas.by_name.values() if session_id in a.attached]:
+        for arena in left:
             self.arenas.detach(arena, session_id)
             if arena.owner_id == session_id:
                 self.arenas.owner_left(arena, notices, released=False)
@@ -147,25 +154,49 @@ class DaemonState:
                 log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
         for round_ in rounds:  # once its memory is given back: the budget counts it as free
             self.kv.try_finish(round_)
-        log.info("session %d closed: client %r pid %d", session.id, session.name, session.pid)
+        if not left:  # it released what it had: a clean close
+            log.info("session %d closed: client %r pid %d", session.id, session.name, session.pid)
+            return notices
+        # It ended still attached: it died (or closed without releasing), and the daemon
+        # took back what it held. Bytes stay accounted while another client maps them.
+        reclaimed = held - self.arenas.accounted_bytes()
+        seconds = time.perf_counter() - started
+        self.tally.sessions_reclaimed += 1
+        self.tally.reclaimed_bytes += reclaimed
+        self.tally.reclaim_seconds.observe(seconds)
+        log.info(
+            "session %d closed: client %r pid %d left %d arena(s) attached (%s); %d bytes reclaimed in %.0f µs",
+            session.id, session.name, session.pid, len(left), ", ".join(a.name for a in left), reclaimed, seconds * 1e6,
+            extra={"figures": {"session": session.id, "pid": session.pid, "arenas": len(left), "reclaimed": reclaimed, "micros": round(seconds * 1e6)}},
+        )
         return notices
 
     # ------------------------------------------------------------------ requests
 
     def handle(self, session: SessionRecord | None, message: Any, request_id: int = 0) -> Outcome:
         cls = type(message)
-        handler = self._handlers.get(cls)
-        deferred = self._deferred.get(cls)
-        if handler is None and deferred is None:
-            raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, f"{cls.__name__} is not a request the daemon serves")
-        if self.stopping and not cls.WHILE_STOPPING:
-            raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; mapped memory stays valid in your process")
-        if session is None and cls.NEEDS_SESSION:
-            raise p.ProtocolError(p.ErrorCode.NO_SESSION, "this request needs a session: open one with HELLO on the fd channel first")
-        if deferred is not None:
-            return deferred(session, message, request_id)
-        assert handler is not None
-        return handler(session, message)
+        try:
+            handler = self._handlers.get(cls)
+            deferred = self._deferred.get(cls)
+            if handler is None and deferred is None:
+                raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, f"{cls.__name__} is not a request the daemon serves")
+            if self.stopping and not cls.WHILE_STOPPING:
+                raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; mapped memory stays valid in your process")
+            if session is None and cls.NEEDS_SESSION:
+                raise p.ProtocolError(p.ErrorCode.NO_SESSION, "this request needs a session: open one with HELLO on the fd channel first")
+            if deferred is not None:
+                outcome = deferred(session, message, request_id)
+            else:
+                assert handler is not None
+                outcome = handler(session, message)
+        except p.ProtocolError as exc:
+            self.tally.refuse(cls, int(exc.code))
+            raise
+        except Exception:
+            self.tally.refuse(cls, int(p.ErrorCode.INTERNAL))  # what the server answers for it
+            raise
+        self._served[cls] += 1
+        return outcome
 
     def _create_arena(self, s: SessionRecord, m: p.CreateArena) -> Outcome:
         return Outcome(p.ArenaReply(arena=self.arenas.view(self.arenas.create(s, m.name, m.reserve_bytes))))
@@ -175,6 +206,12 @@ class DaemonState:
         if drop:
             self.graph_pools.refuse_from(arena, drop[0].offset, "decommit")
         return self.arenas.decommit(s, arena, drop)
+
+    def _report_escape(self, s: SessionRecord, m: p.ReportEscape) -> Outcome:
+        outcome = self.graph_pools.report_escape(s, m)
+        if m.escaped:
+            self.tally.escapes[m.pool_id] = self.tally.escapes.get(m.pool_id, 0) + 1
+        return outcome
 
     def _chunks_unmapped(self, s: SessionRecord, m: p.ChunksUnmapped) -> Outcome:
         outcome = self.arenas.chunks_unmapped(s, m)
@@ -208,9 +245,13 @@ class DaemonState:
     # ------------------------------------------------------------------ the loop's hooks
 
     def tick(self) -> None:
-        """The lease slots' repairs and round deadlines: called by the server's loop."""
+        """Lease-slot repairs, round deadlines, the counts of pools gone: called by the server's loop."""
         self.graph_pools.sweep()
         self.kv.tick()
+        escapes = self.tally.escapes
+        if len(escapes) > len(self.graph_pools.by_id):  # pools went: their counts go too
+            for gone in escapes.keys() - self.graph_pools.by_id.keys():
+                del escapes[gone]
 
     def take_completions(self) -> list[Completion]:
         return self.kv.take_completions()

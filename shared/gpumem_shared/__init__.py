@@ -1,3 +1,7 @@
 """Code both sides import: the wire protocol, the fd channel, runtime paths, drivers."""
 
-__version__ = "0.1.0"
+from importlib.metadata import version
+
+# pyproject.toml is the one place the version is written; an installed copy (editable
+# included) carries it in its metadata. The daemon reports this, gpumem re-exports it.
+__version__ = version("gpumemd")

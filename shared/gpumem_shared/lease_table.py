@@ -231,6 +231,16 @@ class LeaseSegment:
     def set_label(self, label: str) -> None:
         self._slot.label = label.encode()[:LABEL_BYTES]
 
+    def releases(self) -> int:
+        """The slot's futex word, which every release (and every clear) bumps by one:
+        leases ended on the slot, modulo 2**32. A segment is new at its pool's
+        registration, so the count starts at 0; the daemon's metrics read it."""
+        return int(self._slot.futex)
+
+    def waiters(self) -> int:
+        """Processes asleep on the slot right now, waiting for its holder to let go."""
+        return int(self._slot.waiters)
+
     def holder(self) -> Holder | None:
         entry = self._slot
         word = int(entry.word)

@@ -118,6 +118,16 @@ def test_socket_files_are_0660_and_owned_by_the_socket_group(daemon_factory, run
     ping(runtime_dir)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving sockets to another group takes root")
+def test_a_socket_group_given_by_number_needs_no_name(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """A container image may not list the group engine pods share: its number is enough."""
+    gid = next(g for g in range(4242, 5000) if g not in {x.gr_gid for x in grp.getgrall()})
+    daemon_factory("host", args=["--socket-group", str(gid)])
+    ep = Endpoints(runtime_dir, 0)
+    assert ep.zmq_path.lstat().st_gid == ep.fd_path.lstat().st_gid == gid
+    ping(runtime_dir)
+
+
 def test_unknown_socket_group_is_one_line_and_exit_78(runtime_dir) -> None:  # type: ignore[no-untyped-def]
     result = _gpumemd(runtime_dir, "--backend", "host", "--socket-group", "no-such-group-gpumemd-test")
     assert result.returncode == EX_CONFIG, result

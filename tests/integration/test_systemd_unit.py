@@ -1,5 +1,6 @@
-"""systemd/gpumemd@.service: systemd itself accepts it (pointed at the installed
-gpumemd), and it says what the daemon relies on."""
+"""The systemd unit: one file, shipped beside gpumemctl and linked from systemd/; what
+``gpumemctl unit`` prints (ExecStart naming the installed gpumemd) systemd itself
+accepts; and it says what the daemon relies on."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from conftest import ROOT
 
 UNIT = ROOT / "systemd" / "gpumemd@.service"
+PACKAGED = ROOT / "client" / "gpumem" / "gpumemd@.service"
 
 
 def _installed_gpumemd() -> str:
@@ -48,6 +50,32 @@ def _one(entries: list[tuple[str, str]], key: str) -> str:
     values = [v for k, v in entries if k == key]
     assert len(values) == 1, f"{key}= appears {len(values)} times"
     return values[0]
+
+
+def _printed_unit(*args: str) -> subprocess.CompletedProcess[str]:
+    """``gpumemctl unit`` as installed in this environment (the script beside the Python)."""
+    gpumemctl = Path(sys.executable).parent / "gpumemctl"
+    if not gpumemctl.is_file():
+        pytest.skip("the gpumemctl console script is not installed (pip install -e .)")
+    return subprocess.run([str(gpumemctl), "unit", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_the_source_tree_links_to_the_packaged_unit() -> None:
+    assert UNIT.is_symlink() and UNIT.resolve() == PACKAGED.resolve(), "one unit file, not two copies"
+
+
+def test_gpumemctl_unit_prints_the_unit_with_the_installed_gpumemd() -> None:
+    result = _printed_unit()
+    assert result.returncode == 0 and result.stderr == "", result
+    printed, packaged = result.stdout.splitlines(), PACKAGED.read_text().splitlines()
+    changed = [(a, b) for a, b in zip(printed, packaged) if a != b]
+    assert len(printed) == len(packaged) and len(changed) == 1, changed
+    ((line, _),) = changed
+    assert line == f"ExecStart={_installed_gpumemd()} --device %i --socket-group gpumem"
+    quoted = _printed_unit("--gpumemd", "/opt/gpu mem/50%/gpumemd").stdout
+    assert 'ExecStart="/opt/gpu mem/50%%/gpumemd" --device %i' in quoted, "blanks quoted, % escaped for systemd"
+    relative = _printed_unit("--gpumemd", "gpumemd")
+    assert relative.returncode == 1 and "absolute path" in relative.stderr
 
 
 def test_unit_declares_what_the_daemon_relies_on() -> None:
@@ -120,12 +148,11 @@ def test_the_daemon_serves_the_gpu_with_the_units_environment_and_arguments(tmp_
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_passes(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    gpumemd = _installed_gpumemd()
-    text = UNIT.read_text()
-    patched, count = re.subn(r"^ExecStart=\S+", f"ExecStart={gpumemd}", text, flags=re.MULTILINE)
-    assert count == 1
+    printed = _printed_unit()
+    assert printed.returncode == 0, printed
     unit = tmp_path / UNIT.name
-    unit.write_text(patched)
+    unit.write_text(printed.stdout)
+    text = UNIT.read_text()
     result = subprocess.run(
         ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )

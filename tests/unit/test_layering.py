@@ -15,7 +15,10 @@ from conftest import ROOT
 PACKAGES = {"gpumemd": ROOT / "daemon" / "gpumemd", "gpumem": ROOT / "client" / "gpumem", "gpumem_shared": ROOT / "shared" / "gpumem_shared"}
 
 # Bottom up: a module may import only modules before it in this list.
-DAEMON_LAYERS = ["config", "notify", "records", "kv_math", "arenas", "graph_pools", "kv_pools", "status", "state", "server", "cli", "__main__"]
+DAEMON_LAYERS = [
+    "config", "notify", "logs", "tally", "records", "kv_math", "arenas", "graph_pools", "kv_pools", "status", "state", "metrics", "exporter", "server",
+    "cli", "__main__",
+]
 
 
 def imports(path: Path) -> set[str]:

@@ -15,6 +15,11 @@
  * restated every signature in Python, and a ctypes call costs more than the
  * compare-and-swap it wraps (1.9 us against 0.75 for a lease taken and given back on
  * the VM, 5.4 against 0.98 on the H200 machine).
+ *
+ * Only the stable ABI of Python 3.10 is used (setup.py defines Py_LIMITED_API), so one
+ * abi3 wheel serves every supported Python: no macro that reads an object's struct
+ * (PyTuple_GET_ITEM, PySequence_Fast_*), their function forms instead, off the lease
+ * path. METH_FASTCALL joined the stable ABI in 3.10.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -226,20 +231,23 @@ static PyObject *slot_release(PyObject *module, PyObject *const *args, Py_ssize_
 
 /* A sequence of (address, size) tuples, at most ``max``, into base[] and size[]. */
 static int ranges_arg(PyObject *arg, size_t max, const char *what, uint64_t *base, uint64_t *size, size_t *n) {
-    PyObject *seq = PySequence_Fast(arg, "expected a sequence of (address, size) tuples");
-    if (!seq) return -1;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject *seq = PySequence_Check(arg) ? PySequence_Tuple(arg) : NULL;
+    if (!seq) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "expected a sequence of (address, size) tuples");
+        return -1;
+    }
+    Py_ssize_t len = PyTuple_Size(seq);
     int rc = 0;
     if ((size_t)len > max) {
         PyErr_Format(PyExc_ValueError, "%zd %s; a slot holds at most %zu", len, what, max);
         rc = -1;
     }
     for (Py_ssize_t i = 0; rc == 0 && i < len; i++) {
-        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        PyObject *pair = PyTuple_GetItem(seq, i);
+        if (!PyTuple_Check(pair) || PyTuple_Size(pair) != 2) {
             PyErr_Format(PyExc_TypeError, "%s are (address, size) tuples", what);
             rc = -1;
-        } else if (u64_arg(PyTuple_GET_ITEM(pair, 0), &base[i]) < 0 || u64_arg(PyTuple_GET_ITEM(pair, 1), &size[i]) < 0) {
+        } else if (u64_arg(PyTuple_GetItem(pair, 0), &base[i]) < 0 || u64_arg(PyTuple_GetItem(pair, 1), &size[i]) < 0) {
             rc = -1;
         }
     }
@@ -473,11 +481,10 @@ static int add_named(PyObject *module, const char *attr, const named_value *valu
     if (!pairs) return -1;
     for (size_t i = 0; i < n; i++) {
         PyObject *pair = Py_BuildValue("(sl)", values[i].name, values[i].value);
-        if (!pair) {
+        if (!pair || PyTuple_SetItem(pairs, (Py_ssize_t)i, pair) < 0) { /* SetItem takes pair, even on failure */
             Py_DECREF(pairs);
             return -1;
         }
-        PyTuple_SET_ITEM(pairs, (Py_ssize_t)i, pair);
     }
     int rc = PyModule_AddObjectRef(module, attr, pairs);
     Py_DECREF(pairs);
@@ -492,11 +499,10 @@ static int add_slot_fields(PyObject *module) {
     for (size_t i = 0; i < n; i++) {
         const slot_field *f = &lease_slot_fields[i];
         PyObject *entry = Py_BuildValue("(snn)", f->name, (Py_ssize_t)f->offset, (Py_ssize_t)f->size);
-        if (!entry) {
+        if (!entry || PyTuple_SetItem(fields, (Py_ssize_t)i, entry) < 0) {
             Py_DECREF(fields);
             return -1;
         }
-        PyTuple_SET_ITEM(fields, (Py_ssize_t)i, entry);
     }
     int rc = PyModule_AddObjectRef(module, "LEASE_SLOT_FIELDS", fields);
     Py_DECREF(fields);

@@ -1,0 +1,327 @@
+"""The metrics snapshot, built on the daemon's thread from a DaemonState on the host
+driver: what the counters count, when a new snapshot is published, and what the
+daemon reads from the lease table (acquisitions, waiters, conflicts, waits, escapes).
+The rendering to the Prometheus format and the scrape are the integration tier's."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from gpumem_shared import lease_table
+from gpumem_shared import protocol as p
+from gpumem_shared.lease_table import LeaseKind, LeaseSegment, LeaseStatus
+from gpumemd.metrics import HistogramValue, Metrics, Snapshot
+from gpumemd.records import SessionRecord as Session
+
+from .harness import BULK, CAPACITY, GiB, Harness, MiB
+from .test_lease_table import Waiter, wait_until_sleeping
+
+
+def value(snapshot: Snapshot, name: str, **labels: str) -> float | HistogramValue:
+    """The one sample of ``name`` whose labels include ``labels`` (device 0 implied)."""
+    (family,) = [f for f in snapshot.families if f.name == name]
+    wanted = {"device": "0", **labels}
+    found = [v for values, v in family.samples if all(dict(zip(family.labels, values)).get(k) == x for k, x in wanted.items())]
+    assert len(found) == 1, f"{name}{wanted}: {len(found)} samples in {family.samples}"
+    return found[0]
+
+
+def number(snapshot: Snapshot, name: str, **labels: str) -> float:
+    v = value(snapshot, name, **labels)
+    assert not isinstance(v, HistogramValue)
+    return v
+
+
+def histogram(snapshot: Snapshot, name: str, **labels: str) -> HistogramValue:
+    v = value(snapshot, name, **labels)
+    assert isinstance(v, HistogramValue)
+    return v
+
+
+def labelled(snapshot: Snapshot, name: str) -> dict[tuple[str, ...], float | HistogramValue]:
+    (family,) = [f for f in snapshot.families if f.name == name]
+    return {values[1:]: v for values, v in family.samples}
+
+
+def fresh(m: Metrics) -> Snapshot:
+    m.refresh()
+    return m.snapshot
+
+
+def test_memory_requests_and_refusals_are_counted(h: Harness) -> None:
+    m = Metrics(h.state)
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    h.create(a, "kv", GiB)
+    h.commit(a, "kv", 2 * BULK)
+    h.create(b, "spare", GiB)
+    h.commit(b, "spare", BULK)
+    h.refused(a, p.CommitArena(name="kv", nbytes=CAPACITY + BULK), p.ErrorCode.OUT_OF_MEMORY)
+    h.refused(b, p.CommitArena(name="kv", nbytes=4 * BULK), p.ErrorCode.PERMISSION_DENIED)
+    h.refused(a, p.CommitArena(name="kv", nbytes=BULK + 1), p.ErrorCode.INVALID_ARGUMENT)
+    h.decommit(a, "kv", BULK)
+    s = fresh(m)
+    assert number(s, "gpumemd_commits_total") == 2 and number(s, "gpumemd_decommits_total") == 1
+    assert labelled(s, "gpumemd_commits_refused_total") == {("out_of_memory",): 1, ("permission_denied",): 1, ("invalid_argument",): 1}
+    assert number(s, "gpumemd_requests_total", type="arena_commit", outcome="ok") == 2
+    assert number(s, "gpumemd_requests_total", type="arena_create", outcome="ok") == 2
+    assert labelled(s, "gpumemd_client_committed_bytes") == {("engine-a",): BULK, ("engine-b",): BULK}
+    assert labelled(s, "gpumemd_arena_committed_bytes") == {("kv", "engine-a"): BULK, ("spare", "engine-b"): BULK}
+    assert number(s, "gpumemd_arena_reserved_bytes", arena="kv") == GiB
+    # engine-a still maps the chunk its decommit took out until it reports the unmap.
+    assert number(s, "gpumemd_arena_retiring_bytes", arena="kv") == number(s, "gpumemd_device_retiring_bytes") == BULK
+    status = h.state.status()
+    assert number(s, "gpumemd_device_held_bytes") == status.device.accounted_bytes == 3 * BULK
+    assert number(s, "gpumemd_device_free_bytes") == status.device.free_bytes == CAPACITY - 3 * BULK
+    assert number(s, "gpumemd_device_total_bytes") == CAPACITY
+    assert number(s, "gpumemd_sessions") == 2 and number(s, "gpumemd_sessions_opened_total") == 2
+
+
+def test_a_client_that_dies_attached_is_a_reclaim_with_its_bytes(h: Harness) -> None:
+    m = Metrics(h.state)
+    dies, quits = h.connect("dies"), h.connect("quits")
+    h.create(dies, "a", GiB)
+    h.commit(dies, "a", 2 * BULK)
+    h.create(quits, "b", GiB)
+    h.commit(quits, "b", BULK)
+    h.release(quits, "b")
+    h.state.close_session(quits.id)  # released everything first: a clean close
+    h.state.close_session(dies.id)
+    s = fresh(m)
+    assert number(s, "gpumemd_sessions_reclaimed_total") == 1
+    assert number(s, "gpumemd_reclaimed_bytes_total") == 2 * BULK
+    reclaim = histogram(s, "gpumemd_reclaim_seconds")
+    assert sum(reclaim.counts) == 1 and reclaim.sum > 0
+    assert number(s, "gpumemd_sessions") == 0 and number(s, "gpumemd_device_held_bytes") == 0
+
+
+def test_a_new_snapshot_only_when_something_changed(h: Harness) -> None:
+    m = Metrics(h.state)
+    first = fresh(m)
+    assert fresh(m) is first, "nothing happened: the exporter keeps serving the same snapshot"
+    h.ok(None, p.Ping())
+    second = fresh(m)
+    assert second is not first and number(second, "gpumemd_requests_total", type="ping", outcome="ok") == 1
+    h.connect("engine-a")
+    third = fresh(m)
+    assert third is not second and number(third, "gpumemd_sessions") == 1
+    assert fresh(m) is third
+    # Published whole: the one an exporter took earlier still says what it said.
+    assert number(first, "gpumemd_sessions") == 0
+
+
+def test_a_family_that_did_not_change_is_the_same_object(h: Harness) -> None:
+    """What lets the exporter render only what changed."""
+    m = Metrics(h.state)
+    h.connect("engine-a")
+    first = fresh(m)
+    h.ok(None, p.Ping())
+    second = fresh(m)
+    assert [f.name for f in second.families if not any(f is g for g in first.families)] == ["gpumemd_requests_total"]
+
+
+def _scrape(url: str) -> bytes:
+    """The daemon's families of a scrape (the process's own figures come after them)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().split(b"# HELP process_")[0]  # type: ignore[no-any-return]
+
+
+def test_the_exporter_serves_a_changed_snapshot_as_a_whole_new_one(h: Harness) -> None:
+    """It renders only the families that changed; what it serves is what rendering them
+    all gives."""
+    pytest.importorskip("prometheus_client")
+    from gpumemd.exporter import Exporter
+
+    m = Metrics(h.state)
+    s = h.connect("engine-a")
+    served, fresh_one = Exporter("127.0.0.1", 0), Exporter("127.0.0.1", 0)
+    try:
+        served.start(m)
+        first = _scrape(served.url)
+        h.create(s, "kv", GiB)
+        h.commit(s, "kv", BULK)
+        m.refresh()
+        fresh_one.start(m)
+        after = _scrape(served.url)
+        assert after == _scrape(fresh_one.url) and after != first
+        assert b'gpumemd_arena_committed_bytes{arena="kv",client="engine-a",device="0"} 1.6777216e+07' in after
+    finally:
+        served.close()
+        fresh_one.close()
+
+
+def test_kv_rounds_by_outcome_with_duration_and_budget(h: Harness) -> None:
+    m = Metrics(h.state)
+    s = h.connect("engine-a")
+    h.ok(s, p.KvDeclare(name="pool", buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=4096))
+    h.ok(s, p.RoundJoin(pool="pool", expect=1))
+    assert number(fresh(m), "gpumemd_kv_rounds_active") == 1
+    h.clock.now += 7.0  # the engine captures its graphs
+    h.state.handle(s, p.CaptureDone(pool="pool", max_tokens=4096), 5)
+    (done,) = h.state.take_completions()
+    assert isinstance(done.reply, p.KvCommitReply)
+    snap = fresh(m)
+    assert labelled(snap, "gpumemd_kv_rounds_total") == {("committed",): 1, ("failed",): 0}
+    assert number(snap, "gpumemd_kv_rounds_active") == 0
+    duration = histogram(snap, "gpumemd_kv_round_duration_seconds")
+    assert duration.sum == pytest.approx(7.0) and duration.counts[duration.bounds.index(10.0)] == 1
+    assert number(snap, "gpumemd_kv_round_committed_bytes") == done.reply.budget.committed == 16 * MiB
+    assert number(snap, "gpumemd_kv_round_budget_bytes") == done.reply.budget.budget > 16 * MiB
+    assert number(snap, "gpumemd_kv_pool_tokens", pool="pool", client="engine-a") == 4096
+
+    h.ok(s, p.KvDeclare(name="late", buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=4096))
+    h.ok(s, p.RoundJoin(pool="late", expect=2))
+    h.clock.now += h.config.round_timeout + 1  # nobody reports: the deadline fails it
+    h.state.tick()
+    assert labelled(fresh(m), "gpumemd_kv_rounds_total") == {("committed",): 1, ("failed",): 1}
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def owned_pool(h: Harness) -> tuple[Session, p.GraphPoolStatus]:
+    s = h.connect("engine")
+    h.create(s, "graphs", GiB)
+    h.commit(s, "graphs", BULK)
+    m = p.RegisterGraphPool(arena="graphs", label="decode bs=8", extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=[p.Extent(offset=MiB, size=2 * MiB)])
+    return s, h.ok(s, m).reply.pool
+
+
+def lease_labels(pool: p.GraphPoolStatus) -> dict[str, str]:
+    return {"pool_id": str(pool.id), "pool": pool.label, "arena": pool.arena, "client": pool.owner}
+
+
+def segment(h: Harness, pool: p.GraphPoolStatus) -> LeaseSegment:
+    """The pool's lease segment as the daemon maps it."""
+    return h.state.graph_pools.by_id[pool.id].segment
+
+
+def take_and_give_back(h: Harness, s: Session, pool: p.GraphPoolStatus, times: int) -> None:
+    table, w = segment(h, pool), lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    for _ in range(times):
+        assert table.try_acquire(w, lease_table.lease_epoch(pool.id, pool.epoch), b"replay") == LeaseStatus.OK
+        assert table.release(w) == LeaseStatus.OK
+
+
+def test_leases_are_counted_from_the_registration_on(make_harness) -> None:  # type: ignore[no-untyped-def]
+    h = make_harness()
+    m = Metrics(h.state)
+    s, pool = owned_pool(h)
+    # Before any tick saw the pool: nothing is lost.
+    take_and_give_back(h, s, pool, 3)
+    snap = fresh(m)
+    labels = lease_labels(pool)
+    assert number(snap, "gpumemd_lease_acquisitions_total", **labels) == 3
+    assert number(snap, "gpumemd_graph_pool_free_bytes", **labels) == 2 * MiB
+    take_and_give_back(h, s, pool, 4)
+    assert number(fresh(m), "gpumemd_lease_acquisitions_total", **labels) == 7
+    h.ok(s, p.RetireGraphPool(pool_id=pool.id))
+    h.state.tick()
+    assert labelled(fresh(m), "gpumemd_lease_acquisitions_total") == {}
+    # A pool registered after it has a new segment: its count starts afresh, not at 7.
+    again = h.ok(s, p.RegisterGraphPool(arena="graphs", label="again", extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=[])).reply.pool
+    take_and_give_back(h, s, again, 2)
+    assert number(fresh(m), "gpumemd_lease_acquisitions_total", **lease_labels(again)) == 2
+
+
+def test_a_holder_with_a_sleeper_behind_it_is_one_conflict_and_one_wait(h: Harness) -> None:
+    m = Metrics(h.state)
+    s, pool = owned_pool(h)
+    labels = lease_labels(pool)
+    table, epoch = segment(h, pool), lease_table.lease_epoch(pool.id, pool.epoch)
+    held = lease_table.encode(LeaseKind.CAPTURE, s.id, s.pid)
+    assert table.try_acquire(held, epoch, b"capture") == LeaseStatus.OK
+    snap = fresh(m)
+    assert number(snap, "gpumemd_lease_held", kind="capture", **labels) == 1
+    assert number(snap, "gpumemd_lease_held", kind="replay", **labels) == 0
+    assert number(snap, "gpumemd_lease_conflicts_total", **labels) == 0, "held, but nobody waits"
+    waiter = Waiter(table, lease_table.encode(LeaseKind.REPLAY, s.id, s.pid + 1), epoch, 10.0)
+    waiter.start()
+    wait_until_sleeping(table)
+    time.sleep(0.05)  # the holder has held for a while when the tick sees the sleeper
+    snap = fresh(m)
+    assert number(snap, "gpumemd_lease_waiters", **labels) == 1
+    assert number(snap, "gpumemd_lease_conflicts_total", **labels) == 1
+    assert number(fresh(m), "gpumemd_lease_conflicts_total", **labels) == 1, "the same holder is one conflict, however many ticks see it"
+    assert table.release(held) == LeaseStatus.OK
+    assert waiter.finish()[0] == LeaseStatus.OK
+    snap = fresh(m)
+    assert number(snap, "gpumemd_lease_waiters", **labels) == 0
+    assert number(snap, "gpumemd_lease_held", kind="replay", **labels) == 1
+    wait = histogram(snap, "gpumemd_lease_wait_seconds", **labels)
+    assert sum(wait.counts) == 1 and 0.05 <= wait.sum < 10.0
+    assert number(snap, "gpumemd_lease_acquisitions_total", **labels) == 1, "the capture ended; the replay is still held"
+
+
+def test_each_holder_that_keeps_sleepers_waiting_is_its_own_conflict(h: Harness) -> None:
+    m = Metrics(h.state)
+    s, pool = owned_pool(h)
+    labels = lease_labels(pool)
+    table, epoch = segment(h, pool), lease_table.lease_epoch(pool.id, pool.epoch)
+    first = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    assert table.try_acquire(first, epoch, b"a") == LeaseStatus.OK
+    waiters = [Waiter(table, lease_table.encode(LeaseKind.REPLAY, s.id, s.pid + k), epoch, 10.0) for k in (1, 2)]
+    for w in waiters:
+        w.start()
+    wait_until_sleeping(table, waiters=2)
+    assert number(fresh(m), "gpumemd_lease_conflicts_total", **labels) == 1
+    assert table.release(first) == LeaseStatus.OK
+    deadline = time.monotonic() + 10
+    while not any(w.result for w in waiters):  # one of them holds it now, the other sleeps behind it
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    wait_until_sleeping(table)
+    snap = fresh(m)
+    assert number(snap, "gpumemd_lease_conflicts_total", **labels) == 2, "a new holder with a sleeper behind it"
+    assert sum(histogram(snap, "gpumemd_lease_wait_seconds", **labels).counts) == 1, "the first conflict ended"
+    assert sum(1 for w in waiters if w.result) == 1
+    assert table.release(table.peek()) == LeaseStatus.OK
+    for w in waiters:
+        w.finish()
+    assert table.release(table.peek()) == LeaseStatus.OK
+    snap = fresh(m)
+    assert number(snap, "gpumemd_lease_acquisitions_total", **labels) == 3
+    assert sum(histogram(snap, "gpumemd_lease_wait_seconds", **labels).counts) == 2
+
+
+def test_escapes_are_counted_and_the_escaped_clients_shown(h: Harness) -> None:
+    m = Metrics(h.state)
+    s, pool = owned_pool(h)
+    labels = lease_labels(pool)
+    h.ok(s, p.ReportEscape(pool_id=pool.id, escaped=True))
+    snap = fresh(m)
+    assert number(snap, "gpumemd_lease_escapes_total", **labels) == 1
+    assert number(snap, "gpumemd_lease_escaped_clients", **labels) == 1
+    h.ok(s, p.ReportEscape(pool_id=pool.id, escaped=False))
+    snap = fresh(m)
+    assert number(snap, "gpumemd_lease_escapes_total", **labels) == 1
+    assert number(snap, "gpumemd_lease_escaped_clients", **labels) == 0
+
+
+def test_every_family_is_named_for_prometheus(h: Harness) -> None:
+    """gpumemd_ prefix, base units in the name (_bytes, _seconds), counters in _total,
+    the device on every sample and only the documented labels."""
+    owned_pool(h)
+    names = set()
+    for family in Metrics(h.state).snapshot.families:
+        names.add(family.name)
+        assert family.name.startswith("gpumemd_") and family.name == family.name.lower(), family.name
+        assert family.name.endswith("_total") == (family.kind == "counter"), family.name
+        assert family.kind != "histogram" or family.name.endswith("_seconds"), family.name
+        assert "bytes" not in family.name or family.name.endswith(("_bytes", "_bytes_total")), family.name
+        assert family.labels[0] == "device", family.name
+        assert set(family.labels) <= {"device", "client", "arena", "pool", "pool_id", "kind", "type", "outcome", "reason",
+                                      "version", "backend", "uuid", "name"}, family.name
+    assert len(names) == len(Metrics(h.state).snapshot.families), "a family appears twice"
+
+
+def test_the_readme_lists_every_family_with_its_type(h: Harness) -> None:
+    owned_pool(h)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## Monitoring\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(gpumemd_\w+)` \| (\w+) \|", section, re.M))
+    assert listed == {(f.name, f.kind) for f in Metrics(h.state).snapshot.families}
