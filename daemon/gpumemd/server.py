@@ -379,7 +379,7 @@ class Server:
         if fds:
             fdchannel.close_all(fds)
             err = p.ProtocolError(p.ErrorCode.UNEXPECTED_FDS, f"the daemon takes no descriptors from clients; closed {len(fds)}")
-            self._send_on(conn, p.encode_error(0, err))
+            self._send_on(conn, p.encode_error(p.request_id_of(payload), err))
             return
         request_id = 0
         try:

@@ -961,6 +961,16 @@ def decode_request(frame: bytes | memoryview) -> Request:
         raise error from None
 
 
+def request_id_of(frame: bytes | memoryview) -> int:
+    """The id of a request frame as far as it can be read, else 0: for refusing a frame
+    whatever its body holds (one that came with descriptors, say) under its own id."""
+    try:
+        return _head(frame, "request").id
+    except ProtocolError as exc:
+        rid = exc.detail.get("request_id", 0)
+        return rid if isinstance(rid, int) else 0
+
+
 def encode_reply(request_id: int, body: Message) -> bytes:
     """A success reply. Never raises: a body msgpack cannot carry (a daemon bug, such as
     an integer beyond 64 bits) is logged and answered with INTERNAL, so the request

@@ -242,6 +242,25 @@ def test_unknown_message_type(t: Any) -> None:
     assert error.detail["request_id"] == 41
 
 
+@pytest.mark.parametrize(
+    "frame, expected",
+    [
+        (raw(envelope()), 41),
+        (raw(envelope(v=[9, 0])), 41),  # another major: refused, but the id is read
+        (raw({"id": 41}), 41),
+        (raw(envelope(t="nonsense", b=[1])), 41),
+        (raw(envelope(id=True)), 0),
+        (raw({**envelope(), 1: 2}), 0),
+        (b"\xc1", 0),
+        (raw(envelope()) + b"\x00", 0),  # trailing bytes: not one msgpack value
+        (raw(envelope(b="x" * p.MAX_FRAME_BYTES)), 0),
+    ],
+    ids=["good", "other-major", "id-only", "bad-type-and-body", "bool-id", "non-str-key", "not-msgpack", "trailing", "too-large"],
+)
+def test_request_id_of_reads_the_id_whatever_the_rest(frame: bytes, expected: int) -> None:
+    assert p.request_id_of(frame) == expected
+
+
 def test_missing_field_is_invalid_argument_naming_it() -> None:
     error = refused(raw(envelope(b={"name": "kv"})), ErrorCode.INVALID_ARGUMENT)
     assert error.message == "CommitArena.nbytes is missing"
