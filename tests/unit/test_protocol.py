@@ -292,6 +292,22 @@ def test_wrongly_typed_field_is_invalid_argument(body: dict, field: str) -> None
 
 
 @pytest.mark.parametrize(
+    ("t", "body", "field", "limit"),
+    [
+        (MsgType.GRAPH_POOL_REGISTER, {"arena": "g", "label": "l", "extents": "many", "free_runs": []}, "extents", p.MAX_POOL_EXTENTS),
+        (MsgType.GRAPH_POOL_UPDATE, {"pool_id": 1, "extents": [], "free_runs": "many"}, "free_runs", p.MAX_POOL_EXTENTS),
+        (MsgType.KV_DECLARE, {"name": "kv", "buffers": "many", "max_tokens": 16}, "buffers", p.MAX_KV_BUFFERS),
+    ],
+)
+def test_lists_a_client_makes_the_daemon_keep_are_bounded(t: MsgType, body: dict, field: str, limit: int) -> None:
+    item = {"offset": 0, "size": 4096} if field != "buffers" else {"name": "k", "row_bytes": 64}
+    at_limit = {**body, field: [item] * limit}
+    assert len(getattr(p.decode_request(raw(envelope(t, b=at_limit))).message, field)) == limit
+    error = refused(raw(envelope(t, b={**body, field: [item] * (limit + 1)})), ErrorCode.INVALID_ARGUMENT)
+    assert error.message == f"{p.REQUESTS[t].__name__}.{field}: expected `array` of length <= {limit}"
+
+
+@pytest.mark.parametrize(
     ("chunk_ids", "where"),
     [([[1]], "chunk_ids[0]"), ([1, 2, True], "chunk_ids[2]"), ([1, "2"], "chunk_ids[1]"), ("123", "chunk_ids"), (5, "chunk_ids")],
 )
