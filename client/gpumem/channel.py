@@ -21,6 +21,7 @@ import itertools
 import select
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,12 @@ _SEND_TIMEOUT_MS = 5000
 
 # Notices nobody took yet; the oldest go first.
 _NOTICES_KEPT = 1024
+
+# connect() on the fd channel fails at once (EAGAIN) while the daemon's listen backlog is
+# full: it is not accepting (stopped, busy, at its connection limit) or is flooded. Try
+# again after these pauses, doubling, until the timeout.
+_CONNECT_RETRY_FIRST = 0.005
+_CONNECT_RETRY_MOST = 0.2
 
 
 class ControlChannel:
@@ -190,9 +197,10 @@ class SessionChannel:
         ep = self.endpoints
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sockets.fd_sock = sock
+        deadline = time.monotonic() + self.timeout
         sock.settimeout(self.timeout)
         try:
-            sock.connect(str(ep.fd_path))
+            self._connect(sock, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
             raise DaemonUnavailable(
                 f"no gpumemd serves device {ep.index}: nothing listens at {ep.fd_path}; start it with "
@@ -205,6 +213,7 @@ class SessionChannel:
             ) from None
         self._sockets.fd_ready = select.epoll(1, select.EPOLL_CLOEXEC)
         self._sockets.fd_ready.register(sock.fileno(), select.EPOLLIN)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             fdchannel.send(sock, p.encode_request(1, p.Hello(name=self.name, client_version=__version__)))
             payload, fds = fdchannel.recv(sock, max_fds=1)
@@ -229,6 +238,29 @@ class SessionChannel:
             return hello, LeaseTable(fds[0])
         finally:
             fdchannel.close_all(fds)  # the table is mapped; the mapping keeps it
+
+    def _connect(self, sock: socket.socket, deadline: float) -> None:
+        """connect(), tried again with backoff while the listen backlog is full."""
+        pause = _CONNECT_RETRY_FIRST
+        while True:
+            try:
+                sock.connect(str(self.endpoints.fd_path))
+                return
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DaemonTimeout(self._backlog_full_message()) from None
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, _CONNECT_RETRY_MOST)
+
+    def _backlog_full_message(self) -> str:
+        ep = self.endpoints
+        return (
+            f"gpumemd for device {ep.index} took no new connection within {self.timeout:g}s: the listen backlog of "
+            f"{ep.fd_path} stayed full. The daemon is stopped or hung (check 'systemctl status gpumemd@{ep.index}'), "
+            "serves as many clients as its open-file limit allows (its log says; raise LimitNOFILE), or something "
+            "floods it with connections (its log names the pids)"
+        )
 
     # ------------------------------------------------------------------ calls
 
