@@ -1,7 +1,8 @@
 """``gpumemctl``: look at a running gpumemd.
 
-Exit status follows the LSB status convention: 0 ok, 1 error, 3 no daemon answers,
-4 the daemon speaks another protocol major.
+Exit status follows the LSB status convention: 0 ok, 1 error (this user may not open
+the daemon's sockets, among others), 3 no daemon answers, 4 the daemon speaks another
+protocol major.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import click
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints, daemon_alive, resolve_runtime_dir
 from gpumem_shared.units import format_size
-from gpumem.channel import ControlChannel
+from gpumem.channel import ControlChannel, check_access
 from gpumem.discovery import live_daemons, resolve_device
-from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch
+from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch, SocketPermissionDenied
 
 EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_MISMATCH = 1, 3, 4
 
@@ -59,6 +60,10 @@ def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, time
         _die(EXIT_NOT_RUNNING, exc.message)
     index = endpoints.index
     wait = timeout if timeout is not None else (group["timeout"] if group["timeout"] is not None else 5.0)
+    try:
+        check_access(endpoints.zmq_path)
+    except SocketPermissionDenied as exc:
+        _die(EXIT_ERROR, exc.message)
     if not endpoints.zmq_path.exists() or not daemon_alive(endpoints):
         _die(
             EXIT_NOT_RUNNING,
@@ -116,6 +121,8 @@ def status(
     for index in indices:
         try:
             replies.append(_ask(Endpoints(directory, index), p.Status(), wait))
+        except SocketPermissionDenied as exc:
+            _die(EXIT_ERROR, exc.message)
         except DaemonUnavailable as exc:  # it stopped since: the others still answer
             click.echo(f"gpumemctl: device {index}: {exc.message}", err=True)
     if not replies:
