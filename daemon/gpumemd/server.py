@@ -73,6 +73,11 @@ ACCEPT_BATCH = 32
 # Repeated warnings about a flood (evictions, peers that never said HELLO) are summed up
 # at most this often.
 FLOOD_LOG_EVERY = 5.0
+# libzmq buffers a control-channel message whole before the daemon sees it: without a
+# bound a peer's gigabyte frame costs a gigabyte of the daemon's memory (one per peer at
+# once). A bigger message closes its connection unread; up to this size it is refused
+# with BAD_MESSAGE like any frame over MAX_FRAME_BYTES.
+MAX_CONTROL_MESSAGE = 2 * p.MAX_FRAME_BYTES
 
 
 class StartupError(Exception):
@@ -185,6 +190,7 @@ class Server:
             self._ctx = zmq.Context()
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
             self._router.bind(ep.zmq_url)
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._listener.bind(str(ep.fd_path))

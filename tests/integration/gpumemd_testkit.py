@@ -215,11 +215,17 @@ class Probe:
             return False
 
     def rss(self) -> int:
+        return self._status_bytes("VmRSS")
+
+    def peak_rss(self) -> int:
+        return self._status_bytes("VmHWM")
+
+    def _status_bytes(self, field: str) -> int:
         with open(f"/proc/{self.pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
-        raise AssertionError(f"no VmRSS for pid {self.pid}")
+        raise AssertionError(f"no {field} for pid {self.pid}")
 
     def fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))
