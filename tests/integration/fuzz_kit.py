@@ -120,17 +120,21 @@ class Ref:
 @dataclasses.dataclass(frozen=True)
 class Long:
     """A long list, ``count`` items cycling through ``items``; with ``stride``, each
-    item's "offset" moves on by that much. Spelled out when the operation runs: a
+    item's "offset" moves on by that much; ``numbered``, each item's "name" ends in its
+    index (KV buffers must be named apart). Spelled out when the operation runs: a
     20,000-item example would cost hypothesis more to keep than the daemon to refuse."""
 
     items: tuple[Any, ...]
     count: int
     stride: int = 0
+    numbered: bool = False
 
     def spell(self) -> list[Any]:
         out = [self.items[i % len(self.items)] for i in range(self.count)]
         if self.stride:
             out = [{**item, "offset": item["offset"] + i * self.stride} for i, item in enumerate(out)]
+        if self.numbered:
+            out = [{**item, "name": f"{item['name']}{i}"} if isinstance(item, dict) and isinstance(item.get("name"), str) else item for i, item in enumerate(out)]
         return out
 
 
@@ -244,7 +248,7 @@ def _by_type(info: mi.Type, clean: bool = False) -> st.SearchStrategy[Any]:
 
 def _long_list(item: st.SearchStrategy[Any]) -> st.SearchStrategy[Long]:
     """A list long enough to cost the daemon something per element."""
-    return st.builds(Long, st.lists(item, min_size=1, max_size=3).map(tuple), st.sampled_from(_LONG))
+    return st.builds(Long, st.lists(item, min_size=1, max_size=3).map(tuple), st.sampled_from(_LONG), st.just(0), st.booleans())
 
 
 # Hypothesis leans towards the first item of sampled_from and towards 0: the first here is
@@ -820,6 +824,7 @@ class World:
                 payload, got = _recv(sock)
                 _close_fds(got)
                 reply = check_reply(payload, f"{what}, then HELLO")
+                _check_body(payload, reply, p.HelloReply, f"{what}, then HELLO")
                 self._count(reply)
                 if not reply["ok"] or reply["id"] != 77:
                     raise FuzzFailure(f"{what}: a proper HELLO after it was refused: {reply!r:.300}")
@@ -902,7 +907,6 @@ class World:
         session = self.sessions[index]
         if session is not None:
             token = session.token
-            session.close()
             self._closed(index)
             if self.stale is not None:
                 self.stale.close()
@@ -1047,7 +1051,8 @@ def fuzz(world: World, cases: int) -> None:
         # stalled daemon would make every replay wait out REPLY_TIMEOUT: no shrinking.
         phases=(Phase.generate,),
         report_multiple_bugs=False,
-        # The failure names the operation; hypothesis's repr of a 20,000-item body would bury it.
+        # The failure names the operation and the ones before it; hypothesis's report of
+        # the example would add a long repr of the same.
         verbosity=Verbosity.quiet,
     )
     @given(st.lists(operations(), min_size=PROGRAM, max_size=PROGRAM))
