@@ -13,7 +13,7 @@ Beside them: garbage frames, envelopes of the wrong shape, frames around the pro
 and libzmq's size bounds and multi-frame messages on the control channel, sent by session
 peers, an anonymous peer, a peer with a forged token and one with the token of a closed
 session; on the fd channel, garbage before and after HELLO, stray descriptors, empty
-messages; sessions that close and reopen.
+messages; bytes scribbled into the shared lease table; sessions that close and reopen.
 
 ``World`` runs operations against one daemon and checks, for each:
 - the daemon process is alive, and the operation cost it under SLOW_OPERATION of CPU;
@@ -43,6 +43,7 @@ import collections
 import dataclasses
 import functools
 import math
+import mmap
 import os
 import select
 import socket
@@ -192,13 +193,23 @@ class FdMessage:
 
 
 @dataclasses.dataclass(frozen=True)
+class Scribble:
+    """Bytes written into the lease table a session maps (every client maps it read-write,
+    so the daemon trusts nothing in it)."""
+
+    session: int
+    offset: int
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class Reconnect:
     """Close a session (both sockets, as a client that exits does); it reopens."""
 
     session: int
 
 
-Operation = Typed | Frames | Huge | FdMessage | Reconnect
+Operation = Typed | Frames | Huge | FdMessage | Scribble | Reconnect
 
 PEERS = SESSIONS + 3
 ANONYMOUS, FORGED, STALE = SESSIONS, SESSIONS + 1, SESSIONS + 2
@@ -382,9 +393,12 @@ def operations() -> st.SearchStrategy[Operation]:
     fd_message = st.builds(
         FdMessage, st.none() | st.integers(0, SESSIONS - 1), fd_payload, _weighted((3, st.just(0)), (1, st.integers(1, 4))), st.booleans()
     )
+    scribble = st.builds(
+        Scribble, st.integers(0, SESSIONS - 1), st.integers(0, lease_table.TABLE_BYTES - 1), st.binary(min_size=1, max_size=64)
+    )
     reconnect = st.builds(Reconnect, st.integers(0, SESSIONS - 1))
     # Few reconnects: a session's arenas, pools and rounds go with it.
-    return _weighted((30, typed), (5, frames), (1, huge), (5, fd_message), (1, reconnect))
+    return _weighted((30, typed), (5, frames), (1, huge), (5, fd_message), (2, scribble), (1, reconnect))
 
 
 # ---------------------------------------------------------------------------
@@ -476,19 +490,25 @@ class Peer:
 
 
 class FuzzSession:
-    """A session opened by hand, its descriptors taken and closed, its chunks tracked."""
+    """A session opened by hand, its descriptors taken and closed, its chunks tracked; the
+    lease table that came with HELLO stays mapped, for scribbling on."""
 
     def __init__(self, endpoints: Endpoints, name: str) -> None:
         self.name = name
         self.fd_sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.fd_sock.settimeout(REPLY_TIMEOUT)
         self.peer: Peer | None = None
+        self.table: mmap.mmap | None = None
         self.batches: list[tuple[int, list[int]]] = []  # (request id, chunk ids) not yet claimed by a reply
         try:
             self.fd_sock.connect(str(endpoints.fd_path))
             self.fd_sock.send(_pack(_envelope(int(T.HELLO), {"name": name, "client_version": "fuzz"}, 1)))
             payload, fds = _recv(self.fd_sock)
-            _close_fds(fds)
+            try:
+                if len(fds) == 1:
+                    self.table = mmap.mmap(fds[0], lease_table.TABLE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                _close_fds(fds)
             reply = check_reply(payload, f"HELLO of {name}")
             _check_body(payload, reply, p.HelloReply, f"HELLO of {name}")
             if not reply["ok"]:
@@ -504,6 +524,9 @@ class FuzzSession:
         if self.peer is not None:
             self.peer.close()
             self.peer = None
+        if self.table is not None:
+            self.table.close()
+            self.table = None
         self.fd_sock.close()
 
 
@@ -562,6 +585,8 @@ class World:
                 self._huge(op)
             elif isinstance(op, FdMessage):
                 self._fd_message(op)
+            elif isinstance(op, Scribble):
+                self._scribble(op)
             else:
                 self._reconnect(op.session)
         except FuzzFailure:
@@ -879,6 +904,13 @@ class World:
         if reply["ok"]:
             raise FuzzFailure(f"{what}: a message after HELLO on the fd channel was accepted: {reply!r:.300}")
         _check_fd_reply_id(reply, payload, what)
+
+    def _scribble(self, op: Scribble) -> None:
+        session = self.sessions[op.session] or self._reopen(op.session)
+        if session.table is None:
+            raise FuzzFailure(f"session {session.name} got no lease table with its HELLO")
+        data = op.data[: lease_table.TABLE_BYTES - op.offset]
+        session.table[op.offset : op.offset + len(data)] = data
 
     # ------------------------------------------------------------------ sessions
 
