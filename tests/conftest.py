@@ -83,15 +83,23 @@ def child_env(runtime_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-class Daemon:
-    """A gpumemd process under test."""
+# Runs as the daemon's parent for a moment: sets both open-file limits, then execs argv.
+_NOFILE_EXEC = "import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
 
-    def __init__(self, runtime_dir: Path, backend: str, device: int, args: list[str], env: dict[str, str]) -> None:
+
+class Daemon:
+    """A gpumemd process under test; ``nofile`` caps its open-file limit (soft and hard)."""
+
+    def __init__(
+        self, runtime_dir: Path, backend: str, device: int, args: list[str], env: dict[str, str], nofile: int | None = None
+    ) -> None:
         self.runtime_dir = runtime_dir
         self.backend = backend
         self.device = device
         self.log_path = runtime_dir / f"gpumemd{device}.log"
         cmd = [sys.executable, "-m", "gpumemd", "--device", str(device), "--backend", backend, "--runtime-dir", str(runtime_dir)]
+        if nofile is not None:
+            cmd = [sys.executable, "-c", _NOFILE_EXEC, str(nofile), *cmd]
         if backend == "host" and not any(a.startswith("--host-capacity") for a in args):
             cmd += ["--host-capacity", "4GiB"]
         self._log = open(self.log_path, "wb")
@@ -136,8 +144,10 @@ class Daemon:
 def daemon_factory(runtime_dir: Path) -> Iterator[object]:
     started: list[Daemon] = []
 
-    def start(backend: str = "host", device: int = 0, args: list[str] | None = None, wait: bool = True, **env: str) -> Daemon:
-        d = Daemon(runtime_dir, backend, device, list(args or []), child_env(runtime_dir, **env))
+    def start(
+        backend: str = "host", device: int = 0, args: list[str] | None = None, wait: bool = True, nofile: int | None = None, **env: str
+    ) -> Daemon:
+        d = Daemon(runtime_dir, backend, device, list(args or []), child_env(runtime_dir, **env), nofile)
         started.append(d)
         return d.wait_ready() if wait else d
 

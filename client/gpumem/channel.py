@@ -17,12 +17,17 @@ other request of this session is in flight. Every wait is bounded.
 from __future__ import annotations
 
 import collections
+import grp
 import itertools
+import os
+import pwd
 import select
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -36,6 +41,7 @@ from gpumem.errors import (
     DaemonTimeout,
     DaemonUnavailable,
     SessionClosed,
+    SocketPermissionDenied,
     error_from_protocol,
     error_from_reply,
 )
@@ -51,12 +57,70 @@ _SEND_TIMEOUT_MS = 5000
 # Notices nobody took yet; the oldest go first.
 _NOTICES_KEPT = 1024
 
+# connect() on the fd channel fails at once (EAGAIN) while the daemon's listen backlog is
+# full: it is not accepting (stopped, busy, at its connection limit) or is flooded. Try
+# again after these pauses, doubling, until the timeout.
+_CONNECT_RETRY_FIRST = 0.005
+_CONNECT_RETRY_MOST = 0.2
+
+
+def permission_denied(path: Path) -> SocketPermissionDenied:
+    """The error for a daemon socket this user may not open: it names the socket, or the
+    directory on the way to it, and the group that owns it."""
+    try:
+        st = os.stat(path)
+        closed = path
+    except PermissionError:
+        # A directory on the way is not searchable: name the first one.
+        closed = next(d for d in reversed(path.parents) if not os.access(d, os.X_OK, effective_ids=True))
+        st = os.stat(closed)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = str(os.geteuid())
+    mode = st.st_mode & 0o7777
+    where = "" if closed == path else f": the directory {closed} is closed to this user"
+    facts = f"{closed} is {owner}:{group}, mode {mode:04o}"
+    if not mode & (0o020 if closed == path else 0o010):
+        # The group may not pass either: joining it would not help.
+        return SocketPermissionDenied(
+            f"permission denied: gpumemd's socket {path} is closed to this user{where} ({facts}); gpumemd's runtime "
+            "directory must be searchable and its sockets open to a group (gpumemd --socket-group)"
+        )
+    return SocketPermissionDenied(
+        f"permission denied: join group {group} to use gpumemd's socket {path}{where} ({facts}); "
+        f"after 'usermod -aG {group} {user}', log in again"
+    )
+
+
+def check_access(path: Path) -> None:
+    """Raise SocketPermissionDenied if this user may not connect to the socket at ``path``
+    (a missing one is left to the caller). ZeroMQ would not say: it retries a refused
+    connect quietly until the request times out."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        raise permission_denied(path) from None
+    if not os.access(path, os.W_OK, effective_ids=True):
+        raise permission_denied(path)
+
 
 class ControlChannel:
     """A DEALER on the daemon's control socket; ``routing_id`` binds it to a session."""
 
     def __init__(self, endpoints: Endpoints, routing_id: bytes | None = None) -> None:
         self.endpoints = endpoints
+        check_access(endpoints.zmq_path)
         self._sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # A blocking recv bounded by RCVTIMEO: cheaper than a poller per call.
@@ -189,9 +253,10 @@ class SessionChannel:
         ep = self.endpoints
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sockets.fd_sock = sock
+        deadline = time.monotonic() + self.timeout
         sock.settimeout(self.timeout)
         try:
-            sock.connect(str(ep.fd_path))
+            self._connect(sock, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
             raise DaemonUnavailable(
                 f"no gpumemd serves device {ep.index}: nothing listens at {ep.fd_path}; start it with "
@@ -199,11 +264,10 @@ class SessionChannel:
                 "runtime_dir / $GPUMEMD_RUNTIME_DIR at the daemon's directory"
             ) from None
         except PermissionError:
-            raise DaemonUnavailable(
-                f"no permission to connect to {ep.fd_path}: join the daemon's socket group (gpumemd --socket-group)"
-            ) from None
+            raise permission_denied(ep.fd_path) from None
         self._sockets.fd_ready = select.epoll(1, select.EPOLL_CLOEXEC)
         self._sockets.fd_ready.register(sock.fileno(), select.EPOLLIN)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             fdchannel.send(sock, p.encode_request(1, p.Hello(name=self.name, client_version=__version__)))
             # Nothing rides with HELLO since 1.3: an older daemon's lease table is received
@@ -228,6 +292,29 @@ class SessionChannel:
                 raise error_from_protocol(exc, f"gpumemd for device {ep.index}: HELLO reply refused") from None
         finally:
             fdchannel.close_all(fds)
+
+    def _connect(self, sock: socket.socket, deadline: float) -> None:
+        """connect(), tried again with backoff while the listen backlog is full."""
+        pause = _CONNECT_RETRY_FIRST
+        while True:
+            try:
+                sock.connect(str(self.endpoints.fd_path))
+                return
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DaemonTimeout(self._backlog_full_message()) from None
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, _CONNECT_RETRY_MOST)
+
+    def _backlog_full_message(self) -> str:
+        ep = self.endpoints
+        return (
+            f"gpumemd for device {ep.index} took no new connection within {self.timeout:g}s: the listen backlog of "
+            f"{ep.fd_path} stayed full. The daemon is stopped or hung (check 'systemctl status gpumemd@{ep.index}'), "
+            "serves as many clients as its open-file limit allows (its log says; raise LimitNOFILE), or something "
+            "floods it with connections (its log names the pids)"
+        )
 
     # ------------------------------------------------------------------ calls
 

@@ -1,7 +1,8 @@
 """``gpumemctl``: look at a running gpumemd.
 
-Exit status follows the LSB status convention: 0 ok, 1 error, 3 no daemon answers,
-4 the daemon speaks another protocol major.
+Exit status follows the LSB status convention: 0 ok, 1 error (this user may not open
+the daemon's sockets, among others), 3 no daemon answers, 4 the daemon speaks another
+protocol major.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import click
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints, daemon_alive
 from gpumem_shared.units import format_size
-from gpumem.channel import ControlChannel
+from gpumem.channel import ControlChannel, check_access
 from gpumem.discovery import live_daemons, resolve_device, runtime_dirs
-from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch
+from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch, SocketPermissionDenied
 
 EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_MISMATCH = 1, 3, 4
 
@@ -66,6 +67,10 @@ def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, time
         _die(EXIT_NOT_RUNNING, exc.message)
     index = endpoints.index
     wait = timeout if timeout is not None else (group["timeout"] if group["timeout"] is not None else 5.0)
+    try:
+        check_access(endpoints.zmq_path)
+    except SocketPermissionDenied as exc:
+        _die(EXIT_ERROR, exc.message)
     if not endpoints.zmq_path.exists() or not daemon_alive(endpoints):
         _die(
             EXIT_NOT_RUNNING,
@@ -123,6 +128,8 @@ def status(
     for endpoints in found:
         try:
             replies.append(_ask(endpoints, p.Status(), wait))
+        except SocketPermissionDenied as exc:
+            _die(EXIT_ERROR, exc.message)
         except DaemonUnavailable as exc:  # it stopped since: the others still answer
             click.echo(f"gpumemctl: device {endpoints.index} ({endpoints.runtime_dir}): {exc.message}", err=True)
     if not replies:

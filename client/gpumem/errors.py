@@ -119,6 +119,11 @@ class DaemonUnavailable(GpuMemError, ConnectionError):
     """No daemon answers: not running, wrong runtime directory, or no permission."""
 
 
+class SocketPermissionDenied(DaemonUnavailable, PermissionError):
+    """This user may not open the daemon's sockets: the message names the socket and the
+    group that owns it, which the user joins to connect."""
+
+
 class DaemonTimeout(DaemonUnavailable, TimeoutError):
     """The daemon did not answer within the call's timeout."""
 

@@ -18,7 +18,9 @@ another pool: a stale view or waiter can only ever see its own pool, retired.
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import os
 from collections.abc import Mapping
 
@@ -34,6 +36,12 @@ log = logging.getLogger("gpumemd.graph_pools")
 # Graph pools the daemon keeps at once: each holds a lease segment (a memfd and a page
 # mapped here), and no client may make the daemon run out of descriptors.
 MAX_POOLS = 1023
+
+
+def within(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether [start, end) lies inside one of ``spans`` (sorted, disjoint, as merged() makes them)."""
+    i = bisect.bisect_right(spans, (start, math.inf)) - 1
+    return i >= 0 and end <= spans[i][1]
 
 
 def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -340,7 +348,9 @@ class GraphPoolBook:
         self, arena: ArenaRecord, extents: list[p.Extent], runs: list[p.Extent], exclude: GraphPoolRecord | None
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Extents in committed memory of the arena, disjoint from each other and from other
-        pools; free runs inside the extents and disjoint. Returns them normalized."""
+        pools; free runs inside the extents and disjoint. Returns them normalized. Every
+        lookup is a bisection of sorted spans: a request may carry thousands of each, and
+        pairwise checks held the daemon's one thread for seconds."""
         committed = merged([(c.offset, c.offset + c.size) for c in arena.chunks])
         spans = sorted((e.offset, e.offset + e.size) for e in extents)
         if not spans:
@@ -348,7 +358,7 @@ class GraphPoolBook:
         for start, end in spans:
             if start < 0 or end <= start:
                 raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"extent [{start}, {end}) is empty or negative")
-            if not any(a <= start and end <= b for a, b in committed):
+            if not within(committed, start, end):
                 raise p.ProtocolError(
                     p.ErrorCode.INVALID_ARGUMENT,
                     f"extent [{start}, {end}) is not committed memory of arena '{arena.name}': graph pools must be "
@@ -356,11 +366,15 @@ class GraphPoolBook:
                 )
         if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "the pool's extents overlap each other")
+        starts = [start for start, _ in spans]
         for other in self.in_arena(arena.name):
             if other is exclude:
                 continue
             for o, n in other.extents:
-                if any(start < o + n and o < end for start, end in spans):
+                # The extents are disjoint and sorted: only the last one starting before
+                # this one ends can reach into it.
+                i = bisect.bisect_left(starts, o + n) - 1
+                if i >= 0 and spans[i][1] > o:
                     raise p.ProtocolError(
                         p.ErrorCode.ALREADY_EXISTS,
                         f"extent [{o}, {o + n}) of arena '{arena.name}' already belongs to graph pool {other.id} ('{other.label}')",
@@ -368,7 +382,7 @@ class GraphPoolBook:
         run_spans = sorted((r.offset, r.offset + r.size) for r in runs)
         pool_spans = merged(spans)  # adjacent extents: the runs are coalesced across them below
         for start, end in run_spans:
-            if end <= start or not any(a <= start and end <= b for a, b in pool_spans):
+            if end <= start or not within(pool_spans, start, end):
                 raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"free run [{start}, {end}) lies outside the pool's extents")
         if any(run_spans[i][1] > run_spans[i + 1][0] for i in range(len(run_spans) - 1)):
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, "free runs overlap each other")

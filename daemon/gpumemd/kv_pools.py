@@ -8,6 +8,7 @@ the budget split is kv_math's.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -218,13 +219,13 @@ class KvBook:
         arena = self.arenas.by_name[pool.name]
         drop: list[ChunkRecord] = []
         kept_tokens = pool.tokens
-        for buffer in pool.buffers:
+        for buffer, mine in zip(pool.buffers, _by_buffer(pool, arena)):
             bound = buffer.offset + pool.prefix(buffer, m.tokens)
-            mine = [c for c in arena.chunks if buffer.offset <= c.offset < buffer.offset + buffer.region]
             drop += [c for c in mine if c.offset >= bound]
             kept_end = max((c.offset + c.size for c in mine if c.offset < bound), default=buffer.offset)
             kept_tokens = min(kept_tokens, (kept_end - buffer.offset) // buffer.row_bytes)
-        arena.chunks = [c for c in arena.chunks if c not in drop]
+        gone = set(drop)  # a list's membership test would make this quadratic in chunks
+        arena.chunks = [c for c in arena.chunks if c not in gone]
         notices: Notices = []
         self.arenas.retire(drop, notices, "", arena.name, exclude=s.id)
         pool.tokens = kept_tokens
@@ -457,21 +458,17 @@ class KvBook:
 
     def _freeable(self, pool: KvPoolRecord, tokens: int) -> int:
         """Bytes KV_SHRINK to ``tokens`` would give back: the chunks past every buffer's bound."""
-        arena = self.arenas.by_name[pool.name]
         freed = 0
-        for buffer in pool.buffers:
+        for buffer, mine in zip(pool.buffers, _by_buffer(pool, self.arenas.by_name[pool.name])):
             bound = buffer.offset + pool.prefix(buffer, tokens)
-            freed += sum(c.size for c in arena.chunks if bound <= c.offset < buffer.offset + buffer.region)
+            freed += sum(c.size for c in mine if c.offset >= bound)
         return freed
 
     def _missing(self, pool: KvPoolRecord, arena: ArenaRecord, tokens: int) -> list[tuple[int, int]]:
         """(offset, size) still to commit so every buffer holds ``tokens`` rows."""
         out = []
-        for buffer in pool.buffers:
-            have = max(
-                (c.offset + c.size for c in arena.chunks if buffer.offset <= c.offset < buffer.offset + buffer.region),
-                default=buffer.offset,
-            )
+        for buffer, mine in zip(pool.buffers, _by_buffer(pool, arena)):
+            have = max((c.offset + c.size for c in mine), default=buffer.offset)
             want = buffer.offset + pool.prefix(buffer, tokens)
             if want > have:
                 out.append((have, want - have))
@@ -488,3 +485,16 @@ class KvBook:
             round_id=round_.id if round_ else 0,
             budget=msgspec.structs.replace(round_.budget) if round_ else p.RoundBudget(),
         )
+
+
+def _by_buffer(pool: KvPoolRecord, arena: ArenaRecord) -> list[list[ChunkRecord]]:
+    """Each buffer's chunks, in one pass over the arena's: a pool may have thousands of
+    buffers and as many chunks, and a scan of every chunk per buffer held the daemon's
+    only thread for seconds (found by the protocol fuzzer)."""
+    starts = [b.offset for b in pool.buffers]  # the layout places them in order
+    out: list[list[ChunkRecord]] = [[] for _ in pool.buffers]
+    for chunk in arena.chunks:
+        i = bisect.bisect_right(starts, chunk.offset) - 1
+        if i >= 0 and chunk.offset < pool.buffers[i].offset + pool.buffers[i].region:
+            out[i].append(chunk)
+    return out

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -56,6 +56,12 @@ MAX_FRAME_BYTES = 1 << 20
 
 # SCM_MAX_FD: Linux refuses more than 253 descriptors in one sendmsg.
 MAX_FDS_PER_MESSAGE = 253
+
+# What one client may make the daemon keep and walk per request: a graph pool's extents
+# and free runs (each list), a KV pool's buffers. Real pools have hundreds at most; a
+# frame has room for some 20,000, and every STATUS would carry them all.
+MAX_POOL_EXTENTS = 4096
+MAX_KV_BUFFERS = 4096
 
 # msgpack's integer range: what lies outside cannot be encoded at all.
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -212,6 +218,10 @@ class ArenaView(Message):
 class Extent(Message):
     offset: int  # from the arena's base
     size: int
+
+
+# A graph pool's extents or free runs, as a request may carry them.
+PoolExtents = Annotated[list[Extent], msgspec.Meta(max_length=MAX_POOL_EXTENTS)]
 
 
 class RoundBudget(Message):
@@ -597,7 +607,7 @@ class KvDeclare(RequestMessage, kw_only=True):
     TYPE = MsgType.KV_DECLARE
     REPLY = KvDeclareReply
     name: str
-    buffers: list[KvBuffer]
+    buffers: Annotated[list[KvBuffer], msgspec.Meta(max_length=MAX_KV_BUFFERS)]
     max_tokens: int = 0
     reserve_bytes: int = 0
 
@@ -686,8 +696,8 @@ class RegisterGraphPool(RequestMessage, kw_only=True):
     REPLY = GraphPoolReply
     arena: str
     label: str
-    extents: list[Extent]
-    free_runs: list[Extent]
+    extents: PoolExtents
+    free_runs: PoolExtents
     shared: bool = False  # clients the arena is shared with may open it and borrow
 
 
@@ -698,8 +708,8 @@ class UpdateGraphPool(RequestMessage, kw_only=True):
     TYPE = MsgType.GRAPH_POOL_UPDATE
     REPLY = GraphPoolReply
     pool_id: int
-    extents: list[Extent]
-    free_runs: list[Extent]
+    extents: PoolExtents
+    free_runs: PoolExtents
     recaptured: bool = False
 
 
@@ -1040,6 +1050,16 @@ def decode_request(frame: bytes | memoryview) -> Request:
         error = _not_msgpack(exc)
         error.detail["request_id"] = head.id
         raise error from None
+
+
+def request_id_of(frame: bytes | memoryview) -> int:
+    """The id of a request frame as far as it can be read, else 0: for refusing a frame
+    whatever its body holds (one that came with descriptors, say) under its own id."""
+    try:
+        return _head(frame, "request").id
+    except ProtocolError as exc:
+        rid = exc.detail.get("request_id", 0)
+        return rid if isinstance(rid, int) else 0
 
 
 def encode_reply(request_id: int, body: Message) -> bytes:

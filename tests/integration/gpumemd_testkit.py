@@ -5,7 +5,7 @@
 - ``RawSession``: an fd-channel connection that said HELLO itself, plus its
   token-bound DEALER; takes (and closes) the descriptors the daemon hands it.
 - ``status`` / ``wait_status`` / ``ping``: the daemon's view, through the library's
-  ControlChannel, as plain dicts.
+  ControlChannel, as plain dicts; ``Probe``: what its process holds, from /proc.
 
 Every wait is bounded; every socket and descriptor is closed by ``close``.
 """
@@ -199,6 +199,42 @@ class RawSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Probe:
+    """A process as /proc shows it: alive or not, resident memory, open descriptors, CPU time."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    def rss(self) -> int:
+        return self._status_bytes("VmRSS")
+
+    def peak_rss(self) -> int:
+        return self._status_bytes("VmHWM")
+
+    def _status_bytes(self, field: str) -> int:
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError(f"no {field} for pid {self.pid}")
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def cpu_seconds(self) -> float:
+        """User and system time the process has used so far."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def os_close_all(fds: list[int]) -> None:

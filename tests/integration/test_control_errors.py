@@ -11,6 +11,7 @@ from gpumem_shared import protocol as p
 from gpumemd_testkit import (
     GRANULARITY,
     MiB,
+    Probe,
     RawControl,
     RawSession,
     accounting,
@@ -312,3 +313,30 @@ def test_huge_values_through_the_client_library(daemon, runtime_dir) -> None:  #
                 pytest.fail(f"KvDeclare with max_tokens={max_tokens} was not refused")
         s.ping()
     ping(runtime_dir, timeout=2.0)
+
+
+def test_huge_frames_cost_the_daemon_no_memory(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """libzmq buffers a message whole before the daemon sees it: four peers sending 128 MiB
+    frames at once made the daemon's memory peak past half a gigabyte. Past the daemon's
+    bound a frame closes its connection unread; the peer reconnects and is answered."""
+    daemon = daemon_factory("host")
+    probe = Probe(daemon.pid)
+    before = probe.peak_rss()
+    huge = bytes(128 * MiB)
+    peers = [RawControl(runtime_dir) for _ in range(4)]
+    try:
+        for peer in peers:
+            peer.send_frames(huge)
+        for i, peer in enumerate(peers):
+            # The DEALER reconnects on its own; what it sends after that is served.
+            peer.send_frames(envelope(T.PING, request_id=70 + i))
+            reply = peer.recv(timeout=10.0)
+            while reply["id"] == 0:  # the refusal of the huge frame, where it was read
+                reply = peer.recv(timeout=10.0)
+            assert reply["ok"] and reply["id"] == 70 + i, reply
+    finally:
+        for peer in peers:
+            peer.close()
+    grew = probe.peak_rss() - before
+    assert grew < 64 * MiB, f"the daemon's memory peaked {grew >> 20} MiB above where it was"
+    assert probe.alive()

@@ -1,11 +1,15 @@
 """``gpumemctl status`` against real daemons: JSON shape and contents, the human view,
-no daemon (exit 3, fast), --device picking another daemon, and $GPUMEMD_RUNTIME_DIR
-honoured by gpumemd, gpumemctl and the client library alike."""
+no daemon (exit 3, fast), --device picking another daemon, $GPUMEMD_RUNTIME_DIR
+honoured by gpumemd, gpumemctl and the client library alike, and a user who may not
+open the sockets told which group to join (exit 1, at once)."""
 
 from __future__ import annotations
 
+import grp
 import json
+import os
 import signal
+import site
 import subprocess
 import sys
 import time
@@ -176,3 +180,80 @@ def test_runtime_dir_env_is_honoured_everywhere(run_client, runtime_dir, tmp_pat
                 daemon.wait()
             log.close()
     assert not (runtime_dir / "gpu0.zmq").exists()
+
+
+OTHER_UID = 65534  # nobody
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _other_user_group() -> str:
+    """A group the other user is not in, for the daemon's sockets."""
+    for group in grp.getgrall():
+        if group.gr_gid not in (0, OTHER_UID) and "nobody" not in group.gr_mem:
+            return group.gr_name
+    return grp.getgrgid(0).gr_name
+
+
+def _other_user_python(runtime_dir: Path) -> tuple[str, dict[str, str]]:
+    """An interpreter the other user may run, with this checkout importable: this one, or
+    the system's of the same version where this one is private to root (a pyenv under
+    /root). Skips the test when there is none."""
+    env = child_env(runtime_dir)
+    env["HOME"] = "/"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("client", "shared", "daemon")] + site.getsitepackages())
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (sys.executable, f"/usr/bin/python{version}"):
+        try:
+            probe = subprocess.run(
+                [python, "-c", "import gpumem.ctl"], capture_output=True, timeout=60, env=env, user=OTHER_UID, group=OTHER_UID, extra_groups=[]
+            )
+        except (PermissionError, FileNotFoundError):
+            continue
+        if probe.returncode == 0:
+            return python, env
+    pytest.skip(f"no Python {version} that uid {OTHER_UID} may run can import this checkout")
+
+
+def _as_other_user(python: tuple[str, dict[str, str]], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [python[0], *args], capture_output=True, text=True, timeout=60, env=python[1], user=OTHER_UID, group=OTHER_UID, extra_groups=[]
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts gpumemctl as another user: needs root")
+def test_without_access_to_the_sockets_ctl_and_library_say_which_group_to_join(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    python = _other_user_python(runtime_dir)
+    group = _other_user_group()
+    daemon_factory("host", args=["--socket-group", group])
+    runtime_dir.chmod(0o755)  # the directory is open, the sockets (0660, root:group) are not
+    ep = Endpoints(runtime_dir, 0)
+
+    started = time.monotonic()
+    result = _as_other_user(python, "-m", "gpumem.ctl", "status", "--timeout", "30", "--runtime-dir", str(runtime_dir))
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result
+    assert result.stderr.startswith(f"gpumemctl: permission denied: join group {group} to use gpumemd's socket {ep.zmq_path}"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr and result.stdout == ""
+    assert elapsed < 10, f"gpumemctl took {elapsed:.1f}s to say it may not connect (its timeout is 30s)"
+
+    library = _as_other_user(
+        python,
+        "-c",
+        "import sys, gpumem\n"
+        "try:\n"
+        f"    gpumem.connect(0, name='outsider', runtime_dir={str(runtime_dir)!r}, timeout=30.0)\n"
+        "except gpumem.SocketPermissionDenied as exc:\n"
+        "    assert isinstance(exc, gpumem.DaemonUnavailable) and isinstance(exc, PermissionError)\n"
+        "    print(exc)\n"
+        "    sys.exit(0)\n"
+        "sys.exit('connected')\n",
+    )
+    assert library.returncode == 0, library
+    assert library.stdout.startswith(f"permission denied: join group {group} to use gpumemd's socket {ep.fd_path}"), library.stdout
+
+    # A runtime directory closed to the user: named, and no traceback from looking into it.
+    runtime_dir.chmod(0o700)
+    result = _as_other_user(python, "-m", "gpumem.ctl", "status", "--runtime-dir", str(runtime_dir))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result
+    assert f"permission denied: gpumemd's socket {ep.zmq_path} is closed to this user: the directory {runtime_dir} is closed" in result.stderr, result.stderr
+    ping(runtime_dir)  # the daemon never noticed

@@ -74,7 +74,7 @@ def test_descriptors_sent_to_the_daemon_are_refused_and_closed(daemon_factory, r
         os.close(w2)
         payload, fds = fd_recv(sock)
         assert fds == []
-        reply = assert_error(decode(payload), E.UNEXPECTED_FDS)
+        reply = assert_error(decode(payload), E.UNEXPECTED_FDS, request_id=5)  # refused under its own id
         assert "2" in reply["msg"], reply
         # The daemon closed its copies: with ours closed too, the read ends see EOF.
         os.close(w)
@@ -106,7 +106,7 @@ def test_descriptors_after_hello_are_refused_and_session_survives(daemon_factory
             w = -1
             payload, fds = fd_recv(s.fd_sock)
             assert fds == []
-            assert_error(decode(payload), E.UNEXPECTED_FDS)
+            assert_error(decode(payload), E.UNEXPECTED_FDS, request_id=9)
             assert readable(r, 5.0) and os.read(r, 1) == b""
         finally:
             for fd in (r, w):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gpumem_shared import protocol as p
-from gpumem_shared.driver.host import HOST_GRANULARITY
+from gpumem_shared.driver.host import HOST_GRANULARITY, HostDriver
 from gpumemd.config import StateConfig
 from gpumemd.records import Outcome, SessionRecord as Session
 from gpumemd.state import DaemonState
@@ -65,6 +65,17 @@ def is_reserved(address: int, size: int) -> bool:
             return False
         covered = max(covered, end)
     return covered >= address + size
+
+
+class DescriptorFreeDriver(HostDriver):
+    """The host driver without memfds: chunks are bookkeeping only, so a test can make
+    thousands without spending the process's descriptors."""
+
+    def create_chunks(self, placements: list[tuple[int, int]]) -> list[int]:
+        return [-1] * len(placements)
+
+    def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[int]) -> None:
+        pass
 
 
 class Clock:

@@ -10,6 +10,7 @@ at once, handed out only when the round commits, given back if it fails."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -20,7 +21,7 @@ from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.protocol import ErrorCode
 from gpumemd.records import Completion, SessionRecord as Session
 
-from .harness import CAPACITY, G, Harness, MiB, open_fds, windows
+from .harness import CAPACITY, DescriptorFreeDriver, G, Harness, MiB, open_fds, windows
 
 
 # --------------------------------------------------------------------------- helpers
@@ -1583,3 +1584,24 @@ def test_enormous_kv_bounds_are_refused_with_figures_that_fit_the_wire(h: Harnes
     error = h.refused(a, p.KvDeclare(name="kv", buffers=[p.KvBuffer("k", 4096)], **bound), ErrorCode.INVALID_ARGUMENT)
     assert all(not isinstance(v, int) or -(2**63) <= v < 2**64 for v in error.detail.values()), error.detail
     assert h.state.arenas.by_name == {} and h.state.arenas.accounted_bytes() == 0
+
+
+def test_a_pool_of_thousands_of_buffers_costs_linear_time(make_harness: Callable[..., Harness]) -> None:
+    """Every buffer's chunks used to be found by scanning all of the arena's chunks, for
+    every buffer, at every commit, grow and shrink (and within a binary search when the
+    daemon asks for shrinks): with as many buffers as the protocol allows that held the
+    daemon's one thread for seconds (found by the protocol fuzzer)."""
+    n = p.MAX_KV_BUFFERS
+    h = make_harness(capacity=1 << 40, driver=DescriptorFreeDriver(index=0, capacity=1 << 40), round_timeout=10.0)
+    s = h.connect("engine-wide")
+    started = time.process_time()
+    declare(h, s, "wide", rows=(64,) * n, max_tokens=1 << 16)
+    join(h, s, "wide")
+    capture(h, s, "wide", 7, min_tokens=1, max_tokens=1 << 15)
+    assert commit_reply(done(h)[7]).pool.tokens == 1 << 15
+    grown = h.ok(s, p.KvGrow(pool="wide", tokens=1 << 16)).reply
+    shrunk = h.ok(s, p.KvShrink(pool="wide", tokens=1)).reply
+    took = time.process_time() - started
+    assert isinstance(grown, p.KvCommitReply) and grown.pool.tokens == 1 << 16
+    assert isinstance(shrunk, p.KvCommitReply) and len(shrunk.retired) == n
+    assert took < 0.5, f"a round, a grow and a shrink of a pool of {n} buffers took {took:.2f}s of CPU"

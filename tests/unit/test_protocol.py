@@ -244,6 +244,25 @@ def test_unknown_message_type(t: Any) -> None:
     assert error.detail["request_id"] == 41
 
 
+@pytest.mark.parametrize(
+    "frame, expected",
+    [
+        (raw(envelope()), 41),
+        (raw(envelope(v=[9, 0])), 41),  # another major: refused, but the id is read
+        (raw({"id": 41}), 41),
+        (raw(envelope(t="nonsense", b=[1])), 41),
+        (raw(envelope(id=True)), 0),
+        (raw({**envelope(), 1: 2}), 0),
+        (b"\xc1", 0),
+        (raw(envelope()) + b"\x00", 0),  # trailing bytes: not one msgpack value
+        (raw(envelope(b="x" * p.MAX_FRAME_BYTES)), 0),
+    ],
+    ids=["good", "other-major", "id-only", "bad-type-and-body", "bool-id", "non-str-key", "not-msgpack", "trailing", "too-large"],
+)
+def test_request_id_of_reads_the_id_whatever_the_rest(frame: bytes, expected: int) -> None:
+    assert p.request_id_of(frame) == expected
+
+
 def test_missing_field_is_invalid_argument_naming_it() -> None:
     error = refused(raw(envelope(b={"name": "kv"})), ErrorCode.INVALID_ARGUMENT)
     assert error.message == "CommitArena.nbytes is missing"
@@ -272,6 +291,22 @@ def test_wrongly_typed_field_is_invalid_argument(body: dict, field: str) -> None
     error = refused(raw(envelope(b=body)), ErrorCode.INVALID_ARGUMENT)
     assert error.message.startswith(f"{field}: expected `")
     assert error.detail == {"request_id": 41}
+
+
+@pytest.mark.parametrize(
+    ("t", "body", "field", "limit"),
+    [
+        (MsgType.GRAPH_POOL_REGISTER, {"arena": "g", "label": "l", "extents": "many", "free_runs": []}, "extents", p.MAX_POOL_EXTENTS),
+        (MsgType.GRAPH_POOL_UPDATE, {"pool_id": 1, "extents": [], "free_runs": "many"}, "free_runs", p.MAX_POOL_EXTENTS),
+        (MsgType.KV_DECLARE, {"name": "kv", "buffers": "many", "max_tokens": 16}, "buffers", p.MAX_KV_BUFFERS),
+    ],
+)
+def test_lists_a_client_makes_the_daemon_keep_are_bounded(t: MsgType, body: dict, field: str, limit: int) -> None:
+    item = {"offset": 0, "size": 4096} if field != "buffers" else {"name": "k", "row_bytes": 64}
+    at_limit = {**body, field: [item] * limit}
+    assert len(getattr(p.decode_request(raw(envelope(t, b=at_limit))).message, field)) == limit
+    error = refused(raw(envelope(t, b={**body, field: [item] * (limit + 1)})), ErrorCode.INVALID_ARGUMENT)
+    assert error.message == f"{p.REQUESTS[t].__name__}.{field}: expected `array` of length <= {limit}"
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ decommit and the accounting behind them, on the real host driver."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +15,9 @@ from gpumem_shared.driver import DriverError
 from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.protocol import ErrorCode
 from gpumemd.config import StateConfig
-from gpumemd.records import Outcome, SessionRecord as Session
+from gpumemd.records import ChunkRecord, Outcome, SessionRecord as Session
 
-from .harness import BULK, CAPACITY, G, GiB, Harness, MiB, is_reserved, mapped_ranges, open_fds, planned, the_slice, windows
+from .harness import BULK, CAPACITY, DescriptorFreeDriver, G, GiB, Harness, MiB, is_reserved, mapped_ranges, open_fds, planned, the_slice, windows
 
 VALID_NAMES = ["a", "kv", "engine-a", "Qwen2.5:7b@gpu0+draft_1", "x" * 128]
 INVALID_NAMES = ["", "-kv", ".hidden", "_x", "kv cache", "kv/0", "x" * 129, "kv\n", "\nkv", "kv\x00", "ké"]
@@ -528,3 +529,20 @@ def test_each_device_plans_in_its_own_address_slice() -> None:
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:], strict=False))
     assert ranges[-1][1] <= 0x6000_0000_0000, "the top 32 TiB stay for the kernel's top-down mmap area"
     assert all(end - start >= StateConfig.max_reserve for start, end in ranges)
+
+
+def test_decommit_of_thousands_of_chunks_costs_linear_time(make_harness: Callable[..., Harness]) -> None:
+    """The chunks a decommit takes out were removed by a list membership test per chunk:
+    quadratic, and seconds of the daemon's one thread for an arena committed in many small
+    steps."""
+    n = 32_768
+    h = make_harness(capacity=1 << 40, driver=DescriptorFreeDriver(index=0, capacity=1 << 40))
+    s = h.connect("engine-a")
+    h.create(s, "kv", n * G)
+    arena = h.state.arenas.by_name["kv"]
+    arena.chunks = [ChunkRecord(id=i + 1, arena="kv", offset=i * G, size=G, address=arena.address + i * G, handle=-1) for i in range(n)]
+    started = time.process_time()
+    reply = h.decommit(s, "kv", G).reply
+    took = time.process_time() - started
+    assert isinstance(reply, p.MapReply) and reply.arena.committed == G
+    assert took < 1.0, f"a decommit of {n} chunks took {took:.1f}s of CPU"

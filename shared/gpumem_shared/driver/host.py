@@ -14,6 +14,7 @@ import ctypes.util
 import errno
 import hashlib
 import os
+import resource
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,13 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 HOST_GRANULARITY = 2 << 20
 
 _RESERVE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+
+# A chunk holds a descriptor for its life. The daemon's sockets need descriptors too, and
+# libzmq aborts the process when it cannot accept a control-channel peer: a chunk is
+# refused once fewer than this share of the open-file limit (at least _FD_RESERVE_MIN)
+# would stay free.
+_FD_RESERVE_SHARE = 4
+_FD_RESERVE_MIN = 64
 
 
 def _mmap(address: int, size: int, prot: int, flags: int, fd: int = -1) -> int:
@@ -115,16 +123,25 @@ class HostDriver(Driver):
             raise DriverError(f"munmap({address:#x}, {size}) failed: {os.strerror(err)}")
 
     def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        spare = max(_FD_RESERVE_MIN, limit // _FD_RESERVE_SHARE)
         fds: list[int] = []
         try:
             for _, size in placements:
                 fd = os.memfd_create("gpumemd-chunk", os.MFD_CLOEXEC)
                 fds.append(fd)
+                # A new descriptor is the lowest free one: every number below it is taken.
+                if fd >= limit - spare:
+                    raise OSError(errno.EMFILE, f"{fd} descriptors open of the open-file limit {limit}, which must keep {spare} free")
                 os.ftruncate(fd, size)  # fresh memfd pages read as zero: no scrub needed
         except OSError as exc:
             for fd in fds:
                 os.close(fd)
-            raise DriverError(f"memfd chunk creation failed: {exc.strerror}", out_of_memory=exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EMFILE)) from None
+            raise DriverError(
+                f"memfd chunk creation failed: {exc.strerror} (each host chunk holds a descriptor: commit in larger "
+                "chunks, or raise gpumemd's open-file limit)" if exc.errno == errno.EMFILE else f"memfd chunk creation failed: {exc.strerror}",
+                out_of_memory=exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EMFILE),
+            ) from None
         return fds
 
     def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
@@ -136,7 +153,15 @@ class HostDriver(Driver):
 
     def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
         # A fresh memfd reads as zero: nothing to scrub.
-        return [os.dup(handle) for _, _, handle, _ in chunks]
+        fds: list[int] = []
+        try:
+            for _, _, handle, _ in chunks:
+                fds.append(os.dup(handle))
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise DriverError(f"duplicating {len(chunks)} chunk descriptors failed: {exc.strerror}", out_of_memory=exc.errno == errno.EMFILE) from None
+        return fds
 
     def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:
         done: list[tuple[int, int]] = []
