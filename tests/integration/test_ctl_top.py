@@ -53,7 +53,7 @@ def test_once_prints_one_plain_frame(daemon, run_client, runtime_dir: Path) -> N
     out = result.stdout
     assert "\x1b" not in out, "a frame for scripts has no terminal codes"
     s = status(runtime_dir)
-    assert out.startswith(f"gpumemd {s['daemon']['version']}  device 0: {s['device']['name']}  host  serving")
+    assert out.startswith(f"gpumemd {s['daemon']['version']}  device 0: {s['device']['name']}  {daemon.backend}  serving")
     assert "held by gpumemd 70 MiB" in out and "2 clients  2 arenas  1 graph pools  1 leases held  0 KV rounds active" in out
     session = {c["name"]: str(c["session_id"]) for c in s["clients"]}
     assert rows(out, "CLIENTS") == [  # the largest first
