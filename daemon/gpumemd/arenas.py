@@ -25,95 +25,25 @@ is decided above it, by the dispatcher (state.py).
 
 from __future__ import annotations
 
-import hmac
 import logging
-import re
-import secrets
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
 from gpumem_shared.units import format_size
 
+from gpumemd import grants
+from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
-from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, GrantRecord, Notices, Outcome, SessionRecord
+from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
 
 log = logging.getLogger("gpumemd.arenas")
 
 MAX_PLACEHOLDER_SLOT = 256 * MiB
-# Every share is a new grant: the bound keeps an owner sharing in a loop from growing
-# the daemon without end.
-MAX_GRANTS = 64
-TOKEN_BYTES = 32
-# uid_t and gid_t are 32 bits, and (uid_t) -1 means "no id" to the kernel.
-_MAX_ID = 0xFFFF_FFFE
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")
 
 
 class SliceUnavailable(Exception):
     """The daemon cannot reserve its address slice at the planned address; the message
     is the one line an operator sees."""
-
-
-def check_name(name: str, what: str) -> None:
-    if not _NAME.match(name):
-        raise p.ProtocolError(
-            p.ErrorCode.INVALID_ARGUMENT, f"{what} {name!r} is not valid: 1-128 characters of letters, digits and ._:@+-"
-        )
-
-
-def check_size(value: int, what: str, granularity: int, *, allow_zero: bool) -> None:
-    g = granularity
-    if value < 0 or (value == 0 and not allow_zero):
-        raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"{what} must be positive, not {value}", **{what: value})
-    if value % g:
-        raise p.ProtocolError(
-            p.ErrorCode.INVALID_ARGUMENT,
-            f"{what} {value} is not a multiple of the device granularity {g} "
-            f"(nearest valid: {value // g * g} or {(value // g + 1) * g})",
-            **{what: value, "granularity": g},
-        )
-
-
-def _check_id(value: int, what: str) -> None:
-    if not -1 <= value <= _MAX_ID:
-        raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"{what} {value} is not valid: 0-{_MAX_ID}, or -1 for any", **{what: value})
-
-
-def _describe(grant: GrantRecord) -> str:
-    parts = [f"client '{grant.client}'"] if grant.client else []
-    if grant.uid != -1:
-        parts.append(f"the owner's uid {grant.uid}" if grant.uid_implied else f"uid {grant.uid}")
-    if grant.gid != -1:
-        parts.append(f"gid {grant.gid}")
-    return " under ".join(parts) if parts else "whoever gives its token"
-
-
-def _mismatch(grant: GrantRecord, s: SessionRecord, *, by_token: bool) -> str:
-    """Why ``grant`` does not admit ``s`` ("" when it does). A token lifts an implied
-    uid, never what the share named."""
-    if grant.client and grant.client != s.name:
-        return f"it names client '{grant.client}'"
-    if grant.uid not in (-1, s.uid) and not (by_token and grant.uid_implied):
-        return f"it admits uid {grant.uid} only" + (" (the owner's; the owner's token for it admits any uid)" if grant.uid_implied else "")
-    if grant.gid not in (-1, s.gid):
-        return f"it admits gid {grant.gid} only"
-    return ""
-
-
-def _admits_by_identity(grant: GrantRecord, s: SessionRecord) -> bool:
-    names_someone = bool(grant.client) or grant.uid != -1 or grant.gid != -1
-    return names_someone and not _mismatch(grant, s, by_token=False)
-
-
-def _grant_by_token(arena: ArenaRecord, token: str) -> GrantRecord | None:
-    """Every grant's token is compared, each in constant time: how long the lookup takes
-    says nothing about how close a guess came."""
-    given = token.encode()
-    found = None
-    for grant in arena.grants:
-        if hmac.compare_digest(grant.token, given):
-            found = grant
-    return found
 
 
 def plan_chunk_sizes(nbytes: int, bulk: int, granularity: int) -> list[int]:
@@ -245,7 +175,7 @@ class ArenaBook:
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"this session is already attached to arena '{m.name}'")
         if arena.released:
             raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"arena '{m.name}' was released by {arena.owner_label()}")
-        refusal = self._refusal(arena, s, m.token)
+        refusal = grants.refusal(arena, s, m.token)
         if refusal:
             log.warning("arena %r: attach by client %r (pid %d, uid %d, gid %d) refused: %s", arena.name, s.name, s.pid, s.uid, s.gid, refusal)
             raise p.ProtocolError(
@@ -260,52 +190,17 @@ class ArenaBook:
         arena.attached.add(s.id)
         return self.map_reply(s, arena)
 
-    def _refusal(self, arena: ArenaRecord, s: SessionRecord, token: str) -> str:
-        """Why no grant of ``arena`` admits ``s`` ("" when one does): by identity, or by
-        the grant ``token`` belongs to. The reason never repeats the token."""
-        if any(_admits_by_identity(g, s) for g in arena.grants):
-            return ""
-        who = f"client '{s.name}' (uid {s.uid}, gid {s.gid})"
-        if token:
-            grant = _grant_by_token(arena, token)
-            if grant is None:
-                return f"the token given matches none of its grants (revoked, or never issued for it); no grant admits {who}"
-            why = _mismatch(grant, s, by_token=True)
-            return f"the grant the token belongs to ({_describe(grant)}) does not admit {who}: {why}" if why else ""
-        named = [g for g in arena.grants if g.client == s.name]
-        if named:
-            return f"its grant to {_describe(named[0])} does not admit {who}: {_mismatch(named[0], s, by_token=False)}"
-        return f"is not shared with {who}: no grant names this client, uid or gid" + ("" if arena.grants else " (it has no grants)")
-
     def share(self, s: SessionRecord, m: p.ShareArena) -> Outcome:
         arena = self.owned(s, m.name, "share")
-        if m.client:
-            check_name(m.client, "client name")
-        _check_id(m.uid, "uid")
-        _check_id(m.gid, "gid")
-        if len(arena.grants) >= MAX_GRANTS:
-            raise p.ProtocolError(
-                p.ErrorCode.INVALID_ARGUMENT,
-                f"arena '{arena.name}' has {len(arena.grants)} grants, the most it may have; revoke some (unshare) first",
-                limit=MAX_GRANTS,
-            )
-        implied = bool(m.client) and m.uid == -1 and m.gid == -1
-        grant = GrantRecord(
-            id=self._next_grant,
-            token=secrets.token_hex(TOKEN_BYTES).encode(),
-            client=m.client,
-            uid=s.uid if implied else m.uid,
-            gid=m.gid,
-            uid_implied=implied,
-        )
+        grant = grants.new_grant(arena, s, m, self._next_grant)
         self._next_grant += 1
         arena.grants.append(grant)
-        log.info("arena %r: grant %d admits %s", arena.name, grant.id, _describe(grant))
+        log.info("arena %r: grant %d admits %s", arena.name, grant.id, grants.describe(grant))
         return Outcome(p.ShareReply(token=grant.token.decode(), grant=grant.status()))
 
     def unshare(self, s: SessionRecord, m: p.UnshareArena) -> Outcome:
         arena = self.owned(s, m.name, "unshare")
-        grant = _grant_by_token(arena, m.token)
+        grant = grants.by_token(arena, m.token)
         if grant is None:
             raise p.ProtocolError(
                 p.ErrorCode.NOT_FOUND, f"no grant on arena '{arena.name}' has this token (revoked already, or issued for another arena)"
@@ -313,7 +208,7 @@ class ArenaBook:
         arena.grants.remove(grant)
         # Memory is never taken from a process that maps it: only new attaches are refused.
         sharers = len(arena.attached - {arena.owner_id})
-        log.info("arena %r: grant %d (%s) revoked; %d sharer(s) stay attached", arena.name, grant.id, _describe(grant), sharers)
+        log.info("arena %r: grant %d (%s) revoked; %d sharer(s) stay attached", arena.name, grant.id, grants.describe(grant), sharers)
         return Outcome(p.Ack())
 
     def commit(self, s: SessionRecord, m: p.CommitArena) -> Outcome:

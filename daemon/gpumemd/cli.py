@@ -25,7 +25,8 @@ from gpumemd.arenas import SliceUnavailable
 from gpumemd.config import StateConfig
 from gpumemd.metrics import Metrics
 from gpumemd.notify import SystemdNotifier
-from gpumemd.server import Server, StartupError
+from gpumemd.runtime import StartupError
+from gpumemd.server import Server
 from gpumemd.state import DaemonState
 
 if TYPE_CHECKING:

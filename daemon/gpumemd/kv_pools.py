@@ -20,7 +20,8 @@ from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 
 from gpumemd import kv_math
-from gpumemd.arenas import ArenaBook, check_name, map_batches
+from gpumemd.arenas import ArenaBook, map_batches
+from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
 from gpumemd.records import (
     ArenaRecord,

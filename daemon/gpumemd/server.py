@@ -12,19 +12,13 @@ closes a dead client's SEQPACKET connection, and the loop sees EOF at once.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import fcntl
-import grp
-import json
 import logging
 import os
-import resource
 import signal
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -33,8 +27,11 @@ from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumem_shared.paths import Endpoints
+from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
 from gpumemd.records import ChunkRecord, SessionRecord
+from gpumemd.admission import ACCEPT_BATCH, Admission, Connection
+from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
 from gpumemd.state import DaemonState
 
 log = logging.getLogger("gpumemd.server")
@@ -54,81 +51,11 @@ _POLLIN = int(zmq.POLLIN)
 _SIZE_FIELDS = ("nbytes", "to_nbytes", "reserve_bytes", "slot_bytes", "tokens")
 
 
-# What the open-file limit must leave besides fd-channel connections: ZeroMQ's own
-# descriptors (its context, the ROUTER's listener, one per control-channel peer; libzmq
-# aborts the process when it cannot accept a peer), the lease table, the lock, the
-# wake-up pipe, the host backend's chunk memfds, chunk descriptors being handed out.
-FD_HEADROOM_MIN = 64
-# Connections that have not said HELLO: anyone who may open the socket can make them, and
-# each holds a descriptor until its HELLO timeout.
-MAX_PENDING = 256
-# Once the pending cap is reached, a new connection takes the place of the oldest silent
-# one, if that one has been silent this long: a client says HELLO as soon as it connects,
-# so a connection this old is not one about to speak. Younger ones are not evicted: the
-# listener rests, new connections wait in the kernel's backlog, and a flood costs the
-# daemon one accept per evicted connection, at most MAX_PENDING per this many seconds.
-EVICT_AFTER = 0.5
-# After accept fails for want of descriptors (EMFILE, ENFILE) or memory, the listener
-# rests this long instead of being polled, readable and unaccepted, in a tight loop.
-ACCEPT_BACKOFF = 0.5
-# Connections accepted per wake-up: the control channel and live sessions get their turn
-# in between.
-ACCEPT_BATCH = 32
-# Repeated warnings about a flood (evictions, peers that never said HELLO) are summed up
-# at most this often.
-FLOOD_LOG_EVERY = 5.0
 # libzmq buffers a control-channel message whole before the daemon sees it: without a
 # bound a peer's gigabyte frame costs a gigabyte of the daemon's memory (one per peer at
 # once). A bigger message closes its connection unread; up to this size it is refused
 # with BAD_MESSAGE like any frame over MAX_FRAME_BYTES.
 MAX_CONTROL_MESSAGE = 2 * p.MAX_FRAME_BYTES
-
-
-class StartupError(Exception):
-    """The daemon cannot start; the message is the one line an operator sees."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FdBudget:
-    """How many fd-channel connections the open-file limit allows."""
-
-    limit: int
-    connections: int  # sessions and pending connections together
-    pending: int  # connections that have not said HELLO yet
-
-    @classmethod
-    def of(cls, limit: int) -> FdBudget:
-        headroom = max(FD_HEADROOM_MIN, limit // 4)
-        # A session holds a control-channel connection besides its fd channel.
-        connections = max(1, (limit - headroom) // 2)
-        return cls(limit, connections, max(1, min(MAX_PENDING, connections // 4)))
-
-
-def raise_fd_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard limit (what a shell's ulimit or a unit's
-    LimitNOFILE allows); returns the limit in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == hard or hard == resource.RLIM_INFINITY:
-        log.info("open-file limit %d", soft)
-        return soft
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError) as exc:
-        log.warning("open-file limit %d: raising it to the hard limit %d failed (%s)", soft, hard, exc)
-        return soft
-    log.info("open-file limit %d (soft limit raised from %d to the hard limit)", hard, soft)
-    return hard
-
-
-@dataclasses.dataclass(eq=False)
-class Connection:
-    sock: socket.socket
-    pid: int
-    uid: int
-    gid: int
-    accepted: float  # monotonic
-    deadline: float  # HELLO must arrive before this (monotonic)
-    session: SessionRecord | None = None
 
 
 class Server:
@@ -151,15 +78,8 @@ class Server:
         self.tick_interval = tick_interval
         self._on_tick = on_tick  # after each tick's work, on this thread (the metrics snapshot)
         self._stop_requested = False
-        self._connections: dict[int, Connection] = {}  # by socket fd
-        self._pending: dict[int, Connection] = {}  # those without a session, oldest first
-        self._budget = FdBudget.of(FD_HEADROOM_MIN * 4)  # set from the real limit by bind()
-        self._listening = False  # whether the poller watches the listener
-        self._rest_until = 0.0  # accept failed for want of resources: not before this
-        self._full_logged = False  # "not accepting: budget spent" said for this stretch
-        self._evicted: list[int] = []  # pids of silent connections evicted since the last log
-        self._silent: list[int] = []  # pids of peers dropped for no HELLO since the last log
-        self._flood_logged = 0.0
+        self._door = Admission(FdBudget.of(FD_HEADROOM_MIN * 4), hello_timeout)  # the real budget from bind()
+        self._connections = self._door.connections  # by socket fd
         self._by_session: dict[int, Connection] = {}
         self._by_token: dict[bytes, SessionRecord] = {}
         self._lock_fd = -1
@@ -182,18 +102,11 @@ class Server:
             ep.runtime_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StartupError(f"cannot create runtime directory {ep.runtime_dir}: {exc.strerror}") from None
-        gid = self._group_id()
-        self._take_lock()
-        self._budget = FdBudget.of(raise_fd_limit())
-        log.info(
-            "fd channel: up to %d connections, %d of them before HELLO", self._budget.connections, self._budget.pending
-        )
-        # We hold the lock, so any socket file here belongs to a dead daemon. A zmq ipc
-        # bind would silently take a live socket over: the lock is what makes this safe.
-        for stale in (ep.zmq_path, ep.fd_path):
-            if stale.exists() or stale.is_symlink():
-                log.info("removing stale socket %s left by a daemon that is gone", stale)
-                stale.unlink()
+        gid = runtime.group_id(self.socket_group)
+        self._lock_fd = runtime.take_lock(ep)
+        budget = self._door.budget = FdBudget.of(runtime.raise_fd_limit())
+        log.info("fd channel: up to %d connections, %d of them before HELLO", budget.connections, budget.pending)
+        runtime.remove_stale_sockets(ep)
         old_umask = os.umask(0o117)  # sockets are born 0660; no window at a wider mode
         try:
             self._ctx = zmq.Context()
@@ -210,56 +123,14 @@ class Server:
             raise StartupError(f"cannot bind gpumemd sockets in {ep.runtime_dir}: {exc}") from None
         finally:
             os.umask(old_umask)
-        for path in (ep.zmq_path, ep.fd_path):
-            os.chmod(path, 0o660)
-            if gid is not None:
-                os.chown(path, -1, gid)
+        runtime.set_socket_modes(ep, gid)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         # Handlers go in before the daemon announces itself: a SIGTERM from then on
         # means a clean stop, even before the loop runs.
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        self._write_info()
-
-    def _group_id(self) -> int | None:
-        if not self.socket_group:
-            return None
-        if self.socket_group.isdigit():  # a container may know the group by number only
-            return int(self.socket_group)
-        try:
-            return grp.getgrnam(self.socket_group).gr_gid
-        except KeyError:
-            raise StartupError(f"socket group '{self.socket_group}' does not exist (groupadd it, or drop --socket-group)") from None
-
-    def _take_lock(self) -> None:
-        path = self.endpoints.lock_path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise StartupError(
-                f"another gpumemd (pid {holder}) already serves device {self.endpoints.index} in "
-                f"{self.endpoints.runtime_dir}; stop it first (systemctl stop gpumemd@{self.endpoints.index})"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
-
-    def _write_info(self) -> None:
-        info = {
-            "index": self.endpoints.index,
-            "uuid": self.state.device.uuid,
-            "backend": self.state.driver.kind,
-            "pid": os.getpid(),
-            "protocol": list(p.PROTOCOL_VERSION),
-        }
-        tmp = self.endpoints.info_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(info) + "\n")
-        os.chmod(tmp, 0o644)
-        tmp.rename(self.endpoints.info_path)
+        runtime.write_info(ep, self.state.device.uuid, self.state.driver.kind)
 
     # ------------------------------------------------------------------ loop
 
@@ -315,12 +186,9 @@ class Server:
         now = time.monotonic()
         if now >= self._next_tick:  # the HELLO-deadline scan, not on every request
             self._next_tick = now + self.tick_interval
-            for conn in list(self._pending.values()):  # oldest first
-                if now <= conn.deadline:
-                    break
-                self._silent.append(conn.pid)
+            for conn in self._door.silent(now):
                 self._drop(conn)
-            self._log_flood(now)
+            self._door.log_flood(now)
             self._update_listener(now)
             self.state.tick()  # round deadlines
             self._flush_state()
@@ -500,25 +368,17 @@ class Server:
         assert self._listener is not None
         now = time.monotonic()
         for _ in range(ACCEPT_BATCH):
-            if not self._may_accept(now):
+            if not self._door.may_accept(now):
                 break
             try:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 break
             except OSError as exc:
-                # EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection stays in the backlog and
-                # the listener readable; polling it now would spin.
-                self._rest_until = now + ACCEPT_BACKOFF
-                what = "descriptors" if exc.errno in (errno.EMFILE, errno.ENFILE) else "resources"
-                log.warning(
-                    "accept on the fd channel failed: %s (out of %s; open-file limit %d, %d fd-channel connections, %d "
-                    "before HELLO); not accepting for %.1fs, serving the sessions already open",
-                    exc.strerror, what, self._budget.limit, len(self._connections), len(self._pending), ACCEPT_BACKOFF,
-                )
+                self._door.accept_failed(now, exc, "descriptors" if exc.errno in (errno.EMFILE, errno.ENFILE) else "resources")
                 break
-            if len(self._pending) >= self._budget.pending or len(self._connections) >= self._budget.connections:
-                self._evict_oldest()
+            if self._door.full():
+                self._drop(self._door.evictee())
             try:
                 sock.setblocking(False)
                 pid, uid, gid = fdchannel.peer_credentials(sock)
@@ -526,58 +386,19 @@ class Server:
                 log.warning("fd-channel connection dropped at once: %s", exc)
                 sock.close()
                 continue
-            conn = Connection(sock=sock, pid=pid, uid=uid, gid=gid, accepted=now, deadline=now + self.hello_timeout)
-            self._connections[sock.fileno()] = conn
-            self._pending[sock.fileno()] = conn
+            self._door.admit(Connection(sock=sock, pid=pid, uid=uid, gid=gid, accepted=now, deadline=now + self.hello_timeout))
             self._poller.register(sock.fileno(), _POLLIN)
         self._update_listener(now)
 
-    def _may_accept(self, now: float) -> bool:
-        if now < self._rest_until:
-            return False
-        if len(self._pending) < self._budget.pending and len(self._connections) < self._budget.connections:
-            return True
-        oldest = next(iter(self._pending.values()), None)
-        return oldest is not None and now - oldest.accepted >= EVICT_AFTER
-
     def _update_listener(self, now: float) -> None:
-        """Poll the listener only while a connection may be accepted (see EVICT_AFTER,
-        ACCEPT_BACKOFF): one left readable and unaccepted would wake the loop for nothing."""
+        """Poll the listener only while a connection may be accepted (see admission.py):
+        one left readable and unaccepted would wake the loop for nothing."""
         assert self._listener is not None
-        wanted = self._may_accept(now)
-        if wanted == self._listening:
-            return
-        self._listening = wanted
-        if wanted:
+        change = self._door.listen_change(now)
+        if change is True:
             self._poller.register(self._listener.fileno(), _POLLIN)
-            self._full_logged = False
-            return
-        self._poller.unregister(self._listener.fileno())
-        if now >= self._rest_until and not self._pending and not self._full_logged:
-            self._full_logged = True
-            log.warning(
-                "not accepting fd-channel connections: %d sessions, the most the open-file limit %d allows "
-                "(raise LimitNOFILE); new clients wait in the listen backlog",
-                len(self._connections), self._budget.limit,
-            )
-
-    def _evict_oldest(self) -> None:
-        oldest = next(iter(self._pending.values()))
-        self._evicted.append(oldest.pid)
-        self._drop(oldest)
-
-    def _log_flood(self, now: float) -> None:
-        if not (self._evicted or self._silent) or now - self._flood_logged < FLOOD_LOG_EVERY:
-            return
-        self._flood_logged = now
-        for pids, what in (
-            (self._silent, f"connected but sent no HELLO within {self.hello_timeout:.1f}s"),
-            (self._evicted, f"evicted for newer connections once {self._budget.pending} were waiting for their HELLO"),
-        ):
-            if pids:
-                shown = ", ".join(str(pid) for pid in sorted(set(pids))[:8])
-                log.warning("dropped %d fd-channel peer(s) (pid %s): %s", len(pids), shown, what)
-        self._evicted, self._silent = [], []
+        elif change is False:
+            self._poller.unregister(self._listener.fileno())
 
     def _on_fd_channel(self, conn: Connection) -> None:
         try:
@@ -613,7 +434,7 @@ class Server:
             self._send_on(conn, p.encode_error(rid if isinstance(rid, int) else 0, exc))
             return
         conn.session = session
-        self._pending.pop(conn.sock.fileno(), None)
+        self._door.opened(conn)
         self._by_session[session.id] = conn
         self._by_token[session.token] = session
         self._send_on(conn, p.encode_reply(request_id, reply))
@@ -626,9 +447,8 @@ class Server:
 
     def _drop(self, conn: Connection) -> None:
         fd = conn.sock.fileno()
-        if self._connections.pop(fd, None) is None:
+        if self._door.forget(fd) is None:
             return
-        self._pending.pop(fd, None)
         self._poller.unregister(fd)
         conn.sock.close()
         self._update_listener(time.monotonic())
@@ -646,11 +466,10 @@ class Server:
         self._deliver(self.state.begin_stop())
         for conn in list(self._connections.values()):
             conn.sock.close()
-        self._connections.clear()
-        self._pending.clear()
+        self._door.connections.clear()
+        self._door.pending.clear()
         self._close_sockets()
-        for path in (self.endpoints.zmq_path, self.endpoints.fd_path, self.endpoints.info_path):
-            Path(path).unlink(missing_ok=True)
+        runtime.remove_files(self.endpoints)
         self.state.drop_all()
         signal.set_wakeup_fd(-1)
         for fd in (self._wake_r, self._wake_w, self._lock_fd):

@@ -26,7 +26,8 @@ from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver
 
 from gpumemd import status
-from gpumemd.arenas import ArenaBook, check_name
+from gpumemd.arenas import ArenaBook
+from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
 from gpumemd.graph_pools import GraphPoolBook
 from gpumemd.kv_pools import KvBook

@@ -246,18 +246,18 @@ def test_tokens_are_long_random_and_of_their_own_arena(h: Harness) -> None:
 def test_every_grant_is_compared_in_constant_time(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lookup that stopped at the first match, or compared with ==, would tell a guesser
     by its timing how close it came."""
-    import gpumemd.arenas
+    import gpumemd.grants
 
     a = owned_arena(h)
     tokens = [h.share(a, "kv") for _ in range(3)]
     compared: list[tuple[bytes, bytes]] = []
-    real = gpumemd.arenas.hmac.compare_digest
+    real = gpumemd.grants.hmac.compare_digest
 
     def recording(x: bytes, y: bytes) -> bool:
         compared.append((x, y))
         return real(x, y)
 
-    monkeypatch.setattr(gpumemd.arenas.hmac, "compare_digest", recording)
+    monkeypatch.setattr(gpumemd.grants.hmac, "compare_digest", recording)
     h.attach(h.connect("b", uid=OTHER_UID), "kv", tokens[0])
     assert sorted(x for x, _ in compared) == sorted(t.encode() for t in tokens)
     assert {y for _, y in compared} == {tokens[0].encode()}

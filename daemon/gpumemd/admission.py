@@ -1,0 +1,141 @@
+"""Who gets into the fd channel: the connections the open-file limit allows, and the
+ones that have not said HELLO yet, which anyone who may open the socket can make.
+
+The server owns the sockets and the poller; this object owns the policy. Past the limit
+of connections waiting for their HELLO, a new connection takes the place of the oldest
+silent one; while none may be accepted, or after accept failed for want of descriptors
+or memory, the listener rests (unpolled, its connections waiting in the kernel's
+backlog) instead of waking the loop for nothing. Floods are summed up in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+
+from gpumemd.records import SessionRecord
+from gpumemd.runtime import FdBudget
+
+log = logging.getLogger("gpumemd.admission")
+
+# Once the pending cap is reached, a new connection takes the place of the oldest silent
+# one, if that one has been silent this long: a client says HELLO as soon as it connects,
+# so a connection this old is not one about to speak. Younger ones are not evicted: the
+# listener rests, new connections wait in the kernel's backlog, and a flood costs the
+# daemon one accept per evicted connection, at most MAX_PENDING per this many seconds.
+EVICT_AFTER = 0.5
+# After accept fails for want of descriptors (EMFILE, ENFILE) or memory, the listener
+# rests this long instead of being polled, readable and unaccepted, in a tight loop.
+ACCEPT_BACKOFF = 0.5
+# Connections accepted per wake-up: the control channel and live sessions get their turn
+# in between.
+ACCEPT_BATCH = 32
+# Repeated warnings about a flood (evictions, peers that never said HELLO) are summed up
+# at most this often.
+FLOOD_LOG_EVERY = 5.0
+
+
+@dataclasses.dataclass(eq=False)
+class Connection:
+    sock: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    accepted: float  # monotonic
+    deadline: float  # HELLO must arrive before this (monotonic)
+    session: SessionRecord | None = None
+
+
+class Admission:
+    def __init__(self, budget: FdBudget, hello_timeout: float) -> None:
+        self.budget = budget
+        self.hello_timeout = hello_timeout
+        self.connections: dict[int, Connection] = {}  # by socket fd
+        self.pending: dict[int, Connection] = {}  # those without a session, oldest first
+        self.listening = False  # whether the poller watches the listener
+        self._rest_until = 0.0
+        self._full_logged = False  # "not accepting: budget spent" said for this stretch
+        self._evicted: list[int] = []  # pids of silent connections evicted since the last log
+        self._silent: list[int] = []  # pids of peers dropped for no HELLO since the last log
+        self._flood_logged = 0.0
+
+    def may_accept(self, now: float) -> bool:
+        if now < self._rest_until:
+            return False
+        if len(self.pending) < self.budget.pending and len(self.connections) < self.budget.connections:
+            return True
+        oldest = next(iter(self.pending.values()), None)
+        return oldest is not None and now - oldest.accepted >= EVICT_AFTER
+
+    def full(self) -> bool:
+        """Accepting one more means evicting the oldest silent connection first."""
+        return len(self.pending) >= self.budget.pending or len(self.connections) >= self.budget.connections
+
+    def evictee(self) -> Connection:
+        oldest = next(iter(self.pending.values()))
+        self._evicted.append(oldest.pid)
+        return oldest
+
+    def accept_failed(self, now: float, error: OSError, exhausted: str) -> None:
+        """EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection stays in the backlog and the
+        listener readable; polling it now would spin."""
+        self._rest_until = now + ACCEPT_BACKOFF
+        log.warning(
+            "accept on the fd channel failed: %s (out of %s; open-file limit %d, %d fd-channel connections, %d "
+            "before HELLO); not accepting for %.1fs, serving the sessions already open",
+            error.strerror, exhausted, self.budget.limit, len(self.connections), len(self.pending), ACCEPT_BACKOFF,
+        )
+
+    def admit(self, conn: Connection) -> None:
+        fd = conn.sock.fileno()
+        self.connections[fd] = conn
+        self.pending[fd] = conn
+
+    def opened(self, conn: Connection) -> None:
+        """It said HELLO: a session now, no longer a stranger."""
+        self.pending.pop(conn.sock.fileno(), None)
+
+    def forget(self, fd: int) -> Connection | None:
+        self.pending.pop(fd, None)
+        return self.connections.pop(fd, None)
+
+    def silent(self, now: float) -> list[Connection]:
+        """Pending connections past their HELLO deadline (to drop), oldest first."""
+        out = []
+        for conn in self.pending.values():
+            if now <= conn.deadline:
+                break
+            self._silent.append(conn.pid)
+            out.append(conn)
+        return out
+
+    def listen_change(self, now: float) -> bool | None:
+        """Whether the listener should now be polled (True) or not (False); None: as it is."""
+        wanted = self.may_accept(now)
+        if wanted == self.listening:
+            return None
+        self.listening = wanted
+        if wanted:
+            self._full_logged = False
+        elif now >= self._rest_until and not self.pending and not self._full_logged:
+            self._full_logged = True
+            log.warning(
+                "not accepting fd-channel connections: %d sessions, the most the open-file limit %d allows "
+                "(raise LimitNOFILE); new clients wait in the listen backlog",
+                len(self.connections), self.budget.limit,
+            )
+        return wanted
+
+    def log_flood(self, now: float) -> None:
+        if not (self._evicted or self._silent) or now - self._flood_logged < FLOOD_LOG_EVERY:
+            return
+        self._flood_logged = now
+        for pids, what in (
+            (self._silent, f"connected but sent no HELLO within {self.hello_timeout:.1f}s"),
+            (self._evicted, f"evicted for newer connections once {self.budget.pending} were waiting for their HELLO"),
+        ):
+            if pids:
+                shown = ", ".join(str(pid) for pid in sorted(set(pids))[:8])
+                log.warning("dropped %d fd-channel peer(s) (pid %s): %s", len(pids), shown, what)
+        self._evicted, self._silent = [], []
