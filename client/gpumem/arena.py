@@ -81,6 +81,7 @@ class Arena:
         self._aliases: dict[int, int] = {}  # placeholder mappings: offset -> size
         self._cover: Ranges = []  # where placeholder backing was asked for
         self._placeholder_fds: dict[int, int] = {}  # slot size -> fd, kept to map again
+        self._placeholder_ids: list[int] = []  # the daemon's ids of those chunks
         self._released = False
         self._torch: ArenaPool | None = None
 
@@ -225,6 +226,7 @@ class Arena:
         if not self._placeholder_fds:
             reply, fds = self.session.channel.call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
             self._placeholder_fds = {c.size: fds[c.id] for c in reply.chunks}
+            self._placeholder_ids = [c.id for c in reply.chunks]
         self._cover = merge(self._cover + [(offset, offset + nbytes)])
         self._cover_free(subtract(self._cover, self.backed_ranges()))
         self._backing_changed()
@@ -283,9 +285,14 @@ class Arena:
         self._chunks.clear()
         fdchannel.close_all(list(self._placeholder_fds.values()))
         self._placeholder_fds.clear()
+        self._placeholder_ids.clear()
         self._released = True
         self.session.arenas.pop(self.name, None)
         self.session.call(p.ReleaseArena(name=self.name))
+
+    def holding(self) -> p.Holding:
+        """The chunks this process maps here, as a resume reports them to a restarted daemon."""
+        return p.Holding(arena=self.name, chunks=list(self._chunks) + self._placeholder_ids)
 
     def _check_open(self) -> None:
         if self._released:

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,10 @@ from gpumem.errors import (
     DaemonStopped,
     DaemonTimeout,
     DaemonUnavailable,
+    PermissionDenied,
     SessionClosed,
+    SessionLost,
+    ShuttingDown,
     SocketPermissionDenied,
     error_from_protocol,
     error_from_reply,
@@ -53,6 +56,11 @@ _SLICE_MS = 250
 # How long a request may wait to be queued: only a daemon that stopped reading while
 # a thousand requests piled up (ZeroMQ's high-water mark) makes a send wait at all.
 _SEND_TIMEOUT_MS = 5000
+
+# After the daemon went away, a resumable session tries to resume after these pauses,
+# doubling, until the call's timeout: a restart takes the new daemon some 100 ms.
+_RESUME_RETRY_FIRST = 0.005
+_RESUME_RETRY_MOST = 0.05
 
 # Notices nobody took yet; the oldest go first.
 _NOTICES_KEPT = 1024
@@ -118,7 +126,9 @@ def check_access(path: Path) -> None:
 class ControlChannel:
     """A DEALER on the daemon's control socket; ``routing_id`` binds it to a session."""
 
-    def __init__(self, endpoints: Endpoints, routing_id: bytes | None = None) -> None:
+    def __init__(self, endpoints: Endpoints, routing_id: bytes | None = None, ids: Iterator[int] | None = None) -> None:
+        """``ids``: the request ids to go on with (a session's, across a daemon restart:
+        a resent request keeps its id, and no later one reuses it)."""
         self.endpoints = endpoints
         check_access(endpoints.zmq_path)
         self._sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
@@ -133,20 +143,21 @@ class ControlChannel:
         self._sock.connect(endpoints.zmq_url)
         self._send: Callable[[bytes], Any] = self._sock.send
         self._recv: Callable[[], bytes] = self._sock.recv
-        self._ids = itertools.count(1)
+        self.ids = itertools.count(1) if ids is None else ids
 
     def call(self, message: p.RequestMessage, timeout: float) -> Any:
         """One request: the typed reply body, or the typed error."""
         return self.exchange(message, timeout)[1]
 
     def exchange(
-        self, message: p.RequestMessage, timeout: float, in_flight: Callable[[int], None] | None = None
+        self, message: p.RequestMessage, timeout: float, in_flight: Callable[[int], None] | None = None, request_id: int = 0
     ) -> tuple[int, Any]:
         """One request: (its id, the typed reply body), or the typed error.
         ``in_flight(request_id)`` runs once the request is out, while the daemon works on
         it (what it costs hides behind the wait), and again after every slice of the wait
-        that passes unanswered; it may raise to end the wait."""
-        request_id = next(self._ids)
+        that passes unanswered; it may raise to end the wait. ``request_id``: the id of a
+        request sent again (0: the next one)."""
+        request_id = request_id or next(self.ids)
         try:
             frame = p.encode_request(request_id, message)
         except p.ProtocolError as exc:
@@ -198,6 +209,11 @@ class ControlChannel:
         self._sock.close(linger=0)
 
 
+class _DaemonAway(Exception):
+    """The daemon's fd channel closed, or it said it is stopping: a session with a resume
+    credential resumes (with the new daemon) before the call goes on."""
+
+
 class _Sockets:
     """What must be closed even if the channel is dropped without close()."""
 
@@ -235,12 +251,17 @@ class SessionChannel:
         self._lock = threading.RLock()
         self._notices: collections.deque[p.Notice] = collections.deque(maxlen=_NOTICES_KEPT)
         self._stopped: str | None = None
+        self._away: str | None = None  # why the daemon is gone, while a resume is due
+        self._lost: str | None = None  # why the session cannot come back
+        self._closed = False
+        # What RESUME reports this session maps (set by the Session, which knows its arenas).
+        self.holdings: Callable[[], list[p.Holding]] = list
         self._sockets = _Sockets()
         # Registered before anything opens, so a half-built channel still cleans up.
         self._finalizer = weakref.finalize(self, self._sockets)
         ok = False
         try:
-            self.hello = self._say_hello()
+            self.hello = self._say_hello(p.Hello(name=self.name, client_version=__version__), self.timeout)
             self._control = self._sockets.control = ControlChannel(endpoints, routing_id=self.hello.token)
             ok = True
         finally:
@@ -249,12 +270,12 @@ class SessionChannel:
 
     # ------------------------------------------------------------------ HELLO
 
-    def _say_hello(self) -> p.HelloReply:
+    def _say_hello(self, message: p.Hello | p.Resume, timeout: float) -> p.HelloReply:
         ep = self.endpoints
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sockets.fd_sock = sock
-        deadline = time.monotonic() + self.timeout
-        sock.settimeout(self.timeout)
+        deadline = time.monotonic() + timeout
+        sock.settimeout(timeout)
         try:
             self._connect(sock, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
@@ -269,13 +290,13 @@ class SessionChannel:
         self._sockets.fd_ready.register(sock.fileno(), select.EPOLLIN)
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
-            fdchannel.send(sock, p.encode_request(1, p.Hello(name=self.name, client_version=__version__)))
+            fdchannel.send(sock, p.encode_request(1, message))
             # Nothing rides with HELLO since 1.3: an older daemon's lease table is received
             # only to be closed (the version check below refuses that daemon).
             payload, fds = fdchannel.recv(sock, max_fds=1)
         except TimeoutError:
             raise DaemonTimeout(
-                f"gpumemd for device {ep.index} accepted but did not answer HELLO within {self.timeout:g}s ({ep.fd_path})"
+                f"gpumemd for device {ep.index} accepted but did not answer HELLO within {timeout:g}s ({ep.fd_path})"
             ) from None
         except p.ProtocolError as exc:
             raise BadMessage(exc.message) from None
@@ -320,19 +341,73 @@ class SessionChannel:
 
     def call(self, message: p.RequestMessage, timeout: float | None = None) -> tuple[Any, dict[int, int]]:
         """One request: (typed reply body, {chunk id: fd} for the chunks it hands out).
-        The caller owns the descriptors. ``timeout`` defaults to the session's."""
+        The caller owns the descriptors. ``timeout`` defaults to the session's. A daemon
+        that restarts meanwhile (with this session kept) is waited for within the
+        timeout: the session resumes and the request goes again under its id."""
         with self._lock:
-            if self._sockets.fd_sock is None:
+            if self._closed:
                 raise SessionClosed(f"session '{self.name}' is closed")
             if self._stopped is not None:
                 raise DaemonStopped(self._stopped)
+            if self._lost is not None:
+                raise SessionLost(self._lost)
             limit = self.timeout if timeout is None else timeout
-            # The fd channel is read while the request is out: a daemon that stopped or
-            # died never serves it (it handles no request once it has said "stopping"),
-            # and looking costs nothing while the reply is on its way.
-            request_id, body = self._control.exchange(message, limit, self._keep_batches)
-            batches = getattr(body, "fd_batches", 0)
-            return body, (self._receive_fds(request_id, batches, limit) if batches else {})
+            deadline = time.monotonic() + limit
+            request_id = 0
+            while True:
+                try:
+                    if self._away is not None:
+                        self._resume(deadline, limit)
+                    request_id = request_id or next(self._control.ids)
+                    # The fd channel is read while the request is out: a daemon that stopped
+                    # or died never serves it (it handles no request once it has said
+                    # "stopping"), and looking costs nothing while the reply is on its way.
+                    left = max(deadline - time.monotonic(), 0.001)
+                    _, body = self._control.exchange(message, left, self._keep_batches, request_id)
+                    batches = getattr(body, "fd_batches", 0)
+                    left = max(deadline - time.monotonic(), 0.001)
+                    return body, (self._receive_fds(request_id, batches, left) if batches else {})
+                except _DaemonAway:
+                    continue
+                except DaemonTimeout:
+                    if self._away is None:
+                        raise
+                    continue  # the daemon went away while this waited: resume, or time out saying so
+
+    def _resume(self, deadline: float, limit: float) -> None:
+        """The daemon went away: reconnect with backoff until ``deadline`` and resume the
+        session with its credential; a new DEALER under the same token then carries
+        requests (anything queued on the old one is dropped with it)."""
+        reason = self._away
+        self._sockets()  # the old sockets, and fd batches of a reply that never came
+        pause = _RESUME_RETRY_FIRST
+        ep = self.endpoints
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DaemonTimeout(
+                    f"gpumemd for device {ep.index} went away ({reason}) and no daemon took session {self.hello.session_id} "
+                    f"back within {limit:g}s; check 'systemctl status gpumemd@{ep.index}' (or that 'gpumemd --device "
+                    f"{ep.index}' runs again under its fd store). The session resumes at a later call if the daemon is back "
+                    "within its grace period"
+                )
+            resume = p.Resume(
+                session_id=self.hello.session_id, credential=self.hello.credential, holdings=self.holdings(), client_version=__version__
+            )
+            try:
+                hello = self._say_hello(resume, left)
+                break
+            except (DaemonUnavailable, ShuttingDown):
+                self._sockets()
+                time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+                pause = min(2 * pause, _RESUME_RETRY_MOST)
+            except (SessionLost, PermissionDenied) as exc:
+                self._sockets()
+                self._lost = f"{exc}; memory this process mapped stays valid, new requests need a new session"
+                raise
+        self.hello = hello
+        self._away = None
+        self._control = self._sockets.control = ControlChannel(ep, routing_id=hello.token, ids=self._control.ids)
 
     def _poll_events(self, keep: int = 0) -> None:
         """Take pending fd-channel messages without blocking; raise if the daemon has gone.
@@ -340,7 +415,7 @@ class SessionChannel:
         them just before the reply) are kept for it, others belong to calls that timed
         out and are closed."""
         sock, ready = self._sockets.fd_sock, self._sockets.fd_ready
-        while sock is not None and ready is not None and self._stopped is None and ready.poll(0):
+        while sock is not None and ready is not None and self._stopped is None and self._away is None and ready.poll(0):
             batch, fds = self._read_event(sock)
             if batch is not None and keep and batch.request_id == keep:
                 self._sockets.early.append((batch, fds))
@@ -348,6 +423,8 @@ class SessionChannel:
                 fdchannel.close_all(fds)
         if self._stopped is not None:
             raise DaemonStopped(self._stopped)
+        if self._away is not None:
+            raise _DaemonAway(self._away)
 
     def _keep_batches(self, request_id: int) -> None:
         """While ``request_id`` is out: notices, stale batches, the daemon's going away."""
@@ -385,7 +462,9 @@ class SessionChannel:
         return event, fds
 
     def _mark_stopped(self, reason: str) -> None:
-        if self._stopped is None:
+        if self.hello.credential:  # the daemon keeps this session across a restart
+            self._away = reason
+        elif self._stopped is None:
             self._stopped = f"{reason}; memory this process mapped stays valid, new requests need a new session"
 
     def _receive_fds(self, request_id: int, batches: int, timeout: float) -> dict[int, int]:
@@ -410,6 +489,8 @@ class SessionChannel:
                     ) from None
                 if self._stopped is not None:
                     raise DaemonStopped(self._stopped)
+                if self._away is not None:
+                    raise _DaemonAway(self._away)
                 if batch is not None and batch.request_id == request_id:
                     received.update(zip(batch.chunk_ids, fds))
                     batches -= 1
@@ -428,7 +509,7 @@ class SessionChannel:
             if self._sockets.fd_sock is not None:
                 try:
                     self._poll_events()
-                except DaemonStopped:
+                except (DaemonStopped, _DaemonAway):
                     pass
             wanted = [n for n in self._notices if (kind is None or n.kind == kind) and (arena is None or n.arena == arena)]
             for notice in wanted:
@@ -439,9 +520,10 @@ class SessionChannel:
 
     @property
     def closed(self) -> bool:
-        return self._sockets.fd_sock is None
+        return self._closed
 
     def close(self) -> None:
         """Close both sockets; the daemon releases what this session alone held."""
         with self._lock:
+            self._closed = True
             self._finalizer()

@@ -136,6 +136,14 @@ class DaemonStopped(DaemonUnavailable):
     """The daemon stopped (or died). Memory this process mapped stays valid."""
 
 
+class SessionLost(GpuMemError):
+    """The daemon restarted and does not hold this session any more: it came back after
+    the grace period (what the session held was released), or without its state. Memory
+    this process mapped stays valid; new requests need a new session."""
+
+    code = ErrorCode.SESSION_LOST
+
+
 class SessionClosed(GpuMemError):
     """The session was closed by this process."""
 
@@ -161,6 +169,7 @@ _BY_CODE: dict[ErrorCode, type[GpuMemError]] = {
     for cls in (
         BadMessage, UnknownMessage, ProtocolMismatch, InvalidArgument, NoSession, NotFound, AlreadyExists,
         PermissionDenied, OutOfMemory, UnexpectedFds, ShuttingDown, DeviceDriverError, InternalError, RoundFailed,
+        SessionLost,
     )
     if cls.code is not None
 }

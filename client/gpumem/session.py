@@ -98,6 +98,8 @@ class Session:
         # Closes its own sockets if anything below fails, or if the session is dropped.
         self.channel = SessionChannel(endpoints, name, timeout)
         self.arenas: dict[str, Arena] = {}
+        arenas = self.arenas  # not self: the channel must not keep the session alive
+        self.channel.holdings = lambda: [arena.holding() for arena in list(arenas.values())]
         self._slice: AddressSlice | None = None  # the daemon's address slice, from the first arena on
         self._slice_lock = threading.Lock()  # two threads' first arenas take one hold
         # This process's borrow pools, by graph pool id (gpumem.borrow).

@@ -72,8 +72,8 @@ class ArenaBook:
         self.device = device
         self.by_name: dict[str, ArenaRecord] = {}
         self.retiring: dict[int, ChunkRecord] = {}
-        self._next_chunk = 1
-        self._next_grant = 1
+        self.next_chunk = 1
+        self.next_grant = 1
         self._slice: tuple[int, int] | None = self._reserve_slice()
 
     def _reserve_slice(self) -> tuple[int, int]:
@@ -192,8 +192,8 @@ class ArenaBook:
 
     def share(self, s: SessionRecord, m: p.ShareArena) -> Outcome:
         arena = self.owned(s, m.name, "share")
-        grant = grants.new_grant(arena, s, m, self._next_grant)
-        self._next_grant += 1
+        grant = grants.new_grant(arena, s, m, self.next_grant)
+        self.next_grant += 1
         arena.grants.append(grant)
         log.info("arena %r: grant %d admits %s", arena.name, grant.id, grants.describe(grant))
         return Outcome(p.ShareReply(token=grant.token.decode(), grant=grant.status()))
@@ -298,8 +298,8 @@ class ArenaBook:
                 code = p.ErrorCode.OUT_OF_MEMORY if exc.out_of_memory else p.ErrorCode.DRIVER_ERROR
                 raise p.ProtocolError(code, f"creating placeholders for arena '{arena.name}' failed: {exc}") from None
             for (address, size), handle in zip(placements, handles):
-                chunk = ChunkRecord(id=self._next_chunk, arena=arena.name, offset=0, size=size, address=address, handle=handle)
-                self._next_chunk += 1
+                chunk = ChunkRecord(id=self.next_chunk, arena=arena.name, offset=0, size=size, address=address, handle=handle)
+                self.next_chunk += 1
                 arena.placeholders.append(chunk)
                 have[size] = chunk
         wanted = [have[size] for size in sizes]
@@ -319,6 +319,18 @@ class ArenaBook:
             chunk.holders.discard(s.id)
             self._forget_if_unheld(chunk)
         return Outcome(p.Ack())
+
+    def keep_held(self, session_id: int, held: set[int]) -> None:
+        """A resumed client maps only the chunks ``held``: any other chunk the daemon
+        counted it a holder of (handed out by a reply that never reached it) is not."""
+        for arena in self.by_name.values():
+            for chunk in arena.chunks + arena.placeholders:
+                if chunk.id not in held:
+                    chunk.holders.discard(session_id)
+        for chunk in list(self.retiring.values()):
+            if chunk.id not in held and session_id in chunk.holders:
+                chunk.holders.discard(session_id)
+                self._forget_if_unheld(chunk)
 
     # ------------------------------------------------------------------ leaving arenas
 
@@ -376,8 +388,8 @@ class ArenaBook:
             raise p.ProtocolError(code, f"creating {need} bytes failed: {exc}", requested=need, available=available) from None
         new = []
         for (arena, offset, size), handle in zip(placements, handles):
-            chunk = ChunkRecord(id=self._next_chunk, arena=arena.name, offset=offset, size=size, address=arena.address + offset, handle=handle)
-            self._next_chunk += 1
+            chunk = ChunkRecord(id=self.next_chunk, arena=arena.name, offset=offset, size=size, address=arena.address + offset, handle=handle)
+            self.next_chunk += 1
             arena.chunks.append(chunk)
             new.append(chunk)
         for arena in {a.name: a for a, _, _ in placements}.values():

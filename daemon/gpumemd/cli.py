@@ -9,6 +9,8 @@ daemon that can never start as configured.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
@@ -24,7 +26,8 @@ from gpumemd import logs
 from gpumemd.arenas import SliceUnavailable
 from gpumemd.config import StateConfig
 from gpumemd.metrics import Metrics
-from gpumemd.notify import SystemdNotifier
+from gpumemd.durable import Durable
+from gpumemd.notify import SystemdNotifier, inherited_fds
 from gpumemd.runtime import StartupError
 from gpumemd.server import Server
 from gpumemd.state import DaemonState
@@ -132,6 +135,14 @@ def _exporter(address: str, port: int) -> Exporter:
     help="At a round's deadline: commit for the members that reported, or fail the round.",
 )
 @click.option(
+    "--restart-grace",
+    type=float,
+    default=30.0,
+    show_default=True,
+    callback=_positive,
+    help="After a restart with the state kept (systemd's fd store): seconds clients have to resume before what they held is released.",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
@@ -164,6 +175,7 @@ def command(
     hello_timeout: float,
     round_timeout: float,
     round_policy: str,
+    restart_grace: float,
     metrics_port: int | None,
     metrics_address: str | None,
     log_level: str,
@@ -195,6 +207,7 @@ def command(
         reserve_bytes=reserve_bytes,
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
+        restart_grace=restart_grace,
     )
     exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None
     try:
@@ -202,13 +215,22 @@ def command(
     except SliceUnavailable as exc:
         raise ConfigError(str(exc)) from None
     metrics = Metrics(state) if exporter is not None else None
+    notifier = SystemdNotifier()
+    inherited = inherited_fds(os.environ)
+    durable = Durable(notifier) if notifier.store_max > 0 else None
+    if durable is None and inherited:
+        logging.getLogger("gpumemd.cli").warning("descriptors passed (%s) but no fd store to keep them in ($FDSTORE unset): closed", ", ".join(sorted(inherited)))
+        for group in inherited.values():
+            for fd in group:
+                os.close(fd)
     server = Server(
         state,
         endpoints,
         socket_group=socket_group,
         hello_timeout=hello_timeout,
-        notifier=SystemdNotifier(),
+        notifier=notifier,
         on_tick=metrics.refresh if metrics is not None else None,
+        durable=durable,
     )
     try:
         server.bind()
@@ -216,6 +238,8 @@ def command(
         raise ConfigError(str(exc)) from None
     except OSError as exc:
         raise ConfigError(f"cannot use runtime directory {endpoints.runtime_dir}: {exc.strerror or exc}") from None
+    if durable is not None:  # once the lock is held: only the device's one daemon rebuilds
+        durable.start(state, inherited)
     if exporter is not None and metrics is not None:
         exporter.start(metrics)
     try:

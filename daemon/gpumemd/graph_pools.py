@@ -60,7 +60,7 @@ class GraphPoolBook:
         self.sessions = sessions
         self.device = device
         self.by_id: dict[int, GraphPoolRecord] = {}
-        self._next_id = 1
+        self.next_id = 1
 
     # ------------------------------------------------------------------ lookups
 
@@ -103,7 +103,7 @@ class GraphPoolBook:
             raise p.ProtocolError(
                 p.ErrorCode.OUT_OF_MEMORY, f"gpumemd keeps {MAX_POOLS} graph pools, its limit (each has a lease segment); retire graph pools first"
             )
-        pool_id = self._next_id
+        pool_id = self.next_id
         try:
             segment, fd = LeaseSegment.create(pool_id)
         except OSError as exc:
@@ -126,7 +126,7 @@ class GraphPoolBook:
             shared=m.shared,
             users={s.id},
         )
-        self._next_id += 1
+        self.next_id += 1
         self.by_id[pool.id] = pool
         segment.set_epoch(lease_table.lease_epoch(pool.id, pool.epoch))
         segment.set_flags(self._flags(pool))

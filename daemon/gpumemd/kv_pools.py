@@ -66,7 +66,7 @@ class KvBook:
         self.tally = tally
         self.pools: dict[str, KvPoolRecord] = {}
         self.rounds: list[RoundRecord] = []  # the active one last; finished ones kept for status
-        self._next_round = 1
+        self.next_round = 1
         self._completions: list[Completion] = []
         self._notices: Notices = []
 
@@ -138,8 +138,8 @@ class KvBook:
             round_.state = p.RoundState.OPEN
         else:
             now = self.clock()
-            round_ = RoundRecord(id=self._next_round, created=now, deadline=now + self.config.round_timeout, policy=self.config.round_policy)
-            self._next_round += 1
+            round_ = RoundRecord(id=self.next_round, created=now, deadline=now + self.config.round_timeout, policy=self.config.round_policy)
+            self.next_round += 1
             self.rounds.append(round_)
             del self.rounds[:-_ROUNDS_KEPT]
         round_.expect = max(round_.expect, m.expect)
@@ -163,6 +163,8 @@ class KvBook:
             raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"KV pool '{pool.name}' is in no open round; join one first")
         member = round_.member(pool.name)
         assert member is not None
+        if member.reported and member.request_id == request_id and member.session_id == s.id:
+            return Outcome(None)  # sent again after a daemon restart: still waiting for its round
         if member.reported:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' already reported capture-done in round {round_.id}")
         max_tokens = m.max_tokens or pool.max_tokens

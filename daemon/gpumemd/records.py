@@ -34,6 +34,24 @@ class SessionRecord:
     gid: int
     since: float  # unix time
     token: bytes  # its ZeroMQ routing id
+    # What RESUME proves the session with after a restart (empty: no fd store, no resume).
+    credential: bytes = dataclasses.field(default=b"", repr=False)
+    waiting: bool = False  # kept across a restart; its client has not resumed yet
+    resumed: bool = False  # resumed since its last reply: a resent request may get that reply again
+    # The last reply sent (or due) to this session, kept until the next one: a request
+    # resent after a restart under the same id gets this again instead of running twice
+    # (its chunks and lease segments handed out anew where the client lacks them).
+    last_request: int = 0
+    last_reply: bytes = dataclasses.field(default=b"", repr=False)
+    last_handout: list[int] = dataclasses.field(default_factory=list)  # chunk ids
+    last_grants: list[int] = dataclasses.field(default_factory=list)  # graph pool ids
+
+    def remember(self, request_id: int, reply: bytes, handout: list[ChunkRecord], grants: list[tuple[int, int]]) -> None:
+        self.resumed = False
+        self.last_request = request_id
+        self.last_reply = reply
+        self.last_handout = [c.id for c in handout]
+        self.last_grants = [pool_id for pool_id, _ in grants]
 
 
 @dataclasses.dataclass(eq=False)

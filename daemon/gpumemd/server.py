@@ -31,6 +31,7 @@ from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
 from gpumemd.records import ChunkRecord, SessionRecord
 from gpumemd.admission import ACCEPT_BATCH, Admission, Connection
+from gpumemd.durable import Durable
 from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
 from gpumemd.state import DaemonState
 
@@ -69,8 +70,10 @@ class Server:
         notifier: SystemdNotifier | None = None,
         tick_interval: float = 0.2,
         on_tick: Callable[[], None] | None = None,
+        durable: Durable | None = None,
     ) -> None:
         self.state = state
+        self.durable = durable  # the fd store and the record in it: what a restart finds
         self.endpoints = endpoints
         self.socket_group = socket_group
         self.hello_timeout = hello_timeout
@@ -113,6 +116,9 @@ class Server:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+            # A session resumed after a restart comes back on a new DEALER with its old
+            # routing id: the newest connection under an id is the one that answers.
+            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._router.bind(ep.zmq_url)
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._listener.bind(str(ep.fd_path))
@@ -239,7 +245,19 @@ class Server:
             if request.message.TYPE is p.MsgType.HELLO:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "HELLO goes on the fd channel, not the control channel")
             session = self._by_token.get(identity)
+            if session is None:
+                if self.state.grace_deadline is not None and self._waiting(identity):
+                    # Sent to the daemon before this one: the client sends it again once resumed.
+                    log.debug("request %d from a session waiting to resume dropped unanswered", request_id)
+                    return None
+            elif session.resumed and request_id == session.last_request:
+                return self._replay(session, request_id)
             outcome = self.state.handle(session, request.message, request_id)
+            reply = None if outcome.reply is None else p.encode_reply(request_id, outcome.reply)
+            if self.durable is not None and self.state.dirty:
+                if session is not None and reply is not None:
+                    session.remember(request_id, reply, outcome.handout, outcome.grants)
+                self.durable.persist(self.state)  # before anything of the outcome leaves
             if outcome.handout:
                 assert session is not None
                 self._hand_out(session, request_id, outcome.handout)
@@ -248,16 +266,42 @@ class Server:
                 self._grant(session, request_id, outcome.grants)
             if outcome.notices:
                 self._deliver(outcome.notices)
-            if outcome.reply is None:
-                return None  # deferred: answered as a completion
-            # Never raises: a body it cannot encode becomes a logged INTERNAL error.
-            return p.encode_reply(request_id, outcome.reply)
+            # None: deferred, answered as a completion. A body it cannot encode became a
+            # logged INTERNAL error.
+            return reply
         except p.ProtocolError as exc:
             rid = exc.detail.get("request_id", request_id)
             return p.encode_error(rid if isinstance(rid, int) else 0, exc)
         except Exception:
             log.exception("request %d failed inside the daemon", request_id)
             return p.encode_error(request_id, p.ProtocolError(p.ErrorCode.INTERNAL, "internal error in gpumemd; see its log"))
+
+    def _waiting(self, token: bytes) -> bool:
+        return any(s.waiting and s.token == token for s in self.state.sessions.values())
+
+    def _replay(self, session: SessionRecord, request_id: int) -> bytes:
+        """A request resent after a restart that the daemon before had carried out: its
+        reply again, with the chunks and lease segments the client did not get."""
+        arenas = self.state.arenas
+        live = {c.id: c for a in arenas.by_name.values() for c in a.chunks + a.placeholders}
+        if any(cid not in live for cid in session.last_handout):
+            raise p.ProtocolError(
+                p.ErrorCode.NOT_FOUND,
+                f"request {request_id} was carried out before gpumemd restarted, but chunks it handed out are gone since; "
+                "sync the arena",
+            )
+        chunks = arenas.hand(session, [live[cid] for cid in session.last_handout])
+        pools = self.state.graph_pools.by_id
+        grants = [(pid, pools[pid].segment_fd) for pid in session.last_grants if pid in pools and session.id in pools[pid].users]
+        reply, session.resumed = session.last_reply, False
+        log.info("request %d of client %r answered again after the restart (%d chunk(s))", request_id, session.name, len(chunks))
+        if self.durable is not None:
+            self.durable.persist(self.state)
+        if chunks:
+            self._hand_out(session, request_id, chunks)
+        if grants:
+            self._grant(session, request_id, grants)
+        return reply
 
     def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> bytes | None:
         """``_serve``, and a debug line for the request: its type, client, size, outcome,
@@ -296,20 +340,29 @@ class Server:
     def _flush_state(self) -> None:
         """Deliver what the state produced on its own: deferred replies, notices."""
         self._deliver(self.state.take_notices())
-        for done in self.state.take_completions():
+        done_list = self.state.take_completions()
+        frames: list[bytes] = []
+        for done in done_list:
             session = self.state.sessions.get(done.session_id)
-            if session is None or self._router is None:
-                continue
             if isinstance(done.reply, p.ProtocolError):
                 frame = p.encode_error(done.request_id, done.reply)
             else:
+                frame = p.encode_reply(done.request_id, done.reply)
+            frames.append(frame)
+            if session is not None and self.durable is not None:
+                ok = not isinstance(done.reply, p.ProtocolError)
+                session.remember(done.request_id, frame, done.handout if ok else [], [])
+        if self.durable is not None and self.state.dirty:
+            self.durable.persist(self.state)
+        for done, frame in zip(done_list, frames):
+            session = self.state.sessions.get(done.session_id)
+            if session is None or session.waiting or self._router is None:
+                continue  # a waiting session gets it when it sends the request again
+            if done.handout and not isinstance(done.reply, p.ProtocolError):
                 try:
-                    if done.handout:
-                        self._hand_out(session, done.request_id, done.handout)
+                    self._hand_out(session, done.request_id, done.handout)
                 except p.ProtocolError as exc:
                     frame = p.encode_error(done.request_id, exc)
-                else:
-                    frame = p.encode_reply(done.request_id, done.reply)
             self._router.send(session.token, _SNDMORE_NOBLOCK)
             self._router.send(frame, _NOBLOCK)
 
@@ -425,10 +478,16 @@ class Server:
             request_id = request.request_id
             if conn.session is not None:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "requests after HELLO go on the control channel")
-            if not isinstance(request.message, p.Hello):
-                raise p.ProtocolError(p.ErrorCode.NO_SESSION, "the first message on the fd channel must be HELLO")
-            p.check_hello_version(request.version)
-            session, reply = self.state.open_session(request.message, conn.pid, conn.uid, conn.gid)
+            if isinstance(request.message, p.Resume):
+                p.check_hello_version(request.version)
+                session, reply = self.state.resume(request.message, conn.pid, conn.uid, conn.gid)
+            elif isinstance(request.message, p.Hello):
+                p.check_hello_version(request.version)
+                session, reply = self.state.open_session(request.message, conn.pid, conn.uid, conn.gid)
+            else:
+                raise p.ProtocolError(p.ErrorCode.NO_SESSION, "the first message on the fd channel must be HELLO (or RESUME)")
+            if self.durable is not None:
+                self.durable.persist(self.state)  # its credential is what a restart checks
         except p.ProtocolError as exc:
             rid = exc.detail.get("request_id", request_id)
             self._send_on(conn, p.encode_error(rid if isinstance(rid, int) else 0, exc))
@@ -470,7 +529,12 @@ class Server:
         self._door.pending.clear()
         self._close_sockets()
         runtime.remove_files(self.endpoints)
-        self.state.drop_all()
+        if self.durable is None:
+            self.state.drop_all()
+        else:
+            # The store keeps everything for the next daemon (FileDescriptorStorePreserve=):
+            # dropping it here would write retired epochs into the lease segments clients hold.
+            self.durable.close()
         signal.set_wakeup_fd(-1)
         for fd in (self._wake_r, self._wake_w, self._lock_fd):
             if fd >= 0:

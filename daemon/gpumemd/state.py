@@ -15,6 +15,7 @@ arena released or destroyed, a decommit under a graph pool) is decided here.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -38,6 +39,9 @@ log = logging.getLogger("gpumemd.state")
 
 Handler = Callable[[Any, Any], Outcome]
 
+# Requests that change nothing a restart must find: no durable record is written for them.
+_READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent})
+
 
 class DaemonState:
     def __init__(
@@ -53,8 +57,17 @@ class DaemonState:
         self.wall_clock = wall_clock
         self.started = clock()
         self.stopping = False
+        # Restarts survived with the state kept; whether sessions get a resume credential
+        # (the daemon keeps its state in systemd's fd store); when sessions kept across the
+        # last restart stop waiting for their clients; whether anything a restart must find
+        # changed since the durable record was last written.
+        self.generation = 0
+        self.resumable = False
+        self.grace_deadline: float | None = None
+        self.dirty = False
+        self._notices: Notices = []
         self.sessions: dict[int, SessionRecord] = {}
-        self._next_session = 1
+        self.next_session = 1
         self.device = p.DeviceInfo(
             index=config.index,
             uuid=driver.device_uuid(),
@@ -114,16 +127,27 @@ class DaemonState:
             )
         live = {lease_table.word_session(i) for i in self.sessions}
         # Lease words must tell live sessions apart, and 0 in a slot's fields means nobody.
-        while lease_table.word_session(self._next_session) in live or lease_table.word_session(self._next_session) == 0:
-            self._next_session += 1
+        while lease_table.word_session(self.next_session) in live or lease_table.word_session(self.next_session) == 0:
+            self.next_session += 1
         session = SessionRecord(
-            id=self._next_session, name=hello.name, pid=pid, uid=uid, gid=gid, since=self.wall_clock(), token=os.urandom(16)
+            id=self.next_session,
+            name=hello.name,
+            pid=pid,
+            uid=uid,
+            gid=gid,
+            since=self.wall_clock(),
+            token=os.urandom(16),
+            credential=os.urandom(32) if self.resumable else b"",
         )
-        self._next_session += 1
+        self.next_session += 1
         self.sessions[session.id] = session
         self.tally.sessions_opened += 1
+        self.dirty = True
         log.info("session %d opened: client %r pid %d uid %d", session.id, session.name, pid, uid)
-        reply = p.HelloReply(
+        return session, self._hello_reply(session)
+
+    def _hello_reply(self, session: SessionRecord) -> p.HelloReply:
+        return p.HelloReply(
             protocol=list(p.PROTOCOL_VERSION),
             daemon_version=__version__,
             daemon_pid=os.getpid(),
@@ -131,14 +155,58 @@ class DaemonState:
             token=session.token,
             backend=p.Backend(self.driver.kind),
             device=self.device,
+            credential=session.credential,
+            generation=self.generation,
         )
-        return session, reply
+
+    def resume(self, m: p.Resume, pid: int, uid: int, gid: int) -> tuple[SessionRecord, p.HelloReply]:
+        """A client back after a restart: its session, if the credential is the one HELLO
+        issued and the connection comes from the process that said HELLO."""
+        if self.stopping:
+            raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; resume once it is back")
+        session = self.sessions.get(m.session_id)
+        if session is None or not session.credential:
+            raise p.ProtocolError(
+                p.ErrorCode.SESSION_LOST,
+                f"gpumemd (pid {os.getpid()}, generation {self.generation}) holds no session {m.session_id} to resume: "
+                f"its client did not come back within the {self.config.restart_grace:g}s grace period and what it held was "
+                "released, or the daemon restarted without its state (no fd store); open a new session",
+                session=m.session_id,
+            )
+        if not hmac.compare_digest(m.credential, session.credential):
+            log.warning("resume of session %d (client %r) refused: wrong credential from pid %d uid %d", session.id, session.name, pid, uid)
+            raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"wrong resume credential for session {m.session_id}", session=m.session_id)
+        if (pid, uid) != (session.pid, session.uid):
+            log.warning(
+                "resume of session %d (client %r, pid %d uid %d) refused: its credential came from pid %d uid %d",
+                session.id, session.name, session.pid, session.uid, pid, uid,
+            )
+            raise p.ProtocolError(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"session {session.id} belongs to pid {session.pid} (uid {session.uid}); this connection is pid {pid} "
+                f"(uid {uid}): only the process that opened a session may resume it",
+                session=session.id,
+            )
+        if not session.waiting:
+            raise p.ProtocolError(
+                p.ErrorCode.ALREADY_EXISTS, f"session {session.id} is connected already; it is resumed once", session=session.id
+            )
+        session.waiting = False
+        session.resumed = True
+        self.arenas.keep_held(session.id, {c for h in m.holdings for c in h.chunks})
+        self.dirty = True
+        left = sum(1 for s in self.sessions.values() if s.waiting)
+        if not left:
+            self.grace_deadline = None
+        log.info("session %d resumed: client %r pid %d (%d session(s) still waiting)", session.id, session.name, pid, left)
+        return session, self._hello_reply(session)
 
     def close_session(self, session_id: int) -> Notices:
         """The client is gone (EOF on its fd channel): its mappings died with it."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             return []
+        self.dirty = True
         started = time.perf_counter()
         held = self.arenas.accounted_bytes()
         left = [a for a in self.arenas.by_name.values() if session_id in a.attached]
@@ -197,6 +265,8 @@ class DaemonState:
             self.tally.refuse(cls, int(p.ErrorCode.INTERNAL))  # what the server answers for it
             raise
         self._served[cls] += 1
+        if cls not in _READ_ONLY:
+            self.dirty = True
         return outcome
 
     def _create_arena(self, s: SessionRecord, m: p.CreateArena) -> Outcome:
@@ -248,7 +318,17 @@ class DaemonState:
     def tick(self) -> None:
         """Lease-slot repairs, round deadlines, the counts of pools gone: called by the server's loop."""
         self.graph_pools.sweep()
+        if self.kv.active_rounds():  # deadlines may end a round: what it commits must be kept
+            self.dirty = True
         self.kv.tick()
+        if self.grace_deadline is not None and self.clock() >= self.grace_deadline:
+            self.grace_deadline = None
+            for session in [s for s in self.sessions.values() if s.waiting]:
+                log.warning(
+                    "session %d (client %r, pid %d) did not resume within the %gs grace period; what it held is "
+                    "released like a dead client's", session.id, session.name, session.pid, self.config.restart_grace,
+                )
+                self._notices += self.close_session(session.id)
         escapes = self.tally.escapes
         if len(escapes) > len(self.graph_pools.by_id):  # pools went: their counts go too
             for gone in escapes.keys() - self.graph_pools.by_id.keys():
@@ -258,10 +338,15 @@ class DaemonState:
         return self.kv.take_completions()
 
     def take_notices(self) -> Notices:
-        return self.kv.take_notices()
+        notices, self._notices = self._notices, []
+        return notices + self.kv.take_notices()
 
     def status(self) -> p.StatusReply:
-        daemon = status.daemon_status(self.driver.kind, self.clock() - self.started, self.config.runtime_dir, self.stopping)
+        now = self.clock()
+        grace = 0.0 if self.grace_deadline is None else max(0.0, self.grace_deadline - now)
+        daemon = status.daemon_status(
+            self.driver.kind, now - self.started, self.config.runtime_dir, self.stopping, self.generation, grace
+        )
         return status.assemble(daemon, self.sessions, self.arenas, self.graph_pools, self.kv, self.clock())
 
     # ------------------------------------------------------------------ shutdown

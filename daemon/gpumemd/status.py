@@ -26,6 +26,12 @@ def assemble(
 ) -> p.StatusReply:
     names = {sid: s.name for sid, s in sessions.items()}
     device = arenas.device
+    waiting = {sid for sid, s in sessions.items() if s.waiting}
+    if waiting:
+        daemon.waiting = len(waiting)
+        daemon.waiting_objects = sum(1 for a in arenas.by_name.values() if a.attached & waiting) + sum(
+            1 for g in graph_pools.by_id.values() if g.owner_id in waiting
+        )
     return p.StatusReply(
         daemon=daemon,
         device=p.DeviceStatus(
@@ -47,6 +53,7 @@ def assemble(
                 gid=s.gid,
                 since=s.since,
                 arenas=sorted(a.name for a in arenas.by_name.values() if s.id in a.attached),
+                waiting=s.waiting,
             )
             for s in sessions.values()
         ],
@@ -89,7 +96,9 @@ def assemble(
     )
 
 
-def daemon_status(backend: str, uptime_s: float, runtime_dir: str, stopping: bool) -> p.DaemonStatus:
+def daemon_status(
+    backend: str, uptime_s: float, runtime_dir: str, stopping: bool, generation: int = 0, grace_left_s: float = 0.0
+) -> p.DaemonStatus:
     return p.DaemonStatus(
         version=__version__,
         protocol=f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}",
@@ -98,6 +107,8 @@ def daemon_status(backend: str, uptime_s: float, runtime_dir: str, stopping: boo
         uptime_s=round(uptime_s, 3),
         runtime_dir=runtime_dir,
         state="stopping" if stopping else "serving",
+        generation=generation,
+        grace_left_s=round(grace_left_s, 3),
     )
 
 

@@ -45,7 +45,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 3)
+PROTOCOL_VERSION: tuple[int, int] = (1, 4)
 
 # The oldest protocol HELLO accepts, on either side (see the module doc).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
@@ -87,12 +87,14 @@ class ErrorCode(enum.IntEnum):
     DRIVER_ERROR = 12  # the CUDA driver (or the host backend) failed
     INTERNAL = 13  # a daemon bug; details are in the daemon's log
     ROUND_FAILED = 14  # a KV commit round failed: deadline passed, or the budget is short
+    SESSION_LOST = 15  # RESUME of a session the restarted daemon does not hold (grace period over, no record)
 
 
 class MsgType(enum.IntEnum):
     HELLO = 1
     PING = 2
     STATUS = 3
+    RESUME = 4
     ARENA_CREATE = 10
     ARENA_ATTACH = 11
     ARENA_SHARE = 12
@@ -259,6 +261,11 @@ class HelloReply(Message):
     # Deprecated since 1.3, always 0: the size of the lease table that rode with HELLO.
     # Lease slots now come one per graph pool, in a segment granted with the pool.
     lease_slots: int = 0
+    # Since 1.4. What RESUME proves the session with after a daemon restart (with
+    # SO_PEERCRED: the same process); empty where the daemon keeps nothing across one
+    # (no fd store), and the session then ends with the daemon.
+    credential: bytes = b""
+    generation: int = 0  # the daemon's restarts with its state kept (0: a fresh start)
 
 
 class Hello(RequestMessage, kw_only=True):
@@ -270,6 +277,28 @@ class Hello(RequestMessage, kw_only=True):
     REPLY = HelloReply
     # Unique among live sessions (ALREADY_EXISTS names the holder): arena shares name it.
     name: str
+    client_version: str = ""
+
+
+class Holding(Message):
+    """An arena's chunks a resuming client maps (placeholders and retired ones included)."""
+
+    arena: str
+    chunks: list[int]
+
+
+class Resume(RequestMessage, kw_only=True):
+    """Since 1.4: first message on a new fd channel, instead of HELLO, from a client whose
+    daemon restarted: the session comes back with its ids, token and objects. The
+    credential HELLO returned, checked with SO_PEERCRED (same pid and uid). ``holdings``
+    say which chunks the client maps: a chunk the daemon handed out whose reply never
+    arrived is not held, and a resent request gets it again."""
+
+    TYPE = MsgType.RESUME
+    REPLY = HelloReply
+    session_id: int
+    credential: bytes
+    holdings: list[Holding] = msgspec.field(default_factory=list)
     client_version: str = ""
 
 
@@ -290,6 +319,10 @@ class DaemonStatus(Message):
     uptime_s: float
     runtime_dir: str
     state: str  # "serving" | "stopping"
+    generation: int = 0  # since 1.4: restarts with the state kept (0: a fresh start)
+    waiting: int = 0  # since 1.4: sessions kept across a restart whose client has not resumed yet
+    waiting_objects: int = 0  # since 1.4: arenas and graph pools those sessions hold
+    grace_left_s: float = 0.0  # since 1.4: until waiting sessions are released like dead clients'
 
 
 class DeviceStatus(Message):
@@ -311,6 +344,7 @@ class ClientStatus(Message):
     gid: int
     since: float  # unix time
     arenas: list[str]
+    waiting: bool = False  # since 1.4: kept across a restart, its client not back yet
 
 
 class GrantStatus(Message):
@@ -770,6 +804,7 @@ REQUESTS: dict[int, type[RequestMessage]] = {
     int(cls.TYPE): cls
     for cls in (
         Hello,
+        Resume,
         Ping,
         Status,
         CreateArena,

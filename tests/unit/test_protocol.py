@@ -21,6 +21,7 @@ GiB = 1 << 30
 # One instance of every request the daemon serves, with non-default values throughout.
 SAMPLES: list[Any] = [
     p.Hello(name="engine-a", client_version="0.1.0"),
+    p.Resume(session_id=3, credential=b"\x01" * 32, holdings=[p.Holding(arena="kv", chunks=[1, 2])], client_version="0.1.0"),
     p.Ping(),
     p.Status(),
     p.CreateArena(name="kv", reserve_bytes=64 * GiB),
@@ -86,6 +87,7 @@ def test_error_code_numbers_never_change() -> None:
         "DRIVER_ERROR": 12,
         "INTERNAL": 13,
         "ROUND_FAILED": 14,
+        "SESSION_LOST": 15,
     }
 
 
@@ -94,6 +96,7 @@ def test_message_type_numbers_never_change() -> None:
         "HELLO": 1,
         "PING": 2,
         "STATUS": 3,
+        "RESUME": 4,
         "ARENA_CREATE": 10,
         "ARENA_ATTACH": 11,
         "ARENA_SHARE": 12,

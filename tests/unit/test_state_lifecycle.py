@@ -124,6 +124,10 @@ def test_status_of_an_idle_daemon(make_harness: Callable[..., Harness]) -> None:
         "uptime_s": 12.346,
         "runtime_dir": "/run/gpumemd-test",
         "state": "serving",
+        "generation": 0,
+        "waiting": 0,
+        "waiting_objects": 0,
+        "grace_left_s": 0.0,
     }
     device = status.device
     assert (device.index, device.total_bytes, device.free_bytes, device.granularity) == (0, CAPACITY, CAPACITY, G)

@@ -67,6 +67,19 @@ class Driver(abc.ABC):
         mapping until ``destroy_chunks``."""
 
     @abc.abstractmethod
+    def chunk_fd(self, handle: Handle) -> int:
+        """The POSIX fd this process keeps for a chunk it created or adopted, for as long
+        as the chunk lives (a restart finds the chunk by it: it goes to the fd store).
+        Owned by the handle: ``destroy_chunks`` closes it."""
+
+    @abc.abstractmethod
+    def adopt_chunks(self, placements: list[tuple[int, int]], fds: list[int]) -> list[Handle]:
+        """Handles for chunks an earlier process created, from the fds it kept, placed as
+        ``create_chunks`` places new ones; all or none. The handles own the fds from then
+        on; on failure the caller still owns them. An fd that is not such a chunk (of
+        that size) is a DriverError naming it."""
+
+    @abc.abstractmethod
     def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
         """Drop this process's references; memory returns once no client maps it."""
 

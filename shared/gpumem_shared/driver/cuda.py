@@ -10,6 +10,8 @@ the mapping alone keeps the memory alive.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import errno
 import fcntl
 import os
 from collections.abc import Sequence
@@ -21,6 +23,15 @@ from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Ha
 
 _EVENT_DISABLE_TIMING = 0x2
 _EVENT_INTERPROCESS = 0x4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """A chunk this process holds: the driver's handle, and the POSIX fd exported from it
+    at creation (or the one it was adopted from), kept as long as the handle."""
+
+    handle: Any
+    fd: int
 
 
 class _IpcEventHandle(ctypes.Structure):
@@ -246,11 +257,15 @@ class CudaDriver(Driver):
         cu = self._cu
         self._current()
         handles: list[Handle] = []
+        created: list[_Chunk] = []
         mapped: list[tuple[int, int]] = []
         try:
             for address, size in placements:
                 handle = self._ck(cu.cuMemCreate(size, self._prop, 0), "cuMemCreate")
                 handles.append(handle)
+                # Exported once, now: an importer cannot export again, so this fd is what
+                # a restarted daemon finds the chunk by (and what every handout dups).
+                created.append(_Chunk(handle, self._export(handle)))
                 self._ck(cu.cuMemMap(address, size, 0, handle, 0), "cuMemMap")
                 mapped.append((address, size))
             self._set_access(0, mapped)
@@ -259,14 +274,41 @@ class CudaDriver(Driver):
                 cu.cuMemUnmap(address, size)
             for handle in handles:
                 cu.cuMemRelease(handle)
+            for chunk in created:
+                os.close(chunk.fd)
             raise
-        return handles
+        return list(created)
+
+    def chunk_fd(self, handle: Handle) -> int:
+        return int(handle.fd)
+
+    def adopt_chunks(self, placements: list[tuple[int, int]], fds: list[int]) -> list[Handle]:
+        cu = self._cu
+        self._current()
+        handles: list[Any] = []
+        mapped: list[tuple[int, int]] = []
+        try:
+            for (address, size), fd in zip(placements, fds, strict=True):
+                handles.append(self._ck(cu.cuMemImportFromShareableHandle(fd, self._posix), f"cuMemImportFromShareableHandle (descriptor {fd})"))
+                self._ck(cu.cuMemMap(address, size, 0, handles[-1], 0), f"cuMemMap (descriptor {fd}, {size} bytes)")
+                mapped.append((address, size))
+            self._set_access(0, mapped)
+        except DriverError:
+            for address, size in mapped:
+                cu.cuMemUnmap(address, size)
+            for handle in handles:
+                cu.cuMemRelease(handle)
+            raise
+        return [_Chunk(handle, fd) for handle, fd in zip(handles, fds)]
 
     def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
         self._current()
-        for (address, size), handle in zip(placements, handles):
-            self._ck(self._cu.cuMemUnmap(address, size), "cuMemUnmap")
-            self._ck(self._cu.cuMemRelease(handle), "cuMemRelease")
+        for (address, size), chunk in zip(placements, handles):
+            try:
+                self._ck(self._cu.cuMemUnmap(address, size), "cuMemUnmap")
+                self._ck(self._cu.cuMemRelease(chunk.handle), "cuMemRelease")
+            finally:
+                os.close(chunk.fd)
 
     def zero(self, placements: list[tuple[int, int]]) -> None:
         self._current()
@@ -280,13 +322,17 @@ class CudaDriver(Driver):
         fds: list[int] = []
         try:
             # Fresh allocations read back as zero in our samples, but the driver does not
-            # promise it: zero them. The memsets run while the CPU exports the fds, and
-            # the fds leave this function only after the sync.
+            # promise it: zero them. The memsets run while the CPU dups the fds, and the
+            # fds leave this function only after the sync.
             for start, size in _contiguous([(address, size) for address, size, _, fresh in chunks if fresh]):
                 self._ck(cu.cuMemsetD32Async(start, 0, size // 4, 0), "cuMemsetD32Async")
-            for _, _, handle, _ in chunks:
-                fds.append(self._export(handle))
+            for _, _, chunk, _ in chunks:
+                fds.append(os.dup(chunk.fd))  # Python's dup is close-on-exec
             self._ck(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise DriverError(f"duplicating {len(chunks)} chunk descriptors failed: {exc.strerror}", out_of_memory=exc.errno == errno.EMFILE) from None
         except DriverError:
             for fd in fds:
                 os.close(fd)

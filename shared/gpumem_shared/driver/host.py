@@ -16,6 +16,7 @@ import hashlib
 import os
 import resource
 import socket
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -143,6 +144,19 @@ class HostDriver(Driver):
                 out_of_memory=exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EMFILE),
             ) from None
         return fds
+
+    def chunk_fd(self, handle: Handle) -> int:
+        return int(handle)  # a host chunk is its memfd
+
+    def adopt_chunks(self, placements: list[tuple[int, int]], fds: list[int]) -> list[Handle]:
+        for (_, size), fd in zip(placements, fds, strict=True):
+            try:
+                st = os.fstat(fd)
+            except OSError as exc:
+                raise DriverError(f"descriptor {fd} is not a chunk: {exc.strerror}") from None
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise DriverError(f"descriptor {fd} is not a {size}-byte memfd chunk (mode {st.st_mode:#o}, {st.st_size} bytes)")
+        return list(fds)
 
     def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
         for fd in handles:
