@@ -355,9 +355,9 @@ class SessionChannel:
             deadline = time.monotonic() + limit
             request_id = 0
             while True:
+                if self._away is not None:
+                    self._resume(deadline, limit)
                 try:
-                    if self._away is not None:
-                        self._resume(deadline, limit)
                     request_id = request_id or next(self._control.ids)
                     # The fd channel is read while the request is out: a daemon that stopped
                     # or died never serves it (it handles no request once it has said
@@ -368,11 +368,7 @@ class SessionChannel:
                     left = max(deadline - time.monotonic(), 0.001)
                     return body, (self._receive_fds(request_id, batches, left) if batches else {})
                 except _DaemonAway:
-                    continue
-                except DaemonTimeout:
-                    if self._away is None:
-                        raise
-                    continue  # the daemon went away while this waited: resume, or time out saying so
+                    continue  # resume, then send it again under its id
 
     def _resume(self, deadline: float, limit: float) -> None:
         """The daemon went away: reconnect with backoff until ``deadline`` and resume the

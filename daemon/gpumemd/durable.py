@@ -313,7 +313,8 @@ class RecordFile:
             if magic != MAGIC:
                 log.error("durable record %s is not a gpumemd record (magic %r)", name, magic)
                 continue
-            payload = os.pread(fd, length, _HEADER.size)
+            # A corrupt length must not make this read (or allocate) what is not there.
+            payload = os.pread(fd, min(length, max(os.fstat(fd).st_size - _HEADER.size, 0)), _HEADER.size)
             if len(payload) != length or zlib.crc32(payload) != crc:
                 log.error("durable record %s (write %d) is truncated or corrupt: %d of %d bytes, checksum %s", name, sequence,
                           len(payload), length, "matches" if zlib.crc32(payload) == crc else "differs")

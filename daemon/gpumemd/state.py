@@ -221,6 +221,8 @@ class DaemonState:
                 self._destroy(arena, notices)
             elif arena.owner_id == session_id:
                 log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
+        # Chunks of arenas gone since (one a restart could not rebuild) stop counting it.
+        self.arenas.keep_held(session_id, set())
         for round_ in rounds:  # once its memory is given back: the budget counts it as free
             self.kv.try_finish(round_)
         if not left:  # it released what it had: a clean close

@@ -165,3 +165,41 @@ class ServiceManager:
                 os.close(fd)
             self.store = []
         self._log.close()
+
+
+class Restartable:
+    """gpumemd for one device under a ServiceManager: ``start``, ``kill`` (-9), ``restart``
+    (kill and start again), every start with the store the last one left."""
+
+    def __init__(self, runtime_dir: Path, backend: str, args: list[str], env: dict[str, str], device: int = 0) -> None:
+        self.runtime_dir = runtime_dir
+        self.manager = ServiceManager(runtime_dir)
+        self.args = ["--device", str(device), "--backend", backend, "--runtime-dir", str(runtime_dir), *args]
+        if backend == "host" and not any(a.startswith("--host-capacity") for a in args):
+            self.args += ["--host-capacity", "4GiB"]
+        self.env = env
+
+    @property
+    def pid(self) -> int:
+        assert self.manager.proc is not None
+        return self.manager.proc.pid
+
+    def start(self, wait: bool = True) -> Restartable:
+        self.manager.start(self.args, self.env, wait)
+        return self
+
+    def kill(self) -> None:
+        self.manager.kill()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def stop(self) -> int:
+        return self.manager.stop()
+
+    def log(self) -> str:
+        return self.manager.log()
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,329 @@
+"""A restart without losing anything, through a stand-in for systemd's fd store
+(fdstore_kit.py): the state comes back, clients resume by themselves, and whatever a
+store or a client gets wrong is a log line and a typed error, never another client's
+objects, never a leak."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gpumem
+from conftest import child_env
+from fdstore_kit import Restartable
+from gpumem_shared import protocol as p
+from gpumemd_testkit import MiB, RawControl, RawSession, assert_error, decode, envelope, fd_connect, fd_recv, os_close_all, status, wait_status
+
+Service = Callable[..., Restartable]
+
+
+@pytest.fixture
+def service(runtime_dir: Path) -> Iterator[Service]:
+    made: list[Restartable] = []
+
+    def make(backend: str = "host", args: tuple[str, ...] = ()) -> Restartable:
+        r = Restartable(runtime_dir, backend, list(args), child_env(runtime_dir))
+        made.append(r)
+        return r.start()
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def resume_frame(session_id: int, credential: bytes, holdings: list[dict[str, Any]] | None = None) -> bytes:
+    body = {"session_id": session_id, "credential": credential, "holdings": holdings or [], "client_version": "raw"}
+    return envelope(p.MsgType.RESUME, body, 1)
+
+
+def raw_resume(runtime_dir: Path, session_id: int, credential: bytes, holdings: list[dict[str, Any]] | None = None) -> tuple[Any, dict[str, Any], int]:
+    """(the fd-channel socket, the reply, descriptors that came with it)."""
+    sock = fd_connect(runtime_dir)
+    sock.send(resume_frame(session_id, credential, holdings))
+    payload, fds = fd_recv(sock)
+    os_close_all(fds)
+    return sock, decode(payload), len(fds)
+
+
+def same_state(s: dict[str, Any]) -> dict[str, Any]:
+    """What a restart must keep, as status shows it."""
+    clients = [{k: v for k, v in c.items() if k != "waiting"} for c in s["clients"]]
+    return {
+        "accounted": s["device"]["accounted_bytes"], "clients": clients, "arenas": s["arenas"], "graph_pools": s["graph_pools"],
+        "kv": s["kv"], "leases": s["leases"],
+    }
+
+
+def test_an_empty_store_is_a_fresh_start(service: Service, runtime_dir: Path) -> None:
+    r = service()
+    s = status(runtime_dir)
+    assert (s["daemon"]["generation"], s["daemon"]["waiting"]) == (0, 0)
+    assert sorted(r.manager.names()) == ["record-0", "record-1"]
+    with RawSession(runtime_dir, "eng") as session:
+        assert len(session.hello["credential"]) == 32 and session.hello["generation"] == 0
+        assert session.commit("a", 8 * MiB)["ok"] is False  # no arena yet: as ever
+        session.create("a", 64 * MiB)
+        assert session.commit("a", 8 * MiB)["ok"]
+        assert sorted(r.manager.names()) == ["chunk-1", "record-0", "record-1"]
+    wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0, 5, "memory back")
+    assert sorted(r.manager.names()) == ["record-0", "record-1"]
+
+
+def test_kill_9_keeps_arenas_shares_pools_leases_and_kv_pools(service: Service, runtime_dir: Path) -> None:
+    r = service()
+    owner = gpumem.connect(0, "owner", runtime_dir=runtime_dir, timeout=20)
+    peer = gpumem.connect(0, "peer", runtime_dir=runtime_dir, timeout=20)
+    arena = owner.create_arena("a", 256 * MiB)
+    arena.commit(24 * MiB)
+    arena.write(0, b"owner's bytes")
+    arena.share("peer")
+    seen = peer.attach_arena("a")
+    graph = arena.register_graph_pool("g", extents=[p.Extent(offset=0, size=16 * MiB)], free_runs=[p.Extent(offset=8 * MiB, size=8 * MiB)], shared=True)
+    opened = peer.open_graph_pool(graph.id)
+    kv = owner.declare_kv_pool("kv", [gpumem.KvBuffer("k", 4096), gpumem.KvBuffer("v", 4096)], max_tokens=8192)
+    kv.placeholder()
+    kv.join_round(expect=1)
+    tokens = kv.capture_done(headroom_bytes=0, min_tokens=1024, max_tokens=4096)
+    lease = owner.replay(graph)  # held across the restart
+    before = status(runtime_dir)
+
+    r.restart()
+    waiting = status(runtime_dir)
+    assert (waiting["daemon"]["generation"], waiting["daemon"]["waiting"]) == (1, 2)
+    assert waiting["daemon"]["waiting_objects"] >= 3 and all(c["waiting"] for c in waiting["clients"])
+    assert same_state(waiting) == same_state(before)
+
+    with pytest.raises(gpumem.LeaseConflict):  # the replay lease is still the owner's
+        peer.replay(opened)
+    seen.sync()
+    assert seen.read(0, 13) == b"owner's bytes" and arena.read(0, 13) == b"owner's bytes"
+    owner.ping()
+    after = status(runtime_dir)
+    assert after["daemon"]["waiting"] == 0 and same_state(after) == same_state(before)
+    lease.release()
+    peer.replay(opened).release()
+    assert kv.tokens == tokens
+    assert (owner.session_id, peer.session_id) == (before["clients"][0]["session_id"], before["clients"][1]["session_id"])
+
+    arena.commit(64 * MiB)  # new work after the restart
+    seen.sync()
+    assert seen.mapped_bytes == 64 * MiB
+    peer.close()
+    owner.close()
+    wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0 and not s["clients"], 5, "memory back after both left")
+    assert sorted(r.manager.names()) == ["record-0", "record-1"]
+
+
+def test_a_call_made_while_the_daemon_is_away_waits_for_it(service: Service, runtime_dir: Path) -> None:
+    r = service()
+    session = gpumem.connect(0, "eng", runtime_dir=runtime_dir, timeout=20)
+    arena = session.create_arena("a", 64 * MiB)
+    arena.commit(8 * MiB)
+    r.kill()
+    later = threading.Timer(1.0, r.start)
+    later.start()
+    started = time.monotonic()
+    arena.commit(16 * MiB)  # sent to nobody; answered by the next daemon
+    later.join()
+    assert 1.0 <= time.monotonic() - started < 15
+    assert arena.mapped_bytes == 16 * MiB
+    s = status(runtime_dir)
+    assert s["arenas"][0]["committed"] == 16 * MiB and s["daemon"]["waiting"] == 0
+    session.close()
+
+
+def test_a_call_times_out_naming_the_daemon_when_it_does_not_come_back(service: Service, runtime_dir: Path) -> None:
+    r = service()
+    session = gpumem.connect(0, "eng", runtime_dir=runtime_dir, timeout=20)
+    session.create_arena("a", 64 * MiB)
+    r.kill()
+    with pytest.raises(gpumem.DaemonTimeout, match="went away .* no daemon took session 1 back within 0.5s; check 'systemctl status gpumemd@0'"):
+        session.ping(timeout=0.5)
+    r.start()
+    session.ping()  # the next call resumes
+    session.close()
+
+
+def test_a_clean_stop_keeps_the_state_too(service: Service, runtime_dir: Path) -> None:
+    r = service()
+    session = gpumem.connect(0, "eng", runtime_dir=runtime_dir, timeout=20)
+    arena = session.create_arena("a", 64 * MiB)
+    arena.commit(8 * MiB)
+    assert r.stop() == 0
+    r.start()
+    arena.commit(10 * MiB)
+    assert status(runtime_dir)["daemon"]["generation"] == 1
+    session.close()
+
+
+def test_a_restart_during_a_restart(service: Service, runtime_dir: Path) -> None:
+    r = service()
+    with RawSession(runtime_dir, "eng") as session:
+        session.create("a", 64 * MiB)
+        session.commit("a", 8 * MiB)
+        r.restart()
+        r.restart()  # before the client came back
+        s = status(runtime_dir)
+        assert (s["daemon"]["generation"], s["daemon"]["waiting"], s["device"]["accounted_bytes"]) == (2, 1, 8 * MiB)
+        sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"], [{"arena": "a", "chunks": [1]}])
+        sock.close()
+        assert reply["ok"], reply
+
+
+_STEAL = """
+import socket, sys
+sys.path[:0] = sys.argv[3:]
+from gpumemd_testkit import decode, envelope
+from gpumem_shared import protocol as p
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+sock.connect(sys.argv[1])
+sock.send(envelope(p.MsgType.RESUME, {"session_id": 1, "credential": bytes.fromhex(sys.argv[2]), "holdings": []}, 1))
+payload, fds, _, _ = socket.recv_fds(sock, 65536, 253)
+reply = decode(payload)
+print(reply["code"], len(fds), reply["msg"])
+"""
+
+
+def test_a_wrong_or_stolen_credential_gets_nothing(service: Service, runtime_dir: Path) -> None:
+    r = service()
+    with RawSession(runtime_dir, "eng") as session:
+        session.create("a", 64 * MiB)
+        session.commit("a", 8 * MiB)
+        credential = session.hello["credential"]
+        r.restart()
+        sock, reply, fds = raw_resume(runtime_dir, session.session_id, bytes(32))
+        sock.close()
+        assert_error(reply, p.ErrorCode.PERMISSION_DENIED)
+        assert "wrong resume credential" in reply["msg"] and fds == 0
+        # The right credential from another process: SO_PEERCRED shows another pid.
+        here = str(Path(__file__).parent)
+        stolen = subprocess.run(
+            [sys.executable, "-c", _STEAL, str(runtime_dir / "gpu0.fd"), credential.hex(), here, str(Path(here).parent)],
+            capture_output=True, text=True, timeout=30, env=child_env(runtime_dir),
+        )
+        code, fds_, message = stolen.stdout.split(" ", 2)
+        assert (int(code), int(fds_)) == (p.ErrorCode.PERMISSION_DENIED, 0), stolen.stdout + stolen.stderr
+        assert f"session 1 belongs to pid {os.getpid()}" in message
+        assert status(runtime_dir)["daemon"]["waiting"] == 1  # still the rightful client's
+        assert "refused: its credential came from pid" in r.log()
+        sock, reply, _ = raw_resume(runtime_dir, session.session_id, credential, [{"arena": "a", "chunks": [1]}])
+        assert reply["ok"] and reply["b"]["session_id"] == session.session_id and reply["b"]["token"] == session.token
+        again, second, _ = raw_resume(runtime_dir, session.session_id, credential)  # two claims on one session
+        assert_error(second, p.ErrorCode.ALREADY_EXISTS)
+        again.close()
+        sock.close()
+
+
+def test_after_the_grace_period_the_session_is_lost_and_its_memory_released(service: Service, runtime_dir: Path) -> None:
+    r = service(args=("--restart-grace", "0.5"))
+    session = gpumem.connect(0, "eng", runtime_dir=runtime_dir, timeout=20)
+    arena = session.create_arena("a", 64 * MiB)
+    arena.commit(8 * MiB)
+    arena.write(0, b"kept")
+    r.restart()
+    s = wait_status(runtime_dir, lambda s: not s["clients"], 10, "the waiting session released")
+    assert s["arenas"] == [] and "did not resume within the 0.5s grace period" in r.log()
+    # Released like a dead client's, but the mapping is this process's: the bytes stay.
+    assert arena.read(0, 4) == b"kept" and s["device"]["accounted_bytes"] == 0
+    with pytest.raises(gpumem.SessionLost, match="did not come back within the 0.5s grace period"):
+        arena.commit(16 * MiB)
+    with pytest.raises(gpumem.SessionLost):
+        session.ping()
+
+
+def test_a_resent_request_is_answered_again_with_its_descriptors(service: Service, runtime_dir: Path) -> None:
+    """A crash after the record, before the reply: the client sends again under the same
+    id and gets the reply the record kept, with the chunks anew, not a second commit."""
+    r = service()
+    with RawSession(runtime_dir, "eng") as session:
+        session.create("a", 64 * MiB)
+        frame = envelope(p.MsgType.ARENA_COMMIT, {"name": "a", "nbytes": 24 * MiB}, 4242)
+        assert session.control is not None
+        first = session.control.raw(frame)
+        assert first["ok"] and first["b"]["fd_batches"] == 1
+        payload, fds = fd_recv(session.fd_sock)
+        os_close_all(fds)
+        ids = decode(payload)["b"]["chunk_ids"]
+        r.restart()
+        sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"], [])  # mapped nothing
+        assert reply["ok"]
+        with RawControl(runtime_dir, routing_id=session.token) as control:
+            again = control.raw(frame)
+            assert again == first
+            payload, fds = fd_recv(sock)
+            os_close_all(fds)
+            assert decode(payload)["b"]["chunk_ids"] == ids and len(fds) == len(ids)
+            s = status(runtime_dir)
+            assert s["arenas"][0]["committed"] == 24 * MiB and s["device"]["accounted_bytes"] == 24 * MiB
+            # A later request is carried out as ever; the same id once more is not a resend.
+            assert control.call(p.MsgType.ARENA_COMMIT, {"name": "a", "nbytes": 24 * MiB}, 4243)["ok"]
+        sock.close()
+
+
+def _tamper(r: Restartable, how: str) -> None:
+    m = r.manager
+    with m._lock:
+        store = dict((name, fd) for name, fd in m.store)
+        if how == "corrupt":
+            for name in ("record-0", "record-1"):
+                os.pwrite(store[name], b"\xff" * 64, 8)
+        elif how == "truncated":
+            newest = max(("record-0", "record-1"), key=lambda n: int.from_bytes(os.pread(store[n], 8, 8), "little"))
+            os.ftruncate(store[newest], 20)
+        elif how in ("missing-chunk", "no-record"):
+            gone = ["chunk-1"] if how == "missing-chunk" else ["record-0", "record-1"]
+            for name in gone:
+                os.close(store[name])
+            m.store = [(n, fd) for n, fd in m.store if n not in gone]
+        elif how == "wrong-kind":
+            rd, wr = os.pipe()
+            os.close(wr)
+            os.close(store["chunk-1"])
+            m.store = [(n, rd if n == "chunk-1" else fd) for n, fd in m.store]
+        elif how == "extra":
+            rd, wr = os.pipe()
+            os.close(wr)
+            m.store.append(("stranger", rd))
+
+
+@pytest.mark.parametrize(
+    ("how", "logged", "rebuilt"),
+    [
+        ("corrupt", "is truncated or corrupt", False),
+        ("truncated", "is truncated", True),
+        ("missing-chunk", "chunk(s) [1] missing from the fd store", True),
+        ("wrong-kind", "a stored chunk is not one", True),
+        ("extra", "'stranger' is named by no record; closed", True),
+        ("no-record", "the durable record is missing", False),
+    ],
+)
+def test_a_bad_store_is_logged_and_leaks_nothing(service: Service, runtime_dir: Path, how: str, logged: str, rebuilt: bool) -> None:
+    r = service(args=("--restart-grace", "1"))
+    with RawSession(runtime_dir, "eng") as session:
+        session.create("a", 64 * MiB)
+        assert session.commit("a", 8 * MiB)["ok"]
+        r.kill()
+        _tamper(r, how)
+        r.start()
+        assert logged in r.log()
+        s = status(runtime_dir)
+        assert s["daemon"]["generation"] == (1 if rebuilt else 0)
+        assert [c["name"] for c in s["clients"]] == (["eng"] if rebuilt else [])
+        if how in ("extra", "truncated"):
+            assert [a["name"] for a in s["arenas"]] == ["a"]
+        if how == "truncated":  # the older record: the arena, not yet the commit; the chunk closed
+            assert s["arenas"][0]["committed"] == 0 and "'chunk-1' is named by no record" in r.log()
+        wait_status(runtime_dir, lambda s: not s["clients"] and s["device"]["accounted_bytes"] == 0, 10, "everything released")
+        assert sorted(r.manager.names()) == ["record-0", "record-1"]
+        if rebuilt:
+            sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"])
+            sock.close()
+            assert_error(reply, p.ErrorCode.SESSION_LOST)
