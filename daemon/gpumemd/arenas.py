@@ -320,15 +320,14 @@ class ArenaBook:
             self._forget_if_unheld(chunk)
         return Outcome(p.Ack())
 
-    def keep_held(self, session_id: int, held: set[int]) -> None:
-        """A resumed client maps only the chunks ``held``: any other chunk the daemon
-        counted it a holder of (handed out by a reply that never reached it) is not."""
+    def drop_holder(self, session_id: int, chunk_ids: set[int] | None = None) -> None:
+        """``session_id`` maps none of ``chunk_ids`` (None: no chunk at all)."""
         for arena in self.by_name.values():
             for chunk in arena.chunks + arena.placeholders:
-                if chunk.id not in held:
+                if chunk_ids is None or chunk.id in chunk_ids:
                     chunk.holders.discard(session_id)
         for chunk in list(self.retiring.values()):
-            if chunk.id not in held and session_id in chunk.holders:
+            if (chunk_ids is None or chunk.id in chunk_ids) and session_id in chunk.holders:
                 chunk.holders.discard(session_id)
                 self._forget_if_unheld(chunk)
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from gpumem_shared import fdchannel
@@ -31,6 +32,7 @@ from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
 from gpumemd.records import ChunkRecord, SessionRecord
 from gpumemd.admission import ACCEPT_BATCH, Admission, Connection
+from gpumemd.arenas import map_batches
 from gpumemd.durable import Durable
 from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
 from gpumemd.state import DaemonState
@@ -251,7 +253,7 @@ class Server:
                     log.debug("request %d from a session waiting to resume dropped unanswered", request_id)
                     return None
             elif session.resumed and request_id == session.last_request:
-                return self._replay(session, request_id)
+                return self._replay(session, request_id, request.message)
             outcome = self.state.handle(session, request.message, request_id)
             reply = None if outcome.reply is None else p.encode_reply(request_id, outcome.reply)
             if self.durable is not None and self.state.dirty:
@@ -279,21 +281,20 @@ class Server:
     def _waiting(self, token: bytes) -> bool:
         return any(s.waiting and s.token == token for s in self.state.sessions.values())
 
-    def _replay(self, session: SessionRecord, request_id: int) -> bytes:
+    def _replay(self, session: SessionRecord, request_id: int, message: p.RequestMessage) -> bytes:
         """A request resent after a restart that the daemon before had carried out: its
-        reply again, with the chunks and lease segments the client did not get."""
-        arenas = self.state.arenas
-        live = {c.id: c for a in arenas.by_name.values() for c in a.chunks + a.placeholders}
-        if any(cid not in live for cid in session.last_handout):
-            raise p.ProtocolError(
-                p.ErrorCode.NOT_FOUND,
-                f"request {request_id} was carried out before gpumemd restarted, but chunks it handed out are gone since; "
-                "sync the arena",
-            )
-        chunks = arenas.hand(session, [live[cid] for cid in session.last_handout])
+        reply again, with the chunks and lease segments the client did not get. Chunks it
+        handed out that went since (retired by their owner meanwhile) leave the reply."""
+        live = {c.id: c for a in self.state.arenas.by_name.values() for c in a.chunks + a.placeholders}
+        chunks = self.state.arenas.hand(session, [live[cid] for cid in session.last_handout if cid in live])
+        reply, session.resumed = session.last_reply, False
+        if len(chunks) < len(session.last_handout):
+            answer = p.decode_reply(reply)
+            body = p.decode_body(message.REPLY, answer.body)
+            views = [c for c in getattr(body, "chunks", []) if c.id in live or c.id not in session.last_handout]
+            reply = p.encode_reply(request_id, msgspec.structs.replace(body, chunks=views, fd_batches=map_batches(len(chunks))))
         pools = self.state.graph_pools.by_id
         grants = [(pid, pools[pid].segment_fd) for pid in session.last_grants if pid in pools and session.id in pools[pid].users]
-        reply, session.resumed = session.last_reply, False
         log.info("request %d of client %r answered again after the restart (%d chunk(s))", request_id, session.name, len(chunks))
         if self.durable is not None:
             self.durable.persist(self.state)

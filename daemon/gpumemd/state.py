@@ -193,7 +193,9 @@ class DaemonState:
             )
         session.waiting = False
         session.resumed = True
-        self.arenas.keep_held(session.id, {c for h in m.holdings for c in h.chunks})
+        # Chunks of the last reply it does not map: that reply never reached it (it is
+        # sent again, with them, when the client sends the request again).
+        self.arenas.drop_holder(session.id, set(session.last_handout) - {c for h in m.holdings for c in h.chunks})
         self.dirty = True
         left = sum(1 for s in self.sessions.values() if s.waiting)
         if not left:
@@ -222,7 +224,7 @@ class DaemonState:
             elif arena.owner_id == session_id:
                 log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
         # Chunks of arenas gone since (one a restart could not rebuild) stop counting it.
-        self.arenas.keep_held(session_id, set())
+        self.arenas.drop_holder(session_id)
         for round_ in rounds:  # once its memory is given back: the budget counts it as free
             self.kv.try_finish(round_)
         if not left:  # it released what it had: a clean close
