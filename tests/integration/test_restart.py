@@ -327,3 +327,35 @@ def test_a_bad_store_is_logged_and_leaks_nothing(service: Service, runtime_dir: 
             sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"])
             sock.close()
             assert_error(reply, p.ErrorCode.SESSION_LOST)
+
+
+@pytest.mark.parametrize("second_reports", ["after its resume", "while it waits"])
+def test_a_crash_during_a_kv_round(service: Service, runtime_dir: Path, second_reports: str) -> None:
+    """The first member reported and waits for its deferred reply when the daemon dies:
+    the round comes back, the second member reports, and the first gets its tokens."""
+    r = service()
+    sessions = [gpumem.connect(0, name, runtime_dir=runtime_dir, timeout=30) for name in ("first", "second")]
+    pools = [s.declare_kv_pool(f"kv-{s.name}", [gpumem.KvBuffer("k", 4096), gpumem.KvBuffer("v", 4096)], max_tokens=4096) for s in sessions]
+    for pool in pools:
+        pool.placeholder()
+        pool.join_round(expect=2)
+    got: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: got.update(tokens=pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)))
+    waiter.start()
+    wait_status(runtime_dir, lambda s: any(m["reported"] for m in s["rounds"][0]["members"]), 10, "the first report")
+    r.restart()
+    if second_reports == "after its resume":
+        wait_status(runtime_dir, lambda s: s["daemon"]["waiting"] == 1, 10, "the first member resumed")
+    tokens = pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
+    waiter.join(30)
+    assert tokens >= 256 and got["tokens"] >= 256 and pools[0].tokens == got["tokens"]
+    for pool in pools:
+        for buffer in pool.buffers.values():
+            last = buffer.offset + pool.tokens * buffer.row_bytes - 8
+            pool.arena.write(last, b"K" * 8)
+            assert pool.arena.read(last, 8) == b"K" * 8
+    s = status(runtime_dir)
+    assert s["rounds"][0]["state"] == "committed" and s["daemon"]["waiting"] == 0
+    for session in sessions:
+        session.close()
+    wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0, 10, "memory back")
