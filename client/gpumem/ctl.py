@@ -281,6 +281,13 @@ def render_status(s: p.StatusReply) -> str:
     lines = [
         f"gpumemd {d.version} (protocol {d.protocol})  pid {d.pid}  backend {d.backend}  {d.state}, up {_duration(d.uptime_s)}",
         f"  runtime dir {d.runtime_dir}",
+    ]
+    if d.generation or d.waiting:
+        lines.append(
+            f"  restarted {d.generation} time(s) with its state kept; {d.waiting} client(s) holding {d.waiting_objects} "
+            f"arena(s) and graph pool(s) not resumed yet" + (f", released in {_duration(d.grace_left_s)}" if d.waiting else "")
+        )
+    lines += [
         f"device {dev.index}: {dev.name}  {dev.uuid}",
         f"  total {format_size(dev.total_bytes)}  free {format_size(dev.free_bytes)}  gpumemd holds "
         f"{format_size(dev.accounted_bytes)}  reserve {format_size(dev.reserve_bytes)}  granularity {format_size(dev.granularity)}",
@@ -292,7 +299,7 @@ def render_status(s: p.StatusReply) -> str:
         [
             [
                 str(c.session_id),
-                c.name,
+                f"{c.name} (waiting)" if c.waiting else c.name,
                 str(c.pid),
                 str(c.uid),
                 datetime.datetime.fromtimestamp(c.since).strftime("%Y-%m-%d %H:%M:%S"),

@@ -5,6 +5,7 @@ objects, never a leak."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -359,3 +360,18 @@ def test_a_crash_during_a_kv_round(service: Service, runtime_dir: Path, second_r
     for session in sessions:
         session.close()
     wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0, 10, "memory back")
+
+
+def test_gpumemctl_status_shows_the_generation_and_who_waits(service: Service, runtime_dir: Path) -> None:
+    r = service()
+    with RawSession(runtime_dir, "eng") as session:
+        session.create("a", 64 * MiB)
+        r.restart()
+        run = [sys.executable, "-m", "gpumem.ctl", "status", "--runtime-dir", str(runtime_dir)]
+        human = subprocess.run(run, capture_output=True, text=True, timeout=60, env=child_env(runtime_dir))
+        assert human.returncode == 0, human
+        assert "restarted 1 time(s) with its state kept; 1 client(s) holding 1 arena(s) and graph pool(s) not resumed yet, released in" in human.stdout
+        assert "eng (waiting)" in human.stdout
+        as_json = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60, env=child_env(runtime_dir))
+        daemon = json.loads(as_json.stdout)["daemon"]
+        assert (daemon["generation"], daemon["waiting"], daemon["waiting_objects"]) == (1, 1, 1) and 0 < daemon["grace_left_s"] <= 30
