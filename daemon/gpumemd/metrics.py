@@ -38,8 +38,6 @@ from gpumem_shared.lease_table import LeaseKind
 from gpumemd.state import DaemonState
 from gpumemd.tally import Histogram
 
-# Until a restarted daemon rebuilds its state from its clients, every daemon is the first.
-GENERATION = 1
 # Seconds a holder held the lease it kept others asleep on (see the module's docstring).
 WAIT_BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _U32 = 0xFFFFFFFF
@@ -189,7 +187,11 @@ class Metrics:
             "gpumemd_info", "gauge", "The daemon: version, backend, and the device it serves (always 1).",
             ("version", "backend", "uuid", "name"), [((__version__, state.driver.kind, device.uuid, device.name), 1)],
         )
-        f.one("gpumemd_daemon_generation", "gauge", "Daemon generation: 1 until a restarted daemon rebuilds state from its clients.", GENERATION)
+        f.one(
+            "gpumemd_daemon_generation", "gauge",
+            "Daemon generation: 1 at a fresh start, one more with each restart that rebuilt the state from the fd store.",
+            state.generation + 1,
+        )
         f.one("gpumemd_start_time_seconds", "gauge", "When the daemon started, unix time.", self._started)
 
         retiring = sum(c.size for c in arenas.retiring.values())
