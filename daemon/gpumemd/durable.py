@@ -563,7 +563,7 @@ class _Rebuild:
             return
         self.state.graph_pools.by_id[gi.id] = GraphPoolRecord(
             id=gi.id, owner_id=gi.owner_id, owner_name=gi.owner_name, arena=gi.arena, label=gi.label, epoch=gi.epoch,
-            extents=[tuple(e) for e in gi.extents], free_runs=[tuple(r) for r in gi.free_runs],  # type: ignore[misc]
+            extents=list(gi.extents), free_runs=list(gi.free_runs),
             segment=segment, segment_fd=fd, shared=gi.shared, users=set(gi.users), events=dict(gi.events),
             escapers=set(gi.escapers), lease_repairs=gi.lease_repairs,
         )

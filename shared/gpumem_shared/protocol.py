@@ -62,6 +62,10 @@ MAX_FDS_PER_MESSAGE = 253
 # frame has room for some 20,000, and every STATUS would carry them all.
 MAX_POOL_EXTENTS = 4096
 MAX_KV_BUFFERS = 4096
+# A resuming client's holdings: arenas, and chunks in each (a 4 TiB window in 2 MiB
+# chunks at most; bulk chunks make real counts hundreds).
+MAX_HOLDINGS = 4096
+MAX_HELD_CHUNKS = 1 << 21
 
 # msgpack's integer range: what lies outside cannot be encoded at all.
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -284,7 +288,7 @@ class Holding(Message):
     """An arena's chunks a resuming client maps (placeholders and retired ones included)."""
 
     arena: str
-    chunks: list[int]
+    chunks: Annotated[list[int], msgspec.Meta(max_length=MAX_HELD_CHUNKS)]
 
 
 class Resume(RequestMessage, kw_only=True):
@@ -298,7 +302,7 @@ class Resume(RequestMessage, kw_only=True):
     REPLY = HelloReply
     session_id: int
     credential: bytes
-    holdings: list[Holding] = msgspec.field(default_factory=list)
+    holdings: Annotated[list[Holding], msgspec.Meta(max_length=MAX_HOLDINGS)] = msgspec.field(default_factory=list)
     client_version: str = ""
 
 

@@ -296,6 +296,7 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "headroom_bytes": _SIZES,
     "graph_pool_bytes": _SIZES,
     "chunk_ids": st.lists(_refs("chunk"), max_size=4),
+    "Holding.chunks": st.lists(_refs("chunk"), max_size=4),
     "pool_id": _refs("pool"),
     "session": _refs("session"),
     "tokens": st.sampled_from((64, 1, 16, 256, 2048, 0)),

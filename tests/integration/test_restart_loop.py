@@ -80,7 +80,7 @@ def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
 
 
 @pytest.mark.parametrize(("backend", "restarts"), [("host", 50), pytest.param("cuda", 20, marks=pytest.mark.gpu)])
-def test_engines_never_notice_50_kill_9_restarts(runtime_dir: Path, backend: str, restarts: int) -> None:
+def test_engines_never_notice_kill_9_restarts(runtime_dir: Path, backend: str, restarts: int) -> None:
     r = Restartable(runtime_dir, backend, [], child_env(runtime_dir))
     engines: list[subprocess.Popen[str]] = []
     try:
