@@ -40,6 +40,26 @@ def service(runtime_dir: Path) -> Iterator[Service]:
         r.close()
 
 
+Connect = Callable[..., gpumem.Session]
+
+
+@pytest.fixture
+def connect(service: Service, runtime_dir: Path) -> Iterator[Connect]:
+    """Sessions of this process, closed at the end whatever happened: an arena left mapped
+    would keep the device's address slice reserved here, and the next test's daemon of
+    the same device could not be used from this process."""
+    opened: list[gpumem.Session] = []
+
+    def make(name: str, timeout: float = 20.0) -> gpumem.Session:
+        opened.append(gpumem.connect(0, name, runtime_dir=runtime_dir, timeout=timeout))
+        return opened[-1]
+
+    yield make
+    for session in opened:
+        session.channel.timeout = 1.0  # the daemon may be gone for good by now
+        session.close()
+
+
 def resume_frame(session_id: int, credential: bytes, holdings: list[dict[str, Any]] | None = None) -> bytes:
     body = {"session_id": session_id, "credential": credential, "holdings": holdings or [], "client_version": "raw"}
     return envelope(p.MsgType.RESUME, body, 1)
@@ -78,10 +98,10 @@ def test_an_empty_store_is_a_fresh_start(service: Service, runtime_dir: Path) ->
     assert sorted(r.manager.names()) == ["record-0", "record-1"]
 
 
-def test_kill_9_keeps_arenas_shares_pools_leases_and_kv_pools(service: Service, runtime_dir: Path) -> None:
+def test_kill_9_keeps_arenas_shares_pools_leases_and_kv_pools(service: Service, connect: Connect, runtime_dir: Path) -> None:
     r = service()
-    owner = gpumem.connect(0, "owner", runtime_dir=runtime_dir, timeout=20)
-    peer = gpumem.connect(0, "peer", runtime_dir=runtime_dir, timeout=20)
+    owner = connect("owner")
+    peer = connect("peer")
     arena = owner.create_arena("a", 256 * MiB)
     arena.commit(24 * MiB)
     arena.write(0, b"owner's bytes")
@@ -123,9 +143,9 @@ def test_kill_9_keeps_arenas_shares_pools_leases_and_kv_pools(service: Service, 
     assert sorted(r.manager.names()) == ["record-0", "record-1"]
 
 
-def test_a_call_made_while_the_daemon_is_away_waits_for_it(service: Service, runtime_dir: Path) -> None:
+def test_a_call_made_while_the_daemon_is_away_waits_for_it(service: Service, connect: Connect, runtime_dir: Path) -> None:
     r = service()
-    session = gpumem.connect(0, "eng", runtime_dir=runtime_dir, timeout=20)
+    session = connect("eng")
     arena = session.create_arena("a", 64 * MiB)
     arena.commit(8 * MiB)
     r.kill()
@@ -141,9 +161,9 @@ def test_a_call_made_while_the_daemon_is_away_waits_for_it(service: Service, run
     session.close()
 
 
-def test_a_call_times_out_naming_the_daemon_when_it_does_not_come_back(service: Service, runtime_dir: Path) -> None:
+def test_a_call_times_out_naming_the_daemon_when_it_does_not_come_back(service: Service, connect: Connect, runtime_dir: Path) -> None:
     r = service()
-    session = gpumem.connect(0, "eng", runtime_dir=runtime_dir, timeout=20)
+    session = connect("eng")
     session.create_arena("a", 64 * MiB)
     r.kill()
     with pytest.raises(gpumem.DaemonTimeout, match="went away .* no daemon took session 1 back within 0.5s; check 'systemctl status gpumemd@0'"):
@@ -153,9 +173,9 @@ def test_a_call_times_out_naming_the_daemon_when_it_does_not_come_back(service: 
     session.close()
 
 
-def test_a_clean_stop_keeps_the_state_too(service: Service, runtime_dir: Path) -> None:
+def test_a_clean_stop_keeps_the_state_too(service: Service, connect: Connect, runtime_dir: Path) -> None:
     r = service()
-    session = gpumem.connect(0, "eng", runtime_dir=runtime_dir, timeout=20)
+    session = connect("eng")
     arena = session.create_arena("a", 64 * MiB)
     arena.commit(8 * MiB)
     assert r.stop() == 0
@@ -223,9 +243,9 @@ def test_a_wrong_or_stolen_credential_gets_nothing(service: Service, runtime_dir
         sock.close()
 
 
-def test_after_the_grace_period_the_session_is_lost_and_its_memory_released(service: Service, runtime_dir: Path) -> None:
+def test_after_the_grace_period_the_session_is_lost_and_its_memory_released(service: Service, connect: Connect, runtime_dir: Path) -> None:
     r = service(args=("--restart-grace", "0.5"))
-    session = gpumem.connect(0, "eng", runtime_dir=runtime_dir, timeout=20)
+    session = connect("eng")
     arena = session.create_arena("a", 64 * MiB)
     arena.commit(8 * MiB)
     arena.write(0, b"kept")
@@ -331,11 +351,11 @@ def test_a_bad_store_is_logged_and_leaks_nothing(service: Service, runtime_dir: 
 
 
 @pytest.mark.parametrize("second_reports", ["after its resume", "while it waits"])
-def test_a_crash_during_a_kv_round(service: Service, runtime_dir: Path, second_reports: str) -> None:
+def test_a_crash_during_a_kv_round(service: Service, connect: Connect, runtime_dir: Path, second_reports: str) -> None:
     """The first member reported and waits for its deferred reply when the daemon dies:
     the round comes back, the second member reports, and the first gets its tokens."""
     r = service()
-    sessions = [gpumem.connect(0, name, runtime_dir=runtime_dir, timeout=30) for name in ("first", "second")]
+    sessions = [connect(name) for name in ("first", "second")]
     pools = [s.declare_kv_pool(f"kv-{s.name}", [gpumem.KvBuffer("k", 4096), gpumem.KvBuffer("v", 4096)], max_tokens=4096) for s in sessions]
     for pool in pools:
         pool.placeholder()
