@@ -58,6 +58,11 @@ def current_stream(device: int | None) -> int:
     torch = sys.modules.get("torch")
     if device is None or torch is None or not torch.cuda.is_initialized():
         return 0
+    # The raw handle without a Stream object (the call torch's generated code makes):
+    # a borrow scope asks at every entry.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 

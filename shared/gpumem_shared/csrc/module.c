@@ -333,6 +333,18 @@ static PyObject *slot_stats(PyObject *module, PyObject *const *args, Py_ssize_t 
                          (long long)s.device);
 }
 
+/* slot_counters(slot) -> (failures, cursor_bytes, freed_bytes), None for a slot not in use:
+ * what a borrow scope's entry reads on every step, without building slot_stats' dict */
+static PyObject *slot_counters(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    int slot;
+    gpumem_stats s;
+    if (slot_args(args, nargs, 1, "slot_counters(slot)", &slot) < 0) return NULL;
+    if (gpumem_slot_stats(slot, &s) != 0) Py_RETURN_NONE;
+    return Py_BuildValue("(KKK)", (unsigned long long)s.failures, (unsigned long long)s.cursor_bytes,
+                         (unsigned long long)s.freed_bytes);
+}
+
 /* slot_rounded(slot, nbytes) -> bytes the request takes from an extent (0: slot not in use) */
 static PyObject *slot_rounded(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -442,6 +454,7 @@ static PyMethodDef native_methods[] = {
     FASTCALL(slot_alloc, "An address, as torch would get it (0: nothing fits)."),
     FASTCALL(slot_free, "A free, as torch reports it (counted, not reused)."),
     FASTCALL(slot_stats, "A slot's counters."),
+    FASTCALL(slot_counters, "A slot's failures, cursor and freed bytes (a borrow scope's entry)."),
     FASTCALL(slot_rounded, "Bytes a request takes from an extent."),
     FASTCALL(cuda_event_record, "cuEventRecord in a context."),
     FASTCALL(cuda_stream_wait, "cuStreamWaitEvent in a context."),
