@@ -227,6 +227,7 @@ class Lease:
         if status == _OK_ORDER:
             return cls(owner, pool, segment, kind, word, stream)._ordered()
         deadline = time.monotonic() + wait
+        encoded = label.encode()
         while True:
             if status == LeaseStatus.ESCAPED:
                 if not owner.clear_escape(pool.id):
@@ -235,9 +236,8 @@ class Lease:
                         raise error
                 status = LeaseStatus.HELD  # the mark went meanwhile: try again
                 continue
-            status, found = segment.acquire(word, epoch, max(0.0, deadline - time.monotonic()))
+            status, found = segment.acquire(word, epoch, max(0.0, deadline - time.monotonic()), encoded)
             if status in (LeaseStatus.OK, LeaseStatus.OK_ORDER):
-                segment.set_label(label)
                 lease = cls(owner, pool, segment, kind, word, stream)
                 return lease._ordered() if status == LeaseStatus.OK_ORDER else lease
             if status == LeaseStatus.ESCAPED:

@@ -181,9 +181,10 @@ class LeaseSegment:
         compare-and-swap in one native call). OK or OK_ORDER when taken."""
         return _native.lease_try(self.address, word, epoch, label)
 
-    def acquire(self, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
-        """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""
-        return _native.lease_acquire(self.address, word, epoch, int(timeout_s * 1e9))
+    def acquire(self, word: int, epoch: int, timeout_s: float, label: bytes | None = None) -> tuple[int, int]:
+        """(status, word found). Waits up to ``timeout_s`` for a holder to let go (a
+        bounded spin, then asleep on the futex); records ``label`` once taken."""
+        return _native.lease_acquire(self.address, word, epoch, int(timeout_s * 1e9), label)
 
     def release(self, word: int) -> int:
         """OK, NOT_HOLDER, or RECORD (nothing released: a shared pool; record the IPC

@@ -275,6 +275,19 @@ def test_a_release_wakes_a_sleeping_waiter_well_before_its_timeout(table: LeaseS
     assert table.release(mine) == LeaseStatus.OK
 
 
+def test_a_short_hold_is_handed_over_while_the_waiter_spins_and_the_label_comes_with_it(table: LeaseSegment) -> None:
+    held, mine = word(LeaseKind.CAPTURE, 1, 11), word(LeaseKind.REPLAY, 2, 22)
+    assert table.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    releaser = threading.Timer(0.002, table.release, (held,))
+    releaser.start()
+    assert table.acquire(mine, EPOCH, 5.0, b"draft replay")[0] == LeaseStatus.OK
+    releaser.join()
+    holder = table.holder()
+    assert holder is not None and holder.label == "draft replay", "the waiting acquire records the label it was given"
+    assert table._slot.waiters == 0
+    assert table.release(mine) == LeaseStatus.OK
+
+
 def test_one_release_hands_the_lease_to_exactly_one_of_several_waiters(table: LeaseSegment) -> None:
     held = word(LeaseKind.CAPTURE, 1, 11)
     assert table.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)

@@ -69,7 +69,8 @@ enum lease_flag { LEASE_FLAGS(LEASE_FLAG_MEMBER) };
 #undef LEASE_FLAG_MEMBER
 
 /* The calls, on a mapped slot (leases.c says what each does). */
-int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder);
+int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder,
+                         const char *label, uint32_t len);
 int gpumem_lease_try(lease_slot *slot, uint64_t mine, uint32_t epoch, const char *label, uint32_t len);
 int gpumem_lease_clear(lease_slot *slot, uint64_t word);
 int gpumem_lease_release(lease_slot *slot, uint64_t word);

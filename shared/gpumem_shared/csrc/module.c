@@ -108,22 +108,27 @@ static PyObject *lease_try(PyObject *module, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLong(gpumem_lease_try(slot, word, epoch, label, (uint32_t)len));
 }
 
-/* lease_acquire(segment_address, word, epoch, timeout_ns) -> (status, word found);
- * sleeps on the slot's futex without the GIL. */
+/* lease_acquire(segment_address, word, epoch, timeout_ns, label: bytes or None) ->
+ * (status, word found); watches the word, then sleeps on the slot's futex, without the
+ * GIL. The label, if any, is recorded once the lease is taken. */
 static PyObject *lease_acquire(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     lease_slot *slot;
     uint32_t epoch;
     uint64_t word;
-    if (lease_args(args, nargs, 4, "lease_acquire(segment_address, word, epoch, timeout_ns)", &slot) < 0 ||
+    char *label = NULL;
+    Py_ssize_t len = 0;
+    if (lease_args(args, nargs, 5, "lease_acquire(segment_address, word, epoch, timeout_ns, label or None)", &slot) < 0 ||
         u64_arg(args[1], &word) < 0 || u32_arg(args[2], &epoch) < 0)
         return NULL;
     long long timeout_ns = PyLong_AsLongLong(args[3]);
     if (timeout_ns == -1 && PyErr_Occurred()) return NULL;
+    if (args[4] != Py_None && PyBytes_AsStringAndSize(args[4], &label, &len) < 0) return NULL;
     uint64_t found = 0;
     int status;
+    /* The label's bytes object stays referenced by the caller's arguments meanwhile. */
     Py_BEGIN_ALLOW_THREADS
-    status = gpumem_lease_acquire(slot, word, epoch, (int64_t)timeout_ns, &found);
+    status = gpumem_lease_acquire(slot, word, epoch, (int64_t)timeout_ns, &found, label, (uint32_t)len);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(iK)", status, (unsigned long long)found);
 }
