@@ -133,3 +133,14 @@ class Driver(abc.ABC):
 
 def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
+
+
+def contiguous(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, size)`` ranges merged where one ends where the next begins."""
+    runs: list[tuple[int, int]] = []
+    for start, size in sorted(ranges):
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + size)
+        else:
+            runs.append((start, size))
+    return runs

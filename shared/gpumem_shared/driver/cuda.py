@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpumem_shared import _native
-from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle, PeerAccessError
+from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle, PeerAccessError, contiguous
 
 
 _EVENT_DISABLE_TIMING = 0x2
@@ -239,7 +239,7 @@ class CudaDriver(Driver):
 
     def _set_access(self, address: int, ranges: list[tuple[int, int]]) -> None:
         # One cuMemSetAccess per contiguous run: it may span several mappings.
-        for start, size in _contiguous(ranges):
+        for start, size in contiguous(ranges):
             self._ck(self._cu.cuMemSetAccess(address + start, size, self._access, len(self._access)), "cuMemSetAccess")
 
     def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
@@ -270,7 +270,7 @@ class CudaDriver(Driver):
 
     def zero(self, placements: list[tuple[int, int]]) -> None:
         self._current()
-        for start, size in _contiguous(placements):
+        for start, size in contiguous(placements):
             self._ck(self._cu.cuMemsetD32Async(start, 0, size // 4, 0), "cuMemsetD32Async")
         self._ck(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
@@ -282,7 +282,7 @@ class CudaDriver(Driver):
             # Fresh allocations read back as zero in our samples, but the driver does not
             # promise it: zero them. The memsets run while the CPU exports the fds, and
             # the fds leave this function only after the sync.
-            for start, size in _contiguous([(address, size) for address, size, _, fresh in chunks if fresh]):
+            for start, size in contiguous([(address, size) for address, size, _, fresh in chunks if fresh]):
                 self._ck(cu.cuMemsetD32Async(start, 0, size // 4, 0), "cuMemsetD32Async")
             for _, _, handle, _ in chunks:
                 fds.append(self._export(handle))
@@ -355,13 +355,3 @@ class CudaDriver(Driver):
         buf = (ctypes.c_uint8 * size)()
         self._ck(self._cu.cuMemcpyDtoH(buf, address, size), "cuMemcpyDtoH")
         return bytes(buf)
-
-
-def _contiguous(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for start, size in sorted(ranges):
-        if runs and runs[-1][0] + runs[-1][1] == start:
-            runs[-1] = (runs[-1][0], runs[-1][1] + size)
-        else:
-            runs.append((start, size))
-    return runs
