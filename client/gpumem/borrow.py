@@ -327,6 +327,14 @@ class Borrow:
             for b in segment["blocks"]
         )
 
+    def stop_routing(self) -> None:
+        """Stop routing this thread's torch allocations into the runs; the lease stays
+        held. What is allocated from now on lands where it would outside the borrow:
+        the place to copy a borrowed result out before the scope ends."""
+        if self._route is not None:
+            self._route.__exit__(None, None, None)
+            self._route = None
+
     def release(self, error: BaseException | None = None) -> None:
         """End the borrow: stop routing, check that nothing borrowed is still alive, give
         the lease back. Raises BorrowEscaped (after giving it back) if something is."""

@@ -23,6 +23,7 @@ before the scheduler. See docs/engines.md.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -72,15 +73,24 @@ class EngineMemory:
             raise
         self.kv: PagedKvCache | None = None
         self.graph_pool: GraphPool | None = None
+        self._running = threading.local()  # whether this thread is inside running()
 
     @contextlib.contextmanager
     def running(self) -> Iterator[EngineMemory]:
         """This thread's torch allocations go to the model arena, and graphs captured
-        without a pool to the graphs arena's pool."""
+        without a pool to the graphs arena's pool. Re-entrant: an engine's step may run
+        inside its own start-up (a warm-up), and torch refuses a pool routed twice."""
         from gpumem.capture_routing import capturing
 
-        with self.model.allocating(), capturing(self.graphs):
+        if getattr(self._running, "on", False):
             yield self
+            return
+        self._running.on = True
+        try:
+            with self.model.allocating(), capturing(self.graphs):
+                yield self
+        finally:
+            self._running.on = False
 
     def kv_cache(
         self,
@@ -105,12 +115,12 @@ class EngineMemory:
     def graphs_captured(
         self, graphs: Mapping[K, Any], *, label: str = "decode", shared: bool = False, wait: float = DEFAULT_WAIT_S
     ) -> dict[K, LeasedGraph]:
-        """After capture: register the graphs arena's pool with the daemon, give back what
-        both arenas hold above their peaks, and return ``graphs`` with their replays
+        """After capture: give back what both arenas hold above their peaks, register the
+        graphs arena's pool with the daemon, and return ``graphs`` with their replays
         leased."""
-        self.graph_pool = self.graphs.register_graph_pool(label, shared=shared)
         self.model.trim()
         self.graphs.trim()
+        self.graph_pool = self.graphs.register_graph_pool(label, shared=shared)
         return leased_graphs(graphs, self.session, self.graph_pool, wait=wait)
 
     @overload
@@ -154,8 +164,9 @@ class EngineMemory:
 
     def borrowed(self, fn: Callable[..., R], *args: Any, user: str = "sampler", need_bytes: int = 0, **kwargs: Any) -> R:
         """``fn(*args, **kwargs)`` with its temporaries in the graph pool's free runs
-        (a borrow, see gpumem.borrow); its tensor results are copied out into the model
-        arena before the borrow ends. Where no run holds ``need_bytes`` (an estimate of
+        (a borrow, see gpumem.borrow); its tensor results are copied out before the
+        borrow ends, to where allocations go outside it (the model arena inside
+        ``running()``). Where no run holds ``need_bytes`` (an estimate of
         the largest temporary), or before the graphs are registered, ``fn`` runs as
         usual instead: borrowing saves memory, it must not fail a step."""
         pool = self.graph_pool
@@ -166,8 +177,8 @@ class EngineMemory:
                 borrow.release()
                 return fn(*args, **kwargs)
             result = fn(*args, **kwargs)
-            with self.model.allocating():
-                kept: R = _copied(result)
+            borrow.stop_routing()
+            kept: R = _copied(result)
             del result
         return kept
 
