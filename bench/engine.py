@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import sys
 import time
@@ -62,6 +63,8 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     from gpumem_shared.paths import Endpoints
 
     rd = cleanup.enter_context(c.runtime_dir("gmb-engine-"))
+    if args.keep_logs:
+        cleanup.callback(_keep_logs, rd, args.keep_logs)
     model = rd / "model"
     built = c.Child("build", [str(KIT), "build", str(model)], rd / "build.log")
     built.wait_for(lambda: built.proc.poll() == 0, 300, "building the model")
@@ -140,6 +143,12 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     )
 
 
+def _keep_logs(rd: Path, to: Path) -> None:
+    to.mkdir(parents=True, exist_ok=True)
+    for log in rd.glob("*.log"):
+        shutil.copy(log, to / log.name)
+
+
 def _wait_file(child: c.Child, path: Path) -> bool:
     child.wait_for(path.exists, ENGINE_TIMEOUT, f"writing {path.name}")
     return True
@@ -178,6 +187,7 @@ def main() -> int:
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--keep-logs", type=Path, default=None, help="copy every process's log here (CUDA)")
     args = parser.parse_args()
     c.ensure_importable()
     if args.backend == "host":

@@ -33,6 +33,7 @@ from gpumem_shared.lease_table import LeaseKind
 from gpumem.allocator import FAIL_STREAM, MAX_EXTENTS, Slot, SlotStats
 from gpumem.errors import BorrowEscaped, BorrowOutOfMemory, BorrowStreamMismatch, GpuMemError, InvalidArgument
 from gpumem.leases import Lease, current_stream
+from gpumem.torch_support import use_pool
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ class Borrow:
             # Blocks an earlier scope let escape are that scope's fault, not this one's.
             self._live_before = existing.live_bytes() if existing.escaped_scope else 0
             if existing.torch_pool is not None:
-                self._route = self._torch.cuda.use_mem_pool(existing.torch_pool, device=existing.device)
+                self._route = use_pool(self._torch, existing.torch_pool, existing.device)
                 self._route.__enter__()
         except BaseException:
             self.lease.release()

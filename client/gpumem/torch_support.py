@@ -15,6 +15,7 @@ in the pool, so the memory returns by decommit or release, never by ``del``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,47 @@ if TYPE_CHECKING:
 # in a pool after its arena's user let go of it, and torch keeps raw pointers to the
 # allocator functions (pytorch issue 146431).
 _KEEP: list[Any] = []
+
+
+# Pool routings gpumem has open (arena allocating(), borrows), in every thread. torch
+# 2.11 aborts the process (an internal assert, captures_underway.empty()) when its cache
+# is emptied while any routing is open: torch.cuda.empty_cache(), which engines call
+# around warm-up and which torch.cuda.graph calls before every capture. While routings
+# are open, empty_cache() is skipped: it only hands cached blocks back to the driver.
+_routes = 0
+_routes_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def use_pool(torch: Any, pool: Any, device: int) -> Iterator[None]:
+    """``torch.cuda.use_mem_pool(pool)``, counted (see above)."""
+    global _routes
+    _guard_empty_cache(torch)
+    with _routes_lock:
+        _routes += 1
+    try:
+        with torch.cuda.use_mem_pool(pool, device=device):
+            yield
+    finally:
+        with _routes_lock:
+            _routes -= 1
+
+
+def _guard_empty_cache(torch: Any) -> None:
+    memory = torch.cuda.memory
+    original = memory.empty_cache
+    if getattr(original, "_gpumem_guard", False):
+        return
+
+    def empty_cache() -> None:
+        if _routes:
+            return  # torch would abort: see _routes
+        original()
+
+    empty_cache._gpumem_guard = True  # type: ignore[attr-defined]
+    empty_cache.__doc__ = original.__doc__
+    memory.empty_cache = empty_cache
+    torch.cuda.empty_cache = empty_cache
 
 
 def import_torch(feature: str) -> Any:
@@ -71,7 +113,8 @@ def check_nested_routing(torch: Any, device: int) -> None:
         address = probe.data_ptr()
         del probe
         landed = any(s["address"] <= address < s["address"] + s["total_size"] for s in pool_segments(torch, inner))
-        del outer, inner
+        # Kept: destroying a pool empties its cache, which aborts under an open routing.
+        _KEEP.extend((outer, inner))
     if not landed:
         raise TorchFeatureMissing(
             f"torch {torch.__version__} routes an allocation made inside nested torch.cuda.use_mem_pool scopes to the "
@@ -144,7 +187,7 @@ class ArenaPool:
         pool = self._virtual_pool if virtual else self.pool
         scope = virtual_only() if virtual else contextlib.nullcontext()
         try:
-            with scope, self.torch.cuda.use_mem_pool(pool, device=self.device):
+            with scope, use_pool(self.torch, pool, self.device):
                 yield self
         except RuntimeError as exc:  # torch.OutOfMemoryError, or a plain RuntimeError from older torch
             stats = self.slot.stats()
