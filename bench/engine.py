@@ -90,6 +90,8 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     f.update(
         shipped_blocks=base["blocks"], gpumemd_blocks=solo_r["blocks"], kv_blocks_ratio=c.ratio(solo_r["blocks"], base["blocks"]),
         tokens_identical=solo_r["tokens"] == base["tokens"] == half_r["tokens"],
+        shipped_runs_differ=_differing(base["tokens"], half_r["tokens"]),
+        gpumemd_vs_shipped_differ=_differing(solo_r["tokens"], base["tokens"]),
         shipped_decode_tok_s=base["decode_tok_s"], gpumemd_decode_tok_s=solo_r["decode_tok_s"],
         decode_ratio=c.ratio(solo_r["decode_tok_s"], base["decode_tok_s"]),
         shipped_startup_s=half_r["startup_s"], gpumemd_startup_s=solo_r["startup_s"],
@@ -131,7 +133,7 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
         pair_blocks=[a_r["blocks"], b_r["blocks"]], shipped_045_blocks=half_r["blocks"],
         pair_tokens_identical=a_r["tokens"] == base["tokens"] and b_r["tokens"] == base["tokens"],
         killed_held_bytes=held_b, reclaim_ms=(back - dead) * 1000, accounted_after_bytes=status.device.accounted_bytes,
-        survivor_same_tokens=bool(again.get("same_tokens")),
+        survivor_same_tokens=bool(again.get("same_tokens")), survivor_differ=again.get("differ"),
     )
     t.update(kv_blocks_ratio=">= 1.05", tokens_identical=True, decode_ratio=">= 0.98", extra_startup_s="<= 0.5",
              pair_blocks=f">= {half_r['blocks']} each", reclaim_ms="<= 100", survivor_same_tokens=True,
@@ -147,6 +149,17 @@ def _keep_logs(rd: Path, to: Path) -> None:
     to.mkdir(parents=True, exist_ok=True)
     for log in rd.glob("*.log"):
         shutil.copy(log, to / log.name)
+
+
+def _differing(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """How two runs' token ids differ: sequences that differ, and the first (sequence,
+    token) where they do."""
+    rows = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    first = None
+    if rows:
+        x, y = a[rows[0]], b[rows[0]]
+        first = [rows[0], next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))]
+    return {"sequences": len(rows) + abs(len(a) - len(b)), "first": first}
 
 
 def _wait_file(child: c.Child, path: Path) -> bool:

@@ -15,8 +15,9 @@ gets, in this process only, what the test machine lacks or what a comparison nee
 a torch stand-in for flash-attn's two functions (scaled-dot-product attention over the
 paged cache: correct, not fast), a greedy sampler (the fork refuses temperature 0), RoPE
 settings it accepts (transformers 5 reports the default RoPE as a dict; nano-vllm asserts
-None), a distributed port of its own (two engines starting together race for one), and
-torch.compile turned off (the same for both modes; it keeps each process short).
+None), a distributed port of its own (two engines starting together race for one),
+torch.compile turned off and cuBLAS's reproducible workspace setting (the same for both
+modes).
 """
 
 from __future__ import annotations
@@ -156,6 +157,9 @@ def greedy_sampler(torch: Any) -> type:
 
 def install_standins(port: int) -> Any:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read by torch at import: this process only
+    # cuBLAS picks reproducible algorithms only with a fixed workspace configuration; the
+    # runs compare token ids, and random bf16 weights leave near-ties in the logits.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     sys.modules["flash_attn"] = _flash_attn(torch)
@@ -264,7 +268,8 @@ def engine(args: argparse.Namespace) -> int:
         while not Path(args.again_after).exists():
             generate(llm, batch[:8], 4)
         again, _, _ = generate(llm, batch, args.tokens)
-        _write(args.out + ".again", {"same_tokens": again == tokens, "sequences": len(again)})
+        differ = [i for i, (x, y) in enumerate(zip(again, tokens)) if x != y]
+        _write(args.out + ".again", {"same_tokens": again == tokens, "sequences": len(again), "differ": len(differ)})
     if args.serve_forever:
         while True:
             generate(llm, batch, args.tokens)

@@ -409,6 +409,16 @@ class Arena:
         with self.torch_pool().routing(virtual=virtual) as pool:
             yield pool
 
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[ArenaPool]:
+        """Within this block, this thread's CUDA-graph captures that name no pool
+        (``torch.cuda.graph(g)``) capture into this arena's pool. See
+        gpumem.capture_routing."""
+        from gpumem.capture_routing import capturing
+
+        with capturing(self) as pool:
+            yield pool
+
     def register_graph_pool(
         self, label: str, *, shared: bool = False, extents: list[p.Extent] | None = None, free_runs: list[p.Extent] | None = None
     ) -> GraphPool:

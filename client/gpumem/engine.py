@@ -80,14 +80,12 @@ class EngineMemory:
         """This thread's torch allocations go to the model arena, and graphs captured
         without a pool to the graphs arena's pool. Re-entrant: an engine's step may run
         inside its own start-up (a warm-up), and torch refuses a pool routed twice."""
-        from gpumem.capture_routing import capturing
-
         if getattr(self._running, "on", False):
             yield self
             return
         self._running.on = True
         try:
-            with self.model.allocating(), capturing(self.graphs):
+            with self.model.allocating(), self.graphs.capturing():
                 yield self
         finally:
             self._running.on = False

@@ -262,3 +262,37 @@ def test_leased_replay_waits_for_a_borrower_then_names_it(session: gpumem.Sessio
             releaser.join()
         assert graph.replays == 1
         assert 0.1 <= waited < 5.0
+
+
+# ---------------------------------------------------------------------- EngineMemory
+
+
+def test_engine_memory_without_torch_declares_commits_and_borrows(daemon_factory: Any, runtime_dir: Path) -> None:
+    daemon_factory("host", args=["--host-capacity", "1GiB"])
+    with gpumem.EngineMemory("engine-a", 0, runtime_dir=str(runtime_dir), model_reserve=GiB, graph_reserve=GiB) as mem:
+        assert (mem.model.usage().cap, mem.graphs.usage().cap) == (GiB, GiB)
+        assert mem.model.allocator().slot.alloc(5 * MiB)  # elastic from the start
+        assert mem.model.committed == 256 * MiB
+        with pytest.raises(gpumem.InvalidArgument, match="no KV cache"):
+            mem.kv_commit()
+        kv = mem.kv_cache(layers=2, block_shape=(16, 64), itemsize=2, max_blocks=512)
+        with pytest.raises(gpumem.InvalidArgument, match="already"):
+            mem.kv_cache(layers=2, block_shape=(16, 64), itemsize=2)
+        assert mem.borrowed(lambda x: x + 1, 41) == 42  # no graph pool yet: a plain call
+        pending = mem.kv_commit(max_blocks=300, wait=False)
+        assert pending.wait() == kv.blocks == 300
+
+        mem.graphs.allocator().slot.alloc(8 * MiB)
+        mem.graph_pool = mem.graphs.register_graph_pool(
+            "decode", extents=[p.Extent(offset=0, size=32 * MiB)], free_runs=[p.Extent(offset=8 * MiB, size=24 * MiB)]
+        )
+        seen: list[int] = []
+
+        def step(x: int) -> int:
+            seen.append(mem.graph_pool.segment.holder().kind if mem.graph_pool and mem.graph_pool.segment.holder() else -1)
+            return x * 2
+
+        assert mem.borrowed(step, 21, need_bytes=MiB) == 42
+        assert seen == [int(LeaseKind.BORROW)]  # ran under the borrow lease
+        assert mem.borrowed(step, 1, need_bytes=64 * MiB) == 2  # no run holds it: a plain call
+        assert seen[-1] == -1
