@@ -37,6 +37,7 @@ from gpumem_shared.lease_table import LeaseKind
 from gpumem.allocator import FAIL_STREAM, MAX_EXTENTS, Slot
 from gpumem.errors import BorrowEscaped, BorrowOutOfMemory, BorrowStreamMismatch, GpuMemError, InvalidArgument
 from gpumem.leases import Lease, current_stream
+from gpumem.torch_support import use_pool
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -331,7 +332,7 @@ class Borrow:
             # Blocks an earlier scope let escape are that scope's fault, not this one's.
             self._live_before = existing.live_bytes() if existing.escaped_scope else 0
             if existing.torch_pool is not None:
-                self._route = self._torch.cuda.use_mem_pool(existing.torch_pool, device=existing.device)
+                self._route = use_pool(self._torch, existing.torch_pool, existing.device)
                 self._route.__enter__()
         except BaseException:
             self.lease.release()
@@ -369,6 +370,14 @@ class Borrow:
             if segment.get("segment_type", kind) == kind
             for b in segment["blocks"]
         )
+
+    def stop_routing(self) -> None:
+        """Stop routing this thread's torch allocations into the runs; the lease stays
+        held. What is allocated from now on lands where it would outside the borrow:
+        the place to copy a borrowed result out before the scope ends."""
+        if self._route is not None:
+            self._route.__exit__(None, None, None)
+            self._route = None
 
     def release(self, error: BaseException | None = None) -> None:
         """End the borrow: stop routing, check that nothing borrowed is still alive, give

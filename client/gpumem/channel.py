@@ -134,6 +134,8 @@ class ControlChannel:
         self._send: Callable[[bytes], Any] = self._sock.send
         self._recv: Callable[[], bytes] = self._sock.recv
         self._ids = itertools.count(1)
+        # Deferred requests (a KV round's CAPTURE_DONE) by id: their reply once it came.
+        self._parked: dict[int, p.Reply | None] = {}
 
     def call(self, message: p.RequestMessage, timeout: float) -> Any:
         """One request: the typed reply body, or the typed error."""
@@ -146,6 +148,14 @@ class ControlChannel:
         ``in_flight(request_id)`` runs once the request is out, while the daemon works on
         it (what it costs hides behind the wait), and again after every slice of the wait
         that passes unanswered; it may raise to end the wait."""
+        request_id = self.send(message)
+        if in_flight is not None:
+            in_flight(request_id)
+        return request_id, self.receive(request_id, message, timeout, in_flight)
+
+    def send(self, message: p.RequestMessage, *, deferred: bool = False) -> int:
+        """Send a request; returns its id. A ``deferred`` one's reply, when it comes while
+        other requests are waited for, is kept for ``receive``."""
         request_id = next(self._ids)
         try:
             frame = p.encode_request(request_id, message)
@@ -155,10 +165,18 @@ class ControlChannel:
             self._send(frame)
         except zmq.Again:
             raise DaemonTimeout(self._timeout_message(message, _SEND_TIMEOUT_MS / 1000, "take")) from None
-        if in_flight is not None:
-            in_flight(request_id)
+        if deferred:
+            self._parked[request_id] = None
+        return request_id
+
+    def receive(
+        self, request_id: int, message: p.RequestMessage, timeout: float, in_flight: Callable[[int], None] | None = None
+    ) -> Any:
+        """The typed reply body to request ``request_id`` (``message``), or its error."""
         remaining_ms = max(int(timeout * 1000), 1)
-        while True:
+        deferred = request_id in self._parked
+        reply = self._parked.pop(request_id, None)
+        while reply is None:
             wait = remaining_ms if remaining_ms < _SLICE_MS else _SLICE_MS
             if wait != self._rcvtimeo:
                 self._sock.setsockopt(zmq.RCVTIMEO, wait)
@@ -170,20 +188,29 @@ class ControlChannel:
                 if in_flight is not None:
                     in_flight(request_id)
                 if remaining_ms <= 0:
+                    if deferred:
+                        self._parked[request_id] = None  # still deferred: a later receive may get it
                     raise DaemonTimeout(self._timeout_message(message, timeout, "answer")) from None
                 continue
             try:
-                reply = p.decode_reply(frame)
+                got = p.decode_reply(frame)
             except p.ProtocolError as exc:
                 raise error_from_protocol(exc, "reply from gpumemd refused") from None
-            if reply.request_id != request_id:
-                continue  # the late answer to an earlier call that timed out
-            if not reply.ok:
-                raise error_from_reply(reply)
-            try:
-                return request_id, p.decode_body(message.REPLY, reply.body)
-            except p.ProtocolError as exc:
-                raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
+            if got.request_id == request_id:
+                reply = got
+            elif got.request_id in self._parked:
+                self._parked[got.request_id] = got  # a deferred request's answer, while waiting for another
+            # else: the late answer to an earlier call that timed out
+        if not reply.ok:
+            raise error_from_reply(reply)
+        try:
+            return p.decode_body(message.REPLY, reply.body)
+        except p.ProtocolError as exc:
+            raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
+
+    def deferred_ids(self) -> set[int]:
+        """Deferred requests whose reply no ``receive`` took yet."""
+        return set(self._parked)
 
     def _timeout_message(self, message: p.RequestMessage, timeout: float, what: str) -> str:
         index = self.endpoints.index
@@ -334,6 +361,29 @@ class SessionChannel:
             batches = getattr(body, "fd_batches", 0)
             return body, (self._receive_fds(request_id, batches, limit) if batches else {})
 
+    def start(self, message: p.RequestMessage) -> int:
+        """Send a request whose reply the daemon defers (a KV round's CAPTURE_DONE) and
+        return its id at once: other calls go on meanwhile, and ``finish`` waits for it."""
+        with self._lock:
+            if self._sockets.fd_sock is None:
+                raise SessionClosed(f"session '{self.name}' is closed")
+            if self._stopped is not None:
+                raise DaemonStopped(self._stopped)
+            return self._control.send(message, deferred=True)
+
+    def finish(self, request_id: int, message: p.RequestMessage, timeout: float) -> tuple[Any, dict[int, int]]:
+        """The reply to a request ``start`` sent, as ``call`` returns it."""
+        with self._lock:
+            if self._sockets.fd_sock is None:
+                raise SessionClosed(f"session '{self.name}' is closed")
+            body = self._control.receive(request_id, message, timeout, self._keep_batches)
+            batches = getattr(body, "fd_batches", 0)
+            return body, (self._receive_fds(request_id, batches, timeout) if batches else {})
+
+    def _kept(self, request_id: int, keep: int) -> bool:
+        """Whether descriptors for ``request_id`` belong to a request still waited for."""
+        return request_id == keep or request_id in self._control.deferred_ids()
+
     def _poll_events(self, keep: int = 0) -> None:
         """Take pending fd-channel messages without blocking; raise if the daemon has gone.
         Notices are queued; fd batches for request ``keep`` (in flight: the daemon sends
@@ -342,7 +392,7 @@ class SessionChannel:
         sock, ready = self._sockets.fd_sock, self._sockets.fd_ready
         while sock is not None and ready is not None and self._stopped is None and ready.poll(0):
             batch, fds = self._read_event(sock)
-            if batch is not None and keep and batch.request_id == keep:
+            if batch is not None and self._kept(batch.request_id, keep):
                 self._sockets.early.append((batch, fds))
             else:
                 fdchannel.close_all(fds)
@@ -397,6 +447,8 @@ class SessionChannel:
             if kept.request_id == request_id:
                 received.update(zip(kept.chunk_ids, fds))
                 batches -= 1
+            elif self._kept(kept.request_id, 0):
+                self._sockets.early.append((kept, fds))
             else:
                 fdchannel.close_all(fds)
         sock.settimeout(timeout)
@@ -413,6 +465,8 @@ class SessionChannel:
                 if batch is not None and batch.request_id == request_id:
                     received.update(zip(batch.chunk_ids, fds))
                     batches -= 1
+                elif batch is not None and self._kept(batch.request_id, 0):
+                    self._sockets.early.append((batch, fds))
                 else:
                     fdchannel.close_all(fds)
         except BaseException:

@@ -350,6 +350,54 @@ static PyObject *slot_counters(PyObject *module, PyObject *const *args, Py_ssize
                          (unsigned long long)s.freed_bytes);
 }
 
+/* Each growing slot's Python callback, called by the grow hook with the address a
+ * request would end at; set and read with the GIL held. */
+static PyObject *g_grow_callbacks[GPUMEM_MAX_SLOTS];
+
+/* allocator.c's grow hook. torch calls the allocator from any thread, with or without
+ * the GIL: take it to run the callback, which must not raise (its errors are the
+ * caller's to keep); a truthy result means it backed more. */
+static int grow_trampoline(int slot, uint64_t end) {
+    if (slot < 0 || slot >= GPUMEM_MAX_SLOTS || !Py_IsInitialized()) return 0;
+    PyGILState_STATE state = PyGILState_Ensure();
+    int grew = 0;
+    PyObject *callback = g_grow_callbacks[slot];
+    if (callback) {
+        Py_INCREF(callback);
+        PyObject *result = PyObject_CallFunction(callback, "K", (unsigned long long)end);
+        if (result) {
+            grew = PyObject_IsTrue(result) == 1;
+            Py_DECREF(result);
+        } else {
+            PyErr_WriteUnraisable(callback);
+        }
+        Py_DECREF(callback);
+    }
+    PyGILState_Release(state);
+    return grew;
+}
+
+/* slot_set_grow(slot, callback or None) -> 0, or -1 for a slot not in use */
+static PyObject *slot_set_grow(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    int slot;
+    if (slot_args(args, nargs, 2, "slot_set_grow(slot, callback)", &slot) < 0) return NULL;
+    if (slot < 0 || slot >= GPUMEM_MAX_SLOTS) return PyLong_FromLong(-1);
+    PyObject *callback = args[1] == Py_None ? NULL : args[1];
+    if (callback && !PyCallable_Check(callback)) {
+        PyErr_SetString(PyExc_TypeError, "slot_set_grow: the callback must be callable or None");
+        return NULL;
+    }
+    int rc = gpumem_slot_set_growing(slot, callback != NULL);
+    if (rc == 0) {
+        PyObject *old = g_grow_callbacks[slot];
+        Py_XINCREF(callback);
+        g_grow_callbacks[slot] = callback;
+        Py_XDECREF(old);
+    }
+    return PyLong_FromLong(rc);
+}
+
 /* slot_rounded(slot, nbytes) -> bytes the request takes from an extent (0: slot not in use) */
 static PyObject *slot_rounded(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -461,6 +509,7 @@ static PyMethodDef native_methods[] = {
     FASTCALL(slot_stats, "A slot's counters."),
     FASTCALL(slot_counters, "A slot's failures, cursor and freed bytes (a borrow scope's entry)."),
     FASTCALL(slot_rounded, "Bytes a request takes from an extent."),
+    FASTCALL(slot_set_grow, "Offer a slot's unbacked space to a callback before a request fails (None: never)."),
     FASTCALL(cuda_event_record, "cuEventRecord in a context."),
     FASTCALL(cuda_stream_wait, "cuStreamWaitEvent in a context."),
     {NULL, NULL, 0, NULL},
@@ -553,5 +602,6 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&native_module);
     if (m && add_constants(m) < 0) Py_CLEAR(m);
+    if (m) gpumem_set_grow_hook(grow_trampoline);
     return m;
 }
