@@ -681,11 +681,11 @@ def test_the_fast_path_checks_the_same_epoch_the_daemon_writes(table: LeaseSegme
     the "never 0" rule included."""
     session = _leasing()
     table.set_epoch(lease_table.lease_epoch(pool_id, epoch))
-    lease = Lease.acquire(session, types.SimpleNamespace(id=pool_id, segment=table, epoch=epoch), LeaseKind.REPLAY, "x", 0)
+    lease = Lease.acquire(session, types.SimpleNamespace(id=pool_id, segment=table, epoch=epoch, shared=False), LeaseKind.REPLAY, "x", 0)
     assert table.peek() == word()
     lease.release()
     with pytest.raises(gpumem.StaleEpoch):
-        Lease.acquire(session, types.SimpleNamespace(id=pool_id, segment=table, epoch=epoch + 2), LeaseKind.REPLAY, "x", 0)
+        Lease.acquire(session, types.SimpleNamespace(id=pool_id, segment=table, epoch=epoch + 2, shared=False), LeaseKind.REPLAY, "x", 0)
 
 
 def test_a_lease_needs_a_pool_this_session_maps() -> None:
@@ -700,7 +700,7 @@ def test_a_held_lease_keeps_its_segment_mapped() -> None:
     the release must still find the slot mapped."""
     seg = fresh_segment(5)
     seg.set_epoch(lease_table.lease_epoch(5, 1))
-    lease = Lease.acquire(_leasing(), types.SimpleNamespace(id=5, segment=seg, epoch=1), LeaseKind.REPLAY, "x", 0)
+    lease = Lease.acquire(_leasing(), types.SimpleNamespace(id=5, segment=seg, epoch=1, shared=False), LeaseKind.REPLAY, "x", 0)
     del seg
     assert mappings_of(5) == 1
     lease.release()

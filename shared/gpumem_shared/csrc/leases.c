@@ -223,4 +223,8 @@ void gpumem_lease_forget_handoff(lease_slot *slot, uint32_t session) {
 
 uint64_t gpumem_lease_peek(lease_slot *slot) { return __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE); }
 
+/* The session whose event a taker told LEASE_OK_ORDER waits on (0: none, or forgotten
+ * since: the releaser ended, and its queued work went with its context). */
+uint32_t gpumem_lease_handoff(lease_slot *slot) { return __atomic_load_n(&slot->handoff, __ATOMIC_ACQUIRE); }
+
 void gpumem_lease_set_epoch(lease_slot *slot, uint32_t epoch) { __atomic_store_n(&slot->epoch, epoch, __ATOMIC_RELEASE); }

@@ -192,16 +192,18 @@ class CudaDriver(Driver):
         self._event_call("cuIpcOpenEventHandle", lib.cuIpcOpenEventHandle, ctypes.byref(event), raw)
         return event
 
-    # On every handoff: one native call each, context check included.
-    def event_record(self, event: Any, stream: int) -> None:
-        rc = _native.cuda_event_record(self._ctx_handle, event.value, stream)
-        if rc:
-            raise DriverError(f"cuEventRecord failed: {self._result_name(rc)}")
-
+    # The first wait on a releaser's event, once looked up; later waits, and every
+    # record, are the native lease calls' (native_context, native_event).
     def stream_wait(self, event: Any, stream: int) -> None:
         rc = _native.cuda_stream_wait(self._ctx_handle, event.value, stream)
         if rc:
             raise DriverError(f"cuStreamWaitEvent failed: {self._result_name(rc)}")
+
+    def native_context(self) -> int:
+        return self._ctx_handle
+
+    def native_event(self, event: Any) -> int:
+        return int(event.value)
 
     def _result_name(self, rc: int) -> str:
         return "libcuda could not be loaded" if rc < 0 else _error_name(self._cu, self._cu.CUresult(rc))

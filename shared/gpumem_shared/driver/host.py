@@ -80,11 +80,14 @@ class HostDriver(Driver):
             raise DriverError(f"not a host-backend event handle: {handle[:16]!r}")
         return handle
 
-    def event_record(self, event: Any, stream: int) -> None:
-        pass
-
     def stream_wait(self, event: Any, stream: int) -> None:
         pass
+
+    def native_context(self) -> int:
+        return 0
+
+    def native_event(self, event: Any) -> int:
+        return 0
 
     def event_destroy(self, event: Any) -> None:
         pass
