@@ -26,7 +26,9 @@
 
 4. The floor under (3), in the same run: bench/futex_floor.c (compiled here with ``cc``),
    two C processes taking turns on a shared futex word with the same 1 ms hold, no
-   Python and no CUDA. The handoff's target is a ratio to its p50.
+   Python and no CUDA. The handoff's target is a ratio to its p50. Then the same C turns
+   with the clients' 300 us pause after each release (``futex_floor_paused``): the pause
+   alone moves the wake-up, so that ratio is reported beside it (a figure, no target).
 
 The pools are synthetic registrations in a committed arena (no GPU work is involved in
 a lease); on the host backend events are no-ops but the same code path runs, so the
@@ -64,15 +66,21 @@ CLIENTS = ("turn-a", "turn-b")
 FUTEX_FLOOR = Path(__file__).resolve().parent / "futex_floor.c"
 
 
-def futex_floor() -> tuple[float, float, int]:
-    """bench/futex_floor.c built and run here: (p50 us, p99 us, handoffs)."""
+# What a handoff client sleeps after each release, so that the waiter, not the releaser,
+# takes the lease next; bench/futex_floor.c takes it as an argument.
+PAUSE_S = 0.0003
+
+
+def futex_floor(pause_us: int = 0) -> tuple[float, float, int]:
+    """bench/futex_floor.c built and run here, with ``pause_us`` after each release:
+    (p50 us, p99 us, handoffs)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH: the handoff's baseline is bench/futex_floor.c, built here")
     with tempfile.TemporaryDirectory(prefix="gmb-futex-") as tmp:
         binary = Path(tmp) / "futex_floor"
         subprocess.run([compiler, "-O2", "-o", str(binary), str(FUTEX_FLOOR)], check=True, capture_output=True, timeout=60)
-        out = subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run([str(binary), str(pause_us)], check=True, capture_output=True, text=True, timeout=60).stdout
     found = re.search(r"p50 ([0-9.]+) us, p99 ([0-9.]+) us over ([0-9]+)", out)
     if found is None:
         raise RuntimeError(f"bench/futex_floor.c printed {out!r}, not its p50 / p99 line")
@@ -97,7 +105,7 @@ def handoff_client(name: str, rounds: int) -> int:
         released = time.monotonic_ns()
         lease.release()
         events.append((acquired, released))
-        time.sleep(0.0003)  # the other side, asleep on the futex, takes it now
+        time.sleep(PAUSE_S)  # the other side, asleep on the futex, takes it now
     waits = session.leasing.handoff_waits
     # The same turns through the bare native calls on the same slot (no Lease object):
     # without events, what Python itself adds to the C floor; with them, what the event
@@ -130,7 +138,7 @@ def handoff_client(name: str, rounds: int) -> int:
             else:
                 _native.lease_release_recorded(address, word)
             (native if ordered else bare).append((acquired, released))
-            time.sleep(0.0003)
+            time.sleep(PAUSE_S)
     stream_waits = []
     for event in list(peers.values())[:1] if context else []:
         for _ in range(2000):
@@ -303,6 +311,12 @@ def main() -> int:
             f"C futex handoff (bench/futex_floor.c, same 1 ms hold): p50 {floor_p50:.1f} us, p99 {floor_p99:.1f} us over "
             f"{floor_n}: the lease handoff is {handoff_ratio:.2f}x its p50"
         )
+        paused_p50, paused_p99, _ = futex_floor(round(PAUSE_S * 1e6))
+        paused_ratio = c.ratio(handoff_p50, paused_p50)
+        c.say(
+            f"the same C turns with the clients' {PAUSE_S * 1e6:.0f} us pause after each release: p50 {paused_p50:.1f} us, "
+            f"p99 {paused_p99:.1f} us: the lease handoff is {paused_ratio:.2f}x its p50"
+        )
         c.say(
             f"the clients waited on the releaser's IPC event {handoff_waits} times "
             f"({'at every handoff' if handoff_waits >= len(handoffs) else 'FEWER than the handoffs: the event path did not run'})"
@@ -326,6 +340,9 @@ def main() -> int:
             "futex_floor_p50_us": floor_p50,
             "futex_floor_p99_us": floor_p99,
             "handoff_ratio_p50": handoff_ratio,
+            "futex_floor_paused_p50_us": paused_p50,
+            "futex_floor_paused_p99_us": paused_p99,
+            "handoff_ratio_paused_p50": paused_ratio,
             "handoffs": len(handoffs),
             "handoff_waits": handoff_waits,
         }
