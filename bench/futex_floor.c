@@ -6,8 +6,8 @@
  * An argument, in microseconds, is a pause after each release before the releaser waits
  * for its next turn: the turns of bench/lease.py's Python clients, which sleep 300 us
  * after each release (without strict turns, a releaser would take the lease back before
- * the woken waiter runs). The pause alone moves the wake-up (10 us against 5 on the
- * 2-core VM), so the floor under that figure is taken with it.
+ * the woken waiter runs). The pause alone can move the wake-up: on the 2-core VM it
+ * doubles it (10 us against 5), on the H200 machine it did not (22.5 against 26.3).
  *
  *     gcc -O2 -o /tmp/futex_floor bench/futex_floor.c && /tmp/futex_floor [PAUSE_US]
  */

@@ -28,7 +28,8 @@
    two C processes taking turns on a shared futex word with the same 1 ms hold, no
    Python and no CUDA. The handoff's target is a ratio to its p50. Then the same C turns
    with the clients' 300 us pause after each release (``futex_floor_paused``): the pause
-   alone moves the wake-up, so that ratio is reported beside it (a figure, no target).
+   alone can move the wake-up (by machine), so that ratio is reported beside it (a
+   figure, no target).
 
 The pools are synthetic registrations in a committed arena (no GPU work is involved in
 a lease); on the host backend events are no-ops but the same code path runs, so the
