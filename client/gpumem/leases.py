@@ -16,9 +16,10 @@ On a shared pool (one other processes open), a lease also orders GPU work: every
 records the holder's IPC event on its stream, and a holder from another session makes its
 stream wait on that event before it touches the pool, each in the same native call as the
 compare-and-swap. The first release publishes the event's handle to the daemon and the
-first wait on a peer looks it up: one round trip each, once. A private pool records nothing. Within one session nothing is waited on:
-work on one stream is ordered by the stream, and replaying on one stream while borrowing
-on another is the caller's to order (a borrow takes ``stream=``).
+first wait on a peer looks it up: one round trip each, once. A private pool records
+nothing. Within one session nothing is waited on: work on one stream is ordered by the
+stream, and replaying on one stream while borrowing on another is the caller's to order
+(a borrow takes ``stream=``).
 """
 
 from __future__ import annotations
