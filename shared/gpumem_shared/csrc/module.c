@@ -485,8 +485,9 @@ static PyObject *cuda_stream_wait(PyObject *module, PyObject *const *args, Py_ss
  * the slot; a take told LEASE_OK_ORDER makes the taker's stream wait on the releaser's
  * event before it returns. Each takes the session's device context (0: a backend whose
  * work is synchronous, where no driver call is made) and the lease's stream. A driver
- * failure leaves the lease not held, as the Python calls did, and raises the driver
- * layer's DriverError with the same message. */
+ * failure leaves the lease not held (a release frees the slot without naming itself, so
+ * nobody waits on an event that marks nothing) and raises the driver layer's DriverError,
+ * worded as the driver's own calls word it. */
 
 typedef struct {
     void *ctx;
