@@ -14,13 +14,18 @@ examples/eagle_borrow.py (its decode graphs captured into a registered arena poo
 2. Allocation: ``torch.empty(1 MiB)`` + free, cached blocks, inside one borrow scope
    against torch's default allocator outside it; rounds alternate, and each sample
    times ``--ops`` cycles. The figure is the ratio of the p50 per operation.
-3. Scope: entering and leaving an empty ``with session.borrow(pool, user=...)``,
-   timed one by one (p50, no target).
+3. Scope: entering and leaving an empty ``with session.borrow(pool, user=...)`` (the
+   borrow lease taken and given back, the escape check at exit), timed one by one,
+   against an upstream-style in-process scope measured in the same run, in alternating
+   rounds: a ``contextlib.contextmanager`` that sets a slot (a tag on a Python object)
+   and routes this thread's allocations to a ``torch.cuda.MemPool`` of the same
+   pluggable allocator, the way an engine's own sleep-mode or tagging allocator does.
 
     python bench/eagle_borrow.py --backend cuda
 
 Last line: {"bench": "eagle_borrow", ...}; ok means the allocation p50 ratio <= 1.1,
-the reserved drop >= 0.95 of the bytes borrowed, and identical accepted tokens.
+the empty scope's p50 <= 1.5x the upstream-style scope's, the reserved drop >= 0.95 of
+the bytes borrowed, and identical accepted tokens.
 """
 
 from __future__ import annotations
@@ -63,12 +68,17 @@ def main() -> int:
     parser.add_argument("--ops", type=int, default=50, help="allocate+free cycles per timed sample")
     parser.add_argument("--samples", type=int, default=400, help="timed samples per round and allocator")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--scopes", type=int, default=20000, help="empty borrow scopes timed")
+    parser.add_argument("--scopes", type=int, default=20000, help="empty scopes timed, of each kind")
     args = parser.parse_args()
     c.ensure_importable()
 
     def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
-        result.targets = {"empty_ratio_p50_max": 1.1, "reserved_drop_fraction_min": 0.95, "tokens_identical": True}
+        result.targets = {
+            "empty_ratio_p50_max": 1.1,
+            "scope_ratio_p50_max": 1.5,
+            "reserved_drop_fraction_min": 0.95,
+            "tokens_identical": True,
+        }
         if args.backend != "cuda":
             raise RuntimeError(
                 "borrowing into torch tensors needs the CUDA backend (torch MemPools over a graph pool's free runs); "
@@ -138,19 +148,59 @@ def main() -> int:
             f"{p50_default:.3f} us per op (ratio {ratio:.3f}; {args.rounds} rounds x {args.samples} samples x {args.ops} ops)"
         )
 
-        # 3. The scope itself: enter + exit of an empty borrow.
+        # 3. The scope itself: enter + exit of an empty borrow, against an upstream-style
+        #    in-process scope (a slot set and a MemPool routed), rounds alternating.
+        from gpumem.allocator import library_path
+
+        upstream_allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            library_path(), b.borrow_pool.slot.alloc_symbol, b.borrow_pool.slot.free_symbol
+        )
+        upstream_pool = torch.cuda.MemPool(upstream_allocator.allocator())
+
+        class Tags:
+            current: str | None = None
+
+        tags = Tags()
+
+        @contextlib.contextmanager
+        def upstream_scope(tag: str) -> Any:
+            before, tags.current = tags.current, tag
+            try:
+                with torch.cuda.use_mem_pool(upstream_pool, device=device):
+                    yield
+            finally:
+                tags.current = before
+
         for _ in range(200):
             with session.borrow(pool, user=user):
                 pass
-        scopes = []
-        for _ in range(args.scopes):
-            t0 = clock()
-            with session.borrow(pool, user=user):
+            with upstream_scope(user):
                 pass
-            scopes.append(clock() - t0)
+        scopes: list[int] = []
+        upstream: list[int] = []
+        per_round = max(1, args.scopes // args.rounds)
+        for index in range(2 * args.rounds):
+            if index % 2 == 0:
+                for _ in range(per_round):
+                    t0 = clock()
+                    with session.borrow(pool, user=user):
+                        pass
+                    scopes.append(clock() - t0)
+            else:
+                for _ in range(per_round):
+                    t0 = clock()
+                    with upstream_scope(user):
+                        pass
+                    upstream.append(clock() - t0)
         scope_p50 = c.median(scopes) / 1e3
         scope_p99 = c.percentile(scopes, 99) / 1e3
-        c.say(f"empty borrow scope (enter + exit): p50 {scope_p50:.2f} us, p99 {scope_p99:.2f} us over {args.scopes}")
+        upstream_p50 = c.median(upstream) / 1e3
+        scope_ratio = c.ratio(scope_p50, upstream_p50)
+        c.say(
+            f"empty borrow scope (enter + exit): p50 {scope_p50:.2f} us, p99 {scope_p99:.2f} us; upstream-style scope "
+            f"(slot set + MemPool routed) p50 {upstream_p50:.2f} us, p99 {c.percentile(upstream, 99) / 1e3:.2f} us: "
+            f"ratio {scope_ratio:.2f} ({len(scopes)} each, {args.rounds} rounds alternating)"
+        )
 
         plain, borrowed = eagle_figures["plain"], eagle_figures["borrow"]
         result.figures = {
@@ -159,6 +209,9 @@ def main() -> int:
             "empty_ratio_p50": ratio,
             "scope_p50_us": scope_p50,
             "scope_p99_us": scope_p99,
+            "upstream_scope_p50_us": upstream_p50,
+            "upstream_scope_p99_us": c.percentile(upstream, 99) / 1e3,
+            "scope_ratio_p50": scope_ratio,
             "reserved_drop_fraction": eagle_figures["reserved_drop_fraction"],
             "device_used_drop_fraction": eagle_figures["device_used_drop_fraction"],
             "reserved_drop_bytes": eagle_figures["reserved_drop_bytes"],
@@ -182,7 +235,12 @@ def main() -> int:
             "vocab": eagle_figures["vocab"],
             "size_bytes": n_bytes,
         }
-        result.ok = ratio <= 1.1 and eagle_figures["reserved_drop_fraction"] >= 0.95 and eagle_figures["tokens_identical"]
+        result.ok = (
+            ratio <= 1.1
+            and scope_ratio <= 1.5
+            and eagle_figures["reserved_drop_fraction"] >= 0.95
+            and eagle_figures["tokens_identical"]
+        )
 
     return c.run(BENCH, args.backend, body)
 

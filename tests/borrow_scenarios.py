@@ -487,6 +487,22 @@ def _reads(session: gpumem.Session, region: Any, value: int) -> bool:
     return ctypes.string_at(region.address, region.nbytes) == bytes([value]) * region.nbytes
 
 
+# Each round: the owner's slow write handed to the peer's borrow, the peer's handed back to
+# the owner's replay. In the first, each side publishes its event and looks the other's up
+# (its first wait is the driver's call); in the second, both are known, and the native
+# lease calls alone record and wait.
+HANDOFF_ROUNDS = ((0xAB, 0xCD), (0xEF, 0x12))
+
+
+def _native_calls_only(session: gpumem.Session) -> None:
+    """From here on, a handoff that reached the driver's own wait fails loudly."""
+
+    def refused(event: Any, stream: int) -> None:
+        raise AssertionError("the stream wait went through the driver's call, not the lease's native call")
+
+    session.driver.stream_wait = refused  # type: ignore[method-assign]
+
+
 def handoff_orders_gpu_work() -> None:
     with gpumem.connect(0, name=OWNER) as s:
         w = workload(s, shared=True)
@@ -495,18 +511,21 @@ def handoff_orders_gpu_work() -> None:
         region = _region(s, w.pool, 4 * MiB)
         other = Peer(["handoff_peer", str(w.pool.id)])
         other.expect("READY")
-        lease = s.replay(w.pool, label="slow writer")
-        other.send("borrow")  # it waits on the slot's futex
-        time.sleep(0.3)
-        _slow_fill(s, region, 0xAB)
-        lease.release()  # no synchronize: the event carries the order
-        other.expect("SAW AB")
-        other.send("give back")
-        # the other way round: the borrower's queued write is ordered before our replay
-        time.sleep(0.3)
-        with s.replay(w.pool, wait=10.0, label="reader"):
-            assert _reads(s, region, 0xCD), "the replay lease came before the borrower's queued write finished"
-        assert s.leasing.handoff_waits == 1, f"one wait on the borrower's event expected, saw {s.leasing.handoff_waits}"
+        for number, (ours, theirs) in enumerate(HANDOFF_ROUNDS, start=1):
+            if number == 2:
+                _native_calls_only(s)
+            lease = s.replay(w.pool, label="slow writer")
+            other.send("borrow")  # it waits on the slot's futex
+            time.sleep(0.3)
+            _slow_fill(s, region, ours)
+            lease.release()  # no synchronize: the event carries the order
+            other.expect(f"SAW {ours:02X}")
+            other.send("give back")
+            # the other way round: the borrower's queued write is ordered before our replay
+            time.sleep(0.3)
+            with s.replay(w.pool, wait=10.0, label="reader"):
+                assert _reads(s, region, theirs), f"round {number}: the replay lease came before the borrower's queued write finished"
+            assert s.leasing.handoff_waits == number, f"one wait on the borrower's event a round expected, saw {s.leasing.handoff_waits}"
         other.send("done")  # only now: the daemon forgets a finished client's event
         other.finish("handoff_peer")
         # one process alone: stream order, no waits
@@ -514,7 +533,7 @@ def handoff_orders_gpu_work() -> None:
             pass
         with s.replay(w.pool):
             pass
-        assert s.leasing.handoff_waits == 1
+        assert s.leasing.handoff_waits == len(HANDOFF_ROUNDS)
     print("PASS handoff_orders_gpu_work")
 
 
@@ -525,14 +544,17 @@ def handoff_peer(pool_id: str) -> None:
         assert pool.shared and pool.owner == OWNER
         region = _region(s, pool, 4 * MiB)
         print("READY", flush=True)
-        assert sys.stdin.readline().strip() == "borrow"
-        lease = gpumem.Lease.acquire(s.leasing, pool, LeaseKind.BORROW, "handoff", 10.0)
-        assert s.leasing.handoff_waits == 1, "taking the lease from another process must wait on its event"
-        assert _reads(s, region, 0xAB), "the borrow lease came before the owner's queued write finished"
-        print("SAW AB", flush=True)
-        assert sys.stdin.readline().strip() == "give back"
-        _slow_fill(s, region, 0xCD)
-        lease.release()
+        for number, (theirs, ours) in enumerate(HANDOFF_ROUNDS, start=1):
+            if number == 2:
+                _native_calls_only(s)
+            assert sys.stdin.readline().strip() == "borrow"
+            lease = gpumem.Lease.acquire(s.leasing, pool, LeaseKind.BORROW, "handoff", 10.0)
+            assert s.leasing.handoff_waits == number, "taking the lease from another process must wait on its event"
+            assert _reads(s, region, theirs), f"round {number}: the borrow lease came before the owner's queued write finished"
+            print(f"SAW {theirs:02X}", flush=True)
+            assert sys.stdin.readline().strip() == "give back"
+            _slow_fill(s, region, ours)
+            lease.release()
         assert sys.stdin.readline().strip() == "done"
     print("PASS handoff_peer")
 

@@ -37,16 +37,21 @@ from gpumem.errors import (
     VaCollision,
 )
 from gpumem.borrow import Borrow, memory_reserved
+from gpumem.elastic import ArenaUsage
+from gpumem.engine import EngineMemory
+from gpumem.leased_graph import LeasedGraph, leased_graphs
+from gpumem.paged_kv import PagedKvCache
 from gpumem.graph_pools import GraphPool
 from gpumem.leases import Lease
 from gpumem.views import RawView
-from gpumem.kv_pool import KvBuffer, KvPool
+from gpumem.kv_pool import KvBuffer, KvPool, RoundWait
 from gpumem.session import Session, connect
 from gpumem_shared import __version__
 
 __all__ = [
     "AlreadyExists",
     "Arena",
+    "ArenaUsage",
     "ArenaOutOfMemory",
     "Borrow",
     "BorrowEscaped",
@@ -56,20 +61,24 @@ __all__ = [
     "SessionLost",
     "DaemonTimeout",
     "DaemonUnavailable",
+    "EngineMemory",
     "GpuMemError",
     "GraphPool",
     "InvalidArgument",
     "KvBuffer",
     "Lease",
+    "LeasedGraph",
     "LeaseConflict",
     "LeaseNotHeld",
     "KvPool",
     "MappingError",
     "NotFound",
     "OutOfMemory",
+    "PagedKvCache",
     "PermissionDenied",
     "ProtocolMismatch",
     "RoundFailed",
+    "RoundWait",
     "Session",
     "SessionClosed",
     "SocketPermissionDenied",
@@ -79,5 +88,6 @@ __all__ = [
     "VaCollision",
     "__version__",
     "connect",
+    "leased_graphs",
     "memory_reserved",
 ]

@@ -25,6 +25,7 @@ from gpumem.errors import InvalidArgument, MappingError, SessionClosed
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
+    from gpumem.elastic import ArenaAllocator, ArenaUsage
     from gpumem.graph_pools import GraphPool
     from gpumem.session import Session
     from gpumem.torch_support import ArenaPool
@@ -83,6 +84,7 @@ class Arena:
         self._placeholder_fds: dict[int, int] = {}  # slot size -> fd, kept to map again
         self._placeholder_ids: list[int] = []  # the daemon's ids of those chunks
         self._released = False
+        self._allocator: ArenaAllocator | None = None
         self._torch: ArenaPool | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -181,8 +183,8 @@ class Arena:
             self._aliases[offset] = granule
 
     def _backing_changed(self) -> None:
-        if self._torch is not None:
-            self._torch.update_backing()
+        if self._allocator is not None:
+            self._allocator.update_backing()
 
     # ------------------------------------------------------------------ API
 
@@ -279,6 +281,8 @@ class Arena:
             bp.close()
         if self._torch is not None:
             self._torch.retire()
+        if self._allocator is not None:
+            self._allocator.retire(keep_slot=self._torch is not None)
         driver = self.session.driver
         driver.unmap_many(self.address, [(c.offset, c.size) for c in self._chunks.values()] + list(self._aliases.items()))
         self._aliases.clear()
@@ -351,6 +355,42 @@ class Arena:
             return RawView(self.address + offset, nbytes, "cuda", self.session.device_ordinal or 0, owner=self)
         return RawView(self.address + offset, nbytes, "cpu", owner=self)
 
+    # ------------------------------------------------------------------ allocation
+
+    def allocator(self) -> ArenaAllocator:
+        """The arena's native allocator slot (gpumem.elastic): torch's pool allocates
+        through it; on the host backend, callers use its slot directly."""
+        self._check_open()
+        if self._allocator is None:
+            from gpumem.elastic import ArenaAllocator
+
+            self._allocator = ArenaAllocator(self, self.session.device_ordinal or 0)
+        return self._allocator
+
+    def set_elastic(self, step: int | None = None, cap: int | None = None) -> Arena:
+        """Commit on demand: when the allocator meets unbacked space, commit up to the
+        request's end rounded up to ``step`` bytes (256 MiB by default), never past
+        ``cap`` (default: the whole reservation). Owner only. Returns the arena."""
+        from gpumem.elastic import DEFAULT_STEP
+
+        if not self.is_owner:
+            raise InvalidArgument(f"arena '{self.name}' belongs to '{self.owner_name}': only its owner commits to it")
+        self.allocator().set_elastic(DEFAULT_STEP if step is None else step, cap)
+        return self
+
+    def usage(self) -> ArenaUsage:
+        """Committed, in use, peak (the allocator's high-water mark), free, cap."""
+        return self.allocator().usage()
+
+    def trim(self) -> int:
+        """Give back the whole chunks that lie above the allocator's peak; returns the
+        bytes given back. Tensors and torch's cached blocks all lie below the peak."""
+        before = self.committed
+        target = self.allocator().trim_target()
+        if target >= before:
+            return 0
+        return before - self.decommit(target)
+
     # ------------------------------------------------------------------ torch
 
     @property
@@ -374,6 +414,16 @@ class Arena:
         virtual-only tensors that nothing may touch before their memory is committed.
         Running out of space raises ``gpumem.ArenaOutOfMemory`` naming the arena."""
         with self.torch_pool().routing(virtual=virtual) as pool:
+            yield pool
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[ArenaPool]:
+        """Within this block, this thread's CUDA-graph captures that name no pool
+        (``torch.cuda.graph(g)``) capture into this arena's pool. See
+        gpumem.capture_routing."""
+        from gpumem.capture_routing import capturing
+
+        with capturing(self) as pool:
             yield pool
 
     def register_graph_pool(

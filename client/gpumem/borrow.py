@@ -21,7 +21,11 @@ that stream's work.
 
 At scope exit, a borrowed tensor still alive is an error naming the scope, and the
 pool's lease slot is marked: every replay and capture, in any process, is refused until the
-tensor is freed and this process notices (at its next lease on the pool) or exits.
+tensor is freed and this process notices (at its next lease on the pool) or exits. The
+check asks torch whether the pool holds any allocated block (a pass over the device's
+allocated blocks in C++, no Python object per block) and the raw views' table; only an
+escape, or a scope that starts beside earlier escaped blocks, counts the bytes from
+torch's snapshot of the pool.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared.lease_table import LeaseKind
-from gpumem.allocator import FAIL_STREAM, MAX_EXTENTS, Slot, SlotStats
+from gpumem.allocator import FAIL_STREAM, MAX_EXTENTS, Slot
 from gpumem.errors import BorrowEscaped, BorrowOutOfMemory, BorrowStreamMismatch, GpuMemError, InvalidArgument
 from gpumem.leases import Lease, current_stream
+from gpumem.torch_support import use_pool
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -99,6 +104,11 @@ class BorrowPool:
         self.slot = Slot(device=self.device, alignment=ALIGNMENT)
         self.slot.bind_stream(stream)
         self.runs_key: tuple[int, tuple[tuple[int, int], ...]] | None = None
+        # The pool's epoch and free-run list when runs_key was taken: while both are the
+        # same objects, the key is too (the daemon bumps the epoch on every change of
+        # the runs, and a refresh replaces the list), so a scope's entry skips rebuilding it.
+        self.seen_epoch = -1
+        self.seen_runs: object = None
         self.capacity = 0
         self.torch_pool: Any = None
         self.raw_live: dict[int, int] = {}
@@ -108,25 +118,33 @@ class BorrowPool:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def ensure(self, pool: GraphPool, use_torch: bool) -> SlotStats:
+    def ensure(self, pool: GraphPool, use_torch: bool) -> int:
         """Ready to serve from ``pool``'s current runs: rebuild when they changed, when
         torch gave segments back, or when the cursor passed half of them. Returns the
-        slot's counters as the scope starts."""
+        slot's failure count as the scope starts."""
+        ready = self.runs_key is not None and (self.torch_pool is not None or not use_torch)
+        if ready and self.seen_runs is pool.free_runs and self.seen_epoch == pool.epoch:
+            # The steady step: the same runs, nothing given back, room left.
+            failures, cursor, freed = self.slot.counters()
+            if not freed and cursor <= self.capacity // 2:
+                return failures
         key = (pool.epoch, tuple((r.offset, r.size) for r in pool.free_runs[:MAX_EXTENTS]))
-        if self.runs_key is not None and (self.torch_pool is not None or not use_torch):
-            stats = self.slot.stats()
-            if key == self.runs_key and not stats.freed_bytes and stats.cursor_bytes <= self.capacity // 2:
-                return stats
+        if ready:
+            failures, cursor, freed = self.slot.counters()
+            if key == self.runs_key and not freed and cursor <= self.capacity // 2:
+                self.seen_epoch, self.seen_runs = pool.epoch, pool.free_runs
+                return failures
             live = self.live_bytes()
             if live:
                 if key == self.runs_key:
-                    return stats  # blocks are live: keep serving around them, rebuild once they are gone
+                    return failures  # blocks are live: keep serving around them, rebuild once they are gone
                 raise BorrowEscaped(
                     f"graph pool {pool.id} ('{pool.label}') has new free runs (epoch {pool.epoch}), but {live} bytes "
                     f"borrowed from its old runs in scope '{self.escaped_scope or '?'}' are still alive: free them first"
                 )
         self._build(pool, key, use_torch)
-        return self.slot.stats()
+        self.seen_epoch, self.seen_runs = pool.epoch, pool.free_runs
+        return self.slot.counters()[0]
 
     def _build(self, pool: GraphPool, key: tuple[int, tuple[tuple[int, int], ...]], use_torch: bool) -> None:
         base = pool.arena.address
@@ -151,6 +169,7 @@ class BorrowPool:
         self.torch_pool = None
         self.slot.set_extents([])
         self.runs_key = None
+        self.seen_runs = None
         self.capacity = 0
 
     def close(self) -> None:
@@ -158,6 +177,12 @@ class BorrowPool:
         self.slot.release()
 
     # ------------------------------------------------------------------ accounting
+
+    def holds_nothing(self) -> bool:
+        """No borrowed block is alive (the scope-exit check; ``live_bytes`` counts them)."""
+        if self.raw_live:
+            return False
+        return self.torch_pool is None or _pool_is_empty(self.device, self.torch_pool)
 
     def live_bytes(self) -> int:
         """Bytes of borrowed blocks still in use: raw views, and torch tensors in the pool."""
@@ -203,6 +228,18 @@ def memory_reserved(device: int | None = None) -> int:
     return int(torch.cuda.memory_reserved(device)) - aliases
 
 
+def _pool_is_empty(device: int, pool: Any) -> bool:
+    """Whether torch's MemPool ``pool`` holds no allocated block. torch's check of a
+    pool's live allocations against an expected set (the one its CUDA-graph trees use),
+    with none expected; a torch without it counts the snapshot's bytes instead."""
+    import torch
+
+    check = getattr(torch._C, "_cuda_checkPoolLiveAllocations", None)
+    if check is None:
+        return not any(segment["allocated_size"] for segment in _pool_segments(pool))
+    return bool(check(device, pool.id, set()))
+
+
 def _pool_segments(pool: Any) -> list[dict[str, Any]]:
     import torch
 
@@ -224,16 +261,23 @@ def _new_torch_pool(bp: BorrowPool) -> Any:
     return pool
 
 
+# torch with CUDA available, once looked up (None: not installed, or no CUDA).
+_TORCH_CUDA: list[Any] = []
+
+
 def _torch_for(session: Session) -> Any:
     """torch, where this borrow can route its allocations (the CUDA backend, torch with
     CUDA installed); None leaves raw ``allocate`` only."""
     if session.backend != "cuda":
         return None
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
+    if not _TORCH_CUDA:
+        try:
+            import torch
+        except ImportError:
+            return None
+        # Whether CUDA is available cannot change in a process once it is known.
+        _TORCH_CUDA.append(torch if torch.cuda.is_available() else None)
+    return _TORCH_CUDA[0]
 
 
 def _warm_cublas(torch: Any, device: int, stream: int) -> None:
@@ -284,11 +328,11 @@ class Borrow:
             if existing is None:
                 existing = session.borrow_pools[pool.id] = BorrowPool(session, pool, self.stream)
             self.borrow_pool = existing
-            self._failures_before = existing.ensure(pool, self._torch is not None).failures
+            self._failures_before = existing.ensure(pool, self._torch is not None)
             # Blocks an earlier scope let escape are that scope's fault, not this one's.
             self._live_before = existing.live_bytes() if existing.escaped_scope else 0
             if existing.torch_pool is not None:
-                self._route = self._torch.cuda.use_mem_pool(existing.torch_pool, device=existing.device)
+                self._route = use_pool(self._torch, existing.torch_pool, existing.device)
                 self._route.__enter__()
         except BaseException:
             self.lease.release()
@@ -327,6 +371,14 @@ class Borrow:
             for b in segment["blocks"]
         )
 
+    def stop_routing(self) -> None:
+        """Stop routing this thread's torch allocations into the runs; the lease stays
+        held. What is allocated from now on lands where it would outside the borrow:
+        the place to copy a borrowed result out before the scope ends."""
+        if self._route is not None:
+            self._route.__exit__(None, None, None)
+            self._route = None
+
     def release(self, error: BaseException | None = None) -> None:
         """End the borrow: stop routing, check that nothing borrowed is still alive, give
         the lease back. Raises BorrowEscaped (after giving it back) if something is."""
@@ -338,7 +390,7 @@ class Borrow:
             if self._route is not None:
                 self._route.__exit__(None, None, None)
                 self._route = None
-            live = bp.live_bytes() - self._live_before
+            live = 0 if not self._live_before and bp.holds_nothing() else bp.live_bytes() - self._live_before
             if live > 0 and self.pool.id not in self.session.leasing.escapes:
                 # Marked while the lease is still ours: no replay can slip in between.
                 self.session.leasing.report_escape(self.pool, bp, self.user)

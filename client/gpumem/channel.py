@@ -126,9 +126,7 @@ def check_access(path: Path) -> None:
 class ControlChannel:
     """A DEALER on the daemon's control socket; ``routing_id`` binds it to a session."""
 
-    def __init__(self, endpoints: Endpoints, routing_id: bytes | None = None, ids: Iterator[int] | None = None) -> None:
-        """``ids``: the request ids to go on with (a session's, across a daemon restart:
-        a resent request keeps its id, and no later one reuses it)."""
+    def __init__(self, endpoints: Endpoints, routing_id: bytes | None = None) -> None:
         self.endpoints = endpoints
         check_access(endpoints.zmq_path)
         self._sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
@@ -143,7 +141,13 @@ class ControlChannel:
         self._sock.connect(endpoints.zmq_url)
         self._send: Callable[[bytes], Any] = self._sock.send
         self._recv: Callable[[], bytes] = self._sock.recv
-        self.ids = itertools.count(1) if ids is None else ids
+        # A session's request ids go on across a daemon restart (take_over): a resent
+        # request keeps its id, and no later one reuses it.
+        self.ids: Iterator[int] = itertools.count(1)
+        # Deferred requests (a KV round's CAPTURE_DONE) by id: their reply once it came,
+        # and their frame, sent again under its id after a daemon restart.
+        self._parked: dict[int, p.Reply | None] = {}
+        self._deferred_frames: dict[int, bytes] = {}
 
     def call(self, message: p.RequestMessage, timeout: float) -> Any:
         """One request: the typed reply body, or the typed error."""
@@ -157,6 +161,15 @@ class ControlChannel:
         it (what it costs hides behind the wait), and again after every slice of the wait
         that passes unanswered; it may raise to end the wait. ``request_id``: the id of a
         request sent again (0: the next one)."""
+        request_id = self.send(message, request_id=request_id)
+        if in_flight is not None:
+            in_flight(request_id)
+        return request_id, self.receive(request_id, message, timeout, in_flight)
+
+    def send(self, message: p.RequestMessage, *, deferred: bool = False, request_id: int = 0) -> int:
+        """Send a request (``request_id``: one sent again; 0: the next id); returns its id.
+        A ``deferred`` one's reply, when it comes while other requests are waited for, is
+        kept for ``receive``."""
         request_id = request_id or next(self.ids)
         try:
             frame = p.encode_request(request_id, message)
@@ -166,10 +179,48 @@ class ControlChannel:
             self._send(frame)
         except zmq.Again:
             raise DaemonTimeout(self._timeout_message(message, _SEND_TIMEOUT_MS / 1000, "take")) from None
-        if in_flight is not None:
-            in_flight(request_id)
+        if deferred:
+            self._parked[request_id] = None
+            self._deferred_frames[request_id] = frame
+        return request_id
+
+    def take_over(self, old: ControlChannel) -> None:
+        """Go on from ``old`` (a session's DEALER before the daemon restarted): its ids, and
+        its deferred requests, those still unanswered sent again under their ids."""
+        self.ids, self._parked, self._deferred_frames = old.ids, old._parked, old._deferred_frames
+        for request_id, reply in self._parked.items():
+            if reply is None:
+                try:
+                    self._send(self._deferred_frames[request_id])
+                except zmq.Again:
+                    raise DaemonTimeout(f"gpumemd for device {self.endpoints.index} took no request for {_SEND_TIMEOUT_MS / 1000:g}s after a restart") from None
+
+    def receive(
+        self, request_id: int, message: p.RequestMessage, timeout: float, in_flight: Callable[[int], None] | None = None
+    ) -> Any:
+        """The typed reply body to request ``request_id`` (``message``), or its error."""
         remaining_ms = max(int(timeout * 1000), 1)
-        while True:
+        deferred = request_id in self._parked
+        reply = self._parked.pop(request_id, None)
+        try:
+            reply = self._await(request_id, message, timeout, in_flight, reply, remaining_ms)
+        except BaseException:
+            if deferred:
+                self._parked[request_id] = None  # still deferred: a later receive may get it
+            raise
+        self._deferred_frames.pop(request_id, None)
+        if not reply.ok:
+            raise error_from_reply(reply)
+        try:
+            return p.decode_body(message.REPLY, reply.body)
+        except p.ProtocolError as exc:
+            raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
+
+    def _await(
+        self, request_id: int, message: p.RequestMessage, timeout: float, in_flight: Callable[[int], None] | None,
+        reply: p.Reply | None, remaining_ms: int,
+    ) -> p.Reply:
+        while reply is None:
             wait = remaining_ms if remaining_ms < _SLICE_MS else _SLICE_MS
             if wait != self._rcvtimeo:
                 self._sock.setsockopt(zmq.RCVTIMEO, wait)
@@ -184,17 +235,19 @@ class ControlChannel:
                     raise DaemonTimeout(self._timeout_message(message, timeout, "answer")) from None
                 continue
             try:
-                reply = p.decode_reply(frame)
+                got = p.decode_reply(frame)
             except p.ProtocolError as exc:
                 raise error_from_protocol(exc, "reply from gpumemd refused") from None
-            if reply.request_id != request_id:
-                continue  # the late answer to an earlier call that timed out
-            if not reply.ok:
-                raise error_from_reply(reply)
-            try:
-                return request_id, p.decode_body(message.REPLY, reply.body)
-            except p.ProtocolError as exc:
-                raise error_from_protocol(exc, f"malformed {type(message).__name__} reply from gpumemd") from None
+            if got.request_id == request_id:
+                reply = got
+            elif got.request_id in self._parked:
+                self._parked[got.request_id] = got  # a deferred request's answer, while waiting for another
+            # else: the late answer to an earlier call that timed out
+        return reply
+
+    def deferred_ids(self) -> set[int]:
+        """Deferred requests whose reply no ``receive`` took yet."""
+        return set(self._parked)
 
     def _timeout_message(self, message: p.RequestMessage, timeout: float, what: str) -> str:
         index = self.endpoints.index
@@ -345,12 +398,7 @@ class SessionChannel:
         that restarts meanwhile (with this session kept) is waited for within the
         timeout: the session resumes and the request goes again under its id."""
         with self._lock:
-            if self._closed:
-                raise SessionClosed(f"session '{self.name}' is closed")
-            if self._stopped is not None:
-                raise DaemonStopped(self._stopped)
-            if self._lost is not None:
-                raise SessionLost(self._lost)
+            self._check_open()
             limit = self.timeout if timeout is None else timeout
             deadline = time.monotonic() + limit
             request_id = 0
@@ -403,7 +451,49 @@ class SessionChannel:
                 raise
         self.hello = hello
         self._away = None
-        self._control = self._sockets.control = ControlChannel(ep, routing_id=hello.token, ids=self._control.ids)
+        control = ControlChannel(ep, routing_id=hello.token)
+        control.take_over(self._control)
+        self._control = self._sockets.control = control
+
+    def start(self, message: p.RequestMessage) -> int:
+        """Send a request whose reply the daemon defers (a KV round's CAPTURE_DONE) and
+        return its id at once: other calls go on meanwhile, and ``finish`` waits for it."""
+        with self._lock:
+            self._check_open()
+            if self._away is not None:
+                self._resume(time.monotonic() + self.timeout, self.timeout)
+            return self._control.send(message, deferred=True)
+
+    def finish(self, request_id: int, message: p.RequestMessage, timeout: float) -> tuple[Any, dict[int, int]]:
+        """The reply to a request ``start`` sent, as ``call`` returns it; a daemon that
+        restarts meanwhile is waited for as ``call`` does."""
+        with self._lock:
+            self._check_open()
+            deadline = time.monotonic() + timeout
+            while True:
+                if self._away is not None:
+                    self._resume(deadline, timeout)  # sends it again if it is still unanswered
+                    if request_id not in self._control.deferred_ids():  # answered, its descriptors lost
+                        self._control.send(message, deferred=True, request_id=request_id)
+                try:
+                    left = max(deadline - time.monotonic(), 0.001)
+                    body = self._control.receive(request_id, message, left, self._keep_batches)
+                    batches = getattr(body, "fd_batches", 0)
+                    return body, (self._receive_fds(request_id, batches, left) if batches else {})
+                except _DaemonAway:
+                    continue
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosed(f"session '{self.name}' is closed")
+        if self._stopped is not None:
+            raise DaemonStopped(self._stopped)
+        if self._lost is not None:
+            raise SessionLost(self._lost)
+
+    def _kept(self, request_id: int, keep: int) -> bool:
+        """Whether descriptors for ``request_id`` belong to a request still waited for."""
+        return request_id == keep or request_id in self._control.deferred_ids()
 
     def _poll_events(self, keep: int = 0) -> None:
         """Take pending fd-channel messages without blocking; raise if the daemon has gone.
@@ -413,7 +503,7 @@ class SessionChannel:
         sock, ready = self._sockets.fd_sock, self._sockets.fd_ready
         while sock is not None and ready is not None and self._stopped is None and self._away is None and ready.poll(0):
             batch, fds = self._read_event(sock)
-            if batch is not None and keep and batch.request_id == keep:
+            if batch is not None and self._kept(batch.request_id, keep):
                 self._sockets.early.append((batch, fds))
             else:
                 fdchannel.close_all(fds)
@@ -472,6 +562,8 @@ class SessionChannel:
             if kept.request_id == request_id:
                 received.update(zip(kept.chunk_ids, fds))
                 batches -= 1
+            elif self._kept(kept.request_id, 0):
+                self._sockets.early.append((kept, fds))
             else:
                 fdchannel.close_all(fds)
         sock.settimeout(timeout)
@@ -490,6 +582,8 @@ class SessionChannel:
                 if batch is not None and batch.request_id == request_id:
                     received.update(zip(batch.chunk_ids, fds))
                     batches -= 1
+                elif batch is not None and self._kept(batch.request_id, 0):
+                    self._sockets.early.append((batch, fds))
                 else:
                     fdchannel.close_all(fds)
         except BaseException:

@@ -15,8 +15,9 @@ The daemon may ask a pool to give rows back for an engine that joins later
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from gpumem_shared import protocol as p
 from gpumem.arena import DEFAULT_PLACEHOLDER_SLOT, Arena
@@ -89,6 +90,32 @@ class KvPool:
         self._round_deadline_s = view.deadline_in_s
         return view
 
+    @overload
+    def capture_done(
+        self,
+        *,
+        headroom_bytes: int = ...,
+        graph_pool_bytes: int = ...,
+        min_tokens: int = ...,
+        max_tokens: int = ...,
+        weight: float = ...,
+        timeout: float | None = ...,
+        wait: Literal[True] = ...,
+    ) -> int: ...
+
+    @overload
+    def capture_done(
+        self,
+        *,
+        headroom_bytes: int = ...,
+        graph_pool_bytes: int = ...,
+        min_tokens: int = ...,
+        max_tokens: int = ...,
+        weight: float = ...,
+        timeout: float | None = ...,
+        wait: Literal[False],
+    ) -> RoundWait: ...
+
     def capture_done(
         self,
         *,
@@ -98,10 +125,14 @@ class KvPool:
         max_tokens: int = 0,
         weight: float = 1.0,
         timeout: float | None = None,
-    ) -> int:
+        wait: bool = True,
+    ) -> int | RoundWait:
         """Report that this engine's graphs are captured and wait for the round to
         commit; returns the tokens every buffer now holds. Raises RoundFailed (the
-        deadline passed, or the budget cannot cover the minimums) with the figures."""
+        deadline passed, or the budget cannot cover the minimums) with the figures.
+        ``wait=False`` returns a ``RoundWait`` at once instead: the engine goes on with
+        its start-up while other engines capture, and calls ``wait()`` before it needs
+        the rows (the session's other calls work meanwhile)."""
         message = p.CaptureDone(
             pool=self.name,
             headroom_bytes=headroom_bytes,
@@ -110,10 +141,9 @@ class KvPool:
             max_tokens=max_tokens,
             weight=weight,
         )
-        wait = timeout if timeout is not None else max(self.session.timeout, self._round_deadline_s + _DEADLINE_SLACK_S)
-        reply, fds = self.session.channel.call(message, wait)
-        self._apply(reply, fds)
-        return self.tokens
+        limit = timeout if timeout is not None else max(self.session.timeout, self._round_deadline_s + _DEADLINE_SLACK_S)
+        handle = RoundWait(self, message, self.session.channel.start(message), limit)
+        return handle if not wait else handle.wait()
 
     # ------------------------------------------------------------------ elastic
 
@@ -121,7 +151,7 @@ class KvPool:
         """Commit rows up to ``tokens`` if the device has the memory (else OutOfMemory
         with the figures)."""
         reply, fds = self.session.channel.call(p.KvGrow(pool=self.name, tokens=tokens))
-        self._apply(reply, fds)
+        self.apply(reply, fds)
         return self.tokens
 
     def shrink_requests(self) -> list[int]:
@@ -136,10 +166,11 @@ class KvPool:
                 f"KV pool '{self.name}' still uses rows up to {self.rows_in_use()}; it cannot give back rows from {tokens} on"
             )
         reply, fds = self.session.channel.call(p.KvShrink(pool=self.name, tokens=tokens))
-        self._apply(reply, fds)
+        self.apply(reply, fds)
         return self.tokens
 
-    def _apply(self, reply: p.KvCommitReply, fds: dict[int, int]) -> None:
+    def apply(self, reply: p.KvCommitReply, fds: dict[int, int]) -> None:
+        """Carry out a reply that changed the pool's rows (takes ownership of ``fds``)."""
         self.arena.apply(reply, fds)
         self.tokens = reply.pool.tokens
         if reply.round_id:
@@ -151,3 +182,35 @@ class KvPool:
 
     def __repr__(self) -> str:
         return f"<gpumem.KvPool '{self.name}' {len(self.buffers)} buffers, {self.tokens}/{self.max_tokens} tokens>"
+
+
+class RoundWait:
+    """A CAPTURE_DONE sent and not yet answered (``KvPool.capture_done(wait=False)``)."""
+
+    def __init__(self, pool: KvPool, message: p.CaptureDone, request_id: int, timeout: float) -> None:
+        self.pool = pool
+        self._message = message
+        self._request_id = request_id
+        self._deadline = time.monotonic() + timeout
+        self._tokens: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the round to commit (until the deadline ``capture_done`` set, or
+        ``timeout`` seconds); returns the tokens every buffer holds. Raises RoundFailed
+        as ``capture_done`` does, and DaemonTimeout when the round outlives the wait
+        (``wait`` may be called again then)."""
+        if self._tokens is None:
+            left = self._deadline - time.monotonic() if timeout is None else timeout
+            reply, fds = self.pool.session.channel.finish(self._request_id, self._message, max(left, 0.001))
+            self.pool.apply(reply, fds)
+            self._tokens = self.pool.tokens
+        return self._tokens
+
+    @property
+    def done(self) -> bool:
+        """Whether ``wait()`` returned already."""
+        return self._tokens is not None
+
+    def __repr__(self) -> str:
+        state = f"{self._tokens} tokens" if self._tokens is not None else "pending"
+        return f"<gpumem.RoundWait KV pool '{self.pool.name}' ({state})>"

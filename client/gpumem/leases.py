@@ -14,11 +14,12 @@ of a client that dies.
 
 On a shared pool (one other processes open), a lease also orders GPU work: every release
 records the holder's IPC event on its stream, and a holder from another session makes its
-stream wait on that event before it touches the pool. The first release publishes the
-event's handle to the daemon and the first wait on a peer looks it up: one round trip
-each, once. A private pool records nothing. Within one session nothing is waited on:
-work on one stream is ordered by the stream, and replaying on one stream while borrowing
-on another is the caller's to order (a borrow takes ``stream=``).
+stream wait on that event before it touches the pool, each in the same native call as the
+compare-and-swap. The first release publishes the event's handle to the daemon and the
+first wait on a peer looks it up: one round trip each, once. A private pool records
+nothing. Within one session nothing is waited on: work on one stream is ordered by the
+stream, and replaying on one stream while borrowing on another is the caller's to order
+(a borrow takes ``stream=``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 
 # Module globals on the uncontended paths: before Python 3.12, reading an enum member off
 # its class costs about 60 ns (EnumType.__getattr__ slows every attribute lookup on it).
-_OK_ORDER, _RECORD = LeaseStatus.OK_ORDER, LeaseStatus.RECORD
+_OK_ORDER, _OK_WAITED, _RECORD = LeaseStatus.OK_ORDER, LeaseStatus.OK_WAITED, LeaseStatus.RECORD
+_TAKEN = (LeaseStatus.OK, LeaseStatus.OK_ORDER, LeaseStatus.OK_WAITED)
 
 # While a slot holds an impossible value, waiters retry this often: the daemon clears
 # such a slot on its next tick.
@@ -58,6 +60,11 @@ def current_stream(device: int | None) -> int:
     torch = sys.modules.get("torch")
     if device is None or torch is None or not torch.cuda.is_initialized():
         return 0
+    # The raw handle without a Stream object (the call torch's generated code makes):
+    # a borrow scope asks at every entry.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
@@ -85,11 +92,16 @@ class SessionLeases:
         self.escapes: dict[int, BorrowPool] = {}
         self.device_ordinal = device_ordinal
         self.handoff_waits = 0  # times a stream of this session waited on another session's event
+        # What the ordered native calls on shared pools take: the device context, this
+        # session's event per pool (once published), and per pool the events of the other
+        # sessions that released it, by 24-bit session (once looked up).
+        self.context = driver.native_context()
+        self.recording: dict[int, int] = {}
+        self.waiting: dict[int, dict[int, int]] = {}
         self._channel = channel
         self._driver = driver
         self._word_session = lease_table.word_session(session_id)
         self._daemon_key = daemon_key
-        self._own_events: dict[int, Any] = {}  # by pool id
         self._peer_events: dict[tuple[int, int], Any] = {}  # by (pool id, 24-bit session), once opened
 
     def _call(self, message: p.RequestMessage) -> Any:
@@ -102,19 +114,38 @@ class SessionLeases:
 
     # ------------------------------------------------------------------ handoffs
 
-    def record_handoff(self, pool_id: int, stream: int) -> None:
-        """Before releasing a lease on a shared pool: mark our stream's work so far."""
-        event = self._own_events.get(pool_id)
+    def waits_on(self, pool_id: int) -> dict[int, int]:
+        """The events of graph pool ``pool_id``'s other releasers known here, for the
+        ordered acquire to wait on."""
+        events = self.waiting.get(pool_id)
+        if events is None:
+            events = self.waiting[pool_id] = {}
+        return events
+
+    def release_shared(self, pool_id: int, address: int, word: int, stream: int) -> int:
+        """Give back a lease on a shared pool: our stream's work so far marked with our
+        event, then the slot freed, in one native call. The first release on the pool
+        creates the event and publishes it first. OK or NOT_HOLDER."""
+        event = self.recording.get(pool_id)
         if event is None:
-            event, handle = self._driver.event_create()
-            self._call(p.PublishLeaseEvent(pool_id=pool_id, handle=handle))
-            self._own_events[pool_id] = event
-            _PROCESS_EVENTS[(self._daemon_key, pool_id, self._word_session)] = event
-        self._driver.event_record(event, stream)
+            status = _native.lease_release(address, word)
+            if status != _RECORD:  # not ours; or the slot is not flagged shared: released
+                return status
+            try:
+                created, handle = self._driver.event_create()
+                self._call(p.PublishLeaseEvent(pool_id=pool_id, handle=handle))
+            except BaseException:
+                _native.lease_clear(address, word)
+                raise
+            _PROCESS_EVENTS[(self._daemon_key, pool_id, self._word_session)] = created
+            event = self.recording[pool_id] = self._driver.native_event(created)
+        return _native.lease_release_ordered(address, word, self.context, event, stream)
 
     def wait_for_handoff(self, pool_id: int, segment: LeaseSegment, stream: int) -> None:
-        """After taking a lease another session released: our stream waits for its work.
-        The releaser may be another session of this process: its event is used as is."""
+        """After taking a lease another session released, its event not known here yet:
+        look it up, make our stream wait for its work, and keep it for the ordered
+        acquires. The releaser may be another session of this process: its event is used
+        as is."""
         peer = segment.handoff()
         if not peer:
             return
@@ -128,6 +159,7 @@ class SessionLeases:
                 return  # the releaser ended: its context, and its queued work, went with it
             event = self._peer_events[(pool_id, peer)] = self._driver.event_open(reply.handle)
         self._driver.stream_wait(event, stream)
+        self.waits_on(pool_id)[peer] = self._driver.native_event(event)
         self.handoff_waits += 1
 
     # ------------------------------------------------------------------ escapes
@@ -182,12 +214,13 @@ class SessionLeases:
             except DriverError:
                 pass  # a broken context: the process's teardown frees it
         self._peer_events.clear()
-        for pool_id in self._own_events:
+        self.waiting.clear()
+        for pool_id in self.recording:
             _PROCESS_EVENTS.pop((self._daemon_key, pool_id, self._word_session), None)
 
 
 class Lease:
-    __slots__ = ("owner", "pool_id", "segment", "address", "kind", "_word", "held", "stream")
+    __slots__ = ("owner", "pool_id", "segment", "address", "kind", "_word", "held", "stream", "shared")
 
     def __init__(self, owner: SessionLeases, pool: Any, segment: LeaseSegment, kind: int, word: int, stream: int | None) -> None:
         self.owner = owner
@@ -198,6 +231,7 @@ class Lease:
         self._word = word
         self.held = True
         self.stream = stream  # None: the current stream when it matters (a shared pool)
+        self.shared: bool = pool.shared
 
     @classmethod
     def acquire(
@@ -216,12 +250,20 @@ class Lease:
         epoch = ((pool.id & 0xFFFF) << 16 | (pool.epoch & 0xFFFF)) or 1  # lease_table.lease_epoch, inlined
         if owner.escapes:
             owner.clear_escape(pool.id)
-        status = owner.try_acquire(segment.address, word, epoch, label.encode())
+        if pool.shared:
+            # The stream waits on the last releaser's event in the same native call as the
+            # take, once that event is known here.
+            order = (owner.context, current_stream(owner.device_ordinal) if stream is None else stream, owner.waits_on(pool.id))
+            status = _native.lease_try_ordered(segment.address, word, epoch, label.encode(), *order)
+        else:
+            order = None
+            status = owner.try_acquire(segment.address, word, epoch, label.encode())
         if not status:  # OK
             return cls(owner, pool, segment, kind, word, stream)
-        if status == _OK_ORDER:
-            return cls(owner, pool, segment, kind, word, stream)._ordered()
+        if status in _TAKEN:
+            return cls(owner, pool, segment, kind, word, stream)._ordered(status)
         deadline = time.monotonic() + wait
+        encoded = label.encode()
         while True:
             if status == LeaseStatus.ESCAPED:
                 if not owner.clear_escape(pool.id):
@@ -230,11 +272,13 @@ class Lease:
                         raise error
                 status = LeaseStatus.HELD  # the mark went meanwhile: try again
                 continue
-            status, found = segment.acquire(word, epoch, max(0.0, deadline - time.monotonic()))
-            if status in (LeaseStatus.OK, LeaseStatus.OK_ORDER):
-                segment.set_label(label)
-                lease = cls(owner, pool, segment, kind, word, stream)
-                return lease._ordered() if status == LeaseStatus.OK_ORDER else lease
+            timeout = max(0.0, deadline - time.monotonic())
+            if order is None:
+                status, found = segment.acquire(word, epoch, timeout, encoded)
+            else:
+                status, found = segment.acquire_ordered(word, epoch, timeout, encoded, *order)
+            if status in _TAKEN:
+                return cls(owner, pool, segment, kind, word, stream)._ordered(status)
             if status == LeaseStatus.ESCAPED:
                 continue
             if status == LeaseStatus.STALE:
@@ -272,8 +316,14 @@ class Lease:
             {"holder": name, "pid": h_pid, "kind": lease_table.KIND_NAMES.get(h_kind, str(h_kind)), "label": held_label},
         )
 
-    def _ordered(self) -> Lease:
-        """The lease came from another process: order this stream after its release."""
+    def _ordered(self, status: int) -> Lease:
+        """The lease was taken with ``status``: OK_WAITED, the stream waits on the last
+        releaser's event already; OK_ORDER, it must wait on one not known here yet."""
+        if status == _OK_WAITED:
+            self.owner.handoff_waits += 1
+            return self
+        if status != _OK_ORDER:
+            return self
         try:
             self.owner.wait_for_handoff(self.pool_id, self.segment, self._stream())
         except BaseException:
@@ -290,16 +340,9 @@ class Lease:
             raise LeaseNotHeld(f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was already released")
         self.held = False
         owner = self.owner
-        status = owner.try_release(self.address, self._word)
-        if not status:  # OK: the uncontended path
-            return
-        if status == _RECORD:  # a shared pool: the next holder may be another process
-            try:
-                owner.record_handoff(self.pool_id, self._stream())
-            except BaseException:
-                self.segment.clear(self._word)
-                raise
-            status = self.segment.release_recorded(self._word)
+        status = _RECORD if self.shared else owner.try_release(self.address, self._word)
+        if status == _RECORD:  # a shared pool (or a slot flagged as one): the next holder may be another process
+            status = owner.release_shared(self.pool_id, self.address, self._word, self._stream())
         if status != LeaseStatus.OK:
             raise LeaseNotHeld(
                 f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was no longer held at release: "
@@ -310,11 +353,10 @@ class Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        # release() inlined for its uncontended case: this is on every step's path.
-        if self.held:
-            if not self.owner.try_release(self.address, self._word):
-                self.held = False
-                return
+        # release() inlined for a private pool's uncontended case: this is on every step's path.
+        if self.held and not self.shared and not self.owner.try_release(self.address, self._word):
+            self.held = False
+            return
         self.release()
 
     def __repr__(self) -> str:

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import fdchannel
 from gpumem_shared.lease_table import LeaseKind
@@ -33,6 +33,9 @@ from gpumem.errors import AlreadyExists, DaemonUnavailable, GpuMemError, Invalid
 from gpumem.graph_pools import GraphPool, granted_segment
 from gpumem.kv_pool import KvPool
 from gpumem.leases import Lease, SessionLeases
+
+if TYPE_CHECKING:
+    from gpumem.paged_kv import PagedKvCache
 
 DEFAULT_TIMEOUT = 10.0
 # replay() runs on every step: a module global, because before Python 3.12 reading an enum
@@ -271,6 +274,29 @@ class Session:
             raise
         self.arenas[name] = pool.arena
         return pool
+
+    def declare_paged_kv(
+        self,
+        name: str,
+        *,
+        layers: int,
+        block_shape: tuple[int, ...],
+        itemsize: int,
+        combined: bool = False,
+        max_blocks: int = 0,
+        expect: int = 0,
+    ) -> PagedKvCache:
+        """A paged KV cache of ``layers`` layers whose rows are blocks of ``block_shape``
+        elements of ``itemsize`` bytes: K and V buffers per layer (or one combined),
+        ``max_blocks`` of them (default: what the device could hold), virtual with the
+        placeholder under them, the round joined (``expect``: the pools it gathers, as
+        in ``KvPool.join_round``). See gpumem.paged_kv."""
+        from gpumem.paged_kv import PagedKvCache
+
+        return PagedKvCache.declare(
+            self, name, layers=layers, block_shape=block_shape, itemsize=itemsize, combined=combined, max_blocks=max_blocks,
+            expect=expect,
+        )
 
     def close(self) -> None:
         """Release this session's arenas (unmapping them) and close both channels."""

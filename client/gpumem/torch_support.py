@@ -15,10 +15,11 @@ in the pool, so the memory returns by decommit or release, never by ``del``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from gpumem.allocator import FAIL_DEVICE, FAIL_UNBACKED, Slot, SlotStats, library_path, virtual_only
+from gpumem.allocator import FAIL_DEVICE, FAIL_UNBACKED, SlotStats, library_path, virtual_only
 from gpumem.errors import ArenaOutOfMemory, InvalidArgument, TorchFeatureMissing
 
 if TYPE_CHECKING:
@@ -28,6 +29,47 @@ if TYPE_CHECKING:
 # in a pool after its arena's user let go of it, and torch keeps raw pointers to the
 # allocator functions (pytorch issue 146431).
 _KEEP: list[Any] = []
+
+
+# Pool routings gpumem has open (arena allocating(), borrows), in every thread. torch
+# 2.11 aborts the process (an internal assert, captures_underway.empty()) when its cache
+# is emptied while any routing is open: torch.cuda.empty_cache(), which engines call
+# around warm-up and which torch.cuda.graph calls before every capture. While routings
+# are open, empty_cache() is skipped: it only hands cached blocks back to the driver.
+_routes = 0
+_routes_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def use_pool(torch: Any, pool: Any, device: int) -> Iterator[None]:
+    """``torch.cuda.use_mem_pool(pool)``, counted (see above)."""
+    global _routes
+    _guard_empty_cache(torch)
+    with _routes_lock:
+        _routes += 1
+    try:
+        with torch.cuda.use_mem_pool(pool, device=device):
+            yield
+    finally:
+        with _routes_lock:
+            _routes -= 1
+
+
+def _guard_empty_cache(torch: Any) -> None:
+    memory = torch.cuda.memory
+    original = memory.empty_cache
+    if getattr(original, "_gpumem_guard", False):
+        return
+
+    def empty_cache() -> None:
+        if _routes:
+            return  # torch would abort: see _routes
+        original()
+
+    empty_cache._gpumem_guard = True  # type: ignore[attr-defined]
+    empty_cache.__doc__ = original.__doc__
+    memory.empty_cache = empty_cache
+    torch.cuda.empty_cache = empty_cache
 
 
 def import_torch(feature: str) -> Any:
@@ -50,6 +92,47 @@ def require(torch: Any, feature: str, *paths: str) -> None:
                 )
 
 
+# Where nested routing was seen to reach the innermost pool (the versions the library's
+# GPU tests ran on); named in the error for a torch that routes otherwise.
+NESTED_ROUTING_TESTED = "torch 2.11"
+_NESTED_OK: set[int] = set()
+
+
+def check_nested_routing(torch: Any, device: int) -> None:
+    """Engines nest pools on one thread: a borrow or a graph capture inside an arena's
+    ``allocating()``. torch must route each allocation to the innermost pool; a torch
+    whose allocator takes the outermost would put borrowed temporaries and graphs in the
+    model's arena. Checked once per device and process, with two throwaway pools."""
+    if device in _NESTED_OK:
+        return
+    require(torch, "nested pool routing", "cuda.MemPool", "cuda.use_mem_pool")
+    with torch.cuda.device(device):
+        outer, inner = torch.cuda.MemPool(), torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(outer, device=device), torch.cuda.use_mem_pool(inner, device=device):
+            probe = torch.empty(1, device=f"cuda:{device}")
+        address = probe.data_ptr()
+        del probe
+        landed = any(s["address"] <= address < s["address"] + s["total_size"] for s in pool_segments(torch, inner))
+        # Kept: destroying a pool empties its cache, which aborts under an open routing.
+        _KEEP.extend((outer, inner))
+    if not landed:
+        raise TorchFeatureMissing(
+            f"torch {torch.__version__} routes an allocation made inside nested torch.cuda.use_mem_pool scopes to the "
+            f"outer pool; gpumem needs the innermost pool to win (borrows and captures inside arena.allocating()). "
+            f"Tested: {NESTED_ROUTING_TESTED}"
+        )
+    _NESTED_OK.add(device)
+
+
+def pool_segments(torch: Any, pool: Any) -> list[dict[str, Any]]:
+    """torch's snapshot of one MemPool: its segments with their blocks."""
+    snapshot = getattr(pool, "snapshot", None)
+    if snapshot is not None:
+        return list(snapshot())
+    require(torch, "pool snapshots", "cuda.memory_snapshot")
+    return list(torch.cuda.memory_snapshot(pool.id))
+
+
 class ArenaPool:
     """The torch side of one arena."""
 
@@ -66,9 +149,8 @@ class ArenaPool:
         self.torch = torch
         self.arena = arena
         self.device = arena.session.device_ordinal
-        self.slot = Slot(device=self.device, alignment=512)
-        self.slot.set_extents([(arena.address, arena.reserved)])
-        self.update_backing()
+        self.allocator = arena.allocator()
+        self.slot = self.allocator.slot
         self.pool = self._new_pool()
         # Virtual-only layouts get a pool of their own on the same slot (so the same
         # cursor: the addresses never overlap). torch keeps freed blocks cached per pool;
@@ -84,10 +166,6 @@ class ArenaPool:
             pool = torch.cuda.MemPool(allocator.allocator())
         _KEEP.append((allocator, pool, self.slot))
         return pool
-
-    def update_backing(self) -> None:
-        base = self.arena.address
-        self.slot.set_backing([(base + start, end - start) for start, end in self.arena.backed_ranges()])
 
     # ------------------------------------------------------------------ routing
 
@@ -109,7 +187,7 @@ class ArenaPool:
         pool = self._virtual_pool if virtual else self.pool
         scope = virtual_only() if virtual else contextlib.nullcontext()
         try:
-            with scope, self.torch.cuda.use_mem_pool(pool, device=self.device):
+            with scope, use_pool(self.torch, pool, self.device):
                 yield self
         except RuntimeError as exc:  # torch.OutOfMemoryError, or a plain RuntimeError from older torch
             stats = self.slot.stats()
@@ -120,6 +198,12 @@ class ArenaPool:
     def oom_message(self, stats: SlotStats) -> str:
         arena = self.arena
         cursor = stats.cursor_bytes
+        if stats.last_fail_reason == FAIL_UNBACKED and self.allocator.step:
+            return (
+                f"arena '{arena.name}' could not grow for a request of {stats.last_failed} bytes at offset {cursor}: "
+                f"{self.allocator.grow_error or 'the commit did not back it'} (committed {arena.committed}, cap "
+                f"{self.allocator.cap})"
+            )
         if stats.last_fail_reason == FAIL_UNBACKED:
             return (
                 f"arena '{arena.name}' cannot place a request of {stats.last_failed} bytes: the space at offset {cursor} "
@@ -140,7 +224,7 @@ class ArenaPool:
         self.arena._check_open()
         self._check_device()
         at = self.arena.address + self.slot.stats().cursor_bytes
-        if not any(self.arena.address + a <= at < self.arena.address + b for a, b in self.arena.backed_ranges()):
+        if not self.allocator.step and not any(self.arena.address + a <= at < self.arena.address + b for a, b in self.arena.backed_ranges()):
             raise InvalidArgument(
                 f"arena '{self.arena.name}' has no backing at its allocation cursor (offset "
                 f"{at - self.arena.address}): commit or placeholder it before capturing a graph into it"
@@ -155,11 +239,7 @@ class ArenaPool:
         pool = self._virtual_pool if virtual else self.pool
         if pool is None:
             return []
-        snapshot = getattr(pool, "snapshot", None)
-        if snapshot is not None:
-            return list(snapshot())
-        require(self.torch, "pool snapshots", "cuda.memory_snapshot")
-        return list(self.torch.cuda.memory_snapshot(pool.id))
+        return pool_segments(self.torch, pool)
 
     def check_unused(self, start: int, end: int, *, cached_ok: bool = False) -> None:
         """Refuse to unmap ``[start, end)`` of the arena while torch's pool uses it: live
@@ -182,8 +262,8 @@ class ArenaPool:
             )
 
     def retire(self) -> None:
-        """The arena is going away: nothing may be placed in it any more."""
-        self.slot.set_extents([])
+        """The arena is going away: nothing may be placed in it any more (the arena
+        retires the slot)."""
         self.retired = True
 
 

@@ -54,6 +54,7 @@ class LeaseStatus(IntEnum):
     OK_ORDER = _STATUSES["OK_ORDER"]
     ESCAPED = _STATUSES["ESCAPED"]
     RECORD = _STATUSES["RECORD"]
+    OK_WAITED = _STATUSES["OK_WAITED"]
 
 
 class LeaseKind(IntEnum):
@@ -181,9 +182,23 @@ class LeaseSegment:
         compare-and-swap in one native call). OK or OK_ORDER when taken."""
         return _native.lease_try(self.address, word, epoch, label)
 
-    def acquire(self, word: int, epoch: int, timeout_s: float) -> tuple[int, int]:
-        """(status, word found). Waits up to ``timeout_s`` for a holder to let go."""
-        return _native.lease_acquire(self.address, word, epoch, int(timeout_s * 1e9))
+    def acquire(self, word: int, epoch: int, timeout_s: float, label: bytes | None = None) -> tuple[int, int]:
+        """(status, word found). Waits up to ``timeout_s`` for a holder to let go (a
+        bounded spin, then asleep on the futex); records ``label`` once taken."""
+        return _native.lease_acquire(self.address, word, epoch, int(timeout_s * 1e9), label)
+
+    def try_acquire_ordered(self, word: int, epoch: int, label: bytes, context: int, stream: int, events: dict[int, int]) -> int:
+        """``try_acquire`` on a shared pool, with its GPU order in the same native call: told
+        OK_ORDER, ``stream`` waits on the last releaser's event if ``events`` (by 24-bit
+        session) has it, and the answer is OK_WAITED; OK_ORDER means it has not. ``context``
+        is the driver's ``native_context()``."""
+        return _native.lease_try_ordered(self.address, word, epoch, label, context, stream, events)
+
+    def acquire_ordered(
+        self, word: int, epoch: int, timeout_s: float, label: bytes | None, context: int, stream: int, events: dict[int, int]
+    ) -> tuple[int, int]:
+        """``acquire``, ordered as ``try_acquire_ordered`` is."""
+        return _native.lease_acquire_ordered(self.address, word, epoch, int(timeout_s * 1e9), label, context, stream, events)
 
     def release(self, word: int) -> int:
         """OK, NOT_HOLDER, or RECORD (nothing released: a shared pool; record the IPC
@@ -192,6 +207,11 @@ class LeaseSegment:
 
     def release_recorded(self, word: int) -> int:
         return _native.lease_release_recorded(self.address, word)
+
+    def release_ordered(self, word: int, context: int, event: int, stream: int) -> int:
+        """A holder's release in one native call: on a shared pool, ``event`` (the driver's
+        ``native_event``) recorded on ``stream`` first. OK or NOT_HOLDER."""
+        return _native.lease_release_ordered(self.address, word, context, event, stream)
 
     def clear(self, word: int) -> int:
         """Free the slot if it holds ``word``, without ordering: the daemon's sweep."""

@@ -395,3 +395,33 @@ def test_gpumemctl_status_shows_the_generation_and_who_waits(service: Service, r
         as_json = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60, env=child_env(runtime_dir))
         daemon = json.loads(as_json.stdout)["daemon"]
         assert (daemon["generation"], daemon["waiting"], daemon["waiting_objects"]) == (1, 1, 1) and 0 < daemon["grace_left_s"] <= 30
+
+
+@pytest.mark.parametrize("meanwhile", ["nothing", "other calls", "the round ends"])
+def test_a_round_report_that_does_not_block_survives_a_restart(service: Service, connect: Connect, runtime_dir: Path, meanwhile: str) -> None:
+    """capture_done(wait=False): the report is out, unanswered, when the daemon dies; the
+    engine's other calls go on after the restart, and the wait still gets its tokens."""
+    r = service()
+    first, second = connect("first"), connect("second")
+    pools = [s.declare_kv_pool(f"kv-{s.name}", [gpumem.KvBuffer("k", 4096)], max_tokens=4096) for s in (first, second)]
+    for pool in pools:
+        pool.placeholder()
+        pool.join_round(expect=2)
+    waiting = pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, wait=False)
+    wait_status(runtime_dir, lambda s: any(m["reported"] for m in s["rounds"][0]["members"]), 10, "the first report")
+    r.restart()
+    if meanwhile == "other calls":
+        first.ping()
+        first.create_arena("more", 64 * MiB).commit(4 * MiB)
+    if meanwhile == "the round ends":  # while the first is still away: its reply waits in the record
+        pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
+        first.ping()
+        first.create_arena("more", 64 * MiB).commit(4 * MiB)
+    else:
+        pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
+    tokens = waiting.wait(20)
+    assert tokens >= 256 and pools[0].tokens == tokens
+    buffer = pools[0].buffers["k"]
+    last = buffer.offset + tokens * buffer.row_bytes - 8
+    pools[0].arena.write(last, b"K" * 8)
+    assert pools[0].arena.read(last, 8) == b"K" * 8

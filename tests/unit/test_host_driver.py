@@ -59,3 +59,38 @@ def test_export_failure_is_a_driver_error_and_closes_what_it_made(monkeypatch: p
         monkeypatch.undo()
         assert open_fds() == before, "a failed export left duplicates open"
         driver.destroy_chunks([(0, G)] * 3, handles)
+
+
+def _mappings_in(start: int, size: int) -> list[str]:
+    """This process's mappings overlapping [start, start + size), from /proc/self/maps."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo < start + size and hi > start:
+                found.append(line.split()[1] + (" " + line.split()[5] if len(line.split()) > 5 else ""))
+    return found
+
+
+def test_unmap_many_leaves_each_contiguous_run_reserved_and_nothing_else_touched() -> None:
+    driver = HostDriver(index=0, capacity=1 << 30)
+    window = driver.reserve(16 * G, 0x1000_0000_0000)
+    handles = driver.create_chunks([(0, G)])
+    fd = driver.export_fds([(0, G, handles[0], False)])[0]
+    try:
+        # A placeholder's shape: one chunk aliased over slots 0-3 and 6-7, slots 4-5 and
+        # 8-15 left reserved; then slots 0-2 and 6 unmapped (two runs, one call each).
+        driver.map_aliased(window, fd, G, [i * G for i in (0, 1, 2, 3, 6, 7)])
+        driver.write(window + 3 * G, b"kept")
+        driver.unmap_many(window, [(2 * G, G), (0, G), (G, G), (6 * G, G)])
+        assert all(m.startswith("---p") for m in _mappings_in(window, 3 * G)), "slots 0-2 are reserved again"
+        assert all(m.startswith("---p") for m in _mappings_in(window + 6 * G, G))
+        assert all(m.startswith("rw-s") for m in _mappings_in(window + 3 * G, G)), "a slot between the runs stays mapped"
+        assert driver.read(window + 3 * G, 4) == b"kept"
+        assert all(m.startswith("rw-s") for m in _mappings_in(window + 7 * G, G))
+        driver.unmap_many(window, [(3 * G, G), (7 * G, G)])
+        assert all(m.startswith("---p") for m in _mappings_in(window, 16 * G))
+    finally:
+        os.close(fd)
+        driver.destroy_chunks([(0, G)], handles)
+        driver.free_reservation(window, 16 * G)

@@ -1,5 +1,5 @@
 """Leases on shared graph pools: the IPC-event handoff (RECORD, release_recorded,
-OK_ORDER), escape marks, and the daemon's side of both: the slot's flags, opening another
+OK_ORDER; the ordered calls that record and wait in the same call, OK_WAITED), escape marks, and the daemon's side of both: the slot's flags, opening another
 client's pool, publishing and looking up IPC event handles, and what a session's end,
 a pool's drop and a tick do to the fields that name sessions.
 
@@ -8,13 +8,16 @@ bounded."""
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from gpumem_shared import lease_table
+from gpumem_shared import _native, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import KIND_NAMES, LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus
+from gpumem_shared.driver.base import DriverError
 from gpumem_shared.protocol import ErrorCode
 from gpumemd.records import SessionRecord as Session
 
@@ -162,6 +165,147 @@ def test_clear_frees_a_shared_slot_and_keeps_the_handoff(shared: LeaseSegment) -
     # Session 2 recorded nothing: the next taker must still order after session 1.
     assert shared.peek() == 0 and shared.handoff() == 1
     assert shared.acquire(word(LeaseKind.REPLAY, session=3), EPOCH, 0) == (LeaseStatus.OK_ORDER, 0)
+
+
+# =========================================================================== the ordered calls: GPU order in the same call
+
+# The host backend's context: the ordered calls make no driver call, and answer as they would
+# on CUDA once the wait or record is queued. Event handles are opaque to the lease logic.
+NO_CONTEXT, STREAM, EVENT = 0, 0, 0
+
+OrderedTake = Callable[[LeaseSegment, int, dict[int, int]], int]
+
+# The ordered forms of the three takes: each must wait on a known releaser's event itself.
+ORDERED_TAKES: dict[str, OrderedTake] = {
+    "try": lambda t, w, events: t.try_acquire_ordered(w, EPOCH, b"taker", NO_CONTEXT, STREAM, events),
+    "acquire": lambda t, w, events: t.acquire_ordered(w, EPOCH, 0, None, NO_CONTEXT, STREAM, events)[0],
+    "acquire-wait": lambda t, w, events: t.acquire_ordered(w, EPOCH, 1.0, b"taker", NO_CONTEXT, STREAM, events)[0],
+}
+
+
+def ordered_release(t: LeaseSegment, held: int) -> int:
+    return t.release_ordered(held, NO_CONTEXT, EVENT, STREAM)
+
+
+def test_the_ordered_release_records_names_itself_and_frees_in_one_call(shared: LeaseSegment) -> None:
+    held = word(LeaseKind.CAPTURE, session=1)
+    assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    futex = shared._slot.futex
+    assert ordered_release(shared, held) == LeaseStatus.OK, "never RECORD: the event is recorded in the same call"
+    assert shared.peek() == 0 and shared.handoff() == 1
+    assert shared._slot.futex == futex + 1
+    assert ordered_release(shared, held) == LeaseStatus.NOT_HOLDER
+
+
+def test_the_ordered_release_of_a_private_slot_frees_without_naming_itself(table: LeaseSegment) -> None:
+    held = word(LeaseKind.REPLAY, session=1)
+    assert table.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert ordered_release(table, held) == LeaseStatus.OK
+    assert table.peek() == 0 and table.handoff() == 0
+
+
+def test_an_ordered_release_by_a_stranger_records_nothing(shared: LeaseSegment) -> None:
+    held, stranger = word(LeaseKind.REPLAY, session=1), word(LeaseKind.REPLAY, session=2, pid=2002)
+    assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert ordered_release(shared, stranger) == LeaseStatus.NOT_HOLDER
+    assert shared.peek() == held and shared.handoff() == 0
+
+
+@pytest.mark.parametrize("take", ORDERED_TAKES.values(), ids=ORDERED_TAKES.keys())
+def test_an_ordered_take_waits_on_a_known_releasers_event_itself(shared: LeaseSegment, take: OrderedTake) -> None:
+    first = word(LeaseKind.CAPTURE, session=1)
+    assert shared.acquire(first, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert ordered_release(shared, first) == LeaseStatus.OK
+    other = word(LeaseKind.REPLAY, session=2, pid=2002)
+    assert take(shared, other, {3: EVENT, 1: EVENT}) == LeaseStatus.OK_WAITED
+    assert shared.peek() == other, "OK_WAITED is a taken lease"
+    assert ordered_release(shared, other) == LeaseStatus.OK and shared.handoff() == 2
+    # The releaser's event not known here: taken, and the caller must look it up and wait.
+    assert take(shared, first, {1: EVENT}) == LeaseStatus.OK_ORDER
+    assert shared.peek() == first
+    assert ordered_release(shared, first) == LeaseStatus.OK
+
+
+@pytest.mark.parametrize("take", ORDERED_TAKES.values(), ids=ORDERED_TAKES.keys())
+def test_an_ordered_take_waits_on_nothing_within_a_session_or_on_a_private_slot(shared: LeaseSegment, take: OrderedTake) -> None:
+    first = word(LeaseKind.REPLAY, session=1, pid=1001)
+    assert shared.acquire(first, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert ordered_release(shared, first) == LeaseStatus.OK
+    again = word(LeaseKind.BORROW, session=1, pid=1002)
+    assert take(shared, again, {1: EVENT}) == LeaseStatus.OK
+    assert ordered_release(shared, again) == LeaseStatus.OK
+    shared.set_flags(0)
+    assert take(shared, word(LeaseKind.REPLAY, session=2, pid=2002), {1: EVENT}) == LeaseStatus.OK
+
+
+@pytest.mark.parametrize("take", ORDERED_TAKES.values(), ids=ORDERED_TAKES.keys())
+def test_an_ordered_take_refuses_as_the_plain_one_does(shared: LeaseSegment, take: OrderedTake) -> None:
+    held = word(LeaseKind.CAPTURE, session=1)
+    assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    started = time.monotonic()
+    assert take(shared, word(LeaseKind.REPLAY, session=2, pid=2002), {1: EVENT}) == LeaseStatus.HELD
+    assert time.monotonic() - started < 5.0
+    assert ordered_release(shared, held) == LeaseStatus.OK
+    shared.set_epoch(EPOCH + 1)
+    assert take(shared, word(LeaseKind.REPLAY, session=2, pid=2002), {1: EVENT}) == LeaseStatus.STALE
+    assert shared.peek() == 0
+
+
+def test_a_sleeping_ordered_waiter_wakes_on_the_ordered_release_and_waits_in_the_same_call(shared: LeaseSegment) -> None:
+    held, mine = word(LeaseKind.CAPTURE, session=1), word(LeaseKind.REPLAY, session=2, pid=2002)
+    assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    result: list[tuple[int, int]] = []
+    waiter = threading.Thread(
+        target=lambda: result.append(shared.acquire_ordered(mine, EPOCH, 10.0, b"waiter", NO_CONTEXT, STREAM, {1: EVENT})),
+        daemon=True,
+    )
+    waiter.start()
+    wait_until_sleeping(shared)
+    assert ordered_release(shared, held) == LeaseStatus.OK
+    waiter.join(10.0)
+    assert not waiter.is_alive(), "the ordered waiter did not return within 10 s of the release"
+    assert result == [(LeaseStatus.OK_WAITED, held)]
+    assert shared.peek() == mine and shared.holder() is not None and shared.holder().label == "waiter"  # type: ignore[union-attr]
+
+
+def test_the_ordered_calls_check_their_arguments(shared: LeaseSegment) -> None:
+    mine = word(LeaseKind.REPLAY, session=2)
+    with pytest.raises(TypeError, match="a dict of"):
+        shared.try_acquire_ordered(mine, EPOCH, b"x", NO_CONTEXT, STREAM, [(1, EVENT)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a dict of"):
+        shared.acquire_ordered(mine, EPOCH, 0, None, NO_CONTEXT, STREAM, None)  # type: ignore[arg-type]
+    with pytest.raises(OverflowError):
+        shared.try_acquire_ordered(mine, EPOCH, b"x", NO_CONTEXT, -1, {})
+    with pytest.raises(TypeError, match=r"lease_release_ordered\(segment_address, word, context, event, stream\)"):
+        _native.lease_release_ordered(shared.address, mine, NO_CONTEXT, EVENT)  # type: ignore[call-arg]
+    assert shared.peek() == 0, "a refused call took nothing"
+
+
+def _libcuda_loads() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_libcuda_loads(), reason="a context handle that is not one would reach the real driver")
+def test_a_failed_driver_call_leaves_the_lease_not_held_and_raises_the_drivers_error(shared: LeaseSegment) -> None:
+    """Where no driver loads, any context fails the call: the take is undone (the waiters
+    woken), the release frees the slot without naming itself, as the Python calls did."""
+    first, other = word(LeaseKind.CAPTURE, session=1), word(LeaseKind.REPLAY, session=2, pid=2002)
+    assert shared.acquire(first, EPOCH, 0) == (LeaseStatus.OK, 0)
+    with pytest.raises(DriverError, match="cuEventRecord failed: libcuda could not be loaded"):
+        shared.release_ordered(first, 1, EVENT, STREAM)
+    assert shared.peek() == 0 and shared.handoff() == 0
+    assert shared.acquire(first, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert ordered_release(shared, first) == LeaseStatus.OK
+    futex = shared._slot.futex
+    with pytest.raises(DriverError, match="cuStreamWaitEvent failed: libcuda could not be loaded"):
+        shared.try_acquire_ordered(other, EPOCH, b"x", 1, STREAM, {1: EVENT})
+    with pytest.raises(DriverError, match="cuStreamWaitEvent failed"):
+        shared.acquire_ordered(other, EPOCH, 1.0, None, 1, STREAM, {1: EVENT})
+    assert shared.peek() == 0 and shared._slot.futex == futex + 2, "each undone take freed the slot and woke its waiters"
 
 
 # =========================================================================== escape marks

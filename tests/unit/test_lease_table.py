@@ -275,6 +275,19 @@ def test_a_release_wakes_a_sleeping_waiter_well_before_its_timeout(table: LeaseS
     assert table.release(mine) == LeaseStatus.OK
 
 
+def test_a_short_hold_is_handed_over_while_the_waiter_spins_and_the_label_comes_with_it(table: LeaseSegment) -> None:
+    held, mine = word(LeaseKind.CAPTURE, 1, 11), word(LeaseKind.REPLAY, 2, 22)
+    assert table.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    releaser = threading.Timer(0.002, table.release, (held,))
+    releaser.start()
+    assert table.acquire(mine, EPOCH, 5.0, b"draft replay")[0] == LeaseStatus.OK
+    releaser.join()
+    holder = table.holder()
+    assert holder is not None and holder.label == "draft replay", "the waiting acquire records the label it was given"
+    assert table._slot.waiters == 0
+    assert table.release(mine) == LeaseStatus.OK
+
+
 def test_one_release_hands_the_lease_to_exactly_one_of_several_waiters(table: LeaseSegment) -> None:
     held = word(LeaseKind.CAPTURE, 1, 11)
     assert table.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
@@ -668,11 +681,11 @@ def test_the_fast_path_checks_the_same_epoch_the_daemon_writes(table: LeaseSegme
     the "never 0" rule included."""
     session = _leasing()
     table.set_epoch(lease_table.lease_epoch(pool_id, epoch))
-    lease = Lease.acquire(session, types.SimpleNamespace(id=pool_id, segment=table, epoch=epoch), LeaseKind.REPLAY, "x", 0)
+    lease = Lease.acquire(session, types.SimpleNamespace(id=pool_id, segment=table, epoch=epoch, shared=False), LeaseKind.REPLAY, "x", 0)
     assert table.peek() == word()
     lease.release()
     with pytest.raises(gpumem.StaleEpoch):
-        Lease.acquire(session, types.SimpleNamespace(id=pool_id, segment=table, epoch=epoch + 2), LeaseKind.REPLAY, "x", 0)
+        Lease.acquire(session, types.SimpleNamespace(id=pool_id, segment=table, epoch=epoch + 2, shared=False), LeaseKind.REPLAY, "x", 0)
 
 
 def test_a_lease_needs_a_pool_this_session_maps() -> None:
@@ -687,7 +700,7 @@ def test_a_held_lease_keeps_its_segment_mapped() -> None:
     the release must still find the slot mapped."""
     seg = fresh_segment(5)
     seg.set_epoch(lease_table.lease_epoch(5, 1))
-    lease = Lease.acquire(_leasing(), types.SimpleNamespace(id=5, segment=seg, epoch=1), LeaseKind.REPLAY, "x", 0)
+    lease = Lease.acquire(_leasing(), types.SimpleNamespace(id=5, segment=seg, epoch=1, shared=False), LeaseKind.REPLAY, "x", 0)
     del seg
     assert mappings_of(5) == 1
     lease.release()

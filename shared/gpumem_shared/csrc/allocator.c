@@ -44,6 +44,9 @@ typedef struct {
      * stream the borrow's lease does not cover. */
     int stream_bound;
     uintptr_t stream;
+    /* An elastic arena's slot: unbacked space is offered to the grow hook before the
+     * request fails. */
+    int growing;
     size_t n_backing;
     uintptr_t backing_base[GPUMEM_MAX_BACKING];
     size_t backing_size[GPUMEM_MAX_BACKING];
@@ -62,6 +65,9 @@ int gpumem_thread_virtual(int on) {
 
 
 static slot_t g_slots[GPUMEM_MAX_SLOTS];
+static gpumem_grow_fn g_grow;
+
+void gpumem_set_grow_hook(gpumem_grow_fn fn) { g_grow = fn; }
 static pthread_mutex_t g_registry = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -103,6 +109,7 @@ int gpumem_slot_acquire(int device, size_t alignment) {
         s->n = 0;
         s->check_backing = 0;
         s->stream_bound = 0;
+        s->growing = 0;
         s->n_backing = 0;
         memset(&s->stats, 0, sizeof(s->stats));
         s->stats.device = device;
@@ -188,6 +195,15 @@ int gpumem_slot_bind_stream(int slot, int bound, uint64_t stream) {
     return 0;
 }
 
+int gpumem_slot_set_growing(int slot, int on) {
+    slot_t *s = slot_at(slot);
+    if (!s || !s->in_use) return -1;
+    pthread_mutex_lock(&s->mu);
+    s->growing = on;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
 static int backed(const slot_t *s, uintptr_t p, size_t n) {
     for (size_t i = 0; i < s->n_backing; i++)
         if (s->backing_base[i] <= p && p + n <= s->backing_base[i] + s->backing_size[i]) return 1;
@@ -210,12 +226,13 @@ size_t gpumem_slot_rounded(int slot, size_t size) {
     return align_up(size ? size : 1, s->alignment);
 }
 
-static void *slot_alloc(int slot, size_t size, int device, void *stream) {
-    slot_t *s = &g_slots[slot];
+/* One try. With `grow_end` given (the first try), a request that meets unbacked space in a growing slot is
+ * not counted as failed: *grow_end says where it would end, for the grow hook. */
+static void *try_alloc(slot_t *s, size_t size, int device, void *stream, uintptr_t *grow_end) {
     void *p = NULL;
     int reason = GPUMEM_FAIL_FULL;
     pthread_mutex_lock(&s->mu);
-    s->stats.calls++;
+    if (grow_end) s->stats.calls++; /* the first try of a request, not its retry */
     if (!s->in_use || device != s->device) {
         reason = GPUMEM_FAIL_DEVICE;
     } else if (s->stream_bound && (uintptr_t)stream != s->stream) {
@@ -227,6 +244,11 @@ static void *slot_alloc(int slot, size_t size, int device, void *stream) {
             uintptr_t at = s->base[i] + s->cursor[i];
             if (s->check_backing && !t_virtual && !backed(s, at, need)) {
                 reason = GPUMEM_FAIL_UNBACKED;
+                if (grow_end && s->growing) {
+                    *grow_end = at + need;
+                    pthread_mutex_unlock(&s->mu);
+                    return NULL;
+                }
                 break;
             }
             p = (void *)at;
@@ -243,6 +265,17 @@ static void *slot_alloc(int slot, size_t size, int device, void *stream) {
     }
     pthread_mutex_unlock(&s->mu);
     return p;
+}
+
+static void *slot_alloc(int slot, size_t size, int device, void *stream) {
+    slot_t *s = &g_slots[slot];
+    uintptr_t grow_end = 0;
+    void *p = try_alloc(s, size, device, stream, &grow_end);
+    if (p || !grow_end) return p;
+    /* The slot's lock is not held here: the hook backs more and sets the backing. */
+    gpumem_grow_fn grow = g_grow;
+    if (grow) grow(slot, grow_end);
+    return try_alloc(s, size, device, stream, NULL);
 }
 
 static void slot_free(int slot, void *ptr, size_t size, int device, void *stream) {

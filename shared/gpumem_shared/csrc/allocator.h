@@ -36,7 +36,15 @@ typedef struct {
     int64_t device;
 } gpumem_stats;
 
+/* Called with no lock held when a request of a growing slot finds room in an extent but
+ * the bytes there are not backed: `end` is the address the request would end at. The
+ * owner may back more (an elastic arena commits) and return nonzero; the request is then
+ * tried once more. */
+typedef int (*gpumem_grow_fn)(int slot, uint64_t end);
+
 int gpumem_thread_virtual(int on);
+void gpumem_set_grow_hook(gpumem_grow_fn fn);
+int gpumem_slot_set_growing(int slot, int on);
 int gpumem_slot_acquire(int device, size_t alignment);
 void gpumem_slot_release(int slot);
 int gpumem_slot_set_extents(int slot, const uint64_t *base, const uint64_t *size, size_t n);

@@ -46,7 +46,8 @@ _Static_assert(sizeof(lease_slot) <= LEASE_SEGMENT_BYTES, "a lease slot fits its
     X(NOT_HOLDER, 4) /* the slot no longer holds the caller's word */                                \
     X(OK_ORDER, 5)   /* taken; the last releaser was another process: wait on its event */           \
     X(ESCAPED, 6)    /* refused: borrowed tensors outlived their scope (see `escaped`) */            \
-    X(RECORD, 7)     /* not released: a shared pool; record the event, then release_recorded */
+    X(RECORD, 7)     /* not released: a shared pool; record the event, then release_recorded */      \
+    X(OK_WAITED, 8)  /* taken, and the stream already waits on that event (module.c's ordered calls) */
 
 /* A lease word's kind, its top byte; 0 is no kind, so a held word is never 0. */
 #define LEASE_KINDS(X)                                                                               \
@@ -69,7 +70,8 @@ enum lease_flag { LEASE_FLAGS(LEASE_FLAG_MEMBER) };
 #undef LEASE_FLAG_MEMBER
 
 /* The calls, on a mapped slot (leases.c says what each does). */
-int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder);
+int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder,
+                         const char *label, uint32_t len);
 int gpumem_lease_try(lease_slot *slot, uint64_t mine, uint32_t epoch, const char *label, uint32_t len);
 int gpumem_lease_clear(lease_slot *slot, uint64_t word);
 int gpumem_lease_release(lease_slot *slot, uint64_t word);
@@ -78,6 +80,7 @@ void gpumem_lease_set_flags(lease_slot *slot, uint32_t flags);
 void gpumem_lease_set_escaped(lease_slot *slot, uint32_t session);
 void gpumem_lease_forget_handoff(lease_slot *slot, uint32_t session);
 uint64_t gpumem_lease_peek(lease_slot *slot);
+uint32_t gpumem_lease_handoff(lease_slot *slot);
 void gpumem_lease_set_epoch(lease_slot *slot, uint32_t epoch);
 
 #endif

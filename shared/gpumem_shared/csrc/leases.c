@@ -55,6 +55,40 @@ static int escaped_for(lease_slot *slot, uint64_t mine) {
 
 static void wake(lease_slot *slot);
 
+/* How long a waiter watches the word before it sleeps on the futex: a holder that lets
+ * go within it hands over without a wake-up (which costs 4-23 us from C alone, by
+ * machine: bench/lease.py measures it), and a longer hold costs the waiter this much CPU
+ * once. */
+#define LEASE_SPIN_NS 20000
+#define LEASE_SPIN_CHECK 64 /* pauses between clock reads */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Watch the word while it still holds ``seen``, up to LEASE_SPIN_NS or the deadline. */
+static void spin_while(lease_slot *slot, uint64_t seen, int64_t deadline) {
+    int64_t until = now_ns(CLOCK_MONOTONIC) + LEASE_SPIN_NS;
+    if (until > deadline) until = deadline;
+    for (;;) {
+        for (int i = 0; i < LEASE_SPIN_CHECK; i++) {
+            if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != seen) return;
+            cpu_relax();
+        }
+        if (now_ns(CLOCK_MONOTONIC) >= until) return;
+    }
+}
+
+static void set_label(lease_slot *slot, const char *label, uint32_t len) {
+    if (len > sizeof(slot->label)) len = sizeof(slot->label);
+    for (uint32_t i = 0; i < len; i++) slot->label[i] = label[i];
+    if (len < sizeof(slot->label)) slot->label[len] = 0;
+}
+
 /* The epoch and escape checks come before the compare-and-swap; a whole retire or
  * borrow-and-escape may fit between the two. Checked again once the slot is ours; if
  * either changed, the take is undone. */
@@ -78,10 +112,14 @@ static int taken(lease_slot *slot, uint64_t mine) {
 }
 
 /* Take the slot for ``mine`` (a nonzero word). ``epoch`` 0 skips the epoch check.
- * timeout_ns 0 tries once; > 0 waits at most that long. On LEASE_HELD or LEASE_CORRUPT,
- * *holder is the word found. */
-int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder) {
+ * timeout_ns 0 tries once; > 0 waits at most that long: watching the word for a while,
+ * then asleep on the futex. A ``label`` (NULL: none) is recorded once the slot is ours,
+ * in the same call, so a waiter woken by a release returns holding a labelled lease.
+ * On LEASE_HELD or LEASE_CORRUPT, *holder is the word found. */
+int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder,
+                         const char *label, uint32_t len) {
     int64_t deadline = timeout_ns > 0 ? now_ns(CLOCK_MONOTONIC) + timeout_ns : 0;
+    int spun = 0;
     for (;;) {
         uint64_t seen = __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE);
         if (!valid(seen)) {
@@ -94,13 +132,20 @@ int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_
             uint64_t expected = 0;
             if (__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
                 int undone = recheck(slot, mine, epoch);
-                return undone ? undone : taken(slot, mine);
+                if (undone) return undone;
+                if (label) set_label(slot, label, len);
+                return taken(slot, mine);
             }
             continue; /* lost the race: look again */
         }
         *holder = seen;
         int64_t left = deadline - now_ns(CLOCK_MONOTONIC);
         if (timeout_ns <= 0 || left <= 0) return LEASE_HELD;
+        if (!spun) {
+            spun = 1;
+            spin_while(slot, seen, deadline);
+            continue;
+        }
         uint32_t generation = __atomic_load_n(&slot->futex, __ATOMIC_ACQUIRE);
         __atomic_add_fetch(&slot->waiters, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&slot->word, __ATOMIC_SEQ_CST) == seen) {
@@ -123,9 +168,7 @@ int gpumem_lease_try(lease_slot *slot, uint64_t mine, uint32_t epoch, const char
     if (!__atomic_compare_exchange_n(&slot->word, &expected, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return LEASE_HELD;
     int undone = recheck(slot, mine, epoch);
     if (undone) return undone;
-    if (len > sizeof(slot->label)) len = sizeof(slot->label);
-    for (uint32_t i = 0; i < len; i++) slot->label[i] = label[i];
-    if (len < sizeof(slot->label)) slot->label[len] = 0;
+    set_label(slot, label, len);
     return taken(slot, mine);
 }
 
@@ -179,5 +222,9 @@ void gpumem_lease_forget_handoff(lease_slot *slot, uint32_t session) {
 }
 
 uint64_t gpumem_lease_peek(lease_slot *slot) { return __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE); }
+
+/* The session whose event a taker told LEASE_OK_ORDER waits on (0: none, or forgotten
+ * since: the releaser ended, and its queued work went with its context). */
+uint32_t gpumem_lease_handoff(lease_slot *slot) { return __atomic_load_n(&slot->handoff, __ATOMIC_ACQUIRE); }
 
 void gpumem_lease_set_epoch(lease_slot *slot, uint32_t epoch) { __atomic_store_n(&slot->epoch, epoch, __ATOMIC_RELEASE); }

@@ -9,7 +9,8 @@
  *   gpumem_shared/lease_table.py, which states none of them.
  * - The allocator slots (allocator.c, allocator.h), by index; torch alone loads this
  *   file's gpumem_alloc_xx / gpumem_free_xx entry points by name.
- * - The IPC-event calls at a lease handoff, into libcuda resolved at first use.
+ * - The IPC-event calls at a lease handoff, into libcuda resolved at first use, and the
+ *   lease calls that make them in the same call as the compare-and-swap (shared pools).
  *
  * One binding style, with its argument checking here: a ctypes binding of the same file
  * restated every signature in Python, and a ctypes call costs more than the
@@ -108,22 +109,27 @@ static PyObject *lease_try(PyObject *module, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLong(gpumem_lease_try(slot, word, epoch, label, (uint32_t)len));
 }
 
-/* lease_acquire(segment_address, word, epoch, timeout_ns) -> (status, word found);
- * sleeps on the slot's futex without the GIL. */
+/* lease_acquire(segment_address, word, epoch, timeout_ns, label: bytes or None) ->
+ * (status, word found); watches the word, then sleeps on the slot's futex, without the
+ * GIL. The label, if any, is recorded once the lease is taken. */
 static PyObject *lease_acquire(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     lease_slot *slot;
     uint32_t epoch;
     uint64_t word;
-    if (lease_args(args, nargs, 4, "lease_acquire(segment_address, word, epoch, timeout_ns)", &slot) < 0 ||
+    char *label = NULL;
+    Py_ssize_t len = 0;
+    if (lease_args(args, nargs, 5, "lease_acquire(segment_address, word, epoch, timeout_ns, label or None)", &slot) < 0 ||
         u64_arg(args[1], &word) < 0 || u32_arg(args[2], &epoch) < 0)
         return NULL;
     long long timeout_ns = PyLong_AsLongLong(args[3]);
     if (timeout_ns == -1 && PyErr_Occurred()) return NULL;
+    if (args[4] != Py_None && PyBytes_AsStringAndSize(args[4], &label, &len) < 0) return NULL;
     uint64_t found = 0;
     int status;
+    /* The label's bytes object stays referenced by the caller's arguments meanwhile. */
     Py_BEGIN_ALLOW_THREADS
-    status = gpumem_lease_acquire(slot, word, epoch, (int64_t)timeout_ns, &found);
+    status = gpumem_lease_acquire(slot, word, epoch, (int64_t)timeout_ns, &found, label, (uint32_t)len);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(iK)", status, (unsigned long long)found);
 }
@@ -333,6 +339,66 @@ static PyObject *slot_stats(PyObject *module, PyObject *const *args, Py_ssize_t 
                          (long long)s.device);
 }
 
+/* slot_counters(slot) -> (failures, cursor_bytes, freed_bytes), None for a slot not in use:
+ * what a borrow scope's entry reads on every step, without building slot_stats' dict */
+static PyObject *slot_counters(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    int slot;
+    gpumem_stats s;
+    if (slot_args(args, nargs, 1, "slot_counters(slot)", &slot) < 0) return NULL;
+    if (gpumem_slot_stats(slot, &s) != 0) Py_RETURN_NONE;
+    return Py_BuildValue("(KKK)", (unsigned long long)s.failures, (unsigned long long)s.cursor_bytes,
+                         (unsigned long long)s.freed_bytes);
+}
+
+/* Each growing slot's Python callback, called by the grow hook with the address a
+ * request would end at; set and read with the GIL held. */
+static PyObject *g_grow_callbacks[GPUMEM_MAX_SLOTS];
+
+/* allocator.c's grow hook. torch calls the allocator from any thread, with or without
+ * the GIL: take it to run the callback, which must not raise (its errors are the
+ * caller's to keep); a truthy result means it backed more. */
+static int grow_trampoline(int slot, uint64_t end) {
+    if (slot < 0 || slot >= GPUMEM_MAX_SLOTS || !Py_IsInitialized()) return 0;
+    PyGILState_STATE state = PyGILState_Ensure();
+    int grew = 0;
+    PyObject *callback = g_grow_callbacks[slot];
+    if (callback) {
+        Py_INCREF(callback);
+        PyObject *result = PyObject_CallFunction(callback, "K", (unsigned long long)end);
+        if (result) {
+            grew = PyObject_IsTrue(result) == 1;
+            Py_DECREF(result);
+        } else {
+            PyErr_WriteUnraisable(callback);
+        }
+        Py_DECREF(callback);
+    }
+    PyGILState_Release(state);
+    return grew;
+}
+
+/* slot_set_grow(slot, callback or None) -> 0, or -1 for a slot not in use */
+static PyObject *slot_set_grow(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    int slot;
+    if (slot_args(args, nargs, 2, "slot_set_grow(slot, callback)", &slot) < 0) return NULL;
+    if (slot < 0 || slot >= GPUMEM_MAX_SLOTS) return PyLong_FromLong(-1);
+    PyObject *callback = args[1] == Py_None ? NULL : args[1];
+    if (callback && !PyCallable_Check(callback)) {
+        PyErr_SetString(PyExc_TypeError, "slot_set_grow: the callback must be callable or None");
+        return NULL;
+    }
+    int rc = gpumem_slot_set_growing(slot, callback != NULL);
+    if (rc == 0) {
+        PyObject *old = g_grow_callbacks[slot];
+        Py_XINCREF(callback);
+        g_grow_callbacks[slot] = callback;
+        Py_XDECREF(old);
+    }
+    return PyLong_FromLong(rc);
+}
+
 /* slot_rounded(slot, nbytes) -> bytes the request takes from an extent (0: slot not in use) */
 static PyObject *slot_rounded(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -354,6 +420,7 @@ typedef int (*ctx_push_fn)(void *);
 typedef int (*ctx_pop_fn)(void **);
 typedef int (*event_record_fn)(void *, void *);
 typedef int (*stream_wait_fn)(void *, void *, unsigned int);
+typedef int (*error_name_fn)(int, const char **);
 
 static struct {
     int loaded;
@@ -362,6 +429,7 @@ static struct {
     ctx_pop_fn pop;
     event_record_fn record;
     stream_wait_fn wait;
+    error_name_fn error_name;
 } cu;
 
 static int load_cuda(void) {
@@ -374,8 +442,9 @@ static int load_cuda(void) {
         cu.pop = (ctx_pop_fn)dlsym(lib, "cuCtxPopCurrent_v2");
         cu.record = (event_record_fn)dlsym(lib, "cuEventRecord");
         cu.wait = (stream_wait_fn)dlsym(lib, "cuStreamWaitEvent");
+        cu.error_name = (error_name_fn)dlsym(lib, "cuGetErrorName");
     }
-    cu.loaded = lib && cu.get && cu.push && cu.pop && cu.record && cu.wait ? 1 : -1;
+    cu.loaded = lib && cu.get && cu.push && cu.pop && cu.record && cu.wait && cu.error_name ? 1 : -1;
     return cu.loaded > 0 ? 0 : -1;
 }
 
@@ -393,9 +462,12 @@ static int in_context(void *ctx, int wait, void *event, void *stream) {
     return rc;
 }
 
-static PyObject *cuda_event_call(PyObject *const *args, Py_ssize_t nargs, int wait) {
+/* cuda_stream_wait(context, event, stream) -> CUresult: the first wait on a releaser's
+ * event, once the client has looked it up (later ones are the ordered acquires'). */
+static PyObject *cuda_stream_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "(context, event, stream) handles as ints");
+        PyErr_SetString(PyExc_TypeError, "cuda_stream_wait(context, event, stream): handles as ints");
         return NULL;
     }
     void *ptr[3];
@@ -403,19 +475,157 @@ static PyObject *cuda_event_call(PyObject *const *args, Py_ssize_t nargs, int wa
         ptr[i] = PyLong_AsVoidPtr(args[i]);
         if (ptr[i] == NULL && PyErr_Occurred()) return NULL;
     }
-    return PyLong_FromLong(in_context(ptr[0], wait, ptr[1], ptr[2]));
+    return PyLong_FromLong(in_context(ptr[0], 1, ptr[1], ptr[2]));
 }
 
-/* cuda_event_record(context, event, stream) -> CUresult */
-static PyObject *cuda_event_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    return cuda_event_call(args, nargs, 0);
+/* ========================================================= lease slots with GPU order */
+
+/* A handoff on a shared pool in one call each side, with no Python between the lease
+ * and its GPU order: the release records the holder's IPC event on its stream and frees
+ * the slot; a take told LEASE_OK_ORDER makes the taker's stream wait on the releaser's
+ * event before it returns. Each takes the session's device context (0: a backend whose
+ * work is synchronous, where no driver call is made) and the lease's stream. A driver
+ * failure leaves the lease not held (a release frees the slot without naming itself, so
+ * nobody waits on an event that marks nothing) and raises the driver layer's DriverError,
+ * worded as the driver's own calls word it. */
+
+typedef struct {
+    void *ctx;
+    void *stream;
+} gpu_order;
+
+static int order_args(PyObject *ctx, PyObject *stream, gpu_order *out) {
+    uint64_t raw;
+    out->ctx = PyLong_AsVoidPtr(ctx);
+    if (out->ctx == NULL && PyErr_Occurred()) return -1;
+    if (u64_arg(stream, &raw) < 0) return -1;
+    out->stream = (void *)(uintptr_t)raw;
+    return 0;
 }
 
-/* cuda_stream_wait(context, event, stream) -> CUresult */
-static PyObject *cuda_stream_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static int events_arg(PyObject *arg) {
+    if (PyDict_Check(arg)) return 0;
+    PyErr_SetString(PyExc_TypeError, "events: a dict of {24-bit session: event handle}");
+    return -1;
+}
+
+/* gpumem_shared.driver.base.DriverError("<call> failed: <CUresult's name>"), the error
+ * the driver's Python calls raise. */
+static void raise_driver_error(const char *call, int rc) {
+    PyObject *base = PyImport_ImportModule("gpumem_shared.driver.base");
+    PyObject *error = base ? PyObject_GetAttrString(base, "DriverError") : NULL;
+    Py_XDECREF(base);
+    if (!error) return; /* the import's own exception stands */
+    const char *name = NULL;
+    if (rc < 0)
+        PyErr_Format(error, "%s failed: libcuda could not be loaded", call);
+    else if (cu.error_name(rc, &name) == 0 && name)
+        PyErr_Format(error, "%s failed: %s", call, name);
+    else
+        PyErr_Format(error, "%s failed: CUresult %d", call, rc);
+    Py_DECREF(error);
+}
+
+/* After a take that returned LEASE_OK_ORDER: the stream waits on the last releaser's
+ * event if ``events`` has it (LEASE_OK_WAITED). LEASE_OK_ORDER stays when it has not:
+ * the caller looks the event up (once) and waits itself. LEASE_OK when the daemon forgot
+ * the releaser meanwhile. -1 with an exception set, the take undone. */
+static int wait_for_releaser(lease_slot *slot, uint64_t word, const gpu_order *order, PyObject *events) {
+    uint32_t releaser = gpumem_lease_handoff(slot);
+    if (!releaser) return LEASE_OK;
+    PyObject *key = PyLong_FromUnsignedLong(releaser);
+    PyObject *found = key ? PyDict_GetItemWithError(events, key) : NULL; /* borrowed */
+    Py_XDECREF(key);
+    if (!found) {
+        if (PyErr_Occurred()) goto undo;
+        return LEASE_OK_ORDER;
+    }
+    void *event = PyLong_AsVoidPtr(found);
+    if (event == NULL && PyErr_Occurred()) goto undo;
+    int rc = order->ctx ? in_context(order->ctx, 1, event, order->stream) : 0;
+    if (rc) {
+        raise_driver_error("cuStreamWaitEvent", rc);
+        goto undo;
+    }
+    return LEASE_OK_WAITED;
+undo:
+    gpumem_lease_clear(slot, word);
+    return -1;
+}
+
+/* lease_try_ordered(segment_address, word, epoch, label: bytes, context, stream, events)
+ * -> status: lease_try, then the wait on the releaser's event when told to order. */
+static PyObject *lease_try_ordered(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    return cuda_event_call(args, nargs, 1);
+    lease_slot *slot;
+    uint32_t epoch;
+    uint64_t word;
+    char *label;
+    Py_ssize_t len;
+    gpu_order order;
+    if (lease_args(args, nargs, 7, "lease_try_ordered(segment_address, word, epoch, label, context, stream, events)", &slot) < 0 ||
+        u64_arg(args[1], &word) < 0 || u32_arg(args[2], &epoch) < 0 || PyBytes_AsStringAndSize(args[3], &label, &len) < 0 ||
+        order_args(args[4], args[5], &order) < 0 || events_arg(args[6]) < 0)
+        return NULL;
+    int status = gpumem_lease_try(slot, word, epoch, label, (uint32_t)len);
+    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(slot, word, &order, args[6])) < 0) return NULL;
+    return PyLong_FromLong(status);
+}
+
+/* lease_acquire_ordered(segment_address, word, epoch, timeout_ns, label or None, context,
+ * stream, events) -> (status, word found): lease_acquire (the wait without the GIL), then
+ * the wait on the releaser's event when told to order. */
+static PyObject *lease_acquire_ordered(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    lease_slot *slot;
+    uint32_t epoch;
+    uint64_t word;
+    char *label = NULL;
+    Py_ssize_t len = 0;
+    gpu_order order;
+    if (lease_args(args, nargs, 8,
+                   "lease_acquire_ordered(segment_address, word, epoch, timeout_ns, label or None, context, stream, events)",
+                   &slot) < 0 ||
+        u64_arg(args[1], &word) < 0 || u32_arg(args[2], &epoch) < 0)
+        return NULL;
+    long long timeout_ns = PyLong_AsLongLong(args[3]);
+    if (timeout_ns == -1 && PyErr_Occurred()) return NULL;
+    if (args[4] != Py_None && PyBytes_AsStringAndSize(args[4], &label, &len) < 0) return NULL;
+    if (order_args(args[5], args[6], &order) < 0 || events_arg(args[7]) < 0) return NULL;
+    uint64_t found = 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = gpumem_lease_acquire(slot, word, epoch, (int64_t)timeout_ns, &found, label, (uint32_t)len);
+    Py_END_ALLOW_THREADS
+    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(slot, word, &order, args[7])) < 0) return NULL;
+    return Py_BuildValue("(iK)", status, (unsigned long long)found);
+}
+
+/* lease_release_ordered(segment_address, word, context, event, stream) -> status: a
+ * holder's release; on a shared pool its event is recorded on the stream first and the
+ * slot names it the releaser to order after (never LEASE_RECORD). A failed record frees
+ * the slot without naming it. */
+static PyObject *lease_release_ordered(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    lease_slot *slot;
+    uint64_t word;
+    gpu_order order;
+    if (lease_args(args, nargs, 5, "lease_release_ordered(segment_address, word, context, event, stream)", &slot) < 0 ||
+        u64_arg(args[1], &word) < 0 || order_args(args[2], args[4], &order) < 0)
+        return NULL;
+    void *event = PyLong_AsVoidPtr(args[3]);
+    if (event == NULL && PyErr_Occurred()) return NULL;
+    int status = gpumem_lease_release(slot, word);
+    if (status == LEASE_RECORD) {
+        int rc = order.ctx ? in_context(order.ctx, 0, event, order.stream) : 0;
+        if (rc) {
+            gpumem_lease_clear(slot, word);
+            raise_driver_error("cuEventRecord", rc);
+            return NULL;
+        }
+        status = gpumem_lease_release_recorded(slot, word);
+    }
+    return PyLong_FromLong(status);
 }
 
 /* ==================================================================== the module */
@@ -442,8 +652,12 @@ static PyMethodDef native_methods[] = {
     FASTCALL(slot_alloc, "An address, as torch would get it (0: nothing fits)."),
     FASTCALL(slot_free, "A free, as torch reports it (counted, not reused)."),
     FASTCALL(slot_stats, "A slot's counters."),
+    FASTCALL(slot_counters, "A slot's failures, cursor and freed bytes (a borrow scope's entry)."),
     FASTCALL(slot_rounded, "Bytes a request takes from an extent."),
-    FASTCALL(cuda_event_record, "cuEventRecord in a context."),
+    FASTCALL(slot_set_grow, "Offer a slot's unbacked space to a callback before a request fails (None: never)."),
+    FASTCALL(lease_try_ordered, "lease_try, and the stream's wait on the last releaser's event."),
+    FASTCALL(lease_acquire_ordered, "lease_acquire, and the stream's wait on the last releaser's event."),
+    FASTCALL(lease_release_ordered, "A holder's release, its event recorded first on a shared pool."),
     FASTCALL(cuda_stream_wait, "cuStreamWaitEvent in a context."),
     {NULL, NULL, 0, NULL},
 };
@@ -535,5 +749,6 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&native_module);
     if (m && add_constants(m) < 0) Py_CLEAR(m);
+    if (m) gpumem_set_grow_hook(grow_trampoline);
     return m;
 }

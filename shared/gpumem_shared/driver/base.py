@@ -124,12 +124,20 @@ class Driver(abc.ABC):
         """Another process's event, from its handle."""
 
     @abc.abstractmethod
-    def event_record(self, event: Any, stream: int) -> None:
-        """Mark the work queued so far on ``stream`` (a raw stream handle, 0 = default)."""
+    def stream_wait(self, event: Any, stream: int) -> None:
+        """Work queued on ``stream`` (a raw stream handle, 0 = default) from now on runs
+        after the event's recorded work."""
+
+    # The lease calls of the native module record and wait themselves, in the same call
+    # as the compare-and-swap (gpumem_shared/csrc/module.c); they take these two ints.
+    @abc.abstractmethod
+    def native_context(self) -> int:
+        """The context they record and wait in (pushed when the calling thread's current
+        one differs); 0 where work is synchronous, so they make no driver call."""
 
     @abc.abstractmethod
-    def stream_wait(self, event: Any, stream: int) -> None:
-        """Work queued on ``stream`` from now on runs after the event's recorded work."""
+    def native_event(self, event: Any) -> int:
+        """An event of ``event_create`` or ``event_open`` as they take it."""
 
     @abc.abstractmethod
     def event_destroy(self, event: Any) -> None:
@@ -146,3 +154,14 @@ class Driver(abc.ABC):
 
 def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
+
+
+def contiguous(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, size)`` ranges merged where one ends where the next begins."""
+    runs: list[tuple[int, int]] = []
+    for start, size in sorted(ranges):
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + size)
+        else:
+            runs.append((start, size))
+    return runs

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpumem_shared import _native
-from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle, PeerAccessError
+from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle, PeerAccessError, contiguous
 
 
 _EVENT_DISABLE_TIMING = 0x2
@@ -203,16 +203,18 @@ class CudaDriver(Driver):
         self._event_call("cuIpcOpenEventHandle", lib.cuIpcOpenEventHandle, ctypes.byref(event), raw)
         return event
 
-    # On every handoff: one native call each, context check included.
-    def event_record(self, event: Any, stream: int) -> None:
-        rc = _native.cuda_event_record(self._ctx_handle, event.value, stream)
-        if rc:
-            raise DriverError(f"cuEventRecord failed: {self._result_name(rc)}")
-
+    # The first wait on a releaser's event, once looked up; later waits, and every
+    # record, are the native lease calls' (native_context, native_event).
     def stream_wait(self, event: Any, stream: int) -> None:
         rc = _native.cuda_stream_wait(self._ctx_handle, event.value, stream)
         if rc:
             raise DriverError(f"cuStreamWaitEvent failed: {self._result_name(rc)}")
+
+    def native_context(self) -> int:
+        return self._ctx_handle
+
+    def native_event(self, event: Any) -> int:
+        return int(event.value)
 
     def _result_name(self, rc: int) -> str:
         return "libcuda could not be loaded" if rc < 0 else _error_name(self._cu, self._cu.CUresult(rc))
@@ -250,7 +252,7 @@ class CudaDriver(Driver):
 
     def _set_access(self, address: int, ranges: list[tuple[int, int]]) -> None:
         # One cuMemSetAccess per contiguous run: it may span several mappings.
-        for start, size in _contiguous(ranges):
+        for start, size in contiguous(ranges):
             self._ck(self._cu.cuMemSetAccess(address + start, size, self._access, len(self._access)), "cuMemSetAccess")
 
     def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
@@ -312,7 +314,7 @@ class CudaDriver(Driver):
 
     def zero(self, placements: list[tuple[int, int]]) -> None:
         self._current()
-        for start, size in _contiguous(placements):
+        for start, size in contiguous(placements):
             self._ck(self._cu.cuMemsetD32Async(start, 0, size // 4, 0), "cuMemsetD32Async")
         self._ck(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
@@ -324,7 +326,7 @@ class CudaDriver(Driver):
             # Fresh allocations read back as zero in our samples, but the driver does not
             # promise it: zero them. The memsets run while the CPU dups the fds, and the
             # fds leave this function only after the sync.
-            for start, size in _contiguous([(address, size) for address, size, _, fresh in chunks if fresh]):
+            for start, size in contiguous([(address, size) for address, size, _, fresh in chunks if fresh]):
                 self._ck(cu.cuMemsetD32Async(start, 0, size // 4, 0), "cuMemsetD32Async")
             for _, _, chunk, _ in chunks:
                 fds.append(os.dup(chunk.fd))  # Python's dup is close-on-exec
@@ -401,13 +403,3 @@ class CudaDriver(Driver):
         buf = (ctypes.c_uint8 * size)()
         self._ck(self._cu.cuMemcpyDtoH(buf, address, size), "cuMemcpyDtoH")
         return bytes(buf)
-
-
-def _contiguous(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for start, size in sorted(ranges):
-        if runs and runs[-1][0] + runs[-1][1] == start:
-            runs[-1] = (runs[-1][0], runs[-1][1] + size)
-        else:
-            runs.append((start, size))
-    return runs

@@ -20,7 +20,7 @@ import stat
 from collections.abc import Sequence
 from typing import Any
 
-from gpumem_shared.driver.base import Driver, DriverError, Handle, PeerAccessError
+from gpumem_shared.driver.base import Driver, DriverError, Handle, PeerAccessError, contiguous
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -81,11 +81,14 @@ class HostDriver(Driver):
             raise DriverError(f"not a host-backend event handle: {handle[:16]!r}")
         return handle
 
-    def event_record(self, event: Any, stream: int) -> None:
-        pass
-
     def stream_wait(self, event: Any, stream: int) -> None:
         pass
+
+    def native_context(self) -> int:
+        return 0
+
+    def native_event(self, event: Any) -> int:
+        return 0
 
     def event_destroy(self, event: Any) -> None:
         pass
@@ -197,6 +200,12 @@ class HostDriver(Driver):
             _mmap(address, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED)
         except OSError as exc:
             raise DriverError(f"unmapping {address:#x}+{size} failed: {exc.strerror}") from None
+
+    def unmap_many(self, address: int, ranges: list[tuple[int, int]]) -> None:
+        # One PROT_NONE mapping over each contiguous run replaces every mapping in it:
+        # a placeholder's hundreds of slots go in one call instead of one each.
+        for offset, size in contiguous(ranges):
+            self.unmap(address + offset, size)
 
     def write(self, address: int, data: bytes) -> None:
         ctypes.memmove(address, data, len(data))

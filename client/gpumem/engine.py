@@ -1,0 +1,202 @@
+"""What an engine needs from gpumemd, in one object: a session, an elastic arena for the
+model and its activations, one for its CUDA graphs, a paged KV cache sized by a round
+after capture, leased replays and borrowed temporaries.
+
+    mem = gpumem.EngineMemory("engine-a", device=0)
+    with mem.running():                                  # model arena + graph capture routing
+        model = load_model()
+        warm_up(model)
+        kv = mem.kv_cache(layers=28, block_shape=(256, 8, 128), itemsize=2)
+        ...point the attention layers at kv.layer_tensors(i, dtype)...
+        graphs = capture(model)                          # torch.cuda.graph(g) with or without pool=
+    graphs = mem.graphs_captured(graphs)                 # registered, arenas trimmed, replays leased
+    pending = mem.kv_commit(headroom_bytes=1 << 30, wait=False)   # the round runs on
+    ...finish starting up...
+    blocks = pending.wait()
+    with mem.running():
+        ...serve; sample with mem.borrowed(sampler, logits, ...) ...
+
+The order is the engine's: nothing here needs the KV cache before capture or the round
+before the scheduler. See docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+
+from gpumem.errors import InvalidArgument
+from gpumem.leased_graph import DEFAULT_WAIT_S, LeasedGraph, leased_graphs
+from gpumem.paged_kv import PagedKvCache
+from gpumem.session import DEFAULT_TIMEOUT, connect
+
+if TYPE_CHECKING:
+    from gpumem.arena import Arena
+    from gpumem.graph_pools import GraphPool
+    from gpumem.kv_pool import RoundWait
+    from gpumem.session import Session
+
+K = TypeVar("K")
+R = TypeVar("R")
+
+GiB = 1 << 30
+# Address space only: the arenas commit what torch asks for, in steps.
+DEFAULT_MODEL_RESERVE = 256 * GiB
+DEFAULT_GRAPH_RESERVE = 64 * GiB
+DEFAULT_MODEL_STEP = 256 << 20
+# Graph pools grow by torch's segments (2 or 20 MiB): small steps keep the trim tight.
+DEFAULT_GRAPH_STEP = 32 << 20
+
+
+class EngineMemory:
+    def __init__(
+        self,
+        name: str,
+        device: int | str = 0,
+        *,
+        runtime_dir: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        model_reserve: int = DEFAULT_MODEL_RESERVE,
+        graph_reserve: int = DEFAULT_GRAPH_RESERVE,
+        model_step: int = DEFAULT_MODEL_STEP,
+        graph_step: int = DEFAULT_GRAPH_STEP,
+    ) -> None:
+        self.name = name
+        self.session: Session = connect(device, name, runtime_dir=runtime_dir, timeout=timeout)
+        try:
+            self.model: Arena = self.session.create_arena(f"{name}-model", model_reserve).set_elastic(model_step)
+            self.graphs: Arena = self.session.create_arena(f"{name}-graphs", graph_reserve).set_elastic(graph_step)
+        except BaseException:
+            self.session.close()
+            raise
+        self.kv: PagedKvCache | None = None
+        self.graph_pool: GraphPool | None = None
+        self._running = threading.local()  # whether this thread is inside running()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[EngineMemory]:
+        """This thread's torch allocations go to the model arena, and graphs captured
+        without a pool to the graphs arena's pool. Re-entrant: an engine's step may run
+        inside its own start-up (a warm-up), and torch refuses a pool routed twice."""
+        if getattr(self._running, "on", False):
+            yield self
+            return
+        self._running.on = True
+        try:
+            with self.model.allocating(), self.graphs.capturing():
+                yield self
+        finally:
+            self._running.on = False
+
+    def kv_cache(
+        self,
+        *,
+        layers: int,
+        block_shape: tuple[int, ...],
+        itemsize: int,
+        combined: bool = False,
+        max_blocks: int = 0,
+        expect: int = 0,
+    ) -> PagedKvCache:
+        """Declare the paged KV cache (see gpumem.paged_kv), placeholder under it, and join
+        the round; ``expect``: how many engines the round gathers (0: whoever reports)."""
+        if self.kv is not None:
+            raise InvalidArgument(f"engine '{self.name}' declared its KV cache already")
+        self.kv = self.session.declare_paged_kv(
+            f"{self.name}-kv", layers=layers, block_shape=block_shape, itemsize=itemsize, combined=combined, max_blocks=max_blocks,
+            expect=expect,
+        )
+        return self.kv
+
+    def graphs_captured(
+        self, graphs: Mapping[K, Any], *, label: str = "decode", shared: bool = False, wait: float = DEFAULT_WAIT_S
+    ) -> dict[K, LeasedGraph]:
+        """After capture: give back what both arenas hold above their peaks, register the
+        graphs arena's pool with the daemon, and return ``graphs`` with their replays
+        leased."""
+        self.model.trim()
+        self.graphs.trim()
+        self.graph_pool = self.graphs.register_graph_pool(label, shared=shared)
+        return leased_graphs(graphs, self.session, self.graph_pool, wait=wait)
+
+    @overload
+    def kv_commit(
+        self, *, headroom_bytes: int = ..., min_blocks: int = ..., max_blocks: int = ..., weight: float = ...,
+        timeout: float | None = ..., wait: Literal[True] = ...,
+    ) -> int: ...
+
+    @overload
+    def kv_commit(
+        self, *, headroom_bytes: int = ..., min_blocks: int = ..., max_blocks: int = ..., weight: float = ...,
+        timeout: float | None = ..., wait: Literal[False],
+    ) -> RoundWait: ...
+
+    def kv_commit(
+        self,
+        *,
+        headroom_bytes: int = 0,
+        min_blocks: int = 0,
+        max_blocks: int = 0,
+        weight: float = 1.0,
+        timeout: float | None = None,
+        wait: bool = True,
+    ) -> int | RoundWait:
+        """Report capture done for the KV cache's round (the graphs arena's bytes as the
+        graph-pool figure); the blocks committed, or a ``RoundWait`` with ``wait=False``.
+        ``headroom_bytes``: what the engine will still allocate past its arenas' peaks
+        once the KV cache holds the rest."""
+        if self.kv is None:
+            raise InvalidArgument(f"engine '{self.name}' has no KV cache: call kv_cache() first")
+        graph_bytes = self.graphs.committed
+        if wait:
+            return self.kv.capture_done(
+                headroom_bytes=headroom_bytes, graph_pool_bytes=graph_bytes, min_blocks=min_blocks,
+                max_blocks=max_blocks, weight=weight, timeout=timeout,
+            )
+        return self.kv.capture_done(
+            headroom_bytes=headroom_bytes, graph_pool_bytes=graph_bytes, min_blocks=min_blocks,
+            max_blocks=max_blocks, weight=weight, timeout=timeout, wait=False,
+        )
+
+    def borrowed(self, fn: Callable[..., R], *args: Any, user: str = "sampler", need_bytes: int = 0, **kwargs: Any) -> R:
+        """``fn(*args, **kwargs)`` with its temporaries in the graph pool's free runs
+        (a borrow, see gpumem.borrow); its tensor results are copied out before the
+        borrow ends, to where allocations go outside it (the model arena inside
+        ``running()``). Where no run holds ``need_bytes`` (an estimate of
+        the largest temporary), or before the graphs are registered, ``fn`` runs as
+        usual instead: borrowing saves memory, it must not fail a step."""
+        pool = self.graph_pool
+        if pool is None:
+            return fn(*args, **kwargs)
+        with self.session.borrow(pool, user=user) as borrow:
+            if need_bytes and not borrow.can_fit(need_bytes):
+                borrow.release()
+                return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            borrow.stop_routing()
+            kept: R = _copied(result)
+            del result
+        return kept
+
+    def close(self) -> None:
+        """Close the session: the daemon takes back every arena and the KV cache."""
+        self.session.close()
+
+    def __enter__(self) -> EngineMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<gpumem.EngineMemory '{self.name}' model {self.model.committed} graphs {self.graphs.committed} kv {self.kv!r}>"
+
+
+def _copied(result: Any) -> Any:
+    """``result`` with every torch tensor in it (alone, or in a tuple or list) cloned."""
+    if isinstance(result, (tuple, list)):
+        return type(result)(_copied(item) for item in result)
+    clone = getattr(result, "clone", None)
+    return clone() if callable(clone) else result

@@ -1,0 +1,100 @@
+"""nano-vllm (the ``nano-vllm-fork`` package) on gpumemd, its own code unchanged.
+
+    from gpumem.integrations import nanovllm
+    nanovllm.enable("engine-a", expect=2)     # before the engine is built; per process
+    llm = LLM(model_dir, max_num_seqs=64)     # nano-vllm as usual
+
+The seams (``ModelRunner`` and ``llm_engine.Scheduler``, patched once, in this process):
+``__init__`` runs inside ``EngineMemory.running()``, so weights, warm-up activations and
+the decode graphs land in elastic arenas; ``allocate_kv_cache`` declares a paged KV cache
+(virtual, placeholder under it) instead of sizing one from free memory;
+``capture_cudagraph`` then registers the graph pool, trims the arenas and leases every
+replay, and the round's report goes out without waiting; the scheduler, built after the
+tokenizer loads, waits for the round and takes its block count; ``run`` allocates in the
+model arena, the sampler borrows the graph pool's free runs; ``exit`` closes the session.
+``gpu_memory_utilization`` is not read: the round sizes the KV cache. One process per
+engine (``tensor_parallel_size`` 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from gpumem.engine import EngineMemory
+from gpumem.errors import InvalidArgument
+
+
+@dataclasses.dataclass
+class Settings:
+    name: str
+    device: int | str = 0
+    expect: int = 0  # engines the round gathers (0: whoever reported by then)
+    headroom_bytes: int = 1 << 30  # left free by the round: allocations past the arenas' peaks
+    min_blocks: int = 0
+    weight: float = 1.0
+    borrow_sampler: bool = True
+    runtime_dir: str | None = None
+
+
+_settings: list[Settings] = []
+
+
+def enable(name: str, **options: Any) -> None:
+    """Put the nano-vllm engines this process builds from now on on gpumemd."""
+    from nanovllm.engine import llm_engine, model_runner
+
+    _settings[:] = [Settings(name, **options)]
+    runner = model_runner.ModelRunner
+    if getattr(runner, "_gpumem_patched", False):
+        return
+    init, capture, run_, exit_ = runner.__init__, runner.capture_cudagraph, runner.run, runner.exit
+
+    def __init__(self: Any, config: Any, rank: int, event: Any) -> None:
+        if config.tensor_parallel_size != 1:
+            raise InvalidArgument("gpumem's nano-vllm integration runs one engine per process (tensor_parallel_size 1)")
+        s = _settings[0]
+        self._gpumem = mem = EngineMemory(s.name, s.device, runtime_dir=s.runtime_dir)
+        with mem.running():
+            init(self, config, rank, event)
+        config.gpumem_round = mem.kv_commit(headroom_bytes=s.headroom_bytes, min_blocks=s.min_blocks, weight=s.weight, wait=False)
+        if s.borrow_sampler:
+            sampler = self.sampler
+            self.sampler = lambda logits, *a, **k: mem.borrowed(sampler, logits, *a, need_bytes=4 * logits.numel(), **k)
+
+    def allocate_kv_cache(self: Any) -> None:
+        hf = self.config.hf_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kv = self._gpumem.kv_cache(
+            layers=hf.num_hidden_layers,
+            block_shape=(self.block_size, hf.num_key_value_heads, head_dim),
+            itemsize=self.dtype.itemsize,
+            expect=_settings[0].expect,
+        )
+        caches = iter(kv.tensors(self.dtype))
+        for module in self.model.modules():
+            if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
+                module.k_cache, module.v_cache = next(caches)
+
+    def capture_cudagraph(self: Any) -> None:
+        capture(self)
+        self.graphs = self._gpumem.graphs_captured(self.graphs)
+
+    def run(self: Any, seqs: Any, is_prefill: bool) -> Any:
+        with self._gpumem.running():
+            return run_(self, seqs, is_prefill)
+
+    def exit(self: Any) -> None:
+        exit_(self)
+        self._gpumem.close()
+
+    class Scheduler(llm_engine.Scheduler):  # type: ignore[misc]
+        def __init__(self, config: Any) -> None:
+            config.num_kvcache_blocks = config.gpumem_round.wait()
+            super().__init__(config)
+
+    for name, patched in [("__init__", __init__), ("allocate_kv_cache", allocate_kv_cache),
+                          ("capture_cudagraph", capture_cudagraph), ("run", run), ("exit", exit)]:
+        setattr(runner, name, patched)
+    llm_engine.Scheduler = Scheduler
+    runner._gpumem_patched = True
