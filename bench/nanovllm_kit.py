@@ -23,9 +23,11 @@ modes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
+import statistics
 import sys
 import time
 import types
@@ -35,6 +37,10 @@ from typing import Any
 LAYERS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 2048, 8192, 16, 4, 128, 32768
 MAX_NUM_SEQS, MAX_MODEL_LEN, MAX_BATCHED = 64, 1024, 8192
 PROMPT_SEED = 1234
+# Switches of the stand-ins, set by this process: "unmasked" makes the decode attention read
+# the slots past each sequence's length as they are (the first stand-in did; eager A/B only).
+STANDIN: dict[str, bool] = {"unmasked": False}
+_SAMPLER: list[Any] = [None]  # the engine's sampler class, once install_standins ran
 
 
 # ---------------------------------------------------------------------- the model directory
@@ -125,13 +131,23 @@ def _flash_attn(torch: Any) -> types.ModuleType:
     def flash_attn_with_kvcache(
         q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, softmax_scale: float, causal: bool = True
     ) -> Any:
-        # No host sync and fixed shapes: this runs inside CUDA-graph capture.
+        # No host sync and fixed shapes: this runs inside CUDA-graph capture. Every slot of
+        # every block-table entry is gathered, also past the sequence's length: a slot not
+        # written yet, a block another sequence owns (an unused entry, -1, reads block 0).
+        # flash-attn reads none of them. Masking their scores is not enough: their bytes
+        # are whatever the memory held (torch.empty), NaN and Inf bit patterns included,
+        # and 0 * NaN is NaN, as is an Inf score plus the mask's -Inf; one such slot turns
+        # the row's output to NaN. So they are zeroed before they meet the arithmetic.
         batch, width = block_table.shape
         blocks = block_table.clamp(min=0)
         k = k_cache[blocks].flatten(1, 2)  # (batch, width * block, kv heads, dim)
         v = v_cache[blocks].flatten(1, 2)
         positions = torch.arange(k.shape[1], device=q.device)
-        mask = (positions[None, :] < cache_seqlens[:, None]) | (positions[None, :] == 0)  # padded rows stay finite
+        valid = positions[None, :] < cache_seqlens[:, None]
+        if not STANDIN["unmasked"]:  # the first stand-in's way, for bench/engine.py's A/B only
+            gone = ~valid[:, :, None, None]
+            k, v = k.masked_fill(gone, 0), v.masked_fill(gone, 0)
+        mask = valid | (positions[None, :] == 0)  # padded rows (length 0) stay finite
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
             scale=softmax_scale, enable_gqa=True,
@@ -146,9 +162,20 @@ def _flash_attn(torch: Any) -> types.ModuleType:
 
 def greedy_sampler(torch: Any) -> type:
     class GreedySampler(torch.nn.Module):  # type: ignore[misc, name-defined]
-        """Greedy, with a sampler's temporaries: float logits and probabilities."""
+        """Greedy, with a sampler's temporaries: float logits and probabilities. While
+        ``probe`` is a list, each call appends what a comparison of runs needs: per row,
+        the gap between the best and the second-best logit (0: a tie, decided by index);
+        the rows with a non-finite logit; and where the logits lay."""
+
+        probe: list[tuple[list[float], int, int]] | None = None
 
         def forward(self, logits: Any, temperatures: Any, *args: Any, **kwargs: Any) -> Any:
+            probe = type(self).probe
+            if probe is not None:  # small temporaries: this may run borrowed
+                top = logits.topk(2, dim=-1).values.float()
+                bad = int((~torch.isfinite(logits)).any(dim=-1).sum())
+                probe.append(((top[:, 0] - top[:, 1]).tolist(), bad, logits.data_ptr()))
+                del top
             probs = torch.softmax(logits.float(), dim=-1)
             return probs.argmax(dim=-1)
 
@@ -166,7 +193,7 @@ def install_standins(port: int) -> Any:
     from nanovllm.engine import model_runner
     from nanovllm.models import qwen3
 
-    model_runner.Sampler = greedy_sampler(torch)
+    model_runner.Sampler = _SAMPLER[0] = greedy_sampler(torch)
     model_runner.find_available_port = lambda *args, **kwargs: port
     get_rope = qwen3.get_rope
 
@@ -182,26 +209,125 @@ def install_standins(port: int) -> Any:
 # ---------------------------------------------------------------------- one engine
 
 
-def generate(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
-    """Greedy completions of ``batch`` (in order), the seconds spent in decode steps, and
-    the tokens those steps made."""
+@dataclasses.dataclass
+class Pass:
+    """One generation of a batch: completions in order, decode time and tokens, and with
+    ``probe``: the top-1/top-2 logit gap of every generated token (as ``tokens``), the
+    logit rows that held a non-finite value, and the logits' addresses."""
+
+    tokens: list[list[int]]
+    decode_s: float
+    decode_tokens: int
+    step_s: list[float]
+    margins: list[list[float]] | None = None
+    nonfinite_rows: int = 0
+    logits_at: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+def generate(llm: Any, batch: list[list[int]], max_tokens: int, probe: bool = False) -> Pass:
+    """Greedy completions of ``batch`` (in order) and the time spent in decode steps."""
     from nanovllm import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     for prompt in batch:
         llm.add_request(prompt, params)
     outputs: dict[int, list[int]] = {}
-    decode_s, decode_tokens = 0.0, 0
-    while not llm.is_finished():
-        started = time.perf_counter()
-        finished, tokens = llm.step()
-        took = time.perf_counter() - started
-        if tokens < 0:
-            decode_s += took
-            decode_tokens -= tokens
-        for seq_id, ids in finished:
-            outputs[seq_id] = ids
-    return [outputs[k] for k in sorted(outputs)], decode_s, decode_tokens
+    margins: dict[int, list[float]] = {}
+    result = Pass([], 0.0, 0, [])
+    scheduled: list[list[Any]] = []
+    calls: list[tuple[list[float], int, int]] = []
+    if probe:
+        schedule = llm.scheduler.schedule
+
+        def recording() -> Any:
+            seqs, is_prefill = schedule()
+            scheduled.append(seqs)
+            return seqs, is_prefill
+
+        llm.scheduler.schedule = recording  # this instance only, until the pass ends
+        _SAMPLER[0].probe = calls
+    try:
+        while not llm.is_finished():
+            started = time.perf_counter()
+            finished, tokens = llm.step()
+            took = time.perf_counter() - started
+            if tokens < 0:
+                result.decode_s += took
+                result.decode_tokens -= tokens
+                result.step_s.append(took)
+            if probe:
+                row_margins, bad, at = calls.pop()
+                for seq, margin in zip(scheduled.pop(), row_margins):
+                    margins.setdefault(seq.seq_id, []).append(margin)
+                result.nonfinite_rows += bad
+                result.logits_at.append(at)
+            for seq_id, ids in finished:
+                outputs[seq_id] = ids
+    finally:
+        if probe:
+            del llm.scheduler.schedule
+            _SAMPLER[0].probe = None
+    result.tokens = [outputs[k] for k in sorted(outputs)]
+    if probe:
+        result.margins = [margins[k] for k in sorted(outputs)]
+    return result
+
+
+def differing(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many sequences differ between two runs' completions."""
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+
+
+def kv_scan(torch: Any, runner: Any, blocks: int, limit: int = 2048) -> dict[str, int]:
+    """What the KV cache's first blocks hold before any generation (the ones a run's
+    sequences get): non-finite and non-zero elements, over every layer's K and V."""
+    n = min(blocks, limit)
+    found = {"blocks": n, "elements": 0, "nonfinite": 0, "nonzero": 0}
+    for module in runner.model.modules():
+        if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
+            for cache in (module.k_cache, module.v_cache):
+                for start in range(0, n, 256):
+                    part = cache[start:min(n, start + 256)]
+                    found["elements"] += part.numel()
+                    found["nonfinite"] += int((~torch.isfinite(part)).sum())
+                    found["nonzero"] += int((part != 0).sum())
+    return found
+
+
+def attention_ab(llm: Any, runner: Any, batch: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """The stand-in's decode attention as fixed against the first one (which let the
+    slots past each sequence's length into the arithmetic), both eager (a graph has one
+    of them captured): same shapes, so what differs is that alone."""
+    runner.enforce_eager = True
+    try:
+        masked = generate(llm, batch, max_tokens, probe=True)
+        STANDIN["unmasked"] = True
+        unmasked = generate(llm, batch, max_tokens, probe=True)
+    finally:
+        STANDIN["unmasked"] = False
+        runner.enforce_eager = False
+    return {"masked_nonfinite_rows": masked.nonfinite_rows, "unmasked_nonfinite_rows": unmasked.nonfinite_rows,
+            "unmasked_differ": differing(unmasked.tokens, masked.tokens), "tokens": masked.tokens}
+
+
+def borrow_overlaps(runner: Any, mem: Any, logits_at: list[int]) -> dict[str, int]:
+    """Whether what the sampler borrows (the graph pool's free runs) can meet what the
+    decode graphs keep between replays (their static inputs and output, graph_vars) or
+    the logits the sampler reads: overlaps, and those in the graphs arena at all."""
+    base, end = mem.graphs.address, mem.graphs.address + mem.graphs.reserved
+    runs = [(base + r.offset, base + r.offset + r.size) for r in mem.graph_pool.free_runs]
+    kept = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in runner.graph_vars.values()]
+    return {
+        "free_runs": len(runs),
+        "graph_vars_overlapping_runs": sum(1 for lo, hi in kept if any(a < hi and lo < b for a, b in runs)),
+        "graph_vars_in_graphs_arena": sum(1 for lo, _ in kept if base <= lo < end),
+        "logits_in_graphs_arena": sum(1 for at in logits_at if base <= at < end),
+        "logits_seen": len(logits_at),
+    }
 
 
 def sampler_borrowing(torch: Any, mem: Any) -> dict[str, int]:
@@ -242,6 +368,7 @@ def engine(args: argparse.Namespace) -> int:
         from gpumem.integrations import nanovllm as integration
 
         integration.enable(args.name, expect=args.expect, runtime_dir=args.runtime_dir, headroom_bytes=args.headroom << 20)
+    _wait_file(args.start_after)  # imported: start when told
     out: dict[str, Any] = {"mode": args.mode, "name": args.name, "pid": os.getpid()}
     started = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_BATCHED,
@@ -250,10 +377,15 @@ def engine(args: argparse.Namespace) -> int:
     runner = llm.model_runner
     out["blocks"] = runner.config.num_kvcache_blocks
     out["block_bytes"] = 2 * LAYERS * runner.block_size * KV_HEADS * HEAD_DIM * 2
+    _diagnose(out, "kv_scan", lambda: kv_scan(torch, runner, out["blocks"]))
     batch = prompts(args.prompts)
     generate(llm, batch[:8], 4)  # warm: both modes time steady state
-    tokens, decode_s, decode_tokens = generate(llm, batch, args.tokens)
-    out.update(tokens=tokens, decode_tok_s=decode_tokens / decode_s if decode_s else 0.0)
+    first = generate(llm, batch, args.tokens, probe=True)  # the tokens compared across runs
+    timed = [generate(llm, batch, args.tokens) for _ in range(args.passes)]
+    out.update(tokens=first.tokens, margins=first.margins, nonfinite_logit_rows=first.nonfinite_rows,
+               repeat_differ=max((differing(t.tokens, first.tokens) for t in timed), default=0),
+               decode_passes_tok_s=[t.decode_tok_s for t in timed], decode_tok_s=_median([t.decode_tok_s for t in timed]),
+               decode_step_ms=1000 * _median([s for t in timed for s in t.step_s]))
     if args.mode == "gpumemd":
         import msgspec
 
@@ -261,19 +393,58 @@ def engine(args: argparse.Namespace) -> int:
         out["model_usage"] = vars(mem.model.usage())
         out["graphs_usage"] = vars(mem.graphs.usage())
         out["kv_budget"] = msgspec.structs.asdict(mem.kv.pool.budget)
-        if args.borrow_figures:
-            out["sampler"] = sampler_borrowing(torch, mem)
+        _diagnose(out, "borrow_overlaps", lambda: borrow_overlaps(runner, mem, first.logits_at))
+    if args.ab_attention:
+        _diagnose(out, "attention_ab", lambda: attention_ab(llm, runner, batch, args.tokens))
+    if args.mode == "gpumemd" and args.borrow_figures:
+        out["sampler"] = sampler_borrowing(torch, runner._gpumem)
     _write(args.out, out)
     if args.again_after:  # keep serving: once the file appears, generate the same batch again
         while not Path(args.again_after).exists():
             generate(llm, batch[:8], 4)
-        again, _, _ = generate(llm, batch, args.tokens)
-        differ = [i for i, (x, y) in enumerate(zip(again, tokens)) if x != y]
-        _write(args.out + ".again", {"same_tokens": again == tokens, "sequences": len(again), "differ": len(differ)})
+        again = generate(llm, batch, args.tokens)
+        _write(args.out + ".again", {"same_tokens": again.tokens == first.tokens, "sequences": len(again.tokens),
+                                     "differ": differing(again.tokens, first.tokens)})
+    if args.duel:
+        duel(llm, batch, args.tokens, first.tokens, Path(args.duel), args.name)
     if args.serve_forever:
         while True:
             generate(llm, batch, args.tokens)
     return 0
+
+
+def duel(llm: Any, batch: list[list[int]], max_tokens: int, tokens: list[list[int]], folder: Path, name: str) -> None:
+    """Timed passes on request, for decode figures taken in turns with another engine:
+    pass ``i`` runs once ``folder/NAME.i.go`` exists and writes ``folder/NAME.i.json``;
+    ``folder/stop`` ends the loop."""
+    i = 0
+    while True:
+        go = folder / f"{name}.{i}.go"
+        while not go.exists():
+            if (folder / "stop").exists():
+                return
+            time.sleep(0.005)
+        run = generate(llm, batch, max_tokens)
+        _write(str(folder / f"{name}.{i}.json"), {"decode_tok_s": run.decode_tok_s, "decode_step_ms": 1000 * _median(run.step_s),
+                                                  "differ": differing(run.tokens, tokens)})
+        i += 1
+
+
+def _diagnose(out: dict[str, Any], key: str, fn: Any) -> None:
+    """``out[key] = fn()``; a diagnostic that fails says why instead of ending the run."""
+    try:
+        out[key] = fn()
+    except Exception as exc:  # noqa: BLE001 - reported in the figures
+        out[key] = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _wait_file(path: str) -> None:
+    while path and not Path(path).exists():
+        time.sleep(0.02)
 
 
 def _write(path: str, data: dict[str, Any]) -> None:
@@ -301,6 +472,10 @@ def main() -> int:
     e.add_argument("--tokens", type=int, default=64)
     e.add_argument("--borrow-figures", action="store_true")
     e.add_argument("--again-after", default="", help="once this file exists, generate again and compare")
+    e.add_argument("--start-after", default="", help="import, then build the engine once this file exists")
+    e.add_argument("--passes", type=int, default=2, help="timed passes after the compared one (decode figures)")
+    e.add_argument("--ab-attention", action="store_true", help="eager A/B of the stand-in's decode attention")
+    e.add_argument("--duel", default="", help="then run timed passes on request (files in this folder)")
     e.add_argument("--serve-forever", action="store_true")
     args = parser.parse_args()
     if args.command == "build":
