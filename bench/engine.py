@@ -216,7 +216,8 @@ def _differing(x: dict[str, Any], y: dict[str, Any]) -> dict[str, Any]:
     first (sequence, token) where one does and each run's top-1/top-2 logit gap at that
     step (a gap near 0 is a near-tie: a last-bit difference flips it), and over every step
     both runs took from the same tokens, how many gaps were equal to the bit (all: the
-    logits were computed alike) and how many were exact ties."""
+    logits were computed alike) and how many were exact ties; and how many steps from the
+    first had logits with equal bit checksums."""
     a, b = x["tokens"], y["tokens"]
     ga, gb = x.get("margins"), y.get("margins")
     rows = [i for i, (u, v) in enumerate(zip(a, b)) if u != v]
@@ -234,7 +235,9 @@ def _differing(x: dict[str, Any], y: dict[str, Any]) -> dict[str, Any]:
             steps += 1
             equal += ga[i][j] == gb[i][j]
             ties += ga[i][j] == 0
-    out.update(gaps_equal=equal, gaps_compared=steps, ties=ties)
+    ca, cb = x.get("checksums") or [], y.get("checksums") or []
+    same_steps = next((k for k, (u, v) in enumerate(zip(ca, cb)) if u != v), min(len(ca), len(cb)))
+    out.update(gaps_equal=equal, gaps_compared=steps, ties=ties, steps_alike=same_steps, steps=max(len(ca), len(cb)))
     return out
 
 

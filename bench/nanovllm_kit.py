@@ -165,16 +165,18 @@ def greedy_sampler(torch: Any) -> type:
         """Greedy, with a sampler's temporaries: float logits and probabilities. While
         ``probe`` is a list, each call appends what a comparison of runs needs: per row,
         the gap between the best and the second-best logit (0: a tie, decided by index);
-        the rows with a non-finite logit; and where the logits lay."""
+        the rows with a non-finite logit; where the logits lay; and the sum of their bit
+        patterns (equal sums: logits alike to the bit, as far as a checksum tells)."""
 
-        probe: list[tuple[list[float], int, int]] | None = None
+        probe: list[tuple[list[float], int, int, int]] | None = None
 
         def forward(self, logits: Any, temperatures: Any, *args: Any, **kwargs: Any) -> Any:
             probe = type(self).probe
             if probe is not None:  # small temporaries: this may run borrowed
                 top = logits.topk(2, dim=-1).values.float()
                 bad = int((~torch.isfinite(logits)).any(dim=-1).sum())
-                probe.append(((top[:, 0] - top[:, 1]).tolist(), bad, logits.data_ptr()))
+                bits = int(logits.contiguous().view(torch.int16).sum(dtype=torch.int64))
+                probe.append(((top[:, 0] - top[:, 1]).tolist(), bad, logits.data_ptr(), bits))
                 del top
             probs = torch.softmax(logits.float(), dim=-1)
             return probs.argmax(dim=-1)
@@ -213,7 +215,8 @@ def install_standins(port: int) -> Any:
 class Pass:
     """One generation of a batch: completions in order, decode time and tokens, and with
     ``probe``: the top-1/top-2 logit gap of every generated token (as ``tokens``), the
-    logit rows that held a non-finite value, and the logits' addresses."""
+    logit rows that held a non-finite value, the logits' addresses and, step by step, a
+    checksum of their bits."""
 
     tokens: list[list[int]]
     decode_s: float
@@ -222,6 +225,7 @@ class Pass:
     margins: list[list[float]] | None = None
     nonfinite_rows: int = 0
     logits_at: list[int] = dataclasses.field(default_factory=list)
+    checksums: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def decode_tok_s(self) -> float:
@@ -239,7 +243,7 @@ def generate(llm: Any, batch: list[list[int]], max_tokens: int, probe: bool = Fa
     margins: dict[int, list[float]] = {}
     result = Pass([], 0.0, 0, [])
     scheduled: list[list[Any]] = []
-    calls: list[tuple[list[float], int, int]] = []
+    calls: list[tuple[list[float], int, int, int]] = []
     if probe:
         schedule = llm.scheduler.schedule
 
@@ -260,7 +264,8 @@ def generate(llm: Any, batch: list[list[int]], max_tokens: int, probe: bool = Fa
                 result.decode_tokens -= tokens
                 result.step_s.append(took)
             if probe:
-                row_margins, bad, at = calls.pop()
+                row_margins, bad, at, bits = calls.pop()
+                result.checksums.append(bits)
                 for seq, margin in zip(scheduled.pop(), row_margins):
                     margins.setdefault(seq.seq_id, []).append(margin)
                 result.nonfinite_rows += bad
@@ -382,7 +387,7 @@ def engine(args: argparse.Namespace) -> int:
     generate(llm, batch[:8], 4)  # warm: both modes time steady state
     first = generate(llm, batch, args.tokens, probe=True)  # the tokens compared across runs
     timed = [generate(llm, batch, args.tokens) for _ in range(args.passes)]
-    out.update(tokens=first.tokens, margins=first.margins, nonfinite_logit_rows=first.nonfinite_rows,
+    out.update(tokens=first.tokens, margins=first.margins, checksums=first.checksums, nonfinite_logit_rows=first.nonfinite_rows,
                repeat_differ=max((differing(t.tokens, first.tokens) for t in timed), default=0),
                decode_passes_tok_s=[t.decode_tok_s for t in timed], decode_tok_s=_median([t.decode_tok_s for t in timed]),
                decode_step_ms=1000 * _median([s for t in timed for s in t.step_s]))
