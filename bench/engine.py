@@ -14,19 +14,23 @@ bench/nanovllm_kit.py: a random-weight Qwen3, fixed prompts, greedy):
 4. two engines on gpumemd in one round: their KV blocks and tokens; then kill -9 of one
    while it generates: the time from its death to its memory back in the daemon's books
    (STATUS polled every 2 ms), and whether the other generates the same tokens again;
-5. decode in turns: a shipped engine (0.3) starts beside the survivor, and the two run
-   timed passes of the batch one at a time, who goes first alternating
-   (``--duel-rounds`` each); ``decode_ratio`` is the ratio of the medians.
+5. decode in turns: a shipped engine (0.3) starts beside the survivor, both are pinned
+   to the same four CPUs, and the two run timed passes of the batch one at a time, who
+   goes first alternating (``--duel-rounds`` each); a pass's figure comes from its
+   median decode step, and ``decode_ratio`` is the ratio of the medians over the passes.
 
 Each engine is a process of its own (bench/nanovllm_kit.py engine), started at the
 beginning so that its imports overlap the rest, and building its engine when told.
 Each generates the batch once with a probe (the tokens compared across engines, the
-top-1/top-2 logit gap of every step, rows with a non-finite logit), then ``--passes``
-timed passes (same tokens again: ``repeat_differ``). Token comparisons name the first
-differing (sequence, token), both runs' logit gaps there and how many gaps of the steps
-both took from the same tokens were equal to the bit. The KV blocks ratio is against
-run 1, the start-up against run 2, the decode ratio from step 5 (run 3 against run 1
-also shown, ``decode_ratio_separate_runs``: processes apart are noisy).
+top-1/top-2 logit gap of every step, a checksum of each step's logits, rows with a
+non-finite logit), then ``--passes`` timed passes (same tokens again: ``repeat_differ``;
+the median wall time per step of ``run``, ``replay`` and ``sampler``: where gpumemd's
+per-step cost goes). Token comparisons name the first differing (sequence, token), both
+runs' logit gaps there, how many gaps of the steps both took from the same tokens were
+equal to the bit, how many steps from the first had alike logits, and the widest split.
+The KV blocks ratio is against run 1, the start-up against run 2, the decode ratio from
+step 5 (run 3 against run 1 also shown, ``decode_ratio_separate_runs``: processes apart
+are noisy).
 
 Host (``--backend host``): no engine runs (nano-vllm needs CUDA); the engine API's pieces
 against a host daemon: elastic growth through the allocator slot, trim, and two paged KV
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import sys
@@ -66,7 +71,8 @@ def _result(child: c.Child, path: Path, timeout: float = ENGINE_TIMEOUT) -> dict
 
 def _summary(r: dict[str, Any]) -> str:
     return (f"{r['mode']} {r['name']}: {r['blocks']} blocks, start-up {r['startup_s']:.2f}s, decode {r['decode_tok_s']:.0f} tok/s "
-            f"(passes {', '.join(f'{x:.0f}' for x in r['decode_passes_tok_s'])}), non-finite logit rows {r['nonfinite_logit_rows']}, "
+            f"(passes {', '.join(f'{x:.0f}' for x in r['decode_passes_tok_s'])}; step parts ms {r.get('step_parts_ms')}), "
+            f"repeat differ {r['repeat_differ']}, non-finite logit rows {r['nonfinite_logit_rows']}, sdpa {r.get('sdpa')}, "
             f"kv scan {r.get('kv_scan')}, ab {_ab(r)}")
 
 
@@ -117,7 +123,8 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     shipped.stop()
     c.say(_summary(base))
     f.update(shipped_blocks=base["blocks"], shipped_cold_startup_s=base["startup_s"], shipped_decode_tok_s=base["decode_tok_s"],
-             shipped_kv_scan=base.get("kv_scan"), shipped_attention_ab=_ab(base))
+             shipped_kv_scan=base.get("kv_scan"), shipped_attention_ab=_ab(base), sdpa=base.get("sdpa"),
+             shipped_step_parts_ms=base.get("step_parts_ms"))
     go["half"].write_text("go")
     half_r = _result(half, rd / "shipped045.json")
     half.stop()
@@ -141,6 +148,7 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
         gpumemd_decode_tok_s=solo_r["decode_tok_s"], decode_ratio_separate_runs=c.ratio(solo_r["decode_tok_s"], base["decode_tok_s"]),
         gpumemd_startup_s=solo_r["startup_s"], extra_startup_s=solo_r["startup_s"] - half_r["startup_s"],
         gpumemd_kv_scan=solo_r.get("kv_scan"), gpumemd_attention_ab=_ab(solo_r), borrow_overlaps=solo_r.get("borrow_overlaps"),
+        gpumemd_step_parts_ms=solo_r.get("step_parts_ms"),
         eager_gpumemd_vs_shipped_differ=_eager_differ(solo_r, base),
         model_arena=solo_r["model_usage"], graph_arena=solo_r["graphs_usage"], kv_budget=solo_r["kv_budget"],
         sampler_temporaries_bytes=sampler["temporaries_bytes"], sampler_borrowed_peak_bytes=sampler["borrowed_peak_bytes"],
@@ -174,27 +182,35 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     again = _result(a, rd / "pair-a.json.again")
     f.update(survivor_same_tokens=bool(again.get("same_tokens")), survivor_differ=again.get("differ"))
 
-    # Decode in turns: the survivor (gpumemd) and a shipped engine started beside it, one
-    # timed pass each per round, who goes first alternating; the ratio of the medians.
+    # Decode in turns: the survivor (gpumemd) and a shipped engine started beside it, both
+    # on the same CPUs, one timed pass each per round, who goes first alternating; each
+    # pass's figure from its median step; the ratio of the medians over the rounds.
     go["duel"].write_text("go")
     rival_r = _result(rival, rd / "duel-shipped.json")
     c.say(_summary(rival_r))
     f.update(shipped_third_differ=_differing(rival_r, base))
+    cpus = set(sorted(os.sched_getaffinity(0))[-4:])
+    pinned = {name: _pin(child.pid, cpus) for name, child in (("duel-shipped", rival), ("pair-a", a))}
     turns = {"shipped": (rival, "duel-shipped"), "gpumemd": (a, "pair-a")}
     passes: dict[str, list[float]] = {"shipped": [], "gpumemd": []}
+    parts: dict[str, list[dict[str, float]]] = {"shipped": [], "gpumemd": []}
     duel_differ = 0
     for i in range(args.duel_rounds):
         for mode in (("shipped", "gpumemd") if i % 2 == 0 else ("gpumemd", "shipped")):
             child, name = turns[mode]
             (duel_dir / f"{name}.{i}.go").write_text("go")
             r = _result(child, duel_dir / f"{name}.{i}.json", 60)
-            passes[mode].append(r["decode_tok_s"])
+            passes[mode].append(round(r["step_tok_s"]))
+            parts[mode].append(r["step_parts_ms"])
             duel_differ += r["differ"]
     (duel_dir / "stop").write_text("stop")
     shipped_median, gpumemd_median = c.median(passes["shipped"]), c.median(passes["gpumemd"])
-    c.say(f"decode in turns: shipped {passes['shipped']}, gpumemd {passes['gpumemd']}")
+    c.say(f"decode in turns (tok/s from each pass's median step): shipped {passes['shipped']}, gpumemd {passes['gpumemd']}")
     f.update(decode_ratio=c.ratio(gpumemd_median, shipped_median), duel_shipped_tok_s=passes["shipped"],
-             duel_gpumemd_tok_s=passes["gpumemd"], duel_passes_differ=duel_differ,
+             duel_gpumemd_tok_s=passes["gpumemd"], duel_cpus=sorted(cpus), duel_threads_pinned=pinned,
+             duel_step_parts_ms={mode: {k: round(c.median([x[k] for x in parts[mode]]), 3) for k in ("run", "replay", "sampler")}
+                                 for mode in parts},
+             duel_passes_differ=duel_differ,
              repeat_differ={r["name"]: r["repeat_differ"] for r in (base, half_r, solo_r, a_r, b_r)},
              nonfinite_logit_rows={r["name"]: r["nonfinite_logit_rows"] for r in (base, half_r, solo_r, a_r, b_r, rival_r)})
     t.update(pair_blocks=f">= {half_r['blocks']} each")
@@ -216,8 +232,10 @@ def _differing(x: dict[str, Any], y: dict[str, Any]) -> dict[str, Any]:
     first (sequence, token) where one does and each run's top-1/top-2 logit gap at that
     step (a gap near 0 is a near-tie: a last-bit difference flips it), and over every step
     both runs took from the same tokens, how many gaps were equal to the bit (all: the
-    logits were computed alike) and how many were exact ties; and how many steps from the
-    first had logits with equal bit checksums."""
+    logits were computed alike) and how many were exact ties; how many steps from the
+    first had logits with equal bit checksums; and over the sequences that differ, the
+    widest split: the two runs' gaps added at the step they parted (what the logits must
+    have moved by; numeric noise parts runs at near-ties only, a corruption anywhere)."""
     a, b = x["tokens"], y["tokens"]
     ga, gb = x.get("margins"), y.get("margins")
     rows = [i for i, (u, v) in enumerate(zip(a, b)) if u != v]
@@ -237,8 +255,26 @@ def _differing(x: dict[str, Any], y: dict[str, Any]) -> dict[str, Any]:
             ties += ga[i][j] == 0
     ca, cb = x.get("checksums") or [], y.get("checksums") or []
     same_steps = next((k for k, (u, v) in enumerate(zip(ca, cb)) if u != v), min(len(ca), len(cb)))
-    out.update(gaps_equal=equal, gaps_compared=steps, ties=ties, steps_alike=same_steps, steps=max(len(ca), len(cb)))
+    splits = [ga[i][j] + gb[i][j] for i in rows for j in [_split(a[i], b[i])] if j < min(len(ga[i]), len(gb[i]))]
+    out.update(gaps_equal=equal, gaps_compared=steps, ties=ties, steps_alike=same_steps, steps=max(len(ca), len(cb)),
+               widest_split=max(splits, default=None))
     return out
+
+
+def _split(u: list[int], v: list[int]) -> int:
+    return next((j for j, (p, q) in enumerate(zip(u, v)) if p != q), min(len(u), len(v)))
+
+
+def _pin(pid: int, cpus: set[int]) -> int:
+    """Every thread of process ``pid`` onto ``cpus`` (best effort); how many were."""
+    done = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+            done += 1
+        except (OSError, ValueError):
+            pass
+    return done
 
 
 def _eager_differ(x: dict[str, Any], y: dict[str, Any]) -> int | None:
@@ -282,7 +318,7 @@ def main() -> int:
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--duel-rounds", type=int, default=4, help="decode passes each, in turns (CUDA)")
+    parser.add_argument("--duel-rounds", type=int, default=8, help="decode passes each, in turns (CUDA)")
     parser.add_argument("--keep-logs", type=Path, default=None, help="copy every process's log here (CUDA)")
     args = parser.parse_args()
     c.ensure_importable()

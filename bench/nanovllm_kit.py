@@ -135,9 +135,11 @@ def _flash_attn(torch: Any) -> types.ModuleType:
         # every block-table entry is gathered, also past the sequence's length: a slot not
         # written yet, a block another sequence owns (an unused entry, -1, reads block 0).
         # flash-attn reads none of them. Masking their scores is not enough: their bytes
-        # are whatever the memory held (torch.empty), NaN and Inf bit patterns included,
-        # and 0 * NaN is NaN, as is an Inf score plus the mask's -Inf; one such slot turns
-        # the row's output to NaN. So they are zeroed before they meet the arithmetic.
+        # are whatever the memory held (torch.empty, or a daemon's recycled chunk), and
+        # were a NaN or Inf bit pattern among them, 0 * NaN is NaN, as is an Inf score
+        # plus the mask's -Inf: the row's output would turn NaN. So they are zeroed
+        # before they meet the arithmetic. (On the H200 the KV caches held none: a
+        # scan found no non-finite value; this is not what made runs differ.)
         batch, width = block_table.shape
         blocks = block_table.clamp(min=0)
         k = k_cache[blocks].flatten(1, 2)  # (batch, width * block, kv heads, dim)
@@ -191,6 +193,14 @@ def install_standins(port: int) -> Any:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
+    # The stand-in's attention is torch's scaled-dot-product attention, and torch 2.11 on
+    # an H200 (sm90, cuDNN > 9.15) tries cuDNN's first: the one backend torch itself calls
+    # not deterministic (it refuses it under use_deterministic_algorithms). With it, the
+    # decode steps' logits differed from run to run, in one process and across processes,
+    # while the prefill's were alike to the bit; greedy near-ties (random bf16 weights
+    # leave many) turned that into different tokens. Without it, torch picks its
+    # memory-efficient kernel for these masked, grouped-query shapes.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     sys.modules["flash_attn"] = _flash_attn(torch)
     from nanovllm.engine import model_runner
     from nanovllm.models import qwen3
@@ -319,6 +329,81 @@ def attention_ab(llm: Any, runner: Any, batch: list[list[int]], max_tokens: int)
             "unmasked_differ": differing(unmasked.tokens, masked.tokens), "tokens": masked.tokens}
 
 
+def sdpa_choice(torch: Any) -> dict[str, dict[str, str]]:
+    """The backend torch picks for the stand-in's attention shapes (decode: one query per
+    sequence against a full block-table row, masked; prefill: one sequence, causal mask),
+    as set up here and as torch would by default (cuDNN's allowed)."""
+    from torch.nn.attention import SDPBackend
+
+    def pick() -> dict[str, str]:
+        bf16, width = torch.bfloat16, -(-MAX_MODEL_LEN // 256) * 256
+        q = torch.zeros(MAX_NUM_SEQS, HEADS, 1, HEAD_DIM, device="cuda", dtype=bf16)
+        k = torch.zeros(MAX_NUM_SEQS, KV_HEADS, width, HEAD_DIM, device="cuda", dtype=bf16)
+        mask = torch.ones(MAX_NUM_SEQS, 1, 1, width, device="cuda", dtype=torch.bool)
+        pq = torch.zeros(1, HEADS, 128, HEAD_DIM, device="cuda", dtype=bf16)
+        pk = torch.zeros(1, KV_HEADS, 128, HEAD_DIM, device="cuda", dtype=bf16)
+        causal = torch.ones(128, 128, device="cuda", dtype=torch.bool).tril()
+        return {
+            "decode": SDPBackend(torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=None, enable_gqa=True)).name,
+            "prefill": SDPBackend(torch._fused_sdp_choice(pq, pk, pk, causal, 0.0, False, scale=None, enable_gqa=True)).name,
+        }
+
+    here = pick()
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        default = pick()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+    return {"here": here, "torch_default": default}
+
+
+class StepParts:
+    """Wall time of each call of a step's pieces, the same in both modes: the runner's
+    ``run`` (prepare, forward, sample, read back: it waits for the GPU), the decode
+    graphs' ``replay`` (launch, and on gpumemd the replay lease) and the ``sampler``
+    (launches, and on gpumemd the borrow)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, list[float]] = {"run": [], "replay": [], "sampler": []}
+
+    def timed(self, key: str, fn: Any) -> Any:
+        spent = self.spent[key]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - started)
+
+        return call
+
+    def install(self, runner: Any) -> None:
+        runner.run = self.timed("run", runner.run)
+        runner.sampler = self.timed("sampler", runner.sampler)
+        if getattr(runner, "graphs", None):
+            runner.graphs = {bs: _TimedGraph(g, self.timed("replay", g.replay)) for bs, g in runner.graphs.items()}
+
+    def medians_ms(self) -> dict[str, float]:
+        return {key: 1000 * _median(spent) for key, spent in self.spent.items()}
+
+    def clear(self) -> None:
+        for spent in self.spent.values():
+            spent.clear()
+
+
+class _TimedGraph:
+    """A captured graph whose ``replay`` is timed; the rest is the graph's."""
+
+    def __init__(self, graph: Any, replay: Any) -> None:
+        self._graph = graph
+        self.replay = replay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._graph, name)
+
+
 def borrow_overlaps(runner: Any, mem: Any, logits_at: list[int]) -> dict[str, int]:
     """Whether what the sampler borrows (the graph pool's free runs) can meet what the
     decode graphs keep between replays (their static inputs and output, graph_vars) or
@@ -383,14 +468,19 @@ def engine(args: argparse.Namespace) -> int:
     out["blocks"] = runner.config.num_kvcache_blocks
     out["block_bytes"] = 2 * LAYERS * runner.block_size * KV_HEADS * HEAD_DIM * 2
     _diagnose(out, "kv_scan", lambda: kv_scan(torch, runner, out["blocks"]))
+    _diagnose(out, "sdpa", lambda: sdpa_choice(torch))
+    parts = StepParts()
+    parts.install(runner)
     batch = prompts(args.prompts)
     generate(llm, batch[:8], 4)  # warm: both modes time steady state
     first = generate(llm, batch, args.tokens, probe=True)  # the tokens compared across runs
+    parts.clear()
     timed = [generate(llm, batch, args.tokens) for _ in range(args.passes)]
     out.update(tokens=first.tokens, margins=first.margins, checksums=first.checksums, nonfinite_logit_rows=first.nonfinite_rows,
+               prefill_steps=len(first.checksums) - len(first.step_s),
                repeat_differ=max((differing(t.tokens, first.tokens) for t in timed), default=0),
                decode_passes_tok_s=[t.decode_tok_s for t in timed], decode_tok_s=_median([t.decode_tok_s for t in timed]),
-               decode_step_ms=1000 * _median([s for t in timed for s in t.step_s]))
+               decode_step_ms=1000 * _median([s for t in timed for s in t.step_s]), step_parts_ms=parts.medians_ms())
     if args.mode == "gpumemd":
         import msgspec
 
@@ -411,17 +501,19 @@ def engine(args: argparse.Namespace) -> int:
         _write(args.out + ".again", {"same_tokens": again.tokens == first.tokens, "sequences": len(again.tokens),
                                      "differ": differing(again.tokens, first.tokens)})
     if args.duel:
-        duel(llm, batch, args.tokens, first.tokens, Path(args.duel), args.name)
+        duel(llm, batch, args.tokens, first.tokens, Path(args.duel), args.name, parts)
     if args.serve_forever:
         while True:
             generate(llm, batch, args.tokens)
     return 0
 
 
-def duel(llm: Any, batch: list[list[int]], max_tokens: int, tokens: list[list[int]], folder: Path, name: str) -> None:
+def duel(llm: Any, batch: list[list[int]], max_tokens: int, tokens: list[list[int]], folder: Path, name: str,
+         parts: StepParts) -> None:
     """Timed passes on request, for decode figures taken in turns with another engine:
-    pass ``i`` runs once ``folder/NAME.i.go`` exists and writes ``folder/NAME.i.json``;
-    ``folder/stop`` ends the loop."""
+    pass ``i`` runs once ``folder/NAME.i.go`` exists and writes ``folder/NAME.i.json``
+    (decode tokens/s over the pass and from its median step, which a slow step or two
+    does not move); ``folder/stop`` ends the loop."""
     i = 0
     while True:
         go = folder / f"{name}.{i}.go"
@@ -429,9 +521,12 @@ def duel(llm: Any, batch: list[list[int]], max_tokens: int, tokens: list[list[in
             if (folder / "stop").exists():
                 return
             time.sleep(0.005)
+        parts.clear()
         run = generate(llm, batch, max_tokens)
-        _write(str(folder / f"{name}.{i}.json"), {"decode_tok_s": run.decode_tok_s, "decode_step_ms": 1000 * _median(run.step_s),
-                                                  "differ": differing(run.tokens, tokens)})
+        step = _median(run.step_s)
+        _write(str(folder / f"{name}.{i}.json"), {
+            "decode_tok_s": run.decode_tok_s, "decode_step_ms": 1000 * step, "step_tok_s": len(batch) / step if step else 0.0,
+            "step_parts_ms": parts.medians_ms(), "differ": differing(run.tokens, tokens)})
         i += 1
 
 

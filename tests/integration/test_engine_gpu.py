@@ -17,6 +17,9 @@ from conftest import ROOT, child_env
 SCENARIOS = ["elastic_torch_arena", "engine_memory_end_to_end"]
 SCRIPT = ROOT / "tests" / "engine_scenarios.py"
 KIT = ROOT / "bench" / "nanovllm_kit.py"
+# Logit units (random weights: the logits' spread is about 0.9, a bf16 step near the top
+# about 0.016): how far two runs' logits may have moved where a sequence parts.
+NEAR_TIE = 0.25
 
 
 @pytest.mark.gpu
@@ -34,9 +37,13 @@ def test_engine_scenario(scenario: str, daemon_factory, runtime_dir) -> None:  #
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("nanovllm") is None, reason="needs nano-vllm (pip install 'gpumemd[nanovllm]')")
 def test_nanovllm_on_gpumemd_generates_what_it_generates_as_shipped(daemon_factory, runtime_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Greedy token ids, shipped and on gpumemd, are the same, and so are each engine's
-    own repeats of the batch: the kit's stand-in attention reads nothing past a
-    sequence's length (it once did, and the garbage there made runs differ)."""
+    """nano-vllm on gpumemd computes what it computes as shipped. The prefill's logits are
+    alike to the bit and no logit is ever non-finite. Where the engine reproduces itself
+    (the same batch again, same tokens: the kit keeps torch off cuDNN's attention, which
+    does not), gpumemd must not move one bit either: same tokens, same logits. Where it
+    does not (other kernels, other torch), runs may part, but only at near-ties of the
+    greedy choice: a corruption (a borrow over live memory, a bad KV block) would part
+    them anywhere."""
     model = tmp_path / "model"
     go = {mode: tmp_path / f"go-{mode}" for mode in ("shipped", "gpumemd")}
     env = child_env(runtime_dir)
@@ -65,8 +72,16 @@ def test_nanovllm_on_gpumemd_generates_what_it_generates_as_shipped(daemon_facto
             proc.wait()
             log.close()
     shipped, on = results["shipped"], results["gpumemd"]
-    for r in (shipped, on):
-        assert r["nonfinite_logit_rows"] == 0 and r["repeat_differ"] == 0, {k: r[k] for k in ("mode", "nonfinite_logit_rows", "repeat_differ")}
-    assert on["tokens"] == shipped["tokens"]
-    assert on["margins"] == shipped["margins"], "the logits differ in bits while the tokens agree"
+    assert shipped["nonfinite_logit_rows"] == 0 and on["nonfinite_logit_rows"] == 0
     assert on["blocks"] > shipped["blocks"]
+    prefill = shipped["prefill_steps"]
+    assert prefill >= 1 and on["checksums"][:prefill] == shipped["checksums"][:prefill], "the prefill's logits differ in bits"
+    if shipped["repeat_differ"] == 0 and on["repeat_differ"] == 0:
+        assert on["tokens"] == shipped["tokens"]
+        assert on["checksums"] == shipped["checksums"], "the tokens agree, the logits differ in bits"
+        return
+    for seq, (u, v) in enumerate(zip(on["tokens"], shipped["tokens"])):
+        split = next((j for j, (p, q) in enumerate(zip(u, v)) if p != q), None)
+        if split is not None:  # the two runs' top-1/top-2 gaps at the step they parted: what the logits moved by
+            moved = on["margins"][seq][split] + shipped["margins"][seq][split]
+            assert moved <= NEAR_TIE, f"sequence {seq} parted at token {split} where the logits had to move by {moved}"
