@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""nano-vllm without a network, for bench/engine.py and tests/integration/test_nanovllm_gpu.py.
+"""nano-vllm without a network, for bench/engine.py and tests/integration/test_engine_gpu.py.
 
     python bench/nanovllm_kit.py build DIR                 # a random-weight Qwen3 and a tokenizer
     python bench/nanovllm_kit.py engine --model DIR --mode gpumemd --name a --out a.json ...
@@ -16,8 +16,15 @@ a torch stand-in for flash-attn's two functions (scaled-dot-product attention ov
 paged cache: correct, not fast), a greedy sampler (the fork refuses temperature 0), RoPE
 settings it accepts (transformers 5 reports the default RoPE as a dict; nano-vllm asserts
 None), a distributed port of its own (two engines starting together race for one),
-torch.compile turned off and cuBLAS's reproducible workspace setting (the same for both
-modes).
+torch.compile turned off, cuBLAS's reproducible workspace setting and torch's cuDNN
+attention off (not deterministic; the same for both modes).
+
+After the engine is built: a scan of its KV cache, the attention backend torch picks,
+a warm-up, one probed pass (the tokens compared across runs, with the logit gaps and
+checksums that say where and why runs part), ``--passes`` timed passes (with the median
+time per step of ``run``, ``replay`` and ``sampler``), then what the flags ask for: an
+eager A/B of the stand-in's attention, the sampler's borrowing figures, a second pass on
+a signal (``--again-after``), timed passes on request (``--duel``), serving forever.
 """
 
 from __future__ import annotations
