@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""nano-vllm without a network, for bench/engine.py and tests/integration/test_nanovllm_gpu.py.
+"""nano-vllm without a network, for bench/engine.py and tests/integration/test_engine_gpu.py.
 
     python bench/nanovllm_kit.py build DIR                 # a random-weight Qwen3 and a tokenizer
     python bench/nanovllm_kit.py engine --model DIR --mode gpumemd --name a --out a.json ...
@@ -16,16 +16,25 @@ a torch stand-in for flash-attn's two functions (scaled-dot-product attention ov
 paged cache: correct, not fast), a greedy sampler (the fork refuses temperature 0), RoPE
 settings it accepts (transformers 5 reports the default RoPE as a dict; nano-vllm asserts
 None), a distributed port of its own (two engines starting together race for one),
-torch.compile turned off and cuBLAS's reproducible workspace setting (the same for both
-modes).
+torch.compile turned off, cuBLAS's reproducible workspace setting and torch's cuDNN
+attention off (not deterministic; the same for both modes).
+
+After the engine is built: a scan of its KV cache, the attention backend torch picks,
+a warm-up, one probed pass (the tokens compared across runs, with the logit gaps and
+checksums that say where and why runs part), ``--passes`` timed passes (with the median
+time per step of ``run``, ``replay`` and ``sampler``), then what the flags ask for: an
+eager A/B of the stand-in's attention, the sampler's borrowing figures, a second pass on
+a signal (``--again-after``), timed passes on request (``--duel``), serving forever.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
+import statistics
 import sys
 import time
 import types
@@ -35,6 +44,10 @@ from typing import Any
 LAYERS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 2048, 8192, 16, 4, 128, 32768
 MAX_NUM_SEQS, MAX_MODEL_LEN, MAX_BATCHED = 64, 1024, 8192
 PROMPT_SEED = 1234
+# Switches of the stand-ins, set by this process: "unmasked" makes the decode attention read
+# the slots past each sequence's length as they are (the first stand-in did; eager A/B only).
+STANDIN: dict[str, bool] = {"unmasked": False}
+_SAMPLER: list[Any] = [None]  # the engine's sampler class, once install_standins ran
 
 
 # ---------------------------------------------------------------------- the model directory
@@ -125,13 +138,25 @@ def _flash_attn(torch: Any) -> types.ModuleType:
     def flash_attn_with_kvcache(
         q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, softmax_scale: float, causal: bool = True
     ) -> Any:
-        # No host sync and fixed shapes: this runs inside CUDA-graph capture.
+        # No host sync and fixed shapes: this runs inside CUDA-graph capture. Every slot of
+        # every block-table entry is gathered, also past the sequence's length: a slot not
+        # written yet, a block another sequence owns (an unused entry, -1, reads block 0).
+        # flash-attn reads none of them. Masking their scores is not enough: their bytes
+        # are whatever the memory held (torch.empty, or a daemon's recycled chunk), and
+        # were a NaN or Inf bit pattern among them, 0 * NaN is NaN, as is an Inf score
+        # plus the mask's -Inf: the row's output would turn NaN. So they are zeroed
+        # before they meet the arithmetic. (On the H200 the KV caches held none: a
+        # scan found no non-finite value; this is not what made runs differ.)
         batch, width = block_table.shape
         blocks = block_table.clamp(min=0)
         k = k_cache[blocks].flatten(1, 2)  # (batch, width * block, kv heads, dim)
         v = v_cache[blocks].flatten(1, 2)
         positions = torch.arange(k.shape[1], device=q.device)
-        mask = (positions[None, :] < cache_seqlens[:, None]) | (positions[None, :] == 0)  # padded rows stay finite
+        valid = positions[None, :] < cache_seqlens[:, None]
+        if not STANDIN["unmasked"]:  # the first stand-in's way, for bench/engine.py's A/B only
+            gone = ~valid[:, :, None, None]
+            k, v = k.masked_fill(gone, 0), v.masked_fill(gone, 0)
+        mask = valid | (positions[None, :] == 0)  # padded rows (length 0) stay finite
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
             scale=softmax_scale, enable_gqa=True,
@@ -146,9 +171,22 @@ def _flash_attn(torch: Any) -> types.ModuleType:
 
 def greedy_sampler(torch: Any) -> type:
     class GreedySampler(torch.nn.Module):  # type: ignore[misc, name-defined]
-        """Greedy, with a sampler's temporaries: float logits and probabilities."""
+        """Greedy, with a sampler's temporaries: float logits and probabilities. While
+        ``probe`` is a list, each call appends what a comparison of runs needs: per row,
+        the gap between the best and the second-best logit (0: a tie, decided by index);
+        the rows with a non-finite logit; where the logits lay; and the sum of their bit
+        patterns (equal sums: logits alike to the bit, as far as a checksum tells)."""
+
+        probe: list[tuple[list[float], int, int, int]] | None = None
 
         def forward(self, logits: Any, temperatures: Any, *args: Any, **kwargs: Any) -> Any:
+            probe = type(self).probe
+            if probe is not None:  # small temporaries: this may run borrowed
+                top = logits.topk(2, dim=-1).values.float()
+                bad = int((~torch.isfinite(logits)).any(dim=-1).sum())
+                bits = int(logits.contiguous().view(torch.int16).sum(dtype=torch.int64))
+                probe.append(((top[:, 0] - top[:, 1]).tolist(), bad, logits.data_ptr(), bits))
+                del top
             probs = torch.softmax(logits.float(), dim=-1)
             return probs.argmax(dim=-1)
 
@@ -162,11 +200,19 @@ def install_standins(port: int) -> Any:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
+    # The stand-in's attention is torch's scaled-dot-product attention, and torch 2.11 on
+    # an H200 (sm90, cuDNN > 9.15) tries cuDNN's first: the one backend torch itself calls
+    # not deterministic (it refuses it under use_deterministic_algorithms). With it, the
+    # decode steps' logits differed from run to run, in one process and across processes,
+    # while the prefill's were alike to the bit; greedy near-ties (random bf16 weights
+    # leave many) turned that into different tokens. Without it, torch picks its
+    # memory-efficient kernel for these masked, grouped-query shapes.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     sys.modules["flash_attn"] = _flash_attn(torch)
     from nanovllm.engine import model_runner
     from nanovllm.models import qwen3
 
-    model_runner.Sampler = greedy_sampler(torch)
+    model_runner.Sampler = _SAMPLER[0] = greedy_sampler(torch)
     model_runner.find_available_port = lambda *args, **kwargs: port
     get_rope = qwen3.get_rope
 
@@ -182,26 +228,203 @@ def install_standins(port: int) -> Any:
 # ---------------------------------------------------------------------- one engine
 
 
-def generate(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
-    """Greedy completions of ``batch`` (in order), the seconds spent in decode steps, and
-    the tokens those steps made."""
+@dataclasses.dataclass
+class Pass:
+    """One generation of a batch: completions in order, decode time and tokens, and with
+    ``probe``: the top-1/top-2 logit gap of every generated token (as ``tokens``), the
+    logit rows that held a non-finite value, the logits' addresses and, step by step, a
+    checksum of their bits."""
+
+    tokens: list[list[int]]
+    decode_s: float
+    decode_tokens: int
+    step_s: list[float]
+    margins: list[list[float]] | None = None
+    nonfinite_rows: int = 0
+    logits_at: list[int] = dataclasses.field(default_factory=list)
+    checksums: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+def generate(llm: Any, batch: list[list[int]], max_tokens: int, probe: bool = False) -> Pass:
+    """Greedy completions of ``batch`` (in order) and the time spent in decode steps."""
     from nanovllm import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     for prompt in batch:
         llm.add_request(prompt, params)
     outputs: dict[int, list[int]] = {}
-    decode_s, decode_tokens = 0.0, 0
-    while not llm.is_finished():
-        started = time.perf_counter()
-        finished, tokens = llm.step()
-        took = time.perf_counter() - started
-        if tokens < 0:
-            decode_s += took
-            decode_tokens -= tokens
-        for seq_id, ids in finished:
-            outputs[seq_id] = ids
-    return [outputs[k] for k in sorted(outputs)], decode_s, decode_tokens
+    margins: dict[int, list[float]] = {}
+    result = Pass([], 0.0, 0, [])
+    scheduled: list[list[Any]] = []
+    calls: list[tuple[list[float], int, int, int]] = []
+    if probe:
+        schedule = llm.scheduler.schedule
+
+        def recording() -> Any:
+            seqs, is_prefill = schedule()
+            scheduled.append(seqs)
+            return seqs, is_prefill
+
+        llm.scheduler.schedule = recording  # this instance only, until the pass ends
+        _SAMPLER[0].probe = calls
+    try:
+        while not llm.is_finished():
+            started = time.perf_counter()
+            finished, tokens = llm.step()
+            took = time.perf_counter() - started
+            if tokens < 0:
+                result.decode_s += took
+                result.decode_tokens -= tokens
+                result.step_s.append(took)
+            if probe:
+                row_margins, bad, at, bits = calls.pop()
+                result.checksums.append(bits)
+                for seq, margin in zip(scheduled.pop(), row_margins):
+                    margins.setdefault(seq.seq_id, []).append(margin)
+                result.nonfinite_rows += bad
+                result.logits_at.append(at)
+            for seq_id, ids in finished:
+                outputs[seq_id] = ids
+    finally:
+        if probe:
+            del llm.scheduler.schedule
+            _SAMPLER[0].probe = None
+    result.tokens = [outputs[k] for k in sorted(outputs)]
+    if probe:
+        result.margins = [margins[k] for k in sorted(outputs)]
+    return result
+
+
+def differing(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many sequences differ between two runs' completions."""
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+
+
+def kv_scan(torch: Any, runner: Any, blocks: int, limit: int = 2048) -> dict[str, int]:
+    """What the KV cache's first blocks hold before any generation (the ones a run's
+    sequences get): non-finite and non-zero elements, over every layer's K and V."""
+    n = min(blocks, limit)
+    found = {"blocks": n, "elements": 0, "nonfinite": 0, "nonzero": 0}
+    for module in runner.model.modules():
+        if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
+            for cache in (module.k_cache, module.v_cache):
+                for start in range(0, n, 256):
+                    part = cache[start:min(n, start + 256)]
+                    found["elements"] += part.numel()
+                    found["nonfinite"] += int((~torch.isfinite(part)).sum())
+                    found["nonzero"] += int((part != 0).sum())
+    return found
+
+
+def attention_ab(llm: Any, runner: Any, batch: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """The stand-in's decode attention as fixed against the first one (which let the
+    slots past each sequence's length into the arithmetic), both eager (a graph has one
+    of them captured): same shapes, so what differs is that alone."""
+    runner.enforce_eager = True
+    try:
+        masked = generate(llm, batch, max_tokens, probe=True)
+        STANDIN["unmasked"] = True
+        unmasked = generate(llm, batch, max_tokens, probe=True)
+    finally:
+        STANDIN["unmasked"] = False
+        runner.enforce_eager = False
+    return {"masked_nonfinite_rows": masked.nonfinite_rows, "unmasked_nonfinite_rows": unmasked.nonfinite_rows,
+            "unmasked_differ": differing(unmasked.tokens, masked.tokens), "tokens": masked.tokens}
+
+
+def sdpa_choice(torch: Any) -> dict[str, dict[str, str]]:
+    """The backend torch picks for the stand-in's attention shapes (decode: one query per
+    sequence against a full block-table row, masked; prefill: one sequence, causal mask),
+    as set up here and as torch would by default (cuDNN's allowed)."""
+    from torch.nn.attention import SDPBackend
+
+    def pick() -> dict[str, str]:
+        bf16, width = torch.bfloat16, -(-MAX_MODEL_LEN // 256) * 256
+        q = torch.zeros(MAX_NUM_SEQS, HEADS, 1, HEAD_DIM, device="cuda", dtype=bf16)
+        k = torch.zeros(MAX_NUM_SEQS, KV_HEADS, width, HEAD_DIM, device="cuda", dtype=bf16)
+        mask = torch.ones(MAX_NUM_SEQS, 1, 1, width, device="cuda", dtype=torch.bool)
+        pq = torch.zeros(1, HEADS, 128, HEAD_DIM, device="cuda", dtype=bf16)
+        pk = torch.zeros(1, KV_HEADS, 128, HEAD_DIM, device="cuda", dtype=bf16)
+        causal = torch.ones(128, 128, device="cuda", dtype=torch.bool).tril()
+        return {
+            "decode": SDPBackend(torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=None, enable_gqa=True)).name,
+            "prefill": SDPBackend(torch._fused_sdp_choice(pq, pk, pk, causal, 0.0, False, scale=None, enable_gqa=True)).name,
+        }
+
+    here = pick()
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        default = pick()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+    return {"here": here, "torch_default": default}
+
+
+class StepParts:
+    """Wall time of each call of a step's pieces, the same in both modes: the runner's
+    ``run`` (prepare, forward, sample, read back: it waits for the GPU), the decode
+    graphs' ``replay`` (launch, and on gpumemd the replay lease) and the ``sampler``
+    (launches, and on gpumemd the borrow)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, list[float]] = {"run": [], "replay": [], "sampler": []}
+
+    def timed(self, key: str, fn: Any) -> Any:
+        spent = self.spent[key]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - started)
+
+        return call
+
+    def install(self, runner: Any) -> None:
+        runner.run = self.timed("run", runner.run)
+        runner.sampler = self.timed("sampler", runner.sampler)
+        if getattr(runner, "graphs", None):
+            runner.graphs = {bs: _TimedGraph(g, self.timed("replay", g.replay)) for bs, g in runner.graphs.items()}
+
+    def medians_ms(self) -> dict[str, float]:
+        return {key: 1000 * _median(spent) for key, spent in self.spent.items()}
+
+    def clear(self) -> None:
+        for spent in self.spent.values():
+            spent.clear()
+
+
+class _TimedGraph:
+    """A captured graph whose ``replay`` is timed; the rest is the graph's."""
+
+    def __init__(self, graph: Any, replay: Any) -> None:
+        self._graph = graph
+        self.replay = replay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._graph, name)
+
+
+def borrow_overlaps(runner: Any, mem: Any, logits_at: list[int]) -> dict[str, int]:
+    """Whether what the sampler borrows (the graph pool's free runs) can meet what the
+    decode graphs keep between replays (their static inputs and output, graph_vars) or
+    the logits the sampler reads: overlaps, and those in the graphs arena at all."""
+    base, end = mem.graphs.address, mem.graphs.address + mem.graphs.reserved
+    runs = [(base + r.offset, base + r.offset + r.size) for r in mem.graph_pool.free_runs]
+    kept = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in runner.graph_vars.values()]
+    return {
+        "free_runs": len(runs),
+        "graph_vars_overlapping_runs": sum(1 for lo, hi in kept if any(a < hi and lo < b for a, b in runs)),
+        "graph_vars_in_graphs_arena": sum(1 for lo, _ in kept if base <= lo < end),
+        "logits_in_graphs_arena": sum(1 for at in logits_at if base <= at < end),
+        "logits_seen": len(logits_at),
+    }
 
 
 def sampler_borrowing(torch: Any, mem: Any) -> dict[str, int]:
@@ -242,6 +465,7 @@ def engine(args: argparse.Namespace) -> int:
         from gpumem.integrations import nanovllm as integration
 
         integration.enable(args.name, expect=args.expect, runtime_dir=args.runtime_dir, headroom_bytes=args.headroom << 20)
+    _wait_file(args.start_after)  # imported: start when told
     out: dict[str, Any] = {"mode": args.mode, "name": args.name, "pid": os.getpid()}
     started = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_BATCHED,
@@ -250,10 +474,20 @@ def engine(args: argparse.Namespace) -> int:
     runner = llm.model_runner
     out["blocks"] = runner.config.num_kvcache_blocks
     out["block_bytes"] = 2 * LAYERS * runner.block_size * KV_HEADS * HEAD_DIM * 2
+    _diagnose(out, "kv_scan", lambda: kv_scan(torch, runner, out["blocks"]))
+    _diagnose(out, "sdpa", lambda: sdpa_choice(torch))
+    parts = StepParts()
+    parts.install(runner)
     batch = prompts(args.prompts)
     generate(llm, batch[:8], 4)  # warm: both modes time steady state
-    tokens, decode_s, decode_tokens = generate(llm, batch, args.tokens)
-    out.update(tokens=tokens, decode_tok_s=decode_tokens / decode_s if decode_s else 0.0)
+    first = generate(llm, batch, args.tokens, probe=True)  # the tokens compared across runs
+    parts.clear()
+    timed = [generate(llm, batch, args.tokens) for _ in range(args.passes)]
+    out.update(tokens=first.tokens, margins=first.margins, checksums=first.checksums, nonfinite_logit_rows=first.nonfinite_rows,
+               prefill_steps=len(first.checksums) - len(first.step_s),
+               repeat_differ=max((differing(t.tokens, first.tokens) for t in timed), default=0),
+               decode_passes_tok_s=[t.decode_tok_s for t in timed], decode_tok_s=_median([t.decode_tok_s for t in timed]),
+               decode_step_ms=1000 * _median([s for t in timed for s in t.step_s]), step_parts_ms=parts.medians_ms())
     if args.mode == "gpumemd":
         import msgspec
 
@@ -261,19 +495,63 @@ def engine(args: argparse.Namespace) -> int:
         out["model_usage"] = vars(mem.model.usage())
         out["graphs_usage"] = vars(mem.graphs.usage())
         out["kv_budget"] = msgspec.structs.asdict(mem.kv.pool.budget)
-        if args.borrow_figures:
-            out["sampler"] = sampler_borrowing(torch, mem)
+        _diagnose(out, "borrow_overlaps", lambda: borrow_overlaps(runner, mem, first.logits_at))
+    if args.ab_attention:
+        _diagnose(out, "attention_ab", lambda: attention_ab(llm, runner, batch, args.tokens))
+    if args.mode == "gpumemd" and args.borrow_figures:
+        out["sampler"] = sampler_borrowing(torch, runner._gpumem)
     _write(args.out, out)
     if args.again_after:  # keep serving: once the file appears, generate the same batch again
         while not Path(args.again_after).exists():
             generate(llm, batch[:8], 4)
-        again, _, _ = generate(llm, batch, args.tokens)
-        differ = [i for i, (x, y) in enumerate(zip(again, tokens)) if x != y]
-        _write(args.out + ".again", {"same_tokens": again == tokens, "sequences": len(again), "differ": len(differ)})
+        again = generate(llm, batch, args.tokens)
+        _write(args.out + ".again", {"same_tokens": again.tokens == first.tokens, "sequences": len(again.tokens),
+                                     "differ": differing(again.tokens, first.tokens)})
+    if args.duel:
+        duel(llm, batch, args.tokens, first.tokens, Path(args.duel), args.name, parts)
     if args.serve_forever:
         while True:
             generate(llm, batch, args.tokens)
     return 0
+
+
+def duel(llm: Any, batch: list[list[int]], max_tokens: int, tokens: list[list[int]], folder: Path, name: str,
+         parts: StepParts) -> None:
+    """Timed passes on request, for decode figures taken in turns with another engine:
+    pass ``i`` runs once ``folder/NAME.i.go`` exists and writes ``folder/NAME.i.json``
+    (decode tokens/s over the pass and from its median step, which a slow step or two
+    does not move); ``folder/stop`` ends the loop."""
+    i = 0
+    while True:
+        go = folder / f"{name}.{i}.go"
+        while not go.exists():
+            if (folder / "stop").exists():
+                return
+            time.sleep(0.005)
+        parts.clear()
+        run = generate(llm, batch, max_tokens)
+        step = _median(run.step_s)
+        _write(str(folder / f"{name}.{i}.json"), {
+            "decode_tok_s": run.decode_tok_s, "decode_step_ms": 1000 * step, "step_tok_s": len(batch) / step if step else 0.0,
+            "step_parts_ms": parts.medians_ms(), "differ": differing(run.tokens, tokens)})
+        i += 1
+
+
+def _diagnose(out: dict[str, Any], key: str, fn: Any) -> None:
+    """``out[key] = fn()``; a diagnostic that fails says why instead of ending the run."""
+    try:
+        out[key] = fn()
+    except Exception as exc:  # noqa: BLE001 - reported in the figures
+        out[key] = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _wait_file(path: str) -> None:
+    while path and not Path(path).exists():
+        time.sleep(0.02)
 
 
 def _write(path: str, data: dict[str, Any]) -> None:
@@ -301,6 +579,10 @@ def main() -> int:
     e.add_argument("--tokens", type=int, default=64)
     e.add_argument("--borrow-figures", action="store_true")
     e.add_argument("--again-after", default="", help="once this file exists, generate again and compare")
+    e.add_argument("--start-after", default="", help="import, then build the engine once this file exists")
+    e.add_argument("--passes", type=int, default=2, help="timed passes after the compared one (decode figures)")
+    e.add_argument("--ab-attention", action="store_true", help="eager A/B of the stand-in's decode attention")
+    e.add_argument("--duel", default="", help="then run timed passes on request (files in this folder)")
     e.add_argument("--serve-forever", action="store_true")
     args = parser.parse_args()
     if args.command == "build":
