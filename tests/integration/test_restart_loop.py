@@ -110,15 +110,21 @@ def test_engines_never_notice_kill_9_restarts(runtime_dir: Path, backend: str, r
             assert after["daemon"]["generation"] == n + 1 and after["daemon"]["waiting"] == 2, after["daemon"]
             changed = {k: (v, kept(after)[k]) for k, v in kept(before).items() if kept(after)[k] != v}
             assert not changed, f"restart {n + 1} changed {changed}"
+        dones = []
         for role, engine in reversed(list(zip("ab", engines))):  # b first: it borrows from a's pool
             (runtime_dir / f"stop-{role}").touch()
             done = json.loads(read_line(engine, "DONE", 120))
             assert engine.wait(60) == 0
             assert done["iterations"] > restarts / 10, done
+            dones.append(done)
         s = wait_status(runtime_dir, lambda s: not s["clients"] and s["device"]["accounted_bytes"] == 0, 20, "memory back at 0")
         assert s["arenas"] == [] and s["graph_pools"] == [] and s["kv"] == []
+        free_delta = 0
         if backend == "cuda":  # the device's own measure: every byte given back
-            wait_status(runtime_dir, lambda s: s["device"]["free_bytes"] >= free_before - (64 << 20), 20, "device free memory back")
+            s = wait_status(runtime_dir, lambda s: s["device"]["free_bytes"] >= free_before - (64 << 20), 20, "device free memory back")
+            free_delta = s["device"]["free_bytes"] - free_before
+        engines_line = ", ".join(f"{d['role']}: {d['iterations']} iterations, {d['calls']} calls, slowest {d['slowest_s']} s" for d in dones)
+        print(f"\nrestart loop ({backend}): {restarts} kill -9 restarts; {engines_line}; 0 bytes accounted at the end, device free {free_delta:+d} bytes vs baseline")
         assert sorted(r.manager.names()) == ["record-0", "record-1"]
         assert r.manager.refused == 0
     finally:
