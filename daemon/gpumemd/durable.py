@@ -30,10 +30,20 @@ import zlib
 
 import msgspec
 
-from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumem_shared.lease_table import LeaseSegment
 
+from gpumemd.image import (
+    IMAGE_VERSION,
+    ArenaImage,
+    ChunkImage,
+    GraphPoolImage,
+    StateImage,
+    capture,
+    chunk_name,
+    decode,
+    lease_name,
+)
 from gpumemd.notify import StoreError, SystemdNotifier
 from gpumemd.records import (
     ArenaRecord,
@@ -53,231 +63,9 @@ log = logging.getLogger("gpumemd.durable")
 MAGIC = b"gpumemd\x01"
 _HEADER = struct.Struct("<8sQQI4x")  # magic, sequence, payload length, CRC-32 of the payload
 RECORD_NAMES = ("record-0", "record-1")
-IMAGE_VERSION = 1
 
 # The service manager answers a barrier at once unless it is wedged.
 BARRIER_TIMEOUT = 5.0
-
-
-def chunk_name(chunk_id: int) -> str:
-    return f"chunk-{chunk_id}"
-
-
-def lease_name(pool_id: int) -> str:
-    return f"lease-{pool_id}"
-
-
-# ---------------------------------------------------------------------------- the image
-
-
-class _Image(msgspec.Struct, array_like=True):
-    pass
-
-
-class ChunkImage(_Image):
-    id: int
-    arena: str
-    offset: int
-    size: int
-    address: int
-    fresh: bool
-    holders: list[int]
-
-
-class GrantImage(_Image):
-    id: int
-    token: bytes
-    client: str
-    uid: int
-    gid: int
-    uid_implied: bool
-
-
-class ArenaImage(_Image):
-    name: str
-    owner_id: int
-    owner_name: str
-    owner_pid: int
-    address: int
-    reserved: int
-    kv: bool
-    owner_alive: bool
-    released: bool
-    chunks: list[ChunkImage]
-    placeholders: list[ChunkImage]
-    grants: list[GrantImage]
-    attached: list[int]
-
-
-class SessionImage(_Image):
-    id: int
-    name: str
-    pid: int
-    uid: int
-    gid: int
-    since: float
-    token: bytes
-    credential: bytes
-    last_request: int
-    last_reply: bytes
-    last_handout: list[int]
-    last_grants: list[int]
-
-
-class GraphPoolImage(_Image):
-    id: int
-    owner_id: int
-    owner_name: str
-    arena: str
-    label: str
-    epoch: int
-    extents: list[tuple[int, int]]
-    free_runs: list[tuple[int, int]]
-    shared: bool
-    users: list[int]
-    events: dict[int, bytes]
-    escapers: list[int]
-    lease_repairs: int
-
-
-class KvPoolImage(_Image):
-    name: str
-    owner_id: int
-    buffers: list[tuple[str, int, int, int]]  # name, row bytes, offset, region
-    max_tokens: int
-    granularity: int
-    tokens: int
-    min_tokens: int
-    shrink_request: int | None
-
-
-class MemberImage(_Image):
-    pool: str
-    session_id: int
-    client: str
-    reported: bool
-    headroom_bytes: int
-    graph_pool_bytes: int
-    min_tokens: int
-    max_tokens: int
-    weight: float
-    request_id: int
-    tokens: int
-    bytes: int
-    staged: list[int]  # chunk ids
-
-
-class RoundImage(_Image):
-    id: int
-    age: float  # seconds since it opened (monotonic clocks do not survive a restart)
-    left: float  # seconds to its deadline
-    policy: p.RoundPolicy
-    state: p.RoundState
-    expect: int
-    joined: int
-    members: list[MemberImage]
-    dropped: list[str]
-    budget: p.RoundBudget
-    error: str
-
-
-class StateImage(_Image):
-    version: int
-    device_uuid: str
-    backend: str
-    va_base: int
-    generation: int
-    next_session: int
-    next_chunk: int
-    next_grant: int
-    next_pool: int
-    next_round: int
-    sessions: list[SessionImage]
-    arenas: list[ArenaImage]
-    retiring: list[ChunkImage]
-    graph_pools: list[GraphPoolImage]
-    kv_pools: list[KvPoolImage]
-    rounds: list[RoundImage]
-
-
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(StateImage)
-
-
-def _chunk(c: ChunkRecord) -> ChunkImage:
-    return ChunkImage(c.id, c.arena, c.offset, c.size, c.address, c.fresh, list(c.holders))
-
-
-def capture(state: DaemonState) -> tuple[bytes, dict[str, int]]:
-    """The state's image, and the fds the store must hold for it, by name."""
-    chunk_fd = state.driver.chunk_fd
-    fds: dict[str, int] = {}
-    arenas = []
-    for a in state.arenas.by_name.values():
-        live = a.chunks + a.placeholders
-        for c in live:
-            fds[chunk_name(c.id)] = chunk_fd(c.handle)
-        arenas.append(
-            ArenaImage(
-                a.name, a.owner_id, a.owner_name, a.owner_pid, a.address, a.reserved, a.kv, a.owner_alive, a.released,
-                [_chunk(c) for c in a.chunks], [_chunk(c) for c in a.placeholders],
-                [GrantImage(g.id, g.token, g.client, g.uid, g.gid, g.uid_implied) for g in a.grants], sorted(a.attached),
-            )
-        )
-    pools = []
-    for g in state.graph_pools.by_id.values():
-        fds[lease_name(g.id)] = g.segment_fd
-        pools.append(
-            GraphPoolImage(
-                g.id, g.owner_id, g.owner_name, g.arena, g.label, g.epoch, g.extents, g.free_runs, g.shared,
-                sorted(g.users), g.events, sorted(g.escapers), g.lease_repairs,
-            )
-        )
-    now = state.clock()
-    image = StateImage(
-        version=IMAGE_VERSION,
-        device_uuid=state.device.uuid,
-        backend=state.driver.kind,
-        va_base=state.config.va_base,
-        generation=state.generation,
-        next_session=state.next_session,
-        next_chunk=state.arenas.next_chunk,
-        next_grant=state.arenas.next_grant,
-        next_pool=state.graph_pools.next_id,
-        next_round=state.kv.next_round,
-        sessions=[
-            SessionImage(
-                s.id, s.name, s.pid, s.uid, s.gid, s.since, s.token, s.credential, s.last_request, s.last_reply,
-                s.last_handout, s.last_grants,
-            )
-            for s in state.sessions.values()
-        ],
-        arenas=arenas,
-        retiring=[_chunk(c) for c in state.arenas.retiring.values()],
-        graph_pools=pools,
-        kv_pools=[
-            KvPoolImage(
-                k.name, k.owner_id, [(b.name, b.row_bytes, b.offset, b.region) for b in k.buffers], k.max_tokens,
-                k.granularity, k.tokens, k.min_tokens, k.shrink_request,
-            )
-            for k in state.kv.pools.values()
-        ],
-        rounds=[
-            RoundImage(
-                r.id, now - r.created, r.deadline - now, r.policy, r.state, r.expect, r.joined,
-                [
-                    MemberImage(
-                        m.pool.name, m.session_id, m.client, m.reported, m.headroom_bytes, m.graph_pool_bytes, m.min_tokens,
-                        m.max_tokens, m.weight, m.request_id, m.tokens, m.bytes, [c.id for c in m.staged],
-                    )
-                    for m in r.members
-                ],
-                list(r.dropped), r.budget, r.error,
-            )
-            for r in state.kv.rounds
-        ],
-    )
-    return _ENCODER.encode(image), fds
 
 
 # ---------------------------------------------------------------------------- the record
@@ -378,7 +166,7 @@ class Durable:
             self.record = RecordFile.create()
         if payload is not None:
             try:
-                image = _DECODER.decode(payload)
+                image = decode(payload)
             except msgspec.DecodeError as exc:
                 log.error("durable record unreadable (%s); state is not rebuilt", exc)
             else:

@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
-from gpumemd.durable import Durable, RecordFile, chunk_name, lease_name
+from gpumemd.durable import Durable, RecordFile
+from gpumemd.image import chunk_name, lease_name
 from gpumemd.state import DaemonState
 
 from .harness import CAPACITY, Clock, Harness, MiB
