@@ -44,12 +44,35 @@ def ctl_status(runtime_dir: Path) -> dict[str, Any]:
     return json.loads(result.stdout)  # type: ignore[no-any-return]
 
 
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+def _where(pid: int) -> dict[str, Any]:
+    """What a process that will not stop is doing: each thread's state and kernel wait
+    channel, and the main thread's system call (a thread in D sleeps in the kernel, and
+    a stop waits for it)."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            return f"({exc.strerror})"
+
+    threads = {}
+    for task in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        stat = read(f"/proc/{pid}/task/{task}/stat")
+        state = stat.rpartition(")")[2].split()[0] if ")" in stat else stat
+        if state != "T":
+            threads[task] = (state, read(f"/proc/{pid}/task/{task}/wchan"))
+    return {"pid": pid, "syscall": read(f"/proc/{pid}/syscall"), "threads": threads}
+
+
 def settle(runtime_dir: Path, pids: list[int]) -> None:
     """Until the stopped engines are stopped (a signal lands a moment after kill()
     returns) and the daemon has served what they sent before: two looks alike."""
     deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "T" for pid in pids):
-        assert time.monotonic() < deadline, "the engines did not stop"
+    while any(_state(pid) != "T" for pid in pids):
+        assert time.monotonic() < deadline, f"the engines did not stop: {[_where(pid) for pid in pids]}"
         time.sleep(0.005)
     last = kept(status(runtime_dir))
     while True:
