@@ -30,9 +30,11 @@ import zlib
 
 import msgspec
 
+from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumem_shared.lease_table import LeaseSegment
 
+from gpumemd.arenas import map_batches
 from gpumemd.image import (
     IMAGE_VERSION,
     ArenaImage,
@@ -355,3 +357,24 @@ class _Rebuild:
             segment=segment, segment_fd=fd, shared=gi.shared, users=set(gi.users), events=dict(gi.events),
             escapers=set(gi.escapers), lease_repairs=gi.lease_repairs,
         )
+
+
+def replay(
+    state: DaemonState, session: SessionRecord, request_id: int, message: p.RequestMessage
+) -> tuple[bytes, list[ChunkRecord], list[tuple[int, int]]]:
+    """The answer to a request resent after a restart that the daemon before had carried
+    out (the session's last reply, from the record): the reply, the chunks to hand out
+    again and the lease segments to grant again. Chunks it handed out that went since
+    (retired by their owner meanwhile) leave the reply."""
+    live = {c.id: c for a in state.arenas.by_name.values() for c in a.chunks + a.placeholders}
+    chunks = state.arenas.hand(session, [live[cid] for cid in session.last_handout if cid in live])
+    reply, session.resumed = session.last_reply, False
+    if len(chunks) < len(session.last_handout):
+        answer = p.decode_reply(reply)
+        body = p.decode_body(message.REPLY, answer.body)
+        views = [c for c in getattr(body, "chunks", []) if c.id in live or c.id not in session.last_handout]
+        reply = p.encode_reply(request_id, msgspec.structs.replace(body, chunks=views, fd_batches=map_batches(len(chunks))))
+    pools = state.graph_pools.by_id
+    grants = [(pid, pools[pid].segment_fd) for pid in session.last_grants if pid in pools and session.id in pools[pid].users]
+    log.info("request %d of client %r answered again after the restart (%d chunk(s))", request_id, session.name, len(chunks))
+    return reply, chunks, grants

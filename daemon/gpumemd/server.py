@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 
 from gpumem_shared import fdchannel
@@ -32,8 +31,8 @@ from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
 from gpumemd.records import ChunkRecord, SessionRecord
 from gpumemd.admission import ACCEPT_BATCH, Admission, Connection
-from gpumemd.arenas import map_batches
-from gpumemd.durable import Durable
+from gpumemd.durable import Durable, replay
+from gpumemd.logs import log_request
 from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
 from gpumemd.state import DaemonState
 
@@ -49,9 +48,6 @@ log = logging.getLogger("gpumemd.server")
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
-
-# A request's size, for its debug line: the first of these fields it has.
-_SIZE_FIELDS = ("nbytes", "to_nbytes", "reserve_bytes", "slot_bytes", "tokens")
 
 
 # libzmq buffers a control-channel message whole before the daemon sees it: without a
@@ -283,19 +279,8 @@ class Server:
 
     def _replay(self, session: SessionRecord, request_id: int, message: p.RequestMessage) -> bytes:
         """A request resent after a restart that the daemon before had carried out: its
-        reply again, with the chunks and lease segments the client did not get. Chunks it
-        handed out that went since (retired by their owner meanwhile) leave the reply."""
-        live = {c.id: c for a in self.state.arenas.by_name.values() for c in a.chunks + a.placeholders}
-        chunks = self.state.arenas.hand(session, [live[cid] for cid in session.last_handout if cid in live])
-        reply, session.resumed = session.last_reply, False
-        if len(chunks) < len(session.last_handout):
-            answer = p.decode_reply(reply)
-            body = p.decode_body(message.REPLY, answer.body)
-            views = [c for c in getattr(body, "chunks", []) if c.id in live or c.id not in session.last_handout]
-            reply = p.encode_reply(request_id, msgspec.structs.replace(body, chunks=views, fd_batches=map_batches(len(chunks))))
-        pools = self.state.graph_pools.by_id
-        grants = [(pid, pools[pid].segment_fd) for pid in session.last_grants if pid in pools and session.id in pools[pid].users]
-        log.info("request %d of client %r answered again after the restart (%d chunk(s))", request_id, session.name, len(chunks))
+        reply again (durable.replay), with the chunks and lease segments it hands out."""
+        reply, chunks, grants = replay(self.state, session, request_id, message)
         if self.durable is not None:
             self.durable.persist(self.state)
         if chunks:
@@ -305,37 +290,13 @@ class Server:
         return reply
 
     def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> bytes | None:
-        """``_serve``, and a debug line for the request: its type, client, size, outcome,
-        and the time the daemon took for it (decode to encoded reply) in µs."""
+        """``_serve``, and a debug line for the request (logs.log_request)."""
         started = time.perf_counter_ns()
         reply = self._serve(identity, frame)
         micros = (time.perf_counter_ns() - started) / 1e3
         session = self._by_token.get(identity)
         client = f"client {session.name!r} (session {session.id})" if session is not None else "an anonymous peer"
-        size: dict[str, int] = {}
-        try:
-            request = p.decode_request(frame)
-            kind, request_id = request.message.TYPE.name, request.request_id
-            field = next((f for f in _SIZE_FIELDS if hasattr(request.message, f)), None)
-            if field is not None:
-                size[field] = getattr(request.message, field)
-        except p.ProtocolError:
-            kind, request_id = "undecodable", 0
-        if reply is None:
-            outcome = "deferred"
-        else:
-            answer = p.decode_reply(reply)
-            outcome = "ok" if answer.ok else answer.code.name
-        log.debug(
-            "request %d %s from %s%s: %s in %.0f µs",
-            request_id, kind, client, "".join(f", {k} {v}" for k, v in size.items()), outcome, micros,
-            extra={
-                "figures": {
-                    "request_id": request_id, "type": kind, "client": session.name if session else "", **size,
-                    "frame_bytes": len(frame), "outcome": outcome, "micros": round(micros, 1),
-                }
-            },
-        )
+        log_request(log, frame, reply, client, session.name if session else "", micros)
         return reply
 
     def _flush_state(self) -> None:
@@ -381,14 +342,7 @@ class Server:
             for chunk in batch:
                 chunk.fresh = False
             try:
-                payload = p.encode_event(p.FdBatch(request_id=request_id, chunk_ids=[c.id for c in batch]))
-                socket.send_fds(conn.sock, [payload], fds, socket.MSG_DONTWAIT)
-            except OSError as exc:
-                # A client that does not read its fd channel would block the daemon's
-                # only thread; it loses its session instead.
-                log.warning("fd channel of client %r (pid %d) is not draining (%s); closing its session", session.name, session.pid, exc)
-                self._drop(conn)
-                raise p.ProtocolError(p.ErrorCode.INTERNAL, "the fd channel is not accepting descriptors; session closed") from None
+                self._send_fds(conn, session, request_id, [c.id for c in batch], fds)
             finally:
                 fdchannel.close_all(fds)  # the peer holds its own copies now
 
@@ -396,10 +350,15 @@ class Server:
         """Lease segments, (graph pool id, memfd), in one FD_BATCH before the reply; the
         daemon keeps its descriptors."""
         conn = self._by_session[session.id]
+        self._send_fds(conn, session, request_id, [pool_id for pool_id, _ in segments], [fd for _, fd in segments])
+
+    def _send_fds(self, conn: Connection, session: SessionRecord, request_id: int, ids: list[int], fds: list[int]) -> None:
         try:
-            payload = p.encode_event(p.FdBatch(request_id=request_id, chunk_ids=[pool_id for pool_id, _ in segments]))
-            socket.send_fds(conn.sock, [payload], [fd for _, fd in segments], socket.MSG_DONTWAIT)
+            payload = p.encode_event(p.FdBatch(request_id=request_id, chunk_ids=ids))
+            socket.send_fds(conn.sock, [payload], fds, socket.MSG_DONTWAIT)
         except OSError as exc:
+            # A client that does not read its fd channel would block the daemon's only
+            # thread; it loses its session instead.
             log.warning("fd channel of client %r (pid %d) is not draining (%s); closing its session", session.name, session.pid, exc)
             self._drop(conn)
             raise p.ProtocolError(p.ErrorCode.INTERNAL, "the fd channel is not accepting descriptors; session closed") from None
