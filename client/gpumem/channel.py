@@ -200,15 +200,17 @@ class ControlChannel:
     ) -> Any:
         """The typed reply body to request ``request_id`` (``message``), or its error."""
         remaining_ms = max(int(timeout * 1000), 1)
-        deferred = request_id in self._parked
-        reply = self._parked.pop(request_id, None)
-        try:
-            reply = self._await(request_id, message, timeout, in_flight, reply, remaining_ms)
-        except BaseException:
-            if deferred:
-                self._parked[request_id] = None  # still deferred: a later receive may get it
-            raise
-        self._deferred_frames.pop(request_id, None)
+        if not self._parked:  # the common case: no deferred request out
+            reply = self._await(request_id, message, timeout, in_flight, None, remaining_ms)
+        else:
+            deferred = request_id in self._parked
+            try:
+                reply = self._await(request_id, message, timeout, in_flight, self._parked.pop(request_id, None), remaining_ms)
+            except BaseException:
+                if deferred:
+                    self._parked[request_id] = None  # still deferred: a later receive may get it
+                raise
+            self._deferred_frames.pop(request_id, None)
         if not reply.ok:
             raise error_from_reply(reply)
         try:
@@ -401,21 +403,24 @@ class SessionChannel:
             self._check_open()
             limit = self.timeout if timeout is None else timeout
             deadline = time.monotonic() + limit
+            left = limit
             request_id = 0
             while True:
                 if self._away is not None:
                     self._resume(deadline, limit)
+                    left = max(deadline - time.monotonic(), 0.001)
                 try:
                     request_id = request_id or next(self._control.ids)
                     # The fd channel is read while the request is out: a daemon that stopped
                     # or died never serves it (it handles no request once it has said
                     # "stopping"), and looking costs nothing while the reply is on its way.
-                    left = max(deadline - time.monotonic(), 0.001)
                     _, body = self._control.exchange(message, left, self._keep_batches, request_id)
                     batches = getattr(body, "fd_batches", 0)
-                    left = max(deadline - time.monotonic(), 0.001)
-                    return body, (self._receive_fds(request_id, batches, left) if batches else {})
+                    if not batches:
+                        return body, {}
+                    return body, self._receive_fds(request_id, batches, max(deadline - time.monotonic(), 0.001))
                 except _DaemonAway:
+                    left = max(deadline - time.monotonic(), 0.001)
                     continue  # resume, then send it again under its id
 
     def _resume(self, deadline: float, limit: float) -> None:

@@ -301,8 +301,14 @@ class Server:
 
     def _flush_state(self) -> None:
         """Deliver what the state produced on its own: deferred replies, notices."""
-        self._deliver(self.state.take_notices())
+        notices = self.state.take_notices()
+        if notices:
+            self._deliver(notices)
         done_list = self.state.take_completions()
+        if not done_list:  # after nearly every request
+            if self.durable is not None and self.state.dirty:
+                self.durable.persist(self.state)
+            return
         frames: list[bytes] = []
         for done in done_list:
             session = self.state.sessions.get(done.session_id)

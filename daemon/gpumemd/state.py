@@ -342,8 +342,11 @@ class DaemonState:
         return self.kv.take_completions()
 
     def take_notices(self) -> Notices:
+        kv = self.kv.take_notices()
+        if not self._notices:
+            return kv
         notices, self._notices = self._notices, []
-        return notices + self.kv.take_notices()
+        return notices + kv
 
     def status(self) -> p.StatusReply:
         now = self.clock()
