@@ -62,6 +62,12 @@ class ServiceManager:
         self._thread = threading.Thread(target=self._serve, name="service-manager", daemon=True)
         self._thread.start()
         self.proc: subprocess.Popen[bytes] | None = None
+        # While holding, a BARRIER=1 goes unanswered (its pipe kept open): the daemon is
+        # then frozen between storing new descriptors and writing its record, the instant
+        # a test kills it at.
+        self._holding = False
+        self._held: list[int] = []
+        self.barrier_held = threading.Event()
         self.log_path = runtime_dir / "gpumemd-restarts.log"
         self._log = open(self.log_path, "ab")
         self.starts = 0
@@ -100,7 +106,23 @@ class ServiceManager:
                 self.store = [e for e in self.store if e[0] != name]
             if fields.get("READY") == "1":
                 self._ready.set()
+            if fields.get("BARRIER") == "1" and self._holding:
+                self._held.extend(fds)
+                self.barrier_held.set()
+                return
         for fd in fds:  # BARRIER=1's pipe among them: closing it answers the barrier
+            os.close(fd)
+
+    def hold_barriers(self) -> None:
+        with self._lock:
+            self._holding = True
+            self.barrier_held.clear()
+
+    def release_barriers(self) -> None:
+        with self._lock:
+            self._holding = False
+            held, self._held = self._held, []
+        for fd in held:
             os.close(fd)
 
     def names(self) -> list[str]:
