@@ -144,10 +144,9 @@ class ControlChannel:
         # A session's request ids go on across a daemon restart (take_over): a resent
         # request keeps its id, and no later one reuses it.
         self.ids: Iterator[int] = itertools.count(1)
-        # Deferred requests (a KV round's CAPTURE_DONE) by id: their reply once it came,
-        # and their frame, sent again under its id after a daemon restart.
-        self._parked: dict[int, p.Reply | None] = {}
-        self._deferred_frames: dict[int, bytes] = {}
+        # Deferred requests (a KV round's CAPTURE_DONE) by id: their frame, sent again
+        # under its id after a daemon restart, and their reply once it came.
+        self._deferred: dict[int, tuple[bytes, p.Reply | None]] = {}
 
     def call(self, message: p.RequestMessage, timeout: float) -> Any:
         """One request: the typed reply body, or the typed error."""
@@ -180,18 +179,17 @@ class ControlChannel:
         except zmq.Again:
             raise DaemonTimeout(self._timeout_message(message, _SEND_TIMEOUT_MS / 1000, "take")) from None
         if deferred:
-            self._parked[request_id] = None
-            self._deferred_frames[request_id] = frame
+            self._deferred[request_id] = (frame, None)
         return request_id
 
     def take_over(self, old: ControlChannel) -> None:
         """Go on from ``old`` (a session's DEALER before the daemon restarted): its ids, and
         its deferred requests, those still unanswered sent again under their ids."""
-        self.ids, self._parked, self._deferred_frames = old.ids, old._parked, old._deferred_frames
-        for request_id, reply in self._parked.items():
+        self.ids, self._deferred = old.ids, old._deferred
+        for frame, reply in self._deferred.values():
             if reply is None:
                 try:
-                    self._send(self._deferred_frames[request_id])
+                    self._send(frame)
                 except zmq.Again:
                     raise DaemonTimeout(f"gpumemd for device {self.endpoints.index} took no request for {_SEND_TIMEOUT_MS / 1000:g}s after a restart") from None
 
@@ -200,17 +198,12 @@ class ControlChannel:
     ) -> Any:
         """The typed reply body to request ``request_id`` (``message``), or its error."""
         remaining_ms = max(int(timeout * 1000), 1)
-        if not self._parked:  # the common case: no deferred request out
-            reply = self._await(request_id, message, timeout, in_flight, None, remaining_ms)
-        else:
-            deferred = request_id in self._parked
-            try:
-                reply = self._await(request_id, message, timeout, in_flight, self._parked.pop(request_id, None), remaining_ms)
-            except BaseException:
-                if deferred:
-                    self._parked[request_id] = None  # still deferred: a later receive may get it
-                raise
-            self._deferred_frames.pop(request_id, None)
+        held = self._deferred.get(request_id) if self._deferred else None  # the common case: none out
+        # A deferred request stays listed until its reply is taken: a wait that ends
+        # without it leaves it for a later receive (or a resend after a restart).
+        reply = self._await(request_id, message, timeout, in_flight, None if held is None else held[1], remaining_ms)
+        if held is not None:
+            del self._deferred[request_id]
         if not reply.ok:
             raise error_from_reply(reply)
         try:
@@ -242,14 +235,14 @@ class ControlChannel:
                 raise error_from_protocol(exc, "reply from gpumemd refused") from None
             if got.request_id == request_id:
                 reply = got
-            elif got.request_id in self._parked:
-                self._parked[got.request_id] = got  # a deferred request's answer, while waiting for another
+            elif got.request_id in self._deferred:  # a deferred request's answer, while waiting for another
+                self._deferred[got.request_id] = (self._deferred[got.request_id][0], got)
             # else: the late answer to an earlier call that timed out
         return reply
 
     def deferred_ids(self) -> set[int]:
         """Deferred requests whose reply no ``receive`` took yet."""
-        return set(self._parked)
+        return set(self._deferred)
 
     def _timeout_message(self, message: p.RequestMessage, timeout: float, what: str) -> str:
         index = self.endpoints.index

@@ -149,15 +149,9 @@ class EngineMemory:
         once the KV cache holds the rest."""
         if self.kv is None:
             raise InvalidArgument(f"engine '{self.name}' has no KV cache: call kv_cache() first")
-        graph_bytes = self.graphs.committed
-        if wait:
-            return self.kv.capture_done(
-                headroom_bytes=headroom_bytes, graph_pool_bytes=graph_bytes, min_blocks=min_blocks,
-                max_blocks=max_blocks, weight=weight, timeout=timeout,
-            )
         return self.kv.capture_done(
-            headroom_bytes=headroom_bytes, graph_pool_bytes=graph_bytes, min_blocks=min_blocks,
-            max_blocks=max_blocks, weight=weight, timeout=timeout, wait=False,
+            headroom_bytes=headroom_bytes, graph_pool_bytes=self.graphs.committed, min_blocks=min_blocks,
+            max_blocks=max_blocks, weight=weight, timeout=timeout, wait=wait,
         )
 
     def borrowed(self, fn: Callable[..., R], *args: Any, user: str = "sampler", need_bytes: int = 0, **kwargs: Any) -> R:

@@ -116,6 +116,19 @@ class KvPool:
         wait: Literal[False],
     ) -> RoundWait: ...
 
+    @overload
+    def capture_done(
+        self,
+        *,
+        headroom_bytes: int = ...,
+        graph_pool_bytes: int = ...,
+        min_tokens: int = ...,
+        max_tokens: int = ...,
+        weight: float = ...,
+        timeout: float | None = ...,
+        wait: bool,
+    ) -> int | RoundWait: ...
+
     def capture_done(
         self,
         *,

@@ -125,6 +125,12 @@ class PagedKvCache:
         weight: float = ..., timeout: float | None = ..., wait: Literal[False],
     ) -> RoundWait: ...
 
+    @overload
+    def capture_done(
+        self, *, headroom_bytes: int = ..., graph_pool_bytes: int = ..., min_blocks: int = ..., max_blocks: int = ...,
+        weight: float = ..., timeout: float | None = ..., wait: bool,
+    ) -> int | RoundWait: ...
+
     def capture_done(
         self,
         *,
@@ -138,14 +144,9 @@ class PagedKvCache:
     ) -> int | RoundWait:
         """The round's report (``KvPool.capture_done``) in blocks: returns the blocks
         committed, or with ``wait=False`` a ``RoundWait`` whose ``wait()`` does."""
-        if wait:
-            return self.pool.capture_done(
-                headroom_bytes=headroom_bytes, graph_pool_bytes=graph_pool_bytes, min_tokens=min_blocks,
-                max_tokens=max_blocks, weight=weight, timeout=timeout,
-            )
         return self.pool.capture_done(
             headroom_bytes=headroom_bytes, graph_pool_bytes=graph_pool_bytes, min_tokens=min_blocks,
-            max_tokens=max_blocks, weight=weight, timeout=timeout, wait=False,
+            max_tokens=max_blocks, weight=weight, timeout=timeout, wait=wait,
         )
 
     def release(self) -> None:
