@@ -14,6 +14,7 @@ the same addresses, and decommit puts the placeholder back where it was.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,18 @@ def intersect(a: Ranges, b: Ranges) -> Ranges:
     return subtract(a, subtract(a, b))
 
 
+def touching(spans: dict[int, int], ranges: Ranges) -> list[tuple[int, int]]:
+    """The ``(offset, size)`` spans that overlap ``ranges`` (sorted, disjoint): one
+    bisection each, for the hundreds of placeholder slots of a large pool."""
+    starts = [start for start, _ in ranges]
+    out = []
+    for offset, size in spans.items():
+        i = bisect.bisect_left(starts, offset + size) - 1  # the last range starting before the span ends
+        if i >= 0 and ranges[i][1] > offset:
+            out.append((offset, size))
+    return out
+
+
 class Arena:
     def __init__(self, session: Session, view: p.ArenaView, *, owner: bool) -> None:
         self.session = session
@@ -115,7 +128,7 @@ class Arena:
                 if reply.chunks:
                     self._map_chunks(reply.chunks, fds)
             finally:
-                self._cover_free(subtract(self._cover, self.backed_ranges()))
+                self.restore_placeholder()
         finally:
             fdchannel.close_all(list(fds.values()))  # the mappings hold the memory now
         if reply.retired:
@@ -138,11 +151,7 @@ class Arena:
                 f"the daemon handed out chunks of arena '{self.name}' over committed memory this process still maps "
                 f"(offsets {overlap}); they were not mapped"
             )
-        under = [(offset, size) for offset, size in self._aliases.items() if intersect([(offset, offset + size)], wanted)]
-        if under:
-            driver.unmap_many(self.address, under)
-            for offset, _ in under:
-                del self._aliases[offset]
+        self._unmap_aliases(touching(self._aliases, wanted))
         try:
             driver.map_fds(self.address, [(fds[c.id], c.offset, c.size) for c in chunks])
         except DriverError as exc:
@@ -150,6 +159,27 @@ class Arena:
             raise MappingError(f"mapping {len(chunks)} chunk(s) of arena '{self.name}' failed: {exc}") from None
         for chunk in chunks:
             self._chunks[chunk.id] = chunk
+
+    def vacate(self, ranges: Ranges) -> None:
+        """Unmap the placeholder under ``ranges``, where a request that is with the daemon
+        now maps real chunks if it succeeds: unmapped while the daemon works, it costs the
+        swap nothing (``apply`` would unmap it after the answer otherwise). Where the
+        request fails, ``restore_placeholder`` puts it back."""
+        self._unmap_aliases(touching(self._aliases, merge(ranges)))
+
+    def restore_placeholder(self) -> None:
+        """Alias the placeholder again wherever it was asked for and nothing is mapped."""
+        self._cover_free(subtract(self._cover, self.backed_ranges()))
+
+    def _unmap_aliases(self, spans: list[tuple[int, int]]) -> None:
+        if not spans:
+            return
+        try:
+            self.session.driver.unmap_many(self.address, spans)
+        except DriverError as exc:
+            raise MappingError(f"unmapping the placeholder of arena '{self.name}' failed: {exc}") from None
+        for offset, _ in spans:
+            del self._aliases[offset]
 
     def _cover_free(self, ranges: Ranges) -> None:
         """Alias the placeholder over ``ranges`` (which must be unmapped): slot-sized
@@ -193,7 +223,11 @@ class Arena:
         memory, replacing any placeholder there at the same addresses. Idempotent;
         growing only. Fails whole, with the figures, when the device lacks the memory."""
         self._check_open()
-        reply, fds = self.session.channel.call(p.CommitArena(name=self.name, nbytes=nbytes))
+        try:
+            reply, fds = self.session.channel.call(p.CommitArena(name=self.name, nbytes=nbytes), meanwhile=lambda: self.vacate([(0, nbytes)]))
+        except BaseException:
+            self.restore_placeholder()
+            raise
         self.apply(reply, fds)
 
     def decommit(self, to_nbytes: int) -> int:
@@ -230,7 +264,7 @@ class Arena:
             self._placeholder_fds = {c.size: fds[c.id] for c in reply.chunks}
             self._placeholder_ids = [c.id for c in reply.chunks]
         self._cover = merge(self._cover + [(offset, offset + nbytes)])
-        self._cover_free(subtract(self._cover, self.backed_ranges()))
+        self.restore_placeholder()
         self._backing_changed()
 
     def share(self, client: str | None = None, *, uid: int | None = None, gid: int | None = None) -> str:

@@ -387,11 +387,24 @@ class SessionChannel:
 
     # ------------------------------------------------------------------ calls
 
-    def call(self, message: p.RequestMessage, timeout: float | None = None) -> tuple[Any, dict[int, int]]:
+    def call(
+        self, message: p.RequestMessage, timeout: float | None = None, meanwhile: Callable[[], None] | None = None
+    ) -> tuple[Any, dict[int, int]]:
         """One request: (typed reply body, {chunk id: fd} for the chunks it hands out).
         The caller owns the descriptors. ``timeout`` defaults to the session's. A daemon
         that restarts meanwhile (with this session kept) is waited for within the
-        timeout: the session resumes and the request goes again under its id."""
+        timeout: the session resumes and the request goes again under its id.
+        ``meanwhile`` runs once, as soon as the request is out: work of the caller's that
+        hides behind the daemon's (an exception from it ends the call)."""
+        in_flight = self._keep_batches
+        if meanwhile is not None:
+            pending = [meanwhile]
+
+            def in_flight(request_id: int) -> None:
+                if pending:
+                    pending.pop()()
+                self._keep_batches(request_id)
+
         with self._lock:
             self._check_open()
             limit = self.timeout if timeout is None else timeout
@@ -407,7 +420,7 @@ class SessionChannel:
                     # The fd channel is read while the request is out: a daemon that stopped
                     # or died never serves it (it handles no request once it has said
                     # "stopping"), and looking costs nothing while the reply is on its way.
-                    _, body = self._control.exchange(message, left, self._keep_batches, request_id)
+                    _, body = self._control.exchange(message, left, in_flight, request_id)
                     batches = getattr(body, "fd_batches", 0)
                     if not batches:
                         return body, {}

@@ -214,9 +214,19 @@ class RoundWait:
         (``wait`` may be called again then)."""
         if self._tokens is None:
             left = self._deadline - time.monotonic() if timeout is None else timeout
-            reply, fds = self.pool.session.channel.finish(self._request_id, self._message, max(left, 0.001))
-            self.pool.apply(reply, fds)
-            self._tokens = self.pool.tokens
+            pool, arena = self.pool, self.pool.arena
+            # The round commits at least the minimum rows of each buffer over the
+            # placeholder there: unmapped now, it costs nothing while the round finishes
+            # (the engine waits for its rows, so nothing touches them meanwhile).
+            rows = self._message.min_tokens
+            arena.vacate([(b.offset, b.offset + rows * b.row_bytes) for b in pool.buffers.values()])
+            try:
+                reply, fds = pool.session.channel.finish(self._request_id, self._message, max(left, 0.001))
+            except BaseException:
+                arena.restore_placeholder()
+                raise
+            pool.apply(reply, fds)
+            self._tokens = pool.tokens
         return self._tokens
 
     @property
