@@ -666,6 +666,27 @@ def torture_borrower(pool_id: str, iterations: str) -> None:
     print("PASS torture_borrower")
 
 
+def raw_scopes_keep_their_torch_pool() -> None:
+    """Scopes of raw views free their blocks back to the slot, so each entry rebuilds on
+    the runs; the torch pool, which never held a segment, stays the same one (an engine
+    doing this in a loop died of SIGSEGV while pools were dropped and made anew)."""
+    with gpumem.connect(0, name=OWNER) as s:
+        w = workload(s)
+        pools: list[object] = []  # each new torch pool (held: an id could be reused)
+        for i in range(40):
+            with s.borrow(w.pool, user="raw") as b:
+                view = b.allocate(MiB)
+                s.driver.write(view.address, f"raw {i}".encode())
+                assert s.driver.read(view.address, len(f"raw {i}")) == f"raw {i}".encode()
+                del view
+            bp = s.borrow_pools[w.pool.id]
+            if not pools or pools[-1] is not bp.torch_pool:
+                pools.append(bp.torch_pool)
+        assert bp.torch_pool is not None and len(pools) == 1, f"{len(pools)} torch pools for one borrow pool"
+        assert bp.builds >= 39, bp.builds  # the entries after frees rebuilt on the runs
+    print("PASS raw_scopes_keep_their_torch_pool")
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -675,6 +696,7 @@ SCENARIOS = {
         escaped_peer_refused,
         peer_replays,
         rebuild_rules,
+        raw_scopes_keep_their_torch_pool,
         stream_binding,
         cublas_warmed_before_first_borrow,
         handoff_orders_gpu_work,

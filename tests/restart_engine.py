@@ -13,6 +13,7 @@ pool and size it in one round. It prints READY once set up, then DONE and a JSON
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -137,6 +138,7 @@ def engine_b(runtime_dir: Path, stop: Path, call: Timed) -> int:
 
 
 def main() -> int:
+    faulthandler.enable()  # a crash says where, on the stderr the loop shows
     role, runtime_dir, stop = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     call = Timed()
     iterations = (engine_a if role == "a" else engine_b)(runtime_dir, stop, call)

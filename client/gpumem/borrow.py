@@ -154,13 +154,17 @@ class BorrowPool:
             end = (base + offset + size) // ALIGNMENT * ALIGNMENT
             if end > start:
                 extents.append((start, end - start))
-        # The old torch pool goes first: its cached blocks lie on the addresses the new
-        # extents hand out again.
-        self.torch_pool = None
+        # A torch pool holding segments goes first: its cached blocks lie on the addresses
+        # the new extents hand out again. One that holds none is kept: scopes of raw views
+        # rebuild at every entry, and an engine borrowing so in a loop on the H200 (torch
+        # 2.11) died of SIGSEGV in this drop after a few rebuilds (creating and dropping
+        # pools alone did not reproduce it). A pool per rebuild was also a pool too many.
+        if self.torch_pool is not None and (not use_torch or _pool_segments(self.torch_pool)):
+            self.torch_pool = None
         self.slot.set_extents(extents)
         self.capacity = sum(size for _, size in extents)
         self.runs_key = key
-        if use_torch:
+        if use_torch and self.torch_pool is None:
             self.torch_pool = _new_torch_pool(self)
         self.builds += 1
 

@@ -21,6 +21,7 @@ SCENARIOS = [
     ("oom_and_can_fit", [], ("host", "cuda")),
     ("escape_is_caught", [], ("host", "cuda")),
     ("rebuild_rules", [], ("host", "cuda")),
+    ("raw_scopes_keep_their_torch_pool", [], ("cuda",)),  # the host backend has no torch pool
     ("stream_binding", [], ("host", "cuda")),
     ("cublas_warmed_before_first_borrow", [], ("cuda",)),
     ("handoff_orders_gpu_work", [], ("host", "cuda")),

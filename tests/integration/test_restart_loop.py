@@ -67,12 +67,16 @@ def _where(pid: int) -> dict[str, Any]:
     return {"pid": pid, "syscall": read(f"/proc/{pid}/syscall"), "threads": threads}
 
 
-def settle(runtime_dir: Path, pids: list[int]) -> None:
+def settle(runtime_dir: Path, engines: list[subprocess.Popen[str]]) -> None:
     """Until the stopped engines are stopped (a signal lands a moment after kill()
-    returns) and the daemon has served what they sent before: two looks alike."""
+    returns) and the daemon has served what they sent before: two looks alike. An engine
+    that exited instead (a failed call ends it) is reported with what it said."""
     deadline = time.monotonic() + 10
-    while any(_state(pid) != "T" for pid in pids):
-        assert time.monotonic() < deadline, f"the engines did not stop: {[_where(pid) for pid in pids]}"
+    while any(_state(e.pid) != "T" for e in engines):
+        for e in engines:
+            if _state(e.pid) == "Z":
+                raise AssertionError(f"an engine failed (status {e.wait()}):\n{e.stderr.read() if e.stderr else ''}")
+        assert time.monotonic() < deadline, f"the engines did not stop: {[_where(e.pid) for e in engines]}"
         time.sleep(0.005)
     last = kept(status(runtime_dir))
     while True:
@@ -121,7 +125,7 @@ def test_engines_never_notice_kill_9_restarts(runtime_dir: Path, backend: str, r
             time.sleep(rng.uniform(0.05, 0.3))  # the engines mid-work
             for engine in engines:  # frozen, so that nothing moves between the two looks
                 os.kill(engine.pid, signal.SIGSTOP)
-            settle(runtime_dir, [e.pid for e in engines])
+            settle(runtime_dir, engines)
             by_ctl = n in (0, restarts - 1)  # gpumemctl's own view, at the first and the last
             before = ctl_status(runtime_dir) if by_ctl else status(runtime_dir)
             r.restart()
