@@ -397,6 +397,10 @@ class CudaDriver(Driver):
     def write(self, address: int, data: bytes) -> None:
         self._current()
         self._ck(self._cu.cuMemcpyHtoD(address, data, len(data)), "cuMemcpyHtoD")
+        # From pageable memory the copy may return once the bytes are staged, before the
+        # DMA lands (CUDA documents it): a process reading right after could see the old
+        # bytes, as a test on the H200 once did.
+        self._ck(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def read(self, address: int, size: int) -> bytes:
         self._current()
