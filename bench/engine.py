@@ -94,7 +94,7 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     duel_dir.mkdir()
     go = {phase: rd / f"go-{phase}" for phase in ("shipped", "half", "solo", "pair", "again", "duel")}
     common = ["--model", str(model), "--prompts", str(args.prompts), "--tokens", str(args.tokens)]
-    on = ["--mode", "gpumemd", "--runtime-dir", str(rd)]
+    on = ["--mode", "gpumemd", "--runtime-dir", str(rd), *(["--headroom", str(args.headroom_mib)] if args.headroom_mib is not None else [])]
     f, t = result.figures, result.targets
     t.update(kv_blocks_ratio=">= 1.05", tokens_identical=True, decode_ratio=">= 0.98", extra_startup_s="<= 0.5",
              pair_blocks=">= shipped_045_blocks each", reclaim_ms="<= 100", survivor_same_tokens=True,
@@ -151,6 +151,7 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
         gpumemd_step_parts_ms=solo_r.get("step_parts_ms"),
         eager_gpumemd_vs_shipped_differ=_eager_differ(solo_r, base),
         model_arena=solo_r["model_usage"], graph_arena=solo_r["graphs_usage"], kv_budget=solo_r["kv_budget"],
+        after_round=solo_r["after_round"],
         sampler_temporaries_bytes=sampler["temporaries_bytes"], sampler_borrowed_peak_bytes=sampler["borrowed_peak_bytes"],
         sampler_peak_drop_fraction=drop / sampler["temporaries_bytes"] if sampler["temporaries_bytes"] else 0.0,
     )
@@ -320,6 +321,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--duel-rounds", type=int, default=8, help="decode passes each, in turns (CUDA)")
     parser.add_argument("--keep-logs", type=Path, default=None, help="copy every process's log here (CUDA)")
+    parser.add_argument("--headroom-mib", type=int, default=None, help="each engine's round headroom (default: the integration's)")
     args = parser.parse_args()
     c.ensure_importable()
     if args.backend == "host":

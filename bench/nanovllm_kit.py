@@ -464,7 +464,8 @@ def engine(args: argparse.Namespace) -> int:
     if args.mode == "gpumemd":
         from gpumem.integrations import nanovllm as integration
 
-        integration.enable(args.name, expect=args.expect, runtime_dir=args.runtime_dir, headroom_bytes=args.headroom << 20)
+        headroom = {} if args.headroom is None else {"headroom_bytes": args.headroom << 20}
+        integration.enable(args.name, expect=args.expect, runtime_dir=args.runtime_dir, **headroom)
     _wait_file(args.start_after)  # imported: start when told
     out: dict[str, Any] = {"mode": args.mode, "name": args.name, "pid": os.getpid()}
     started = time.perf_counter()
@@ -472,6 +473,7 @@ def engine(args: argparse.Namespace) -> int:
               gpu_memory_utilization=args.util)
     out["startup_s"] = time.perf_counter() - started
     runner = llm.model_runner
+    after_round = _device_use(torch, runner)
     out["blocks"] = runner.config.num_kvcache_blocks
     out["block_bytes"] = 2 * LAYERS * runner.block_size * KV_HEADS * HEAD_DIM * 2
     _diagnose(out, "kv_scan", lambda: kv_scan(torch, runner, out["blocks"]))
@@ -491,6 +493,10 @@ def engine(args: argparse.Namespace) -> int:
     if args.mode == "gpumemd":
         import msgspec
 
+        # What the engine took from the device after its round, past what its arenas
+        # held then: what the round's headroom must leave free (alone in the round, no
+        # one else moves the device's free memory meanwhile).
+        out["after_round"] = {key: now - after_round[key] for key, now in _device_use(torch, runner).items()}
         mem = runner._gpumem
         out["model_usage"] = vars(mem.model.usage())
         out["graphs_usage"] = vars(mem.graphs.usage())
@@ -513,6 +519,14 @@ def engine(args: argparse.Namespace) -> int:
         while True:
             generate(llm, batch, args.tokens)
     return 0
+
+
+def _device_use(torch: Any, runner: Any) -> dict[str, int]:
+    """The device's used bytes, and those of this engine's gpumemd arenas (0 shipped)."""
+    free, total = torch.cuda.mem_get_info()
+    mem = getattr(runner, "_gpumem", None)
+    arenas = 0 if mem is None else mem.model.committed + mem.graphs.committed + mem.kv.pool.arena.committed
+    return {"used_bytes": total - free, "arena_bytes": arenas, "outside_arenas_bytes": total - free - arenas}
 
 
 def duel(llm: Any, batch: list[list[int]], max_tokens: int, tokens: list[list[int]], folder: Path, name: str,
@@ -574,7 +588,7 @@ def main() -> int:
     e.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization (shipped; gpumemd ignores it)")
     e.add_argument("--expect", type=int, default=1, help="engines the KV round gathers (gpumemd)")
     e.add_argument("--runtime-dir", default=None)
-    e.add_argument("--headroom", type=int, default=1024, help="MiB the round leaves free (gpumemd)")
+    e.add_argument("--headroom", type=int, help="MiB the round leaves free (gpumemd; default: the integration's)")
     e.add_argument("--prompts", type=int, default=64)
     e.add_argument("--tokens", type=int, default=64)
     e.add_argument("--borrow-figures", action="store_true")

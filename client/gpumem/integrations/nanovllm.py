@@ -30,7 +30,7 @@ class Settings:
     name: str
     device: int | str = 0
     expect: int = 0  # engines the round gathers (0: whoever reported by then)
-    headroom_bytes: int = 1 << 30  # left free by the round: allocations past the arenas' peaks
+    headroom_bytes: int = 512 << 20  # left free by the round: what the engine takes past its arenas after it (bench/engine.py: after_round)
     min_blocks: int = 0
     weight: float = 1.0
     borrow_sampler: bool = True
