@@ -244,6 +244,26 @@ class ControlChannel:
         """Deferred requests whose reply no ``receive`` took yet."""
         return set(self._deferred)
 
+    def unanswered_ids(self) -> set[int]:
+        """Deferred requests whose reply has not come."""
+        return {rid for rid, (_, reply) in self._deferred.items() if reply is None}
+
+    def take_replies(self) -> None:
+        """Keep the replies to deferred requests that came and were not read yet (the
+        daemon went away: this socket closes next)."""
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            try:
+                got = p.decode_reply(frame)
+            except p.ProtocolError:
+                continue
+            held = self._deferred.get(got.request_id)
+            if held is not None and held[1] is None:
+                self._deferred[got.request_id] = (held[0], got)
+
     def _timeout_message(self, message: p.RequestMessage, timeout: float, what: str) -> str:
         index = self.endpoints.index
         return (
@@ -273,10 +293,16 @@ class _Sockets:
         self.control: ControlChannel | None = None
         self.early: list[tuple[p.FdBatch, list[int]]] = []  # fd batches that came before their reply
 
-    def __call__(self) -> None:
-        for _, fds in self.early:
-            fdchannel.close_all(fds)
-        self.early = []
+    def __call__(self, keep: Callable[[int], bool] | None = None) -> None:
+        """Close everything; ``keep(request_id)``: the fd batches to keep (a reset for a
+        resume keeps those of replies that came before the daemon went away)."""
+        kept = []
+        for batch, fds in self.early:
+            if keep is not None and keep(batch.request_id):
+                kept.append((batch, fds))
+            else:
+                fdchannel.close_all(fds)
+        self.early = kept
         if self.control is not None:
             self.control.close()
             self.control = None
@@ -413,7 +439,7 @@ class SessionChannel:
             request_id = 0
             while True:
                 if self._away is not None:
-                    self._resume(deadline, limit)
+                    self._resume(deadline, limit, resending=request_id)
                     left = max(deadline - time.monotonic(), 0.001)
                 try:
                     request_id = request_id or next(self._control.ids)
@@ -429,12 +455,18 @@ class SessionChannel:
                     left = max(deadline - time.monotonic(), 0.001)
                     continue  # resume, then send it again under its id
 
-    def _resume(self, deadline: float, limit: float) -> None:
+    def _resume(self, deadline: float, limit: float, resending: int = 0) -> None:
         """The daemon went away: reconnect with backoff until ``deadline`` and resume the
         session with its credential; a new DEALER under the same token then carries
-        requests (anything queued on the old one is dropped with it)."""
+        requests. What the old daemon sent before it died is taken first: replies to
+        deferred requests, with their descriptors, need not come again. The resume names
+        what goes again (``resending``, a call without its reply, and the deferred
+        requests without theirs): the new daemon answers those the old one had answered
+        from its record."""
         reason = self._away
-        self._sockets()  # the old sockets, and fd batches of a reply that never came
+        self._take_what_came()
+        keep = (self._control.deferred_ids() - self._control.unanswered_ids()).__contains__
+        self._sockets(keep)  # the old sockets, and fd batches of replies that never came
         pause = _RESUME_RETRY_FIRST
         ep = self.endpoints
         while True:
@@ -446,14 +478,16 @@ class SessionChannel:
                     f"{ep.index}' runs again under its fd store). The session resumes at a later call if the daemon is back "
                     "within its grace period"
                 )
+            pending = sorted(self._control.unanswered_ids() | ({resending} if resending else set()))
             resume = p.Resume(
-                session_id=self.hello.session_id, credential=self.hello.credential, holdings=self.holdings(), client_version=__version__
+                session_id=self.hello.session_id, credential=self.hello.credential, holdings=self.holdings(),
+                client_version=__version__, pending=pending,
             )
             try:
                 hello = self._say_hello(resume, left)
                 break
             except (DaemonUnavailable, ShuttingDown):
-                self._sockets()
+                self._sockets(keep)
                 time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
                 pause = min(2 * pause, _RESUME_RETRY_MOST)
             except (SessionLost, PermissionDenied) as exc:
@@ -465,6 +499,18 @@ class SessionChannel:
         control = ControlChannel(ep, routing_id=hello.token)
         control.take_over(self._control)
         self._control = self._sockets.control = control
+
+    def _take_what_came(self) -> None:
+        """Before the sockets of a daemon that went away close: the fd batches and the
+        replies it sent before it died."""
+        away, self._away = self._away, None  # read on past notices, up to the end
+        try:
+            self._poll_events()
+        except (_DaemonAway, BadMessage):
+            pass
+        finally:
+            self._away = away
+        self._control.take_replies()
 
     def start(self, message: p.RequestMessage) -> int:
         """Send a request whose reply the daemon defers (a KV round's CAPTURE_DONE) and
@@ -483,8 +529,12 @@ class SessionChannel:
             deadline = time.monotonic() + timeout
             while True:
                 if self._away is not None:
-                    self._resume(deadline, timeout)  # sends it again if it is still unanswered
-                    if request_id not in self._control.deferred_ids():  # answered, its descriptors lost
+                    # Still deferred: sent again by the resume if its reply has not come
+                    # (kept, with its descriptors, if it has); not: answered, and its
+                    # descriptors lost on the way.
+                    lost = request_id not in self._control.deferred_ids()
+                    self._resume(deadline, timeout, resending=request_id if lost else 0)
+                    if lost:
                         self._control.send(message, deferred=True, request_id=request_id)
                 try:
                     left = max(deadline - time.monotonic(), 0.001)

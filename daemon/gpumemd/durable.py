@@ -48,6 +48,7 @@ from gpumemd.image import (
 )
 from gpumemd.notify import StoreError, SystemdNotifier
 from gpumemd.records import (
+    Answer,
     ArenaRecord,
     ChunkRecord,
     GrantRecord,
@@ -244,8 +245,8 @@ class _Rebuild:
         for si in image.sessions:
             state.sessions[si.id] = SessionRecord(
                 id=si.id, name=si.name, pid=si.pid, uid=si.uid, gid=si.gid, since=si.since, token=si.token,
-                credential=si.credential, waiting=True, last_request=si.last_request, last_reply=si.last_reply,
-                last_handout=si.last_handout, last_grants=si.last_grants,
+                credential=si.credential, waiting=True,
+                answers={rid: Answer(reply, list(handout), list(grants)) for rid, reply, handout, grants in si.answers},
             )
         arenas = state.arenas
         for ai in image.arenas:
@@ -363,18 +364,20 @@ def replay(
     state: DaemonState, session: SessionRecord, request_id: int, message: p.RequestMessage
 ) -> tuple[bytes, list[ChunkRecord], list[tuple[int, int]]]:
     """The answer to a request resent after a restart that the daemon before had carried
-    out (the session's last reply, from the record): the reply, the chunks to hand out
-    again and the lease segments to grant again. Chunks it handed out that went since
-    (retired by their owner meanwhile) leave the reply."""
+    out (its reply, from the record): the reply, the chunks to hand out again and the
+    lease segments to grant again. Chunks it handed out that went since (retired by their
+    owner meanwhile) leave the reply."""
+    kept = session.answers[request_id]
+    session.resendable.discard(request_id)
     live = {c.id: c for a in state.arenas.by_name.values() for c in a.chunks + a.placeholders}
-    chunks = state.arenas.hand(session, [live[cid] for cid in session.last_handout if cid in live])
-    reply, session.resumed = session.last_reply, False
-    if len(chunks) < len(session.last_handout):
+    chunks = state.arenas.hand(session, [live[cid] for cid in kept.handout if cid in live])
+    reply = kept.reply
+    if len(chunks) < len(kept.handout):
         answer = p.decode_reply(reply)
         body = p.decode_body(message.REPLY, answer.body)
-        views = [c for c in getattr(body, "chunks", []) if c.id in live or c.id not in session.last_handout]
+        views = [c for c in getattr(body, "chunks", []) if c.id in live or c.id not in kept.handout]
         reply = p.encode_reply(request_id, msgspec.structs.replace(body, chunks=views, fd_batches=map_batches(len(chunks))))
     pools = state.graph_pools.by_id
-    grants = [(pid, pools[pid].segment_fd) for pid in session.last_grants if pid in pools and session.id in pools[pid].users]
+    grants = [(pid, pools[pid].segment_fd) for pid in kept.grants if pid in pools and session.id in pools[pid].users]
     log.info("request %d of client %r answered again after the restart (%d chunk(s))", request_id, session.name, len(chunks))
     return reply, chunks, grants

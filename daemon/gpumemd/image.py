@@ -14,7 +14,7 @@ from gpumem_shared import protocol as p
 from gpumemd.records import ChunkRecord
 from gpumemd.state import DaemonState
 
-IMAGE_VERSION = 1
+IMAGE_VERSION = 2  # 2: several remembered replies per session
 
 
 def chunk_name(chunk_id: int) -> str:
@@ -73,10 +73,7 @@ class SessionImage(_Image):
     since: float
     token: bytes
     credential: bytes
-    last_request: int
-    last_reply: bytes
-    last_handout: list[int]
-    last_grants: list[int]
+    answers: list[tuple[int, bytes, list[int], list[int]]]  # request id, reply, chunk ids, graph pool ids
 
 
 class GraphPoolImage(_Image):
@@ -207,8 +204,8 @@ def capture(state: DaemonState) -> tuple[bytes, dict[str, int]]:
         next_round=state.kv.next_round,
         sessions=[
             SessionImage(
-                s.id, s.name, s.pid, s.uid, s.gid, s.since, s.token, s.credential, s.last_request, s.last_reply,
-                s.last_handout, s.last_grants,
+                s.id, s.name, s.pid, s.uid, s.gid, s.since, s.token, s.credential,
+                [(rid, a.reply, a.handout, a.grants) for rid, a in s.answers.items()],
             )
             for s in state.sessions.values()
         ],

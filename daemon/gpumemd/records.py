@@ -25,6 +25,18 @@ PLACEHOLDER_SCRATCH = 512 * MiB
 Notices = list[tuple[int, p.Notice]]
 
 
+ANSWERS_KEPT = 8
+
+
+@dataclasses.dataclass
+class Answer:
+    """A reply as the record keeps it."""
+
+    reply: bytes = dataclasses.field(repr=False)
+    handout: list[int]  # chunk ids
+    grants: list[int]  # graph pool ids
+
+
 @dataclasses.dataclass(eq=False)
 class SessionRecord:
     id: int
@@ -37,21 +49,25 @@ class SessionRecord:
     # What RESUME proves the session with after a restart (empty: no fd store, no resume).
     credential: bytes = dataclasses.field(default=b"", repr=False)
     waiting: bool = False  # kept across a restart; its client has not resumed yet
-    resumed: bool = False  # resumed since its last reply: a resent request may get that reply again
-    # The last reply sent (or due) to this session, kept until the next one: a request
-    # resent after a restart under the same id gets this again instead of running twice
-    # (its chunks and lease segments handed out anew where the client lacks them).
-    last_request: int = 0
-    last_reply: bytes = dataclasses.field(default=b"", repr=False)
-    last_handout: list[int] = dataclasses.field(default_factory=list)  # chunk ids
-    last_grants: list[int] = dataclasses.field(default_factory=list)  # graph pool ids
+    # The last replies sent (or due) to this session, by request id, oldest first: a
+    # request resent after a restart under its id gets its reply again instead of running
+    # twice (its chunks and lease segments handed out anew where the client lacks them).
+    # A client has one call out at a time besides its deferred requests (a round's report
+    # per KV pool), so the last few cover whatever a crash can leave unanswered.
+    answers: dict[int, Answer] = dataclasses.field(default_factory=dict, repr=False)
+    # Requests answered before the restart that the resumed client said it sends again.
+    resendable: set[int] = dataclasses.field(default_factory=set)
 
     def remember(self, request_id: int, reply: bytes, handout: list[ChunkRecord], grants: list[tuple[int, int]]) -> None:
-        self.resumed = False
-        self.last_request = request_id
-        self.last_reply = reply
-        self.last_handout = [c.id for c in handout]
-        self.last_grants = [pool_id for pool_id, _ in grants]
+        self.answers[request_id] = Answer(reply, [c.id for c in handout], [pool_id for pool_id, _ in grants])
+        while len(self.answers) > ANSWERS_KEPT:
+            oldest = next(iter(self.answers))
+            del self.answers[oldest]
+            self.resendable.discard(oldest)
+
+    def handed_out(self, request_ids: set[int]) -> set[int]:
+        """The chunks the remembered replies to ``request_ids`` handed out."""
+        return {cid for rid in request_ids for cid in self.answers[rid].handout}
 
 
 @dataclasses.dataclass(eq=False)

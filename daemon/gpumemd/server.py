@@ -248,7 +248,7 @@ class Server:
                     # Sent to the daemon before this one: the client sends it again once resumed.
                     log.debug("request %d from a session waiting to resume dropped unanswered", request_id)
                     return None
-            elif session.resumed and request_id == session.last_request:
+            elif request_id in session.resendable:
                 return self._replay(session, request_id, request.message)
             outcome = self.state.handle(session, request.message, request_id)
             reply = None if outcome.reply is None else p.encode_reply(request_id, outcome.reply)
@@ -320,6 +320,7 @@ class Server:
             if session is not None and self.durable is not None:
                 ok = not isinstance(done.reply, p.ProtocolError)
                 session.remember(done.request_id, frame, done.handout if ok else [], [])
+                self.state.dirty = True  # the answer is in the record before it leaves
         if self.durable is not None and self.state.dirty:
             self.durable.persist(self.state)
         for done, frame in zip(done_list, frames):

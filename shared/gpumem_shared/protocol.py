@@ -45,7 +45,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 4)
+PROTOCOL_VERSION: tuple[int, int] = (1, 5)
 
 # The oldest protocol HELLO accepts, on either side (see the module doc).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
@@ -66,6 +66,8 @@ MAX_KV_BUFFERS = 4096
 # chunks at most; bulk chunks make real counts hundreds).
 MAX_HOLDINGS = 4096
 MAX_HELD_CHUNKS = 1 << 21
+# The requests a resuming client sends again: one call and its deferred ones.
+MAX_PENDING = 4096
 
 # msgpack's integer range: what lies outside cannot be encoded at all.
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -295,8 +297,9 @@ class Resume(RequestMessage, kw_only=True):
     """Since 1.4: first message on a new fd channel, instead of HELLO, from a client whose
     daemon restarted: the session comes back with its ids, token and objects. The
     credential HELLO returned, checked with SO_PEERCRED (same pid and uid). ``holdings``
-    say which chunks the client maps: a chunk the daemon handed out whose reply never
-    arrived is not held, and a resent request gets it again."""
+    say which chunks the client maps. Since 1.5, ``pending`` names the requests it sends
+    again (no reply, or one whose descriptors were lost): those the daemon before had
+    answered get that answer again, with the chunks of it the client does not map."""
 
     TYPE = MsgType.RESUME
     REPLY = HelloReply
@@ -304,6 +307,7 @@ class Resume(RequestMessage, kw_only=True):
     credential: bytes
     holdings: Annotated[list[Holding], msgspec.Meta(max_length=MAX_HOLDINGS)] = msgspec.field(default_factory=list)
     client_version: str = ""
+    pending: Annotated[list[int], msgspec.Meta(max_length=MAX_PENDING)] = msgspec.field(default_factory=list)
 
 
 class Ping(RequestMessage, kw_only=True):

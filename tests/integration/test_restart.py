@@ -60,15 +60,17 @@ def connect(service: Service, runtime_dir: Path) -> Iterator[Connect]:
         session.close()
 
 
-def resume_frame(session_id: int, credential: bytes, holdings: list[dict[str, Any]] | None = None) -> bytes:
-    body = {"session_id": session_id, "credential": credential, "holdings": holdings or [], "client_version": "raw"}
+def resume_frame(session_id: int, credential: bytes, holdings: list[dict[str, Any]] | None = None, pending: list[int] | None = None) -> bytes:
+    body = {"session_id": session_id, "credential": credential, "holdings": holdings or [], "client_version": "raw", "pending": pending or []}
     return envelope(p.MsgType.RESUME, body, 1)
 
 
-def raw_resume(runtime_dir: Path, session_id: int, credential: bytes, holdings: list[dict[str, Any]] | None = None) -> tuple[Any, dict[str, Any], int]:
+def raw_resume(
+    runtime_dir: Path, session_id: int, credential: bytes, holdings: list[dict[str, Any]] | None = None, pending: list[int] | None = None
+) -> tuple[Any, dict[str, Any], int]:
     """(the fd-channel socket, the reply, descriptors that came with it)."""
     sock = fd_connect(runtime_dir)
-    sock.send(resume_frame(session_id, credential, holdings))
+    sock.send(resume_frame(session_id, credential, holdings, pending))
     payload, fds = fd_recv(sock)
     os_close_all(fds)
     return sock, decode(payload), len(fds)
@@ -315,7 +317,7 @@ def test_a_resent_request_is_answered_again_with_its_descriptors(service: Servic
         os_close_all(fds)
         ids = decode(payload)["b"]["chunk_ids"]
         r.restart()
-        sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"], [])  # mapped nothing
+        sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"], [], [4242])  # mapped nothing
         assert reply["ok"]
         with RawControl(runtime_dir, routing_id=session.token) as control:
             again = control.raw(frame)
@@ -329,6 +331,46 @@ def test_a_resent_request_is_answered_again_with_its_descriptors(service: Servic
             assert control.call(p.MsgType.ARENA_COMMIT, {"name": "a", "nbytes": 24 * MiB}, 4243)["ok"]
         sock.close()
 
+
+
+def test_every_answer_a_crash_can_leave_unread_is_answered_again(service: Service, runtime_dir: Path) -> None:
+    """A call's reply, then the reply to the session's deferred round report, both sent
+    just before a crash and neither read: after the resume each request, sent again under
+    its id, gets its own answer from the record, descriptors included; not a second
+    commit for the first because the second came after it."""
+    r = service()
+    with RawSession(runtime_dir, "first") as first, RawSession(runtime_dir, "second") as second:
+        for session in (first, second):
+            declared = session.call(p.MsgType.KV_DECLARE, {"name": f"kv-{session.session_id}", "buffers": [{"name": "k", "row_bytes": 4096}], "max_tokens": 4096})
+            assert declared["ok"], declared
+            assert session.call(p.MsgType.ROUND_JOIN, {"pool": f"kv-{session.session_id}", "expect": 2})["ok"]
+        first.create("a", 64 * MiB)
+        assert first.control is not None
+        report = envelope(p.MsgType.CAPTURE_DONE, {"pool": f"kv-{first.session_id}", "min_tokens": 256, "max_tokens": 1024}, 500)
+        first.control.send_frames(report)  # deferred: answered when the round commits
+        commit = envelope(p.MsgType.ARENA_COMMIT, {"name": "a", "nbytes": 24 * MiB}, 501)
+        answered = first.control.raw(commit)
+        assert answered["ok"] and answered["b"]["fd_batches"] == 1
+        assert second.call(p.MsgType.CAPTURE_DONE, {"pool": f"kv-{second.session_id}", "min_tokens": 256, "max_tokens": 1024})["ok"]
+        round_answer = first.control.recv()
+        assert round_answer["ok"] and round_answer["id"] == 500 and round_answer["b"]["fd_batches"] >= 1
+        r.restart()  # the sockets of first are gone: as if neither answer had been read
+        sock, reply, _ = raw_resume(runtime_dir, first.session_id, first.hello["credential"], [], [500, 501])
+        assert reply["ok"], reply
+        with RawControl(runtime_dir, routing_id=first.token) as control:
+            assert control.raw(commit) == answered
+            payload, fds = fd_recv(sock)
+            os_close_all(fds)
+            assert decode(payload)["b"]["request_id"] == 501 and len(fds) == 2
+            assert control.raw(report) == round_answer
+            for _ in range(round_answer["b"]["fd_batches"]):
+                payload, fds = fd_recv(sock)
+                os_close_all(fds)
+                assert decode(payload)["b"]["request_id"] == 500 and fds
+        s = status(runtime_dir)
+        mine = {a["name"]: a["committed"] for a in s["arenas"] if a["owner"] == "first"}
+        assert mine["a"] == 24 * MiB and mine[f"kv-{first.session_id}"] > 0
+        sock.close()
 
 def _tamper(r: Restartable, how: str) -> None:
     m = r.manager
@@ -422,6 +464,81 @@ def test_a_crash_during_a_kv_round(service: Service, connect: Connect, runtime_d
         session.close()
     wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0, 10, "memory back")
 
+
+
+def test_a_crash_during_a_lease_handoff(service: Service, connect: Connect, runtime_dir: Path, backend: str) -> None:
+    """The peer waits for the owner's replay lease when the daemon dies, and the owner
+    gives it back while no daemon runs: the handoff goes through the shared table alone
+    (their events were exchanged before),
+    the restarted daemon shows the peer as the holder, and the lease goes on changing
+    hands after the restart. A holder whose session ends later has its lease taken back."""
+    r = service(backend)
+    owner, peer = connect("owner"), connect("peer")
+    arena = owner.create_arena("a", 64 * MiB)
+    arena.commit(16 * MiB)
+    arena.share("peer")
+    peer.attach_arena("a")
+    graph = arena.register_graph_pool("g", extents=[p.Extent(offset=0, size=16 * MiB)], shared=True)
+    opened = peer.open_graph_pool(graph.id)
+    # One handoff each way first: the first release of each side publishes its event
+    # through the daemon, the first acquire after a peer looks that event up.
+    for _ in range(2):
+        owner.replay(graph).release()
+        peer.replay(opened).release()
+    held = owner.replay(graph)
+    got: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: got.update(lease=peer.replay(opened, wait=20.0, label="peer's turn")))
+    waiter.start()
+    time.sleep(0.2)  # the peer sleeps on the lease word now
+    assert "lease" not in got
+    r.kill()
+    held.release()  # no daemon anywhere: the table hands it over
+    waiter.join(10)
+    assert got["lease"].held
+    r.start()
+    s = status(runtime_dir)
+    assert s["daemon"]["generation"] == 1
+    assert [(x["kind"], x["holder"], x["label"]) for x in s["leases"]] == [("replay", "peer", "peer's turn")]
+    with pytest.raises(gpumem.LeaseConflict):
+        owner.replay(graph)
+    got["lease"].release()
+    again = owner.replay(graph)  # and back, after the restart
+    assert status(runtime_dir)["leases"][0]["holder"] == "owner"
+    again.release()
+    peer.replay(opened)
+    peer.close()  # holding it
+    wait_status(runtime_dir, lambda s: not s["leases"] and [c["name"] for c in s["clients"]] == ["owner"], 10, "the peer's lease taken back")
+    owner.replay(graph).release()
+    owner.close()
+    wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0 and not s["clients"], 10, "memory back")
+
+
+@pytest.mark.parametrize("read", ["taken by a later call", "left in the sockets"])
+def test_a_round_answer_that_came_before_the_crash_is_kept(service: Service, connect: Connect, runtime_dir: Path, read: str) -> None:
+    """capture_done(wait=False), and the round commits: its answer and descriptors reach
+    the engine (a later call takes them in, or they wait in the sockets) before the daemon
+    dies. The resume keeps them: the wait after the restart gets its rows."""
+    r = service()
+    first, second = connect("first"), connect("second")
+    pools = [s.declare_kv_pool(f"kv-{s.name}", [gpumem.KvBuffer("k", 4096)], max_tokens=4096) for s in (first, second)]
+    for pool in pools:
+        pool.placeholder()
+        pool.join_round(expect=2)
+    waiting = pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, wait=False)
+    pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
+    if read == "taken by a later call":
+        first.ping()
+    r.restart()
+    first.ping()  # resumes
+    tokens = waiting.wait(20)
+    assert tokens >= 256 and pools[0].arena.mapped_bytes >= tokens * 4096
+    buffer = pools[0].buffers["k"]
+    last = buffer.offset + tokens * buffer.row_bytes - 8
+    pools[0].arena.write(last, b"K" * 8)
+    assert pools[0].arena.read(last, 8) == b"K" * 8
+    for session in (first, second):
+        session.close()
+    wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0 and not s["clients"], 10, "memory back")
 
 def test_gpumemctl_status_shows_the_generation_and_who_waits(service: Service, runtime_dir: Path) -> None:
     r = service()
