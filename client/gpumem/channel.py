@@ -12,6 +12,11 @@ it (chunks, a graph pool's lease segment), so arenas and pools never touch the s
 
 One lock per session: a request's FD_BATCH messages and its reply pair up because no
 other request of this session is in flight. Every wait is bounded.
+
+A session the daemon keeps across a restart (HELLO gave it a resume credential) has a
+watcher thread: it notices the daemon going away and resumes the session once a new one
+runs, between calls, so an engine that only takes leases through the shared table (no
+call at all) still comes back before the new daemon's grace period ends.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from gpumem.errors import (
     DaemonStopped,
     DaemonTimeout,
     DaemonUnavailable,
+    GpuMemError,
     PermissionDenied,
     SessionClosed,
     SessionLost,
@@ -64,6 +70,11 @@ _RESUME_RETRY_MOST = 0.05
 
 # Notices nobody took yet; the oldest go first.
 _NOTICES_KEPT = 1024
+
+# The watcher looks at the fd channel this often between calls (and whether its session
+# closed); a resume it starts tries this long before it lets calls in again.
+_WATCH_S = 0.25
+_WATCH_RESUME_S = 2.0
 
 # connect() on the fd channel fails at once (EAGAIN) while the daemon's listen backlog is
 # full: it is not accepting (stopped, busy, at its connection limit) or is flooded. Try
@@ -282,6 +293,15 @@ class _DaemonAway(Exception):
     credential resumes (with the new daemon) before the call goes on."""
 
 
+def _watch(ref: weakref.ref[SessionChannel]) -> None:
+    """The watcher thread's loop; it holds its channel only while it looks."""
+    while True:
+        channel = ref()
+        if channel is None or not channel.watch_once():
+            return
+        del channel
+
+
 class _Sockets:
     """What must be closed even if the channel is dropped without close()."""
 
@@ -341,6 +361,8 @@ class SessionChannel:
         finally:
             if not ok:
                 self._finalizer()
+        if self.hello.credential:
+            threading.Thread(target=_watch, args=(weakref.ref(self),), name=f"gpumem-watch-{name}", daemon=True).start()
 
     # ------------------------------------------------------------------ HELLO
 
@@ -500,6 +522,36 @@ class SessionChannel:
         control.take_over(self._control)
         self._control = self._sockets.control = control
 
+    def watch_once(self) -> bool:
+        """One look of the watcher (see the module doc): take what the fd channel holds,
+        and resume when the daemon went away. False once there is nothing left to watch."""
+        sock = self._sockets.fd_sock
+        if self._away is not None:
+            time.sleep(_RESUME_RETRY_MOST)
+        elif sock is None:
+            time.sleep(_WATCH_S)
+            return not self._closed
+        else:
+            try:
+                readable = select.select([sock], [], [], _WATCH_S)[0]
+            except (OSError, ValueError):  # closed meanwhile by a call's resume
+                readable = []
+            if not readable:
+                return not self._closed
+        with self._lock:  # a call in progress watches for itself: this waits for it
+            if self._closed or self._stopped is not None or self._lost is not None:
+                return False
+            try:
+                if self._away is None:
+                    self._poll_events()
+                if self._away is not None:
+                    self._resume(time.monotonic() + _WATCH_RESUME_S, _WATCH_RESUME_S)
+            except (_DaemonAway, DaemonTimeout):
+                pass  # again at the next look
+            except GpuMemError:
+                return False  # lost, stopped, refused: the next call raises it
+        return True
+
     def _take_what_came(self) -> None:
         """Before the sockets of a daemon that went away close: the fd batches and the
         replies it sent before it died."""
@@ -620,7 +672,10 @@ class SessionChannel:
         received: dict[int, int] = {}
         early, self._sockets.early = self._sockets.early, []
         for kept, fds in early:
-            if kept.request_id == request_id:
+            # A request answered twice across a resume (its answer, sent as the new sockets
+            # came up, then the record's to the resend) has its batches twice: the first
+            # serve, the rest are closed.
+            if kept.request_id == request_id and batches > 0:
                 received.update(zip(kept.chunk_ids, fds))
                 batches -= 1
             elif self._kept(kept.request_id, 0):

@@ -368,7 +368,6 @@ def replay(
     lease segments to grant again. Chunks it handed out that went since (retired by their
     owner meanwhile) leave the reply."""
     kept = session.answers[request_id]
-    session.resendable.discard(request_id)
     live = {c.id: c for a in state.arenas.by_name.values() for c in a.chunks + a.placeholders}
     chunks = state.arenas.hand(session, [live[cid] for cid in kept.handout if cid in live])
     reply = kept.reply

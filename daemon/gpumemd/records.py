@@ -55,19 +55,20 @@ class SessionRecord:
     # A client has one call out at a time besides its deferred requests (a round's report
     # per KV pool), so the last few cover whatever a crash can leave unanswered.
     answers: dict[int, Answer] = dataclasses.field(default_factory=dict, repr=False)
-    # Requests answered before the restart that the resumed client said it sends again.
-    resendable: set[int] = dataclasses.field(default_factory=set)
+    # The requests the resumed client said it sends again: those with a remembered answer
+    # get it again, whether it was given before the restart or between the resume and the
+    # resend (the new DEALER may not have been connected to take it).
+    resending: set[int] = dataclasses.field(default_factory=set)
 
     def remember(self, request_id: int, reply: bytes, handout: list[ChunkRecord], grants: list[tuple[int, int]]) -> None:
         self.answers[request_id] = Answer(reply, [c.id for c in handout], [pool_id for pool_id, _ in grants])
         while len(self.answers) > ANSWERS_KEPT:
             oldest = next(iter(self.answers))
             del self.answers[oldest]
-            self.resendable.discard(oldest)
 
     def handed_out(self, request_ids: set[int]) -> set[int]:
         """The chunks the remembered replies to ``request_ids`` handed out."""
-        return {cid for rid in request_ids for cid in self.answers[rid].handout}
+        return {cid for rid in request_ids if rid in self.answers for cid in self.answers[rid].handout}
 
 
 @dataclasses.dataclass(eq=False)

@@ -248,8 +248,10 @@ class Server:
                     # Sent to the daemon before this one: the client sends it again once resumed.
                     log.debug("request %d from a session waiting to resume dropped unanswered", request_id)
                     return None
-            elif request_id in session.resendable:
-                return self._replay(session, request_id, request.message)
+            elif request_id in session.resending:
+                session.resending.discard(request_id)
+                if request_id in session.answers:
+                    return self._replay(session, request_id, request.message)
             outcome = self.state.handle(session, request.message, request_id)
             reply = None if outcome.reply is None else p.encode_reply(request_id, outcome.reply)
             if self.durable is not None and self.state.dirty:

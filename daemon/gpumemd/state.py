@@ -192,10 +192,10 @@ class DaemonState:
                 p.ErrorCode.ALREADY_EXISTS, f"session {session.id} is connected already; it is resumed once", session=session.id
             )
         session.waiting = False
-        session.resendable = set(session.answers) & set(m.pending)
-        # Chunks of the answers it sends again that it does not map: those replies never
+        session.resending = set(m.pending)
+        # Chunks of the answers it asks for again that it does not map: those replies never
         # reached it (each goes again, with them, when its request comes again).
-        self.arenas.drop_holder(session.id, session.handed_out(session.resendable) - {c for h in m.holdings for c in h.chunks})
+        self.arenas.drop_holder(session.id, session.handed_out(session.resending) - {c for h in m.holdings for c in h.chunks})
         self.dirty = True
         left = sum(1 for s in self.sessions.values() if s.waiting)
         if not left:
