@@ -9,8 +9,8 @@ daemon in a loop (a call every ``--interval`` seconds), timing every call. The d
 killed with kill -9 and started again ``--restarts`` times; after each start the bench
 polls STATUS until no session waits for its client.
 
-    python bench/restart.py --backend host
-    python bench/restart.py --backend cuda --bytes 100GiB --restarts 20
+    python bench/restart.py --backend host                  # 2 GiB
+    python bench/restart.py --backend cuda                  # 100 GiB, the target's size
 
 Figures: ready_s (start to READY=1: the rebuild), resumed_s (start to every client
 resumed) p50 and max, max_delayed_call_s (the slowest call any client made), and the
@@ -74,7 +74,7 @@ def main() -> int:
     ap = c.ArgumentParser(BENCH, description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["host", "cuda"], default="host")
     ap.add_argument("--clients", type=int, default=2)
-    ap.add_argument("--bytes", default="2GiB", help="committed across all clients (default: 2GiB)")
+    ap.add_argument("--bytes", help="committed across all clients (default: 100GiB on cuda, 2GiB on host)")
     ap.add_argument("--restarts", type=int, default=20)
     ap.add_argument("--interval", type=float, default=0.002, help="seconds between a client's pings (default: 0.002)")
     ap.add_argument("--commits", type=int, default=300, help="timed commit+decommit pairs per client (default: 300)")
@@ -113,7 +113,7 @@ def body(a: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack)
     sys.path.insert(0, str(c.REPO / "tests" / "integration"))
     from fdstore_kit import ServiceManager
 
-    total = parse(a.bytes).bytes
+    total = parse(a.bytes or ("100GiB" if a.backend == "cuda" else "2GiB")).bytes
     granularity = 2 * MiB
     share = total // a.clients // granularity * granularity
     rd = cleanup.enter_context(c.runtime_dir("gmr-"))

@@ -396,9 +396,14 @@ class SessionChannel:
             ) from None
         except p.ProtocolError as exc:
             raise BadMessage(exc.message) from None
+        except (ConnectionResetError, BrokenPipeError):
+            payload, fds = b"", []
         try:
-            if not payload:
-                raise DaemonStopped(f"gpumemd for device {ep.index} closed the connection during HELLO")
+            if not payload:  # a resume tries again: the daemon may be restarting once more
+                raise DaemonUnavailable(
+                    f"gpumemd for device {ep.index} closed the connection during {type(message).__name__.upper()} "
+                    f"(it stopped or restarted); check 'systemctl status gpumemd@{ep.index}'"
+                )
             try:
                 reply = p.decode_reply(payload)
                 if not reply.ok:

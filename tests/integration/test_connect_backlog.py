@@ -103,3 +103,33 @@ def test_a_stopped_daemon_is_waited_for_within_the_timeout(daemon_factory, runti
         for sock in fillers:
             sock.close()
         daemon.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("how", ["reset", "eof"])
+def test_a_daemon_that_drops_the_handshake_is_a_typed_error(runtime_dir: Path, how: str) -> None:
+    """A daemon that dies during HELLO (or RESUME) closes the connection under the client:
+    with the request unread (the client's read is reset) or after reading it (EOF). Either
+    is DaemonUnavailable, which a resume tries again (the reset was a bare
+    ConnectionResetError, which ended the resume and the call: bench/restart.py's clients
+    died of it when the daemon was stopped under them)."""
+    path = Endpoints(runtime_dir, 0).fd_path
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(8)
+
+    def drop() -> None:
+        conn, _ = listener.accept()
+        if how == "eof":
+            conn.recv(1 << 16)
+        else:
+            time.sleep(0.2)  # the HELLO is in, unread, when the connection goes
+        conn.close()
+
+    dropper = threading.Thread(target=drop)
+    dropper.start()
+    try:
+        with pytest.raises(gpumem.DaemonUnavailable, match="closed the connection during HELLO"):
+            gpumem.connect(0, "eng", runtime_dir=runtime_dir, timeout=5.0)
+    finally:
+        dropper.join(5)
+        listener.close()
