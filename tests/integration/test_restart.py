@@ -79,6 +79,15 @@ def raw_resume(
     return sock, decode(payload), len(fds)
 
 
+def drop_dealer(session: RawSession) -> None:
+    """Close a raw session's DEALER before its daemon restarts, as the client library does
+    before it resumes: ZeroMQ would connect it to the new daemon by itself, and the
+    ROUTER hands the session's routing id to whichever DEALER connects last."""
+    assert session.control is not None
+    session.control.close()
+    session.control = None
+
+
 def same_state(s: dict[str, Any]) -> dict[str, Any]:
     """What a restart must keep, as status shows it."""
     clients = [{k: v for k, v in c.items() if k != "waiting"} for c in s["clients"]]
@@ -341,6 +350,7 @@ def test_a_resent_request_is_answered_again_with_its_descriptors(service: Servic
         payload, fds = fd_recv(session.fd_sock)
         os_close_all(fds)
         ids = decode(payload)["b"]["chunk_ids"]
+        drop_dealer(session)
         r.restart()
         sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"], [], [4242])  # mapped nothing
         assert reply["ok"]
@@ -379,6 +389,7 @@ def test_every_answer_a_crash_can_leave_unread_is_answered_again(service: Servic
         assert second.call(p.MsgType.CAPTURE_DONE, {"pool": f"kv-{second.session_id}", "min_tokens": 256, "max_tokens": 1024})["ok"]
         round_answer = first.control.recv()
         assert round_answer["ok"] and round_answer["id"] == 500 and round_answer["b"]["fd_batches"] >= 1
+        drop_dealer(first)
         r.restart()  # the sockets of first are gone: as if neither answer had been read
         sock, reply, _ = raw_resume(runtime_dir, first.session_id, first.hello["credential"], [], [500, 501])
         assert reply["ok"], reply
@@ -521,7 +532,8 @@ def test_a_crash_during_a_lease_handoff(service: Service, run_client: Any, runti
     do(owner, f"unlease {pool}")  # no daemon anywhere: the table hands it over
     assert peer.expect("OK") == "replay"
     r.start()
-    s = status(runtime_dir)
+    # Neither calls the daemon from here on: their watchers resume them.
+    s = wait_status(runtime_dir, lambda s: s["daemon"]["waiting"] == 0, 5, "both sessions resumed")
     assert s["daemon"]["generation"] == 1
     assert [(x["kind"], x["holder"], x["label"]) for x in s["leases"]] == [("replay", "peer", "peer-turn")]
     assert reply(owner, f"lease replay {pool} 0 owner-again").startswith("ERR LeaseConflict")
@@ -538,17 +550,23 @@ def test_a_crash_during_a_lease_handoff(service: Service, run_client: Any, runti
     wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0 and not s["clients"], 10, "memory back")
 
 
+def two_in_a_round(connect: Connect) -> tuple[gpumem.Session, gpumem.Session, list[gpumem.KvPool]]:
+    """Sessions "first" and "second", each with a KV pool on placeholder in one round."""
+    first, second = connect("first"), connect("second")
+    pools = [s.declare_kv_pool(f"kv-{s.name}", [gpumem.KvBuffer("k", 4096)], max_tokens=4096) for s in (first, second)]
+    for pool in pools:
+        pool.placeholder()
+        pool.join_round(expect=2)
+    return first, second, pools
+
+
 @pytest.mark.parametrize("read", ["taken by a later call", "left in the sockets"])
 def test_a_round_answer_that_came_before_the_crash_is_kept(service: Service, connect: Connect, runtime_dir: Path, read: str) -> None:
     """capture_done(wait=False), and the round commits: its answer and descriptors reach
     the engine (a later call takes them in, or they wait in the sockets) before the daemon
     dies. The resume keeps them: the wait after the restart gets its rows."""
     r = service()
-    first, second = connect("first"), connect("second")
-    pools = [s.declare_kv_pool(f"kv-{s.name}", [gpumem.KvBuffer("k", 4096)], max_tokens=4096) for s in (first, second)]
-    for pool in pools:
-        pool.placeholder()
-        pool.join_round(expect=2)
+    first, second, pools = two_in_a_round(connect)
     waiting = pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, wait=False)
     pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
     if read == "taken by a later call":
@@ -585,11 +603,7 @@ def test_a_round_report_that_does_not_block_survives_a_restart(service: Service,
     """capture_done(wait=False): the report is out, unanswered, when the daemon dies; the
     engine's other calls go on after the restart, and the wait still gets its tokens."""
     r = service()
-    first, second = connect("first"), connect("second")
-    pools = [s.declare_kv_pool(f"kv-{s.name}", [gpumem.KvBuffer("k", 4096)], max_tokens=4096) for s in (first, second)]
-    for pool in pools:
-        pool.placeholder()
-        pool.join_round(expect=2)
+    first, second, pools = two_in_a_round(connect)
     waiting = pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, wait=False)
     wait_status(runtime_dir, lambda s: any(m["reported"] for m in s["rounds"][0]["members"]), 10, "the first report")
     r.restart()
