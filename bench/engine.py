@@ -83,7 +83,7 @@ def _ab(r: dict[str, Any]) -> Any:
 
 def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     import gpumem_shared.protocol as p
-    from gpumem.channel import ControlChannel
+    from gpumem.control import ControlChannel
     from gpumem_shared.paths import Endpoints
 
     rd = cleanup.enter_context(c.runtime_dir("gmb-engine-"))

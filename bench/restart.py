@@ -108,7 +108,7 @@ def body(a: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack)
     from gpumem_shared.paths import Endpoints
     from gpumem_shared.units import parse
 
-    from gpumem.channel import ControlChannel
+    from gpumem.control import ControlChannel
 
     sys.path.insert(0, str(c.REPO / "tests" / "integration"))
     from fdstore_kit import ServiceManager

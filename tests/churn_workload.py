@@ -407,7 +407,7 @@ class Instance:
 
 
 def _status(runtime_dir: Path) -> Any:
-    from gpumem.channel import ControlChannel
+    from gpumem.control import ControlChannel
     from gpumem_shared import protocol as p
     from gpumem_shared.paths import Endpoints
 

@@ -25,7 +25,7 @@ import click
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints, daemon_alive
 from gpumem_shared.units import format_size
-from gpumem.channel import ControlChannel, check_access
+from gpumem.control import ControlChannel, check_access
 from gpumem.discovery import live_daemons, resolve_device, runtime_dirs
 from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch, SocketPermissionDenied
 

@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from gpumem.channel import ControlChannel
+from gpumem.control import ControlChannel
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
 
