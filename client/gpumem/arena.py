@@ -223,11 +223,15 @@ class Arena:
         memory, replacing any placeholder there at the same addresses. Idempotent;
         growing only. Fails whole, with the figures, when the device lacks the memory."""
         self._check_open()
-        try:
-            reply, fds = self.session.channel.call(p.CommitArena(name=self.name, nbytes=nbytes), meanwhile=lambda: self.vacate([(0, nbytes)]))
-        except BaseException:
-            self.restore_placeholder()
-            raise
+        message = p.CommitArena(name=self.name, nbytes=nbytes)
+        if not self._aliases:  # no placeholder to swap out
+            reply, fds = self.session.channel.call(message)
+        else:
+            try:
+                reply, fds = self.session.channel.call(message, meanwhile=lambda: self.vacate([(0, nbytes)]))
+            except BaseException:
+                self.restore_placeholder()
+                raise
         self.apply(reply, fds)
 
     def decommit(self, to_nbytes: int) -> int:

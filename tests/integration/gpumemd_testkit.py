@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import select
+import selectors
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -257,3 +259,21 @@ def do(client: Any, command: str, timeout: float = 30.0) -> str:
     line = reply(client, command, timeout)
     assert line == "OK" or line.startswith("OK "), f"{command!r} answered {line!r}"
     return line[3:]
+
+
+def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 30.0) -> str:
+    """The rest of the first line ``proc`` prints that starts with ``prefix``; fails, with
+    its stderr, if it exits first or prints none within ``timeout``."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise AssertionError(f"{proc.args!r} printed no {prefix!r} within {timeout}s")
+            line = proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"{proc.args!r} exited ({proc.wait()}) before {prefix!r}:\n{proc.stderr.read() if proc.stderr else ''}")
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()

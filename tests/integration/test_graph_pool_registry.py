@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import selectors
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import gpumem
 from conftest import child_env
 from gpumem_shared import protocol as p
 from gpumem_shared.units import format_size
-from gpumemd_testkit import GiB, MiB, RawControl, RawSession, assert_error, status, wait_status
+from gpumemd_testkit import GiB, MiB, RawControl, RawSession, assert_error, read_line, status, wait_status
 
 KiB = 1 << 10
 
@@ -285,22 +284,6 @@ sys.stdin.read()
 """
 
 
-def _read_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 30.0) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sel.select(remaining):
-                raise AssertionError(f"owner did not print {prefix!r} within {timeout}s")
-            line = proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"owner exited ({proc.wait()}): {proc.stderr.read() if proc.stderr else ''}")
-            if line.startswith(prefix):
-                return line[len(prefix) :].strip()
-
-
 def test_kill_9_of_the_owner_drops_its_pools_within_a_second(host_daemon, connect, runtime_dir) -> None:  # type: ignore[no-untyped-def]
     bystander = connect("bystander")
     mine = bystander.create_arena("kept-graphs", GiB)
@@ -316,7 +299,7 @@ def test_kill_9_of_the_owner_drops_its_pools_within_a_second(host_daemon, connec
         env=child_env(runtime_dir),
     )
     try:
-        ids = [int(i) for i in _read_line(proc, "REGISTERED").split()]
+        ids = [int(i) for i in read_line(proc, "REGISTERED").split()]
         assert ids == [kept.id + 1, kept.id + 2]
         attached = bystander.attach_arena("doomed-graphs")  # the arena will outlive its owner
         before = status(runtime_dir)

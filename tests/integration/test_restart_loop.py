@@ -21,7 +21,7 @@ import pytest
 
 from conftest import ROOT, child_env
 from fdstore_kit import Restartable
-from gpumemd_testkit import status, wait_status
+from gpumemd_testkit import read_line, status, wait_status
 
 ENGINE = ROOT / "tests" / "restart_engine.py"
 
@@ -86,24 +86,6 @@ def settle(runtime_dir: Path, engines: list[subprocess.Popen[str]]) -> None:
             return
         assert time.monotonic() < deadline, "the daemon's state kept moving with the engines stopped"
         last = now
-
-
-def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
-    import selectors
-
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                raise AssertionError(f"engine printed no {prefix!r} within {timeout}s")
-            line = proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"engine exited ({proc.wait()}) before {prefix!r}:\n{proc.stderr.read() if proc.stderr else ''}")
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
 
 
 @pytest.mark.parametrize(("backend", "restarts"), [("host", 50), pytest.param("cuda", 20, marks=pytest.mark.gpu)])

@@ -272,10 +272,7 @@ class CudaDriver(Driver):
                 mapped.append((address, size))
             self._set_access(0, mapped)
         except DriverError:
-            for address, size in mapped:
-                cu.cuMemUnmap(address, size)
-            for handle in handles:
-                cu.cuMemRelease(handle)
+            self._undo_maps(mapped, handles)
             for chunk in created:
                 os.close(chunk.fd)
             raise
@@ -296,12 +293,16 @@ class CudaDriver(Driver):
                 mapped.append((address, size))
             self._set_access(0, mapped)
         except DriverError:
-            for address, size in mapped:
-                cu.cuMemUnmap(address, size)
-            for handle in handles:
-                cu.cuMemRelease(handle)
+            self._undo_maps(mapped, handles)
             raise
         return [_Chunk(handle, fd) for handle, fd in zip(handles, fds)]
+
+    def _undo_maps(self, mapped: list[tuple[int, int]], handles: list[Any]) -> None:
+        """What a failed create or adopt made so far: its mappings, then its handles."""
+        for address, size in mapped:
+            self._cu.cuMemUnmap(address, size)
+        for handle in handles:
+            self._cu.cuMemRelease(handle)
 
     def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
         self._current()
