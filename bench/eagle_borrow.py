@@ -20,6 +20,9 @@ examples/eagle_borrow.py (its decode graphs captured into a registered arena poo
    rounds: a ``contextlib.contextmanager`` that sets a slot (a tag on a Python object)
    and routes this thread's allocations to a ``torch.cuda.MemPool`` of the same
    pluggable allocator, the way an engine's own sleep-mode or tagging allocator does.
+4. Scope parts: each part of the scope timed alone (torch's ``use_mem_pool`` on the
+   borrow pool beside the library's routing, the lease, the escape check, the pool's
+   readiness check, the stream lookup), to say where its time goes.
 
     python bench/eagle_borrow.py --backend cuda
 
@@ -202,6 +205,47 @@ def main() -> int:
             f"ratio {scope_ratio:.2f} ({len(scopes)} each, {args.rounds} rounds alternating)"
         )
 
+        # 4. Where the scope's time goes: its parts alone, p50 of each (the best of
+        #    --rounds rounds), beside torch's own use_mem_pool on the same pool.
+        from gpumem.leases import Lease, current_stream
+        from gpumem_shared.lease_table import LeaseKind
+
+        bp = b.borrow_pool
+        route = bp.route
+        if route is None:
+            raise RuntimeError("the borrow pool has no torch routing after a torch borrow")
+
+        def part_use_mem_pool() -> None:
+            with torch.cuda.use_mem_pool(bp.torch_pool, device=bp.device):
+                pass
+
+        def part_route() -> None:
+            route.enter()
+            route.exit()
+
+        def part_lease() -> None:
+            Lease.acquire(session.leasing, pool, LeaseKind.BORROW, user, 0.0, bp.stream).release()
+
+        parts_fns = {
+            "torch_use_mem_pool": part_use_mem_pool,
+            "route": part_route,
+            "lease": part_lease,
+            "escape_check": bp.holds_nothing,
+            "ensure": lambda: bp.ensure(pool, True),
+            "current_stream": lambda: current_stream(bp.device),
+        }
+        parts: dict[str, float] = {}
+        for _ in range(args.rounds):
+            for name, fn in parts_fns.items():
+                samples = []
+                for _ in range(per_round):
+                    t0 = clock()
+                    fn()
+                    samples.append(clock() - t0)
+                p50 = c.median(samples) / 1e3
+                parts[name] = min(parts.get(name, p50), p50)
+        c.say("scope parts alone, p50 us: " + ", ".join(f"{name} {value:.2f}" for name, value in parts.items()))
+
         plain, borrowed = eagle_figures["plain"], eagle_figures["borrow"]
         result.figures = {
             "empty_borrow_p50_us": p50_ours,
@@ -212,6 +256,7 @@ def main() -> int:
             "upstream_scope_p50_us": upstream_p50,
             "upstream_scope_p99_us": c.percentile(upstream, 99) / 1e3,
             "scope_ratio_p50": scope_ratio,
+            "scope_parts_p50_us": parts,
             "reserved_drop_fraction": eagle_figures["reserved_drop_fraction"],
             "device_used_drop_fraction": eagle_figures["device_used_drop_fraction"],
             "reserved_drop_bytes": eagle_figures["reserved_drop_bytes"],

@@ -105,7 +105,7 @@ def handoff_client(name: str, rounds: int) -> int:
         time.sleep(0.001)
         released = time.monotonic_ns()
         lease.release()
-        events.append((acquired, released))
+        events.append((acquired, released, time.monotonic_ns() - released))
         time.sleep(PAUSE_S)  # the other side, asleep on the futex, takes it now
     waits = session.leasing.handoff_waits
     # The same turns through the bare native calls on the same slot (no Lease object):
@@ -138,7 +138,7 @@ def handoff_client(name: str, rounds: int) -> int:
                 _native.lease_release_ordered(address, word, context, own, stream)
             else:
                 _native.lease_release_recorded(address, word)
-            (native if ordered else bare).append((acquired, released))
+            (native if ordered else bare).append((acquired, released, time.monotonic_ns() - released))
             time.sleep(PAUSE_S)
     stream_waits = []
     for event in list(peers.values())[:1] if context else []:
@@ -282,16 +282,19 @@ def main() -> int:
                 proc.wait(10)
                 raise RuntimeError(f"handoff client {CLIENTS[index]} said {line!r} (exit status {proc.returncode}; its stderr is above)")
             report = json.loads(line)
-            events += [(acquired, released, index) for acquired, released in report["events"]]
-            bare_events += [(acquired, released, index) for acquired, released in report["bare"]]
-            native_events += [(acquired, released, index) for acquired, released in report["native"]]
+            for turns, key in ((events, "events"), (bare_events, "bare"), (native_events, "native")):
+                turns += [(acquired, released, index, call) for acquired, released, call in report[key]]
             stream_waits += report["stream_waits"]
             handoff_waits += report["handoff_waits"]
             native_waits += report["native_waits"]
             proc.wait(60)
-        def handoff_times(turns: list[tuple[int, int, int]]) -> list[float]:
+        def handoff_times(turns: list[tuple[int, int, int, int]]) -> list[float]:
             turns.sort()
             return [(nxt[0] - cur[1]) / 1e3 for cur, nxt in itertools.pairwise(turns) if nxt[2] != cur[2] and nxt[0] >= cur[1]]
+
+        def release_calls(turns: list[tuple[int, int, int, int]]) -> float:
+            """p50 of the release call alone, in a handoff (us): the releaser's share."""
+            return c.median([turn[3] for turn in turns]) / 1e3
 
         handoffs = handoff_times(events)
         bare = handoff_times(bare_events)
@@ -303,6 +306,12 @@ def main() -> int:
             f"p50 {c.median(bare):.1f} us, p99 {c.percentile(bare, 99):.1f} us; with them (lease_acquire_ordered / "
             f"lease_release_ordered, {native_waits} waits in {len(native)} handoffs) p50 {c.median(native):.1f} us, "
             f"p99 {c.percentile(native, 99):.1f} us"
+        )
+        release_p50 = {"full": release_calls(events), "bare": release_calls(bare_events), "native": release_calls(native_events)}
+        c.say(
+            f"the release call alone, inside those handoffs: p50 {release_p50['full']:.1f} us (Lease.release), "
+            f"{release_p50['bare']:.1f} us (lease_release_recorded), {release_p50['native']:.1f} us (lease_release_ordered, "
+            "the event record inside)"
         )
         if stream_waits:
             c.say(f"one cuStreamWaitEvent on the other process's event, alone: p50 {c.median(stream_waits) / 1e3:.2f} us")
@@ -336,6 +345,9 @@ def main() -> int:
             "native_events_handoff_p50_us": c.median(native),
             "native_events_handoff_p99_us": c.percentile(native, 99),
             "native_handoff_waits": native_waits,
+            "release_call_p50_us": release_p50["full"],
+            "bare_release_call_p50_us": release_p50["bare"],
+            "native_release_call_p50_us": release_p50["native"],
             "native_uncontended_p50_us": native_p50,
             "native_uncontended_shared_p50_us": native_shared_p50,
             "futex_floor_p50_us": floor_p50,

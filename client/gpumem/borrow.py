@@ -30,6 +30,7 @@ torch's snapshot of the pool.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from gpumem_shared.lease_table import LeaseKind
 from gpumem.allocator import FAIL_STREAM, MAX_EXTENTS, Slot
 from gpumem.errors import BorrowEscaped, BorrowOutOfMemory, BorrowStreamMismatch, GpuMemError, InvalidArgument
 from gpumem.leases import Lease, current_stream
-from gpumem.torch_support import use_pool
+from gpumem.torch_support import PoolRoute
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class BorrowPool:
         self.seen_runs: object = None
         self.capacity = 0
         self.torch_pool: Any = None
+        self.route: PoolRoute | None = None  # a thread's torch allocations into torch_pool
         self.raw_live: dict[int, int] = {}
         self.escaped_scope: str | None = None  # the scope whose tensors outlived it
         self.builds = 0
@@ -160,17 +162,18 @@ class BorrowPool:
         # 2.11) died of SIGSEGV in this drop after a few rebuilds (creating and dropping
         # pools alone did not reproduce it). A pool per rebuild was also a pool too many.
         if self.torch_pool is not None and (not use_torch or _pool_segments(self.torch_pool)):
-            self.torch_pool = None
+            self.torch_pool = self.route = None
         self.slot.set_extents(extents)
         self.capacity = sum(size for _, size in extents)
         self.runs_key = key
         if use_torch and self.torch_pool is None:
             self.torch_pool = _new_torch_pool(self)
+            self.route = PoolRoute(sys.modules["torch"], self.torch_pool, self.device)
         self.builds += 1
 
     def retire(self) -> None:
         """Before a capture: the runs are about to be re-carved."""
-        self.torch_pool = None
+        self.torch_pool = self.route = None
         self.slot.set_extents([])
         self.runs_key = None
         self.seen_runs = None
@@ -186,7 +189,7 @@ class BorrowPool:
         """No borrowed block is alive (the scope-exit check; ``live_bytes`` counts them)."""
         if self.raw_live:
             return False
-        return self.torch_pool is None or _pool_is_empty(self.device, self.torch_pool)
+        return self.route is None or _pool_is_empty(self.device, self.route)
 
     def live_bytes(self) -> int:
         """Bytes of borrowed blocks still in use: raw views, and torch tensors in the pool."""
@@ -232,16 +235,20 @@ def memory_reserved(device: int | None = None) -> int:
     return int(torch.cuda.memory_reserved(device)) - aliases
 
 
-def _pool_is_empty(device: int, pool: Any) -> bool:
-    """Whether torch's MemPool ``pool`` holds no allocated block. torch's check of a
+# torch's check of a pool's live allocations, once looked up: None where torch lacks it.
+_LIVE_CHECK: list[Any] = []
+
+
+def _pool_is_empty(device: int, route: PoolRoute) -> bool:
+    """Whether the MemPool ``route`` leads to holds no allocated block. torch's check of a
     pool's live allocations against an expected set (the one its CUDA-graph trees use),
     with none expected; a torch without it counts the snapshot's bytes instead."""
-    import torch
-
-    check = getattr(torch._C, "_cuda_checkPoolLiveAllocations", None)
+    if not _LIVE_CHECK:
+        _LIVE_CHECK.append(getattr(sys.modules["torch"]._C, "_cuda_checkPoolLiveAllocations", None))
+    check = _LIVE_CHECK[0]
     if check is None:
-        return not any(segment["allocated_size"] for segment in _pool_segments(pool))
-    return bool(check(device, pool.id, set()))
+        return not any(segment["allocated_size"] for segment in _pool_segments(route.pool))
+    return bool(check(device, route.pool_id, set()))
 
 
 def _pool_segments(pool: Any) -> list[dict[str, Any]]:
@@ -315,7 +322,7 @@ class Borrow:
         self.session = session
         self.pool = pool
         self.user = user
-        self._route: Any = None
+        self._route: PoolRoute | None = None
         self._torch = _torch_for(session)
         self.stream = current_stream(session.device_ordinal) if stream is None else stream
         existing = session.borrow_pools.get(pool.id)
@@ -335,9 +342,9 @@ class Borrow:
             self._failures_before = existing.ensure(pool, self._torch is not None)
             # Blocks an earlier scope let escape are that scope's fault, not this one's.
             self._live_before = existing.live_bytes() if existing.escaped_scope else 0
-            if existing.torch_pool is not None:
-                self._route = use_pool(self._torch, existing.torch_pool, existing.device)
-                self._route.__enter__()
+            if existing.route is not None:
+                existing.route.enter()
+                self._route = existing.route
         except BaseException:
             self.lease.release()
             raise
@@ -380,7 +387,7 @@ class Borrow:
         held. What is allocated from now on lands where it would outside the borrow:
         the place to copy a borrowed result out before the scope ends."""
         if self._route is not None:
-            self._route.__exit__(None, None, None)
+            self._route.exit()
             self._route = None
 
     def release(self, error: BaseException | None = None) -> None:
@@ -392,7 +399,7 @@ class Borrow:
         live = 0
         try:
             if self._route is not None:
-                self._route.__exit__(None, None, None)
+                self._route.exit()
                 self._route = None
             live = 0 if not self._live_before and bp.holds_nothing() else bp.live_bytes() - self._live_before
             if live > 0 and self.pool.id not in self.session.leasing.escapes:

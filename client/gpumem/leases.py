@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import _native, lease_table
@@ -54,18 +55,29 @@ _CORRUPT_RETRY_S = 0.01
 _PROCESS_EVENTS: dict[tuple[str, int, int], Any] = {}
 
 
+# torch's lookup of a device's current raw stream, once torch's CUDA is initialized in
+# this process (it stays so).
+_RAW_STREAM: list[Callable[[int], int]] = []
+
+
 def current_stream(device: int | None) -> int:
     """The raw handle of the stream a lease orders: torch's current stream where this
     process uses torch on CUDA, else the default stream (0)."""
+    if device is None:
+        return 0
+    if _RAW_STREAM:
+        return _RAW_STREAM[0](device)
     torch = sys.modules.get("torch")
-    if device is None or torch is None or not torch.cuda.is_initialized():
+    if torch is None or not torch.cuda.is_initialized():
         return 0
     # The raw handle without a Stream object (the call torch's generated code makes):
-    # a borrow scope asks at every entry.
+    # a borrow scope asks at every entry, and a release on a shared pool.
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(device))
-    return int(torch.cuda.current_stream(device).cuda_stream)
+    if raw is None:
+        cuda = torch.cuda
+        raw = lambda index: int(cuda.current_stream(index).cuda_stream)  # noqa: E731
+    _RAW_STREAM.append(raw)
+    return int(raw(device))
 
 
 class SessionLeases:
@@ -264,6 +276,12 @@ class Lease:
             return cls(owner, pool, segment, kind, word, stream)._ordered(status)
         deadline = time.monotonic() + wait
         encoded = label.encode()
+        # Built before the wait: a waiter woken by a release runs on a core that slept,
+        # where each line of Python costs several times its warm cost, and every line
+        # between the wake and the return is on the handoff's path.
+        lease = cls(owner, pool, segment, kind, word, stream)
+        lease.held = False
+        address = segment.address
         while True:
             if status == LeaseStatus.ESCAPED:
                 if not owner.clear_escape(pool.id):
@@ -272,13 +290,14 @@ class Lease:
                         raise error
                 status = LeaseStatus.HELD  # the mark went meanwhile: try again
                 continue
-            timeout = max(0.0, deadline - time.monotonic())
+            timeout_ns = max(0, int((deadline - time.monotonic()) * 1e9))
             if order is None:
-                status, found = segment.acquire(word, epoch, timeout, encoded)
+                status, found = _native.lease_acquire(address, word, epoch, timeout_ns, encoded)
             else:
-                status, found = segment.acquire_ordered(word, epoch, timeout, encoded, *order)
+                status, found = _native.lease_acquire_ordered(address, word, epoch, timeout_ns, encoded, *order)
             if status in _TAKEN:
-                return cls(owner, pool, segment, kind, word, stream)._ordered(status)
+                lease.held = True
+                return lease._ordered(status)
             if status == LeaseStatus.ESCAPED:
                 continue
             if status == LeaseStatus.STALE:
@@ -340,9 +359,19 @@ class Lease:
             raise LeaseNotHeld(f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was already released")
         self.held = False
         owner = self.owner
-        status = _RECORD if self.shared else owner.try_release(self.address, self._word)
-        if status == _RECORD:  # a shared pool (or a slot flagged as one): the next holder may be another process
-            status = owner.release_shared(self.pool_id, self.address, self._word, self._stream())
+        if self.shared:
+            # The next holder may be another process, asleep until the native call below
+            # wakes it: this path is kept to one frame, with the event looked up inline.
+            event = owner.recording.get(self.pool_id)
+            stream = current_stream(owner.device_ordinal) if self.stream is None else self.stream
+            if event is None:  # the first release on the pool: creates and publishes the event
+                status = owner.release_shared(self.pool_id, self.address, self._word, stream)
+            else:
+                status = _native.lease_release_ordered(self.address, self._word, owner.context, event, stream)
+        else:
+            status = owner.try_release(self.address, self._word)
+            if status == _RECORD:  # a slot flagged shared behind a private view of the pool
+                status = owner.release_shared(self.pool_id, self.address, self._word, self._stream())
         if status != LeaseStatus.OK:
             raise LeaseNotHeld(
                 f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was no longer held at release: "

@@ -15,7 +15,6 @@ in the pool, so the memory returns by decommit or release, never by ``del``.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -31,28 +30,58 @@ if TYPE_CHECKING:
 _KEEP: list[Any] = []
 
 
-# Pool routings gpumem has open (arena allocating(), borrows), in every thread. torch
-# 2.11 aborts the process (an internal assert, captures_underway.empty()) when its cache
-# is emptied while any routing is open: torch.cuda.empty_cache(), which engines call
-# around warm-up and which torch.cuda.graph calls before every capture. While routings
-# are open, empty_cache() is skipped: it only hands cached blocks back to the driver.
-_routes = 0
-_routes_lock = threading.Lock()
+# Pool routings gpumem has open (arena allocating(), borrows), in every thread: one entry
+# each. torch 2.11 aborts the process (an internal assert, captures_underway.empty()) when
+# its cache is emptied while any routing is open: torch.cuda.empty_cache(), which engines
+# call around warm-up and which torch.cuda.graph calls before every capture. While
+# routings are open, empty_cache() is skipped: it only hands cached blocks back to the
+# driver. A list, not a counter under a lock: append and pop are atomic, and a borrow
+# scope opens a routing at every engine step.
+_OPEN_ROUTES: list[None] = []
 
 
-@contextlib.contextmanager
-def use_pool(torch: Any, pool: Any, device: int) -> Iterator[None]:
-    """``torch.cuda.use_mem_pool(pool)``, counted (see above)."""
-    global _routes
-    _guard_empty_cache(torch)
-    with _routes_lock:
-        _routes += 1
-    try:
-        with torch.cuda.use_mem_pool(pool, device=device):
-            yield
-    finally:
-        with _routes_lock:
-            _routes -= 1
+class PoolRoute:
+    """``torch.cuda.use_mem_pool(pool, device)`` as a reusable object, counted (see
+    ``_OPEN_ROUTES``). It makes the calls torch's context manager makes (route this
+    thread's allocations to the pool; stop; drop the pool's use count) itself, because a
+    borrow scope enters one per engine step: on the H200, torch's generator-based
+    ``use_mem_pool`` took 2.7 us to enter and leave, and a counted wrapper around it 4.4."""
+
+    __slots__ = ("pool", "device", "pool_id", "_begin", "_end", "_release")
+
+    def __init__(self, torch: Any, pool: Any, device: int) -> None:
+        require(
+            torch, "pool routing", "_C._cuda_beginAllocateCurrentThreadToPool", "_C._cuda_endAllocateToPool", "_C._cuda_releasePool"
+        )
+        _guard_empty_cache(torch)
+        self.pool = pool  # alive while routed: dropping a pool empties its cache, which aborts under a routing
+        self.device = device
+        self.pool_id = pool.id
+        self._begin = torch._C._cuda_beginAllocateCurrentThreadToPool
+        self._end = torch._C._cuda_endAllocateToPool
+        self._release = torch._C._cuda_releasePool
+
+    def enter(self) -> None:
+        _OPEN_ROUTES.append(None)
+        try:
+            self._begin(self.device, self.pool_id)
+        except BaseException:
+            _OPEN_ROUTES.pop()
+            raise
+
+    def exit(self) -> None:
+        try:
+            self._end(self.device, self.pool_id)
+            self._release(self.device, self.pool_id)
+        finally:
+            _OPEN_ROUTES.pop()
+
+    def __enter__(self) -> PoolRoute:
+        self.enter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.exit()
 
 
 def _guard_empty_cache(torch: Any) -> None:
@@ -62,8 +91,8 @@ def _guard_empty_cache(torch: Any) -> None:
         return
 
     def empty_cache() -> None:
-        if _routes:
-            return  # torch would abort: see _routes
+        if _OPEN_ROUTES:
+            return  # torch would abort: see _OPEN_ROUTES
         original()
 
     empty_cache._gpumem_guard = True  # type: ignore[attr-defined]
@@ -187,7 +216,7 @@ class ArenaPool:
         pool = self._virtual_pool if virtual else self.pool
         scope = virtual_only() if virtual else contextlib.nullcontext()
         try:
-            with scope, use_pool(self.torch, pool, self.device):
+            with scope, PoolRoute(self.torch, pool, self.device):
                 yield self
         except RuntimeError as exc:  # torch.OutOfMemoryError, or a plain RuntimeError from older torch
             stats = self.slot.stats()
