@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 # Module globals on the uncontended paths: before Python 3.12, reading an enum member off
 # its class costs about 60 ns (EnumType.__getattr__ slows every attribute lookup on it).
 _OK_ORDER, _OK_WAITED, _RECORD = LeaseStatus.OK_ORDER, LeaseStatus.OK_WAITED, LeaseStatus.RECORD
+_RECORDING = LeaseStatus.RECORDING
 _TAKEN = (LeaseStatus.OK, LeaseStatus.OK_ORDER, LeaseStatus.OK_WAITED)
 
 # While a slot holds an impossible value, waiters retry this often: the daemon clears
@@ -153,13 +154,15 @@ class SessionLeases:
             event = self.recording[pool_id] = self._driver.native_event(created)
         return _native.lease_release_ordered(address, word, self.context, event, stream)
 
-    def wait_for_handoff(self, pool_id: int, segment: LeaseSegment, stream: int) -> None:
+    def wait_for_handoff(self, pool_id: int, segment: LeaseSegment, stream: int, kind: str) -> None:
         """After taking a lease another session released, its event not known here yet:
         look it up, make our stream wait for its work, and keep it for the ordered
         acquires. The releaser may be another session of this process: its event is used
         as is."""
-        peer = segment.handoff()
-        if not peer:
+        status, peer = segment.await_record()
+        if status == _RECORDING:
+            raise self.record_late(pool_id, segment, f"{kind} lease")
+        if not peer or peer == self._word_session:
             return
         event = _PROCESS_EVENTS.get((self._daemon_key, pool_id, peer))
         if event is None:
@@ -207,8 +210,7 @@ class SessionLeases:
                 {"scope": mine.escaped_scope or "", "pid": os.getpid()},
             )
         status = self.status()
-        client = next((c for c in status.clients if lease_table.word_session(c.session_id) == marker), None)
-        name, pid = (client.name, client.pid) if client else (f"session {marker}", 0)
+        name, pid = self._client_named(status, marker)
         who = next((g.escaped_by for g in status.graph_pools if g.id == pool.id and g.escaped_by), f"client '{name}'")
         return BorrowEscaped(
             f"{kind} lease '{label}' on graph pool {pool.id} refused: {who} (pid {pid}) holds tensors borrowed from it "
@@ -216,6 +218,24 @@ class SessionLeases:
             "when the borrower exits",
             {"holder": name, "pid": pid},
         )
+
+    def record_late(self, pool_id: int, segment: LeaseSegment, lease: str) -> LeaseConflict:
+        """The last releaser freed the pool but its event record did not land in time;
+        ``lease`` names the refused one ("replay lease 'decode'")."""
+        releaser = segment.handoff() & ~lease_table.HANDOFF_RECORDING
+        name, pid = self._client_named(self.status(), releaser)
+        return LeaseConflict(
+            f"{lease} on graph pool {pool_id} refused: client '{name}' (pid {pid}) released it but has "
+            f"not finished recording the event that orders its GPU work after it within {lease_table.RECORD_WAIT_NS / 1e9:g}s; "
+            "that process is stopped or stuck in the CUDA driver (gpumemd clears the mark when it exits)",
+            {"holder": name, "pid": pid, "kind": "release", "label": ""},
+        )
+
+    @staticmethod
+    def _client_named(status: p.StatusReply, session: int) -> tuple[str, int]:
+        """(name, pid) of the client whose 24-bit session is ``session``, from ``status``."""
+        client = next((c for c in status.clients if lease_table.word_session(c.session_id) == session), None)
+        return (client.name, client.pid) if client else (f"session {session}", 0)
 
     def close(self) -> None:
         """The session ends: drop the peers' events it opened; ours stay alive for the
@@ -283,6 +303,8 @@ class Lease:
         lease.held = False
         address = segment.address
         while True:
+            if status == _RECORDING and time.monotonic() >= deadline:  # else try again: the daemon may clear the mark
+                raise owner.record_late(pool.id, segment, f"{lease_table.KIND_NAMES[kind]} lease '{label}'")
             if status == LeaseStatus.ESCAPED:
                 if not owner.clear_escape(pool.id):
                     error = owner.escape_error(pool, lease_table.KIND_NAMES[kind], label)
@@ -298,7 +320,7 @@ class Lease:
             if status in _TAKEN:
                 lease.held = True
                 return lease._ordered(status)
-            if status == LeaseStatus.ESCAPED:
+            if status == LeaseStatus.ESCAPED or status == _RECORDING:
                 continue
             if status == LeaseStatus.STALE:
                 raise StaleEpoch(
@@ -344,7 +366,7 @@ class Lease:
         if status != _OK_ORDER:
             return self
         try:
-            self.owner.wait_for_handoff(self.pool_id, self.segment, self._stream())
+            self.owner.wait_for_handoff(self.pool_id, self.segment, self._stream(), lease_table.KIND_NAMES[self.kind])
         except BaseException:
             self.held = False
             self.segment.clear(self._word)

@@ -302,8 +302,9 @@ class GraphPoolBook:
             named = self._named(found, pool) if found else "no session"
             self._repaired(pool, "escape mark", f"{named}, not {self._named(mark, pool) if mark else 'no session'}")
             segment.set_escaped(mark)
-        handoff = segment.handoff()
-        if handoff and handoff not in users:
+        found = segment.handoff()
+        handoff = found & ~lease_table.HANDOFF_RECORDING  # a user still recording its event is one
+        if found and handoff not in users:
             self._repaired(pool, "handoff", self._named(handoff, pool))
             segment.forget_handoff(handoff)
         word = segment.peek()

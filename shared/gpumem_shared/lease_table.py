@@ -32,6 +32,10 @@ from gpumem_shared import _native  # built with the package; see setup.py
 SEGMENT_BYTES: Final[int] = _native.LEASE_SEGMENT_BYTES
 SLOT_BYTES: Final[int] = _native.LEASE_SLOT_BYTES
 LABEL_BYTES: Final[int] = _native.LEASE_LABEL_BYTES
+# In a slot's handoff field: its releaser freed the slot and is still recording its
+# event; a taker waits up to RECORD_WAIT_NS for the record to land.
+HANDOFF_RECORDING: Final[int] = _native.LEASE_HANDOFF_RECORDING
+RECORD_WAIT_NS: Final[int] = _native.LEASE_RECORD_WAIT_NS
 
 # The name a segment's memfd carries (and /proc/PID/maps shows), before the pool's id.
 SEGMENT_NAME = "gpumemd-lease-pool-"
@@ -55,6 +59,7 @@ class LeaseStatus(IntEnum):
     ESCAPED = _STATUSES["ESCAPED"]
     RECORD = _STATUSES["RECORD"]
     OK_WAITED = _STATUSES["OK_WAITED"]
+    RECORDING = _STATUSES["RECORDING"]
 
 
 class LeaseKind(IntEnum):
@@ -200,6 +205,11 @@ class LeaseSegment:
         """``acquire``, ordered as ``try_acquire_ordered`` is."""
         return _native.lease_acquire_ordered(self.address, word, epoch, int(timeout_s * 1e9), label, context, stream, events)
 
+    def await_record(self, timeout_s: float = RECORD_WAIT_NS / 1e9) -> tuple[int, int]:
+        """(status, releaser) for a taker told OK_ORDER: the session to order after (0:
+        none), once its record landed (OK); RECORDING if it did not within ``timeout_s``."""
+        return _native.lease_await_record(self.address, int(timeout_s * 1e9))
+
     def release(self, word: int) -> int:
         """OK, NOT_HOLDER, or RECORD (nothing released: a shared pool; record the IPC
         event, then ``release_recorded``)."""
@@ -209,8 +219,9 @@ class LeaseSegment:
         return _native.lease_release_recorded(self.address, word)
 
     def release_ordered(self, word: int, context: int, event: int, stream: int) -> int:
-        """A holder's release in one native call: on a shared pool, ``event`` (the driver's
-        ``native_event``) recorded on ``stream`` first. OK or NOT_HOLDER."""
+        """A holder's release in one native call: on a shared pool, the slot is freed
+        with its handoff marked recording, ``event`` (the driver's ``native_event``) is
+        recorded on ``stream`` and the mark ends. OK or NOT_HOLDER."""
         return _native.lease_release_ordered(self.address, word, context, event, stream)
 
     def clear(self, word: int) -> int:
@@ -226,6 +237,8 @@ class LeaseSegment:
         return int(self._slot.escaped)
 
     def handoff(self) -> int:
+        """The field as it is: the last releaser's session, ``| HANDOFF_RECORDING`` while
+        its record is being made."""
         return int(self._slot.handoff)
 
     def flags(self) -> LeaseFlag:

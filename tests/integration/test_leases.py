@@ -295,6 +295,34 @@ def _ids(client: Any) -> tuple[int, int]:
     return int(entry["session_id"]), client.pid
 
 
+def test_a_releaser_stopped_mid_record_is_named_and_its_death_frees_the_pool(owner: Owner, contender: Any) -> None:
+    """A shared pool's release frees the slot, then records the releaser's event, in one
+    native call. A releaser stopped between the two (SIGSTOP, a hung driver call) holds
+    takers for the record bound at most, and they are told who; once it dies, the daemon
+    clears its mark and the pool is usable again."""
+    pool = owner.register()
+    a, b = contender("stuck-releaser"), contender("taker-b")
+    assert ask(a, f"lease replay {pool.id} 0 first") == "replay"
+    assert ask(a, f"unlease {pool.id}") == ""
+    session_a, _ = _ids(a)
+    assert owner.slot(pool).handoff == lease_table.word_session(session_a)
+    a.proc.send_signal(signal.SIGSTOP)
+    owner.slot(pool).handoff = lease_table.word_session(session_a) | lease_table.HANDOFF_RECORDING  # a's state when stopped
+    started = time.monotonic()
+    r = refused(b, f"lease borrow {pool.id} 0 after-a")
+    waited = time.monotonic() - started
+    assert r["error"] == "LeaseConflict", r
+    for part in ("'stuck-releaser'", f"pid {a.pid}", "recording the event", f"graph pool {pool.id}", "borrow lease 'after-a'"):
+        assert part in r["message"], f"{part!r} missing from {r['message']!r}"
+    assert lease_table.RECORD_WAIT_NS / 1e9 <= waited < 10, f"refused after {waited:.2f}s"
+    assert pool.segment.peek() == 0, "the refused take was given back"
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(10)
+    assert ask(b, f"lease borrow {pool.id} 10 after-death", timeout=20) == "borrow"
+    assert owner.slot(pool).handoff == 0, "the daemon forgot the dead releaser"
+    assert ask(b, f"unlease {pool.id}") == ""
+
+
 # =========================================================================== a buggy client
 
 

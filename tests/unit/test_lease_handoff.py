@@ -268,6 +268,85 @@ def test_a_sleeping_ordered_waiter_wakes_on_the_ordered_release_and_waits_in_the
     assert shared.peek() == mine and shared.holder() is not None and shared.holder().label == "waiter"  # type: ignore[union-attr]
 
 
+def mid_record(t: LeaseSegment, session: int) -> None:
+    """The slot as an ordered release of ``session`` leaves it between freeing it and its
+    event record landing (the release does both in one call; this holds the moment)."""
+    t._slot.handoff = word_session(session) | lease_table.HANDOFF_RECORDING
+
+
+def land_record(t: LeaseSegment, value: int, after: float) -> threading.Thread:
+    """The releaser's record ends ``after`` seconds from now, leaving ``value`` in handoff
+    (its session: recorded; 0: the record failed)."""
+
+    def land() -> None:
+        time.sleep(after)
+        t._slot.handoff = value
+
+    thread = threading.Thread(target=land, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("take", ORDERED_TAKES.values(), ids=ORDERED_TAKES.keys())
+def test_a_take_after_a_release_still_recording_waits_for_the_record_before_the_event(shared: LeaseSegment, take: OrderedTake) -> None:
+    """The ordered release frees the slot before its record lands, so that the waiter's
+    wake-up overlaps the record; a taker must not wait on the event before the record is
+    in it (its stream would be ordered after the releaser's previous work only)."""
+    mid_record(shared, 1)
+    landing = land_record(shared, word_session(1), 0.2)
+    started = time.monotonic()
+    assert take(shared, word(LeaseKind.REPLAY, session=2, pid=2002), {1: EVENT}) == LeaseStatus.OK_WAITED
+    assert time.monotonic() - started >= 0.15, "the taker waited on the event before the record landed"
+    landing.join(5)
+    assert shared.peek() == word(LeaseKind.REPLAY, session=2, pid=2002)
+
+
+@pytest.mark.parametrize("take", ORDERED_TAKES.values(), ids=ORDERED_TAKES.keys())
+def test_a_take_after_a_failed_record_waits_on_nothing(shared: LeaseSegment, take: OrderedTake) -> None:
+    mid_record(shared, 1)
+    landing = land_record(shared, 0, 0.05)
+    assert take(shared, word(LeaseKind.REPLAY, session=2, pid=2002), {1: EVENT}) == LeaseStatus.OK
+    landing.join(5)
+
+
+def test_a_take_of_the_same_session_waits_for_its_own_record_too(shared: LeaseSegment) -> None:
+    """Another thread of the releasing session records into the same event next: the
+    first record must land before, or the event would mark the earlier work only."""
+    mid_record(shared, 1)
+    landing = land_record(shared, word_session(1), 0.2)
+    started = time.monotonic()
+    assert shared.try_acquire(word(LeaseKind.BORROW, session=1, pid=1002), EPOCH, b"x") == LeaseStatus.OK_ORDER
+    assert shared.await_record() == (LeaseStatus.OK, 1)
+    assert time.monotonic() - started >= 0.15
+    landing.join(5)
+    assert shared.release_ordered(word(LeaseKind.BORROW, session=1, pid=1002), NO_CONTEXT, EVENT, STREAM) == LeaseStatus.OK
+    assert ORDERED_TAKES["try"](shared, word(LeaseKind.REPLAY, session=1, pid=1003), {1: EVENT}) == LeaseStatus.OK
+
+
+@pytest.mark.parametrize("take", ORDERED_TAKES.values(), ids=ORDERED_TAKES.keys())
+def test_a_record_that_never_lands_refuses_the_take_after_the_bound(shared: LeaseSegment, take: OrderedTake) -> None:
+    """A releaser stopped between freeing the slot and recording: the taker gives the
+    slot back after RECORD_WAIT_NS instead of waiting forever, or ordering after nothing."""
+    mid_record(shared, 1)
+    futex = shared._slot.futex
+    started = time.monotonic()
+    assert take(shared, word(LeaseKind.REPLAY, session=2, pid=2002), {1: EVENT}) == LeaseStatus.RECORDING
+    assert lease_table.RECORD_WAIT_NS / 1e9 <= time.monotonic() - started < 10
+    assert shared.peek() == 0 and shared._slot.futex == futex + 1, "taken, then given back (waking its waiters)"
+    assert shared.await_record(0.05) == (LeaseStatus.RECORDING, 1)
+
+
+def test_the_ordered_release_leaves_no_recording_mark(shared: LeaseSegment) -> None:
+    held = word(LeaseKind.CAPTURE, session=1)
+    for _ in range(3):
+        assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+        assert ordered_release(shared, held) == LeaseStatus.OK
+        assert shared.handoff() == 1 and shared.await_record(0) == (LeaseStatus.OK, 1)
+    shared.set_flags(0)
+    assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    assert ordered_release(shared, held) == LeaseStatus.OK and shared.handoff() == 1, "a private slot's release names nobody"
+
+
 def test_the_ordered_calls_check_their_arguments(shared: LeaseSegment) -> None:
     mine = word(LeaseKind.REPLAY, session=2)
     with pytest.raises(TypeError, match="a dict of"):
@@ -352,6 +431,12 @@ def test_forget_handoff_clears_only_the_session_it_names(shared: LeaseSegment) -
     shared.forget_handoff(1)
     assert shared.handoff() == 0
     assert shared.acquire(word(LeaseKind.REPLAY, session=5), EPOCH, 0) == (LeaseStatus.OK, 0), "no order once forgotten"
+    assert shared.release_recorded(word(LeaseKind.REPLAY, session=5)) == LeaseStatus.OK
+    mid_record(shared, 5)  # the releaser ended mid-record: its takers must not wait out the bound
+    shared.forget_handoff(3)
+    assert shared.handoff() == word_session(5) | lease_table.HANDOFF_RECORDING
+    shared.forget_handoff(5)
+    assert shared.handoff() == 0
 
 
 # =========================================================================== the daemon: flags and drops
@@ -640,6 +725,26 @@ def test_tick_repairs_flags_and_fields_naming_a_session_that_may_not_use_the_poo
     h.state.tick()  # idempotent
     assert fields(private) == (0, 0, 0)
     assert {g.label: g.lease_repairs for g in h.state.status().graph_pools} == {"shared": 3, "private": 3}
+
+
+def test_tick_keeps_a_users_recording_mark_and_clears_anyone_elses(h: Harness) -> None:
+    """A user of the pool between freeing the slot and its record landing is left alone;
+    the same mark naming a session that may not use the pool (or nobody) would hold
+    every taker for the record bound, so the tick clears it."""
+    s = owner(h)
+    b = sharer(h, s, "b")
+    shared = register(h, s, 0, "shared", True)
+    opens(h, b, shared)
+    mid_record(shared.segment, b.id)
+    h.state.tick()
+    assert shared.segment.handoff() == word_session(b.id) | lease_table.HANDOFF_RECORDING
+    for stray in (word_session(b.id) + 1, 0):
+        shared.segment._slot.handoff = stray | lease_table.HANDOFF_RECORDING
+        h.state.tick()
+        assert shared.segment.handoff() == 0
+    mid_record(shared.segment, b.id)
+    h.state.close_session(b.id)  # b exits mid-record: its takers must not wait out the bound
+    assert shared.segment.handoff() == 0
 
 
 def test_a_session_never_gets_the_lease_session_that_means_nobody(h: Harness) -> None:

@@ -26,7 +26,8 @@ typedef struct {
     uint64_t since_ns; /* CLOCK_REALTIME when the holder acquired */
     uint32_t epoch;    /* the pool's epoch, written by the daemon */
     uint32_t flags;    /* LEASE_FLAG_*, written by the daemon */
-    uint32_t handoff;  /* session of the last releaser that recorded its IPC event */
+    uint32_t handoff;  /* session of the last releaser that records its IPC event, | LEASE_HANDOFF_RECORDING
+                        * while that record is still being made */
     uint32_t escaped;  /* session whose borrowed tensors outlived their scope */
     char label[LEASE_LABEL_BYTES]; /* the holder's label, for error messages (not synchronised) */
 } lease_slot;
@@ -37,6 +38,12 @@ _Static_assert(sizeof(lease_slot) <= LEASE_SEGMENT_BYTES, "a lease slot fits its
 #define LEASE_KIND_OF(word) ((uint32_t)((word) >> 56))
 #define LEASE_SESSION_OF(word) ((uint32_t)(((word) >> 32) & 0xFFFFFFu))
 
+/* In ``handoff``: the releaser it names freed the slot and has not finished recording
+ * its event yet (a release frees first, so that a waiter wakes while it records). */
+#define LEASE_HANDOFF_RECORDING 0x80000000u
+/* How long a taker waits for that record to land before it gives the slot back. */
+#define LEASE_RECORD_WAIT_NS 1000000000LL
+
 /* What the lease calls return. */
 #define LEASE_STATUSES(X)                                                                            \
     X(OK, 0)         /* taken, or released */                                                        \
@@ -44,10 +51,11 @@ _Static_assert(sizeof(lease_slot) <= LEASE_SEGMENT_BYTES, "a lease slot fits its
     X(STALE, 2)      /* the slot's epoch is not the caller's: the pool was recaptured or retired */  \
     X(CORRUPT, 3)    /* the slot holds an impossible word (the daemon clears it on its next tick) */ \
     X(NOT_HOLDER, 4) /* the slot no longer holds the caller's word */                                \
-    X(OK_ORDER, 5)   /* taken; the last releaser was another process: wait on its event */           \
+    X(OK_ORDER, 5)   /* taken; the last releaser was another process (or is still recording): order */ \
     X(ESCAPED, 6)    /* refused: borrowed tensors outlived their scope (see `escaped`) */            \
     X(RECORD, 7)     /* not released: a shared pool; record the event, then release_recorded */      \
-    X(OK_WAITED, 8)  /* taken, and the stream already waits on that event (module.c's ordered calls) */
+    X(OK_WAITED, 8)  /* taken, and the stream already waits on that event (module.c's ordered calls) */ \
+    X(RECORDING, 9)  /* not taken: the last releaser's record did not land within LEASE_RECORD_WAIT_NS */
 
 /* A lease word's kind, its top byte; 0 is no kind, so a held word is never 0. */
 #define LEASE_KINDS(X)                                                                               \
@@ -76,6 +84,9 @@ int gpumem_lease_try(lease_slot *slot, uint64_t mine, uint32_t epoch, const char
 int gpumem_lease_clear(lease_slot *slot, uint64_t word);
 int gpumem_lease_release(lease_slot *slot, uint64_t word);
 int gpumem_lease_release_recorded(lease_slot *slot, uint64_t word);
+int gpumem_lease_release_recording(lease_slot *slot, uint64_t word);
+void gpumem_lease_recorded(lease_slot *slot, uint32_t session, int ok);
+int gpumem_lease_await_record(lease_slot *slot, int64_t timeout_ns, uint32_t *releaser);
 void gpumem_lease_set_flags(lease_slot *slot, uint32_t flags);
 void gpumem_lease_set_escaped(lease_slot *slot, uint32_t session);
 void gpumem_lease_forget_handoff(lease_slot *slot, uint32_t session);

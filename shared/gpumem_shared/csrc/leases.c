@@ -15,7 +15,10 @@
  *
  * Across processes, a lease also orders GPU work: on a pool other processes use, the
  * releaser records its IPC event on its stream and names itself in ``handoff``; a taker
- * from another process waits on that event (LEASE_OK_ORDER tells it to). Within one
+ * from another process waits on that event (LEASE_OK_ORDER tells it to). The ordered
+ * release frees the slot before it records, with ``handoff`` marked recording until the
+ * record lands: the waiter's wake-up (tens of microseconds) and the record overlap, and
+ * every taker waits for the mark to go before it touches the pool or its event. Within one
  * process nothing is waited on: work on one stream is ordered by the stream, and work on
  * two streams of one process is the caller's to order. A borrower whose tensors
  * outlived their scope asks the daemon to mark ``escaped``, which refuses replay and
@@ -103,11 +106,14 @@ static int recheck(lease_slot *slot, uint64_t mine, uint32_t epoch) {
     return status;
 }
 
-/* After a successful take: must the new holder order its stream after the releaser's? */
+/* After a successful take: must the new holder order its stream after the releaser's?
+ * A record still in flight is waited for by any taker, of the same session too: the
+ * session's next record into the same event must not land before it. */
 static int taken(lease_slot *slot, uint64_t mine) {
     slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
     if (!(__atomic_load_n(&slot->flags, __ATOMIC_ACQUIRE) & LEASE_FLAG_SHARED)) return LEASE_OK;
     uint32_t last = __atomic_load_n(&slot->handoff, __ATOMIC_ACQUIRE);
+    if (last & LEASE_HANDOFF_RECORDING) return LEASE_OK_ORDER;
     return last && last != LEASE_SESSION_OF(mine) ? LEASE_OK_ORDER : LEASE_OK;
 }
 
@@ -207,6 +213,53 @@ int gpumem_lease_release_recorded(lease_slot *slot, uint64_t word) {
     return gpumem_lease_clear(slot, word);
 }
 
+/* The ordered release's first half: the slot names the holder as the releaser to order
+ * after, marked recording, and is freed (its waiters woken). The caller records its
+ * event next and ends the mark with gpumem_lease_recorded. */
+int gpumem_lease_release_recording(lease_slot *slot, uint64_t word) {
+    if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
+    uint32_t session = LEASE_SESSION_OF(word);
+    __atomic_store_n(&slot->handoff, session | LEASE_HANDOFF_RECORDING, __ATOMIC_SEQ_CST);
+    int status = gpumem_lease_clear(slot, word);
+    if (status != LEASE_OK) gpumem_lease_recorded(slot, session, 0); /* swept meanwhile: nothing to record for */
+    return status;
+}
+
+/* The record ``session`` marked is done: ``ok``, its event now marks its work; else it
+ * failed, and the slot stops naming it (nobody waits on an event that marks nothing). A
+ * mark the daemon cleared meanwhile is left alone. */
+void gpumem_lease_recorded(lease_slot *slot, uint32_t session, int ok) {
+    uint32_t seen = session | LEASE_HANDOFF_RECORDING;
+    __atomic_compare_exchange_n(&slot->handoff, &seen, ok ? session : 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+/* After a take told LEASE_OK_ORDER: the releaser to order after (0: none), once its
+ * record has landed: watched for LEASE_SPIN_NS, then polled. LEASE_RECORDING if it has
+ * not within ``timeout_ns`` (the releaser stopped between freeing and recording; the
+ * daemon clears the mark of one that ends), with *releaser the session still marked. */
+int gpumem_lease_await_record(lease_slot *slot, int64_t timeout_ns, uint32_t *releaser) {
+    int64_t start = 0;
+    for (;;) {
+        uint32_t seen = __atomic_load_n(&slot->handoff, __ATOMIC_ACQUIRE);
+        if (!(seen & LEASE_HANDOFF_RECORDING)) {
+            *releaser = seen;
+            return LEASE_OK;
+        }
+        int64_t now = now_ns(CLOCK_MONOTONIC);
+        if (!start) start = now;
+        if (now - start >= timeout_ns) {
+            *releaser = seen & ~LEASE_HANDOFF_RECORDING;
+            return LEASE_RECORDING;
+        }
+        if (now - start < LEASE_SPIN_NS) {
+            for (int i = 0; i < LEASE_SPIN_CHECK; i++) cpu_relax();
+        } else {
+            struct timespec pause = {.tv_sec = 0, .tv_nsec = 20000};
+            nanosleep(&pause, NULL);
+        }
+    }
+}
+
 /* The daemon: the slot's flags, its escape mark (one of the sessions whose borrowed
  * tensors outlived their scope, 0 for none: the daemon keeps the whole set), and
  * forgetting a session that ended as the last releaser (its event died with it). */
@@ -218,6 +271,8 @@ void gpumem_lease_set_escaped(lease_slot *slot, uint32_t session) {
 
 void gpumem_lease_forget_handoff(lease_slot *slot, uint32_t session) {
     uint32_t seen = session;
+    if (__atomic_compare_exchange_n(&slot->handoff, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return;
+    seen = session | LEASE_HANDOFF_RECORDING; /* it ended (or lost the right) mid-record */
     __atomic_compare_exchange_n(&slot->handoff, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 

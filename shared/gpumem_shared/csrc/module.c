@@ -199,6 +199,34 @@ static PyObject *lease_forget_handoff(PyObject *module, PyObject *const *args, P
     return lease_set_call(args, nargs, "lease_forget_handoff(segment_address, session)", gpumem_lease_forget_handoff);
 }
 
+/* The releaser a taker told LEASE_OK_ORDER orders after, once its record landed (without
+ * the GIL while it has not): LEASE_OK or LEASE_RECORDING (see leases.c). */
+static int await_record(lease_slot *slot, int64_t timeout_ns, uint32_t *releaser) {
+    uint32_t seen = gpumem_lease_handoff(slot);
+    if (!(seen & LEASE_HANDOFF_RECORDING)) {
+        *releaser = seen;
+        return LEASE_OK;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = gpumem_lease_await_record(slot, timeout_ns, releaser);
+    Py_END_ALLOW_THREADS
+    return status;
+}
+
+/* lease_await_record(segment_address, timeout_ns) -> (status, releaser): for a taker told
+ * LEASE_OK_ORDER by the plain calls. */
+static PyObject *lease_await_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    lease_slot *slot;
+    if (lease_args(args, nargs, 2, "lease_await_record(segment_address, timeout_ns)", &slot) < 0) return NULL;
+    long long timeout_ns = PyLong_AsLongLong(args[1]);
+    if (timeout_ns == -1 && PyErr_Occurred()) return NULL;
+    uint32_t releaser = 0;
+    int status = await_record(slot, (int64_t)timeout_ns, &releaser);
+    return Py_BuildValue("(iI)", status, (unsigned int)releaser);
+}
+
 /* ==================================================================== allocator slots */
 
 /* thread_virtual(on) -> the calling thread's previous setting */
@@ -526,13 +554,19 @@ static void raise_driver_error(const char *call, int rc) {
     Py_DECREF(error);
 }
 
-/* After a take that returned LEASE_OK_ORDER: the stream waits on the last releaser's
- * event if ``events`` has it (LEASE_OK_WAITED). LEASE_OK_ORDER stays when it has not:
- * the caller looks the event up (once) and waits itself. LEASE_OK when the daemon forgot
- * the releaser meanwhile. -1 with an exception set, the take undone. */
+/* After a take that returned LEASE_OK_ORDER: once the last releaser's record landed, the
+ * stream waits on its event if ``events`` has it (LEASE_OK_WAITED). LEASE_OK_ORDER stays
+ * when it has not: the caller looks the event up (once) and waits itself. LEASE_OK when
+ * there is nothing to wait on: the daemon forgot the releaser meanwhile, its record
+ * failed, or it was this session. LEASE_RECORDING, the take undone, when the record did
+ * not land in time. -1 with an exception set, the take undone. */
 static int wait_for_releaser(lease_slot *slot, uint64_t word, const gpu_order *order, PyObject *events) {
-    uint32_t releaser = gpumem_lease_handoff(slot);
-    if (!releaser) return LEASE_OK;
+    uint32_t releaser;
+    if (await_record(slot, LEASE_RECORD_WAIT_NS, &releaser) != LEASE_OK) {
+        gpumem_lease_clear(slot, word);
+        return LEASE_RECORDING;
+    }
+    if (!releaser || releaser == LEASE_SESSION_OF(word)) return LEASE_OK;
     PyObject *key = PyLong_FromUnsignedLong(releaser);
     PyObject *found = key ? PyDict_GetItemWithError(events, key) : NULL; /* borrowed */
     Py_XDECREF(key);
@@ -602,9 +636,9 @@ static PyObject *lease_acquire_ordered(PyObject *module, PyObject *const *args, 
 }
 
 /* lease_release_ordered(segment_address, word, context, event, stream) -> status: a
- * holder's release; on a shared pool its event is recorded on the stream first and the
- * slot names it the releaser to order after (never LEASE_RECORD). A failed record frees
- * the slot without naming it. */
+ * holder's release; on a shared pool the slot names it the releaser to order after,
+ * marked recording, is freed, and its event is recorded on the stream, the mark ended
+ * (never LEASE_RECORD). A failed record ends the mark naming nobody. */
 static PyObject *lease_release_ordered(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     lease_slot *slot;
@@ -616,14 +650,13 @@ static PyObject *lease_release_ordered(PyObject *module, PyObject *const *args, 
     void *event = PyLong_AsVoidPtr(args[3]);
     if (event == NULL && PyErr_Occurred()) return NULL;
     int status = gpumem_lease_release(slot, word);
-    if (status == LEASE_RECORD) {
+    if (status == LEASE_RECORD && (status = gpumem_lease_release_recording(slot, word)) == LEASE_OK) {
         int rc = order.ctx ? in_context(order.ctx, 0, event, order.stream) : 0;
+        gpumem_lease_recorded(slot, LEASE_SESSION_OF(word), rc == 0);
         if (rc) {
-            gpumem_lease_clear(slot, word);
             raise_driver_error("cuEventRecord", rc);
             return NULL;
         }
-        status = gpumem_lease_release_recorded(slot, word);
     }
     return PyLong_FromLong(status);
 }
@@ -642,6 +675,7 @@ static PyMethodDef native_methods[] = {
     FASTCALL(lease_set_epoch, "The daemon: a slot's lease epoch (0: retired)."),
     FASTCALL(lease_set_flags, "The daemon: a slot's LEASE_FLAGS."),
     FASTCALL(lease_set_escaped, "The daemon: a slot's escape mark (a session, 0: none)."),
+    FASTCALL(lease_await_record, "Wait for the last releaser's event record to land (see leases.c)."),
     FASTCALL(lease_forget_handoff, "The daemon: forget a slot's last releaser if it is this session."),
     FASTCALL(thread_virtual, "Let this thread's requests land on unbacked space (1) or not (0)."),
     FASTCALL(slot_acquire, "An allocator slot bound to a device."),
@@ -725,6 +759,7 @@ static int add_slot_fields(PyObject *module) {
 
 static int add_constants(PyObject *m) {
     if (PyModule_AddIntMacro(m, LEASE_SEGMENT_BYTES) < 0 || PyModule_AddIntMacro(m, LEASE_LABEL_BYTES) < 0 ||
+        PyModule_AddIntMacro(m, LEASE_HANDOFF_RECORDING) < 0 || PyModule_AddIntMacro(m, LEASE_RECORD_WAIT_NS) < 0 ||
         PyModule_AddIntConstant(m, "LEASE_SLOT_BYTES", (long)sizeof(lease_slot)) < 0 ||
         add_named(m, "LEASE_STATUSES", lease_statuses, COUNT(lease_statuses)) < 0 ||
         add_named(m, "LEASE_KINDS", lease_kinds, COUNT(lease_kinds)) < 0 ||
