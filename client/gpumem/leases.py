@@ -225,10 +225,11 @@ class SessionLeases:
         releaser = segment.handoff() & ~lease_table.HANDOFF_RECORDING
         name, pid = self._client_named(self.status(), releaser)
         return LeaseConflict(
-            f"{lease} on graph pool {pool_id} refused: client '{name}' (pid {pid}) released it but has "
-            f"not finished recording the event that orders its GPU work after it within {lease_table.RECORD_WAIT_NS / 1e9:g}s; "
-            "that process is stopped or stuck in the CUDA driver (gpumemd clears the mark when it exits)",
-            {"holder": name, "pid": pid, "kind": "release", "label": ""},
+            f"{lease} on graph pool {pool_id} refused: client '{name}' (pid {pid}) released it, and "
+            f"{lease_table.RECORD_WAIT_NS / 1e9:g}s later has still not recorded the event that orders its GPU work "
+            "before the next holder's; that process is stopped or stuck in the CUDA driver (gpumemd clears the mark "
+            "when it exits)",
+            {"holder": name, "pid": pid},
         )
 
     @staticmethod

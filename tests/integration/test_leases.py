@@ -312,8 +312,9 @@ def test_a_releaser_stopped_mid_record_is_named_and_its_death_frees_the_pool(own
     r = refused(b, f"lease borrow {pool.id} 0 after-a")
     waited = time.monotonic() - started
     assert r["error"] == "LeaseConflict", r
-    for part in ("'stuck-releaser'", f"pid {a.pid}", "recording the event", f"graph pool {pool.id}", "borrow lease 'after-a'"):
+    for part in ("'stuck-releaser'", f"pid {a.pid}", "not recorded the event", f"graph pool {pool.id}", "borrow lease 'after-a'"):
         assert part in r["message"], f"{part!r} missing from {r['message']!r}"
+    assert r["detail"] == {"holder": "stuck-releaser", "pid": a.pid}
     assert lease_table.RECORD_WAIT_NS / 1e9 <= waited < 10, f"refused after {waited:.2f}s"
     assert pool.segment.peek() == 0, "the refused take was given back"
     a.proc.send_signal(signal.SIGKILL)
