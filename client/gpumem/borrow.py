@@ -189,7 +189,7 @@ class BorrowPool:
         """No borrowed block is alive (the scope-exit check; ``live_bytes`` counts them)."""
         if self.raw_live:
             return False
-        return self.route is None or _pool_is_empty(self.device, self.route)
+        return self.route is None or _pool_is_empty(self.route)
 
     def live_bytes(self) -> int:
         """Bytes of borrowed blocks still in use: raw views, and torch tensors in the pool."""
@@ -239,7 +239,7 @@ def memory_reserved(device: int | None = None) -> int:
 _LIVE_CHECK: list[Any] = []
 
 
-def _pool_is_empty(device: int, route: PoolRoute) -> bool:
+def _pool_is_empty(route: PoolRoute) -> bool:
     """Whether the MemPool ``route`` leads to holds no allocated block. torch's check of a
     pool's live allocations against an expected set (the one its CUDA-graph trees use),
     with none expected; a torch without it counts the snapshot's bytes instead."""
@@ -248,7 +248,7 @@ def _pool_is_empty(device: int, route: PoolRoute) -> bool:
     check = _LIVE_CHECK[0]
     if check is None:
         return not any(segment["allocated_size"] for segment in _pool_segments(route.pool))
-    return bool(check(device, route.pool_id, set()))
+    return bool(check(route.device, route.pool_id, set()))
 
 
 def _pool_segments(pool: Any) -> list[dict[str, Any]]:

@@ -78,7 +78,7 @@ def current_stream(device: int | None) -> int:
         cuda = torch.cuda
         raw = lambda index: int(cuda.current_stream(index).cuda_stream)  # noqa: E731
     _RAW_STREAM.append(raw)
-    return int(raw(device))
+    return raw(device)
 
 
 class SessionLeases:
