@@ -1,6 +1,6 @@
-"""docs/protocol.md must agree with gpumem_shared/protocol.py: a renamed, renumbered or new
-message type, error code or enum value, another reply type, changed admission rules or a
-version bump fail here until the page follows."""
+"""docs/protocol.md must agree with the gpumem_shared.protocol package: a renamed,
+renumbered or new message type, error code or enum value, another reply type, changed
+admission rules or a version bump fail here until the page follows."""
 
 from __future__ import annotations
 

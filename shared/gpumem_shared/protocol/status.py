@@ -1,0 +1,172 @@
+"""STATUS: everything gpumemctl shows, one view per kind of object the daemon keeps."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpumem_shared.protocol.base import Extent, Message, RequestMessage, RoundBudget
+from gpumem_shared.protocol.codes import Backend, MsgType, RoundPolicy, RoundState
+
+
+class DaemonStatus(Message):
+    version: str
+    protocol: str
+    pid: int
+    backend: Backend
+    uptime_s: float
+    runtime_dir: str
+    state: str  # "serving" | "stopping"
+    generation: int = 0  # since 1.4: restarts with the state kept (0: a fresh start)
+    waiting: int = 0  # since 1.4: sessions kept across a restart whose client has not resumed yet
+    waiting_objects: int = 0  # since 1.4: arenas and graph pools those sessions hold
+    grace_left_s: float = 0.0  # since 1.4: until waiting sessions are released like dead clients'
+
+
+class DeviceStatus(Message):
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int
+    free_bytes: int  # measured (cuMemGetInfo) on CUDA; capacity minus accounted on host
+    granularity: int
+    accounted_bytes: int  # chunks the daemon created that are still held by someone
+    reserve_bytes: int  # kept free, never committed
+
+
+class ClientStatus(Message):
+    session_id: int
+    name: str
+    pid: int
+    uid: int
+    gid: int
+    since: float  # unix time
+    arenas: list[str]
+    waiting: bool = False  # since 1.4: kept across a restart, its client not back yet
+
+
+class GrantStatus(Message):
+    """One grant on an arena, as status shows it (its token never travels here): a
+    session may attach when every field the grant names matches it (-1 and "" name
+    nothing), or when it gives the grant's token and every field the share named
+    explicitly matches."""
+
+    id: int
+    client: str = ""  # the client name it admits ("": any name)
+    uid: int = -1  # the uid it admits (-1: any)
+    gid: int = -1  # the primary gid it admits (-1: any)
+    # ``uid`` is the owner's, implied by a share that named a client alone: a session
+    # that gives the token is admitted under any uid.
+    uid_implied: bool = False
+
+
+class ArenaStatus(Message):
+    name: str
+    owner: str
+    owner_pid: int
+    owner_alive: bool
+    address: int
+    reserved: int
+    committed: int
+    chunks: int
+    shared_with: list[str]  # the client names its grants name (1.2's view of them)
+    attached: list[str]
+    retiring_bytes: int  # decommitted, still mapped by some client
+    placeholder_bytes: int = 0  # small chunks the owner aliases over uncommitted space
+    grants: list[GrantStatus] = msgspec.field(default_factory=list)
+
+
+class RoundMemberStatus(Message):
+    client: str
+    pool: str
+    reported: bool
+    headroom_bytes: int
+    graph_pool_bytes: int
+    min_tokens: int
+    max_tokens: int
+    weight: float
+    tokens: int  # the result, once committed
+    bytes: int
+
+
+class RoundStatus(Message):
+    id: int
+    state: RoundState
+    expect: int  # pools the round waits for (0: whoever joined)
+    policy: RoundPolicy
+    deadline_in_s: float  # negative once passed
+    members: list[RoundMemberStatus]
+    dropped: list[str]
+    # The daemon may still build this as a dict with the same keys: it encodes alike,
+    # and a peer decoding the reply always gets a RoundBudget.
+    budget: RoundBudget
+    error: str
+
+
+class KvPoolStatus(Message):
+    name: str
+    owner: str
+    buffers: int
+    bytes_per_token: int
+    max_tokens: int  # declared bound
+    tokens: int  # committed
+    committed_bytes: int
+    min_tokens: int
+    shrink_request: int  # tokens the daemon asked for; -1 when none
+
+
+class GraphPoolStatus(Message):
+    id: int
+    owner: str
+    arena: str
+    label: str
+    epoch: int  # bumped by every capture into the pool and every change of its runs
+    extents: list[Extent]  # the pool's segments
+    free_runs: list[Extent]  # idle space between replays, largest first
+    free_bytes: int
+    slot: int = 0  # deprecated since 1.3, always 0: the pool's lease slot is in its own segment
+    shared: bool = False  # other processes may take leases on it (and borrow its free runs)
+    escaped_by: str = ""  # clients whose borrowed tensors outlived their scope: replays are refused
+    # Times gpumemd repaired its lease slot: a word or field no client could rightly have
+    # written (a session that may not use the pool, an impossible value). See its log.
+    lease_repairs: int = 0
+
+
+class LeaseStatus(Message):
+    pool_id: int
+    slot: int  # deprecated since 1.3, always 0 (see GraphPoolStatus.slot)
+    kind: str  # capture | replay | borrow
+    holder: str  # client name
+    pid: int
+    label: str
+    since: float  # unix time
+
+
+class StatusReply(Message):
+    daemon: DaemonStatus
+    device: DeviceStatus
+    clients: list[ClientStatus]
+    arenas: list[ArenaStatus]
+    # The graph-pool registry under its 1.0 name. Deprecated since 1.2: read
+    # ``graph_pools``; ``extents`` (the same list) goes at the next major.
+    extents: list[GraphPoolStatus]
+    leases: list[LeaseStatus]
+    rounds: list[RoundStatus] = msgspec.field(default_factory=list)
+    kv: list[KvPoolStatus] = msgspec.field(default_factory=list)
+    graph_pools: list[GraphPoolStatus] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Either name may be the one filled: a 1.1 daemon sends ``extents`` only, a
+        # builder may give only one of them. Both always carry the same pools.
+        if self.extents and not self.graph_pools:
+            self.graph_pools = self.extents
+        elif self.graph_pools and not self.extents:
+            self.extents = self.graph_pools
+
+
+class Status(RequestMessage, kw_only=True):
+    """Everything gpumemctl shows; needs no session."""
+
+    TYPE = MsgType.STATUS
+    REPLY = StatusReply
+    NEEDS_SESSION = False
+    WHILE_STOPPING = True
