@@ -6,7 +6,11 @@ would never produce; everything else goes through the real encode/decode pair.
 
 from __future__ import annotations
 
+import ast
+import importlib
 import logging
+import pkgutil
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -130,6 +134,27 @@ def test_every_request_type_is_registered_under_its_number() -> None:
         assert cls.TYPE == number
         assert number < MsgType.FD_BATCH, "fd-channel events are not requests"
         assert issubclass(cls.REPLY, p.Message) and cls.REPLY is not p.Message
+
+
+def test_the_package_exports_every_name_and_registers_every_request() -> None:
+    """Peers read the protocol's modules as one (``p.X``): a name defined in one of them
+    and left out of the package would be a message a peer cannot name, and a request
+    class left out of REQUESTS one the daemon refuses as unknown."""
+    defined: dict[str, Any] = {}
+    for info in pkgutil.iter_modules(p.__path__):
+        module = importlib.import_module(f"{p.__name__}.{info.name}")
+        for node in ast.parse(Path(str(module.__file__)).read_text()).body:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets if isinstance(node, ast.Assign) else []
+            names = [node.name] if isinstance(node, (ast.ClassDef, ast.FunctionDef)) else [t.id for t in targets if isinstance(t, ast.Name)]
+            for name in names:
+                value = getattr(module, name)
+                if not name.startswith("_") and not isinstance(value, logging.Logger):
+                    assert name not in defined, f"{name} is defined twice in the protocol package"
+                    defined[name] = value
+    assert sorted(p.__all__) == sorted(defined)
+    assert all(getattr(p, name) is value for name, value in defined.items())
+    requests = {v for v in defined.values() if isinstance(v, type) and issubclass(v, p.RequestMessage) and v is not p.RequestMessage}
+    assert requests == set(p.REQUESTS.values())
 
 
 def test_admission_flags_of_every_request() -> None:
