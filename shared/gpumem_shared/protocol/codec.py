@@ -176,7 +176,7 @@ def check_version(version: Any) -> None:
 
 
 def check_hello_version(version: tuple[int, int]) -> None:
-    """Refuse a peer of this major older than MIN_HELLO_VERSION (see the module doc)."""
+    """Refuse a peer of this major older than MIN_HELLO_VERSION (see the package doc)."""
     if tuple(version) < MIN_HELLO_VERSION:
         peer, ours = f"{version[0]}.{version[1]}", f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
         raise ProtocolError(

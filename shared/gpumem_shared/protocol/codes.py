@@ -8,7 +8,7 @@ import enum
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 5)
 
-# The oldest protocol HELLO accepts, on either side (see the module doc).
+# The oldest protocol HELLO accepts, on either side (see the package doc, __init__.py).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
 
 # A control frame is a few hundred bytes; anything near this bound is an attack or
