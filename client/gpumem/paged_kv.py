@@ -22,12 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import protocol as p
 from gpumem.errors import InvalidArgument
-from gpumem.kv_pool import KvPool
+from gpumem.kv_pool import KvPool, RoundWait
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
     from gpumem.core import SessionCore
-    from gpumem.kv_pool import RoundWait
 
 
 class PagedKvCache:

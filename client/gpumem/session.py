@@ -108,7 +108,6 @@ class Session:
         self.device = core.device
         self.daemon_version = core.channel.hello.daemon_version
         self.daemon_pid = core.daemon_pid
-        # This process's CUDA ordinal for the daemon's device (None on the host backend).
         self.device_ordinal = core.device_ordinal
         # A plain attribute: replay() reads it on every step.
         self.leasing = core.leasing
