@@ -81,7 +81,7 @@ def touching(spans: dict[int, int], ranges: Ranges) -> list[tuple[int, int]]:
 
 class Arena:
     def __init__(self, core: SessionCore, view: p.ArenaView, *, owner: bool) -> None:
-        self.core = core  # the session's (gpumem.core)
+        self.core = core
         self.name = view.name
         self.owner_name = view.owner
         self.address = view.address

@@ -318,7 +318,7 @@ class Borrow:
     def __init__(self, core: SessionCore, pool: GraphPool, user: str, wait: float, stream: int | None) -> None:
         if not user:
             raise InvalidArgument("a borrow needs a user label (named to anyone it conflicts with)")
-        self.core = core  # the session's (gpumem.core)
+        self.core = core
         self.pool = pool
         self.user = user
         self._route: PoolRoute | None = None

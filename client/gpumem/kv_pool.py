@@ -35,7 +35,7 @@ _DEADLINE_SLACK_S = 30.0
 
 class KvPool:
     def __init__(self, core: SessionCore, view: p.KvPoolView) -> None:
-        self.core = core  # the session's (gpumem.core)
+        self.core = core
         self.name = view.name
         self.arena = Arena(core, view.arena, owner=True)
         self.buffers = {b.name: b for b in view.buffers}

@@ -1,7 +1,8 @@
 """The import graph the architecture promises (docs/architecture.md): the shared package
-imports neither side, the daemon and the client never import each other, and inside the
-daemon no book imports one above it. Read from the source with ast, so a lazy import
-inside a function counts too."""
+imports neither side, the daemon and the client never import each other, inside the
+daemon no book imports one above it, and inside the client nothing below the Session
+facade imports it. Read from the source with ast, so a lazy import inside a function
+counts too."""
 
 from __future__ import annotations
 
