@@ -284,7 +284,7 @@ class Lease:
         """Take ``kind`` on ``pool`` (a GraphPool of this session: registered or opened
         here) for the session ``owner`` belongs to (``session.leasing``)."""
         # The uncontended path is one native call; every line here is on it too. What a
-        # refused first try needs lies in _contended and the helpers it calls.
+        # refused first try needs lies in _contended.
         try:
             segment = pool.segment
         except AttributeError:
@@ -307,26 +307,42 @@ class Lease:
             return cls(owner, pool, segment, kind, word, stream)
         if status in _TAKEN:
             return cls(owner, pool, segment, kind, word, stream)._ordered(status)
-        return cls(owner, pool, segment, kind, word, stream)._contended(pool, epoch, label, wait, order, status)
+        return cls._contended(owner, pool, segment, kind, word, epoch, label, wait, stream, order, status)
 
+    @classmethod
     def _contended(
-        self, pool: LeasePool, epoch: int, label: str, wait: float, order: tuple[int, int, dict[int, int]] | None, status: int
+        cls,
+        owner: SessionLeases,
+        pool: LeasePool,
+        segment: LeaseSegment,
+        kind: int,
+        word: int,
+        epoch: int,
+        label: str,
+        wait: float,
+        stream: int | None,
+        order: tuple[int, int, dict[int, int]] | None,
+        status: int,
     ) -> Lease:
-        """The first try was refused with ``status``: wait up to ``wait`` seconds for the
-        slot (clearing an escape mark of this session's on the way), or raise saying why
-        and naming the holder. Called on a lease object built before the wait: a waiter
-        woken by a release runs on a core that slept, where each line of Python costs
-        several times its warm cost, and every line between the wake and the return is
-        on the handoff's path."""
-        self.held = False
-        owner, word, address = self.owner, self._word, self.address
+        """``acquire`` past a refused first try (``status``): wait up to ``wait`` seconds
+        for the slot, clearing an escape mark of this session's on the way, or raise
+        saying why and naming the holder."""
         deadline = time.monotonic() + wait
         encoded = label.encode()
+        # Built before the wait: a waiter woken by a release runs on a core that slept,
+        # where each line of Python costs several times its warm cost, and every line
+        # between the wake and the return is on the handoff's path.
+        lease = cls(owner, pool, segment, kind, word, stream)
+        lease.held = False
+        address = segment.address
         while True:
             if status == _RECORDING and time.monotonic() >= deadline:  # else try again: the daemon may clear the mark
-                raise owner.record_late(pool.id, self.segment, f"{lease_table.KIND_NAMES[self.kind]} lease '{label}'")
+                raise owner.record_late(pool.id, segment, f"{lease_table.KIND_NAMES[kind]} lease '{label}'")
             if status == LeaseStatus.ESCAPED:
-                self._check_escape(pool, label)
+                if not owner.clear_escape(pool.id):
+                    error = owner.escape_error(pool, lease_table.KIND_NAMES[kind], label)
+                    if error is not None:
+                        raise error
                 status = LeaseStatus.HELD  # the mark went meanwhile: try again
                 continue
             timeout_ns = max(0, int((deadline - time.monotonic()) * 1e9))
@@ -335,8 +351,8 @@ class Lease:
             else:
                 status, found = _native.lease_acquire_ordered(address, word, epoch, timeout_ns, encoded, *order)
             if status in _TAKEN:
-                self.held = True
-                return self._ordered(status)
+                lease.held = True
+                return lease._ordered(status)
             if status == LeaseStatus.ESCAPED or status == _RECORDING:
                 continue
             if status == LeaseStatus.STALE:
@@ -347,17 +363,7 @@ class Lease:
             if status == LeaseStatus.CORRUPT and time.monotonic() < deadline:
                 time.sleep(_CORRUPT_RETRY_S)
                 continue
-            raise self._conflict(owner, pool, self.kind, label, found, wait, status == LeaseStatus.CORRUPT)
-
-    def _check_escape(self, pool: LeasePool, label: str) -> None:
-        """The slot is marked: borrowed tensors outlived their scope. Clear the mark if
-        they were this session's and are gone now; raise if they are still alive (ours
-        or another client's). Returns when the mark went meanwhile."""
-        if self.owner.clear_escape(pool.id):
-            return
-        error = self.owner.escape_error(pool, lease_table.KIND_NAMES[self.kind], label)
-        if error is not None:
-            raise error
+            raise cls._conflict(owner, pool, kind, label, found, wait, status == LeaseStatus.CORRUPT)
 
     @staticmethod
     def _conflict(owner: SessionLeases, pool: LeasePool, kind: int, label: str, found: int, wait: float, corrupt: bool) -> LeaseConflict:
