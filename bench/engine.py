@@ -306,7 +306,7 @@ def host(result: c.Result, cleanup: contextlib.ExitStack) -> None:
     trimmed = arena.trim()
     caches = [s.declare_paged_kv(f"kv-{s.name}", layers=4, block_shape=(256, 4, 64), itemsize=2, expect=2) for s in (a, b)]
     started = time.perf_counter()
-    pending = [cache.capture_done(max_blocks=256, wait=False) for cache in caches]
+    pending = [cache.send_capture_done(max_blocks=256) for cache in caches]
     blocks = [handle.wait() for handle in pending]
     result.figures.update(grow_ms_median=c.median(grows), grows=usage.grows, committed=usage.committed, trimmed_bytes=trimmed,
                           round_blocks=blocks, round_ms=(time.perf_counter() - started) * 1000)

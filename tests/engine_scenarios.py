@@ -71,7 +71,7 @@ def engine_memory_end_to_end() -> None:
             assert mem.graphs.usage().peak > 0 and inside(mem.graphs, y)
         graphs = mem.graphs_captured({8: graph})
         assert isinstance(graphs[8], gpumem.LeasedGraph) and mem.graph_pool is not None and mem.graph_pool.free_runs
-        pending = mem.kv_commit(headroom_bytes=256 * MiB, max_blocks=1024, wait=False)
+        pending = mem.start_kv_commit(headroom_bytes=256 * MiB, max_blocks=1024)
         blocks = pending.wait()
         assert blocks == kv.blocks == 1024, blocks
         slot.fill_(1000)

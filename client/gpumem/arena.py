@@ -28,7 +28,7 @@ from gpumem.views import RawView
 if TYPE_CHECKING:
     from gpumem.elastic import ArenaAllocator, ArenaUsage
     from gpumem.graph_pools import GraphPool
-    from gpumem.session import Session
+    from gpumem.core import SessionCore
     from gpumem.torch_support import ArenaPool
 
 MiB = 1 << 20
@@ -80,8 +80,8 @@ def touching(spans: dict[int, int], ranges: Ranges) -> list[tuple[int, int]]:
 
 
 class Arena:
-    def __init__(self, session: Session, view: p.ArenaView, *, owner: bool) -> None:
-        self.session = session
+    def __init__(self, core: SessionCore, view: p.ArenaView, *, owner: bool) -> None:
+        self.core = core
         self.name = view.name
         self.owner_name = view.owner
         self.address = view.address
@@ -102,12 +102,39 @@ class Arena:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @classmethod
+    def create(cls, core: SessionCore, name: str, reserve_bytes: int) -> Arena:
+        """``Session.create_arena``: the daemon plans the arena, this process maps its window."""
+        reply: p.ArenaReply = core.call(p.CreateArena(name=name, reserve_bytes=reserve_bytes))
+        arena = cls(core, reply.arena, owner=True)
+        try:
+            arena.reserve_window()
+        except BaseException:
+            core.call(p.ReleaseArena(name=name))
+            raise
+        core.add_arena(arena)
+        return arena
+
+    @classmethod
+    def attach(cls, core: SessionCore, name: str, token: str) -> Arena:
+        """``Session.attach_arena``: another client's arena, its committed chunks mapped."""
+        reply, fds = core.channel.call(p.AttachArena(name=name, token=token))
+        arena = cls(core, reply.arena, owner=False)
+        try:
+            arena.reserve_window()
+        except BaseException:
+            fdchannel.close_all(list(fds.values()))
+            core.call(p.ReleaseArena(name=name))
+            raise
+        core.add_arena(arena)
+        arena.apply(reply, fds)
+        return arena
+
     def reserve_window(self) -> None:
         """Make sure the arena's window is reserved in this process, at the daemon's
         planned address: it lies in the daemon's address slice, which the session holds
-        from its first arena on (the session calls this once the daemon created or
-        shared the arena)."""
-        held = self.session.address_slice()
+        from its first arena on (called once the daemon created or shared the arena)."""
+        held = self.core.address_slice()
         if not held.base <= self.address <= self.address + self.reserved <= held.end:
             raise MappingError(
                 f"arena '{self.name}' is planned at [{self.address:#x}, {self.address + self.reserved:#x}), outside the "
@@ -132,21 +159,21 @@ class Arena:
         finally:
             fdchannel.close_all(list(fds.values()))  # the mappings hold the memory now
         if reply.retired:
-            self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in reply.retired]))
+            self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in reply.retired]))
         self._backing_changed()
 
     def _unmap(self, retired: list[p.ChunkView]) -> None:
         """Unmap the retired chunks mapped here, where this process mapped them."""
         mine = [self._chunks.pop(c.id) for c in retired if c.id in self._chunks]
         if mine:
-            self.session.driver.unmap_many(self.address, [(c.offset, c.size) for c in mine])
+            self.core.driver.unmap_many(self.address, [(c.offset, c.size) for c in mine])
 
     def _map_chunks(self, chunks: list[p.ChunkView], fds: dict[int, int]) -> None:
-        driver = self.session.driver
+        driver = self.core.driver
         wanted = merge([(c.offset, c.offset + c.size) for c in chunks])
         overlap = intersect(wanted, self.committed_ranges())
         if overlap:
-            self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
+            self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
             raise MappingError(
                 f"the daemon handed out chunks of arena '{self.name}' over committed memory this process still maps "
                 f"(offsets {overlap}); they were not mapped"
@@ -155,7 +182,7 @@ class Arena:
         try:
             driver.map_fds(self.address, [(fds[c.id], c.offset, c.size) for c in chunks])
         except DriverError as exc:
-            self.session.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
+            self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
             raise MappingError(f"mapping {len(chunks)} chunk(s) of arena '{self.name}' failed: {exc}") from None
         for chunk in chunks:
             self._chunks[chunk.id] = chunk
@@ -175,7 +202,7 @@ class Arena:
         if not spans:
             return
         try:
-            self.session.driver.unmap_many(self.address, spans)
+            self.core.driver.unmap_many(self.address, spans)
         except DriverError as exc:
             raise MappingError(f"unmapping the placeholder of arena '{self.name}' failed: {exc}") from None
         for offset, _ in spans:
@@ -199,7 +226,7 @@ class Arena:
                 else:
                     small.append(pos)
                     pos += granule
-        driver = self.session.driver
+        driver = self.core.driver
         try:
             if big:
                 driver.map_aliased(self.address, self._placeholder_fds[slot], slot, big)
@@ -225,10 +252,10 @@ class Arena:
         self._check_open()
         message = p.CommitArena(name=self.name, nbytes=nbytes)
         if not self._aliases:  # no placeholder to swap out
-            reply, fds = self.session.channel.call(message)
+            reply, fds = self.core.channel.call(message)
         else:
             try:
-                reply, fds = self.session.channel.call(message, meanwhile=lambda: self.vacate([(0, nbytes)]))
+                reply, fds = self.core.channel.call(message, meanwhile=lambda: self.vacate([(0, nbytes)]))
             except BaseException:
                 self.restore_placeholder()
                 raise
@@ -243,7 +270,7 @@ class Arena:
         if self._torch is not None:
             keep = max((c.offset + c.size for c in self._chunks.values() if c.offset < to_nbytes), default=0)
             self._torch.check_unused(keep, self.committed)
-        reply, fds = self.session.channel.call(p.DecommitArena(name=self.name, to_nbytes=to_nbytes))
+        reply, fds = self.core.channel.call(p.DecommitArena(name=self.name, to_nbytes=to_nbytes))
         self.apply(reply, fds)
         return self.committed
 
@@ -264,7 +291,7 @@ class Arena:
         if self._placeholder_fds and slot_bytes not in self._placeholder_fds:
             raise InvalidArgument(f"arena '{self.name}' already uses {max(self._placeholder_fds)}-byte placeholder slots")
         if not self._placeholder_fds:
-            reply, fds = self.session.channel.call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
+            reply, fds = self.core.channel.call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
             self._placeholder_fds = {c.size: fds[c.id] for c in reply.chunks}
             self._placeholder_ids = [c.id for c in reply.chunks]
         self._cover = merge(self._cover + [(offset, offset + nbytes)])
@@ -283,7 +310,7 @@ class Arena:
         for what, value in (("uid", uid), ("gid", gid)):
             if value is not None and value < 0:
                 raise InvalidArgument(f"{what} {value} is not a valid id; leave it out to admit any {what}")
-        reply: p.ShareReply = self.session.call(
+        reply: p.ShareReply = self.core.call(
             p.ShareArena(name=self.name, client=client or "", uid=-1 if uid is None else uid, gid=-1 if gid is None else gid)
         )
         return reply.token
@@ -292,12 +319,12 @@ class Arena:
         """Revoke the grant ``share`` returned ``token`` for: new attaches it would admit
         are refused. Sessions attached already stay attached and keep what they map."""
         self._check_open()
-        self.session.call(p.UnshareArena(name=self.name, token=token))
+        self.core.call(p.UnshareArena(name=self.name, token=token))
 
     def sync(self) -> None:
         """Map what was committed since, unmap what was retired since."""
         self._check_open()
-        reply, fds = self.session.channel.call(p.SyncArena(name=self.name))
+        reply, fds = self.core.channel.call(p.SyncArena(name=self.name))
         self.apply(reply, fds)
 
     def release(self) -> None:
@@ -306,7 +333,7 @@ class Arena:
         self._check_open()
         if self._torch is not None:
             self._torch.check_unused(0, self.reserved, cached_ok=True)
-        borrowed = [bp for bp in self.session.borrow_pools.values() if bp.arena == self.name]
+        borrowed = [bp for bp in self.core.borrow_pools.values() if bp.arena == self.name]
         for bp in borrowed:
             live = bp.live_bytes()
             if live:
@@ -315,13 +342,12 @@ class Arena:
                     f"('{bp.label}', scope '{bp.escaped_scope or '?'}'): their memory would disappear; free them first"
                 )
         for bp in borrowed:
-            self.session.borrow_pools.pop(bp.pool_id, None)
-            bp.close()
+            self.core.close_borrow_pool(bp.pool_id)
         if self._torch is not None:
             self._torch.retire()
         if self._allocator is not None:
             self._allocator.retire(keep_slot=self._torch is not None)
-        driver = self.session.driver
+        driver = self.core.driver
         driver.unmap_many(self.address, [(c.offset, c.size) for c in self._chunks.values()] + list(self._aliases.items()))
         self._aliases.clear()
         self._chunks.clear()
@@ -329,8 +355,8 @@ class Arena:
         self._placeholder_fds.clear()
         self._placeholder_ids.clear()
         self._released = True
-        self.session.arenas.pop(self.name, None)
-        self.session.call(p.ReleaseArena(name=self.name))
+        self.core.drop_arena(self.name)
+        self.core.call(p.ReleaseArena(name=self.name))
 
     def holding(self) -> p.Holding:
         """The chunks this process maps here, as a resume reports them to a restarted daemon."""
@@ -339,8 +365,8 @@ class Arena:
     def _check_open(self) -> None:
         if self._released:
             raise SessionClosed(f"arena '{self.name}' was released by this process")
-        if self.session.closed:
-            raise SessionClosed(f"arena '{self.name}' belongs to a closed session ('{self.session.name}')")
+        if self.core.closed:
+            raise SessionClosed(f"arena '{self.name}' belongs to a closed session ('{self.core.name}')")
 
     # ------------------------------------------------------------------ introspection
 
@@ -374,12 +400,12 @@ class Arena:
         """Copy host bytes into committed memory (a convenience for tools and tests)."""
         self._check_open()
         self._check_range(offset, len(data))
-        self.session.driver.write(self.address + offset, data)
+        self.core.driver.write(self.address + offset, data)
 
     def read(self, offset: int, size: int) -> bytes:
         self._check_open()
         self._check_range(offset, size)
-        return self.session.driver.read(self.address + offset, size)
+        return self.core.driver.read(self.address + offset, size)
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> RawView:
         """Bytes ``[offset, offset + nbytes)`` as a framework-agnostic view (DLPack,
@@ -389,8 +415,8 @@ class Arena:
         nbytes = self.reserved - offset if nbytes is None else nbytes
         if offset < 0 or nbytes < 0 or offset + nbytes > self.reserved:
             raise InvalidArgument(f"view [{offset}, {offset + nbytes}) is outside arena '{self.name}' ({self.reserved} bytes)")
-        if self.session.backend == "cuda":
-            return RawView(self.address + offset, nbytes, "cuda", self.session.device_ordinal or 0, owner=self)
+        if self.core.backend == "cuda":
+            return RawView(self.address + offset, nbytes, "cuda", self.core.device_ordinal or 0, owner=self)
         return RawView(self.address + offset, nbytes, "cpu", owner=self)
 
     # ------------------------------------------------------------------ allocation
@@ -402,7 +428,7 @@ class Arena:
         if self._allocator is None:
             from gpumem.elastic import ArenaAllocator
 
-            self._allocator = ArenaAllocator(self, self.session.device_ordinal or 0)
+            self._allocator = ArenaAllocator(self, self.core.device_ordinal or 0)
         return self._allocator
 
     def set_elastic(self, step: int | None = None, cap: int | None = None) -> Arena:

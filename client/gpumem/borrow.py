@@ -43,7 +43,7 @@ from gpumem.views import RawView
 
 if TYPE_CHECKING:
     from gpumem.graph_pools import GraphPool
-    from gpumem.session import Session
+    from gpumem.core import SessionCore
 
 ALIGNMENT = 512
 
@@ -95,12 +95,11 @@ class _Block:
 class BorrowPool:
     """This process's allocator over one graph pool's free runs (see the module doc)."""
 
-    def __init__(self, session: Session, pool: GraphPool, stream: int) -> None:
-        self.session = session
+    def __init__(self, core: SessionCore, pool: GraphPool, stream: int) -> None:
         self.pool_id = pool.id
         self.label = pool.label
         self.arena = pool.arena.name
-        self.device = session.device_ordinal if session.device_ordinal is not None else 0
+        self.device = core.device_ordinal if core.device_ordinal is not None else 0
         self.stream = stream
         self.slot = Slot(device=self.device, alignment=ALIGNMENT)
         self.slot.bind_stream(stream)
@@ -276,10 +275,10 @@ def _new_torch_pool(bp: BorrowPool) -> Any:
 _TORCH_CUDA: list[Any] = []
 
 
-def _torch_for(session: Session) -> Any:
+def _torch_for(core: SessionCore) -> Any:
     """torch, where this borrow can route its allocations (the CUDA backend, torch with
     CUDA installed); None leaves raw ``allocate`` only."""
-    if session.backend != "cuda":
+    if core.backend != "cuda":
         return None
     if not _TORCH_CUDA:
         try:
@@ -316,16 +315,16 @@ class Borrow:
     and routes this thread's torch allocations into the runs until ``release()`` or the
     end of its ``with`` block."""
 
-    def __init__(self, session: Session, pool: GraphPool, user: str, wait: float, stream: int | None) -> None:
+    def __init__(self, core: SessionCore, pool: GraphPool, user: str, wait: float, stream: int | None) -> None:
         if not user:
             raise InvalidArgument("a borrow needs a user label (named to anyone it conflicts with)")
-        self.session = session
+        self.core = core
         self.pool = pool
         self.user = user
         self._route: PoolRoute | None = None
-        self._torch = _torch_for(session)
-        self.stream = current_stream(session.device_ordinal) if stream is None else stream
-        existing = session.borrow_pools.get(pool.id)
+        self._torch = _torch_for(core)
+        self.stream = current_stream(core.device_ordinal) if stream is None else stream
+        existing = core.borrow_pools.get(pool.id)
         if existing is not None and existing.stream != self.stream:
             raise BorrowStreamMismatch(
                 f"graph pool {pool.id} ('{pool.label}') is borrowed on stream {existing.stream:#x} in this process "
@@ -333,11 +332,12 @@ class Borrow:
                 "blocks per stream, so borrow from one stream"
             )
         if self._torch is not None:
-            _warm_cublas(self._torch, session.device_ordinal or 0, self.stream)
-        self.lease = Lease.acquire(session.leasing, pool, LeaseKind.BORROW, user, wait, self.stream)
+            _warm_cublas(self._torch, core.device_ordinal or 0, self.stream)
+        self.lease = Lease.acquire(core.leasing, pool, LeaseKind.BORROW, user, wait, self.stream)
         try:
             if existing is None:
-                existing = session.borrow_pools[pool.id] = BorrowPool(session, pool, self.stream)
+                existing = BorrowPool(core, pool, self.stream)
+                core.add_borrow_pool(existing)
             self.borrow_pool = existing
             self._failures_before = existing.ensure(pool, self._torch is not None)
             # Blocks an earlier scope let escape are that scope's fault, not this one's.
@@ -360,7 +360,7 @@ class Borrow:
             raise bp.failure(nbytes, self.user)
         bp.raw_live[address] = nbytes
         block = _Block(bp, address, nbytes)
-        if self.session.backend == "cuda":
+        if self.core.backend == "cuda":
             return RawView(address, nbytes, "cuda", bp.device, owner=block)
         return RawView(address, nbytes, "cpu", owner=block)
 
@@ -402,9 +402,9 @@ class Borrow:
                 self._route.exit()
                 self._route = None
             live = 0 if not self._live_before and bp.holds_nothing() else bp.live_bytes() - self._live_before
-            if live > 0 and self.pool.id not in self.session.leasing.escapes:
+            if live > 0 and self.pool.id not in self.core.leasing.escapes:
                 # Marked while the lease is still ours: no replay can slip in between.
-                self.session.leasing.report_escape(self.pool, bp, self.user)
+                self.core.leasing.report_escape(self.pool, bp, self.user)
             elif live > 0:
                 bp.escaped_scope = self.user
         finally:

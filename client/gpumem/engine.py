@@ -10,7 +10,7 @@ after capture, leased replays and borrowed temporaries.
         ...point the attention layers at kv.layer_tensors(i, dtype)...
         graphs = capture(model)                          # torch.cuda.graph(g) with or without pool=
     graphs = mem.graphs_captured(graphs)                 # registered, arenas trimmed, replays leased
-    pending = mem.kv_commit(headroom_bytes=1 << 30, wait=False)   # the round runs on
+    pending = mem.start_kv_commit(headroom_bytes=1 << 30)        # the round runs on
     ...finish starting up...
     blocks = pending.wait()
     with mem.running():
@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumem.errors import InvalidArgument
 from gpumem.leased_graph import DEFAULT_WAIT_S, LeasedGraph, leased_graphs
@@ -121,18 +121,6 @@ class EngineMemory:
         self.graph_pool = self.graphs.register_graph_pool(label, shared=shared)
         return leased_graphs(graphs, self.session, self.graph_pool, wait=wait)
 
-    @overload
-    def kv_commit(
-        self, *, headroom_bytes: int = ..., min_blocks: int = ..., max_blocks: int = ..., weight: float = ...,
-        timeout: float | None = ..., wait: Literal[True] = ...,
-    ) -> int: ...
-
-    @overload
-    def kv_commit(
-        self, *, headroom_bytes: int = ..., min_blocks: int = ..., max_blocks: int = ..., weight: float = ...,
-        timeout: float | None = ..., wait: Literal[False],
-    ) -> RoundWait: ...
-
     def kv_commit(
         self,
         *,
@@ -141,17 +129,32 @@ class EngineMemory:
         max_blocks: int = 0,
         weight: float = 1.0,
         timeout: float | None = None,
-        wait: bool = True,
-    ) -> int | RoundWait:
+    ) -> int:
         """Report capture done for the KV cache's round (the graphs arena's bytes as the
-        graph-pool figure); the blocks committed, or a ``RoundWait`` with ``wait=False``.
+        graph-pool figure) and wait for it; returns the blocks committed.
         ``headroom_bytes``: what the engine will still allocate past its arenas' peaks
         once the KV cache holds the rest."""
+        return self.start_kv_commit(
+            headroom_bytes=headroom_bytes, min_blocks=min_blocks, max_blocks=max_blocks, weight=weight, timeout=timeout
+        ).wait()
+
+    def start_kv_commit(
+        self,
+        *,
+        headroom_bytes: int = 0,
+        min_blocks: int = 0,
+        max_blocks: int = 0,
+        weight: float = 1.0,
+        timeout: float | None = None,
+    ) -> RoundWait:
+        """``kv_commit`` without waiting: the engine finishes its start-up while the round
+        gathers, and calls ``wait()`` on the ``RoundWait`` (the blocks committed) before
+        its scheduler needs the blocks."""
         if self.kv is None:
             raise InvalidArgument(f"engine '{self.name}' has no KV cache: call kv_cache() first")
-        return self.kv.capture_done(
+        return self.kv.send_capture_done(
             headroom_bytes=headroom_bytes, graph_pool_bytes=self.graphs.committed, min_blocks=min_blocks,
-            max_blocks=max_blocks, weight=weight, timeout=timeout, wait=wait,
+            max_blocks=max_blocks, weight=weight, timeout=timeout,
         )
 
     def borrowed(self, fn: Callable[..., R], *args: Any, user: str = "sampler", need_bytes: int = 0, **kwargs: Any) -> R:

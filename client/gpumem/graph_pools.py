@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import LeaseSegment
-from gpumem.errors import BadMessage, InvalidArgument
+from gpumem.errors import BadMessage, InvalidArgument, NotFound
 
 if TYPE_CHECKING:
     from gpumem.arena import Arena
+    from gpumem.core import SessionCore
 
 
 def extents_and_runs(segments: list[dict[str, Any]], base: int) -> tuple[list[p.Extent], list[p.Extent]]:
@@ -105,39 +106,51 @@ class GraphPool:
         """Register the arena's torch pool, or, with ``extents`` (and ``free_runs``), a
         pool laid out by other means, whose GPU work that used the runs is done."""
         if extents is None:
-            if arena.session.backend == "cuda":
+            if arena.core.backend == "cuda":
                 # A borrower from another process may start on the runs right away: the
                 # warm-up and capture work that used them must be done.
-                arena.torch_pool().torch.cuda.synchronize(arena.session.device_ordinal)
+                arena.torch_pool().torch.cuda.synchronize(arena.core.device_ordinal)
             extents, free_runs = extents_and_runs(arena.torch_pool().segments(), arena.address)
-        reply, fds = arena.session.channel.call(
+        reply, fds = arena.core.channel.call(
             p.RegisterGraphPool(arena=arena.name, label=label, extents=extents, free_runs=free_runs or [], shared=shared)
         )
         return cls(arena, reply.pool, granted_segment(reply, fds))
 
+    @classmethod
+    def open(cls, core: SessionCore, pool_id: int = 0, *, owner: str = "", label: str = "") -> GraphPool:
+        """``Session.open_graph_pool``: another client's shared pool, by id or by owner
+        and label, in an arena attached in this session."""
+        reply, fds = core.channel.call(p.OpenGraphPool(pool_id=pool_id, owner=owner, label=label))
+        segment = granted_segment(reply, fds)
+        arena = core.arenas.get(reply.pool.arena)
+        if arena is None:
+            segment.close()
+            raise NotFound(f"graph pool {reply.pool.id} lives in arena '{reply.pool.arena}': attach it first (attach_arena)")
+        return cls(arena, reply.pool, segment)
+
     def refresh(self, *, recaptured: bool = False) -> None:
         """The owner: report the pool's current extents and runs (``recaptured`` after a
         new capture into it). Another client: fetch the owner's latest view."""
-        session = self.arena.session
+        core = self.arena.core
         if not self.arena.is_owner:  # its owner reports captures; here the latest view is fetched
-            reply, fds = session.channel.call(p.OpenGraphPool(pool_id=self.id))
+            reply, fds = core.channel.call(p.OpenGraphPool(pool_id=self.id))
             fdchannel.close_all(list(fds.values()))  # the segment again: this pool maps it already
         else:
             extents, runs = extents_and_runs(self.arena.torch_pool().segments(), self.arena.address)
-            reply = session.call(p.UpdateGraphPool(pool_id=self.id, extents=extents, free_runs=runs, recaptured=recaptured))
+            reply = core.call(p.UpdateGraphPool(pool_id=self.id, extents=extents, free_runs=runs, recaptured=recaptured))
         self._set(reply.pool)
 
     def begin_capture(self) -> None:
         """Under the capture lease: no free runs until the capture is reported, and a new
         epoch, so every borrower's view of the old runs goes stale."""
-        reply: p.GraphPoolReply = self.arena.session.call(
+        reply: p.GraphPoolReply = self.arena.core.call(
             p.UpdateGraphPool(pool_id=self.id, extents=list(self.extents), free_runs=[], recaptured=True)
         )
         self._set(reply.pool)
 
     def retire(self) -> None:
-        session = self.arena.session
-        borrowed = session.borrow_pools.get(self.id)
+        core = self.arena.core
+        borrowed = core.borrow_pools.get(self.id)
         if borrowed is not None:
             live = borrowed.live_bytes()
             if live:
@@ -145,9 +158,8 @@ class GraphPool:
                     f"graph pool {self.id} ('{self.label}') still has {live} bytes of borrowed tensors alive "
                     f"(scope '{borrowed.escaped_scope or '?'}'): free them before retiring it"
                 )
-            del session.borrow_pools[self.id]
-            borrowed.close()
-        session.call(p.RetireGraphPool(pool_id=self.id))
+            core.close_borrow_pool(self.id)
+        core.call(p.RetireGraphPool(pool_id=self.id))
 
     def __repr__(self) -> str:
         return f"<gpumem.GraphPool {self.id} '{self.label}' epoch {self.epoch}, {len(self.free_runs)} free runs, {self.free_bytes} bytes free>"

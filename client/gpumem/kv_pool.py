@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import protocol as p
 from gpumem.arena import DEFAULT_PLACEHOLDER_SLOT, Arena
@@ -25,7 +25,7 @@ from gpumem.errors import InvalidArgument
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
-    from gpumem.session import Session
+    from gpumem.core import SessionCore
 
 KvBuffer = p.KvBuffer
 
@@ -34,10 +34,10 @@ _DEADLINE_SLACK_S = 30.0
 
 
 class KvPool:
-    def __init__(self, session: Session, view: p.KvPoolView) -> None:
-        self.session = session
+    def __init__(self, core: SessionCore, view: p.KvPoolView) -> None:
+        self.core = core
         self.name = view.name
-        self.arena = Arena(session, view.arena, owner=True)
+        self.arena = Arena(core, view.arena, owner=True)
         self.buffers = {b.name: b for b in view.buffers}
         self.max_tokens = view.max_tokens  # the declared bound
         self.tokens = view.tokens  # rows committed in every buffer
@@ -48,6 +48,22 @@ class KvPool:
         # Set by the engine: the highest row it still uses. shrink() refuses to give
         # back rows below it.
         self.rows_in_use: Callable[[], int] | None = None
+
+    @classmethod
+    def declare(
+        cls, core: SessionCore, name: str, buffers: list[p.KvBuffer], *, max_tokens: int = 0, reserve_bytes: int = 0
+    ) -> KvPool:
+        """``Session.declare_kv_pool``: the daemon lays the pool out in an arena of its
+        own, whose window this process maps."""
+        reply: p.KvDeclareReply = core.call(p.KvDeclare(name=name, buffers=buffers, max_tokens=max_tokens, reserve_bytes=reserve_bytes))
+        pool = cls(core, reply.pool)
+        try:
+            pool.arena.reserve_window()
+        except BaseException:
+            core.call(p.ReleaseArena(name=name))
+            raise
+        core.add_arena(pool.arena)
+        return pool
 
     # ------------------------------------------------------------------ layout
 
@@ -85,49 +101,10 @@ class KvPool:
         """Join the device's open commit round. Join early (before loading and capture)
         and give ``expect``, the number of pools the round should gather, when engines
         may start at different times: the round then waits for all of them."""
-        view: p.RoundView = self.session.call(p.RoundJoin(pool=self.name, expect=expect))
+        view: p.RoundView = self.core.call(p.RoundJoin(pool=self.name, expect=expect))
         self.round_id = view.round_id
         self._round_deadline_s = view.deadline_in_s
         return view
-
-    @overload
-    def capture_done(
-        self,
-        *,
-        headroom_bytes: int = ...,
-        graph_pool_bytes: int = ...,
-        min_tokens: int = ...,
-        max_tokens: int = ...,
-        weight: float = ...,
-        timeout: float | None = ...,
-        wait: Literal[True] = ...,
-    ) -> int: ...
-
-    @overload
-    def capture_done(
-        self,
-        *,
-        headroom_bytes: int = ...,
-        graph_pool_bytes: int = ...,
-        min_tokens: int = ...,
-        max_tokens: int = ...,
-        weight: float = ...,
-        timeout: float | None = ...,
-        wait: Literal[False],
-    ) -> RoundWait: ...
-
-    @overload
-    def capture_done(
-        self,
-        *,
-        headroom_bytes: int = ...,
-        graph_pool_bytes: int = ...,
-        min_tokens: int = ...,
-        max_tokens: int = ...,
-        weight: float = ...,
-        timeout: float | None = ...,
-        wait: bool,
-    ) -> int | RoundWait: ...
 
     def capture_done(
         self,
@@ -138,14 +115,30 @@ class KvPool:
         max_tokens: int = 0,
         weight: float = 1.0,
         timeout: float | None = None,
-        wait: bool = True,
-    ) -> int | RoundWait:
+    ) -> int:
         """Report that this engine's graphs are captured and wait for the round to
         commit; returns the tokens every buffer now holds. Raises RoundFailed (the
         deadline passed, or the budget cannot cover the minimums) with the figures.
-        ``wait=False`` returns a ``RoundWait`` at once instead: the engine goes on with
-        its start-up while other engines capture, and calls ``wait()`` before it needs
-        the rows (the session's other calls work meanwhile)."""
+        ``send_capture_done`` takes the same figures and does not wait."""
+        return self.send_capture_done(
+            headroom_bytes=headroom_bytes, graph_pool_bytes=graph_pool_bytes, min_tokens=min_tokens,
+            max_tokens=max_tokens, weight=weight, timeout=timeout,
+        ).wait()
+
+    def send_capture_done(
+        self,
+        *,
+        headroom_bytes: int = 0,
+        graph_pool_bytes: int = 0,
+        min_tokens: int = 0,
+        max_tokens: int = 0,
+        weight: float = 1.0,
+        timeout: float | None = None,
+    ) -> RoundWait:
+        """``capture_done``'s report, sent without waiting: the engine goes on with its
+        start-up while other engines capture, and calls ``wait()`` on the ``RoundWait``
+        before it needs the rows (the session's other calls work meanwhile). ``timeout``
+        bounds the wait from now."""
         message = p.CaptureDone(
             pool=self.name,
             headroom_bytes=headroom_bytes,
@@ -154,22 +147,21 @@ class KvPool:
             max_tokens=max_tokens,
             weight=weight,
         )
-        limit = timeout if timeout is not None else max(self.session.timeout, self._round_deadline_s + _DEADLINE_SLACK_S)
-        handle = RoundWait(self, message, self.session.channel.start(message), limit)
-        return handle if not wait else handle.wait()
+        limit = timeout if timeout is not None else max(self.core.timeout, self._round_deadline_s + _DEADLINE_SLACK_S)
+        return RoundWait(self, message, self.core.channel.start(message), limit)
 
     # ------------------------------------------------------------------ elastic
 
     def grow(self, tokens: int) -> int:
         """Commit rows up to ``tokens`` if the device has the memory (else OutOfMemory
         with the figures)."""
-        reply, fds = self.session.channel.call(p.KvGrow(pool=self.name, tokens=tokens))
+        reply, fds = self.core.channel.call(p.KvGrow(pool=self.name, tokens=tokens))
         self.apply(reply, fds)
         return self.tokens
 
     def shrink_requests(self) -> list[int]:
         """Bounds the daemon asked this pool to shrink to, oldest first."""
-        return [n.tokens for n in self.session.notices(kind=p.NoticeKind.KV_SHRINK, arena=self.name)]
+        return [n.tokens for n in self.core.channel.notices(kind=p.NoticeKind.KV_SHRINK, arena=self.name)]
 
     def shrink(self, tokens: int) -> int:
         """Confirm rows from ``tokens`` on are free and give them back. Whole chunks go,
@@ -178,7 +170,7 @@ class KvPool:
             raise InvalidArgument(
                 f"KV pool '{self.name}' still uses rows up to {self.rows_in_use()}; it cannot give back rows from {tokens} on"
             )
-        reply, fds = self.session.channel.call(p.KvShrink(pool=self.name, tokens=tokens))
+        reply, fds = self.core.channel.call(p.KvShrink(pool=self.name, tokens=tokens))
         self.apply(reply, fds)
         return self.tokens
 
@@ -198,7 +190,7 @@ class KvPool:
 
 
 class RoundWait:
-    """A CAPTURE_DONE sent and not yet answered (``KvPool.capture_done(wait=False)``)."""
+    """A CAPTURE_DONE sent and not yet answered (``KvPool.send_capture_done``)."""
 
     def __init__(self, pool: KvPool, message: p.CaptureDone, request_id: int, timeout: float) -> None:
         self.pool = pool
@@ -208,7 +200,7 @@ class RoundWait:
         self._tokens: int | None = None
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the round to commit (until the deadline ``capture_done`` set, or
+        """Wait for the round to commit (until the deadline ``send_capture_done`` set, or
         ``timeout`` seconds); returns the tokens every buffer holds. Raises RoundFailed
         as ``capture_done`` does, and DaemonTimeout when the round outlives the wait
         (``wait`` may be called again then)."""
@@ -221,7 +213,7 @@ class RoundWait:
             rows = self._message.min_tokens
             arena.vacate([(b.offset, b.offset + rows * b.row_bytes) for b in pool.buffers.values()])
             try:
-                reply, fds = pool.session.channel.finish(self._request_id, self._message, max(left, 0.001))
+                reply, fds = pool.core.channel.finish(self._request_id, self._message, max(left, 0.001))
             except BaseException:
                 arena.restore_placeholder()
                 raise

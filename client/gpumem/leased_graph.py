@@ -39,11 +39,11 @@ class LeasedGraph:
     under ``pool``'s replay lease."""
 
     # Private names: every other attribute is the wrapped graph's (pool(), reset(), ...).
-    __slots__ = ("_graph", "_session", "_pool", "_wait", "_label")
+    __slots__ = ("_graph", "_leasing", "_pool", "_wait", "_label")
 
     def __init__(self, graph: Any, session: Session, pool: GraphPool, *, wait: float = DEFAULT_WAIT_S, label: str = "replay") -> None:
         self._graph = graph
-        self._session = session
+        self._leasing = session.leasing
         self._pool = pool
         self._wait = wait
         self._label = label
@@ -54,7 +54,7 @@ class LeasedGraph:
         return self._graph
 
     def replay(self) -> None:
-        with Lease.acquire(self._session.leasing, self._pool, _REPLAY, self._label, self._wait):
+        with Lease.acquire(self._leasing, self._pool, _REPLAY, self._label, self._wait):
             self._graph.replay()
 
     def __getattr__(self, name: str) -> Any:

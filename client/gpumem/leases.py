@@ -28,7 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumem_shared import _native, lease_table
 from gpumem_shared import protocol as p
@@ -54,6 +54,17 @@ _CORRUPT_RETRY_S = 0.01
 # 24-bit session): a taker from another session of this process waits on them directly
 # (a process cannot open its own IPC handle).
 _PROCESS_EVENTS: dict[tuple[str, int, int], Any] = {}
+
+
+class LeasePool(Protocol):
+    """What a lease needs of a graph pool (a ``GraphPool`` registered or opened in this
+    session is one): its id and epoch, whether other processes open it, and this
+    session's mapping of its lease slot."""
+
+    id: int
+    epoch: int
+    shared: bool
+    segment: LeaseSegment
 
 
 # torch's lookup of a device's current raw stream, once torch's CUDA is initialized in
@@ -179,7 +190,7 @@ class SessionLeases:
 
     # ------------------------------------------------------------------ escapes
 
-    def report_escape(self, pool: Any, borrowed: BorrowPool, scope: str) -> None:
+    def report_escape(self, pool: LeasePool, borrowed: BorrowPool, scope: str) -> None:
         """Borrowed tensors outlived ``scope``: the daemon marks the pool's slot, refusing
         replay and capture in every process until we report them gone."""
         self._call(p.ReportEscape(pool_id=pool.id, escaped=True))
@@ -196,7 +207,7 @@ class SessionLeases:
         borrowed.escaped_scope = None
         return True
 
-    def escape_error(self, pool: Any, kind: str, label: str) -> BorrowEscaped | None:
+    def escape_error(self, pool: LeasePool, kind: str, label: str) -> BorrowEscaped | None:
         """Why the slot refused: our own tensors, or another client's. None when the mark
         is gone already (the caller tries again)."""
         marker = pool.segment.escaped()
@@ -255,7 +266,7 @@ class SessionLeases:
 class Lease:
     __slots__ = ("owner", "pool_id", "segment", "address", "kind", "_word", "held", "stream", "shared")
 
-    def __init__(self, owner: SessionLeases, pool: Any, segment: LeaseSegment, kind: int, word: int, stream: int | None) -> None:
+    def __init__(self, owner: SessionLeases, pool: LeasePool, segment: LeaseSegment, kind: int, word: int, stream: int | None) -> None:
         self.owner = owner
         self.pool_id: int = pool.id
         self.segment = segment  # kept mapped while the lease lives, whatever becomes of the pool object
@@ -268,11 +279,12 @@ class Lease:
 
     @classmethod
     def acquire(
-        cls, owner: SessionLeases, pool: Any, kind: int, label: str, wait: float, stream: int | None = None
+        cls, owner: SessionLeases, pool: LeasePool, kind: int, label: str, wait: float, stream: int | None = None
     ) -> Lease:
         """Take ``kind`` on ``pool`` (a GraphPool of this session: registered or opened
         here) for the session ``owner`` belongs to (``session.leasing``)."""
-        # The uncontended path is one native call; every line before it is on it too.
+        # The uncontended path is one native call; every line here is on it too. What a
+        # refused first try needs lies in _contended.
         try:
             segment = pool.segment
         except AttributeError:
@@ -295,6 +307,26 @@ class Lease:
             return cls(owner, pool, segment, kind, word, stream)
         if status in _TAKEN:
             return cls(owner, pool, segment, kind, word, stream)._ordered(status)
+        return cls._contended(owner, pool, segment, kind, word, epoch, label, wait, stream, order, status)
+
+    @classmethod
+    def _contended(
+        cls,
+        owner: SessionLeases,
+        pool: LeasePool,
+        segment: LeaseSegment,
+        kind: int,
+        word: int,
+        epoch: int,
+        label: str,
+        wait: float,
+        stream: int | None,
+        order: tuple[int, int, dict[int, int]] | None,
+        status: int,
+    ) -> Lease:
+        """``acquire`` past a refused first try (``status``): wait up to ``wait`` seconds
+        for the slot, clearing an escape mark of this session's on the way, or raise
+        saying why and naming the holder."""
         deadline = time.monotonic() + wait
         encoded = label.encode()
         # Built before the wait: a waiter woken by a release runs on a core that slept,
@@ -334,7 +366,7 @@ class Lease:
             raise cls._conflict(owner, pool, kind, label, found, wait, status == LeaseStatus.CORRUPT)
 
     @staticmethod
-    def _conflict(owner: SessionLeases, pool: Any, kind: int, label: str, found: int, wait: float, corrupt: bool) -> LeaseConflict:
+    def _conflict(owner: SessionLeases, pool: LeasePool, kind: int, label: str, found: int, wait: float, corrupt: bool) -> LeaseConflict:
         want = lease_table.KIND_NAMES[kind]
         if corrupt:
             return LeaseConflict(

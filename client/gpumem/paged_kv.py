@@ -18,15 +18,15 @@ below ``blocks`` only. ``max_blocks`` defaults to what the whole device could ho
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import protocol as p
 from gpumem.errors import InvalidArgument
+from gpumem.kv_pool import KvPool, RoundWait
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
-    from gpumem.kv_pool import KvPool, RoundWait
-    from gpumem.session import Session
+    from gpumem.core import SessionCore
 
 
 class PagedKvCache:
@@ -40,7 +40,7 @@ class PagedKvCache:
     @classmethod
     def declare(
         cls,
-        session: Session,
+        core: SessionCore,
         name: str,
         *,
         layers: int,
@@ -64,8 +64,8 @@ class PagedKvCache:
         else:
             buffers = [p.KvBuffer(f"{kind}{i}", block_bytes) for i in range(layers) for kind in "kv"]
         if not max_blocks:
-            max_blocks = max(1, session.device.total_bytes // (2 * layers * block_bytes))
-        pool = session.declare_kv_pool(name, buffers, max_tokens=max_blocks)
+            max_blocks = max(1, core.device.total_bytes // (2 * layers * block_bytes))
+        pool = KvPool.declare(core, name, buffers, max_tokens=max_blocks)
         cache = cls(pool, layers, block_shape, itemsize, combined)
         try:
             pool.placeholder()
@@ -113,24 +113,6 @@ class PagedKvCache:
 
     # ------------------------------------------------------------------ commit round
 
-    @overload
-    def capture_done(
-        self, *, headroom_bytes: int = ..., graph_pool_bytes: int = ..., min_blocks: int = ..., max_blocks: int = ...,
-        weight: float = ..., timeout: float | None = ..., wait: Literal[True] = ...,
-    ) -> int: ...
-
-    @overload
-    def capture_done(
-        self, *, headroom_bytes: int = ..., graph_pool_bytes: int = ..., min_blocks: int = ..., max_blocks: int = ...,
-        weight: float = ..., timeout: float | None = ..., wait: Literal[False],
-    ) -> RoundWait: ...
-
-    @overload
-    def capture_done(
-        self, *, headroom_bytes: int = ..., graph_pool_bytes: int = ..., min_blocks: int = ..., max_blocks: int = ...,
-        weight: float = ..., timeout: float | None = ..., wait: bool,
-    ) -> int | RoundWait: ...
-
     def capture_done(
         self,
         *,
@@ -140,13 +122,29 @@ class PagedKvCache:
         max_blocks: int = 0,
         weight: float = 1.0,
         timeout: float | None = None,
-        wait: bool = True,
-    ) -> int | RoundWait:
-        """The round's report (``KvPool.capture_done``) in blocks: returns the blocks
-        committed, or with ``wait=False`` a ``RoundWait`` whose ``wait()`` does."""
-        return self.pool.capture_done(
+    ) -> int:
+        """The round's report (``KvPool.capture_done``) in blocks: waits for the round,
+        returns the blocks committed."""
+        return self.send_capture_done(
+            headroom_bytes=headroom_bytes, graph_pool_bytes=graph_pool_bytes, min_blocks=min_blocks,
+            max_blocks=max_blocks, weight=weight, timeout=timeout,
+        ).wait()
+
+    def send_capture_done(
+        self,
+        *,
+        headroom_bytes: int = 0,
+        graph_pool_bytes: int = 0,
+        min_blocks: int = 0,
+        max_blocks: int = 0,
+        weight: float = 1.0,
+        timeout: float | None = None,
+    ) -> RoundWait:
+        """``capture_done`` without waiting (``KvPool.send_capture_done``): the
+        ``RoundWait``'s ``wait()`` returns the blocks committed."""
+        return self.pool.send_capture_done(
             headroom_bytes=headroom_bytes, graph_pool_bytes=graph_pool_bytes, min_tokens=min_blocks,
-            max_tokens=max_blocks, weight=weight, timeout=timeout, wait=wait,
+            max_tokens=max_blocks, weight=weight, timeout=timeout,
         )
 
     def release(self) -> None:

@@ -1,10 +1,12 @@
-"""A client's session with the daemon of one GPU.
+"""A client's session with the daemon of one GPU: the public facade.
 
-``connect()`` finds the device's daemon and opens a ``SessionChannel`` (gpumem.channel):
-the fd channel says HELLO and stays open for the session's life, and the ZeroMQ
-DEALER carries every request under the session's token. The session keeps what it
-made through them: arenas, KV pools, graph pools, borrow pools, the driver that maps
-chunks, and its side of the leases on graph pools (``leasing``, gpumem.leases).
+``connect()`` finds the device's daemon and opens a session: its core (gpumem.core)
+holds the channel (gpumem.channel: the fd channel says HELLO and stays open for the
+session's life, and the ZeroMQ DEALER carries every request under the session's token),
+the driver that maps chunks, the daemon's address slice, the session's side of the
+leases on graph pools (gpumem.leases), and the registries of its arenas and borrow
+pools. ``Session`` is what engines call; the arenas, pools and borrows it hands out
+hold the core.
 """
 
 from __future__ import annotations
@@ -13,29 +15,23 @@ import itertools
 import os
 import re
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpumem_shared import fdchannel
 from gpumem_shared.lease_table import LeaseKind
 from gpumem_shared import protocol as p
-from gpumem_shared.driver import Driver, DriverError, DriverUnavailable, PeerAccessError
 from gpumem_shared.paths import Endpoints
-from gpumem import address_slices
 from gpumem.address_slices import AddressSlice
 from gpumem.arena import Arena
-from gpumem.borrow import Borrow, BorrowPool
-from gpumem.channel import SessionChannel
+from gpumem.borrow import Borrow
+from gpumem.core import SessionCore
 from gpumem.discovery import resolve_device
-from gpumem.errors import AlreadyExists, DaemonUnavailable, GpuMemError, InvalidArgument, NotFound
-from gpumem.graph_pools import GraphPool, granted_segment
+from gpumem.errors import AlreadyExists
+from gpumem.graph_pools import GraphPool
 from gpumem.kv_pool import KvPool
-from gpumem.leases import Lease, SessionLeases
-
-if TYPE_CHECKING:
-    from gpumem.paged_kv import PagedKvCache
+from gpumem.leases import Lease, LeasePool
+from gpumem.paged_kv import PagedKvCache
 
 DEFAULT_TIMEOUT = 10.0
 # replay() runs on every step: a module global, because before Python 3.12 reading an enum
@@ -93,88 +89,39 @@ def _default_name() -> str:
 
 
 class Session:
+    """The public facade over a session's core (gpumem.core): what engines call. The
+    objects it hands out hold the core, not the session."""
+
     def __init__(self, endpoints: Endpoints, name: str, timeout: float, peers: Sequence[int] = ()) -> None:
+        self.core = core = SessionCore.open(endpoints, name, timeout, peers)
         self.endpoints = endpoints
         self.peers = list(peers)
         self.name = name
         self.timeout = timeout
-        # Closes its own sockets if anything below fails, or if the session is dropped.
-        self.channel = SessionChannel(endpoints, name, timeout)
-        self.arenas: dict[str, Arena] = {}
-        arenas = self.arenas  # not self: the channel must not keep the session alive
-        self.channel.holdings = lambda: [arena.holding() for arena in list(arenas.values())]
-        self._slice: AddressSlice | None = None  # the daemon's address slice, from the first arena on
-        self._slice_lock = threading.Lock()  # two threads' first arenas take one hold
-        # This process's borrow pools, by graph pool id (gpumem.borrow).
-        self.borrow_pools: dict[int, BorrowPool] = {}
-        hello = self.channel.hello
-        self.session_id = hello.session_id
-        self.backend = hello.backend
-        self.device = hello.device
-        self.daemon_version = hello.daemon_version
-        self.daemon_pid = hello.daemon_pid
-        # This process's CUDA ordinal for the daemon's device (None on the host backend).
-        self.device_ordinal: int | None = None
-        try:
-            self.driver = self._make_driver()
-        except BaseException:
-            self.channel.close()
-            raise
-        self.leasing = SessionLeases(
-            self.channel,
-            self.driver,
-            self.session_id,
-            self.device_ordinal,
-            f"{endpoints.runtime_dir}:{endpoints.index}",
-        )
-
-    def _make_driver(self) -> Driver:
-        if self.backend == "host":
-            from gpumem_shared.driver.host import HostDriver
-
-            try:
-                return HostDriver(self.device.index, peers=self.peers)
-            except PeerAccessError as exc:
-                raise InvalidArgument(str(exc)) from None
-        from gpumem_shared.driver.cuda import CudaDriver, visible_device_uuids
-
-        try:
-            uuids = visible_device_uuids()
-        except DriverUnavailable as exc:
-            raise DaemonUnavailable(f"gpumemd serves CUDA device {self.device.uuid}, but this process cannot use CUDA: {exc}") from None
-        if self.device.uuid not in uuids:
-            raise DaemonUnavailable(
-                f"gpumemd@{self.device.index} serves {self.device.uuid}, which this process does not see "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
-            )
-        self.device_ordinal = uuids.index(self.device.uuid)
-        try:
-            return CudaDriver(self.device_ordinal, peers=self.peers)
-        except PeerAccessError as exc:
-            raise InvalidArgument(f"peer access for gpumemd@{self.device.index} ({self.device.uuid}): {exc}") from None
-        except DriverUnavailable as exc:
-            raise DaemonUnavailable(f"gpumemd serves CUDA device {self.device.uuid}, which this process cannot use: {exc}") from None
+        self.channel = core.channel
+        self.driver = core.driver
+        # Read-only: arenas and borrow pools come and go through the core's methods.
+        self.arenas = core.arenas
+        self.borrow_pools = core.borrow_pools
+        self.session_id = core.session_id
+        self.backend = core.backend
+        self.device = core.device
+        self.daemon_version = core.channel.hello.daemon_version
+        self.daemon_pid = core.daemon_pid
+        self.device_ordinal = core.device_ordinal
+        # A plain attribute: replay() reads it on every step.
+        self.leasing = core.leasing
 
     def address_slice(self) -> AddressSlice:
-        """The daemon's address slice in this process, where its arenas are mapped:
-        reserved at the session's first arena, shared with the process's other sessions
-        of the same daemon (gpumem.address_slices)."""
-        with self._slice_lock:
-            if self._slice is None:
-                daemon = f"gpumemd pid {self.daemon_pid} (device {self.device.index}, {self.endpoints.runtime_dir})"
-                self._slice = address_slices.hold(self.driver, self.device.index, daemon)
-            return self._slice
+        """The daemon's address slice in this process, where its arenas are mapped
+        (``SessionCore.address_slice``)."""
+        return self.core.address_slice()
 
     # ------------------------------------------------------------------ calls
 
     def call(self, message: p.RequestMessage, timeout: float | None = None) -> Any:
-        """One request; returns the typed reply body. Requests whose descriptors matter
-        (chunks, lease segments) go through ``channel.call``, which returns them too;
-        here they are closed."""
-        body, fds = self.channel.call(message, timeout)
-        if fds:
-            fdchannel.close_all(list(fds.values()))
-        return body
+        """One request; returns the typed reply body (``SessionCore.call``)."""
+        return self.core.call(message, timeout)
 
     # ------------------------------------------------------------------ API
 
@@ -193,45 +140,21 @@ class Session:
     def create_arena(self, name: str, reserve_bytes: int) -> Arena:
         """Reserve ``reserve_bytes`` of address space (a multiple of the device
         granularity) under ``name``; nothing is committed until ``Arena.commit``."""
-        reply: p.ArenaReply = self.call(p.CreateArena(name=name, reserve_bytes=reserve_bytes))
-        arena = Arena(self, reply.arena, owner=True)
-        try:
-            arena.reserve_window()
-        except BaseException:
-            self.call(p.ReleaseArena(name=name))
-            raise
-        self.arenas[name] = arena
-        return arena
+        return Arena.create(self.core, name, reserve_bytes)
 
     def attach_arena(self, name: str, token: str | None = None) -> Arena:
         """Map an arena another client owns, where one of its grants admits this session:
         by its identity (client name, uid, gid), or by ``token``, the one the owner's
         ``share`` returned and handed over. Refused with ``PermissionDenied`` saying why."""
-        reply, fds = self.channel.call(p.AttachArena(name=name, token=token or ""))
-        arena = Arena(self, reply.arena, owner=False)
-        try:
-            arena.reserve_window()
-        except BaseException:
-            fdchannel.close_all(list(fds.values()))
-            self.call(p.ReleaseArena(name=name))
-            raise
-        self.arenas[name] = arena
-        arena.apply(reply, fds)
-        return arena
+        return Arena.attach(self.core, name, token or "")
 
     def open_graph_pool(self, pool_id: int = 0, *, owner: str = "", label: str = "") -> GraphPool:
         """Another client's shared graph pool (by id, or by owner and label), to take
         leases on and borrow from. Its arena must be attached in this session first. The
         daemon grants the pool's lease segment with it."""
-        reply, fds = self.channel.call(p.OpenGraphPool(pool_id=pool_id, owner=owner, label=label))
-        segment = granted_segment(reply, fds)
-        arena = self.arenas.get(reply.pool.arena)
-        if arena is None:
-            segment.close()
-            raise NotFound(f"graph pool {reply.pool.id} lives in arena '{reply.pool.arena}': attach it first (attach_arena)")
-        return GraphPool(arena, reply.pool, segment)
+        return GraphPool.open(self.core, pool_id, owner=owner, label=label)
 
-    def capture(self, pool: Any, *, wait: float = 0.0, label: str = "capture", stream: int | None = None) -> Lease:
+    def capture(self, pool: LeasePool, *, wait: float = 0.0, label: str = "capture", stream: int | None = None) -> Lease:
         """The capture lease on a graph pool: excludes every other lease, retires this
         process's borrow pool on it and, for the pool's owner, empties its registered runs
         under a new epoch (capture re-carves them: no borrower may use the old ones once
@@ -249,15 +172,15 @@ class Session:
             raise
         return lease
 
-    def replay(self, pool: Any, *, wait: float = 0.0, label: str = "replay", stream: int | None = None) -> Lease:
+    def replay(self, pool: LeasePool, *, wait: float = 0.0, label: str = "replay", stream: int | None = None) -> Lease:
         """The replay lease: excludes capture and borrow (and other replays)."""
         return Lease.acquire(self.leasing, pool, _REPLAY, label, wait, stream)
 
-    def borrow(self, pool: Any, *, user: str, wait: float = 0.0, stream: int | None = None) -> Borrow:
+    def borrow(self, pool: GraphPool, *, user: str, wait: float = 0.0, stream: int | None = None) -> Borrow:
         """Borrow the pool's free runs for ``user`` (named to anyone who conflicts): holds
         the borrow lease (excludes capture and replay) and routes this thread's torch
         allocations into the runs until the borrow ends. See gpumem.borrow."""
-        return Borrow(self, pool, user, wait, stream)
+        return Borrow(self.core, pool, user, wait, stream)
 
     def declare_kv_pool(
         self, name: str, buffers: list[p.KvBuffer], *, max_tokens: int = 0, reserve_bytes: int = 0
@@ -265,15 +188,7 @@ class Session:
         """Declare a KV pool: ``buffers`` (name, bytes per token row, alignment) laid out
         in one arena, each with room for ``max_tokens`` rows (or as many as
         ``reserve_bytes`` holds). Virtual only until a commit round or ``grow``."""
-        reply: p.KvDeclareReply = self.call(p.KvDeclare(name=name, buffers=buffers, max_tokens=max_tokens, reserve_bytes=reserve_bytes))
-        pool = KvPool(self, reply.pool)
-        try:
-            pool.arena.reserve_window()
-        except BaseException:
-            self.call(p.ReleaseArena(name=name))
-            raise
-        self.arenas[name] = pool.arena
-        return pool
+        return KvPool.declare(self.core, name, buffers, max_tokens=max_tokens, reserve_bytes=reserve_bytes)
 
     def declare_paged_kv(
         self,
@@ -291,34 +206,18 @@ class Session:
         ``max_blocks`` of them (default: what the device could hold), virtual with the
         placeholder under them, the round joined (``expect``: the pools it gathers, as
         in ``KvPool.join_round``). See gpumem.paged_kv."""
-        from gpumem.paged_kv import PagedKvCache
-
         return PagedKvCache.declare(
-            self, name, layers=layers, block_shape=block_shape, itemsize=itemsize, combined=combined, max_blocks=max_blocks,
-            expect=expect,
+            self.core, name, layers=layers, block_shape=block_shape, itemsize=itemsize, combined=combined,
+            max_blocks=max_blocks, expect=expect,
         )
 
     def close(self) -> None:
         """Release this session's arenas (unmapping them) and close both channels."""
-        for arena in list(self.arenas.values()):
-            try:
-                arena.release()
-            except (GpuMemError, DriverError):
-                pass  # the daemon releases on EOF anyway; the mapping is gone locally
-        for borrowed in self.borrow_pools.values():
-            borrowed.close()
-        self.borrow_pools.clear()
-        self.leasing.close()
-        self.channel.close()
-        # An arena that could not be released is still mapped: its slice stays reserved.
-        with self._slice_lock:
-            if self._slice is not None and not self.arenas:
-                held, self._slice = self._slice, None
-                address_slices.let_go(held)
+        self.core.close()
 
     @property
     def closed(self) -> bool:
-        return self.channel.closed
+        return self.core.closed
 
     def __enter__(self) -> Session:
         return self

@@ -168,7 +168,7 @@ class ArenaPool:
     def __init__(self, arena: Arena) -> None:
         torch = import_torch("arena memory pools")
         require(torch, "arena memory pools", "cuda.MemPool", "cuda.use_mem_pool", "cuda.memory.CUDAPluggableAllocator")
-        if arena.session.backend != "cuda" or arena.session.device_ordinal is None:
+        if arena.core.backend != "cuda" or arena.core.device_ordinal is None:
             raise InvalidArgument(
                 f"arena '{arena.name}' lives in host shared memory (host backend): torch CUDA pools need the CUDA "
                 "backend; use arena.view() with DLPack or NumPy instead"
@@ -177,7 +177,7 @@ class ArenaPool:
             raise TorchFeatureMissing(f"arena '{arena.name}' needs a torch build with CUDA ({torch.__version__} has none)")
         self.torch = torch
         self.arena = arena
-        self.device = arena.session.device_ordinal
+        self.device = arena.core.device_ordinal
         self.allocator = arena.allocator()
         self.slot = self.allocator.slot
         self.pool = self._new_pool()
@@ -202,7 +202,7 @@ class ArenaPool:
         current = self.torch.cuda.current_device()
         if current != self.device:
             raise InvalidArgument(
-                f"arena '{self.arena.name}' lives on cuda:{self.device} ({self.arena.session.device.uuid}) but the "
+                f"arena '{self.arena.name}' lives on cuda:{self.device} ({self.arena.core.device.uuid}) but the "
                 f"current device is cuda:{current}; enter torch.cuda.device({self.device}) first"
             )
 

@@ -170,7 +170,7 @@ def test_capture_done_without_waiting_lets_the_session_work_while_the_round_gath
     session: gpumem.Session, runtime_dir: Path
 ) -> None:
     a = session.declare_paged_kv("kv-a", layers=1, block_shape=(1024,), itemsize=2, max_blocks=4096, expect=2)
-    pending = a.capture_done(max_blocks=2048, wait=False)
+    pending = a.send_capture_done(max_blocks=2048)
     assert not pending.done
 
     # Engine A goes on starting up: requests that hand out descriptors come back meanwhile.
@@ -183,7 +183,7 @@ def test_capture_done_without_waiting_lets_the_session_work_while_the_round_gath
 
     with _other(runtime_dir) as other:
         b = other.declare_paged_kv("kv-b", layers=1, block_shape=(1024,), itemsize=2, max_blocks=4096, expect=2)
-        other_pending = b.capture_done(max_blocks=1024, wait=False)
+        other_pending = b.send_capture_done(max_blocks=1024)
         assert pending.wait() == 2048 and pending.done
         assert pending.wait() == 2048  # answered once, kept
         assert other_pending.wait() == 1024
@@ -279,7 +279,7 @@ def test_engine_memory_without_torch_declares_commits_and_borrows(daemon_factory
         with pytest.raises(gpumem.InvalidArgument, match="already"):
             mem.kv_cache(layers=2, block_shape=(16, 64), itemsize=2)
         assert mem.borrowed(lambda x: x + 1, 41) == 42  # no graph pool yet: a plain call
-        pending = mem.kv_commit(max_blocks=300, wait=False)
+        pending = mem.start_kv_commit(max_blocks=300)
         assert pending.wait() == kv.blocks == 300
 
         mem.graphs.allocator().slot.alloc(8 * MiB)

@@ -63,11 +63,11 @@ def placeholder_intact(arena: gpumem.Arena, size: int) -> None:
     assert arena.backed_ranges() == [(0, size)] and arena.committed_ranges() == []
     assert arena.placeholder_bytes == size
     # written at offset 0 before: every slot aliases the same chunk
-    assert arena.session.driver.read(arena.address + size - SLOT, len(MARK)) == MARK
+    assert arena.core.driver.read(arena.address + size - SLOT, len(MARK)) == MARK
 
 
 def mark(arena: gpumem.Arena) -> None:
-    arena.session.driver.write(arena.address, MARK)
+    arena.core.driver.write(arena.address, MARK)
 
 
 def test_commit_unmaps_the_placeholder_while_the_daemon_works(session: gpumem.Session) -> None:

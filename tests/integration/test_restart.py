@@ -562,12 +562,12 @@ def two_in_a_round(connect: Connect) -> tuple[gpumem.Session, gpumem.Session, li
 
 @pytest.mark.parametrize("read", ["taken by a later call", "left in the sockets"])
 def test_a_round_answer_that_came_before_the_crash_is_kept(service: Service, connect: Connect, runtime_dir: Path, read: str) -> None:
-    """capture_done(wait=False), and the round commits: its answer and descriptors reach
+    """A report sent with send_capture_done, and the round commits: its answer and descriptors reach
     the engine (a later call takes them in, or they wait in the sockets) before the daemon
     dies. The resume keeps them: the wait after the restart gets its rows."""
     r = service()
     first, second, pools = two_in_a_round(connect)
-    waiting = pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, wait=False)
+    waiting = pools[0].send_capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
     pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
     if read == "taken by a later call":
         first.ping()
@@ -600,11 +600,11 @@ def test_gpumemctl_status_shows_the_generation_and_who_waits(service: Service, r
 
 @pytest.mark.parametrize("meanwhile", ["nothing", "other calls", "the round ends"])
 def test_a_round_report_that_does_not_block_survives_a_restart(service: Service, connect: Connect, runtime_dir: Path, meanwhile: str) -> None:
-    """capture_done(wait=False): the report is out, unanswered, when the daemon dies; the
+    """A report sent with send_capture_done is out, unanswered, when the daemon dies; the
     engine's other calls go on after the restart, and the wait still gets its tokens."""
     r = service()
     first, second, pools = two_in_a_round(connect)
-    waiting = pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, wait=False)
+    waiting = pools[0].send_capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
     wait_status(runtime_dir, lambda s: any(m["reported"] for m in s["rounds"][0]["members"]), 10, "the first report")
     r.restart()
     if meanwhile == "other calls":

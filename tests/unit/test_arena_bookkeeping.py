@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpumem.address_slices import AddressSlice
 from gpumem.arena import Arena
-from gpumem.errors import MappingError
+from gpumem.core import SessionCore
+from gpumem.errors import InvalidArgument, MappingError
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
+from gpumem_shared.paths import Endpoints
 
 MiB = 1 << 20
 G = 2 * MiB
@@ -25,36 +28,43 @@ WINDOW = 64 * MiB
 SLOT = 16 * MiB
 
 
-class FakeSession:
-    """What an Arena asks of its session, with the daemon's side played by the test."""
+class FakeChannel:
+    """The session's channel, with the daemon's side played by the test: requests are
+    recorded; a placeholder request is answered with the chunks the test prepared."""
 
-    def __init__(self, driver: HostDriver) -> None:
-        self.driver = driver
+    def __init__(self) -> None:
         self.name = "bookkeeper"
-        self.backend = "host"
+        self.timeout = 1.0
+        self.endpoints = Endpoints(Path("/nonexistent"), 0)
+        device = p.DeviceInfo(index=0, uuid="HOST-test", name="test", total_bytes=WINDOW, granularity=G)
+        self.hello = p.HelloReply(
+            protocol=[1, 0], daemon_version="test", daemon_pid=0, session_id=1, token=b"t", backend="host", device=device
+        )
         self.closed = False
-        self.arenas: dict[str, Arena] = {}
-        self.borrow_pools: dict[int, Any] = {}
+        self.holdings: Any = list
         self.sent: list[p.RequestMessage] = []
-        self.channel = self
         self.placeholder_chunks: list[p.ChunkView] = []
         self.placeholder_fds: dict[int, int] = {}
 
     def call(self, message: p.RequestMessage, timeout: float | None = None) -> Any:
-        """Both session.call and channel.call: the request is recorded; a placeholder
-        request is answered with the chunks the test prepared."""
         self.sent.append(message)
         if isinstance(message, p.PlaceholderArena):
             reply = p.PlaceholderReply(arena=view(0), chunks=self.placeholder_chunks, fd_batches=1)
             return reply, {cid: os.dup(fd) for cid, fd in self.placeholder_fds.items()}
+        if isinstance(message, p.CreateArena):
+            return p.ArenaReply(arena=view(0)), {}
         return p.Ack(), {}
-
-    def address_slice(self) -> AddressSlice:
-        """The test's window stands in for the daemon's slice."""
-        return AddressSlice(BASE, WINDOW, "the test's daemon", self.driver)
 
     def unmapped_reports(self) -> list[list[int]]:
         return [m.chunk_ids for m in self.sent if isinstance(m, p.ChunksUnmapped)]
+
+
+class BookkeepingCore(SessionCore):
+    """A real session core over the fake channel; the test's window stands in for the
+    daemon's slice."""
+
+    def address_slice(self) -> AddressSlice:
+        return AddressSlice(BASE, WINDOW, "the test's daemon", self.driver)
 
 
 def view(committed: int) -> p.ArenaView:
@@ -87,17 +97,19 @@ class Chunks:
 
 
 @pytest.fixture
-def setup() -> Iterator[tuple[Arena, FakeSession, Chunks]]:
+def setup() -> Iterator[tuple[Arena, FakeChannel, Chunks]]:
     global BASE
     driver = HostDriver(index=0)
     BASE = driver.reserve(WINDOW, TEST_HINT)
-    session = FakeSession(driver)
+    daemon = FakeChannel()
+    core = BookkeepingCore(daemon, driver, None)  # type: ignore[arg-type]
     chunks = Chunks(driver)
-    arena = Arena(session, view(0), owner=True)  # type: ignore[arg-type]
+    arena = Arena.create(core, "kv", WINDOW)
     try:
-        yield arena, session, chunks
+        yield arena, daemon, chunks
     finally:
-        arena.release()
+        if arena.name in core.arenas:  # not released by the test
+            arena.release()
         driver.free_reservation(BASE, WINDOW)
         chunks.close()
 
@@ -131,8 +143,8 @@ def byte_at(offset: int) -> int:
     return ctypes.string_at(BASE + offset, 1)[0]
 
 
-def test_a_new_chunk_at_a_retired_chunks_offset_stays_mapped(setup: tuple[Arena, FakeSession, Chunks]) -> None:
-    arena, session, chunks = setup
+def test_a_new_chunk_at_a_retired_chunks_offset_stays_mapped(setup: tuple[Arena, FakeChannel, Chunks]) -> None:
+    arena, daemon, chunks = setup
     first = chunks.make(1, 0, 4 * MiB)
     apply(arena, chunks, 4 * MiB, [first], [])
     assert byte_at(0) == 1
@@ -142,19 +154,19 @@ def test_a_new_chunk_at_a_retired_chunks_offset_stays_mapped(setup: tuple[Arena,
     assert mappings(0, 6 * MiB) == [(0, 6 * MiB, "chunk")], "a new chunk was unmapped with the retired one"
     assert (byte_at(0), byte_at(2 * MiB - 1), byte_at(2 * MiB), byte_at(6 * MiB - 1)) == (2, 2, 3, 3)
     assert arena.committed_ranges() == [(0, 6 * MiB)] and arena.mapped_bytes == 6 * MiB
-    assert session.unmapped_reports() == [[1]]
+    assert daemon.unmapped_reports() == [[1]]
     # The new chunks retire by their own ids, whatever sat at their offsets before.
     apply(arena, chunks, 0, [], [second, third])
     assert mappings(0, 6 * MiB) == [(0, 6 * MiB, "none")]
     assert arena.committed_ranges() == [] and arena.backed_ranges() == []
-    assert session.unmapped_reports() == [[1], [2, 3]]
+    assert daemon.unmapped_reports() == [[1], [2, 3]]
 
 
-def test_placeholder_cover_follows_chunks_retired_and_handed_out_together(setup: tuple[Arena, FakeSession, Chunks]) -> None:
-    arena, session, chunks = setup
+def test_placeholder_cover_follows_chunks_retired_and_handed_out_together(setup: tuple[Arena, FakeChannel, Chunks]) -> None:
+    arena, daemon, chunks = setup
     slot, granule = chunks.make(100, 0, SLOT), chunks.make(101, 0, G)
-    session.placeholder_chunks = [slot, granule]
-    session.placeholder_fds = {100: chunks.fds[100], 101: chunks.fds[101]}
+    daemon.placeholder_chunks = [slot, granule]
+    daemon.placeholder_fds = {100: chunks.fds[100], 101: chunks.fds[101]}
     arena.placeholder(0, WINDOW, SLOT)
     assert arena.placeholder_bytes == WINDOW and mappings(0, WINDOW) == [(0, WINDOW, "chunk")]
     first = chunks.make(1, 0, 20 * MiB)
@@ -171,11 +183,11 @@ def test_placeholder_cover_follows_chunks_retired_and_handed_out_together(setup:
     apply(arena, chunks, 0, [], [second])
     assert arena.committed_ranges() == [] and arena.placeholder_bytes == WINDOW
     assert mappings(0, WINDOW) == [(0, WINDOW, "chunk")] and byte_at(0) == 101
-    assert session.unmapped_reports() == [[1], [2]]
+    assert daemon.unmapped_reports() == [[1], [2]]
 
 
-def test_chunks_over_committed_memory_still_mapped_are_refused(setup: tuple[Arena, FakeSession, Chunks]) -> None:
-    arena, session, chunks = setup
+def test_chunks_over_committed_memory_still_mapped_are_refused(setup: tuple[Arena, FakeChannel, Chunks]) -> None:
+    arena, daemon, chunks = setup
     first = chunks.make(1, 0, 4 * MiB)
     apply(arena, chunks, 4 * MiB, [first], [])
     stray = chunks.make(2, 2 * MiB, 4 * MiB)
@@ -184,13 +196,50 @@ def test_chunks_over_committed_memory_still_mapped_are_refused(setup: tuple[Aren
     assert mappings(0, 6 * MiB) == [(0, 4 * MiB, "chunk"), (4 * MiB, 6 * MiB, "none")]
     assert byte_at(2 * MiB) == 1, "the mapped chunk was replaced"
     assert arena.committed_ranges() == [(0, 4 * MiB)]
-    assert session.unmapped_reports() == [[2]], "the refused chunk is not held here: the daemon must hear so"
+    assert daemon.unmapped_reports() == [[2]], "the refused chunk is not held here: the daemon must hear so"
 
 
-def test_a_window_outside_the_daemons_slice_is_refused(setup: tuple[Arena, FakeSession, Chunks]) -> None:
-    arena, session, _ = setup
+def test_a_window_outside_the_daemons_slice_is_refused(setup: tuple[Arena, FakeChannel, Chunks]) -> None:
+    arena, _, _ = setup
     arena.reserve_window()  # the test's window is the whole slice
     beyond = p.ArenaView(name="stray", owner="owner", address=BASE + WINDOW - G, reserved=2 * G, committed=0, granularity=G)
     with pytest.raises(MappingError, match=r"outside the address slice of its daemon") as info:
-        Arena(session, beyond, owner=False).reserve_window()  # type: ignore[arg-type]
+        Arena(arena.core, beyond, owner=False).reserve_window()
     assert f"[{BASE + WINDOW - G:#x}, {BASE + WINDOW + G:#x})" in str(info.value)
+
+
+class FakeBorrowPool:
+    """What a release asks of a borrow pool on the arena: its bytes alive, and close."""
+
+    def __init__(self, pool_id: int, live: int) -> None:
+        self.pool_id, self.arena, self.label, self.escaped_scope = pool_id, "kv", "decode", "sampler"
+        self.live = live
+        self.closed = False
+
+    def live_bytes(self) -> int:
+        return self.live
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_release_leaves_the_cores_registries_and_closes_the_arenas_borrow_pools(setup: tuple[Arena, FakeChannel, Chunks]) -> None:
+    arena, daemon, chunks = setup
+    core = arena.core
+    assert dict(core.arenas) == {"kv": arena}, "a created arena is registered"
+    borrowed = FakeBorrowPool(7, live=4096)
+    core.add_borrow_pool(borrowed)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"4096 bytes of tensors borrowed from graph pool 7 \('decode', scope 'sampler'\)"):
+        arena.release()
+    assert dict(core.arenas) == {"kv": arena} and dict(core.borrow_pools) == {7: borrowed} and not borrowed.closed
+    assert not any(isinstance(m, p.ReleaseArena) for m in daemon.sent), "a refused release told the daemon nothing"
+    borrowed.live = 0
+    arena.release()
+    assert dict(core.arenas) == {} and dict(core.borrow_pools) == {} and borrowed.closed
+    assert [m.name for m in daemon.sent if isinstance(m, p.ReleaseArena)] == ["kv"]
+
+
+def test_the_cores_registries_are_read_only(setup: tuple[Arena, FakeChannel, Chunks]) -> None:
+    arena, _, _ = setup
+    with pytest.raises(TypeError):
+        arena.core.arenas["other"] = arena  # type: ignore[index]

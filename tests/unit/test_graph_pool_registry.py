@@ -541,7 +541,7 @@ class _FakeTorchPool:
 
 
 class _FakeChannel:
-    """session.channel.call: the reply and the descriptors the daemon grants with it, as
+    """core.channel.call: the reply and the descriptors the daemon grants with it, as
     the fd channel passes them (copies: the daemon keeps its own)."""
 
     def __init__(self, h: Harness, s: Session) -> None:
@@ -553,14 +553,14 @@ class _FakeChannel:
 
 
 class _FakeArena:
-    """What GraphPool uses of gpumem.Arena: name, address, torch_pool(), session.call,
-    session.channel."""
+    """What GraphPool uses of gpumem.Arena: name, address, torch_pool(), and of the
+    session's core: call, channel, backend, borrow_pools."""
 
     def __init__(self, h: Harness, s: Session, name: str) -> None:
         self.name = name
         self.address = h.state.arenas.by_name[name].address
         self.pool = _FakeTorchPool()
-        self.session = self
+        self.core = self
         self.channel = _FakeChannel(h, s)
         self.backend = "host"
         self.is_owner = True

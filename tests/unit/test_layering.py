@@ -1,7 +1,8 @@
 """The import graph the architecture promises (docs/architecture.md): the shared package
-imports neither side, the daemon and the client never import each other, and inside the
-daemon no book imports one above it. Read from the source with ast, so a lazy import
-inside a function counts too."""
+imports neither side, the daemon and the client never import each other, inside the
+daemon no book imports one above it, and inside the client nothing below the Session
+facade imports it. Read from the source with ast, so a lazy import inside a function
+counts too."""
 
 from __future__ import annotations
 
@@ -23,8 +24,22 @@ DAEMON_LAYERS = [
 
 def imports(path: Path) -> set[str]:
     """Absolute module names imported anywhere in ``path``."""
+    return imported_names(ast.parse(path.read_text(), str(path)))
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """``imports`` less those under ``if TYPE_CHECKING:``, which never run; an import
+    inside a function runs when the function does, so it counts."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            node.body = []
+    return imported_names(tree)
+
+
+def imported_names(tree: ast.AST) -> set[str]:
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -58,3 +73,47 @@ def test_no_daemon_book_imports_one_above_it() -> None:
             parts = imported.split(".")
             if parts[0] == "gpumemd" and len(parts) > 1 and parts[1] in DAEMON_LAYERS:
                 assert DAEMON_LAYERS.index(parts[1]) < level, f"{name} imports {imported}, which sits above it"
+
+
+# The client bottom up, by module (a package by its folder): a module may import at run
+# time only modules before it. ``session`` is the facade: everything below it holds the
+# session's core (gpumem.core), and names Session only under ``if TYPE_CHECKING:``.
+CLIENT_LAYERS = [
+    "errors", "views", "discovery", "control", "channel", "allocator", "torch_support", "capture_routing", "elastic",
+    "address_slices", "graph_pools", "leases", "core", "arena", "borrow", "kv_pool", "paged_kv",
+    "session",
+    "leased_graph", "engine", "integrations", "ctl", "__init__",
+]
+
+
+def client_layer(module: str) -> str:
+    """The layer of a client module: a package's modules sit at its folder's
+    (``gpumem.integrations.nanovllm``: ``integrations``), gpumemctl's ``ctl_*`` parts at
+    ``ctl``'s."""
+    name = module.split(".")[1]
+    return "ctl" if name.startswith("ctl_") else name
+
+
+def test_every_client_module_has_a_layer() -> None:
+    assert {client_layer(name) for name in modules("gpumem")} == set(CLIENT_LAYERS)
+
+
+def test_nothing_below_the_client_facade_imports_one_above_it_at_run_time() -> None:
+    for name, path in modules("gpumem").items():
+        layer = client_layer(name)
+        for imported in runtime_imports(path):
+            if imported.split(".")[0] != "gpumem" or "." not in imported or client_layer(imported) == layer:
+                continue
+            assert CLIENT_LAYERS.index(client_layer(imported)) < CLIENT_LAYERS.index(layer), f"{name} imports {imported}, which sits above it"
+
+
+def test_runtime_imports_leave_out_type_checking_blocks_only(tmp_path: Path) -> None:
+    source = tmp_path / "module.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from gpumem.session import Session\n"
+        "def later() -> None:\n    from gpumem.engine import EngineMemory\n"
+    )
+    assert {"gpumem.engine", "gpumem.engine.EngineMemory"} <= runtime_imports(source)
+    assert not any(name.startswith("gpumem.session") for name in runtime_imports(source))
+    assert "gpumem.session" in imports(source)

@@ -57,7 +57,7 @@ def enable(name: str, **options: Any) -> None:
         self._gpumem = mem = EngineMemory(s.name, s.device, runtime_dir=s.runtime_dir)
         with mem.running():
             init(self, config, rank, event)
-        config.gpumem_round = mem.kv_commit(headroom_bytes=s.headroom_bytes, min_blocks=s.min_blocks, weight=s.weight, wait=False)
+        config.gpumem_round = mem.start_kv_commit(headroom_bytes=s.headroom_bytes, min_blocks=s.min_blocks, weight=s.weight)
         if s.borrow_sampler:
             sampler = self.sampler
             self.sampler = lambda logits, *a, **k: mem.borrowed(sampler, logits, *a, need_bytes=4 * logits.numel(), **k)
