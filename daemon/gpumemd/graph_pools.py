@@ -303,10 +303,10 @@ class GraphPoolBook:
             self._repaired(pool, "escape mark", f"{named}, not {self._named(mark, pool) if mark else 'no session'}")
             segment.set_escaped(mark)
         found = segment.handoff()
-        handoff = found & ~lease_table.HANDOFF_RECORDING  # a user still recording its event is one
-        if found and handoff not in users:
-            self._repaired(pool, "handoff", self._named(handoff, pool))
-            segment.forget_handoff(handoff)
+        releaser = lease_table.handoff_session(found)  # a user still recording its event is one
+        if found and releaser not in users and segment.clear_handoff(found):
+            named = f"{found:#x}, which is no session" if releaser is None else self._named(releaser, pool)
+            self._repaired(pool, "handoff", named)
         word = segment.peek()
         if not word:
             return

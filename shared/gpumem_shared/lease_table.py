@@ -35,6 +35,9 @@ LABEL_BYTES: Final[int] = _native.LEASE_LABEL_BYTES
 # In a slot's handoff field: its releaser freed the slot and is still recording its
 # event; a taker waits up to RECORD_WAIT_NS for the record to land.
 HANDOFF_RECORDING: Final[int] = _native.LEASE_HANDOFF_RECORDING
+# The session bits of a handoff; a handoff with a bit outside these and RECORDING names
+# nobody (see handoff_session).
+HANDOFF_SESSION: Final[int] = _native.LEASE_HANDOFF_SESSION
 RECORD_WAIT_NS: Final[int] = _native.LEASE_RECORD_WAIT_NS
 
 # The name a segment's memfd carries (and /proc/PID/maps shows), before the pool's id.
@@ -96,6 +99,14 @@ def word_session(session_id: int) -> int:
     """A session id as lease words and slot fields carry it: its low 24 bits (the daemon
     never hands out two live sessions, nor any session, whose 24 bits collide or are 0)."""
     return session_id & 0xFFFFFF
+
+
+def handoff_session(handoff: int) -> int | None:
+    """The 24-bit session a handoff field names (0: none), recording or not; None when
+    it is no handoff at all (bits set outside the session and the recording mark)."""
+    if handoff & ~(HANDOFF_RECORDING | HANDOFF_SESSION):
+        return None
+    return handoff & HANDOFF_SESSION
 
 
 def encode(kind: int, session: int, pid: int) -> int:
@@ -251,6 +262,10 @@ class LeaseSegment:
         """If ``session`` released last, forget it: its IPC event is gone, or it may no
         longer use the pool."""
         _native.lease_forget_handoff(self.address, word_session(session))
+
+    def clear_handoff(self, seen: int) -> bool:
+        """The daemon's repair: clear the handoff if it still holds ``seen``."""
+        return _native.lease_clear_handoff(self.address, seen) == LeaseStatus.OK
 
     def peek(self) -> int:
         return _native.lease_peek(self.address)

@@ -122,6 +122,28 @@ def test_a_sharer_that_let_go_of_the_arena_and_scribbles_is_repaired_within_a_ti
     assert (header[-1], private_row[-1], shared_row[0], shared_row[-1]) == ("REPAIRS", "0", str(pool), "3"), extents
 
 
+def test_a_garbage_handoff_holds_no_taker_and_is_cleared_once(daemon, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """A sharer writes the recording mark plus bits no handoff has: no taker waits for a
+    record nobody makes, and gpumemd clears the field once (one warning, not one a tick)."""
+    o, _, pool = owner_with_pools(run_client, "sharer-s")
+    sharer = shell(run_client, "sharer-s")
+    ask(sharer, f"attach {ARENA}")
+    ask(sharer, f"open {pool}")
+    assert ask(sharer, f"scribble {pool} handoff ff000001") == ""
+    assert ask(o, f"lease replay {pool} 0 at-once") == "replay", "the owner waited for a recording mark nobody can clear"
+    assert ask(o, f"unlease {pool}") == ""
+    assert ask(sharer, f"scribble {pool} handoff ff000001") == ""
+    deadline = time.monotonic() + 2.0
+    while json.loads(ask(o, f"peek {pool}"))["handoff"] == 0xFF000001:
+        assert time.monotonic() < deadline, f"graph pool {pool}'s handoff not cleared within a tick"
+        time.sleep(0.01)
+    assert ask(sharer, f"lease replay {pool} 0 after-the-repair") == "replay"
+    assert ask(sharer, f"unlease {pool}") == ""
+    time.sleep(0.5)  # a few more ticks: none may warn again
+    log = [line for line in daemon.log().splitlines() if f"graph pool {pool} ('decode')" in line and "repaired" in line]
+    assert len(log) == 1 and "its lease slot's handoff held 0xff000001, which is no session" in log[0], daemon.log()
+
+
 def test_descriptors_a_caller_does_not_take_are_closed(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
     """``session.call`` returns the body only: the lease segment a registration or an open
     brings is closed, not left open in the client for each pool."""
