@@ -166,11 +166,13 @@ class LeaseSegment:
     mapping lives as long as this object, so whatever may still call them (a pool, a
     held lease) keeps a reference to it."""
 
-    __slots__ = ("_slot", "address")
+    __slots__ = ("_slot", "address", "inode")
 
     def __init__(self, fd: int) -> None:
         self.address: int = 0  # until mapped: what close() finds if this fails
-        size = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        self.inode = stat.st_ino
+        size = stat.st_size
         if size != SEGMENT_BYTES:
             raise ValueError(f"a lease segment is {SEGMENT_BYTES} bytes, this fd has {size}")
         address = _mmap(None, SEGMENT_BYTES, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
@@ -192,6 +194,21 @@ class LeaseSegment:
         except BaseException:
             os.close(fd)
             raise
+
+    def adopt(self, old: LeaseSegment, word: int, handoff: int) -> None:
+        """The daemon, on a segment it just created and granted to nobody yet: carry over
+        ``old``'s lease ``word`` (with its holder's time and label), ``handoff`` and
+        release count, for the pool that moves here."""
+        slot, before = self._slot, old._slot
+        slot.futex = before.futex
+        slot.handoff = handoff
+        if word:
+            slot.since_ns, slot.label = before.since_ns, before.label
+            slot.word = word
+
+    def same_memory(self, other: LeaseSegment) -> bool:
+        """Whether both map one segment (one memfd)."""
+        return self.inode == other.inode
 
     def try_acquire(self, word: int, epoch: int, label: bytes) -> int:
         """One attempt, no wait, the label recorded: the uncontended fast path (one

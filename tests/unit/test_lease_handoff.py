@@ -23,7 +23,7 @@ from gpumem_shared.protocol import ErrorCode
 from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, GiB, Harness, MiB
-from .test_lease_table import Pool, Waiter, fresh_segment, granted, repairs, wait_until_sleeping
+from .test_lease_table import Pool, Waiter, follow, fresh_segment, granted, repairs, wait_until_sleeping
 
 EPOCH = lease_table.lease_epoch(3, 1)
 ARENA = "graphs"
@@ -709,6 +709,9 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
     hand_over(two, c)
     h.ok(b, p.ReportEscape(pool_id=two.id, escaped=True))
     h.state.close_session(b.id)
+    assert fields(one)[1:] == (0, word_session(c.id)) and fields(two)[1:] == (word_session(c.id), 0), "forgotten before the move"
+    follow(h, s, one)
+    follow(h, s, two)
     assert fields(one) == (LeaseFlag.SHARED, 0, word_session(c.id))
     assert fields(two) == (LeaseFlag.SHARED, word_session(c.id), 0)
     # b's event died with it: nobody is told to wait on it, and its mark guards nothing.
@@ -718,6 +721,8 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
     assert two.segment.acquire(replay, two.epoch, 0) == (LeaseStatus.OK_ORDER, 0)  # after c, which lives
     assert two.segment.release_recorded(replay) == LeaseStatus.OK
     h.state.close_session(c.id)
+    follow(h, s, one)
+    follow(h, s, two)
     assert fields(one) == (LeaseFlag.SHARED, 0, 0)
     assert fields(two) == (LeaseFlag.SHARED, word_session(s.id), 0)
     assert one.segment.acquire(replay, one.epoch, 0) == (LeaseStatus.OK, 0)

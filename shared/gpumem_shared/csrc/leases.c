@@ -146,6 +146,9 @@ int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_
             continue; /* lost the race: look again */
         }
         *holder = seen;
+        /* A retired segment stays retired whatever its word says: a pool that moved to a
+         * fresh segment leaves the old one to a former user, who may write any word there. */
+        if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
         int64_t left = deadline - now_ns(CLOCK_MONOTONIC);
         if (timeout_ns <= 0 || left <= 0) return LEASE_HELD;
         if (!spun) {
