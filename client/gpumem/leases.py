@@ -459,7 +459,8 @@ class Lease:
                 status = _native.lease_release_ordered(self.address, self._word, owner.context, event, stream)
             if status != LeaseStatus.OK and self.segment.epoch() == 0 and owner.release_moved(self):
                 status = LeaseStatus.OK  # the pool moved while held: given back where it went
-            self._let_go()
+            if owner.holding.get(self.pool_id) is self:
+                del owner.holding[self.pool_id]
         else:
             status = owner.try_release(self.address, self._word)
             if status == _RECORD:  # a slot flagged shared behind a private view of the pool
