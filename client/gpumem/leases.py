@@ -190,11 +190,11 @@ class SessionLeases:
     def moved_segment(self, pool_id: int) -> LeaseSegment | None:
         """Graph pool ``pool_id``'s lease segment now (a new mapping): gpumemd moves a
         shared pool to a fresh segment when one of its users loses its right (that user
-        keeps its mapping of the old one, which gpumem retires). None when the pool is
-        gone, or this session may no longer use it."""
+        keeps its mapping of the old one, which gpumemd retires). None when the pool is
+        gone; PermissionDenied when this session may no longer use it."""
         try:
             reply, fds = self._channel.call(p.OpenGraphPool(pool_id=pool_id))
-        except (NotFound, PermissionDenied):
+        except NotFound:
             return None
         return granted_segment(reply, fds)
 
@@ -219,7 +219,10 @@ class SessionLeases:
         """Give back ``lease``, held while its pool moved to a fresh segment: gpumemd carried
         it over there, and freed the old slot. Recorded for the next holder as any shared
         release is. False when the pool is gone, or the lease no longer held there."""
-        segment = self.moved_segment(lease.pool_id)
+        try:
+            segment = self.moved_segment(lease.pool_id)
+        except PermissionDenied:
+            return False  # this session lost its right: its lease was swept with it
         if segment is None:
             return False
         try:

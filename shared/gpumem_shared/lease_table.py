@@ -3,7 +3,9 @@
 A segment is a sealed memfd of one page that the daemon creates when the pool is
 registered and hands only to the sessions allowed to use the pool: its owner, and the
 sessions that open it (a shared pool, its arena attached). A session that may not use a
-pool never receives its segment, so it holds no mapping of the pool's lease words.
+pool never receives its segment, so it holds no mapping of the pool's lease words; one
+that loses its right keeps its mapping, so the pool then moves to a fresh segment and
+the old one is retired (epoch 0), reaching nobody who may still use the pool.
 
 The word of a free slot is 0; a held slot's word is ``kind << 56 | session << 32 |
 pid``. Clients take and give back leases with the native module's compare-and-swap and

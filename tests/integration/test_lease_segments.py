@@ -139,6 +139,8 @@ def test_a_sharer_that_let_go_of_the_arena_cannot_wedge_the_owner_through_the_ma
     session = lease_table.word_session(me["session_id"])
     ask(sharer, f"release {ARENA}")
     assert segments(sharer) == {"mapped": [pool], "fds": []}, "a hostile client keeps its mapping"
+    r = json.loads(ask(sharer, f"errinfo lease replay {pool} 0 after-letting-go"))
+    assert r.get("error") == "PermissionDenied" and f"arena '{ARENA}'" in r["message"], r
     forged = {"word": lease_table.encode(LeaseKind.REPLAY, session, me["pid"]), "handoff": session | lease_table.HANDOFF_RECORDING, "escaped": session}
     for field, value in forged.items():
         assert ask(sharer, f"scribble {pool} {field} {value:x}") == ""
