@@ -289,6 +289,7 @@ class GraphPoolBook:
             old.clear(word)
         os.close(pool.segment_fd)
         pool.segment, pool.segment_fd = segment, fd
+        pool.segment_moves += 1
         old.close()
         log.info("graph pool %d ('%s'): moved to a fresh lease segment, session %d having lost its right", pool.id, pool.label, leaver)
 

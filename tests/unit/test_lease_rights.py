@@ -11,16 +11,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus
+from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.protocol import ErrorCode
+from gpumemd.durable import Durable
+from gpumemd.image import lease_name
 from gpumemd.records import SessionRecord as Session
+from gpumemd.state import DaemonState
 
-from .harness import GiB, Harness, MiB
+from .harness import CAPACITY, Clock, GiB, Harness, MiB
+from .test_durable import FakeStore
 from .test_lease_handoff import opens, owner, register, sharer
 from .test_lease_table import Pool, follow, give_back, granted, repairs
 
@@ -213,3 +219,38 @@ def test_every_open_grants_the_segment_and_a_second_arena_needs_its_own_open(h: 
     h.ok(b, p.ReleaseArena(name="other"))
     h.refused(b, p.OpenGraphPool(pool_id=there_id), ErrorCode.PERMISSION_DENIED)
     assert h.state.graph_pools.by_id[here.id].users == {s.id, b.id}, "letting go of one arena leaves the other's pools"
+
+
+def test_a_restart_after_a_move_rebuilds_the_pool_on_the_segment_its_users_follow(make_harness: Callable[..., Harness]) -> None:
+    """The store keeps descriptors by name: had the moved pool kept its segment's name, a
+    restart would bring back the retired segment, the one the former user still maps."""
+    h = make_harness()
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    s = owner(h)
+    b = sharer(h, s, "b")
+    pool = register(h, s, 0, "decode", True)
+    kept = reaches(h, b, pool)
+    first.persist(h.state)
+    h.ok(b, p.ReleaseArena(name=ARENA))
+    first.persist(h.state)
+    followed = reaches(h, s, pool)
+    h.state.arenas.close()  # the daemon dies; the next one rebuilds from the store
+
+    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
+    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again.state, store.passed())
+    rebuilt = again.state.graph_pools.by_id[pool.id].segment
+    assert rebuilt.same_memory(followed) and not rebuilt.same_memory(kept)
+    kept._slot.word = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)  # b's old mapping reaches nothing still
+    again.state.tick()
+    assert rebuilt.peek() == 0 and rebuilt.epoch() == pool.epoch
+    assert lease_name(pool.id) not in store.held and lease_name(pool.id, 1) in store.held, "the retired segment stays stored"
+    for segment in (kept, followed):
+        segment.close()
+    again.state.drop_all()
+    first.close()
+    second.close()
+    store.drop()
