@@ -162,11 +162,20 @@ def test_a_lease_held_while_a_sharer_leaves_stays_exclusive_and_is_given_back(da
         ask(c, f"attach {ARENA}")
         ask(c, f"open {pool}")
     assert ask(o, f"lease replay {pool} 0 across-the-move") == "replay"
+    staying.send(f"lease borrow {pool} 30 asleep-across-the-move")
+    deadline = time.monotonic() + 10
+    while json.loads(ask(o, f"peek {pool}"))["waiters"] < 1:
+        assert time.monotonic() < deadline, "the borrower never slept on the slot"
+        time.sleep(0.01)
     ask(leaving, f"release {ARENA}")
-    r = json.loads(ask(staying, f"errinfo lease borrow {pool} 0 while-captured"))
-    assert r.get("error") == "LeaseConflict" and r["detail"]["holder"] == "owner-o", r
-    assert ask(o, f"unlease {pool}") == "", "the capture lease was given back where the pool went"
-    assert ask(staying, f"lease borrow {pool} 5 after-the-capture") == "borrow"
+    [held] = json.loads(ctl(runtime_dir, "status", "--json"))["leases"]
+    assert (held["holder"], held["kind"], held["label"]) == ("owner-o", "replay", "across-the-move"), held
+    assert ask(o, f"unlease {pool}") == "", "the replay lease was given back where the pool went"
+    out = staying.expect("", timeout=30)
+    assert out == "OK borrow", f"the borrower asleep across the move: {out!r}"
+    assert ask(staying, f"unlease {pool}") == ""
+    r = json.loads(ask(staying, f"errinfo lease borrow {pool} 0 again"))
+    assert r == {"result": "borrow"}, r
     assert ask(staying, f"unlease {pool}") == ""
 
 
