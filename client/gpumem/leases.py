@@ -384,7 +384,8 @@ class Lease:
                 continue
             if status == LeaseStatus.STALE:
                 follows += 1  # each move is a user losing its right: a handful at most in one wait
-                if follows <= _FOLLOWS and segment.epoch() == 0 and owner.follow(pool):
+                # Another thread may have followed the pool already.
+                if follows <= _FOLLOWS and segment.epoch() == 0 and (pool.segment is not segment or owner.follow(pool)):
                     segment = lease.segment = pool.segment
                     address = lease.address = segment.address
                     continue
