@@ -121,8 +121,9 @@ class SessionLeases:
         self._word_session = lease_table.word_session(session_id)
         self._daemon_key = daemon_key
         self._peer_events: dict[tuple[int, int], Any] = {}  # by (pool id, 24-bit session), once opened
-        # The lease this session holds on each shared pool (one at most: the slot is
-        # exclusive). A word of ours in a pool's slot that none of these holds was forged.
+        # The lease this session took last on each shared pool: the only one of ours that
+        # may still hold it (the slot is exclusive). A word of ours in a pool's slot while
+        # that lease is not held was forged.
         self.holding: dict[int, Lease] = {}
 
     def _call(self, message: p.RequestMessage) -> Any:
@@ -211,7 +212,8 @@ class SessionLeases:
             return False
         pool.segment = segment
         word = segment.peek()
-        if word in self.words.values() and pool.id not in self.holding:
+        last = self.holding.get(pool.id)
+        if word in self.words.values() and (last is None or not last.held):
             segment.clear(word)
         return True
 
@@ -320,8 +322,8 @@ class Lease:
         self.held = held
         self.stream = stream  # None: the current stream when it matters (a shared pool)
         self.shared: bool = pool.shared
-        if held and self.shared:
-            owner.holding[self.pool_id] = self
+        if held and pool.shared:
+            owner.holding[pool.id] = self
 
     @classmethod
     def acquire(
@@ -434,15 +436,10 @@ class Lease:
         try:
             self.owner.wait_for_handoff(self.pool_id, self.segment, self._stream(), lease_table.KIND_NAMES[self.kind])
         except BaseException:
-            self._let_go()
+            self.held = False
             self.segment.clear(self._word)
             raise
         return self
-
-    def _let_go(self) -> None:
-        self.held = False
-        if self.owner.holding.get(self.pool_id) is self:
-            del self.owner.holding[self.pool_id]
 
     def _stream(self) -> int:
         return current_stream(self.owner.device_ordinal) if self.stream is None else self.stream
@@ -461,10 +458,8 @@ class Lease:
                 status = owner.release_shared(self.pool_id, self.address, self._word, stream)
             else:
                 status = _native.lease_release_ordered(self.address, self._word, owner.context, event, stream)
-            if status != LeaseStatus.OK and self.segment.epoch() == 0 and owner.release_moved(self):
-                status = LeaseStatus.OK  # the pool moved while held: given back where it went
-            if owner.holding.get(self.pool_id) is self:
-                del owner.holding[self.pool_id]
+            if status and self.segment.epoch() == 0 and owner.release_moved(self):
+                status = 0  # the pool moved while held: given back where it went
         else:
             status = owner.try_release(self.address, self._word)
             if status == _RECORD:  # a slot flagged shared behind a private view of the pool
