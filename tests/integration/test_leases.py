@@ -436,3 +436,23 @@ def test_gpumemctl_status_json_shows_a_held_lease(owner: Owner, contender: Any, 
     assert "borrower-a" in text and "EAGLE-probability-borrow" in text
     assert ask(a, f"unlease {pool.id}") == ""
     assert json.loads(ctl(runtime_dir, "status", "--json"))["leases"] == []
+
+
+def test_our_own_lease_carried_across_a_move_is_not_taken_for_a_forgery(owner: Owner, contender: Any) -> None:
+    """A sharer leaving moves the pool while one thread of ours holds a replay: another
+    thread of ours that follows the pool finds our word there and must leave it (it is
+    held), then take the pool once the replay is given back where the pool went."""
+    pool = owner.register()
+    leaving = contender("leaving-l")
+    ask(leaving, f"open {pool.id}")
+    old = pool.segment
+    replaying = owner.session.replay(pool, label="across-the-move")
+    ask(leaving, f"release {ARENA}")
+    with pytest.raises(gpumem.LeaseConflict) as refused_:
+        gpumem.Lease.acquire(owner.session.leasing, pool, LeaseKind.BORROW, "the-other-thread", 0.0)
+    assert "'across-the-move'" in str(refused_.value), refused_.value
+    assert not pool.segment.same_memory(old), "the refused take followed the pool"
+    replaying.release()
+    with gpumem.Lease.acquire(owner.session.leasing, pool, LeaseKind.BORROW, "the-other-thread", 0.0):
+        assert pool.segment.holder().label == "the-other-thread"  # type: ignore[union-attr]
+    assert status(owner.session.endpoints.runtime_dir)["leases"] == []
