@@ -34,7 +34,8 @@ from gpumem_shared import _native, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
 from gpumem_shared.lease_table import LeaseSegment, LeaseStatus
-from gpumem.errors import BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, StaleEpoch
+from gpumem.errors import BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, PermissionDenied, StaleEpoch
+from gpumem.graph_pools import granted_segment
 
 if TYPE_CHECKING:
     from gpumem.borrow import BorrowPool
@@ -49,6 +50,10 @@ _TAKEN = (LeaseStatus.OK, LeaseStatus.OK_ORDER, LeaseStatus.OK_WAITED)
 # While a slot holds an impossible value, waiters retry this often: the daemon clears
 # such a slot on its next tick.
 _CORRUPT_RETRY_S = 0.01
+
+# Moves of a pool to a fresh lease segment one acquire follows before it calls the pool
+# stale (each move is one of the pool's users losing its right).
+_FOLLOWS = 8
 
 # IPC events this process's sessions record at lease handoffs, by (daemon, pool id,
 # 24-bit session): a taker from another session of this process waits on them directly
@@ -127,6 +132,10 @@ class SessionLeases:
         self._word_session = lease_table.word_session(session_id)
         self._daemon_key = daemon_key
         self._peer_events: dict[tuple[int, int], Any] = {}  # by (pool id, 24-bit session), once opened
+        # The lease this session took last on each shared pool: the only one of ours that
+        # may still hold it (the slot is exclusive). A word of ours in a pool's slot while
+        # that lease is not held was forged.
+        self.holding: dict[int, Lease] = {}
 
     def _call(self, message: p.RequestMessage) -> Any:
         return self._channel.call(message)[0]
@@ -187,6 +196,52 @@ class SessionLeases:
         self._driver.stream_wait(event, stream)
         self.waits_on(pool_id)[peer] = self._driver.native_event(event)
         self.handoff_waits += 1
+
+    # ------------------------------------------------------------------ moved segments
+
+    def moved_segment(self, pool_id: int) -> LeaseSegment | None:
+        """Graph pool ``pool_id``'s lease segment now (a new mapping): gpumemd moves a
+        shared pool to a fresh segment when one of its users loses its right (that user
+        keeps its mapping of the old one, which gpumemd retires). None when the pool is
+        gone; PermissionDenied when this session may no longer use it."""
+        try:
+            reply, fds = self._channel.call(p.OpenGraphPool(pool_id=pool_id))
+        except NotFound:
+            return None
+        return granted_segment(reply, fds)
+
+    def follow(self, pool: Any) -> bool:
+        """``pool.segment`` was found retired: map the segment the pool moved to. A word
+        of this session there that no lease of ours holds was written in our name by the
+        user that lost its right (before it did); it goes. False when the pool did not
+        move (it was retired, or the segment was written over: the daemon repairs it)."""
+        segment = self.moved_segment(pool.id)
+        if segment is None:
+            return False
+        if segment.same_memory(pool.segment):
+            segment.close()
+            return False
+        pool.segment = segment
+        word = segment.peek()
+        last = self.holding.get(pool.id)
+        if word in self.words.values() and (last is None or not last.held):
+            segment.clear(word)
+        return True
+
+    def release_moved(self, lease: Lease) -> bool:
+        """Give back ``lease``, held while its pool moved to a fresh segment: gpumemd carried
+        it over there, and freed the old slot. Recorded for the next holder as any shared
+        release is. False when the pool is gone, or the lease no longer held there."""
+        try:
+            segment = self.moved_segment(lease.pool_id)
+        except PermissionDenied:
+            return False  # this session lost its right: its lease was swept with it
+        if segment is None:
+            return False
+        try:
+            return self.release_shared(lease.pool_id, segment.address, lease._word, lease._stream()) == LeaseStatus.OK
+        finally:
+            segment.close()
 
     # ------------------------------------------------------------------ escapes
 
@@ -266,16 +321,20 @@ class SessionLeases:
 class Lease:
     __slots__ = ("owner", "pool_id", "segment", "address", "kind", "_word", "held", "stream", "shared")
 
-    def __init__(self, owner: SessionLeases, pool: LeasePool, segment: LeaseSegment, kind: int, word: int, stream: int | None) -> None:
+    def __init__(
+        self, owner: SessionLeases, pool: LeasePool, segment: LeaseSegment, kind: int, word: int, stream: int | None, held: bool = True
+    ) -> None:
         self.owner = owner
         self.pool_id: int = pool.id
         self.segment = segment  # kept mapped while the lease lives, whatever becomes of the pool object
         self.address = segment.address
         self.kind = kind
         self._word = word
-        self.held = True
+        self.held = held
         self.stream = stream  # None: the current stream when it matters (a shared pool)
         self.shared: bool = pool.shared
+        if held and pool.shared:
+            owner.holding[pool.id] = self
 
     @classmethod
     def acquire(
@@ -332,9 +391,9 @@ class Lease:
         # Built before the wait: a waiter woken by a release runs on a core that slept,
         # where each line of Python costs several times its warm cost, and every line
         # between the wake and the return is on the handoff's path.
-        lease = cls(owner, pool, segment, kind, word, stream)
-        lease.held = False
+        lease = cls(owner, pool, segment, kind, word, stream, held=False)
         address = segment.address
+        follows = 0
         while True:
             if status == _RECORDING and time.monotonic() >= deadline:  # else try again: the daemon may clear the mark
                 raise owner.record_late(pool.id, segment, f"{lease_table.KIND_NAMES[kind]} lease '{label}'")
@@ -352,10 +411,18 @@ class Lease:
                 status, found = _native.lease_acquire_ordered(address, word, epoch, timeout_ns, encoded, *order)
             if status in _TAKEN:
                 lease.held = True
+                if lease.shared:
+                    owner.holding[pool.id] = lease
                 return lease._ordered(status)
             if status == LeaseStatus.ESCAPED or status == _RECORDING:
                 continue
             if status == LeaseStatus.STALE:
+                follows += 1  # each move is a user losing its right: a handful at most in one wait
+                # Another thread may have followed the pool already.
+                if follows <= _FOLLOWS and segment.epoch() == 0 and (pool.segment is not segment or owner.follow(pool)):
+                    segment = lease.segment = pool.segment
+                    address = lease.address = segment.address
+                    continue
                 raise StaleEpoch(
                     f"graph pool {pool.id} changed since this view of it (epoch {pool.epoch}): it was recaptured or "
                     "retired; refresh it (GraphPool.refresh or the daemon's status) and try again"
@@ -423,6 +490,8 @@ class Lease:
                 status = owner.release_shared(self.pool_id, self.address, self._word, stream)
             else:
                 status = _native.lease_release_ordered(self.address, self._word, owner.context, event, stream)
+            if status and self.segment.epoch() == 0 and owner.release_moved(self):
+                status = 0  # the pool moved while held: given back where it went
         else:
             status = owner.try_release(self.address, self._word)
             if status == _RECORD:  # a slot flagged shared behind a private view of the pool

@@ -337,7 +337,7 @@ class _Rebuild:
         arenas.by_name[arena.name] = arena
 
     def _graph_pool(self, gi: GraphPoolImage) -> None:
-        fd = self._take(lease_name(gi.id))
+        fd = self._take(lease_name(gi.id, gi.segment_moves))
         problem = "its lease segment is missing from the fd store" if fd < 0 else ""
         if not problem and gi.arena not in self.state.arenas.by_name:
             problem = f"its arena {gi.arena!r} was not rebuilt"
@@ -356,7 +356,7 @@ class _Rebuild:
             id=gi.id, owner_id=gi.owner_id, owner_name=gi.owner_name, arena=gi.arena, label=gi.label, epoch=gi.epoch,
             extents=list(gi.extents), free_runs=list(gi.free_runs),
             segment=segment, segment_fd=fd, shared=gi.shared, users=set(gi.users), events=dict(gi.events),
-            escapers=set(gi.escapers), lease_repairs=gi.lease_repairs,
+            escapers=set(gi.escapers), lease_repairs=gi.lease_repairs, segment_moves=gi.segment_moves,
         )
 
 

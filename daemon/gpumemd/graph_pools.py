@@ -8,12 +8,14 @@ keeps those sessions per pool (``users``); a session that may not use a pool nev
 receives its segment, so it cannot reach the pool's lease words at all.
 
 A segment is shared memory its users map read-write, and a session that loses its
-right (it lets go of the arena) keeps its mapping. So a segment is not trusted: the
-daemon writes the slot's epoch, flags and escape mark, and every tick repairs, logs and
-counts (``lease_repairs``) what no client could rightly have written there: a word or a
-field naming a session that is not a user, a kind it does not know, daemon-written
-fields that disagree with the registry. A retired pool's segment goes with it, never to
-another pool: a stale view or waiter can only ever see its own pool, retired.
+right (it lets go of the arena, or ends) keeps its mapping, through which it could forge
+any user's word. So the pool then moves to a fresh segment that only the users left
+receive (``_move``), and the old one is retired. Within a segment, the daemon writes
+the slot's epoch, flags and escape mark, and every tick repairs, logs and counts
+(``lease_repairs``) what no client could rightly have written there: a word or a field
+naming a session that is not a user, a kind it does not know, a handoff that is no
+session, daemon-written fields that disagree with the registry. A retired segment is
+never reused, by its pool or another: a stale view or waiter only ever sees it retired.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import bisect
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping
 
 from gpumem_shared import lease_table
@@ -36,6 +39,8 @@ log = logging.getLogger("gpumemd.graph_pools")
 # Graph pools the daemon keeps at once: each holds a lease segment (a memfd and a page
 # mapped here), and no client may make the daemon run out of descriptors.
 MAX_POOLS = 1023
+# How long a move waits for a releaser's event record in flight to land (see _recorded).
+_RECORD_AT_MOVE_S = 0.01
 
 
 def within(spans: list[tuple[int, int]], start: int, end: int) -> bool:
@@ -229,8 +234,8 @@ class GraphPoolBook:
     def forget_user(self, pool: GraphPoolRecord, session_id: int, why: str) -> None:
         """``session_id`` may no longer use the pool (``why``: it ended, or let go of the
         arena): its lease goes, its event and escapes with it, and the slot stops naming
-        it. Its mapping may outlive its right: whatever names it in the slot from now on,
-        the tick repairs."""
+        it. Its mapping may outlive its right: unless it owned the pool (which then goes),
+        the pool moves to a fresh segment that mapping does not reach."""
         if session_id not in pool.users:
             return
         pool.users.discard(session_id)
@@ -247,6 +252,68 @@ class GraphPoolBook:
                 "graph pool %d ('%s'): swept a %s lease of session %d (pid %d), which %s",
                 pool.id, pool.label, lease_table.KIND_NAMES.get(kind, kind), session_id, pid, why,
             )
+        if session_id != pool.owner_id:  # the owner leaving drops the pool
+            self._move(pool, session_id)
+
+    def _move(self, pool: GraphPoolRecord, leaver: int) -> None:
+        """A user lost its right to the pool but keeps its mapping of the segment, and
+        anything it writes there would look rightful (it can forge any user's word): the
+        pool moves to a fresh segment, which only the users left receive, as their next
+        lease on the old one finds it retired (epoch 0). A lease a user holds at the move
+        is carried over (its holder gives it back in the new segment); the old segment is
+        emptied, so its waiters wake to find it retired."""
+        old = pool.segment
+        try:
+            segment, fd = LeaseSegment.create(pool.id)
+        except OSError as exc:
+            log.error(
+                "graph pool %d ('%s'): a fresh lease segment for the users left after session %d failed (%s); the old one "
+                "stays, guarded by the tick's repairs only", pool.id, pool.label, leaver, exc,
+            )
+            return
+        old.set_epoch(0)  # first: a take that lands from now on undoes itself
+        word = old.peek()
+        found = old.handoff()
+        if found & lease_table.HANDOFF_RECORDING:
+            found = self._recorded(old, found)
+        releaser = lease_table.handoff_session(found)
+        segment.adopt(
+            old,
+            word=word if self._rightful(pool, word) else 0,
+            handoff=found if releaser and releaser in self._word_users(pool) else 0,
+        )
+        segment.set_epoch(lease_table.lease_epoch(pool.id, pool.epoch))
+        segment.set_flags(self._flags(pool))
+        segment.set_escaped(self._escape_mark(pool))
+        if word:
+            old.clear(word)
+        os.close(pool.segment_fd)
+        pool.segment, pool.segment_fd = segment, fd
+        pool.segment_moves += 1
+        old.close()
+        log.info("graph pool %d ('%s'): moved to a fresh lease segment, session %d having lost its right", pool.id, pool.label, leaver)
+
+    def _word_users(self, pool: GraphPoolRecord) -> set[int]:
+        return {lease_table.word_session(sid) for sid in pool.users}
+
+    def _rightful(self, pool: GraphPoolRecord, word: int) -> bool:
+        """Whether ``word`` could be a lease a user holds: a kind that exists, a user's
+        session, and that session's own pid (the kernel's, from its socket)."""
+        kind, session, pid = lease_table.decode(word)
+        if kind not in lease_table.KIND_NAMES:
+            return False
+        return any(lease_table.word_session(sid) == session and self.sessions[sid].pid == pid for sid in pool.users if sid in self.sessions)
+
+    @staticmethod
+    def _recorded(segment: LeaseSegment, found: int) -> int:
+        """The handoff once its releaser's record landed: a record takes microseconds, so
+        this waits briefly. A releaser stopped mid-record is then named as recorded, and
+        the next holder orders after its event's previous record (one handoff's order)."""
+        deadline = time.monotonic() + _RECORD_AT_MOVE_S
+        while found & lease_table.HANDOFF_RECORDING and time.monotonic() < deadline:
+            time.sleep(0.0001)
+            found = segment.handoff()
+        return found & ~lease_table.HANDOFF_RECORDING
 
     def drop(self, pool: GraphPoolRecord) -> None:
         """Forget the pool and its segment: a holder is swept, and waiters wake to find
@@ -288,7 +355,7 @@ class GraphPoolBook:
 
     def _repair(self, pool: GraphPoolRecord) -> None:
         segment = pool.segment
-        users = {lease_table.word_session(sid) for sid in pool.users}
+        users = self._word_users(pool)
         epoch = lease_table.lease_epoch(pool.id, pool.epoch)
         if segment.epoch() != epoch:
             self._repaired(pool, "epoch", f"{segment.epoch():#x}, not {epoch:#x}")
@@ -303,10 +370,10 @@ class GraphPoolBook:
             self._repaired(pool, "escape mark", f"{named}, not {self._named(mark, pool) if mark else 'no session'}")
             segment.set_escaped(mark)
         found = segment.handoff()
-        handoff = found & ~lease_table.HANDOFF_RECORDING  # a user still recording its event is one
-        if found and handoff not in users:
-            self._repaired(pool, "handoff", self._named(handoff, pool))
-            segment.forget_handoff(handoff)
+        releaser = lease_table.handoff_session(found)  # a user still recording its event is one
+        if found and releaser not in users and segment.clear_handoff(found):
+            named = f"{found:#x}, which is no session" if releaser is None else self._named(releaser, pool)
+            self._repaired(pool, "handoff", named)
         word = segment.peek()
         if not word:
             return

@@ -21,8 +21,10 @@ def chunk_name(chunk_id: int) -> str:
     return f"chunk-{chunk_id}"
 
 
-def lease_name(pool_id: int) -> str:
-    return f"lease-{pool_id}"
+def lease_name(pool_id: int, moves: int = 0) -> str:
+    """A pool's lease segment in the store: a new name each time the pool moves to a fresh
+    segment, so that the store takes the new one and lets go of the retired one."""
+    return f"lease-{pool_id}.{moves}" if moves else f"lease-{pool_id}"
 
 
 class _Image(msgspec.Struct, array_like=True):
@@ -90,6 +92,7 @@ class GraphPoolImage(_Image):
     events: dict[int, bytes]
     escapers: list[int]
     lease_repairs: int
+    segment_moves: int = 0
 
 
 class KvPoolImage(_Image):
@@ -183,11 +186,11 @@ def capture(state: DaemonState) -> tuple[bytes, dict[str, int]]:
         )
     pools = []
     for g in state.graph_pools.by_id.values():
-        fds[lease_name(g.id)] = g.segment_fd
+        fds[lease_name(g.id, g.segment_moves)] = g.segment_fd
         pools.append(
             GraphPoolImage(
                 g.id, g.owner_id, g.owner_name, g.arena, g.label, g.epoch, g.extents, g.free_runs, g.shared,
-                sorted(g.users), g.events, sorted(g.escapers), g.lease_repairs,
+                sorted(g.users), g.events, sorted(g.escapers), g.lease_repairs, g.segment_moves,
             )
         )
     now = state.clock()

@@ -154,6 +154,7 @@ class GraphPoolRecord:
     events: dict[int, bytes] = dataclasses.field(default_factory=dict)  # session id -> its IPC event handle
     escapers: set[int] = dataclasses.field(default_factory=set)  # sessions with borrowed tensors past their scope
     lease_repairs: int = 0  # fields of its slot the daemon repaired (written by no rightful client)
+    segment_moves: int = 0  # fresh segments it moved to, a user having lost its right (persisted: names the stored fd)
 
     def status(self) -> p.GraphPoolStatus:
         return p.GraphPoolStatus(

@@ -3,7 +3,9 @@
 A segment is a sealed memfd of one page that the daemon creates when the pool is
 registered and hands only to the sessions allowed to use the pool: its owner, and the
 sessions that open it (a shared pool, its arena attached). A session that may not use a
-pool never receives its segment, so it holds no mapping of the pool's lease words.
+pool never receives its segment, so it holds no mapping of the pool's lease words; one
+that loses its right keeps its mapping, so the pool then moves to a fresh segment and
+the old one is retired (epoch 0), reaching nobody who may still use the pool.
 
 The word of a free slot is 0; a held slot's word is ``kind << 56 | session << 32 |
 pid``. Clients take and give back leases with the native module's compare-and-swap and
@@ -35,6 +37,9 @@ LABEL_BYTES: Final[int] = _native.LEASE_LABEL_BYTES
 # In a slot's handoff field: its releaser freed the slot and is still recording its
 # event; a taker waits up to RECORD_WAIT_NS for the record to land.
 HANDOFF_RECORDING: Final[int] = _native.LEASE_HANDOFF_RECORDING
+# The session bits of a handoff; a handoff with a bit outside these and RECORDING names
+# nobody (see handoff_session).
+HANDOFF_SESSION: Final[int] = _native.LEASE_HANDOFF_SESSION
 RECORD_WAIT_NS: Final[int] = _native.LEASE_RECORD_WAIT_NS
 
 # The name a segment's memfd carries (and /proc/PID/maps shows), before the pool's id.
@@ -98,6 +103,14 @@ def word_session(session_id: int) -> int:
     return session_id & 0xFFFFFF
 
 
+def handoff_session(handoff: int) -> int | None:
+    """The 24-bit session a handoff field names (0: none), recording or not; None when
+    it is no handoff at all (bits set outside the session and the recording mark)."""
+    if handoff & ~(HANDOFF_RECORDING | HANDOFF_SESSION):
+        return None
+    return handoff & HANDOFF_SESSION
+
+
 def encode(kind: int, session: int, pid: int) -> int:
     return (kind << 56) | (word_session(session) << 32) | (pid & 0xFFFFFFFF)
 
@@ -155,11 +168,13 @@ class LeaseSegment:
     mapping lives as long as this object, so whatever may still call them (a pool, a
     held lease) keeps a reference to it."""
 
-    __slots__ = ("_slot", "address")
+    __slots__ = ("_slot", "address", "inode")
 
     def __init__(self, fd: int) -> None:
         self.address: int = 0  # until mapped: what close() finds if this fails
-        size = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        self.inode = stat.st_ino
+        size = stat.st_size
         if size != SEGMENT_BYTES:
             raise ValueError(f"a lease segment is {SEGMENT_BYTES} bytes, this fd has {size}")
         address = _mmap(None, SEGMENT_BYTES, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
@@ -181,6 +196,21 @@ class LeaseSegment:
         except BaseException:
             os.close(fd)
             raise
+
+    def adopt(self, old: LeaseSegment, word: int, handoff: int) -> None:
+        """The daemon, on a segment it just created and granted to nobody yet: carry over
+        ``old``'s lease ``word`` (with its holder's time and label), ``handoff`` and
+        release count, for the pool that moves here."""
+        slot, before = self._slot, old._slot
+        slot.futex = before.futex
+        slot.handoff = handoff
+        if word:
+            slot.since_ns, slot.label = before.since_ns, before.label
+            slot.word = word
+
+    def same_memory(self, other: LeaseSegment) -> bool:
+        """Whether both map one segment (one memfd)."""
+        return self.inode == other.inode
 
     def try_acquire(self, word: int, epoch: int, label: bytes) -> int:
         """One attempt, no wait, the label recorded: the uncontended fast path (one
@@ -251,6 +281,10 @@ class LeaseSegment:
         """If ``session`` released last, forget it: its IPC event is gone, or it may no
         longer use the pool."""
         _native.lease_forget_handoff(self.address, word_session(session))
+
+    def clear_handoff(self, seen: int) -> bool:
+        """The daemon's repair: clear the handoff if it still holds ``seen``."""
+        return _native.lease_clear_handoff(self.address, seen) == LeaseStatus.OK
 
     def peek(self) -> int:
         return _native.lease_peek(self.address)

@@ -236,8 +236,9 @@ def test_kill_9_of_a_holder_hands_the_lease_to_a_waiter_in_another_process(owner
     assert answer(b, timeout=15) == "replay"
     took = time.monotonic() - killed
     assert took < 1.0, f"the waiter got the lease {took:.3f}s after the holder's kill -9"
-    h = pool.segment.holder()
-    assert h is not None and h.pid == b.pid and h.kind_name == "replay"
+    # The pool moved to a fresh segment (a user lost its right): the daemon's view of it.
+    [held] = status(owner.session.endpoints.runtime_dir)["leases"]
+    assert (held["pool_id"], held["pid"], held["kind"], held["label"]) == (pool.id, b.pid, "replay", "waiting")
     assert logged(host_daemon, "swept a capture lease"), host_daemon.log()
     assert ask(b, f"unlease {pool.id}") == ""
 
@@ -275,9 +276,11 @@ def test_kill_9_of_a_waiter_leaves_nothing_held(owner: Owner, contender: Any) ->
     owner.wait_waiters(pool)
     b.kill()
     wait_status(owner.session.endpoints.runtime_dir, lambda s: "doomed-waiter" not in [c["name"] for c in s["clients"]], 5, "the waiter's session closed")
-    assert pool.segment.peek() == lease_table.encode(LeaseKind.BORROW, *_ids(a)), "a waiter's death does not touch the holder"
+    # The pool moved to a fresh segment (a user lost its right), the holder's lease with it.
+    [held] = status(owner.session.endpoints.runtime_dir)["leases"]
+    assert (held["pool_id"], held["pid"], held["kind"]) == (pool.id, a.pid, "borrow"), "a waiter's death does not touch the holder"
     assert ask(a, f"unlease {pool.id}") == ""
-    assert pool.segment.peek() == 0
+    assert status(owner.session.endpoints.runtime_dir)["leases"] == []
     start = time.monotonic()
     assert ask(c, f"lease capture {pool.id} 0 next") == "capture"
     assert ask(c, f"unlease {pool.id}") == ""
@@ -433,3 +436,23 @@ def test_gpumemctl_status_json_shows_a_held_lease(owner: Owner, contender: Any, 
     assert "borrower-a" in text and "EAGLE-probability-borrow" in text
     assert ask(a, f"unlease {pool.id}") == ""
     assert json.loads(ctl(runtime_dir, "status", "--json"))["leases"] == []
+
+
+def test_our_own_lease_carried_across_a_move_is_not_taken_for_a_forgery(owner: Owner, contender: Any) -> None:
+    """A sharer leaving moves the pool while one thread of ours holds a replay: another
+    thread of ours that follows the pool finds our word there and must leave it (it is
+    held), then take the pool once the replay is given back where the pool went."""
+    pool = owner.register()
+    leaving = contender("leaving-l")
+    ask(leaving, f"open {pool.id}")
+    old = pool.segment
+    replaying = owner.session.replay(pool, label="across-the-move")
+    ask(leaving, f"release {ARENA}")
+    with pytest.raises(gpumem.LeaseConflict) as refused_:
+        gpumem.Lease.acquire(owner.session.leasing, pool, LeaseKind.BORROW, "the-other-thread", 0.0)
+    assert "'across-the-move'" in str(refused_.value), refused_.value
+    assert not pool.segment.same_memory(old), "the refused take followed the pool"
+    replaying.release()
+    with gpumem.Lease.acquire(owner.session.leasing, pool, LeaseKind.BORROW, "the-other-thread", 0.0):
+        assert pool.segment.holder().label == "the-other-thread"  # type: ignore[union-attr]
+    assert status(owner.session.endpoints.runtime_dir)["leases"] == []

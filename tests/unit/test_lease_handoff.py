@@ -9,6 +9,7 @@ bounded."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from gpumem_shared.protocol import ErrorCode
 from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, GiB, Harness, MiB
-from .test_lease_table import Pool, Waiter, fresh_segment, granted, wait_until_sleeping
+from .test_lease_table import Pool, Waiter, follow, fresh_segment, granted, repairs, wait_until_sleeping
 
 EPOCH = lease_table.lease_epoch(3, 1)
 ARENA = "graphs"
@@ -334,6 +335,27 @@ def test_a_record_that_never_lands_refuses_the_take_after_the_bound(shared: Leas
     assert lease_table.RECORD_WAIT_NS / 1e9 <= time.monotonic() - started < 10
     assert shared.peek() == 0 and shared._slot.futex == futex + 1, "taken, then given back (waking its waiters)"
     assert shared.await_record(0.05) == (LeaseStatus.RECORDING, 1)
+
+
+# Handoffs with bits outside a 24-bit session and the recording mark: what a user that
+# writes garbage leaves there. 0xFF000001 is the report's: the mark, plus bits 24-30.
+GARBAGE_HANDOFFS = (0xFF000001, 0x7F000001, 0x01000000, 0x81000000 | 5)
+
+
+@pytest.mark.parametrize("garbage", GARBAGE_HANDOFFS, ids=hex)
+@pytest.mark.parametrize("take", ORDERED_TAKES.values(), ids=ORDERED_TAKES.keys())
+def test_a_garbage_handoff_names_no_releaser_and_no_taker_waits_for_it(shared: LeaseSegment, take: OrderedTake, garbage: int) -> None:
+    """Its recording mark is set by nobody who will ever clear it: a taker that waited
+    for it would wait out the record bound and be refused, every time."""
+    shared._slot.handoff = garbage
+    started = time.monotonic()
+    assert take(shared, word(LeaseKind.REPLAY, session=2, pid=2002), {1: EVENT, 5: EVENT}) == LeaseStatus.OK
+    assert time.monotonic() - started < lease_table.RECORD_WAIT_NS / 2e9, "the taker waited for a mark nobody can clear"
+    assert shared.await_record(5.0) == (LeaseStatus.OK, 0)
+    assert shared.release_ordered(word(LeaseKind.REPLAY, session=2, pid=2002), NO_CONTEXT, EVENT, STREAM) == LeaseStatus.OK
+    assert shared.handoff() == 2, "the next release names itself again"
+    shared._slot.handoff = garbage
+    assert shared.try_acquire(word(LeaseKind.BORROW, session=3), EPOCH, b"plain") == LeaseStatus.OK
 
 
 def test_the_ordered_release_leaves_no_recording_mark(shared: LeaseSegment) -> None:
@@ -687,6 +709,9 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
     hand_over(two, c)
     h.ok(b, p.ReportEscape(pool_id=two.id, escaped=True))
     h.state.close_session(b.id)
+    assert fields(one)[1:] == (0, word_session(c.id)) and fields(two)[1:] == (word_session(c.id), 0), "forgotten before the move"
+    follow(h, s, one)
+    follow(h, s, two)
     assert fields(one) == (LeaseFlag.SHARED, 0, word_session(c.id))
     assert fields(two) == (LeaseFlag.SHARED, word_session(c.id), 0)
     # b's event died with it: nobody is told to wait on it, and its mark guards nothing.
@@ -696,6 +721,8 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
     assert two.segment.acquire(replay, two.epoch, 0) == (LeaseStatus.OK_ORDER, 0)  # after c, which lives
     assert two.segment.release_recorded(replay) == LeaseStatus.OK
     h.state.close_session(c.id)
+    follow(h, s, one)
+    follow(h, s, two)
     assert fields(one) == (LeaseFlag.SHARED, 0, 0)
     assert fields(two) == (LeaseFlag.SHARED, word_session(s.id), 0)
     assert one.segment.acquire(replay, one.epoch, 0) == (LeaseStatus.OK, 0)
@@ -745,6 +772,26 @@ def test_tick_keeps_a_users_recording_mark_and_clears_anyone_elses(h: Harness) -
     mid_record(shared.segment, b.id)
     h.state.close_session(b.id)  # b exits mid-record: its takers must not wait out the bound
     assert shared.segment.handoff() == 0
+
+
+@pytest.mark.parametrize("garbage", GARBAGE_HANDOFFS, ids=hex)
+def test_tick_clears_a_handoff_with_bits_outside_the_encoding_once(h: Harness, garbage: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Masked, 0xFF000001 read as session 0x7F000001, which no user is, and clearing
+    that session's mark missed it: it stayed for good, and every tick warned again."""
+    s = owner(h)
+    b = sharer(h, s, "b")
+    pool = register(h, s, 0, "shared", True)
+    opens(h, b, pool)
+    pool.segment._slot.handoff = garbage  # b writes it through its mapping
+    with caplog.at_level(logging.WARNING, logger="gpumemd.graph_pools"):
+        for _ in range(3):
+            h.state.tick()
+    assert pool.segment.handoff() == 0
+    assert repairs(h, pool) == 1
+    [line] = [r.getMessage() for r in caplog.records]
+    assert f"its lease slot's handoff held {garbage:#x}, which is no session; repaired" in line, line
+    w = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    assert pool.segment.try_acquire(w, pool.epoch, b"owner") == LeaseStatus.OK
 
 
 def test_a_session_never_gets_the_lease_session_that_means_nobody(h: Harness) -> None:

@@ -1,25 +1,34 @@
 """Who may reach a graph pool's lease slot, and what the daemon does about the rest.
 
 A pool's slot lives in a segment the daemon grants only to the pool's owner and to the
-sessions that open it. A session that loses its right (it lets go of the arena) keeps
-its mapping: whatever it writes there afterwards, and whatever any user writes naming a
-session without the right, the daemon repairs on its next tick, logs and counts."""
+sessions that open it. A session that loses its right (it lets go of the arena, or ends)
+keeps its mapping: the pool moves to a fresh segment that mapping does not reach, and
+the users left follow it. Whatever a user writes naming a session without the right, the
+daemon repairs on its next tick, logs and counts."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
 
 from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
-from gpumem_shared.lease_table import LeaseFlag, LeaseKind, LeaseStatus
+from gpumem_shared.lease_table import LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus
+from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.protocol import ErrorCode
+from gpumemd.durable import Durable
+from gpumemd.image import lease_name
 from gpumemd.records import SessionRecord as Session
+from gpumemd.state import DaemonState
 
-from .harness import GiB, Harness, MiB
+from .harness import CAPACITY, Clock, GiB, Harness, MiB
+from .test_durable import FakeStore
 from .test_lease_handoff import opens, owner, register, sharer
-from .test_lease_table import give_back, repairs
+from .test_lease_table import Pool, follow, give_back, granted, repairs
 
 ARENA = "graphs"
 
@@ -28,37 +37,111 @@ def ws(s: Session) -> int:
     return lease_table.word_session(s.id)
 
 
-def test_a_sharer_that_let_go_of_the_arena_and_scribbles_is_repaired_within_a_tick_and_reported(
-    h: Harness, caplog: pytest.LogCaptureFixture
-) -> None:
+def reaches(h: Harness, s: Session, pool: Pool) -> LeaseSegment:
+    """The segment ``s``'s client maps when it reaches for the pool now (it opens it again
+    once it finds its own mapping's segment retired)."""
+    return granted(h.ok(s, p.OpenGraphPool(pool_id=pool.id)))
+
+
+def test_a_sharer_that_let_go_of_the_arena_cannot_wedge_the_owner_through_its_old_mapping(h: Harness) -> None:
+    """The report's attack: the former sharer writes the owner's own replay word (which a
+    repair cannot tell from the owner's) through the mapping it kept."""
     s = owner(h)
     b = sharer(h, s, "draft-b")
     pool = register(h, s, 0, "decode", True)
-    opens(h, b, pool)
+    kept = reaches(h, b, pool)  # b's own mapping
     h.ok(b, p.ReleaseArena(name=ARENA))
-    # b still maps the segment (a hostile client keeps its mapping) and writes itself in.
-    mine = lease_table.encode(LeaseKind.BORROW, b.id, b.pid)
-    pool.segment._slot.word = mine
-    pool.segment._slot.handoff = ws(b)
-    pool.segment._slot.escaped = ws(b)
-    assert pool.segment.acquire(lease_table.encode(LeaseKind.REPLAY, s.id, s.pid), pool.epoch, 0) == (LeaseStatus.HELD, mine)
-    with caplog.at_level(logging.WARNING, logger="gpumemd.graph_pools"):
-        h.state.tick()
-    assert (pool.segment.peek(), pool.segment.handoff(), pool.segment.escaped()) == (0, 0, 0)
-    assert repairs(h, pool) == 3
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 3, lines
-    for field, line in zip(("escape mark", "handoff", "lease word"), lines):
-        assert f"graph pool {pool.id} ('decode')" in line and f"its lease slot's {field} held" in line, line
-        assert f"session {ws(b)}, client 'draft-b' (pid {b.pid}), which may not use the pool" in line, line
-    # The owner takes its pool again at once: nothing b wrote holds it off.
-    w = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
-    assert pool.segment.acquire(w, pool.epoch, 0)[0] in (LeaseStatus.OK, LeaseStatus.OK_ORDER)
-    assert give_back(pool, w) == LeaseStatus.OK
+    mine = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    kept._slot.word = mine
+    kept._slot.handoff = ws(s) | lease_table.HANDOFF_RECORDING
+    kept._slot.escaped = ws(s)
+    kept.set_epoch(pool.epoch)  # and makes the owner's old view pass again
     h.state.tick()
-    assert repairs(h, pool) == 3, "nothing more to repair"
-    shown = p.to_wire(h.state.status())["graph_pools"]
-    assert [g["lease_repairs"] for g in shown] == [3]
+    now = reaches(h, s, pool)
+    assert (now.peek(), now.handoff(), now.escaped()) == (0, 0, 0), "b's writes reached the pool's slot"
+    assert now.try_acquire(mine, pool.epoch, b"owner") == LeaseStatus.OK
+    assert give_back(Pool(pool.view, now), mine) == LeaseStatus.OK
+    kept._slot.word = mine  # again, after the owner's lease: still nothing
+    h.state.tick()
+    assert now.peek() == 0 and now.try_acquire(mine, pool.epoch, b"owner") == LeaseStatus.OK
+    assert repairs(h, pool) == 0, "nothing reached the pool's slot to repair"
+    h.refused(b, p.OpenGraphPool(pool_id=pool.id), ErrorCode.PERMISSION_DENIED)
+
+
+def test_the_owners_old_mapping_is_retired_at_the_move(h: Harness) -> None:
+    s = owner(h)
+    b = sharer(h, s, "b")
+    pool = register(h, s, 0, "p", True)
+    opens(h, b, pool)
+    w = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    h.state.close_session(b.id)  # b's process may live on, its mapping with it
+    assert pool.segment.epoch() == 0 and pool.segment.peek() == 0
+    assert pool.segment.try_acquire(w, pool.epoch, b"x") == LeaseStatus.STALE, "the owner's client follows on this"
+    pool.segment._slot.word = lease_table.encode(LeaseKind.CAPTURE, s.id, s.pid)  # b writes a holder there
+    started = time.monotonic()
+    assert pool.segment.acquire(w, pool.epoch, 5.0)[0] == LeaseStatus.STALE, "a word b wrote kept the owner waiting"
+    assert time.monotonic() - started < 2.5
+    follow(h, s, pool)
+    assert pool.segment.try_acquire(w, pool.epoch, b"x") == LeaseStatus.OK
+
+
+def test_a_lease_held_at_the_move_is_carried_over_and_given_back_where_it_went(h: Harness) -> None:
+    s = owner(h)
+    b, c = sharer(h, s, "b"), sharer(h, s, "c")
+    pool = register(h, s, 0, "p", True)
+    opens(h, b, pool)
+    opens(h, c, pool)
+    held = lease_table.encode(LeaseKind.BORROW, c.id, c.pid)
+    assert pool.segment.acquire(held, pool.epoch, 0, b"c-borrows") == (LeaseStatus.OK, 0)
+    h.ok(b, p.ReleaseArena(name=ARENA))
+    old = follow(h, s, pool)
+    assert pool.segment.peek() == held and pool.segment.holder().label == "c-borrows"  # type: ignore[union-attr]
+    w = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)
+    assert pool.segment.acquire(w, pool.epoch, 0)[0] == LeaseStatus.HELD, "the owner would replay over c's borrow"
+    # c's client gives it back on the segment it took it on: not held there (the move
+    # emptied it), and retired: it gives it back in the pool's segment, recorded.
+    assert old.release(held) == LeaseStatus.NOT_HOLDER and old.epoch() == 0
+    assert give_back(pool, held) == LeaseStatus.OK
+    assert pool.segment.acquire(w, pool.epoch, 0) == (LeaseStatus.OK_ORDER, 0)
+    assert pool.segment.await_record() == (LeaseStatus.OK, ws(c))
+
+
+@pytest.mark.parametrize("forged", ["the leaver's", "a user's with another pid", "no kind", "a stranger's"])
+def test_only_a_word_a_user_could_hold_moves_along(h: Harness, forged: str) -> None:
+    s = owner(h)
+    b, c = sharer(h, s, "b"), sharer(h, s, "c")
+    stranger = h.connect("stranger")
+    pool = register(h, s, 0, "p", True)
+    opens(h, b, pool)
+    opens(h, c, pool)
+    word = {
+        "the leaver's": lease_table.encode(LeaseKind.REPLAY, b.id, b.pid),
+        "a user's with another pid": lease_table.encode(LeaseKind.REPLAY, s.id, s.pid + 1),
+        "no kind": lease_table.encode(0, c.id, c.pid),
+        "a stranger's": lease_table.encode(LeaseKind.REPLAY, stranger.id, stranger.pid),
+    }[forged]
+    pool.segment._slot.word = word  # written by b just before it lets go
+    h.ok(b, p.ReleaseArena(name=ARENA))
+    follow(h, s, pool)
+    assert pool.segment.peek() == 0
+
+
+def test_a_move_carries_the_last_releaser_as_recorded(h: Harness) -> None:
+    s = owner(h)
+    b, c = sharer(h, s, "b"), sharer(h, s, "c")
+    pool = register(h, s, 0, "p", True)
+    opens(h, b, pool)
+    opens(h, c, pool)
+    pool.segment._slot.handoff = ws(c) | lease_table.HANDOFF_RECORDING  # c freed the slot, its record in flight
+    landing = threading.Timer(0.002, lambda: setattr(pool.segment._slot, "handoff", ws(c)))
+    landing.start()
+    h.ok(b, p.ReleaseArena(name=ARENA))
+    landing.join(5)
+    follow(h, s, pool)
+    assert pool.segment.handoff() == ws(c), "the next holder must order after c's event"
+    h.ok(c, p.ReleaseArena(name=ARENA))
+    follow(h, s, pool)
+    assert pool.segment.handoff() == 0, "c's event is no longer anyone's to wait on"
 
 
 def test_a_user_cannot_name_a_session_without_the_right_to_the_pool(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
@@ -136,3 +219,38 @@ def test_every_open_grants_the_segment_and_a_second_arena_needs_its_own_open(h: 
     h.ok(b, p.ReleaseArena(name="other"))
     h.refused(b, p.OpenGraphPool(pool_id=there_id), ErrorCode.PERMISSION_DENIED)
     assert h.state.graph_pools.by_id[here.id].users == {s.id, b.id}, "letting go of one arena leaves the other's pools"
+
+
+def test_a_restart_after_a_move_rebuilds_the_pool_on_the_segment_its_users_follow(make_harness: Callable[..., Harness]) -> None:
+    """The store keeps descriptors by name: had the moved pool kept its segment's name, a
+    restart would bring back the retired segment, the one the former user still maps."""
+    h = make_harness()
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    s = owner(h)
+    b = sharer(h, s, "b")
+    pool = register(h, s, 0, "decode", True)
+    kept = reaches(h, b, pool)
+    first.persist(h.state)
+    h.ok(b, p.ReleaseArena(name=ARENA))
+    first.persist(h.state)
+    followed = reaches(h, s, pool)
+    h.state.arenas.close()  # the daemon dies; the next one rebuilds from the store
+
+    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
+    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again.state, store.passed())
+    rebuilt = again.state.graph_pools.by_id[pool.id].segment
+    assert rebuilt.same_memory(followed) and not rebuilt.same_memory(kept)
+    kept._slot.word = lease_table.encode(LeaseKind.REPLAY, s.id, s.pid)  # b's old mapping reaches nothing still
+    again.state.tick()
+    assert rebuilt.peek() == 0 and rebuilt.epoch() == pool.epoch
+    assert lease_name(pool.id) not in store.held and lease_name(pool.id, 1) in store.held, "the retired segment stays stored"
+    for segment in (kept, followed):
+        segment.close()
+    again.state.drop_all()
+    first.close()
+    second.close()
+    store.drop()

@@ -430,6 +430,14 @@ def give_back(pool: Pool, w: int) -> int:
     return pool.segment.release_recorded(w) if status == LeaseStatus.RECORD else status
 
 
+def follow(h: Harness, s: Session, pool: Pool) -> LeaseSegment:
+    """What ``s``'s client does once it finds the pool's segment retired: it opens the
+    pool again and maps the segment it moved to. Returns the old mapping."""
+    old, pool.segment = pool.segment, granted(h.ok(s, p.OpenGraphPool(pool_id=pool.id)))
+    assert old.epoch() == 0 and not old.same_memory(pool.segment), "the pool did not move"
+    return old
+
+
 def repairs(h: Harness, pool: Pool) -> int:
     return {g.id: g.lease_repairs for g in h.state.status().graph_pools}[pool.id]
 
@@ -481,11 +489,15 @@ def test_close_session_sweeps_exactly_that_sessions_leases(h: Harness) -> None:
     futex = p1.segment._slot.futex
     h.state.close_session(b.id)
     assert p1.segment.peek() == 0 and p3.segment.peek() == 0
-    assert p2.segment.peek() == wc2 and p4.segment.peek() == 0
     assert p1.segment._slot.futex == futex + 1, "the sweep wakes waiters"
     assert p1.segment.release(wb1) == LeaseStatus.NOT_HOLDER and p3.segment.release(wb3) == LeaseStatus.NOT_HOLDER
     assert set(h.state.graph_pools.by_id) == {p1.id, p2.id, p3.id, p4.id}, "b owned no pool: all stay"
-    assert p1.segment.epoch() == p1.epoch
+    # b's process may live on with its mappings: each pool moved to a segment b never got,
+    # c's lease carried over.
+    old = {q.id: follow(h, s, q) for q in (p1, p2, p3, p4)}
+    assert [o.peek() for o in old.values()] == [0, 0, 0, 0]
+    assert [q.segment.peek() for q in (p1, p2, p3, p4)] == [0, wc2, 0, 0]
+    assert p1.segment.epoch() == p1.epoch and p1.segment._slot.futex == futex + 1, "the release count moves along"
     h.state.close_session(c.id)
     assert [q.segment.peek() for q in (p1, p2, p3, p4)] == [0, 0, 0, 0]
     assert all(repairs(h, q) == 0 for q in (p1, p2, p3, p4)), "a session's end is no repair"
@@ -544,6 +556,8 @@ def test_sweeps_compare_session_ids_as_the_word_holds_them(h: Harness) -> None:
     assert [(e.holder, e.label) for e in h.state.status().leases if e.pool_id == pool.id] == [("live", "held")]
     h.state.close_session(dying.id)
     assert other.segment.peek() == 0, "the session's close left its lease held"
+    follow(h, s, pool)
+    assert pool.segment.peek() == w, "the move dropped a live session's lease"
     assert give_back(pool, w) == LeaseStatus.OK
     # An id whose low 24 bits a live session already has is skipped: the words stay unambiguous.
     h.state.next_session = (2 << 24) + live.id % (1 << 24)

@@ -41,6 +41,11 @@ _Static_assert(sizeof(lease_slot) <= LEASE_SEGMENT_BYTES, "a lease slot fits its
 /* In ``handoff``: the releaser it names freed the slot and has not finished recording
  * its event yet (a release frees first, so that a waiter wakes while it records). */
 #define LEASE_HANDOFF_RECORDING 0x80000000u
+/* A handoff is 0, a 24-bit session, or one | LEASE_HANDOFF_RECORDING: any other bit set
+ * names nobody (a user wrote garbage). Takers order after no one for it, and the daemon
+ * clears it. */
+#define LEASE_HANDOFF_SESSION 0x00FFFFFFu
+#define LEASE_HANDOFF_VALID(handoff) (((handoff) & ~(LEASE_HANDOFF_RECORDING | LEASE_HANDOFF_SESSION)) == 0)
 /* How long a taker waits for that record to land before it gives the slot back. */
 #define LEASE_RECORD_WAIT_NS 1000000000LL
 
@@ -90,6 +95,7 @@ int gpumem_lease_await_record(lease_slot *slot, int64_t timeout_ns, uint32_t *re
 void gpumem_lease_set_flags(lease_slot *slot, uint32_t flags);
 void gpumem_lease_set_escaped(lease_slot *slot, uint32_t session);
 void gpumem_lease_forget_handoff(lease_slot *slot, uint32_t session);
+int gpumem_lease_clear_handoff(lease_slot *slot, uint64_t seen);
 uint64_t gpumem_lease_peek(lease_slot *slot);
 uint32_t gpumem_lease_handoff(lease_slot *slot);
 void gpumem_lease_set_epoch(lease_slot *slot, uint32_t epoch);

@@ -113,6 +113,7 @@ static int taken(lease_slot *slot, uint64_t mine) {
     slot->since_ns = (uint64_t)now_ns(CLOCK_REALTIME);
     if (!(__atomic_load_n(&slot->flags, __ATOMIC_ACQUIRE) & LEASE_FLAG_SHARED)) return LEASE_OK;
     uint32_t last = __atomic_load_n(&slot->handoff, __ATOMIC_ACQUIRE);
+    if (!LEASE_HANDOFF_VALID(last)) return LEASE_OK; /* garbage names no releaser: nothing to wait for */
     if (last & LEASE_HANDOFF_RECORDING) return LEASE_OK_ORDER;
     return last && last != LEASE_SESSION_OF(mine) ? LEASE_OK_ORDER : LEASE_OK;
 }
@@ -145,6 +146,9 @@ int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_
             continue; /* lost the race: look again */
         }
         *holder = seen;
+        /* A retired segment stays retired whatever its word says: a pool that moved to a
+         * fresh segment leaves the old one to a former user, who may write any word there. */
+        if (epoch && __atomic_load_n(&slot->epoch, __ATOMIC_ACQUIRE) != epoch) return LEASE_STALE;
         int64_t left = deadline - now_ns(CLOCK_MONOTONIC);
         if (timeout_ns <= 0 || left <= 0) return LEASE_HELD;
         if (!spun) {
@@ -241,6 +245,10 @@ int gpumem_lease_await_record(lease_slot *slot, int64_t timeout_ns, uint32_t *re
     int64_t start = 0;
     for (;;) {
         uint32_t seen = __atomic_load_n(&slot->handoff, __ATOMIC_ACQUIRE);
+        if (!LEASE_HANDOFF_VALID(seen)) { /* garbage: no releaser records anything */
+            *releaser = 0;
+            return LEASE_OK;
+        }
         if (!(seen & LEASE_HANDOFF_RECORDING)) {
             *releaser = seen;
             return LEASE_OK;
@@ -274,6 +282,15 @@ void gpumem_lease_forget_handoff(lease_slot *slot, uint32_t session) {
     if (__atomic_compare_exchange_n(&slot->handoff, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return;
     seen = session | LEASE_HANDOFF_RECORDING; /* it ended (or lost the right) mid-record */
     __atomic_compare_exchange_n(&slot->handoff, &seen, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+/* The daemon's repair: clear the handoff if it still holds ``seen`` (which names no user,
+ * or is no valid handoff at all). LEASE_NOT_HOLDER if it changed meanwhile. */
+int gpumem_lease_clear_handoff(lease_slot *slot, uint64_t seen) {
+    uint32_t expected = (uint32_t)seen;
+    if (seen > UINT32_MAX) return LEASE_NOT_HOLDER;
+    return __atomic_compare_exchange_n(&slot->handoff, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST) ? LEASE_OK
+                                                                                                          : LEASE_NOT_HOLDER;
 }
 
 uint64_t gpumem_lease_peek(lease_slot *slot) { return __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE); }

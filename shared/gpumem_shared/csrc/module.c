@@ -161,6 +161,12 @@ static PyObject *lease_clear(PyObject *module, PyObject *const *args, Py_ssize_t
     return lease_word_call(args, nargs, "lease_clear(segment_address, word)", gpumem_lease_clear);
 }
 
+/* lease_clear_handoff(segment_address, seen) -> status */
+static PyObject *lease_clear_handoff(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    return lease_word_call(args, nargs, "lease_clear_handoff(segment_address, seen)", gpumem_lease_clear_handoff);
+}
+
 /* lease_peek(segment_address) -> word */
 static PyObject *lease_peek(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -203,7 +209,7 @@ static PyObject *lease_forget_handoff(PyObject *module, PyObject *const *args, P
  * the GIL while it has not): LEASE_OK or LEASE_RECORDING (see leases.c). */
 static int await_record(lease_slot *slot, int64_t timeout_ns, uint32_t *releaser) {
     uint32_t seen = gpumem_lease_handoff(slot);
-    if (!(seen & LEASE_HANDOFF_RECORDING)) {
+    if (LEASE_HANDOFF_VALID(seen) && !(seen & LEASE_HANDOFF_RECORDING)) {
         *releaser = seen;
         return LEASE_OK;
     }
@@ -677,6 +683,7 @@ static PyMethodDef native_methods[] = {
     FASTCALL(lease_set_escaped, "The daemon: a slot's escape mark (a session, 0: none)."),
     FASTCALL(lease_await_record, "Wait for the last releaser's event record to land (see leases.c)."),
     FASTCALL(lease_forget_handoff, "The daemon: forget a slot's last releaser if it is this session."),
+    FASTCALL(lease_clear_handoff, "The daemon: clear a slot's handoff if it still holds this value."),
     FASTCALL(thread_virtual, "Let this thread's requests land on unbacked space (1) or not (0)."),
     FASTCALL(slot_acquire, "An allocator slot bound to a device."),
     FASTCALL(slot_release, "Give an allocator slot back."),
@@ -759,7 +766,7 @@ static int add_slot_fields(PyObject *module) {
 
 static int add_constants(PyObject *m) {
     if (PyModule_AddIntMacro(m, LEASE_SEGMENT_BYTES) < 0 || PyModule_AddIntMacro(m, LEASE_LABEL_BYTES) < 0 ||
-        PyModule_AddIntMacro(m, LEASE_HANDOFF_RECORDING) < 0 || PyModule_AddIntMacro(m, LEASE_RECORD_WAIT_NS) < 0 ||
+        PyModule_AddIntMacro(m, LEASE_HANDOFF_RECORDING) < 0 || PyModule_AddIntMacro(m, LEASE_HANDOFF_SESSION) < 0 || PyModule_AddIntMacro(m, LEASE_RECORD_WAIT_NS) < 0 ||
         PyModule_AddIntConstant(m, "LEASE_SLOT_BYTES", (long)sizeof(lease_slot)) < 0 ||
         add_named(m, "LEASE_STATUSES", lease_statuses, COUNT(lease_statuses)) < 0 ||
         add_named(m, "LEASE_KINDS", lease_kinds, COUNT(lease_kinds)) < 0 ||
