@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +60,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs two NVIDIA GPUs (run 'pytest -m gpu' on a machine with two)")
         for item in two:
             item.add_marker(skip)
+
+
+# pytest-timeout stops its timer as soon as a test fails (its pytest_exception_interact
+# hook, meant for pdb, runs for every failure), so a failed test's teardown would have no
+# bound: a fixture that closes a session a stuck call still holds, or waits for a process,
+# could hold the suite for minutes. Such a teardown gets this long, then fails.
+TEARDOWN_TIMEOUT_S = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        yield  # pytest-timeout's timer still runs, and covers the teardown
+        return
+
+    def expired(signum: int, frame: object) -> None:
+        raise TimeoutError(f"{item.nodeid}: its teardown still runs after {TEARDOWN_TIMEOUT_S}s (a fixture waits on something stuck)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, TEARDOWN_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])

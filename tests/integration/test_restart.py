@@ -28,13 +28,20 @@ from gpumemd_testkit import (
 
 Service = Callable[..., Restartable]
 
+# A KV round here commits within a second or two, loaded machine included; one a failed
+# test leaves open ends at the daemon's deadline, and a wait in a thread of the test
+# gives up at its own, so neither holds a session past the test: its close at teardown
+# would wait for them (the default deadline is 300 s).
+ROUND_TIMEOUT_S = 30
+ROUND_WAIT_S = 40.0
+
 
 @pytest.fixture
 def service(runtime_dir: Path) -> Iterator[Service]:
     made: list[Restartable] = []
 
     def make(backend: str = "host", args: tuple[str, ...] = ()) -> Restartable:
-        r = Restartable(runtime_dir, backend, list(args), child_env(runtime_dir))
+        r = Restartable(runtime_dir, backend, ["--round-timeout", str(ROUND_TIMEOUT_S), *args], child_env(runtime_dir))
         made.append(r)
         return r.start()
 
@@ -86,6 +93,11 @@ def drop_dealer(session: RawSession) -> None:
     assert session.control is not None
     session.control.close()
     session.control = None
+
+
+def client(s: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in s["clients"] if c["name"] == name]
+    return found
 
 
 def same_state(s: dict[str, Any]) -> dict[str, Any]:
@@ -480,14 +492,26 @@ def test_a_crash_during_a_kv_round(service: Service, connect: Connect, runtime_d
         pool.placeholder()
         pool.join_round(expect=2)
     got: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: got.update(tokens=pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)))
+
+    def first_reports() -> None:
+        try:
+            got["tokens"] = pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, timeout=ROUND_WAIT_S)
+        except BaseException as exc:  # the assertion below says which
+            got["error"] = exc
+
+    # A daemon thread, its wait bounded: a test that fails leaves no call holding the
+    # session (its close at teardown would wait for it) and no thread the exit waits for.
+    waiter = threading.Thread(target=first_reports, daemon=True)
     waiter.start()
     wait_status(runtime_dir, lambda s: any(m["reported"] for m in s["rounds"][0]["members"]), 10, "the first report")
     r.restart()
     if second_reports == "after its resume":
-        wait_status(runtime_dir, lambda s: s["daemon"]["waiting"] == 1, 10, "the first member resumed")
-    tokens = pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
-    waiter.join(30)
+        # The first's own resume, by name: the second's watcher resumes it too, at a moment
+        # of its own, so "one still waiting" may never be there to see.
+        wait_status(runtime_dir, lambda s: not client(s, "first")["waiting"], 10, "the first member resumed")
+    tokens = pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, timeout=ROUND_WAIT_S)
+    waiter.join(ROUND_WAIT_S)
+    assert not waiter.is_alive() and "error" not in got, got
     assert tokens >= 256 and got["tokens"] >= 256 and pools[0].tokens == got["tokens"]
     for pool in pools:
         for buffer in pool.buffers.values():
