@@ -62,6 +62,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# tmp_path directories go in a directory of this run's own, removed when it ends: pytest's
+# default keeps the last three runs' under /tmp/pytest-of-<user> for good.
+_OWN_BASETEMP = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.basetemp is None:
+        config.option.basetemp = config.stash[_OWN_BASETEMP] = Path(tempfile.mkdtemp(prefix="gpumemd-pytest-"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    own = config.stash.get(_OWN_BASETEMP, None)
+    if own is not None:
+        shutil.rmtree(own, ignore_errors=True)
+
+
 # pytest-timeout stops its timer as soon as a test fails (its pytest_exception_interact
 # hook, meant for pdb, runs for every failure), so a failed test's teardown would have no
 # bound: a fixture that closes a session a stuck call still holds, or waits for a process,

@@ -28,12 +28,12 @@ from gpumemd_testkit import (
 
 Service = Callable[..., Restartable]
 
-# A KV round here commits within a second or two, loaded machine included; one a failed
-# test leaves open ends at the daemon's deadline, and a wait in a thread of the test
-# gives up at its own, so neither holds a session past the test: its close at teardown
-# would wait for them (the default deadline is 300 s).
+# A KV round here commits within seconds, on a loaded machine too. One that a failed test
+# leaves open must not hold a session past the test (its close at teardown waits for a
+# call in progress): a wait in the test gives up after ROUND_WAIT_S, and the daemon ends
+# the round at ROUND_TIMEOUT_S (its default deadline is 300 s).
 ROUND_TIMEOUT_S = 30
-ROUND_WAIT_S = 40.0
+ROUND_WAIT_S = 20.0
 
 
 @pytest.fixture
@@ -220,7 +220,7 @@ def test_a_crash_between_the_store_and_the_record_loses_and_leaks_nothing(servic
         except BaseException as exc:  # the assertion below says which
             failed.append(exc)
 
-    worker = threading.Thread(target=commit)
+    worker = threading.Thread(target=commit, daemon=True)
     worker.start()
     assert r.manager.barrier_held.wait(10), "the daemon sent no BARRIER=1 for the commit's chunks"
     r.kill()
@@ -551,7 +551,10 @@ def test_a_crash_during_a_lease_handoff(service: Service, run_client: Any, runti
             do(c, f"unlease {pool}")
     do(owner, f"lease replay {pool} 5 owner-turn")
     peer.send(f"lease replay {pool} 20 peer-turn")
-    time.sleep(0.3)  # the peer sleeps on the lease word now
+    deadline = time.monotonic() + 10
+    while json.loads(do(owner, f"peek {pool}"))["waiters"] < 1:  # until the peer sleeps on the lease word
+        assert time.monotonic() < deadline, "the peer never waited for the owner's lease"
+        time.sleep(0.01)
     r.kill()
     do(owner, f"unlease {pool}")  # no daemon anywhere: the table hands it over
     assert peer.expect("OK") == "replay"
