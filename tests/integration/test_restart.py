@@ -458,7 +458,9 @@ def _tamper(r: Restartable, how: str) -> None:
     ],
 )
 def test_a_bad_store_is_logged_and_leaks_nothing(service: Service, runtime_dir: Path, how: str, logged: str, rebuilt: bool) -> None:
-    r = service(args=("--restart-grace", "1"))
+    # The status below must come inside the grace period (the session and its arena are
+    # released at its end), the whole wait for the release after it.
+    r = service(args=("--restart-grace", "3"))
     with RawSession(runtime_dir, "eng") as session:
         session.create("a", 64 * MiB)
         assert session.commit("a", 8 * MiB)["ok"]
@@ -473,7 +475,7 @@ def test_a_bad_store_is_logged_and_leaks_nothing(service: Service, runtime_dir: 
             assert [a["name"] for a in s["arenas"]] == ["a"]
         if how == "truncated":  # the older record: the arena, not yet the commit; the chunk closed
             assert s["arenas"][0]["committed"] == 0 and "'chunk-1' is named by no record" in r.log()
-        wait_status(runtime_dir, lambda s: not s["clients"] and s["device"]["accounted_bytes"] == 0, 10, "everything released")
+        wait_status(runtime_dir, lambda s: not s["clients"] and s["device"]["accounted_bytes"] == 0, 15, "everything released")
         assert sorted(r.manager.names()) == ["record-0", "record-1"]
         if rebuilt:
             sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"])
