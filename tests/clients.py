@@ -38,7 +38,8 @@ Commands:
   leaseloop POOL SECONDS SHMFILE INDEX   (acquire/release in a loop, checking exclusion in SHMFILE; JSON)
   rawattach ARENA [TOKEN]      (ARENA_ATTACH on the control channel alone: the fd channel is left unread)
   fdqueue                      (take what waits on the fd channel, bypassing the library; JSON messages/fds)
-  probe ADDRESS SIZE           (JSON: open fds, and whether anything is mapped at [ADDRESS, +SIZE) in this process)
+  probe ADDRESS SIZE           (JSON: open fds, "fd -> target", and whether anything is mapped at [ADDRESS, +SIZE)
+                                in this process; after a ping, so the control channel's connection is open)
 """
 
 from __future__ import annotations
@@ -157,7 +158,10 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
     if cmd == "fdqueue":
         return json.dumps(_drain_fd_channel(session))
     if cmd == "probe":
-        return json.dumps({"fds": len(os.listdir("/proc/self/fd")), "mapped": _mapped(session, int(args[0]), int(args[1]))})
+        # A reply first: ZeroMQ opens the DEALER's connection on its own thread, a moment
+        # after connect, and a count taken before it would grow by itself.
+        session.ping()
+        return json.dumps({"fds": _open_fds(), "mapped": _mapped(session, int(args[0]), int(args[1]))})
     if cmd == "unshare":
         arenas[args[0]].unshare(args[1])
         return None
@@ -324,6 +328,17 @@ def _drain_fd_channel(session: gpumem.Session) -> dict[str, object]:
         for fd in got:
             os.close(fd)
     return {"messages": messages, "fds": fds, "kinds": kinds}
+
+
+def _open_fds() -> list[str]:
+    """This process's descriptors as "fd -> what", so a difference names what came."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except FileNotFoundError:  # listdir's own descriptor, closed by now
+            continue
+    return sorted(fds)
 
 
 def _mapped(session: gpumem.Session, address: int, size: int) -> bool:

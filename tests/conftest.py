@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +60,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs two NVIDIA GPUs (run 'pytest -m gpu' on a machine with two)")
         for item in two:
             item.add_marker(skip)
+
+
+# tmp_path directories go in a directory of this run's own, removed when it ends: pytest's
+# default keeps the last three runs' under /tmp/pytest-of-<user> for good.
+_OWN_BASETEMP = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.basetemp is None:
+        config.option.basetemp = config.stash[_OWN_BASETEMP] = Path(tempfile.mkdtemp(prefix="gpumemd-pytest-"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    own = config.stash.get(_OWN_BASETEMP, None)
+    if own is not None:
+        shutil.rmtree(own, ignore_errors=True)
+
+
+# pytest-timeout stops its timer as soon as a test fails (its pytest_exception_interact
+# hook, meant for pdb, runs for every failure), so a failed test's teardown would have no
+# bound: a fixture that closes a session a stuck call still holds, or waits for a process,
+# could hold the suite for minutes. Such a teardown gets this long, then fails.
+TEARDOWN_TIMEOUT_S = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        yield  # pytest-timeout's timer still runs, and covers the teardown
+        return
+
+    def expired(signum: int, frame: object) -> None:
+        raise TimeoutError(f"{item.nodeid}: its teardown still runs after {TEARDOWN_TIMEOUT_S}s (a fixture waits on something stuck)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, TEARDOWN_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])

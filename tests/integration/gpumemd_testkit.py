@@ -232,6 +232,18 @@ class Probe:
     def fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))
 
+    def descriptors(self) -> set[str]:
+        """Its descriptors as "fd -> what". Compare sets, not counts: ZeroMQ closes a
+        closed socket's connection on its own thread, a moment later, so a count taken
+        meanwhile may drop by itself; a new entry is a descriptor that came."""
+        found = set()
+        for fd in os.listdir(f"/proc/{self.pid}/fd"):
+            try:
+                found.add(f"{fd} -> {os.readlink(f'/proc/{self.pid}/fd/{fd}')}")
+            except FileNotFoundError:  # closed meanwhile (listdir's own, in this process)
+                continue
+        return found
+
     def cpu_seconds(self) -> float:
         """User and system time the process has used so far."""
         with open(f"/proc/{self.pid}/stat") as f:

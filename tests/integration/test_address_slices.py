@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +35,11 @@ def test_a_slice_taken_in_the_process_is_a_va_collision(daemon, runtime_dir) -> 
 
 
 def test_two_daemons_of_one_device_index_cannot_share_a_process(daemon, runtime_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    other_dir = Path(tempfile.mkdtemp(prefix="gpumemd-t2-", dir="/tmp"))
-    other = Daemon(other_dir, daemon.backend, 0, [], child_env(other_dir)).wait_ready()
+    other_dir = runtime_dir / "other"  # removed with runtime_dir, whatever happens here
+    other_dir.mkdir()
+    other = Daemon(other_dir, daemon.backend, 0, [], child_env(other_dir))
     try:
+        other.wait_ready()
         scenario(runtime_dir, "other_daemon_same_slice", daemon.backend, other_dir)
     finally:
         assert other.stop() == 0, other.log()

@@ -89,7 +89,7 @@ def test_a_stopped_daemon_is_waited_for_within_the_timeout(daemon_factory, runti
             except Exception as exc:  # reported below, in the test's thread
                 result["error"] = exc
 
-        waiter = threading.Thread(target=connect)
+        waiter = threading.Thread(target=connect, daemon=True)
         waiter.start()
         time.sleep(1.0)
         assert waiter.is_alive(), f"connect did not wait for the stopped daemon: {result}"
@@ -125,7 +125,7 @@ def test_a_daemon_that_drops_the_handshake_is_a_typed_error(runtime_dir: Path, h
             time.sleep(0.2)  # the HELLO is in, unread, when the connection goes
         conn.close()
 
-    dropper = threading.Thread(target=drop)
+    dropper = threading.Thread(target=drop, daemon=True)
     dropper.start()
     try:
         with pytest.raises(gpumem.DaemonUnavailable, match="closed the connection during HELLO"):

@@ -14,6 +14,7 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumemd_testkit import (
+    Probe,
     RawSession,
     accounting,
     assert_error,
@@ -210,12 +211,13 @@ def test_a_client_refuses_a_daemon_older_than_lease_segments(runtime_dir) -> Non
     server = threading.Thread(target=old_daemon, daemon=True)
     server.start()
     try:
-        held = len(os.listdir("/proc/self/fd"))
+        held = Probe(os.getpid()).descriptors()
         with pytest.raises(ProtocolMismatch, match=r"peer speaks protocol 1\.2.*1\.3 or later"):
             SessionChannel(Endpoints(runtime_dir, 0), "new-client", 5.0)
         server.join(5.0)
         assert not server.is_alive(), "the client did not hang up"
-        assert len(os.listdir("/proc/self/fd")) == held, "the client kept the old daemon's table (or its socket)"
+        kept = Probe(os.getpid()).descriptors() - held
+        assert not kept, f"the client kept the old daemon's table (or its socket): {kept}"
     finally:
         listener.close()
         os.close(table)

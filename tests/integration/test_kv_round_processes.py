@@ -157,7 +157,9 @@ def test_round_splits_the_budget_by_minimums_and_weights(daemon_factory, backend
 
 @pytest.mark.parametrize("policy", ["partial", "fail"])
 def test_deadline_with_a_missing_member(daemon_factory, backend, run_client, runtime_dir, policy) -> None:  # type: ignore[no-untyped-def]
-    _daemon(daemon_factory, backend, "--round-timeout", "2", "--round-policy", policy)
+    # The deadline must outlast three joins, two reports and a status, each a round trip
+    # through another process: on a loaded machine 2 s did not always.
+    _daemon(daemon_factory, backend, "--round-timeout", "6", "--round-policy", policy)
     a = Engine(run_client, "engine-a", "kv-a", [64 * KiB, 64 * KiB], max_tokens=4096)  # at most 512 MiB
     b = Engine(run_client, "engine-b", "kv-b", [64 * KiB, 64 * KiB], max_tokens=4096)
     c = Engine(run_client, "engine-c", "kv-c", [32 * KiB], max_tokens=4096)
@@ -171,12 +173,12 @@ def test_deadline_with_a_missing_member(daemon_factory, backend, run_client, run
     staged = _staged([a, c])
     assert staged == 10 * MiB
     s = wait_status(
-        runtime_dir, lambda s: sum(m["reported"] for m in s["rounds"][0]["members"]) == 2, 1.5, "a and c reported"
+        runtime_dir, lambda s: sum(m["reported"] for m in s["rounds"][0]["members"]) == 2, 5, "a and c reported"
     )
     assert s["rounds"][0]["state"] == "open", "the deadline passed before the view was taken"
     _check_staged(s, {"kv-a": cost(a.rows, 64), "kv-c": cost(c.rows, 32)})
     assert s["device"]["accounted_bytes"] == before + staged
-    r = wait_round(runtime_dir, round_id, lambda r: r["state"] not in ("open", "awaiting-shrink"), "round ended", timeout=8.0)
+    r = wait_round(runtime_dir, round_id, lambda r: r["state"] not in ("open", "awaiting-shrink"), "round ended", timeout=15.0)
     assert r["deadline_in_s"] <= 0 and r["policy"] == policy
     if policy == "partial":
         assert r["state"] == "committed" and r["error"] == ""

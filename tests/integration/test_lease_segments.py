@@ -11,6 +11,7 @@ the pool moved to a fresh segment, which the clients left follow."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 from conftest import child_env
 from gpumem_shared import lease_table
 from gpumem_shared.lease_table import LeaseKind
+from gpumemd_testkit import Probe
 
 MiB = 1 << 20
 ARENA = "graphs"
@@ -226,9 +228,10 @@ def test_descriptors_a_caller_does_not_take_are_closed(daemon_factory, runtime_d
     daemon_factory("host")
     with gpumem.connect(0, name="raw-caller", runtime_dir=runtime_dir) as s:
         s.create_arena(ARENA, 1 << 30).commit(32 * MiB)
-        held = len(list(Path("/proc/self/fd").iterdir()))
+        held = Probe(os.getpid()).descriptors()
         for i in range(4):
             extent = p.Extent(offset=i * 4 * MiB, size=4 * MiB)
             pool = s.call(p.RegisterGraphPool(arena=ARENA, label=f"p{i}", extents=[extent], free_runs=[], shared=True)).pool
             s.call(p.OpenGraphPool(pool_id=pool.id))
-        assert len(list(Path("/proc/self/fd").iterdir())) == held, "descriptors of lease segments left open"
+        left = Probe(os.getpid()).descriptors() - held
+        assert not left, f"descriptors of lease segments left open: {left}"

@@ -28,13 +28,20 @@ from gpumemd_testkit import (
 
 Service = Callable[..., Restartable]
 
+# A KV round here commits within seconds, on a loaded machine too. One that a failed test
+# leaves open must not hold a session past the test (its close at teardown waits for a
+# call in progress): a wait in the test gives up after ROUND_WAIT_S, and the daemon ends
+# the round at ROUND_TIMEOUT_S (its default deadline is 300 s).
+ROUND_TIMEOUT_S = 30
+ROUND_WAIT_S = 20.0
+
 
 @pytest.fixture
 def service(runtime_dir: Path) -> Iterator[Service]:
     made: list[Restartable] = []
 
     def make(backend: str = "host", args: tuple[str, ...] = ()) -> Restartable:
-        r = Restartable(runtime_dir, backend, list(args), child_env(runtime_dir))
+        r = Restartable(runtime_dir, backend, ["--round-timeout", str(ROUND_TIMEOUT_S), *args], child_env(runtime_dir))
         made.append(r)
         return r.start()
 
@@ -86,6 +93,11 @@ def drop_dealer(session: RawSession) -> None:
     assert session.control is not None
     session.control.close()
     session.control = None
+
+
+def client(s: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in s["clients"] if c["name"] == name]
+    return found
 
 
 def same_state(s: dict[str, Any]) -> dict[str, Any]:
@@ -208,7 +220,7 @@ def test_a_crash_between_the_store_and_the_record_loses_and_leaks_nothing(servic
         except BaseException as exc:  # the assertion below says which
             failed.append(exc)
 
-    worker = threading.Thread(target=commit)
+    worker = threading.Thread(target=commit, daemon=True)
     worker.start()
     assert r.manager.barrier_held.wait(10), "the daemon sent no BARRIER=1 for the commit's chunks"
     r.kill()
@@ -446,7 +458,9 @@ def _tamper(r: Restartable, how: str) -> None:
     ],
 )
 def test_a_bad_store_is_logged_and_leaks_nothing(service: Service, runtime_dir: Path, how: str, logged: str, rebuilt: bool) -> None:
-    r = service(args=("--restart-grace", "1"))
+    # The status below must come inside the grace period, which releases the session and
+    # its arena when it ends: 1 s was not always enough on a loaded machine.
+    r = service(args=("--restart-grace", "3"))
     with RawSession(runtime_dir, "eng") as session:
         session.create("a", 64 * MiB)
         assert session.commit("a", 8 * MiB)["ok"]
@@ -461,7 +475,7 @@ def test_a_bad_store_is_logged_and_leaks_nothing(service: Service, runtime_dir: 
             assert [a["name"] for a in s["arenas"]] == ["a"]
         if how == "truncated":  # the older record: the arena, not yet the commit; the chunk closed
             assert s["arenas"][0]["committed"] == 0 and "'chunk-1' is named by no record" in r.log()
-        wait_status(runtime_dir, lambda s: not s["clients"] and s["device"]["accounted_bytes"] == 0, 10, "everything released")
+        wait_status(runtime_dir, lambda s: not s["clients"] and s["device"]["accounted_bytes"] == 0, 15, "everything released")
         assert sorted(r.manager.names()) == ["record-0", "record-1"]
         if rebuilt:
             sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"])
@@ -480,14 +494,26 @@ def test_a_crash_during_a_kv_round(service: Service, connect: Connect, runtime_d
         pool.placeholder()
         pool.join_round(expect=2)
     got: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: got.update(tokens=pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)))
+
+    def first_reports() -> None:
+        try:
+            got["tokens"] = pools[0].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, timeout=ROUND_WAIT_S)
+        except BaseException as exc:  # the assertion below says which
+            got["error"] = exc
+
+    # A daemon thread, its wait bounded: a test that fails leaves no call holding the
+    # session (its close at teardown would wait for it) and no thread the exit waits for.
+    waiter = threading.Thread(target=first_reports, daemon=True)
     waiter.start()
     wait_status(runtime_dir, lambda s: any(m["reported"] for m in s["rounds"][0]["members"]), 10, "the first report")
     r.restart()
     if second_reports == "after its resume":
-        wait_status(runtime_dir, lambda s: s["daemon"]["waiting"] == 1, 10, "the first member resumed")
-    tokens = pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024)
-    waiter.join(30)
+        # The first's own resume, by name: the second's watcher resumes it too, at a moment
+        # of its own, so "one still waiting" may never be there to see.
+        wait_status(runtime_dir, lambda s: not client(s, "first")["waiting"], 10, "the first member resumed")
+    tokens = pools[1].capture_done(headroom_bytes=0, min_tokens=256, max_tokens=1024, timeout=ROUND_WAIT_S)
+    waiter.join(ROUND_WAIT_S)
+    assert not waiter.is_alive() and "error" not in got, got
     assert tokens >= 256 and got["tokens"] >= 256 and pools[0].tokens == got["tokens"]
     for pool in pools:
         for buffer in pool.buffers.values():
@@ -527,7 +553,10 @@ def test_a_crash_during_a_lease_handoff(service: Service, run_client: Any, runti
             do(c, f"unlease {pool}")
     do(owner, f"lease replay {pool} 5 owner-turn")
     peer.send(f"lease replay {pool} 20 peer-turn")
-    time.sleep(0.3)  # the peer sleeps on the lease word now
+    deadline = time.monotonic() + 10
+    while json.loads(do(owner, f"peek {pool}"))["waiters"] < 1:  # until the peer sleeps on the lease word
+        assert time.monotonic() < deadline, "the peer never waited for the owner's lease"
+        time.sleep(0.01)
     r.kill()
     do(owner, f"unlease {pool}")  # no daemon anywhere: the table hands it over
     assert peer.expect("OK") == "replay"
