@@ -41,7 +41,7 @@ class Door:
         session, frame = self.outbox.greet(p.decode_request(p.encode_request(1, p.Hello(name=name))), self.h._pid, 1000, 1000)
         assert p.decode_reply(frame).ok
         record = self.record()
-        assert any(s.id == session.id and s.credential == session.credential != b"" for s in record.sessions), (
+        assert any(s["id"] == session.id and s["credential"] == session.credential != b"" for s in record.sessions["sessions"]), (
             "the session's resume credential left before the record held it"
         )
         return session
@@ -62,8 +62,10 @@ class Door:
     def check(self, mail: Mail, *, remembered: bool = True) -> None:
         """What a restart would find right now holds everything the mail carries."""
         record = self.record()
-        answers = {s.token: {rid: (reply, handout, grants) for rid, reply, handout, grants in s.answers} for s in record.sessions}
-        fresh = {c.id: c.fresh for a in record.arenas for c in a.chunks + a.placeholders}
+        answers = {
+            s["token"]: {rid: (a["reply"], a["handout"], a["grants"]) for rid, a in s["answers"].items()} for s in record.sessions["sessions"]
+        }
+        fresh = {c["id"]: c["fresh"] for a in record.arenas["arenas"] for c in a["chunks"] + a["placeholders"]}
         for letter in mail.letters:
             reply = p.decode_reply(letter.frame)
             chunk_ids = [cid for b in letter.batches if b.owned for cid in b.ids]
