@@ -16,7 +16,6 @@ microseconds, and there is no replay to get wrong.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -46,12 +45,15 @@ def lease_name(pool_id: int) -> str:
 
 def image_of(record: Any, **instead: Any) -> Image:
     """``record``'s fields by name; ``instead`` gives the image of a field that cannot
-    go as it is (LEFT_OUT: not at all)."""
-    out: Image = {}
-    for field in dataclasses.fields(record):
-        value = instead.get(field.name, getattr(record, field.name)) if instead else getattr(record, field.name)
-        if value is not LEFT_OUT:
-            out[field.name] = value
+    go as it is (LEFT_OUT: not at all). A record's instance dict holds its fields and
+    nothing else, and copying it is one call: every request that changes something
+    images every chunk."""
+    out: Image = dict(record.__dict__)
+    for name, value in instead.items():
+        if value is LEFT_OUT:
+            del out[name]
+        else:
+            out[name] = value
     return out
 
 
