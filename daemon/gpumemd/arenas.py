@@ -37,7 +37,7 @@ from gpumem_shared.units import format_size
 from gpumemd import grants
 from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
-from gpumemd.image import LEFT_OUT, Image, Keep, Take, chunk_name, image_of, restored
+from gpumemd.image import Image, Imager, Keep, Take, chunk_name
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
 
 log = logging.getLogger("gpumemd.arenas")
@@ -76,8 +76,8 @@ class ArenaBookImage(msgspec.Struct):
     next_grant: int
 
 
-def _chunk_image(chunk: ChunkRecord) -> Image:
-    return image_of(chunk, handle=LEFT_OUT)  # a driver's handle dies with the process: its fd is stored
+_CHUNK = Imager(ChunkRecord, "handle")  # a driver's handle dies with the process: the chunk's fd is stored
+_ARENA = Imager(ArenaRecord)
 
 
 class ArenaBook:
@@ -482,9 +482,9 @@ class ArenaBook:
         for a in self.by_name.values():
             for c in a.chunks + a.placeholders:
                 keep(chunk_name(c.id), self.driver.chunk_fd(c.handle))
-            chunks, placeholders = [_chunk_image(c) for c in a.chunks], [_chunk_image(c) for c in a.placeholders]
-            arenas.append(image_of(a, chunks=chunks, placeholders=placeholders))
-        return ArenaBookImage(arenas, [_chunk_image(c) for c in self.retiring.values()], self.next_chunk, self.next_grant)
+            chunks, placeholders = [_CHUNK.image(c) for c in a.chunks], [_CHUNK.image(c) for c in a.placeholders]
+            arenas.append(_ARENA.image(a, chunks=chunks, placeholders=placeholders))
+        return ArenaBookImage(arenas, [_CHUNK.image(c) for c in self.retiring.values()], self.next_chunk, self.next_grant)
 
     def restore(self, part: object, take: Take) -> None:
         """The book as ``image`` left it, its chunks adopted from the fds ``take`` gives.
@@ -492,16 +492,17 @@ class ArenaBook:
         count as retiring until those report the unmap or die)."""
         book = msgspec.convert(part, ArenaBookImage)
         for image in book.arenas:
-            chunks = [restored(ChunkRecord, c, handle=None) for c in image["chunks"]]
-            placeholders = [restored(ChunkRecord, c, handle=None) for c in image["placeholders"]]
-            arena = restored(ArenaRecord, image, chunks=chunks, placeholders=placeholders)
+            fields = _ARENA.fields(image)
+            chunks = [_CHUNK.restore(c, handle=None) for c in fields["chunks"]]
+            placeholders = [_CHUNK.restore(c, handle=None) for c in fields["placeholders"]]
+            arena = _ARENA.restore(fields, chunks=chunks, placeholders=placeholders)
             if not self._adopt(arena, chunks + placeholders, take):
                 for chunk in chunks + placeholders:
                     if chunk.holders:
                         self.retiring[chunk.id] = chunk
                 continue
             self.by_name[arena.name] = arena
-        for chunk in (restored(ChunkRecord, c, handle=None) for c in book.retiring):
+        for chunk in (_CHUNK.restore(c, handle=None) for c in book.retiring):
             if chunk.holders:
                 self.retiring[chunk.id] = chunk
         self.next_chunk, self.next_grant = book.next_chunk, book.next_grant

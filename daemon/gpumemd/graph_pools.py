@@ -31,7 +31,7 @@ from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import LeaseSegment
 
 from gpumemd.arenas import ArenaBook
-from gpumemd.image import LEFT_OUT, Image, Keep, Take, image_of, lease_name, restored
+from gpumemd.image import Image, Imager, Keep, Take, lease_name
 from gpumemd.records import ArenaRecord, GraphPoolRecord, Outcome, SessionRecord
 
 log = logging.getLogger("gpumemd.graph_pools")
@@ -55,6 +55,9 @@ def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((start, end))
     return out
+
+
+_POOL = Imager(GraphPoolRecord, "segment", "segment_fd")  # the process's mapping and fd: the segment's memfd is stored
 
 
 class GraphPoolBookImage(msgspec.Struct):
@@ -357,7 +360,7 @@ class GraphPoolBook:
         pools = []
         for g in self.by_id.values():
             keep(lease_name(g.id), g.segment_fd)
-            pools.append(image_of(g, segment=LEFT_OUT, segment_fd=LEFT_OUT))  # the segment is its stored memfd
+            pools.append(_POOL.image(g))
         return GraphPoolBookImage(pools, self.next_id)
 
     def restore(self, part: object, take: Take) -> None:
@@ -365,12 +368,12 @@ class GraphPoolBook:
         its lease segment from ``take``; a pool whose segment or arena is missing is
         dropped."""
         book = msgspec.convert(part, GraphPoolBookImage)
-        for image in book.pools:
-            pool_id = msgspec.convert(image.get("id"), int)
+        for image in (_POOL.fields(i) for i in book.pools):
+            pool_id = msgspec.convert(image["id"], int)
             fd = take(lease_name(pool_id))
             problem = "its lease segment is missing from the fd store" if fd < 0 else ""
-            if not problem and image.get("arena") not in self.arenas.by_name:
-                problem = f"its arena {image.get('arena')!r} was not rebuilt"
+            if not problem and image["arena"] not in self.arenas.by_name:
+                problem = f"its arena {image['arena']!r} was not rebuilt"
             segment = None
             if not problem:
                 try:
@@ -378,12 +381,12 @@ class GraphPoolBook:
                 except (ValueError, OSError) as exc:
                     problem = f"the stored lease segment is not one ({exc})"
             if segment is None:
-                log.error("graph pool %d (%r of client %r) cannot be rebuilt: %s; it is dropped", pool_id, image.get("label"),
-                          image.get("owner_name"), problem)
+                log.error("graph pool %d (%r of client %r) cannot be rebuilt: %s; it is dropped", pool_id, image["label"],
+                          image["owner_name"], problem)
                 if fd >= 0:
                     os.close(fd)
                 continue
-            self.by_id[pool_id] = restored(GraphPoolRecord, image, segment=segment, segment_fd=fd)
+            self.by_id[pool_id] = _POOL.restore(image, segment=segment, segment_fd=fd)
         self.next_id = book.next_id
 
     # ------------------------------------------------------------------ validation

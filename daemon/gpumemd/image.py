@@ -2,12 +2,12 @@
 by the book itself (``image`` and ``restore`` on the arena, graph-pool and KV books, and
 on the state for its sessions); durable.py keeps it in the fd store.
 
-A record's image is its own dataclass fields by name, so a field added to a record is
+A record's image is its own dataclass fields, enumerated from the class, so a field added to a record is
 kept across a restart with no second spelling of it anywhere; a wire struct a record
 holds (a round's budget, a member's capture-done report) is kept as that struct. What a
-field holds that cannot outlive the process (a driver's handle, a mapped segment) or
-that points at another record is named where the book images it (``image_of``'s
-``instead``) and given back where it restores (``restored``'s ``given``). The fds the
+field holds that cannot outlive the process (a driver's handle, a mapped segment) is
+named once, where the book makes its ``Imager``, and given back where it restores; a
+field that points at another record is imaged as that record's name or id. The fds the
 store must hold go through two small callables, so a book never sees the store.
 
 A snapshot of the whole state rather than a journal: a handful of arenas encode in
@@ -16,21 +16,21 @@ microseconds, and there is no replay to get wrong.
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
 IMAGE_VERSION = 3  # 3: each book's part, records by field name; a member keeps its capture-done report
 
-Image = dict[str, Any]
+# A record's image: its fields' values, in the order ``Imager.names`` gives.
+Image = tuple[Any, ...]
 # The fd the store must hold for the record, under this name.
 Keep = Callable[[str, int], None]
 # The fd the store passed under this name, now the caller's; -1: none was.
 Take = Callable[[str], int]
-
-# ``image_of``'s mark for a field that does not go into the record.
-LEFT_OUT: Any = object()
 
 _R = TypeVar("_R")
 
@@ -43,24 +43,34 @@ def lease_name(pool_id: int) -> str:
     return f"lease-{pool_id}"
 
 
-def image_of(record: Any, **instead: Any) -> Image:
-    """``record``'s fields by name; ``instead`` gives the image of a field that cannot
-    go as it is (LEFT_OUT: not at all). A record's instance dict holds its fields and
-    nothing else, and copying it is one call: every request that changes something
-    images every chunk."""
-    out: Image = dict(record.__dict__)
-    for name, value in instead.items():
-        if value is LEFT_OUT:
-            del out[name]
-        else:
-            out[name] = value
-    return out
+class Imager(Generic[_R]):
+    """The image of one record class: the values of its dataclass fields, in their
+    order, but the fields ``left_out`` (what cannot outlive the process). One C call
+    (attrgetter) per record: every request that changes something images every chunk."""
 
+    def __init__(self, cls: type[_R], *left_out: str) -> None:
+        self.cls = cls
+        self.names = tuple(f.name for f in dataclasses.fields(cls) if f.name not in left_out)  # type: ignore[arg-type]
+        self._values = operator.attrgetter(*self.names)
 
-def restored(cls: type[_R], image: Image, **given: Any) -> _R:
-    """The record ``image`` was made of, with ``given`` for the fields left out or
-    imaged otherwise; every field's type is checked (msgspec.ValidationError)."""
-    return msgspec.convert({**image, **given} if given else image, cls)
+    def image(self, record: _R, **instead: Any) -> Image:
+        """``instead``: the image of a field that cannot go as it is (a record it points at)."""
+        values: Image = self._values(record)
+        if instead:
+            values = tuple(instead.get(name, value) for name, value in zip(self.names, values))
+        return values
+
+    def fields(self, image: Image) -> dict[str, Any]:
+        if len(image) != len(self.names):
+            raise msgspec.ValidationError(f"a {self.cls.__name__} image has {len(image)} fields, not {len(self.names)}")
+        return dict(zip(self.names, image))
+
+    def restore(self, image: Image | dict[str, Any], **given: Any) -> _R:
+        """The record ``image`` was made of (or ``fields`` of it), with ``given`` for the
+        fields left out or imaged otherwise; every field's type is checked
+        (msgspec.ValidationError)."""
+        fields = image if isinstance(image, dict) else self.fields(image)
+        return msgspec.convert({**fields, **given} if given else fields, self.cls)
 
 
 class StateImage(msgspec.Struct, array_like=True):

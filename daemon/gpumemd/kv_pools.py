@@ -23,7 +23,7 @@ from gpumemd import kv_math
 from gpumemd.arenas import ArenaBook, map_batches
 from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
-from gpumemd.image import Image, image_of, restored
+from gpumemd.image import Image, Imager
 from gpumemd.records import (
     ArenaRecord,
     ChunkRecord,
@@ -49,6 +49,9 @@ MAX_WEIGHT = 1e6
 def _budget_figures(round_: RoundRecord) -> dict[str, int]:
     """The round's budget for a log line's figures; none before it was measured."""
     return {} if round_.budget == p.RoundBudget() else msgspec.structs.asdict(round_.budget)
+
+
+_POOL, _ROUND, _MEMBER = Imager(KvPoolRecord), Imager(RoundRecord), Imager(MemberRecord)
 
 
 class KvBookImage(msgspec.Struct):
@@ -286,32 +289,32 @@ class KvBook:
     def image(self) -> KvBookImage:
         now = self.clock()
         rounds = [
-            image_of(
+            _ROUND.image(
                 r,
                 created=now - r.created,  # seconds since: monotonic clocks do not survive a restart
                 deadline=r.deadline - now,  # seconds left
-                members=[image_of(m, pool=m.pool.name, staged=[c.id for c in m.staged]) for m in r.members],
+                members=[_MEMBER.image(m, pool=m.pool.name, staged=[c.id for c in m.staged]) for m in r.members],
             )
             for r in self.rounds
         ]
-        return KvBookImage([image_of(k) for k in self.pools.values()], rounds, self.next_round)
+        return KvBookImage([_POOL.image(k) for k in self.pools.values()], rounds, self.next_round)
 
     def restore(self, part: object) -> None:
         """The book as ``image`` left it (the arena book restored first); a pool whose
         arena was not rebuilt is dropped, and its members with it."""
         book = msgspec.convert(part, KvBookImage)
-        for pool in (restored(KvPoolRecord, k) for k in book.pools):
+        for pool in (_POOL.restore(k) for k in book.pools):
             if pool.name in self.arenas.by_name:
                 self.pools[pool.name] = pool
         chunks = {c.id: c for a in self.arenas.by_name.values() for c in a.chunks}
         now = self.clock()
-        for image in book.rounds:
+        for image in (_ROUND.fields(r) for r in book.rounds):
             members = [
-                restored(MemberRecord, m, pool=self.pools[m["pool"]], staged=[chunks[c] for c in m["staged"] if c in chunks])
-                for m in image["members"]
+                _MEMBER.restore(m, pool=self.pools[m["pool"]], staged=[chunks[c] for c in m["staged"] if c in chunks])
+                for m in (_MEMBER.fields(i) for i in image["members"])
                 if m["pool"] in self.pools
             ]
-            round_ = restored(RoundRecord, image, members=members)
+            round_ = _ROUND.restore(image, members=members)
             round_.created, round_.deadline = now - round_.created, now + round_.deadline
             self.rounds.append(round_)
         self.next_round = book.next_round

@@ -33,7 +33,7 @@ from gpumemd.arenas import ArenaBook
 from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
 from gpumemd.graph_pools import GraphPoolBook
-from gpumemd.image import IMAGE_VERSION, LEFT_OUT, Image, Keep, StateImage, Take, image_of, restored
+from gpumemd.image import IMAGE_VERSION, Image, Imager, Keep, StateImage, Take
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
 from gpumemd.tally import Tally
@@ -44,6 +44,10 @@ Handler = Callable[[Any, Any], Outcome]
 
 # Requests that change nothing a restart must find: no durable record is written for them.
 _READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent})
+
+
+# Both about its connection: a rebuilt session waits for its client, whose RESUME says what it sends again.
+_SESSION = Imager(SessionRecord, "waiting", "resending")
 
 
 class SessionsImage(msgspec.Struct):
@@ -369,7 +373,7 @@ class DaemonState:
     def image(self, keep: Keep) -> StateImage:
         """What a restart rebuilds from: each book's part; ``keep`` is told the fds the
         store must hold for it."""
-        sessions = [image_of(s, waiting=LEFT_OUT, resending=LEFT_OUT) for s in self.sessions.values()]  # both about a connection
+        sessions = [_SESSION.image(s) for s in self.sessions.values()]
         return StateImage(
             IMAGE_VERSION, self.device.uuid, self.driver.kind, self.config.va_base, self.generation,
             SessionsImage(sessions, self.next_session),
@@ -380,7 +384,7 @@ class DaemonState:
         """The state ``image`` was taken of, every session waiting for its client to
         resume (``take``: the stored fds by name)."""
         part = msgspec.convert(image.sessions, SessionsImage)
-        for session in (restored(SessionRecord, s, waiting=True) for s in part.sessions):
+        for session in (_SESSION.restore(s, waiting=True) for s in part.sessions):
             self.sessions[session.id] = session
         self.next_session = part.next_session
         self.arenas.restore(image.arenas, take)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
+from gpumemd import arenas, state
 from gpumemd.durable import Durable, RecordFile
 from gpumemd.image import StateImage, chunk_name, decode, lease_name
 from gpumemd.outbox import Mail, Outbox
@@ -20,6 +22,15 @@ from gpumemd.records import SessionRecord
 
 from .harness import Harness, MiB
 from .store_kit import FakeStore
+
+
+def sessions(record: StateImage) -> list[dict[str, Any]]:
+    return [state._SESSION.fields(s) for s in record.sessions["sessions"]]
+
+
+def chunks(record: StateImage) -> list[dict[str, Any]]:
+    live = [arenas._ARENA.fields(a) for a in record.arenas["arenas"]]
+    return [arenas._CHUNK.fields(c) for a in live for c in a["chunks"] + a["placeholders"]]
 
 
 # Answered from the state as it is, never resent for an answer: the record does not keep them.
@@ -41,7 +52,7 @@ class Door:
         session, frame = self.outbox.greet(p.decode_request(p.encode_request(1, p.Hello(name=name))), self.h._pid, 1000, 1000)
         assert p.decode_reply(frame).ok
         record = self.record()
-        assert any(s["id"] == session.id and s["credential"] == session.credential != b"" for s in record.sessions["sessions"]), (
+        assert any(s["id"] == session.id and s["credential"] == session.credential != b"" for s in sessions(record)), (
             "the session's resume credential left before the record held it"
         )
         return session
@@ -62,10 +73,8 @@ class Door:
     def check(self, mail: Mail, *, remembered: bool = True) -> None:
         """What a restart would find right now holds everything the mail carries."""
         record = self.record()
-        answers = {
-            s["token"]: {rid: (a["reply"], a["handout"], a["grants"]) for rid, a in s["answers"].items()} for s in record.sessions["sessions"]
-        }
-        fresh = {c["id"]: c["fresh"] for a in record.arenas["arenas"] for c in a["chunks"] + a["placeholders"]}
+        answers = {s["token"]: {rid: (a["reply"], a["handout"], a["grants"]) for rid, a in s["answers"].items()} for s in sessions(record)}
+        fresh = {c["id"]: c["fresh"] for c in chunks(record)}
         for letter in mail.letters:
             reply = p.decode_reply(letter.frame)
             chunk_ids = [cid for b in letter.batches if b.owned for cid in b.ids]
