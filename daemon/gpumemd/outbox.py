@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -26,7 +27,7 @@ from gpumem_shared.driver import DriverError
 
 from gpumemd.arenas import map_batches
 from gpumemd.durable import Durable
-from gpumemd.records import ChunkRecord, Notices, SessionRecord
+from gpumemd.records import ChunkRecord, Completion, SessionRecord
 from gpumemd.state import DaemonState
 
 log = logging.getLogger("gpumemd.outbox")
@@ -42,24 +43,31 @@ class Batch:
     owned: bool  # exported for this send (chunks): closed once sent; a lease segment's fd stays the daemon's
 
 
-@dataclasses.dataclass(slots=True)
 class Letter:
-    """A reply on the control channel, to a routing id, with the descriptors that go first."""
+    """A reply on the control channel, to a routing id, with the descriptors that go first
+    on the fd channel of ``session_id`` (0: an anonymous peer, no descriptors)."""
 
-    to: bytes
-    frame: bytes
-    session_id: int = 0  # whose fd channel carries the batches; 0: an anonymous peer
-    batches: list[Batch] = dataclasses.field(default_factory=list)
+    # Plain slots, and the empty tuple until there is something: one Letter and one Mail
+    # per request, and on a PING their lists cost as much as the rest of the outbox.
+    __slots__ = ("to", "frame", "session_id", "batches")
+
+    def __init__(self, to: bytes, frame: bytes, session_id: int = 0) -> None:
+        self.to = to
+        self.frame = frame
+        self.session_id = session_id
+        self.batches: Sequence[Batch] = ()
 
 
-@dataclasses.dataclass(slots=True)
 class Mail:
     """What the server sends, in this order: notices, letters; then it closes the fd
     channels of ``closing`` (sessions whose chunks could not be exported)."""
 
-    letters: list[Letter] = dataclasses.field(default_factory=list)
-    notices: Notices = dataclasses.field(default_factory=list)
-    closing: list[int] = dataclasses.field(default_factory=list)
+    __slots__ = ("letters", "notices", "closing")
+
+    def __init__(self, notices: Sequence[tuple[int, p.Notice]] = ()) -> None:
+        self.letters: list[Letter] = []
+        self.notices = notices
+        self.closing: Sequence[int] = ()
 
     def reply_to(self, to: bytes) -> bytes | None:
         return next((letter.frame for letter in self.letters if letter.to == to), None)
@@ -89,7 +97,8 @@ class Outbox:
         else:
             raise p.ProtocolError(p.ErrorCode.NO_SESSION, "the first message on the fd channel must be HELLO (or RESUME)")
         frame = p.encode_reply(request.request_id, reply)
-        self._keep()
+        if self.durable is not None:
+            self.durable.persist(self.state)
         return session, frame
 
     def request(self, to: bytes, session: SessionRecord | None, frame: bytes | memoryview) -> Mail:
@@ -115,7 +124,7 @@ class Outbox:
                     return self._seal(mail)
             outcome = self.state.handle(session, message, request_id)
             if outcome.notices:
-                mail.notices += outcome.notices
+                mail.notices = [*mail.notices, *outcome.notices]
             if outcome.reply is not None:  # None: deferred, answered as a completion
                 letter = Letter(to, p.encode_reply(request_id, outcome.reply))
                 mail.letters.append(letter)
@@ -168,9 +177,18 @@ class Outbox:
         state = self.state
         notices = state.take_notices()
         if notices:
-            mail.notices += notices
+            mail.notices = [*mail.notices, *notices]
         done_list = state.take_completions()
-        for done in done_list:  # seldom: a round's end
+        if done_list:  # seldom: a round's end
+            self._answer(done_list, mail)
+        if self.durable is not None and state.dirty:
+            self.durable.persist(state)
+        return mail
+
+    def _answer(self, done_list: list[Completion], mail: Mail) -> None:
+        """Deferred answers: each remembered by its session before it leaves."""
+        state = self.state
+        for done in done_list:
             session = state.sessions.get(done.session_id)
             if session is None:
                 continue
@@ -188,12 +206,6 @@ class Outbox:
             if self.durable is not None:
                 session.remember(done.request_id, frame, handout, [])
                 state.dirty = True  # the answer is in the record before it leaves
-        self._keep()
-        return mail
-
-    def _keep(self) -> None:
-        if self.durable is not None and self.state.dirty:
-            self.durable.persist(self.state)
 
     def _pack(
         self, letter: Letter, session: SessionRecord, request_id: int, chunks: list[ChunkRecord], grants: list[tuple[int, int]], mail: Mail
@@ -201,24 +213,24 @@ class Outbox:
         """The letter's batches: the chunks exported (and zeroed where fresh), then the
         lease segments. False: an export failed; the letter is an error instead, and the
         session's fd channel closes (its client cannot have what the reply names)."""
+        batches: list[Batch] = []
         for start in range(0, len(chunks), p.MAX_FDS_PER_MESSAGE):
             batch = chunks[start : start + p.MAX_FDS_PER_MESSAGE]
             try:
                 fds = self.state.driver.export_fds([(c.address, c.size, c.handle, c.fresh) for c in batch])
             except DriverError as exc:
                 log.error("zeroing or exporting %d chunk(s) for client %r failed: %s; closing its session", len(batch), session.name, exc)
-                for made in letter.batches:
-                    if made.owned:
-                        fdchannel.close_all(made.fds)
-                letter.batches = []
+                for made in batches:
+                    fdchannel.close_all(made.fds)
                 letter.frame = p.encode_error(request_id, p.ProtocolError(p.ErrorCode.DRIVER_ERROR, f"handing out chunks failed: {exc}"))
-                mail.closing.append(session.id)
+                mail.closing = [*mail.closing, session.id]
                 return False
             for chunk in batch:
                 chunk.fresh = False
-            letter.batches.append(Batch(request_id, [c.id for c in batch], fds, owned=True))
+            batches.append(Batch(request_id, [c.id for c in batch], fds, owned=True))
         if grants:
-            letter.batches.append(Batch(request_id, [pool_id for pool_id, _ in grants], [fd for _, fd in grants], owned=False))
+            batches.append(Batch(request_id, [pool_id for pool_id, _ in grants], [fd for _, fd in grants], owned=False))
+        letter.batches = batches
         return True
 
     def _replay(self, to: bytes, session: SessionRecord, request_id: int, message: Any, mail: Mail) -> Letter:

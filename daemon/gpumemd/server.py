@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -284,7 +284,7 @@ class Server:
             self._drop(conn)
             raise p.ProtocolError(p.ErrorCode.INTERNAL, "the fd channel is not accepting descriptors; session closed") from None
 
-    def _deliver(self, notices: list[tuple[int, p.Notice]]) -> None:
+    def _deliver(self, notices: Sequence[tuple[int, p.Notice]]) -> None:
         for session_id, notice in notices:
             conn = self._by_session.get(session_id)
             if conn is None:
