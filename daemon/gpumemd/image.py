@@ -2,10 +2,10 @@
 by the book itself (``image`` and ``restore`` on the arena, graph-pool and KV books, and
 on the state for its sessions); durable.py keeps it in the fd store.
 
-A record's image is its own dataclass fields, enumerated from the class, so a field added to a record is
-kept across a restart with no second spelling of it anywhere; a wire struct a record
-holds (a round's budget, a member's capture-done report) is kept as that struct. What a
-field holds that cannot outlive the process (a driver's handle, a mapped segment) is
+A record's image is its own dataclass fields, enumerated from the class, so a field
+added to a record is kept across a restart with no second spelling of it anywhere; a
+wire struct a record holds (a round's budget, a member's capture-done report) is kept as
+that struct. What cannot outlive the process (a driver's handle, a mapped segment) is
 named once, where the book makes its ``Imager``, and given back where it restores; a
 field that points at another record is imaged as that record's name or id. The fds the
 store must hold go through two small callables, so a book never sees the store.
@@ -23,7 +23,10 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-IMAGE_VERSION = 3  # 3: each book's part, records by field name; a member keeps its capture-done report
+# Records are imaged in their classes' field order: adding, removing or reordering a
+# record's fields changes the format. 3: each book's own part; a round member keeps its
+# capture-done report.
+IMAGE_VERSION = 3
 
 # A record's image: its fields' values, in the order ``Imager.names`` gives.
 Image = tuple[Any, ...]
