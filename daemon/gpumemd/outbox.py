@@ -148,10 +148,6 @@ class Outbox:
         self.state.tick()
         return self._seal(Mail())
 
-    def flush(self) -> Mail:
-        """What the state produced on its own since the last mail."""
-        return self._seal(Mail())
-
     def session_closed(self, session_id: int) -> Mail:
         """Its client is gone (EOF on its fd channel)."""
         return self._seal(Mail(notices=self.state.close_session(session_id)))
@@ -192,12 +188,10 @@ class Outbox:
             session = state.sessions.get(done.session_id)
             if session is None:
                 continue
-            ok = not isinstance(done.reply, p.ProtocolError)
             if isinstance(done.reply, p.ProtocolError):
-                frame = p.encode_error(done.request_id, done.reply)
+                frame, handout = p.encode_error(done.request_id, done.reply), []
             else:
-                frame = p.encode_reply(done.request_id, done.reply)
-            handout = done.handout if ok else []
+                frame, handout = p.encode_reply(done.request_id, done.reply), done.handout
             if not session.waiting:  # a waiting session gets it when it sends the request again
                 letter = Letter(session.token, frame, session.id)
                 mail.letters.append(letter)

@@ -157,8 +157,14 @@ def test_a_resent_request_gets_its_recorded_answer_again(door: Door) -> None:
     door.send(owner, p.CreateArena(name="a", reserve_bytes=256 * MiB))
     rid, first = door.send(owner, p.CommitArena(name="a", nbytes=40 * MiB))
     committed = door.h.state.arenas.by_name["a"].committed
+    handed = [cid for b in first.letters[0].batches for cid in b.ids]
+    # As a RESUME leaves it when the reply never reached the client: it maps none of them.
     owner.resending = {rid}
+    door.h.state.arenas.drop_holder(owner.id, set(handed))
+    door.durable.persist(door.h.state)
     _, again = door.send(owner, p.CommitArena(name="a", nbytes=40 * MiB), rid)
     assert again.letters[0].frame == first.letters[0].frame
     assert [b.ids for b in again.letters[0].batches] == [b.ids for b in first.letters[0].batches]
     assert door.h.state.arenas.by_name["a"].committed == committed, "carried out twice"
+    holders = {c["id"]: c["holders"] for c in chunks(door.record())}
+    assert all(owner.id in holders[cid] for cid in handed), "chunks handed out again before the record says who maps them"
