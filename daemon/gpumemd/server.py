@@ -247,31 +247,33 @@ class Server:
         """Send what the outbox put together (the record holds it already)."""
         if mail.notices:
             self._deliver(mail.notices)
+        router = self._router
         for letter in mail.letters:
-            self._send(letter)
+            frame = self._hand_over(letter) if letter.batches else letter.frame
+            if router is not None:
+                router.send(letter.to, _SNDMORE_NOBLOCK)
+                router.send(frame, _NOBLOCK)
         for session_id in mail.closing:
             conn = self._by_session.get(session_id)
             if conn is not None:
                 self._drop(conn)
 
-    def _send(self, letter: Letter) -> None:
-        frame = letter.frame
-        if letter.batches:
-            try:
-                conn = self._by_session.get(letter.session_id)
-                for batch in letter.batches:
-                    if conn is None or conn.session is None:
-                        raise p.ProtocolError(p.ErrorCode.INTERNAL, "the session's fd channel closed before its descriptors went")
-                    self._send_fds(conn, conn.session, batch)
-            except p.ProtocolError as exc:
-                frame = p.encode_error(letter.batches[0].request_id, exc)
-            finally:
-                for batch in letter.batches:
-                    if batch.owned:
-                        fdchannel.close_all(batch.fds)  # the peer holds its own copies now
-        if self._router is not None:
-            self._router.send(letter.to, _SNDMORE_NOBLOCK)
-            self._router.send(frame, _NOBLOCK)
+    def _hand_over(self, letter: Letter) -> bytes:
+        """The letter's fd batches, on its session's fd channel; the reply to send after
+        them (an error if they could not go)."""
+        try:
+            conn = self._by_session.get(letter.session_id)
+            for batch in letter.batches:
+                if conn is None or conn.session is None:
+                    raise p.ProtocolError(p.ErrorCode.INTERNAL, "the session's fd channel closed before its descriptors went")
+                self._send_fds(conn, conn.session, batch)
+        except p.ProtocolError as exc:
+            return p.encode_error(letter.batches[0].request_id, exc)
+        finally:
+            for batch in letter.batches:
+                if batch.owned:
+                    fdchannel.close_all(batch.fds)  # the peer holds its own copies now
+        return letter.frame
 
     def _send_fds(self, conn: Connection, session: SessionRecord, batch: Batch) -> None:
         try:
