@@ -26,6 +26,9 @@ is decided above it, by the dispatcher (state.py).
 from __future__ import annotations
 
 import logging
+import os
+
+import msgspec
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
@@ -34,6 +37,7 @@ from gpumem_shared.units import format_size
 from gpumemd import grants
 from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
+from gpumemd.image import Image, Imager, Keep, Take, chunk_name
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
 
 log = logging.getLogger("gpumemd.arenas")
@@ -63,6 +67,17 @@ def plan_chunk_sizes(nbytes: int, bulk: int, granularity: int) -> list[int]:
 def map_batches(chunks: int) -> int:
     """FD_BATCH messages needed to pass ``chunks`` descriptors."""
     return -(-chunks // p.MAX_FDS_PER_MESSAGE)
+
+
+class ArenaBookImage(msgspec.Struct):
+    arenas: list[Image]
+    retiring: list[Image]  # chunks out of service that clients still map
+    next_chunk: int
+    next_grant: int
+
+
+_CHUNK = Imager(ChunkRecord, "handle")  # a driver's handle dies with the process: the chunk's fd is stored
+_ARENA = Imager(ArenaRecord)
 
 
 class ArenaBook:
@@ -459,6 +474,57 @@ class ArenaBook:
                 available=available,
             )
         return available
+
+    # ------------------------------------------------------------------ the durable record
+
+    def image(self, keep: Keep) -> ArenaBookImage:
+        arenas = []
+        for a in self.by_name.values():
+            for c in a.chunks + a.placeholders:
+                keep(chunk_name(c.id), self.driver.chunk_fd(c.handle))
+            chunks, placeholders = [_CHUNK.image(c) for c in a.chunks], [_CHUNK.image(c) for c in a.placeholders]
+            arenas.append(_ARENA.image(a, chunks=chunks, placeholders=placeholders))
+        return ArenaBookImage(arenas, [_CHUNK.image(c) for c in self.retiring.values()], self.next_chunk, self.next_grant)
+
+    def restore(self, part: object, take: Take) -> None:
+        """The book as ``image`` left it, its chunks adopted from the fds ``take`` gives.
+        An arena whose chunks are not all there is dropped (its chunks that clients map
+        count as retiring until those report the unmap or die)."""
+        book = msgspec.convert(part, ArenaBookImage)
+        for image in book.arenas:
+            fields = _ARENA.fields(image)
+            chunks = [_CHUNK.restore(c, handle=None) for c in fields["chunks"]]
+            placeholders = [_CHUNK.restore(c, handle=None) for c in fields["placeholders"]]
+            arena = _ARENA.restore(fields, chunks=chunks, placeholders=placeholders)
+            if not self._adopt(arena, chunks + placeholders, take):
+                for chunk in chunks + placeholders:
+                    if chunk.holders:
+                        self.retiring[chunk.id] = chunk
+                continue
+            self.by_name[arena.name] = arena
+        for chunk in (_CHUNK.restore(c, handle=None) for c in book.retiring):
+            if chunk.holders:
+                self.retiring[chunk.id] = chunk
+        self.next_chunk, self.next_grant = book.next_chunk, book.next_grant
+
+    def _adopt(self, arena: ArenaRecord, chunks: list[ChunkRecord], take: Take) -> bool:
+        fds = [take(chunk_name(c.id)) for c in chunks]
+        missing = [c.id for c, fd in zip(chunks, fds) if fd < 0]
+        problem = f"chunk(s) {missing} missing from the fd store" if missing else ""
+        if not problem:
+            try:
+                handles = self.driver.adopt_chunks([(c.address, c.size) for c in chunks], fds)
+            except DriverError as exc:
+                problem = f"a stored chunk is not one ({exc})"
+            else:
+                for chunk, handle in zip(chunks, handles):
+                    chunk.handle = handle
+                return True
+        log.error("arena %r (owner %r) cannot be rebuilt: %s; it is dropped", arena.name, arena.owner_name, problem)
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+        return False
 
     # ------------------------------------------------------------------ windows
 

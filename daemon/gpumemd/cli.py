@@ -27,6 +27,7 @@ from gpumemd.arenas import SliceUnavailable
 from gpumemd.config import StateConfig
 from gpumemd.metrics import Metrics
 from gpumemd.durable import Durable
+from gpumemd.outbox import Outbox
 from gpumemd.notify import SystemdNotifier, inherited_fds
 from gpumemd.runtime import StartupError
 from gpumemd.server import Server
@@ -230,7 +231,7 @@ def command(
         hello_timeout=hello_timeout,
         notifier=notifier,
         on_tick=metrics.refresh if metrics is not None else None,
-        durable=durable,
+        outbox=Outbox(state, durable),
     )
     try:
         server.bind()

@@ -11,12 +11,13 @@ write fails its check, and the other one, a write older, is read instead.
 Write order, so that a crash at any instant loses nothing a client holds and leaks
 nothing: new fds go to the store, a barrier waits until the manager has them, then the
 record is written, then fds no longer named by it are removed from the store; only then
-do descriptors and the reply leave (the server calls ``persist`` before it sends). A fd
+do descriptors and the reply leave (outbox.py calls ``persist`` before it hands the
+server anything to send). A fd
 the store holds that the record does not name (a crash after the store, before the
 record) is closed at the next start; a chunk the record names is in the store.
 
-At start the daemon reads what the manager passed (LISTEN_FDS), rebuilds the books with
-every session waiting for its client, and releases after the grace period what no client
+At start the daemon reads what the manager passed (LISTEN_FDS), and each book restores
+its part of the image (image.py) with every session waiting for its client, and releases after the grace period what no client
 came back for, like a dead client's. Nothing in the store: a fresh start, as ever.
 """
 
@@ -30,35 +31,8 @@ import zlib
 
 import msgspec
 
-from gpumem_shared import protocol as p
-from gpumem_shared.driver import DriverError
-from gpumem_shared.lease_table import LeaseSegment
-
-from gpumemd.arenas import map_batches
-from gpumemd.image import (
-    IMAGE_VERSION,
-    ArenaImage,
-    ChunkImage,
-    GraphPoolImage,
-    StateImage,
-    capture,
-    chunk_name,
-    decode,
-    lease_name,
-)
+from gpumemd.image import IMAGE_VERSION, decode, encode
 from gpumemd.notify import StoreError, SystemdNotifier
-from gpumemd.records import (
-    Answer,
-    ArenaRecord,
-    ChunkRecord,
-    GrantRecord,
-    GraphPoolRecord,
-    KvBufferLayout,
-    KvPoolRecord,
-    MemberRecord,
-    RoundRecord,
-    SessionRecord,
-)
 from gpumemd.state import DaemonState
 
 log = logging.getLogger("gpumemd.durable")
@@ -168,12 +142,7 @@ class Durable:
                     os.close(fd)
             self.record = RecordFile.create()
         if payload is not None:
-            try:
-                image = decode(payload)
-            except msgspec.DecodeError as exc:
-                log.error("durable record unreadable (%s); state is not rebuilt", exc)
-            else:
-                _Rebuild(state, fds).run(image)
+            self._rebuild(state, payload, fds)
         elif fds:
             log.error("fd store: no readable durable record; state is not rebuilt")
         for name, group in sorted(fds.items()):  # what no record names: stored just before a crash, or foreign
@@ -183,8 +152,33 @@ class Durable:
         state.resumable = True
         self.persist(state)
 
+    def _rebuild(self, state: DaemonState, payload: bytes, fds: dict[str, list[int]]) -> None:
+        """The books restored from the record; the fds they adopt are taken out of ``fds``."""
+
+        def take(name: str) -> int:
+            group = fds.pop(name, None)
+            return group[0] if group else -1
+
+        try:
+            image = decode(payload)
+        except msgspec.DecodeError as exc:
+            log.error("durable record unreadable (%s); state is not rebuilt", exc)
+            return
+        mine = (state.device.uuid, state.driver.kind, state.config.va_base)
+        if image.version != IMAGE_VERSION or (image.device_uuid, image.backend, image.va_base) != mine:
+            log.error(
+                "durable record is of another daemon (version %d, device %s, backend %s, slice %#x; this one: %s, %s, %#x); "
+                "state is not rebuilt", image.version, image.device_uuid, image.backend, image.va_base, *mine,
+            )
+            return
+        try:
+            state.restore(image, take)
+        except msgspec.ValidationError as exc:  # written by this version: only a bug gets here
+            log.error("durable record does not match its version's layout (%s); state is rebuilt only in part", exc)
+
     def persist(self, state: DaemonState) -> None:
-        payload, live = capture(state)
+        live: dict[str, int] = {}
+        payload = encode(state.image(live.__setitem__))
         for name, fd in zip(RECORD_NAMES, self.record.fds):
             live[name] = fd
         new = [name for name in live if name not in self._stored]
@@ -218,165 +212,3 @@ class Durable:
     def close(self) -> None:
         self.record.close()
         self.notifier.close()
-
-
-class _Rebuild:
-    """The books rebuilt from an image and the fds passed (taken out of ``fds`` as they
-    are adopted); whatever cannot be rebuilt is logged and given back."""
-
-    def __init__(self, state: DaemonState, fds: dict[str, list[int]]) -> None:
-        self.state = state
-        self.fds = fds
-
-    def _take(self, name: str) -> int:
-        group = self.fds.pop(name, None)
-        return group[0] if group else -1
-
-    def run(self, image: StateImage) -> None:
-        state = self.state
-        mine = (state.device.uuid, state.driver.kind, state.config.va_base)
-        if image.version != IMAGE_VERSION or (image.device_uuid, image.backend, image.va_base) != mine:
-            log.error(
-                "durable record is of another daemon (version %d, device %s, backend %s, slice %#x; this one: %s, %s, %#x); "
-                "state is not rebuilt", image.version, image.device_uuid, image.backend, image.va_base, *mine,
-            )
-            return
-        now = state.clock()
-        for si in image.sessions:
-            state.sessions[si.id] = SessionRecord(
-                id=si.id, name=si.name, pid=si.pid, uid=si.uid, gid=si.gid, since=si.since, token=si.token,
-                credential=si.credential, waiting=True,
-                answers={rid: Answer(reply, list(handout), list(grants)) for rid, reply, handout, grants in si.answers},
-            )
-        arenas = state.arenas
-        for ai in image.arenas:
-            self._arena(ai)
-        for ci in image.retiring:
-            if ci.holders:
-                arenas.retiring[ci.id] = self._record(ci, None)
-        for gi in image.graph_pools:
-            self._graph_pool(gi)
-        kv = state.kv
-        for ki in image.kv_pools:
-            if ki.name in arenas.by_name:
-                kv.pools[ki.name] = KvPoolRecord(
-                    name=ki.name, owner_id=ki.owner_id, buffers=[KvBufferLayout(*b) for b in ki.buffers], max_tokens=ki.max_tokens,
-                    granularity=ki.granularity, tokens=ki.tokens, min_tokens=ki.min_tokens, shrink_request=ki.shrink_request,
-                )
-        chunks = {c.id: c for a in arenas.by_name.values() for c in a.chunks}
-        for ri in image.rounds:
-            members = [
-                MemberRecord(
-                    pool=kv.pools[mi.pool], session_id=mi.session_id, client=mi.client, reported=mi.reported,
-                    headroom_bytes=mi.headroom_bytes, graph_pool_bytes=mi.graph_pool_bytes, min_tokens=mi.min_tokens,
-                    max_tokens=mi.max_tokens, weight=mi.weight, request_id=mi.request_id, tokens=mi.tokens, bytes=mi.bytes,
-                    staged=[chunks[c] for c in mi.staged if c in chunks],
-                )
-                for mi in ri.members
-                if mi.pool in kv.pools
-            ]
-            kv.rounds.append(
-                RoundRecord(
-                    id=ri.id, created=now - ri.age, deadline=now + ri.left, policy=ri.policy, state=ri.state, expect=ri.expect,
-                    joined=ri.joined, members=members, dropped=ri.dropped, budget=ri.budget, error=ri.error,
-                )
-            )
-        state.next_session = image.next_session
-        arenas.next_chunk, arenas.next_grant = image.next_chunk, image.next_grant
-        state.graph_pools.next_id = image.next_pool
-        kv.next_round = image.next_round
-        state.generation = image.generation + 1
-        if state.sessions:
-            state.grace_deadline = now + state.config.restart_grace
-        log.info(
-            "rebuilt from the fd store (generation %d): %d session(s) waiting up to %gs for their clients, %d arena(s), "
-            "%d graph pool(s), %d KV pool(s), %d bytes accounted",
-            state.generation, len(state.sessions), state.config.restart_grace, len(arenas.by_name), len(state.graph_pools.by_id),
-            len(kv.pools), arenas.accounted_bytes(),
-            extra={"figures": {"generation": state.generation, "sessions": len(state.sessions), "arenas": len(arenas.by_name)}},
-        )
-
-    @staticmethod
-    def _record(ci: ChunkImage, handle: object) -> ChunkRecord:
-        return ChunkRecord(
-            id=ci.id, arena=ci.arena, offset=ci.offset, size=ci.size, address=ci.address, handle=handle,
-            holders=set(ci.holders), fresh=ci.fresh,
-        )
-
-    def _arena(self, ai: ArenaImage) -> None:
-        arenas = self.state.arenas
-        images = ai.chunks + ai.placeholders
-        fds = [self._take(chunk_name(ci.id)) for ci in images]
-        missing = [ci.id for ci, fd in zip(images, fds) if fd < 0]
-        problem = f"chunk(s) {missing} missing from the fd store" if missing else ""
-        handles: list[object] = []
-        if not problem:
-            try:
-                handles = arenas.driver.adopt_chunks([(ci.address, ci.size) for ci in images], fds)
-            except DriverError as exc:
-                problem = f"a stored chunk is not one ({exc})"
-        if problem:
-            # Lost: its chunks go (their bytes stay with the clients that map them, counted as
-            # retiring until those report the unmap or die).
-            log.error("arena %r (owner %r) cannot be rebuilt: %s; it is dropped", ai.name, ai.owner_name, problem)
-            for fd in fds:
-                if fd >= 0:
-                    os.close(fd)
-            for ci in images:
-                if ci.holders:
-                    arenas.retiring[ci.id] = self._record(ci, None)
-            return
-        records = [self._record(ci, h) for ci, h in zip(images, handles)]
-        arena = ArenaRecord(
-            name=ai.name, owner_id=ai.owner_id, owner_name=ai.owner_name, owner_pid=ai.owner_pid, address=ai.address,
-            reserved=ai.reserved, kv=ai.kv, owner_alive=ai.owner_alive, released=ai.released,
-            chunks=records[: len(ai.chunks)], placeholders=records[len(ai.chunks):],
-            grants=[GrantRecord(id=g.id, token=g.token, client=g.client, uid=g.uid, gid=g.gid, uid_implied=g.uid_implied) for g in ai.grants],
-            attached=set(ai.attached),
-        )
-        arenas.by_name[arena.name] = arena
-
-    def _graph_pool(self, gi: GraphPoolImage) -> None:
-        fd = self._take(lease_name(gi.id, gi.segment_moves))
-        problem = "its lease segment is missing from the fd store" if fd < 0 else ""
-        if not problem and gi.arena not in self.state.arenas.by_name:
-            problem = f"its arena {gi.arena!r} was not rebuilt"
-        segment = None
-        if not problem:
-            try:
-                segment = LeaseSegment(fd)
-            except (ValueError, OSError) as exc:
-                problem = f"the stored lease segment is not one ({exc})"
-        if segment is None:
-            log.error("graph pool %d (%r of client %r) cannot be rebuilt: %s; it is dropped", gi.id, gi.label, gi.owner_name, problem)
-            if fd >= 0:
-                os.close(fd)
-            return
-        self.state.graph_pools.by_id[gi.id] = GraphPoolRecord(
-            id=gi.id, owner_id=gi.owner_id, owner_name=gi.owner_name, arena=gi.arena, label=gi.label, epoch=gi.epoch,
-            extents=list(gi.extents), free_runs=list(gi.free_runs),
-            segment=segment, segment_fd=fd, shared=gi.shared, users=set(gi.users), events=dict(gi.events),
-            escapers=set(gi.escapers), lease_repairs=gi.lease_repairs, segment_moves=gi.segment_moves,
-        )
-
-
-def replay(
-    state: DaemonState, session: SessionRecord, request_id: int, message: p.RequestMessage
-) -> tuple[bytes, list[ChunkRecord], list[tuple[int, int]]]:
-    """The answer to a request resent after a restart that the daemon before had carried
-    out (its reply, from the record): the reply, the chunks to hand out again and the
-    lease segments to grant again. Chunks it handed out that went since (retired by their
-    owner meanwhile) leave the reply."""
-    kept = session.answers[request_id]
-    live = {c.id: c for a in state.arenas.by_name.values() for c in a.chunks + a.placeholders}
-    chunks = state.arenas.hand(session, [live[cid] for cid in kept.handout if cid in live])
-    reply = kept.reply
-    if len(chunks) < len(kept.handout):
-        answer = p.decode_reply(reply)
-        body = p.decode_body(message.REPLY, answer.body)
-        views = [c for c in getattr(body, "chunks", []) if c.id in live or c.id not in kept.handout]
-        reply = p.encode_reply(request_id, msgspec.structs.replace(body, chunks=views, fd_batches=map_batches(len(chunks))))
-    pools = state.graph_pools.by_id
-    grants = [(pid, pools[pid].segment_fd) for pid in kept.grants if pid in pools and session.id in pools[pid].users]
-    log.info("request %d of client %r answered again after the restart (%d chunk(s))", request_id, session.name, len(chunks))
-    return reply, chunks, grants

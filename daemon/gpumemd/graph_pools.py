@@ -27,11 +27,14 @@ import os
 import time
 from collections.abc import Mapping
 
+import msgspec
+
 from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import LeaseSegment
 
 from gpumemd.arenas import ArenaBook
+from gpumemd.image import Image, Imager, Keep, Take, lease_name
 from gpumemd.records import ArenaRecord, GraphPoolRecord, Outcome, SessionRecord
 
 log = logging.getLogger("gpumemd.graph_pools")
@@ -57,6 +60,14 @@ def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((start, end))
     return out
+
+
+_POOL = Imager(GraphPoolRecord, "segment", "segment_fd")  # the process's mapping and fd: the segment's memfd is stored
+
+
+class GraphPoolBookImage(msgspec.Struct):
+    pools: list[Image]
+    next_id: int
 
 
 class GraphPoolBook:
@@ -409,6 +420,41 @@ class GraphPoolBook:
         """At exit: every pool left goes, with its segment."""
         for pool in list(self.by_id.values()):
             self.drop(pool)
+
+    # ------------------------------------------------------------------ the durable record
+
+    def image(self, keep: Keep) -> GraphPoolBookImage:
+        pools = []
+        for g in self.by_id.values():
+            keep(lease_name(g.id, g.segment_moves), g.segment_fd)
+            pools.append(_POOL.image(g))
+        return GraphPoolBookImage(pools, self.next_id)
+
+    def restore(self, part: object, take: Take) -> None:
+        """The book as ``image`` left it (the arena book restored first), each pool with
+        its lease segment from ``take``; a pool whose segment or arena is missing is
+        dropped."""
+        book = msgspec.convert(part, GraphPoolBookImage)
+        for image in (_POOL.fields(i) for i in book.pools):
+            pool_id = msgspec.convert(image["id"], int)
+            fd = take(lease_name(pool_id, msgspec.convert(image["segment_moves"], int)))
+            problem = "its lease segment is missing from the fd store" if fd < 0 else ""
+            if not problem and image["arena"] not in self.arenas.by_name:
+                problem = f"its arena {image['arena']!r} was not rebuilt"
+            segment = None
+            if not problem:
+                try:
+                    segment = LeaseSegment(fd)
+                except (ValueError, OSError) as exc:
+                    problem = f"the stored lease segment is not one ({exc})"
+            if segment is None:
+                log.error("graph pool %d (%r of client %r) cannot be rebuilt: %s; it is dropped", pool_id, image["label"],
+                          image["owner_name"], problem)
+                if fd >= 0:
+                    os.close(fd)
+                continue
+            self.by_id[pool_id] = _POOL.restore(image, segment=segment, segment_fd=fd)
+        self.next_id = book.next_id
 
     # ------------------------------------------------------------------ validation
 

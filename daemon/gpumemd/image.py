@@ -1,20 +1,41 @@
-"""The state image: what the durable record holds of the books, as plain msgspec
-structs encoded as msgpack arrays, and the fds the store must hold for it by name
-(``chunk-<id>``, ``lease-<id>``). ``capture`` builds it from a live state; the rebuild
-in durable.py reads it back. A snapshot of the whole state rather than a journal: a
-handful of arenas encode in microseconds, and there is no replay to get wrong.
+"""The state's image: what the durable record holds, each book's part written and read
+by the book itself (``image`` and ``restore`` on the arena, graph-pool and KV books, and
+on the state for its sessions); durable.py keeps it in the fd store.
+
+A record's image is its own dataclass fields, enumerated from the class, so a field
+added to a record is kept across a restart with no second spelling of it anywhere; a
+wire struct a record holds (a round's budget, a member's capture-done report) is kept as
+that struct. What cannot outlive the process (a driver's handle, a mapped segment) is
+named once, where the book makes its ``Imager``, and given back where it restores; a
+field that points at another record is imaged as that record's name or id. The fds the
+store must hold go through two small callables, so a book never sees the store.
+
+A snapshot of the whole state rather than a journal: a handful of arenas encode in
+microseconds, and there is no replay to get wrong.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
 import msgspec
 
-from gpumem_shared import protocol as p
+# Records are imaged in their classes' field order: adding, removing or reordering a
+# record's fields changes the format. 3: each book's own part; a round member keeps its
+# capture-done report.
+IMAGE_VERSION = 3
 
-from gpumemd.records import ChunkRecord
-from gpumemd.state import DaemonState
+# A record's image: its fields' values, in the order ``Imager.names`` gives.
+Image = tuple[Any, ...]
+# The fd the store must hold for the record, under this name.
+Keep = Callable[[str, int], None]
+# The fd the store passed under this name, now the caller's; -1: none was.
+Take = Callable[[str], int]
 
-IMAGE_VERSION = 2  # 2: several remembered replies per session
+_R = TypeVar("_R")
 
 
 def chunk_name(chunk_id: int) -> str:
@@ -27,214 +48,59 @@ def lease_name(pool_id: int, moves: int = 0) -> str:
     return f"lease-{pool_id}.{moves}" if moves else f"lease-{pool_id}"
 
 
-class _Image(msgspec.Struct, array_like=True):
-    pass
+class Imager(Generic[_R]):
+    """The image of one record class: the values of its dataclass fields, in their
+    order, but the fields ``left_out`` (what cannot outlive the process). One C call
+    (attrgetter) per record: every request that changes something images every chunk."""
+
+    def __init__(self, cls: type[_R], *left_out: str) -> None:
+        self.cls = cls
+        self.names = tuple(f.name for f in dataclasses.fields(cls) if f.name not in left_out)  # type: ignore[arg-type]
+        self._values = operator.attrgetter(*self.names)
+
+    def image(self, record: _R, **instead: Any) -> Image:
+        """``instead``: the image of a field that cannot go as it is (a record it points at)."""
+        values: Image = self._values(record)
+        if instead:
+            values = tuple(instead.get(name, value) for name, value in zip(self.names, values))
+        return values
+
+    def fields(self, image: Image) -> dict[str, Any]:
+        if len(image) != len(self.names):
+            raise msgspec.ValidationError(f"a {self.cls.__name__} image has {len(image)} fields, not {len(self.names)}")
+        return dict(zip(self.names, image))
+
+    def restore(self, image: Image | dict[str, Any], **given: Any) -> _R:
+        """The record ``image`` was made of (or ``fields`` of it), with ``given`` for the
+        fields left out or imaged otherwise; every field's type is checked
+        (msgspec.ValidationError)."""
+        fields = image if isinstance(image, dict) else self.fields(image)
+        return msgspec.convert({**fields, **given} if given else fields, self.cls)
 
 
-class ChunkImage(_Image):
-    id: int
-    arena: str
-    offset: int
-    size: int
-    address: int
-    fresh: bool
-    holders: list[int]
+class StateImage(msgspec.Struct, array_like=True):
+    """The record's payload. The first five fields stay where they are in every version:
+    a record of another version or daemon is recognized and refused by them."""
 
-
-class GrantImage(_Image):
-    id: int
-    token: bytes
-    client: str
-    uid: int
-    gid: int
-    uid_implied: bool
-
-
-class ArenaImage(_Image):
-    name: str
-    owner_id: int
-    owner_name: str
-    owner_pid: int
-    address: int
-    reserved: int
-    kv: bool
-    owner_alive: bool
-    released: bool
-    chunks: list[ChunkImage]
-    placeholders: list[ChunkImage]
-    grants: list[GrantImage]
-    attached: list[int]
-
-
-class SessionImage(_Image):
-    id: int
-    name: str
-    pid: int
-    uid: int
-    gid: int
-    since: float
-    token: bytes
-    credential: bytes
-    answers: list[tuple[int, bytes, list[int], list[int]]]  # request id, reply, chunk ids, graph pool ids
-
-
-class GraphPoolImage(_Image):
-    id: int
-    owner_id: int
-    owner_name: str
-    arena: str
-    label: str
-    epoch: int
-    extents: list[tuple[int, int]]
-    free_runs: list[tuple[int, int]]
-    shared: bool
-    users: list[int]
-    events: dict[int, bytes]
-    escapers: list[int]
-    lease_repairs: int
-    segment_moves: int = 0
-
-
-class KvPoolImage(_Image):
-    name: str
-    owner_id: int
-    buffers: list[tuple[str, int, int, int]]  # name, row bytes, offset, region
-    max_tokens: int
-    granularity: int
-    tokens: int
-    min_tokens: int
-    shrink_request: int | None
-
-
-class MemberImage(_Image):
-    pool: str
-    session_id: int
-    client: str
-    reported: bool
-    headroom_bytes: int
-    graph_pool_bytes: int
-    min_tokens: int
-    max_tokens: int
-    weight: float
-    request_id: int
-    tokens: int
-    bytes: int
-    staged: list[int]  # chunk ids
-
-
-class RoundImage(_Image):
-    id: int
-    age: float  # seconds since it opened (monotonic clocks do not survive a restart)
-    left: float  # seconds to its deadline
-    policy: p.RoundPolicy
-    state: p.RoundState
-    expect: int
-    joined: int
-    members: list[MemberImage]
-    dropped: list[str]
-    budget: p.RoundBudget
-    error: str
-
-
-class StateImage(_Image):
     version: int
     device_uuid: str
     backend: str
     va_base: int
     generation: int
-    next_session: int
-    next_chunk: int
-    next_grant: int
-    next_pool: int
-    next_round: int
-    sessions: list[SessionImage]
-    arenas: list[ArenaImage]
-    retiring: list[ChunkImage]
-    graph_pools: list[GraphPoolImage]
-    kv_pools: list[KvPoolImage]
-    rounds: list[RoundImage]
+    sessions: Any = None  # each book's part, read by the book
+    arenas: Any = None
+    graph_pools: Any = None
+    kv: Any = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(StateImage)
 
 
+def encode(image: StateImage) -> bytes:
+    return _ENCODER.encode(image)
+
+
 def decode(payload: bytes) -> StateImage:
     """The image a record's payload holds (msgspec's errors if it does not)."""
     return _DECODER.decode(payload)
-
-
-def _chunk(c: ChunkRecord) -> ChunkImage:
-    return ChunkImage(c.id, c.arena, c.offset, c.size, c.address, c.fresh, list(c.holders))
-
-
-def capture(state: DaemonState) -> tuple[bytes, dict[str, int]]:
-    """The state's image, and the fds the store must hold for it, by name."""
-    chunk_fd = state.driver.chunk_fd
-    fds: dict[str, int] = {}
-    arenas = []
-    for a in state.arenas.by_name.values():
-        live = a.chunks + a.placeholders
-        for c in live:
-            fds[chunk_name(c.id)] = chunk_fd(c.handle)
-        arenas.append(
-            ArenaImage(
-                a.name, a.owner_id, a.owner_name, a.owner_pid, a.address, a.reserved, a.kv, a.owner_alive, a.released,
-                [_chunk(c) for c in a.chunks], [_chunk(c) for c in a.placeholders],
-                [GrantImage(g.id, g.token, g.client, g.uid, g.gid, g.uid_implied) for g in a.grants], sorted(a.attached),
-            )
-        )
-    pools = []
-    for g in state.graph_pools.by_id.values():
-        fds[lease_name(g.id, g.segment_moves)] = g.segment_fd
-        pools.append(
-            GraphPoolImage(
-                g.id, g.owner_id, g.owner_name, g.arena, g.label, g.epoch, g.extents, g.free_runs, g.shared,
-                sorted(g.users), g.events, sorted(g.escapers), g.lease_repairs, g.segment_moves,
-            )
-        )
-    now = state.clock()
-    image = StateImage(
-        version=IMAGE_VERSION,
-        device_uuid=state.device.uuid,
-        backend=state.driver.kind,
-        va_base=state.config.va_base,
-        generation=state.generation,
-        next_session=state.next_session,
-        next_chunk=state.arenas.next_chunk,
-        next_grant=state.arenas.next_grant,
-        next_pool=state.graph_pools.next_id,
-        next_round=state.kv.next_round,
-        sessions=[
-            SessionImage(
-                s.id, s.name, s.pid, s.uid, s.gid, s.since, s.token, s.credential,
-                [(rid, a.reply, a.handout, a.grants) for rid, a in s.answers.items()],
-            )
-            for s in state.sessions.values()
-        ],
-        arenas=arenas,
-        retiring=[_chunk(c) for c in state.arenas.retiring.values()],
-        graph_pools=pools,
-        kv_pools=[
-            KvPoolImage(
-                k.name, k.owner_id, [(b.name, b.row_bytes, b.offset, b.region) for b in k.buffers], k.max_tokens,
-                k.granularity, k.tokens, k.min_tokens, k.shrink_request,
-            )
-            for k in state.kv.pools.values()
-        ],
-        rounds=[
-            RoundImage(
-                r.id, now - r.created, r.deadline - now, r.policy, r.state, r.expect, r.joined,
-                [
-                    MemberImage(
-                        m.pool.name, m.session_id, m.client, m.reported, m.headroom_bytes, m.graph_pool_bytes, m.min_tokens,
-                        m.max_tokens, m.weight, m.request_id, m.tokens, m.bytes, [c.id for c in m.staged],
-                    )
-                    for m in r.members
-                ],
-                list(r.dropped), r.budget, r.error,
-            )
-            for r in state.kv.rounds
-        ],
-    )
-    return _ENCODER.encode(image), fds

@@ -83,29 +83,29 @@ class BudgetShort(Exception):
 
 def split(members: list[MemberRecord], budget: int) -> dict[MemberRecord, int]:
     """Tokens per member: minimums first, then weighted shares of the rest, capped."""
-    needed = sum(m.pool.cost(m.min_tokens) for m in members)
+    needed = sum(m.pool.cost(m.report.min_tokens) for m in members)
     if needed > budget:
         raise BudgetShort(needed, budget)
-    tokens = {m: m.min_tokens for m in members}
+    tokens = {m: m.report.min_tokens for m in members}
     spare = budget - needed
-    active = [m for m in members if m.max_tokens > m.min_tokens]
+    active = [m for m in members if m.report.max_tokens > m.report.min_tokens]
     # Water-filling: a member capped at its max returns the unused share to the others.
     while active and spare > 0:
-        total_weight = sum(m.weight for m in active)
+        total_weight = sum(m.report.weight for m in active)
         capped = []
         for m in active:
-            share = spare * m.weight / total_weight
+            share = spare * m.report.weight / total_weight
             base = m.pool.cost(tokens[m])
-            want = m.pool.cost(m.max_tokens) - base
+            want = m.pool.cost(m.report.max_tokens) - base
             if want <= share:
                 capped.append(m)
         if not capped:
             for m in active:
-                share = math.floor(spare * m.weight / total_weight)
-                tokens[m] = m.pool.most_tokens_within(m.pool.cost(tokens[m]) + share, m.max_tokens)
+                share = math.floor(spare * m.report.weight / total_weight)
+                tokens[m] = m.pool.most_tokens_within(m.pool.cost(tokens[m]) + share, m.report.max_tokens)
             break
         for m in capped:
-            spare -= m.pool.cost(m.max_tokens) - m.pool.cost(tokens[m])
-            tokens[m] = m.max_tokens
+            spare -= m.pool.cost(m.report.max_tokens) - m.pool.cost(tokens[m])
+            tokens[m] = m.report.max_tokens
             active.remove(m)
     return tokens

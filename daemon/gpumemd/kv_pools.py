@@ -23,6 +23,7 @@ from gpumemd import kv_math
 from gpumemd.arenas import ArenaBook, map_batches
 from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
+from gpumemd.image import Image, Imager
 from gpumemd.records import (
     ArenaRecord,
     ChunkRecord,
@@ -48,6 +49,15 @@ MAX_WEIGHT = 1e6
 def _budget_figures(round_: RoundRecord) -> dict[str, int]:
     """The round's budget for a log line's figures; none before it was measured."""
     return {} if round_.budget == p.RoundBudget() else msgspec.structs.asdict(round_.budget)
+
+
+_POOL, _ROUND, _MEMBER = Imager(KvPoolRecord), Imager(RoundRecord), Imager(MemberRecord)
+
+
+class KvBookImage(msgspec.Struct):
+    pools: list[Image]
+    rounds: list[Image]
+    next_round: int
 
 
 class KvBook:
@@ -186,11 +196,7 @@ class KvBook:
                 p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}': weight {m.weight} must be a number in (0, {MAX_WEIGHT:g}]"
             )
         member.reported = True
-        member.headroom_bytes = m.headroom_bytes
-        member.graph_pool_bytes = m.graph_pool_bytes
-        member.min_tokens = m.min_tokens
-        member.max_tokens = max_tokens
-        member.weight = m.weight
+        member.report = msgspec.structs.replace(m, max_tokens=max_tokens)
         member.request_id = request_id
         if round_.pending or round_.joined < round_.expect:
             self._stage(member)
@@ -278,6 +284,41 @@ class KvBook:
         out, self._notices = self._notices, []
         return out
 
+    # ------------------------------------------------------------------ the durable record
+
+    def image(self) -> KvBookImage:
+        now = self.clock()
+        rounds = [
+            _ROUND.image(
+                r,
+                created=now - r.created,  # seconds since: monotonic clocks do not survive a restart
+                deadline=r.deadline - now,  # seconds left
+                members=[_MEMBER.image(m, pool=m.pool.name, staged=[c.id for c in m.staged]) for m in r.members],
+            )
+            for r in self.rounds
+        ]
+        return KvBookImage([_POOL.image(k) for k in self.pools.values()], rounds, self.next_round)
+
+    def restore(self, part: object) -> None:
+        """The book as ``image`` left it (the arena book restored first); a pool whose
+        arena was not rebuilt is dropped, and its members with it."""
+        book = msgspec.convert(part, KvBookImage)
+        for pool in (_POOL.restore(k) for k in book.pools):
+            if pool.name in self.arenas.by_name:
+                self.pools[pool.name] = pool
+        chunks = {c.id: c for a in self.arenas.by_name.values() for c in a.chunks}
+        now = self.clock()
+        for image in (_ROUND.fields(r) for r in book.rounds):
+            members = [
+                _MEMBER.restore(m, pool=self.pools[m["pool"]], staged=[chunks[c] for c in m["staged"] if c in chunks])
+                for m in (_MEMBER.fields(i) for i in image["members"])
+                if m["pool"] in self.pools
+            ]
+            round_ = _ROUND.restore(image, members=members)
+            round_.created, round_.deadline = now - round_.created, now + round_.deadline
+            self.rounds.append(round_)
+        self.next_round = book.next_round
+
     # ------------------------------------------------------------------ the round
 
     def try_finish(self, round_: RoundRecord) -> None:
@@ -308,7 +349,7 @@ class KvBook:
             return
         staged = sum(c.size for m in members for c in m.staged)
         free = self.arenas.free_bytes() + staged  # staged minimums are the members' own
-        headroom = sum(m.headroom_bytes for m in members)
+        headroom = sum(m.report.headroom_bytes for m in members)
         reserve = self.config.reserve_bytes
         budget = free - reserve - headroom
         round_.budget = p.RoundBudget(
@@ -316,9 +357,9 @@ class KvBook:
             staged=staged,
             reserve=reserve,
             headroom=headroom,
-            graph_pools=sum(m.graph_pool_bytes for m in members),
+            graph_pools=sum(m.report.graph_pool_bytes for m in members),
             budget=budget,
-            minimums=sum(m.pool.cost(m.min_tokens) for m in members),
+            minimums=sum(m.pool.cost(m.report.min_tokens) for m in members),
         )
         try:
             tokens = kv_math.split(members, max(budget, 0))
@@ -352,7 +393,7 @@ class KvBook:
         for member in members:
             pool = member.pool
             pool.tokens = tokens[member]
-            pool.min_tokens = member.min_tokens
+            pool.min_tokens = member.report.min_tokens
             member.tokens = tokens[member]
             member.bytes = pool.cost(tokens[member])
             member.staged = []
@@ -380,7 +421,7 @@ class KvBook:
         others: it gets at least that much if the round commits, and the round's last
         report then waits only for what is left. Given back if the round fails."""
         arena = self.arenas.by_name[member.pool.name]
-        work = [(arena, offset, size) for offset, size in self._missing(member.pool, arena, member.min_tokens)]
+        work = [(arena, offset, size) for offset, size in self._missing(member.pool, arena, member.report.min_tokens)]
         need = sum(size for _, _, size in work)
         if not work or need > self.arenas.available_bytes():
             return

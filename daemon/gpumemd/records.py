@@ -240,11 +240,9 @@ class MemberRecord:
     session_id: int
     client: str
     reported: bool = False
-    headroom_bytes: int = 0
-    graph_pool_bytes: int = 0
-    min_tokens: int = 0
-    max_tokens: int = 0
-    weight: float = 1.0
+    # What its CAPTURE_DONE said, its max_tokens resolved (0 there: the declared bound);
+    # before it reports, the request's defaults, which ask for nothing.
+    report: p.CaptureDone = dataclasses.field(default_factory=lambda: p.CaptureDone(pool=""))
     request_id: int = 0  # the deferred CAPTURE_DONE to answer
     tokens: int = 0
     bytes: int = 0

@@ -2,9 +2,10 @@
 
 The loop polls the ZeroMQ ROUTER (control requests), the fd-channel listener, every
 fd-channel connection and a wake-up pipe fed by signals; it decodes each message,
-hands it to ``DaemonState.handle`` and carries out the outcome. ``tick`` drops peers
-that connected but never said HELLO and feeds the systemd watchdog, so a wedged loop
-is noticed by systemd rather than hidden by a free-running timer thread.
+hands it to the outbox (outbox.py), and sends the mail it gets back: what the state
+answered, with the durable record already written. ``tick`` drops peers that connected
+but never said HELLO and feeds the systemd watchdog, so a wedged loop is noticed by
+systemd rather than hidden by a free-running timer thread.
 
 Liveness comes from the fd channel alone: ZeroMQ hides disconnects, but the kernel
 closes a dead client's SEQPACKET connection, and the loop sees EOF at once.
@@ -18,21 +19,20 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
-from gpumem_shared.driver import DriverError
 from gpumem_shared.paths import Endpoints
 from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
-from gpumemd.records import ChunkRecord, SessionRecord
+from gpumemd.records import SessionRecord
 from gpumemd.admission import ACCEPT_BATCH, Admission, Connection
-from gpumemd.durable import Durable, replay
 from gpumemd.logs import log_request
+from gpumemd.outbox import Batch, Letter, Mail, Outbox
 from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
 from gpumemd.state import DaemonState
 
@@ -68,10 +68,10 @@ class Server:
         notifier: SystemdNotifier | None = None,
         tick_interval: float = 0.2,
         on_tick: Callable[[], None] | None = None,
-        durable: Durable | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.state = state
-        self.durable = durable  # the fd store and the record in it: what a restart finds
+        self.outbox = outbox or Outbox(state, None)  # None: no fd store, nothing kept for a restart
         self.endpoints = endpoints
         self.socket_group = socket_group
         self.hello_timeout = hello_timeout
@@ -194,8 +194,7 @@ class Server:
                 self._drop(conn)
             self._door.log_flood(now)
             self._update_listener(now)
-            self.state.tick()  # round deadlines
-            self._flush_state()
+            self._post(self.outbox.tick())  # round deadlines, lease repairs, the grace period
             if self._on_tick is not None:
                 try:
                     self._on_tick()
@@ -229,142 +228,57 @@ class Server:
             router.send(identity, _SNDMORE_NOBLOCK)
             router.send(p.encode_error(0, err), _NOBLOCK)
             return
-        reply = self._serve_request(identity, frame.buffer)
-        if reply is not None:
-            router.send(identity, _SNDMORE_NOBLOCK)
-            router.send(reply, _NOBLOCK)
-        self._flush_state()
+        self._post(self._serve_request(identity, frame.buffer))
 
-    def _serve(self, identity: bytes, frame: bytes | memoryview) -> bytes | None:
-        request_id = 0
-        try:
-            request = p.decode_request(frame)
-            request_id = request.request_id
-            if request.message.TYPE is p.MsgType.HELLO:
-                raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "HELLO goes on the fd channel, not the control channel")
-            session = self._by_token.get(identity)
-            if session is None:
-                if self.state.grace_deadline is not None and self._waiting(identity):
-                    # Sent to the daemon before this one: the client sends it again once resumed.
-                    log.debug("request %d from a session waiting to resume dropped unanswered", request_id)
-                    return None
-            elif request_id in session.resending:
-                session.resending.discard(request_id)
-                if request_id in session.answers:
-                    return self._replay(session, request_id, request.message)
-            outcome = self.state.handle(session, request.message, request_id)
-            reply = None if outcome.reply is None else p.encode_reply(request_id, outcome.reply)
-            if self.durable is not None and self.state.dirty:
-                if session is not None and reply is not None:
-                    session.remember(request_id, reply, outcome.handout, outcome.grants)
-                self.durable.persist(self.state)  # before anything of the outcome leaves
-            if outcome.handout:
-                assert session is not None
-                self._hand_out(session, request_id, outcome.handout)
-            if outcome.grants:
-                assert session is not None
-                self._grant(session, request_id, outcome.grants)
-            if outcome.notices:
-                self._deliver(outcome.notices)
-            # None: deferred, answered as a completion. A body it cannot encode became a
-            # logged INTERNAL error.
-            return reply
-        except p.ProtocolError as exc:
-            rid = exc.detail.get("request_id", request_id)
-            return p.encode_error(rid if isinstance(rid, int) else 0, exc)
-        except Exception:
-            log.exception("request %d failed inside the daemon", request_id)
-            return p.encode_error(request_id, p.ProtocolError(p.ErrorCode.INTERNAL, "internal error in gpumemd; see its log"))
+    def _serve(self, identity: bytes, frame: bytes | memoryview) -> Mail:
+        return self.outbox.request(identity, self._by_token.get(identity), frame)
 
-    def _waiting(self, token: bytes) -> bool:
-        return any(s.waiting and s.token == token for s in self.state.sessions.values())
-
-    def _replay(self, session: SessionRecord, request_id: int, message: p.RequestMessage) -> bytes:
-        """A request resent after a restart that the daemon before had carried out: its
-        reply again (durable.replay), with the chunks and lease segments it hands out."""
-        reply, chunks, grants = replay(self.state, session, request_id, message)
-        if self.durable is not None:
-            self.durable.persist(self.state)
-        if chunks:
-            self._hand_out(session, request_id, chunks)
-        if grants:
-            self._grant(session, request_id, grants)
-        return reply
-
-    def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> bytes | None:
+    def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> Mail:
         """``_serve``, and a debug line for the request (logs.log_request)."""
         started = time.perf_counter_ns()
-        reply = self._serve(identity, frame)
+        mail = self._serve(identity, frame)
         micros = (time.perf_counter_ns() - started) / 1e3
         session = self._by_token.get(identity)
         client = f"client {session.name!r} (session {session.id})" if session is not None else "an anonymous peer"
-        log_request(log, frame, reply, client, session.name if session else "", micros)
-        return reply
+        log_request(log, frame, mail.reply_to(identity), client, session.name if session else "", micros)
+        return mail
 
-    def _flush_state(self) -> None:
-        """Deliver what the state produced on its own: deferred replies, notices."""
-        notices = self.state.take_notices()
-        if notices:
-            self._deliver(notices)
-        done_list = self.state.take_completions()
-        if not done_list:  # after nearly every request
-            if self.durable is not None and self.state.dirty:
-                self.durable.persist(self.state)
-            return
-        frames: list[bytes] = []
-        for done in done_list:
-            session = self.state.sessions.get(done.session_id)
-            if isinstance(done.reply, p.ProtocolError):
-                frame = p.encode_error(done.request_id, done.reply)
-            else:
-                frame = p.encode_reply(done.request_id, done.reply)
-            frames.append(frame)
-            if session is not None and self.durable is not None:
-                ok = not isinstance(done.reply, p.ProtocolError)
-                session.remember(done.request_id, frame, done.handout if ok else [], [])
-                self.state.dirty = True  # the answer is in the record before it leaves
-        if self.durable is not None and self.state.dirty:
-            self.durable.persist(self.state)
-        for done, frame in zip(done_list, frames):
-            session = self.state.sessions.get(done.session_id)
-            if session is None or session.waiting or self._router is None:
-                continue  # a waiting session gets it when it sends the request again
-            if done.handout and not isinstance(done.reply, p.ProtocolError):
-                try:
-                    self._hand_out(session, done.request_id, done.handout)
-                except p.ProtocolError as exc:
-                    frame = p.encode_error(done.request_id, exc)
-            self._router.send(session.token, _SNDMORE_NOBLOCK)
-            self._router.send(frame, _NOBLOCK)
-
-    def _hand_out(self, session: SessionRecord, request_id: int, chunks: list[ChunkRecord]) -> None:
-        conn = self._by_session[session.id]
-        for start in range(0, len(chunks), p.MAX_FDS_PER_MESSAGE):
-            batch = chunks[start : start + p.MAX_FDS_PER_MESSAGE]
-            fds: list[int] = []
-            try:
-                fds = self.state.driver.export_fds([(c.address, c.size, c.handle, c.fresh) for c in batch])
-            except DriverError as exc:
-                log.error("zeroing or exporting %d chunk(s) for client %r failed: %s; closing its session", len(batch), session.name, exc)
+    def _post(self, mail: Mail) -> None:
+        """Send what the outbox put together (the record holds it already)."""
+        if mail.notices:
+            self._deliver(mail.notices)
+        router = self._router
+        for letter in mail.letters:
+            frame = self._hand_over(letter) if letter.batches else letter.frame
+            if router is not None:
+                router.send(letter.to, _SNDMORE_NOBLOCK)
+                router.send(frame, _NOBLOCK)
+        for session_id in mail.closing:
+            conn = self._by_session.get(session_id)
+            if conn is not None:
                 self._drop(conn)
-                raise p.ProtocolError(p.ErrorCode.DRIVER_ERROR, f"handing out chunks failed: {exc}") from None
-            for chunk in batch:
-                chunk.fresh = False
-            try:
-                self._send_fds(conn, session, request_id, [c.id for c in batch], fds)
-            finally:
-                fdchannel.close_all(fds)  # the peer holds its own copies now
 
-    def _grant(self, session: SessionRecord, request_id: int, segments: list[tuple[int, int]]) -> None:
-        """Lease segments, (graph pool id, memfd), in one FD_BATCH before the reply; the
-        daemon keeps its descriptors."""
-        conn = self._by_session[session.id]
-        self._send_fds(conn, session, request_id, [pool_id for pool_id, _ in segments], [fd for _, fd in segments])
-
-    def _send_fds(self, conn: Connection, session: SessionRecord, request_id: int, ids: list[int], fds: list[int]) -> None:
+    def _hand_over(self, letter: Letter) -> bytes:
+        """The letter's fd batches, on its session's fd channel; the reply to send after
+        them (an error if they could not go)."""
         try:
-            payload = p.encode_event(p.FdBatch(request_id=request_id, chunk_ids=ids))
-            socket.send_fds(conn.sock, [payload], fds, socket.MSG_DONTWAIT)
+            conn = self._by_session.get(letter.session_id)
+            for batch in letter.batches:
+                if conn is None or conn.session is None:
+                    raise p.ProtocolError(p.ErrorCode.INTERNAL, "the session's fd channel closed before its descriptors went")
+                self._send_fds(conn, conn.session, batch)
+        except p.ProtocolError as exc:
+            return p.encode_error(letter.batches[0].request_id, exc)
+        finally:
+            for batch in letter.batches:
+                if batch.owned:
+                    fdchannel.close_all(batch.fds)  # the peer holds its own copies now
+        return letter.frame
+
+    def _send_fds(self, conn: Connection, session: SessionRecord, batch: Batch) -> None:
+        try:
+            payload = p.encode_event(p.FdBatch(request_id=batch.request_id, chunk_ids=batch.ids))
+            socket.send_fds(conn.sock, [payload], batch.fds, socket.MSG_DONTWAIT)
         except OSError as exc:
             # A client that does not read its fd channel would block the daemon's only
             # thread; it loses its session instead.
@@ -372,7 +286,7 @@ class Server:
             self._drop(conn)
             raise p.ProtocolError(p.ErrorCode.INTERNAL, "the fd channel is not accepting descriptors; session closed") from None
 
-    def _deliver(self, notices: list[tuple[int, p.Notice]]) -> None:
+    def _deliver(self, notices: Sequence[tuple[int, p.Notice]]) -> None:
         for session_id, notice in notices:
             conn = self._by_session.get(session_id)
             if conn is None:
@@ -447,16 +361,7 @@ class Server:
             request_id = request.request_id
             if conn.session is not None:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "requests after HELLO go on the control channel")
-            if isinstance(request.message, p.Resume):
-                p.check_hello_version(request.version)
-                session, reply = self.state.resume(request.message, conn.pid, conn.uid, conn.gid)
-            elif isinstance(request.message, p.Hello):
-                p.check_hello_version(request.version)
-                session, reply = self.state.open_session(request.message, conn.pid, conn.uid, conn.gid)
-            else:
-                raise p.ProtocolError(p.ErrorCode.NO_SESSION, "the first message on the fd channel must be HELLO (or RESUME)")
-            if self.durable is not None:
-                self.durable.persist(self.state)  # its credential is what a restart checks
+            session, reply = self.outbox.greet(request, conn.pid, conn.uid, conn.gid)
         except p.ProtocolError as exc:
             rid = exc.detail.get("request_id", request_id)
             self._send_on(conn, p.encode_error(rid if isinstance(rid, int) else 0, exc))
@@ -465,7 +370,7 @@ class Server:
         self._door.opened(conn)
         self._by_session[session.id] = conn
         self._by_token[session.token] = session
-        self._send_on(conn, p.encode_reply(request_id, reply))
+        self._send_on(conn, reply)
 
     def _send_on(self, conn: Connection, payload: bytes) -> None:
         try:
@@ -483,27 +388,21 @@ class Server:
         if conn.session is not None:
             self._by_session.pop(conn.session.id, None)
             self._by_token.pop(conn.session.token, None)
-            self._deliver(self.state.close_session(conn.session.id))
-            self._flush_state()
+            self._post(self.outbox.session_closed(conn.session.id))
 
     # ------------------------------------------------------------------ shutdown
 
     def _shutdown(self) -> None:
         log.info("stopping: telling %d client(s)", len(self._by_session))
         self.notifier.send("STOPPING=1", "STATUS=stopping")
-        self._deliver(self.state.begin_stop())
+        self._post(self.outbox.stopping())
         for conn in list(self._connections.values()):
             conn.sock.close()
         self._door.connections.clear()
         self._door.pending.clear()
         self._close_sockets()
         runtime.remove_files(self.endpoints)
-        if self.durable is None:
-            self.state.drop_all()
-        else:
-            # The store keeps everything for the next daemon (FileDescriptorStorePreserve=):
-            # dropping it here would write retired epochs into the lease segments clients hold.
-            self.durable.close()
+        self.outbox.close()
         signal.set_wakeup_fd(-1)
         for fd in (self._wake_r, self._wake_w, self._lock_fd):
             if fd >= 0:

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from gpumem_shared import __version__, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver
@@ -31,6 +33,7 @@ from gpumemd.arenas import ArenaBook
 from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
 from gpumemd.graph_pools import GraphPoolBook
+from gpumemd.image import IMAGE_VERSION, Image, Imager, Keep, StateImage, Take
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
 from gpumemd.tally import Tally
@@ -41,6 +44,15 @@ Handler = Callable[[Any, Any], Outcome]
 
 # Requests that change nothing a restart must find: no durable record is written for them.
 _READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent})
+
+
+# Both about its connection: a rebuilt session waits for its client, whose RESUME says what it sends again.
+_SESSION = Imager(SessionRecord, "waiting", "resending")
+
+
+class SessionsImage(msgspec.Struct):
+    sessions: list[Image]
+    next_session: int
 
 
 class DaemonState:
@@ -355,6 +367,40 @@ class DaemonState:
             self.driver.kind, now - self.started, self.config.runtime_dir, self.stopping, self.generation, grace
         )
         return status.assemble(daemon, self.sessions, self.arenas, self.graph_pools, self.kv, self.clock())
+
+    # ------------------------------------------------------------------ the durable record
+
+    def image(self, keep: Keep) -> StateImage:
+        """What a restart rebuilds from: each book's part; ``keep`` is told the fds the
+        store must hold for it."""
+        sessions = [_SESSION.image(s) for s in self.sessions.values()]
+        return StateImage(
+            IMAGE_VERSION, self.device.uuid, self.driver.kind, self.config.va_base, self.generation,
+            SessionsImage(sessions, self.next_session),
+            self.arenas.image(keep), self.graph_pools.image(keep), self.kv.image(),
+        )
+
+    def restore(self, image: StateImage, take: Take) -> None:
+        """The state ``image`` was taken of, every session waiting for its client to
+        resume (``take``: the stored fds by name)."""
+        part = msgspec.convert(image.sessions, SessionsImage)
+        for session in (_SESSION.restore(s, waiting=True) for s in part.sessions):
+            self.sessions[session.id] = session
+        self.next_session = part.next_session
+        self.arenas.restore(image.arenas, take)
+        self.graph_pools.restore(image.graph_pools, take)
+        self.kv.restore(image.kv)
+        self.generation = image.generation + 1
+        if self.sessions:
+            self.grace_deadline = self.clock() + self.config.restart_grace
+        arenas = self.arenas
+        log.info(
+            "rebuilt from the fd store (generation %d): %d session(s) waiting up to %gs for their clients, %d arena(s), "
+            "%d graph pool(s), %d KV pool(s), %d bytes accounted",
+            self.generation, len(self.sessions), self.config.restart_grace, len(arenas.by_name), len(self.graph_pools.by_id),
+            len(self.kv.pools), arenas.accounted_bytes(),
+            extra={"figures": {"generation": self.generation, "sessions": len(self.sessions), "arenas": len(arenas.by_name)}},
+        )
 
     # ------------------------------------------------------------------ shutdown
 

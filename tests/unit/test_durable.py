@@ -15,36 +15,7 @@ from gpumemd.image import chunk_name, lease_name
 from gpumemd.state import DaemonState
 
 from .harness import CAPACITY, Clock, Harness, MiB
-
-
-class FakeStore:
-    """The notifier's fd-store side, keeping dups by name as the manager would."""
-
-    store_max = 1024
-
-    def __init__(self) -> None:
-        self.held: dict[str, int] = {}
-
-    def store(self, name: str, fd: int) -> None:
-        self.held[name] = os.dup(fd)
-
-    def unstore(self, name: str) -> None:
-        os.close(self.held.pop(name))
-
-    def barrier(self, timeout: float) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def passed(self) -> dict[str, list[int]]:
-        """What a start gets: dups, the store keeps its own."""
-        return {name: [os.dup(fd)] for name, fd in self.held.items()}
-
-    def drop(self) -> None:
-        for fd in self.held.values():
-            os.close(fd)
-        self.held.clear()
+from .store_kit import FakeStore
 
 
 def test_the_record_keeps_the_newest_whole_write() -> None:

@@ -29,9 +29,9 @@ def member(pool: KvPoolRecord, min_tokens: int = 0, max_tokens: int | None = Non
         session_id=1,
         client="engine",
         reported=True,
-        min_tokens=min_tokens,
-        max_tokens=pool.max_tokens if max_tokens is None else max_tokens,
-        weight=weight,
+        report=p.CaptureDone(
+            pool=pool.name, min_tokens=min_tokens, max_tokens=pool.max_tokens if max_tokens is None else max_tokens, weight=weight
+        ),
     )
 
 
@@ -277,8 +277,8 @@ def test_split_never_exceeds_the_budget_and_stays_within_min_and_max() -> None:
             low = rng.randint(0, declared) if rng.random() < 0.4 else 0
             high = rng.randint(low, declared)
             members.append(member(pool, low, high, rng.choice([1.0, 0.1, 0.3, 0.7, 3.0, 1e-6, 1e6, rng.random() + 1e-3])))
-        needed = sum(m.pool.cost(m.min_tokens) for m in members)
-        most = sum(m.pool.cost(m.max_tokens) for m in members)
+        needed = sum(m.pool.cost(m.report.min_tokens) for m in members)
+        most = sum(m.pool.cost(m.report.max_tokens) for m in members)
         budget = rng.randint(0, most + 3 * G)
         if needed > budget:
             with pytest.raises(kv.BudgetShort):
@@ -288,9 +288,9 @@ def test_split_never_exceeds_the_budget_and_stays_within_min_and_max() -> None:
         assert set(tokens) == set(members)
         assert sum(m.pool.cost(tokens[m]) for m in members) <= budget
         for m in members:
-            assert m.min_tokens <= tokens[m] <= m.max_tokens
+            assert m.report.min_tokens <= tokens[m] <= m.report.max_tokens
         if budget >= most:
-            assert all(tokens[m] == m.max_tokens for m in members)
+            assert all(tokens[m] == m.report.max_tokens for m in members)
         checked += 1
     assert checked > 1000
 

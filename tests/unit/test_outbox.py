@@ -1,0 +1,170 @@
+"""The outbox's promise without sockets: nothing leaves the daemon before the durable
+record holds it. Every letter the outbox hands the server is checked against the record
+as it stands at that moment (the record a restart would read): the answer remembered
+byte for byte, every chunk it hands out stored and no longer fresh, every lease segment
+stored; a read-only request writes no record, and one request writes it once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gpumem_shared import fdchannel
+from gpumem_shared import protocol as p
+from gpumemd import arenas, state
+from gpumemd.durable import Durable, RecordFile
+from gpumemd.image import StateImage, chunk_name, decode, lease_name
+from gpumemd.outbox import Mail, Outbox
+from gpumemd.records import SessionRecord
+
+from .harness import Harness, MiB
+from .store_kit import FakeStore
+
+
+def sessions(record: StateImage) -> list[dict[str, Any]]:
+    return [state._SESSION.fields(s) for s in record.sessions["sessions"]]
+
+
+def chunks(record: StateImage) -> list[dict[str, Any]]:
+    live = [arenas._ARENA.fields(a) for a in record.arenas["arenas"]]
+    return [arenas._CHUNK.fields(c) for a in live for c in a["chunks"] + a["placeholders"]]
+
+
+# Answered from the state as it is, never resent for an answer: the record does not keep them.
+READ_ONLY = (p.Ping, p.Status)
+
+
+@dataclasses.dataclass
+class Door:
+    """An outbox over a state with a store, and the requests a client would send."""
+
+    h: Harness
+    store: FakeStore
+    durable: Durable
+    outbox: Outbox
+    next_id: int = 1
+
+    def hello(self, name: str) -> SessionRecord:
+        self.h._pid += 1
+        session, frame = self.outbox.greet(p.decode_request(p.encode_request(1, p.Hello(name=name))), self.h._pid, 1000, 1000)
+        assert p.decode_reply(frame).ok
+        record = self.record()
+        assert any(s["id"] == session.id and s["credential"] == session.credential != b"" for s in sessions(record)), (
+            "the session's resume credential left before the record held it"
+        )
+        return session
+
+    def send(self, session: SessionRecord, message: p.RequestMessage, request_id: int = 0) -> tuple[int, Mail]:
+        if not request_id:
+            request_id = self.next_id
+            self.next_id += 1
+        mail = self.outbox.request(session.token, session, p.encode_request(request_id, message))
+        self.check(mail, remembered=not isinstance(message, READ_ONLY))
+        return request_id, mail
+
+    def record(self) -> StateImage:
+        payload = RecordFile(list(self.durable.record.fds)).read()
+        assert payload is not None
+        return decode(payload)
+
+    def check(self, mail: Mail, *, remembered: bool = True) -> None:
+        """What a restart would find right now holds everything the mail carries."""
+        record = self.record()
+        answers = {s["token"]: {rid: (a["reply"], a["handout"], a["grants"]) for rid, a in s["answers"].items()} for s in sessions(record)}
+        fresh = {c["id"]: c["fresh"] for c in chunks(record)}
+        for letter in mail.letters:
+            reply = p.decode_reply(letter.frame)
+            chunk_ids = [cid for b in letter.batches if b.owned for cid in b.ids]
+            pool_ids = [pid for b in letter.batches if not b.owned for pid in b.ids]
+            if reply.ok and remembered and letter.to in answers:
+                assert answers[letter.to].get(reply.request_id) == (letter.frame, chunk_ids, pool_ids), (
+                    f"request {reply.request_id}'s answer left before the record held it"
+                )
+            for cid in chunk_ids:
+                assert chunk_name(cid) in self.store.held, f"chunk {cid} left before the store held it"
+                assert fresh.get(cid) is False, f"chunk {cid} left while the record calls it fresh (a restart would zero it again)"
+            for pid in pool_ids:
+                assert lease_name(pid) in self.store.held, f"graph pool {pid}'s lease segment left before the store held it"
+
+    def written(self) -> int:
+        return self.durable.record.sequence
+
+
+@pytest.fixture
+def door(make_harness: Callable[..., Harness]) -> Iterator[Door]:
+    h = make_harness()
+    store = FakeStore()
+    durable = Durable(store)  # type: ignore[arg-type]
+    durable.start(h.state, {})
+    mails: list[Mail] = []
+    outbox = Outbox(h.state, durable)
+    real = outbox.request
+
+    def kept(to: bytes, session: SessionRecord | None, frame: bytes | memoryview) -> Mail:
+        mail = real(to, session, frame)
+        mails.append(mail)
+        return mail
+
+    outbox.request = kept  # type: ignore[method-assign]
+    yield Door(h, store, durable, outbox)
+    for mail in mails:  # the server would have sent and closed them
+        for letter in mail.letters:
+            for batch in letter.batches:
+                if batch.owned:
+                    fdchannel.close_all(batch.fds)
+    h.state.drop_all()
+    durable.close()
+    store.drop()
+
+
+def test_nothing_leaves_before_the_record_holds_it(door: Door) -> None:
+    owner, peer = door.hello("owner"), door.hello("peer")
+    door.send(owner, p.CreateArena(name="a", reserve_bytes=256 * MiB))
+    _, mail = door.send(owner, p.CommitArena(name="a", nbytes=40 * MiB))
+    assert [b.ids for b in mail.letters[0].batches], "the commit hands out chunks"
+    token = door.send(owner, p.ShareArena(name="a", client="peer"))[1].letters[0].frame
+    assert p.decode_reply(token).ok
+    _, mail = door.send(peer, p.AttachArena(name="a"))
+    assert mail.letters[0].batches, "the attach hands the same chunks to the peer"
+    _, mail = door.send(owner, p.RegisterGraphPool(arena="a", label="g", extents=[p.Extent(offset=0, size=8 * MiB)], free_runs=[], shared=True))
+    assert [b for b in mail.letters[0].batches if not b.owned], "the registration grants the lease segment"
+    door.send(owner, p.KvDeclare(name="kv", buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=4096))
+    door.send(owner, p.RoundJoin(pool="kv"))
+    # Deferred: the round commits within the report, and its answer leaves in the same mail.
+    _, mail = door.send(owner, p.CaptureDone(pool="kv", min_tokens=16))
+    assert len(mail.letters) == 1 and mail.letters[0].batches, "the round's answer and its chunks"
+
+
+def test_a_read_only_request_writes_no_record_and_a_request_writes_it_once(door: Door) -> None:
+    owner = door.hello("owner")
+    before = door.written()
+    for message in (p.Ping(), p.Status(), p.Ping()):
+        door.send(owner, message)
+    assert door.written() == before, "a read-only request wrote the record"
+    door.send(owner, p.CreateArena(name="a", reserve_bytes=256 * MiB))
+    door.send(owner, p.KvDeclare(name="kv", buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=4096))
+    door.send(owner, p.RoundJoin(pool="kv"))
+    before = door.written()
+    door.send(owner, p.CaptureDone(pool="kv", min_tokens=16))  # the request and the round's answer
+    assert door.written() == before + 1
+
+
+def test_a_resent_request_gets_its_recorded_answer_again(door: Door) -> None:
+    owner = door.hello("owner")
+    door.send(owner, p.CreateArena(name="a", reserve_bytes=256 * MiB))
+    rid, first = door.send(owner, p.CommitArena(name="a", nbytes=40 * MiB))
+    committed = door.h.state.arenas.by_name["a"].committed
+    handed = [cid for b in first.letters[0].batches for cid in b.ids]
+    # As a RESUME leaves it when the reply never reached the client: it maps none of them.
+    owner.resending = {rid}
+    door.h.state.arenas.drop_holder(owner.id, set(handed))
+    door.durable.persist(door.h.state)
+    _, again = door.send(owner, p.CommitArena(name="a", nbytes=40 * MiB), rid)
+    assert again.letters[0].frame == first.letters[0].frame
+    assert [b.ids for b in again.letters[0].batches] == [b.ids for b in first.letters[0].batches]
+    assert door.h.state.arenas.by_name["a"].committed == committed, "carried out twice"
+    holders = {c["id"]: c["holders"] for c in chunks(door.record())}
+    assert all(owner.id in holders[cid] for cid in handed), "chunks handed out again before the record says who maps them"
