@@ -353,6 +353,33 @@ def test_escapes_are_counted_and_the_escaped_clients_shown(h: Harness) -> None:
     assert number(snap, "gpumemd_lease_escaped_clients", **labels) == 0
 
 
+def test_hidden_names_name_no_tenant_and_keep_series_apart_and_joined(h: Harness) -> None:
+    """--metrics-hide-names: no label carries a client name, arena name or pool label;
+    each name is one digest throughout (the owner's series join its arenas'), two names
+    two digests, and the digest is keyed (another daemon's differs: no guess at a name
+    can be checked against it)."""
+    s, pool = owned_pool(h)  # client "engine", arena "graphs", pool "decode bs=8"
+    h.ok(s, p.KvDeclare(name="kv-of-tenant", buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=4096))
+    other = h.connect("tenant-b")
+    h.create(other, "arena-of-b", GiB)
+    h.commit(other, "arena-of-b", 2 * BULK)
+    shown, hidden = fresh(Metrics(h.state)), fresh(Metrics(h.state, hide_names=True))
+    names = {"engine", "graphs", "decode bs=8", "kv-of-tenant", "tenant-b", "arena-of-b"}
+    values = {v for f in hidden.families for labels, _ in f.samples for v in labels}
+    assert not {v for v in values if any(name in v for name in names)}, "a tenant's name in a label"
+    assert {v for f in shown.families for labels, _ in f.samples for v in labels} >= names, "shown by default"
+    for before, after in zip(shown.families, hidden.families):
+        assert (after.name, after.labels, [v for _, v in after.samples]) == (before.name, before.labels, [v for _, v in before.samples])
+    owners = {n: name for (name,), n in labelled(hidden, "gpumemd_client_committed_bytes").items()}
+    assert len(owners) == 2 and owners.keys() == {BULK, 2 * BULK}
+    arenas = {n: labels for labels, n in labelled(hidden, "gpumemd_arena_committed_bytes").items()}
+    assert arenas[BULK][1] == owners[BULK] and arenas[2 * BULK][1] == owners[2 * BULK], "an arena's client is its owner's digest"
+    (kv_pool,) = labelled(hidden, "gpumemd_kv_pool_tokens")
+    assert kv_pool[1] == owners[BULK] and kv_pool[0] in {arena for arena, _ in labelled(hidden, "gpumemd_arena_reserved_bytes")}
+    again = fresh(Metrics(h.state, hide_names=True))
+    assert {name for (name,) in labelled(again, "gpumemd_client_committed_bytes")}.isdisjoint(owners.values()), "the digest is not keyed"
+
+
 def test_every_family_is_named_for_prometheus(h: Harness) -> None:
     """gpumemd_ prefix, base units in the name (_bytes, _seconds), counters in _total,
     the device on every sample and only the documented labels."""
