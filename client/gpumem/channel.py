@@ -527,13 +527,13 @@ class SessionChannel:
         has dropped the session. A shutdown, not only a close: the watcher thread's select
         keeps the socket open in the kernel until it returns, and the daemon would see EOF
         only then."""
-        sock = self._sockets.fd_sock
-        if sock is None:
+        sock, ready = self._sockets.fd_sock, self._sockets.fd_ready
+        if sock is None or ready is None:
             return
         deadline = time.monotonic() + min(self.timeout, _GOODBYE_S)
         try:
             sock.shutdown(socket.SHUT_WR)
-            while (left := deadline - time.monotonic()) > 0 and select.select([sock], [], [], left)[0]:
+            while (left := deadline - time.monotonic()) > 0 and ready.poll(left):
                 payload, fds = fdchannel.recv(sock)  # notices and batches nobody takes any more
                 fdchannel.close_all(fds)
                 if not payload and not fds:
