@@ -58,6 +58,9 @@ _NOTICES_KEPT = 1024
 _WATCH_S = 0.25
 _WATCH_RESUME_S = 2.0
 
+# close() waits this long at most for the daemon to drop the session (a hung daemon).
+_GOODBYE_S = 1.0
+
 # connect() on the fd channel fails at once (EAGAIN) while the daemon's listen backlog is
 # full: it is not accepting (stopped, busy, at its connection limit) or is flooded. Try
 # again after these pauses, doubling, until the timeout.
@@ -511,7 +514,29 @@ class SessionChannel:
         return self._closed
 
     def close(self) -> None:
-        """Close both sockets; the daemon releases what this session alone held."""
+        """Close both sockets; the daemon releases what this session alone held. Returns
+        once the daemon has dropped the session (within _GOODBYE_S): its name is free for
+        the next HELLO, from this process or another."""
         with self._lock:
             self._closed = True
+            self._goodbye()
             self._finalizer()
+
+    def _goodbye(self) -> None:
+        """Say EOF on the fd channel and wait for the daemon's: it closes its end once it
+        has dropped the session. A shutdown, not only a close: the watcher thread's select
+        keeps the socket open in the kernel until it returns, and the daemon would see EOF
+        only then."""
+        sock, ready = self._sockets.fd_sock, self._sockets.fd_ready
+        if sock is None or ready is None:
+            return
+        deadline = time.monotonic() + min(self.timeout, _GOODBYE_S)
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            while (left := deadline - time.monotonic()) > 0 and ready.poll(left):
+                payload, fds = fdchannel.recv(sock)  # notices and batches nobody takes any more
+                fdchannel.close_all(fds)
+                if not payload and not fds:
+                    return
+        except (OSError, ValueError, p.ProtocolError):
+            pass  # gone already, or its last words were garbled: closing is all that is left

@@ -147,9 +147,20 @@ def _exporter(address: str, port: int) -> Exporter:
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
-    help="Serve Prometheus metrics at http://ADDRESS:PORT/metrics (needs: pip install 'gpumemd[metrics]'); 0 picks a free port, logged.",
+    help="Serve Prometheus metrics at http://ADDRESS:PORT/metrics (needs: pip install 'gpumemd[metrics]'); 0 picks a free port, logged. "
+    "No access control: whoever reaches it reads client names, arena names and pool labels (see --metrics-hide-names).",
 )
-@click.option("--metrics-address", default=None, help="Address the metrics endpoint listens on [default: 127.0.0.1].")
+@click.option(
+    "--metrics-address",
+    default=None,
+    help="Address the metrics endpoint listens on [default: 127.0.0.1, where every local user can read it, socket group or not].",
+)
+@click.option(
+    "--metrics-hide-names",
+    is_flag=True,
+    help="Label metrics with a keyed digest of each client name, arena name and pool label (the same while the daemon runs) "
+    "instead of the names: for an endpoint that users outside the socket group can reach.",
+)
 @click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
@@ -179,6 +190,7 @@ def command(
     restart_grace: float,
     metrics_port: int | None,
     metrics_address: str | None,
+    metrics_hide_names: bool,
     log_level: str,
     log_format: logs.LogFormat,
 ) -> None:
@@ -186,6 +198,8 @@ def command(
     logs.configure(log_level, log_format)
     if metrics_address is not None and metrics_port is None:
         raise ConfigError(f"--metrics-address {metrics_address} serves nothing without --metrics-port")
+    if metrics_hide_names and metrics_port is None:
+        raise ConfigError("--metrics-hide-names hides nothing without --metrics-port")
     if not 0 <= device < VA_PLAN_SLICES:
         raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     driver = _driver(backend, device, host_capacity)
@@ -215,7 +229,7 @@ def command(
         state = DaemonState(driver, config)
     except SliceUnavailable as exc:
         raise ConfigError(str(exc)) from None
-    metrics = Metrics(state) if exporter is not None else None
+    metrics = Metrics(state, hide_names=metrics_hide_names) if exporter is not None else None
     notifier = SystemdNotifier()
     inherited = inherited_fds(os.environ)
     durable = Durable(notifier) if notifier.store_max > 0 else None

@@ -1,24 +1,29 @@
 """The metrics endpoint: ``GET /metrics`` in the Prometheus text format, served by a
-thread of its own with prometheus-client (the ``metrics`` extra).
+thread of its own; prometheus-client (the ``metrics`` extra) renders the families.
 
 The thread never touches the daemon's state. Per scrape it reads the latest snapshot
 (metrics.py: a reference the daemon's thread replaces whole) and renders the families
 it has not rendered before: a snapshot keeps the very objects of the families that did
 not change, and prometheus-client takes a few microseconds per sample, which this
 thread would spend holding the GIL the daemon's thread waits for. The process's own
-figures (CPU, memory, open descriptors) are read fresh each time. One scrape at a time, each bounded by a socket
-timeout, so a scraper that stalls can hold up only the next scrape, never the daemon.
+figures (CPU, memory, open descriptors) are read fresh each time.
+
+Anyone who reaches the port may connect, so no connection may hold up another: the
+thread serves every connection at once from one selector, never blocking on one. A
+connection has SCRAPE_TIMEOUT from its accept to send its request and read the whole
+reply, whatever it trickles meanwhile; one request per connection (``Connection:
+close``). At most MAX_CONNECTIONS are open: the next one closes the oldest.
 """
 
 from __future__ import annotations
 
-import http.server
+import dataclasses
 import logging
+import selectors
 import socket
-import socketserver
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+import time
+from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -28,8 +33,12 @@ from gpumemd.metrics import Family, HistogramValue, Metrics, Snapshot
 
 log = logging.getLogger("gpumemd.exporter")
 
-SCRAPE_TIMEOUT = 10.0  # seconds a scraper may take to send its request and read the reply
-_POLL = 0.5  # seconds between looks at the stop flag while no scrape comes
+SCRAPE_TIMEOUT = 10.0  # seconds from a connection's accept to the end of its reply
+MAX_CONNECTIONS = 64
+MAX_REQUEST = 8192  # bytes of request line and headers; a GET has no body
+_POLL = 0.5  # seconds between looks at the stop flag while nothing happens
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error"}
 
 
 def _le(bound: float) -> str:
@@ -74,37 +83,21 @@ def _render(family: Family) -> bytes:
     return generate_latest(registry)
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _HttpServer
-    timeout = SCRAPE_TIMEOUT
-
-    def do_GET(self) -> None:
-        if self.path.split("?", 1)[0] != "/metrics":
-            self.send_error(404, "gpumemd serves /metrics")
-            return
-        body = self.server.render()
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("scrape from %s: " + format, self.client_address[0], *args)
+def _response(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> bytes:
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
 
 
-class _HttpServer(socketserver.TCPServer):
-    # Not http.server.HTTPServer: its bind looks the host's name up (getfqdn), a DNS
-    # query the daemon's start would wait on.
-    allow_reuse_address = True
-    render: Callable[[], bytes]
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.warning("metrics scrape from %s failed", client_address[0], exc_info=True)
-
-
-class _HttpServer6(_HttpServer):
-    address_family = socket.AF_INET6
+@dataclasses.dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    peer: str
+    deadline: float
+    request: bytearray = dataclasses.field(default_factory=bytearray)
+    reply: memoryview | None = None  # what is left to send, once the request is in
 
 
 class Exporter:
@@ -112,11 +105,19 @@ class Exporter:
     serves from ``start`` until ``close``."""
 
     def __init__(self, address: str, port: int) -> None:
-        cls = _HttpServer6 if ":" in address else _HttpServer
-        self._httpd = cls((address, port), _Handler)
-        self._httpd.timeout = _POLL
-        self._httpd.render = self._render
-        self.address, self.port = address, int(self._httpd.server_address[1])
+        self._listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((address, port))
+            self._listener.listen(MAX_CONNECTIONS)
+            self._listener.setblocking(False)
+        except OSError:
+            self._listener.close()
+            raise
+        self.address, self.port = address, int(self._listener.getsockname()[1])
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._connections: dict[int, _Connection] = {}  # by fd, oldest first
         self._metrics: Metrics | None = None
         self._rendered: tuple[Snapshot | None, bytes] = (None, b"")
         self._families: dict[int, tuple[Family, bytes]] = {}  # by id(): the family is kept, so its id is not reused
@@ -139,12 +140,105 @@ class Exporter:
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(SCRAPE_TIMEOUT + 2 * _POLL)
-        self._httpd.server_close()
+            self._thread.join(2 * _POLL + 1.0)
+        for conn in list(self._connections.values()):
+            self._drop(conn)
+        self._selector.close()
+        self._listener.close()
+
+    # ------------------------------------------------------------------ the loop
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            self._httpd.handle_request()  # returns after _POLL when no scrape comes
+            first = next(iter(self._connections.values()), None)  # the first deadline
+            wait = _POLL if first is None else min(_POLL, max(first.deadline - time.monotonic(), 0.0))
+            for key, events in self._selector.select(wait):
+                if key.fileobj is self._listener:
+                    self._accept()
+                    continue
+                conn = self._connections.get(key.fd)
+                if conn is None or conn is not key.data:  # dropped by what ran before it
+                    continue
+                try:
+                    if events & selectors.EVENT_READ:
+                        self._read(conn)
+                    else:
+                        self._write(conn)
+                except OSError as exc:
+                    log.debug("metrics connection from %s failed: %s", conn.peer, exc)
+                    self._drop(conn)
+            self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        for conn in list(self._connections.values()):
+            if conn.deadline > now:  # deadlines come in accept order
+                return
+            log.debug("metrics connection from %s took more than %gs: closed", conn.peer, SCRAPE_TIMEOUT)
+            self._drop(conn)
+
+    def _accept(self) -> None:
+        try:
+            sock, peer = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # out of descriptors: the connection waits in the backlog
+            log.warning("metrics endpoint cannot accept a connection: %s", exc)
+            return
+        if len(self._connections) >= MAX_CONNECTIONS:
+            oldest = next(iter(self._connections.values()))
+            log.debug("metrics connections at their limit of %d: the oldest, from %s, closed", MAX_CONNECTIONS, oldest.peer)
+            self._drop(oldest)
+        sock.setblocking(False)
+        conn = _Connection(sock, str(peer[0]), time.monotonic() + SCRAPE_TIMEOUT)
+        self._connections[sock.fileno()] = conn
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Connection) -> None:
+        data = conn.sock.recv(MAX_REQUEST)
+        if not data:
+            self._drop(conn)
+            return
+        conn.request += data
+        end = conn.request.find(b"\r\n\r\n")
+        if end < 0:
+            if len(conn.request) > MAX_REQUEST:
+                self._reply(conn, _response(431, b"request headers too large\n"))
+            return
+        self._reply(conn, self._answer(conn, bytes(conn.request[:end])))
+
+    def _answer(self, conn: _Connection, head: bytes) -> bytes:
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            return _response(400, b"not an HTTP request\n")
+        method, target = parts[0], parts[1]
+        log.debug("scrape from %s: %s %s", conn.peer, method.decode("latin-1"), target.decode("latin-1"))
+        if target.split(b"?", 1)[0] != b"/metrics":
+            return _response(404, b"gpumemd serves /metrics\n")
+        if method != b"GET":
+            return _response(405, b"GET /metrics\n")
+        try:
+            return _response(200, self._render(), CONTENT_TYPE_LATEST)
+        except Exception:  # a scrape must never take the exporter down
+            log.warning("metrics scrape from %s failed", conn.peer, exc_info=True)
+            return _response(500, b"rendering the metrics failed; see gpumemd's log\n")
+
+    def _reply(self, conn: _Connection, response: bytes) -> None:
+        conn.reply = memoryview(response)
+        self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self._write(conn)
+
+    def _write(self, conn: _Connection) -> None:
+        assert conn.reply is not None
+        sent = conn.sock.send(conn.reply)
+        conn.reply = conn.reply[sent:]
+        if not conn.reply:
+            self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        if self._connections.pop(conn.sock.fileno(), None) is None:
+            return
+        self._selector.unregister(conn.sock)
+        conn.sock.close()
 
     def _render(self) -> bytes:
         assert self._metrics is not None

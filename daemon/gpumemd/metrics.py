@@ -28,6 +28,9 @@ honestly is the lease table, on each tick, for every registered graph pool:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import os
 import time
 from typing import Literal
 
@@ -110,8 +113,14 @@ class _Families:
 
 
 class Metrics:
-    def __init__(self, state: DaemonState) -> None:
+    """``hide_names``: the labels that name tenants (client, arena, KV pool, graph pool
+    label) carry a keyed digest of the name instead: the same name the same digest while
+    the daemon runs, so series stay apart and join, but nobody without the daemon's key
+    can tell which tenant it is (or test a guess at a name)."""
+
+    def __init__(self, state: DaemonState, hide_names: bool = False) -> None:
         self.state = state
+        self._key = os.urandom(16) if hide_names else b""
         self._started = state.wall_clock() - (state.clock() - state.started)
         self._watch: dict[int, _LeaseWatch] = {}
         self._seen: tuple[object, ...] = ()
@@ -178,6 +187,11 @@ class Metrics:
 
     # ------------------------------------------------------------------ the snapshot
 
+    def _name(self, name: str) -> str:
+        if not self._key:
+            return name
+        return hmac.new(self._key, name.encode(), hashlib.sha256).hexdigest()[:16]
+
     def _build(self, free: int, before: Snapshot | None) -> Snapshot:
         state, tally = self.state, self.state.tally
         arenas, device = state.arenas, state.device
@@ -216,17 +230,18 @@ class Metrics:
             if arena.owner_id in state.sessions:
                 owned[arena.owner_name] += arena.committed
         f.add("gpumemd_client_committed_bytes", "gauge", "Committed bytes of the arenas (KV pools included) each live client owns.",
-              ("client",), [((name,), n) for name, n in sorted(owned.items())])
+              ("client",), [((self._name(name),), n) for name, n in sorted(owned.items())])
         by_arena = sorted(arenas.by_name.values(), key=lambda a: a.name)
         arena_labels = ("arena", "client")
+        named = {a.name: (self._name(a.name), self._name(a.owner_name)) for a in by_arena}
         f.add("gpumemd_arena_committed_bytes", "gauge", "Committed bytes of each arena; client is its owner.", arena_labels,
-              [((a.name, a.owner_name), a.committed) for a in by_arena])
+              [(named[a.name], a.committed) for a in by_arena])
         f.add("gpumemd_arena_reserved_bytes", "gauge", "Virtual window of each arena.", arena_labels,
-              [((a.name, a.owner_name), a.reserved) for a in by_arena])
+              [(named[a.name], a.reserved) for a in by_arena])
         f.add("gpumemd_arena_placeholder_bytes", "gauge", "Placeholder chunks each arena's owner aliases over uncommitted space.", arena_labels,
-              [((a.name, a.owner_name), sum(c.size for c in a.placeholders)) for a in by_arena])
+              [(named[a.name], sum(c.size for c in a.placeholders)) for a in by_arena])
         f.add("gpumemd_arena_retiring_bytes", "gauge", "Bytes taken out of each arena that some client still maps.", arena_labels,
-              [((a.name, a.owner_name), sum(c.size for c in arenas.retiring.values() if c.arena == a.name)) for a in by_arena])
+              [(named[a.name], sum(c.size for c in arenas.retiring.values() if c.arena == a.name)) for a in by_arena])
 
         requests = tally.requests()
         f.add("gpumemd_requests_total", "counter", "Control requests served, by message type and outcome (ok, or the error code).",
@@ -251,10 +266,13 @@ class Metrics:
         f.one("gpumemd_kv_round_budget_bytes", "gauge", "The budget of the last KV round measured: free - reserve - headroom.", tally.last_round_budget)
         f.one("gpumemd_kv_round_committed_bytes", "gauge", "What the last KV round measured committed (0 if it failed).", tally.last_round_committed)
         f.add("gpumemd_kv_pool_tokens", "gauge", "Committed token rows of each KV pool; client is its owner.", ("pool", "client"),
-              [((k.name, arenas.by_name[k.name].owner_name), k.tokens) for k in sorted(kv.pools.values(), key=lambda k: k.name)])
+              [(named[k.name], k.tokens) for k in sorted(kv.pools.values(), key=lambda k: k.name)])
 
         pools = sorted(state.graph_pools.by_id.values(), key=lambda g: g.id)
-        watches = [(g, (str(g.id), g.label, g.arena, g.owner_name), self._watch.get(g.id) or _LeaseWatch(0)) for g in pools]
+        watches = [
+            (g, (str(g.id), self._name(g.label), self._name(g.arena), self._name(g.owner_name)), self._watch.get(g.id) or _LeaseWatch(0))
+            for g in pools
+        ]
         pool_labels = ("pool_id", "pool", "arena", "client")
         f.add("gpumemd_graph_pool_free_bytes", "gauge", "Free runs of each graph pool: what borrowers can borrow.", pool_labels,
               [(labels, sum(n for _, n in g.free_runs)) for g, labels, _ in watches])

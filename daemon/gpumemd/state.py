@@ -45,6 +45,32 @@ Handler = Callable[[Any, Any], Outcome]
 # Requests that change nothing a restart must find: no durable record is written for them.
 _READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent})
 
+# A process that started more than this after a session's HELLO is not the one that said
+# it (its pid was reused): /proc gives the start in clock ticks after a boot time in
+# whole seconds.
+_START_SLACK = 2.0
+
+
+def process_gone(pid: int, since: float) -> bool:
+    """Whether the process that said HELLO as ``pid`` at ``since`` (unix time) is provably
+    gone: no such process, a zombie (its descriptors are closed), or one that started
+    after that HELLO. Anything unreadable proves nothing."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except (OSError, StopIteration, ValueError):
+        return False
+    fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+    if fields[0] in (b"Z", b"X"):
+        return True
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK") > since + _START_SLACK
+
 
 # Both about its connection: a rebuilt session waits for its client, whose RESUME says what it sends again.
 _SESSION = Imager(SessionRecord, "waiting", "resending")
@@ -126,17 +152,11 @@ class DaemonState:
         if self.stopping:
             raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; connect again once it is back")
         check_name(hello.name, "client name")
-        # Shares name clients: a name a live session holds cannot be said again, so no
-        # second process can pass for the first one.
+        # Shares name clients: a name a session holds cannot be said again, so no second
+        # process can pass for the first one.
         holder = next((x for x in self.sessions.values() if x.name == hello.name), None)
         if holder is not None:
-            raise p.ProtocolError(
-                p.ErrorCode.ALREADY_EXISTS,
-                f"client name '{hello.name}' is held by a live session (session {holder.id}, pid {holder.pid}, uid {holder.uid}); "
-                "connect under another name, or once that process has closed its session",
-                holder_pid=holder.pid,
-                holder_session=holder.id,
-            )
+            self._take_name(holder, pid, uid)
         live = {lease_table.word_session(i) for i in self.sessions}
         # Lease words must tell live sessions apart, and 0 in a slot's fields means nobody.
         while lease_table.word_session(self.next_session) in live or lease_table.word_session(self.next_session) == 0:
@@ -157,6 +177,42 @@ class DaemonState:
         self.dirty = True
         log.info("session %d opened: client %r pid %d uid %d", session.id, session.name, pid, uid)
         return session, self._hello_reply(session)
+
+    def _take_name(self, holder: SessionRecord, pid: int, uid: int) -> None:
+        """A session kept across a restart whose process is gone cannot resume: a process
+        of its uid (its supervisor's restarted engine) takes the name over at once, and
+        what the dead one held is released as a dead client's. Any other holder keeps it."""
+        name, who = holder.name, f"session {holder.id}, pid {holder.pid}, uid {holder.uid}"
+        if not holder.waiting:
+            raise p.ProtocolError(
+                p.ErrorCode.ALREADY_EXISTS,
+                f"client name '{name}' is held by a live session ({who}); connect under another name, or once that process "
+                "has closed its session",
+                holder_pid=holder.pid,
+                holder_session=holder.id,
+            )
+        gone = uid == holder.uid and process_gone(holder.pid, holder.since)
+        if not gone:
+            left = 0.0 if self.grace_deadline is None else max(0.0, self.grace_deadline - self.clock())
+            why = (
+                f"pid {holder.pid} still runs" if uid == holder.uid
+                else f"only a process of uid {holder.uid} may take it over once pid {holder.pid} is gone"
+            )
+            raise p.ProtocolError(
+                p.ErrorCode.ALREADY_EXISTS,
+                f"client name '{name}' is held by a session kept across the daemon's restart ({who}), waiting up to "
+                f"{left:.0f}s more for its client to resume; {why}. Connect under another name, or once it has resumed "
+                "and closed, or its time is up",
+                holder_pid=holder.pid,
+                holder_session=holder.id,
+            )
+        log.warning(
+            "session %d (client %r, pid %d) waiting to resume: its process is gone; released like a dead client's, "
+            "its name goes to pid %d", holder.id, name, holder.pid, pid,
+        )
+        self._notices += self.close_session(holder.id)
+        if not any(s.waiting for s in self.sessions.values()):
+            self.grace_deadline = None
 
     def _hello_reply(self, session: SessionRecord) -> p.HelloReply:
         return p.HelloReply(

@@ -182,6 +182,26 @@ def test_a_scrape_says_what_status_says(daemon_factory, run_client, runtime_dir)
     assert sample(families, "gpumemd_device_held_bytes") == status["device"]["accounted_bytes"] == 64 * MiB
 
 
+def test_hidden_names_leave_no_tenant_name_in_a_scrape(daemon_factory, run_client) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory("host", args=["--metrics-port", "0", "--metrics-hide-names"])
+    url = metrics_url(daemon)
+    a = run_client("shell", "tenant-alpha")
+    a.expect("CONNECTED")
+    do(a, f"create alpha-weights {GiB}")
+    do(a, f"commit alpha-weights {64 * MiB}")
+    do(a, f"gpregister alpha-weights alpha-decode 0 {4 * MiB}")
+    deadline = time.monotonic() + 10
+    while not (families := scrape(url))["gpumemd_graph_pool_free_bytes"].samples:
+        assert time.monotonic() < deadline, "the scrape never showed the graph pool"
+        time.sleep(0.1)
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    assert "gpumemd_arena_committed_bytes" in text and not re.search("tenant|alpha", text), text
+    (owner,) = [s.labels["client"] for s in families["gpumemd_client_committed_bytes"].samples]
+    assert sample(families, "gpumemd_client_committed_bytes", client=owner) == 64 * MiB
+    assert sample(families, "gpumemd_arena_committed_bytes", client=owner) == 64 * MiB
+
+
 def _config_error(runtime_dir: Path, python_args: list[str], daemon_args: list[str]) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [sys.executable, *python_args, "--backend", "host", "--runtime-dir", str(runtime_dir), *daemon_args],
@@ -218,6 +238,11 @@ def test_a_metrics_address_without_a_port_is_a_configuration_error(runtime_dir: 
     assert "--metrics-address 0.0.0.0 serves nothing without --metrics-port" in result.stderr, result.stderr
 
 
+def test_hiding_names_without_a_port_is_a_configuration_error(runtime_dir: Path) -> None:
+    result = _config_error(runtime_dir, ["-m", "gpumemd"], ["--metrics-hide-names"])
+    assert "--metrics-hide-names hides nothing without --metrics-port" in result.stderr, result.stderr
+
+
 def test_a_metrics_port_in_use_is_a_configuration_error(runtime_dir: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -225,3 +250,55 @@ def test_a_metrics_port_in_use_is_a_configuration_error(runtime_dir: Path) -> No
         port = taken.getsockname()[1]
         result = _config_error(runtime_dir, ["-m", "gpumemd"], ["--metrics-port", str(port)])
     assert f"cannot serve metrics on 127.0.0.1 port {port}" in result.stderr, result.stderr
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _closed_by_the_daemon(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_idle_trickling_and_piled_up_connections_hold_up_no_scrape(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Anyone who reaches the port may connect: connections that say nothing, or trickle
+    their request a byte at a time, or pile up past the limit delay no scrape, and each
+    is closed by its deadline."""
+    from gpumemd.exporter import MAX_CONNECTIONS, SCRAPE_TIMEOUT
+
+    daemon = daemon_factory("host", args=["--metrics-port", "0"])
+    url = metrics_url(daemon)
+    idle = [_connect(url) for _ in range(5)]
+    trickler = _connect(url)
+    opened = time.monotonic()
+    try:
+        for byte in b"GET":
+            trickler.send(bytes([byte]))
+            started = time.monotonic()
+            with urllib.request.urlopen(url, timeout=5) as response:  # a blocked scrape is past this
+                assert response.status == 200 and b"gpumemd_sessions" in response.read()
+            assert time.monotonic() - started < 5
+        assert _closed_by_the_daemon(trickler, SCRAPE_TIMEOUT + 10 - (time.monotonic() - opened)), "a trickling connection outlived its deadline"
+        assert time.monotonic() - opened >= SCRAPE_TIMEOUT - 1, "closed before its deadline"
+        assert all(_closed_by_the_daemon(sock, 1) for sock in idle), "an idle connection outlived its deadline"
+        # Past the limit the oldest go: a flood of connections does not keep a scrape out.
+        flood = [_connect(url) for _ in range(MAX_CONNECTIONS + 8)]
+        try:
+            scrape(url)
+            assert _closed_by_the_daemon(flood[0], 5), "the oldest connection stayed open past the limit"
+        finally:
+            for sock in flood:
+                sock.close()
+    finally:
+        trickler.close()
+        for sock in idle:
+            sock.close()

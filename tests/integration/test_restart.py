@@ -651,3 +651,51 @@ def test_a_round_report_that_does_not_block_survives_a_restart(service: Service,
     last = buffer.offset + tokens * buffer.row_bytes - 8
     pools[0].arena.write(last, b"K" * 8)
     assert pools[0].arena.read(last, 8) == b"K" * 8
+
+
+def test_a_client_that_died_while_the_daemon_was_down_leaves_its_name_to_its_successor(
+    service: Service, run_client: Any, connect: Connect, runtime_dir: Path
+) -> None:
+    """Its supervisor's restarted engine says HELLO under the name of a session kept across
+    the restart whose process is gone: it takes the name at once (not after the grace
+    period), and what the dead one held is released as a dead client's."""
+    r = service()
+    eng = run_client("shell", "engine")
+    eng.expect("CONNECTED")
+    do(eng, f"create a {64 * MiB}")
+    do(eng, f"commit a {8 * MiB}")
+    r.kill()
+    eng.proc.kill()
+    eng.proc.wait()
+    r.start()
+    assert [(c["name"], c["waiting"]) for c in status(runtime_dir)["clients"]] == [("engine", True)]
+    successor = connect("engine")
+    s = status(runtime_dir)
+    assert [(c["name"], c["pid"], c["waiting"]) for c in s["clients"]] == [("engine", os.getpid(), False)]
+    assert s["arenas"] == [] and s["device"]["accounted_bytes"] == 0 and s["daemon"]["waiting"] == 0
+    assert f"pid {eng.pid}" in r.log() and "is gone" in r.log()
+    successor.create_arena("a", 64 * MiB).commit(8 * MiB)  # the name's objects are the successor's now
+
+
+def test_a_name_waiting_for_a_live_client_is_refused_as_waiting_not_live(service: Service, runtime_dir: Path) -> None:
+    """A kept session whose process still runs (it has not resumed yet) keeps its name;
+    the refusal says it waits for its client, and for how long at most."""
+    r = service()
+    with RawSession(runtime_dir, "engine"):
+        r.restart()
+        with pytest.raises(gpumem.AlreadyExists) as info:
+            gpumem.connect(0, "engine", runtime_dir=runtime_dir, timeout=10)
+        message = str(info.value)
+        assert "waiting" in message and "resume" in message and "live" not in message, message
+        assert f"pid {os.getpid()} still runs" in message, message
+        assert [(c["name"], c["waiting"]) for c in status(runtime_dir)["clients"]] == [("engine", True)]
+
+
+def test_a_name_is_free_again_the_moment_a_resumable_session_closes(service: Service, runtime_dir: Path) -> None:
+    """close() returns once the daemon dropped the session, also where a watcher thread
+    (a session the daemon keeps across restarts) is looking at the fd channel."""
+    service()
+    for _ in range(20):
+        with gpumem.connect(0, name="again", runtime_dir=runtime_dir, timeout=10) as s:
+            s.ping()
+        assert status(runtime_dir)["clients"] == []

@@ -180,6 +180,57 @@ def test_kv_rounds_by_outcome_with_duration_and_budget(h: Harness) -> None:
     assert labelled(fresh(m), "gpumemd_kv_rounds_total") == {("committed",): 1, ("failed",): 1}
 
 
+def test_a_client_that_owns_several_arenas_counts_them_all(h: Harness) -> None:
+    """Committed bytes per client: every arena it owns, KV pools included (whatever the
+    order they come in), and none it only attached."""
+    m = Metrics(h.state)
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    h.create(a, "weights", GiB)
+    h.commit(a, "weights", 4 * BULK)
+    h.ok(a, p.KvDeclare(name="kv", buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=4096))
+    h.ok(a, p.RoundJoin(pool="kv", expect=1))
+    h.state.handle(a, p.CaptureDone(pool="kv", max_tokens=4096), 5)
+    (done,) = h.state.take_completions()
+    assert isinstance(done.reply, p.KvCommitReply) and done.reply.budget.committed == BULK
+    h.create(a, "scratch", GiB)
+    h.commit(a, "scratch", 2 * BULK)
+    h.create(b, "theirs", GiB)
+    h.commit(b, "theirs", BULK)
+    h.share(b, "theirs", "engine-a")
+    h.attach(a, "theirs")
+    h.create(b, "spare", GiB)  # owned, nothing committed
+    assert labelled(fresh(m), "gpumemd_client_committed_bytes") == {("engine-a",): 7 * BULK, ("engine-b",): BULK}
+
+
+def test_a_histogram_bucket_counts_an_observation_equal_to_its_bound(h: Harness) -> None:
+    """Prometheus buckets are ``le``: a round that lasted exactly 5 s is in the 5 s bucket,
+    in the snapshot and in what the exporter renders from it."""
+    m = Metrics(h.state)
+    s = h.connect("engine-a")
+    h.ok(s, p.KvDeclare(name="pool", buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=4096))
+    h.ok(s, p.RoundJoin(pool="pool", expect=1))
+    h.clock.now += 5.0
+    h.state.handle(s, p.CaptureDone(pool="pool", max_tokens=4096), 5)
+    (done,) = h.state.take_completions()
+    assert isinstance(done.reply, p.KvCommitReply)
+    duration = histogram(fresh(m), "gpumemd_kv_round_duration_seconds")
+    assert duration.sum == 5.0 and duration.counts[duration.bounds.index(5.0)] == 1 and sum(duration.counts) == 1
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpumemd.exporter import Exporter
+
+    exporter = Exporter("127.0.0.1", 0)
+    try:
+        exporter.start(m)
+        text = _scrape(exporter.url).decode()
+    finally:
+        exporter.close()
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "gpumemd_kv_round_duration_seconds"]
+    buckets = {x.labels["le"]: x.value for x in family.samples if x.name.endswith("_bucket")}
+    assert (buckets["1.0"], buckets["5.0"], buckets["10.0"], buckets["+Inf"]) == (0, 1, 1, 1)
+
+
 # --------------------------------------------------------------------------- leases
 
 
@@ -300,6 +351,33 @@ def test_escapes_are_counted_and_the_escaped_clients_shown(h: Harness) -> None:
     snap = fresh(m)
     assert number(snap, "gpumemd_lease_escapes_total", **labels) == 1
     assert number(snap, "gpumemd_lease_escaped_clients", **labels) == 0
+
+
+def test_hidden_names_name_no_tenant_and_keep_series_apart_and_joined(h: Harness) -> None:
+    """--metrics-hide-names: no label carries a client name, arena name or pool label;
+    each name is one digest throughout (the owner's series join its arenas'), two names
+    two digests, and the digest is keyed (another daemon's differs: no guess at a name
+    can be checked against it)."""
+    s, pool = owned_pool(h)  # client "engine", arena "graphs", pool "decode bs=8"
+    h.ok(s, p.KvDeclare(name="kv-of-tenant", buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=4096))
+    other = h.connect("tenant-b")
+    h.create(other, "arena-of-b", GiB)
+    h.commit(other, "arena-of-b", 2 * BULK)
+    shown, hidden = fresh(Metrics(h.state)), fresh(Metrics(h.state, hide_names=True))
+    names = {"engine", "graphs", "decode bs=8", "kv-of-tenant", "tenant-b", "arena-of-b"}
+    values = {v for f in hidden.families for labels, _ in f.samples for v in labels}
+    assert not {v for v in values if any(name in v for name in names)}, "a tenant's name in a label"
+    assert {v for f in shown.families for labels, _ in f.samples for v in labels} >= names, "shown by default"
+    for before, after in zip(shown.families, hidden.families):
+        assert (after.name, after.labels, [v for _, v in after.samples]) == (before.name, before.labels, [v for _, v in before.samples])
+    owners = {n: name for (name,), n in labelled(hidden, "gpumemd_client_committed_bytes").items()}
+    assert len(owners) == 2 and owners.keys() == {BULK, 2 * BULK}
+    arenas = {n: labels for labels, n in labelled(hidden, "gpumemd_arena_committed_bytes").items()}
+    assert arenas[BULK][1] == owners[BULK] and arenas[2 * BULK][1] == owners[2 * BULK], "an arena's client is its owner's digest"
+    (kv_pool,) = labelled(hidden, "gpumemd_kv_pool_tokens")
+    assert kv_pool[1] == owners[BULK] and kv_pool[0] in {arena for arena, _ in labelled(hidden, "gpumemd_arena_reserved_bytes")}
+    again = fresh(Metrics(h.state, hide_names=True))
+    assert {name for (name,) in labelled(again, "gpumemd_client_committed_bytes")}.isdisjoint(owners.values()), "the digest is not keyed"
 
 
 def test_every_family_is_named_for_prometheus(h: Harness) -> None:
