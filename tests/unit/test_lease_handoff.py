@@ -374,27 +374,40 @@ def test_a_record_that_never_lands_refuses_the_take_within_its_own_bound(shared:
     assert shared.await_record(0.05) == (LeaseStatus.RECORDING, 1)
 
 
+# A taker's bound, and how much of it the holder keeps the slot in the tests where the
+# holder's release then stops mid-record: the record must get only the rest.
+BOUND_S, HOLD_S = 1.0, 0.4
+
+
+def release_mid_record_after(t: LeaseSegment, held: int, started: list[float]) -> None:
+    """Once the taker (which put its start time in ``started``) has waited HOLD_S for
+    ``held``: ``held``'s ordered release, stopped between its free and its record."""
+    wait_until_sleeping(t)
+    time.sleep(max(0.0, started[0] + HOLD_S - time.monotonic()))
+    mid_record(t, 1)
+    assert t.clear(held) == LeaseStatus.OK
+
+
 def test_the_wait_for_the_holder_and_for_the_record_share_one_bound(shared: LeaseSegment) -> None:
     """A taker that waited for the holder has only the rest of its timeout for the
     record (it had the record bound on top of its timeout)."""
     held = word(LeaseKind.CAPTURE, session=1)
     assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    started: list[float] = []
     result: list[tuple[int, float]] = []
 
     def take() -> None:
-        started = time.monotonic()
-        status, _ = shared.acquire_ordered(word(LeaseKind.REPLAY, session=2, pid=2002), EPOCH, 0.6, b"x", NO_CONTEXT, STREAM, {1: EVENT})
-        result.append((status, time.monotonic() - started))
+        started.append(time.monotonic())
+        status, _ = shared.acquire_ordered(word(LeaseKind.REPLAY, session=2, pid=2002), EPOCH, BOUND_S, b"x", NO_CONTEXT, STREAM, {1: EVENT})
+        result.append((status, time.monotonic() - started[0]))
 
     taker = threading.Thread(target=take, daemon=True)
     taker.start()
-    wait_until_sleeping(shared)
-    mid_record(shared, 1)  # the holder's ordered release, stopped between its free and its record
-    assert shared.clear(held) == LeaseStatus.OK
+    release_mid_record_after(shared, held, started)
     taker.join(10)
     [(status, waited)] = result
     assert status == LeaseStatus.RECORDING
-    assert 0.6 <= waited < 0.6 + SLACK_S, f"refused after {waited:.2f}s with a 0.6s timeout"
+    assert BOUND_S <= waited < BOUND_S + SLACK_S, f"refused after {waited:.2f}s with a {BOUND_S}s timeout"
     assert shared.peek() == 0
 
 
@@ -460,48 +473,51 @@ def test_a_record_landing_within_the_wait_lets_the_acquire_take(shared: LeaseSeg
     session = taker_session()
     mine = session.words[LeaseKind.REPLAY]
 
+    done = threading.Event()
+
     def land() -> None:
         # Once the taker holds the slot waiting for the record; on a shared pool after the
         # first try gave it back (the "still recording" answer).
-        deadline = time.monotonic() + 10
         while not (shared.peek() == mine and (not view or shared._slot.futex != futex)):
-            if time.monotonic() > deadline:
+            if done.wait(0.001):
                 return
-            time.sleep(0.001)
         shared._slot.handoff = word_session(1)
 
     landing = threading.Thread(target=land, daemon=True)
     landing.start()
-    lease = Lease.acquire(session, pool_view(shared, view), LeaseKind.REPLAY, "decode", 10.0)
-    landing.join(10)
+    try:
+        lease = Lease.acquire(session, pool_view(shared, view), LeaseKind.REPLAY, "decode", 10.0)
+    finally:
+        done.set()
+        landing.join(10)
     assert lease.held and shared.peek() == mine
     assert session.handoff_waits == 1, "the taker's stream waits on the releaser's event"
     lease.release()
 
 
-def test_an_acquire_that_waited_for_the_holder_has_only_the_rest_of_its_wait_for_the_record(shared: LeaseSegment) -> None:
+@pytest.mark.parametrize("view", VIEWS.values(), ids=VIEWS.keys())
+def test_an_acquire_that_waited_for_the_holder_has_only_the_rest_of_its_wait_for_the_record(shared: LeaseSegment, view: bool) -> None:
     held = word(LeaseKind.CAPTURE, session=1)
     assert shared.acquire(held, EPOCH, 0) == (LeaseStatus.OK, 0)
+    started: list[float] = []
     outcome: list[tuple[BaseException | None, float]] = []
 
     def take() -> None:
-        started = time.monotonic()
+        started.append(time.monotonic())
         try:
-            Lease.acquire(taker_session(), pool_view(shared, True), LeaseKind.REPLAY, "decode", 0.6)
+            Lease.acquire(taker_session(), pool_view(shared, view), LeaseKind.REPLAY, "decode", BOUND_S)
             error = None
         except gpumem.LeaseConflict as e:
             error = e
-        outcome.append((error, time.monotonic() - started))
+        outcome.append((error, time.monotonic() - started[0]))
 
     taker = threading.Thread(target=take, daemon=True)
     taker.start()
-    wait_until_sleeping(shared)
-    mid_record(shared, 1)  # the holder's release, stopped between its free and its record
-    assert shared.clear(held) == LeaseStatus.OK
+    release_mid_record_after(shared, held, started)
     taker.join(10)
     [(error, waited)] = outcome
-    assert isinstance(error, gpumem.LeaseConflict) and RELEASER in error.message
-    assert 0.6 <= waited < 0.6 + SLACK_S, f"refused after {waited:.2f}s with wait=0.6"
+    assert isinstance(error, gpumem.LeaseConflict) and RELEASER in error.message, error
+    assert BOUND_S <= waited < BOUND_S + SLACK_S, f"refused after {waited:.2f}s with wait={BOUND_S}"
 
 
 # Handoffs with bits outside a 24-bit session and the recording mark: what a user that
