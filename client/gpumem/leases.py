@@ -409,7 +409,7 @@ class Lease:
         address = segment.address
         follows = 0
         while True:
-            if status == _RECORDING and time.monotonic() >= deadline:  # else wait for the record what is left
+            if status == _RECORDING and time.monotonic() >= deadline:  # else wait what is left for the record
                 raise owner.record_late(pool.id, segment, f"{lease_table.KIND_NAMES[kind]} lease '{label}'", wait)
             if status == LeaseStatus.ESCAPED:
                 if not owner.clear_escape(pool.id):
