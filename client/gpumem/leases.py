@@ -20,6 +20,14 @@ first wait on a peer looks it up: one round trip each, once. A private pool reco
 nothing. Within one session nothing is waited on: work on one stream is ordered by the
 stream, and replaying on one stream while borrowing on another is the caller's to order
 (a borrow takes ``stream=``).
+
+A release frees the slot before its event record lands (the next holder wakes while it
+records), so a taker may find the record still in flight. It waits for it within its own
+``wait``: every wait inside one acquire, for the holder and for the record, comes out of
+that bound. With ``wait=0`` a record in flight refuses the take at once, as a slot held
+a moment longer would, with a LeaseConflict naming the releaser; a record takes
+microseconds, so one that does not land within a wait means a releaser stopped or stuck
+in the CUDA driver.
 """
 
 from __future__ import annotations
@@ -174,14 +182,15 @@ class SessionLeases:
             event = self.recording[pool_id] = self._driver.native_event(created)
         return _native.lease_release_ordered(address, word, self.context, event, stream)
 
-    def wait_for_handoff(self, pool_id: int, segment: LeaseSegment, stream: int, kind: str) -> None:
-        """After taking a lease another session released, its event not known here yet:
-        look it up, make our stream wait for its work, and keep it for the ordered
-        acquires. The releaser may be another session of this process: its event is used
-        as is."""
-        status, peer = segment.await_record()
+    def wait_for_handoff(self, pool_id: int, segment: LeaseSegment, stream: int, lease: str, wait: float, left: float) -> None:
+        """After taking ``lease`` ("replay lease 'decode'") another session released, its
+        event not known here yet: look it up, make our stream wait for its work, and keep
+        it for the ordered acquires. The releaser's record is waited for ``left`` seconds
+        at most (what is left of the acquire's ``wait``). The releaser may be another
+        session of this process: its event is used as is."""
+        status, peer = segment.await_record(left)
         if status == _RECORDING:
-            raise self.record_late(pool_id, segment, f"{kind} lease")
+            raise self.record_late(pool_id, segment, lease, wait)
         if not peer or peer == self._word_session:
             return
         event = _PROCESS_EVENTS.get((self._daemon_key, pool_id, peer))
@@ -285,16 +294,19 @@ class SessionLeases:
             {"holder": name, "pid": pid},
         )
 
-    def record_late(self, pool_id: int, segment: LeaseSegment, lease: str) -> LeaseConflict:
-        """The last releaser freed the pool but its event record did not land in time;
-        ``lease`` names the refused one ("replay lease 'decode'")."""
+    def record_late(self, pool_id: int, segment: LeaseSegment, lease: str, wait: float) -> LeaseConflict:
+        """The last releaser freed the pool but its event record did not land within the
+        acquire's ``wait``; ``lease`` names the refused one ("replay lease 'decode'")."""
         releaser = segment.handoff() & ~lease_table.HANDOFF_RECORDING
         name, pid = self._client_named(self.status(), releaser)
+        if wait:
+            waited, then = f" after waiting {wait:g}s", "that process is stopped or stuck in the CUDA driver"
+        else:
+            waited, then = " at once (wait=0)", "retry with wait > 0; one that never lands means that process is stopped or stuck in the CUDA driver"
         return LeaseConflict(
-            f"{lease} on graph pool {pool_id} refused: client '{name}' (pid {pid}) released it, and "
-            f"{lease_table.RECORD_WAIT_NS / 1e9:g}s later has still not recorded the event that orders its GPU work "
-            "before the next holder's; that process is stopped or stuck in the CUDA driver (gpumemd clears the mark "
-            "when it exits)",
+            f"{lease} on graph pool {pool_id} refused{waited}: client '{name}' (pid {pid}) released it and has not recorded "
+            f"the event that orders its GPU work before the next holder's yet; a record takes microseconds: {then} "
+            "(gpumemd clears the mark when it exits)",
             {"holder": name, "pid": pid},
         )
 
@@ -365,7 +377,7 @@ class Lease:
         if not status:  # OK
             return cls(owner, pool, segment, kind, word, stream)
         if status in _TAKEN:
-            return cls(owner, pool, segment, kind, word, stream)._ordered(status)
+            return cls(owner, pool, segment, kind, word, stream)._ordered(status, label, wait)
         return cls._contended(owner, pool, segment, kind, word, epoch, label, wait, stream, order, status)
 
     @classmethod
@@ -385,7 +397,9 @@ class Lease:
     ) -> Lease:
         """``acquire`` past a refused first try (``status``): wait up to ``wait`` seconds
         for the slot, clearing an escape mark of this session's on the way, or raise
-        saying why and naming the holder."""
+        saying why and naming the holder. Every wait inside (for the holder, for the last
+        releaser's event record) comes out of ``wait``: a record still in flight refuses
+        a ``wait=0`` take at once, as a held slot does."""
         deadline = time.monotonic() + wait
         encoded = label.encode()
         # Built before the wait: a waiter woken by a release runs on a core that slept,
@@ -395,8 +409,8 @@ class Lease:
         address = segment.address
         follows = 0
         while True:
-            if status == _RECORDING and time.monotonic() >= deadline:  # else try again: the daemon may clear the mark
-                raise owner.record_late(pool.id, segment, f"{lease_table.KIND_NAMES[kind]} lease '{label}'")
+            if status == _RECORDING and time.monotonic() >= deadline:  # else wait what is left for the record
+                raise owner.record_late(pool.id, segment, f"{lease_table.KIND_NAMES[kind]} lease '{label}'", wait)
             if status == LeaseStatus.ESCAPED:
                 if not owner.clear_escape(pool.id):
                     error = owner.escape_error(pool, lease_table.KIND_NAMES[kind], label)
@@ -413,7 +427,7 @@ class Lease:
                 lease.held = True
                 if lease.shared:
                     owner.holding[pool.id] = lease
-                return lease._ordered(status)
+                return lease._ordered(status, label, wait, deadline)
             if status == LeaseStatus.ESCAPED or status == _RECORDING:
                 continue
             if status == LeaseStatus.STALE:
@@ -457,16 +471,20 @@ class Lease:
             {"holder": name, "pid": h_pid, "kind": lease_table.KIND_NAMES.get(h_kind, str(h_kind)), "label": held_label},
         )
 
-    def _ordered(self, status: int) -> Lease:
+    def _ordered(self, status: int, label: str, wait: float, deadline: float | None = None) -> Lease:
         """The lease was taken with ``status``: OK_WAITED, the stream waits on the last
-        releaser's event already; OK_ORDER, it must wait on one not known here yet."""
+        releaser's event already; OK_ORDER, it must wait on one not known here yet, its
+        record waited for within what is left of ``wait`` (all of it without a
+        ``deadline``: nothing was waited for yet)."""
         if status == _OK_WAITED:
             self.owner.handoff_waits += 1
             return self
         if status != _OK_ORDER:
             return self
+        left = wait if deadline is None else deadline - time.monotonic()
+        lease = f"{lease_table.KIND_NAMES[self.kind]} lease '{label}'"
         try:
-            self.owner.wait_for_handoff(self.pool_id, self.segment, self._stream(), lease_table.KIND_NAMES[self.kind])
+            self.owner.wait_for_handoff(self.pool_id, self.segment, self._stream(), lease, wait, left)
         except BaseException:
             self.held = False
             self.segment.clear(self._word)

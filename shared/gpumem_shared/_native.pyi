@@ -8,7 +8,6 @@ LEASE_SLOT_BYTES: int
 LEASE_LABEL_BYTES: int
 LEASE_HANDOFF_RECORDING: int
 LEASE_HANDOFF_SESSION: int
-LEASE_RECORD_WAIT_NS: int
 # (name, value) pairs of lease_table.h's lists; the slot's fields as (name, offset, size)
 LEASE_STATUSES: tuple[tuple[str, int], ...]
 LEASE_KINDS: tuple[tuple[str, int], ...]

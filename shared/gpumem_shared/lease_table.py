@@ -35,12 +35,11 @@ SEGMENT_BYTES: Final[int] = _native.LEASE_SEGMENT_BYTES
 SLOT_BYTES: Final[int] = _native.LEASE_SLOT_BYTES
 LABEL_BYTES: Final[int] = _native.LEASE_LABEL_BYTES
 # In a slot's handoff field: its releaser freed the slot and is still recording its
-# event; a taker waits up to RECORD_WAIT_NS for the record to land.
+# event; a taker waits for the record to land, within its own bound.
 HANDOFF_RECORDING: Final[int] = _native.LEASE_HANDOFF_RECORDING
 # The session bits of a handoff; a handoff with a bit outside these and RECORDING names
 # nobody (see handoff_session).
 HANDOFF_SESSION: Final[int] = _native.LEASE_HANDOFF_SESSION
-RECORD_WAIT_NS: Final[int] = _native.LEASE_RECORD_WAIT_NS
 
 # The name a segment's memfd carries (and /proc/PID/maps shows), before the pool's id.
 SEGMENT_NAME = "gpumemd-lease-pool-"
@@ -226,18 +225,22 @@ class LeaseSegment:
         """``try_acquire`` on a shared pool, with its GPU order in the same native call: told
         OK_ORDER, ``stream`` waits on the last releaser's event if ``events`` (by 24-bit
         session) has it, and the answer is OK_WAITED; OK_ORDER means it has not. ``context``
-        is the driver's ``native_context()``."""
+        is the driver's ``native_context()``. A try waits for nothing: RECORDING (the slot
+        given back) while the last releaser's record is still in flight."""
         return _native.lease_try_ordered(self.address, word, epoch, label, context, stream, events)
 
     def acquire_ordered(
         self, word: int, epoch: int, timeout_s: float, label: bytes | None, context: int, stream: int, events: dict[int, int]
     ) -> tuple[int, int]:
-        """``acquire``, ordered as ``try_acquire_ordered`` is."""
+        """``acquire``, ordered as ``try_acquire_ordered`` is; the take and the wait for the
+        last releaser's record together last ``timeout_s`` at most (RECORDING: the record
+        did not land within what the take left)."""
         return _native.lease_acquire_ordered(self.address, word, epoch, int(timeout_s * 1e9), label, context, stream, events)
 
-    def await_record(self, timeout_s: float = RECORD_WAIT_NS / 1e9) -> tuple[int, int]:
+    def await_record(self, timeout_s: float = 0.0) -> tuple[int, int]:
         """(status, releaser) for a taker told OK_ORDER: the session to order after (0:
-        none), once its record landed (OK); RECORDING if it did not within ``timeout_s``."""
+        none), once its record landed (OK); RECORDING if it did not within ``timeout_s``
+        (0: whether it has landed now)."""
         return _native.lease_await_record(self.address, int(timeout_s * 1e9))
 
     def release(self, word: int) -> int:

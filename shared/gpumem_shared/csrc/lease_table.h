@@ -46,8 +46,6 @@ _Static_assert(sizeof(lease_slot) <= LEASE_SEGMENT_BYTES, "a lease slot fits its
  * clears it. */
 #define LEASE_HANDOFF_SESSION 0x00FFFFFFu
 #define LEASE_HANDOFF_VALID(handoff) (((handoff) & ~(LEASE_HANDOFF_RECORDING | LEASE_HANDOFF_SESSION)) == 0)
-/* How long a taker waits for that record to land before it gives the slot back. */
-#define LEASE_RECORD_WAIT_NS 1000000000LL
 
 /* What the lease calls return. */
 #define LEASE_STATUSES(X)                                                                            \
@@ -60,7 +58,7 @@ _Static_assert(sizeof(lease_slot) <= LEASE_SEGMENT_BYTES, "a lease slot fits its
     X(ESCAPED, 6)    /* refused: borrowed tensors outlived their scope (see `escaped`) */            \
     X(RECORD, 7)     /* not released: a shared pool; record the event, then release_recorded */      \
     X(OK_WAITED, 8)  /* taken, and the stream already waits on that event (module.c's ordered calls) */ \
-    X(RECORDING, 9)  /* not taken: the last releaser's record did not land within LEASE_RECORD_WAIT_NS */
+    X(RECORDING, 9)  /* not taken: the last releaser's record did not land within the caller's bound */
 
 /* A lease word's kind, its top byte; 0 is no kind, so a held word is never 0. */
 #define LEASE_KINDS(X)                                                                               \

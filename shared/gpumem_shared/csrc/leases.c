@@ -18,7 +18,8 @@
  * from another process waits on that event (LEASE_OK_ORDER tells it to). The ordered
  * release frees the slot before it records, with ``handoff`` marked recording until the
  * record lands: the waiter's wake-up (tens of microseconds) and the record overlap, and
- * every taker waits for the mark to go before it touches the pool or its event. Within one
+ * every taker waits for the mark to go before it touches the pool or its event, within
+ * its own bound (a try does not wait: it gives the slot back at once). Within one
  * process nothing is waited on: work on one stream is ordered by the stream, and work on
  * two streams of one process is the caller's to order. A borrower whose tensors
  * outlived their scope asks the daemon to mark ``escaped``, which refuses replay and
@@ -237,12 +238,21 @@ void gpumem_lease_recorded(lease_slot *slot, uint32_t session, int ok) {
     __atomic_compare_exchange_n(&slot->handoff, &seen, ok ? session : 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
+/* Between polls of a record still not landed after LEASE_SPIN_NS: the pause starts at
+ * this and doubles up to the cap, so a releaser stopped mid-record costs a taker that
+ * waits long little CPU, and the taker overshoots its bound by one cap at most. */
+#define RECORD_POLL_NS 20000
+#define RECORD_POLL_MAX_NS 1000000
+
 /* After a take told LEASE_OK_ORDER: the releaser to order after (0: none), once its
  * record has landed: watched for LEASE_SPIN_NS, then polled. LEASE_RECORDING if it has
  * not within ``timeout_ns`` (the releaser stopped between freeing and recording; the
- * daemon clears the mark of one that ends), with *releaser the session still marked. */
+ * daemon clears the mark of one that ends), with *releaser the session still marked.
+ * timeout_ns <= 0 looks once. The taker's bound is the caller's: what is left of its
+ * wait, nothing for a try. */
 int gpumem_lease_await_record(lease_slot *slot, int64_t timeout_ns, uint32_t *releaser) {
     int64_t start = 0;
+    int64_t pause = RECORD_POLL_NS;
     for (;;) {
         uint32_t seen = __atomic_load_n(&slot->handoff, __ATOMIC_ACQUIRE);
         if (!LEASE_HANDOFF_VALID(seen)) { /* garbage: no releaser records anything */
@@ -262,8 +272,10 @@ int gpumem_lease_await_record(lease_slot *slot, int64_t timeout_ns, uint32_t *re
         if (now - start < LEASE_SPIN_NS) {
             for (int i = 0; i < LEASE_SPIN_CHECK; i++) cpu_relax();
         } else {
-            struct timespec pause = {.tv_sec = 0, .tv_nsec = 20000};
-            nanosleep(&pause, NULL);
+            int64_t left = timeout_ns - (now - start);
+            struct timespec rest = {.tv_sec = 0, .tv_nsec = (long)(pause < left ? pause : left)};
+            nanosleep(&rest, NULL);
+            if (pause < RECORD_POLL_MAX_NS) pause *= 2;
         }
     }
 }

@@ -28,6 +28,7 @@
 #include <dlfcn.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "allocator.h"
 #include "lease_table.h"
@@ -528,6 +529,13 @@ typedef struct {
     void *stream;
 } gpu_order;
 
+/* The clock the slot's waits use (CLOCK_MONOTONIC), for a deadline across two of them. */
+static int64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
 static int order_args(PyObject *ctx, PyObject *stream, gpu_order *out) {
     uint64_t raw;
     out->ctx = PyLong_AsVoidPtr(ctx);
@@ -565,10 +573,11 @@ static void raise_driver_error(const char *call, int rc) {
  * when it has not: the caller looks the event up (once) and waits itself. LEASE_OK when
  * there is nothing to wait on: the daemon forgot the releaser meanwhile, its record
  * failed, or it was this session. LEASE_RECORDING, the take undone, when the record did
- * not land in time. -1 with an exception set, the take undone. */
-static int wait_for_releaser(lease_slot *slot, uint64_t word, const gpu_order *order, PyObject *events) {
+ * not land within ``timeout_ns`` (what is left of the caller's wait; <= 0: it must have
+ * landed already). -1 with an exception set, the take undone. */
+static int wait_for_releaser(lease_slot *slot, uint64_t word, const gpu_order *order, PyObject *events, int64_t timeout_ns) {
     uint32_t releaser;
-    if (await_record(slot, LEASE_RECORD_WAIT_NS, &releaser) != LEASE_OK) {
+    if (await_record(slot, timeout_ns, &releaser) != LEASE_OK) {
         gpumem_lease_clear(slot, word);
         return LEASE_RECORDING;
     }
@@ -594,7 +603,9 @@ undo:
 }
 
 /* lease_try_ordered(segment_address, word, epoch, label: bytes, context, stream, events)
- * -> status: lease_try, then the wait on the releaser's event when told to order. */
+ * -> status: lease_try, then the wait on the releaser's event when told to order. A try
+ * waits for nothing: a record still in flight gives the slot back (LEASE_RECORDING), and
+ * a caller with time to wait goes on with lease_acquire_ordered. */
 static PyObject *lease_try_ordered(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     lease_slot *slot;
@@ -608,13 +619,14 @@ static PyObject *lease_try_ordered(PyObject *module, PyObject *const *args, Py_s
         order_args(args[4], args[5], &order) < 0 || events_arg(args[6]) < 0)
         return NULL;
     int status = gpumem_lease_try(slot, word, epoch, label, (uint32_t)len);
-    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(slot, word, &order, args[6])) < 0) return NULL;
+    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(slot, word, &order, args[6], 0)) < 0) return NULL;
     return PyLong_FromLong(status);
 }
 
 /* lease_acquire_ordered(segment_address, word, epoch, timeout_ns, label or None, context,
  * stream, events) -> (status, word found): lease_acquire (the wait without the GIL), then
- * the wait on the releaser's event when told to order. */
+ * the wait on the releaser's event when told to order. Both waits together stay within
+ * timeout_ns: the record is waited for what the take left of it. */
 static PyObject *lease_acquire_ordered(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     lease_slot *slot;
@@ -634,10 +646,13 @@ static PyObject *lease_acquire_ordered(PyObject *module, PyObject *const *args, 
     if (order_args(args[5], args[6], &order) < 0 || events_arg(args[7]) < 0) return NULL;
     uint64_t found = 0;
     int status;
+    int64_t start = monotonic_ns();
+    int64_t deadline = timeout_ns > INT64_MAX - start ? INT64_MAX : start + (int64_t)timeout_ns;
     Py_BEGIN_ALLOW_THREADS
     status = gpumem_lease_acquire(slot, word, epoch, (int64_t)timeout_ns, &found, label, (uint32_t)len);
     Py_END_ALLOW_THREADS
-    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(slot, word, &order, args[7])) < 0) return NULL;
+    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(slot, word, &order, args[7], deadline - monotonic_ns())) < 0)
+        return NULL;
     return Py_BuildValue("(iK)", status, (unsigned long long)found);
 }
 
@@ -766,7 +781,7 @@ static int add_slot_fields(PyObject *module) {
 
 static int add_constants(PyObject *m) {
     if (PyModule_AddIntMacro(m, LEASE_SEGMENT_BYTES) < 0 || PyModule_AddIntMacro(m, LEASE_LABEL_BYTES) < 0 ||
-        PyModule_AddIntMacro(m, LEASE_HANDOFF_RECORDING) < 0 || PyModule_AddIntMacro(m, LEASE_HANDOFF_SESSION) < 0 || PyModule_AddIntMacro(m, LEASE_RECORD_WAIT_NS) < 0 ||
+        PyModule_AddIntMacro(m, LEASE_HANDOFF_RECORDING) < 0 || PyModule_AddIntMacro(m, LEASE_HANDOFF_SESSION) < 0 ||
         PyModule_AddIntConstant(m, "LEASE_SLOT_BYTES", (long)sizeof(lease_slot)) < 0 ||
         add_named(m, "LEASE_STATUSES", lease_statuses, COUNT(lease_statuses)) < 0 ||
         add_named(m, "LEASE_KINDS", lease_kinds, COUNT(lease_kinds)) < 0 ||
