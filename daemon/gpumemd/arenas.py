@@ -39,6 +39,7 @@ from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
 from gpumemd.image import Image, Imager, Keep, Take, chunk_name
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
+from gpumemd.tenants import Tenants
 
 log = logging.getLogger("gpumemd.arenas")
 
@@ -81,10 +82,11 @@ _ARENA = Imager(ArenaRecord)
 
 
 class ArenaBook:
-    def __init__(self, driver: Driver, config: StateConfig, device: p.DeviceInfo) -> None:
+    def __init__(self, driver: Driver, config: StateConfig, device: p.DeviceInfo, tenants: Tenants) -> None:
         self.driver = driver
         self.config = config
         self.device = device
+        self.tenants = tenants
         self.by_name: dict[str, ArenaRecord] = {}
         self.retiring: dict[int, ChunkRecord] = {}
         self.next_chunk = 1
@@ -175,9 +177,12 @@ class ArenaBook:
         existing = self.by_name.get(name)
         if existing is not None:
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"arena '{name}' already exists, owned by {existing.owner_label()}")
+        plan = self.config.va_limit - self.config.va_base
+        self.tenants.check_arena(s, self.by_name.values(), reserve_bytes + PLACEHOLDER_SCRATCH, self.device.granularity, plan)
         address = self._plan_window(reserve_bytes + PLACEHOLDER_SCRATCH)
         arena = ArenaRecord(
-            name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=reserve_bytes, kv=kv
+            name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=reserve_bytes, kv=kv,
+            owner_uid=s.uid,
         )
         arena.attached.add(s.id)
         self.by_name[name] = arena

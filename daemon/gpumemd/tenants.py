@@ -1,0 +1,87 @@
+"""Per-tenant limits: no one uid takes what every tenant shares.
+
+A tenant is a uid, as the kernel reports it for each session's fd channel (SO_PEERCRED).
+What the daemon has a fixed amount of (sessions, its address plan, arenas, graph-pool
+slots) is counted per tenant from the books themselves, so nothing here can drift from
+them, and a request that would take a tenant past its limit (config.TenantLimits) is
+refused with RESOURCE_EXHAUSTED, naming the limit, the tenant and what it holds.
+
+Memory is not limited here: the device's bytes are what KV rounds and commits share by
+their own rules (reserve, budgets); what one tenant could take without committing a
+byte is what this module bounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpumem_shared import protocol as p
+from gpumem_shared.units import format_size
+
+from gpumemd.config import GiB, TenantLimits
+from gpumemd.records import ArenaRecord, SessionRecord
+
+
+def plan_cost(window: int, granularity: int) -> int:
+    """What an arena's window takes of the address plan: the window rounded up to the
+    plan's alignment, and the guard step after it (arenas._plan_window)."""
+    align = max(granularity, GiB)
+    return -(-window // align) * align + align
+
+
+def _refuse(limit: str, uid: int, detail: str, used: int, cap: int) -> p.ProtocolError:
+    return p.ProtocolError(
+        p.ErrorCode.RESOURCE_EXHAUSTED,
+        f"uid {uid} is at its limit of {limit}: {detail}; release some first, or ask the operator to raise the limit",
+        limit=limit,
+        uid=uid,
+        used=used,
+        cap=cap,
+    )
+
+
+class Tenants:
+    def __init__(self, limits: TenantLimits, sessions: dict[int, SessionRecord]) -> None:
+        self.limits = limits
+        self.sessions = sessions
+
+    def check_session(self, uid: int) -> None:
+        used = sum(1 for s in self.sessions.values() if s.uid == uid)
+        if used >= self.limits.sessions:
+            raise _refuse("sessions", uid, f"{used} live sessions of {self.limits.sessions} (--tenant-sessions)", used, self.limits.sessions)
+
+    def check_arena(self, s: SessionRecord, arenas: Iterable[ArenaRecord], window: int, granularity: int, plan: int) -> None:
+        """Before ``s`` creates an arena of ``window`` bytes (scratch included) in a plan of ``plan`` bytes."""
+        owned = [a for a in arenas if a.owner_uid == s.uid]
+        if len(owned) >= self.limits.arenas:
+            raise _refuse("arenas", s.uid, f"owns {len(owned)} arenas of {self.limits.arenas} (--tenant-arenas)", len(owned), self.limits.arenas)
+        if self.limits.address_share >= 1:
+            return  # the whole plan: its own first fit says when it is full (OUT_OF_MEMORY)
+        cap = int(plan * self.limits.address_share)
+        used = sum(plan_cost(a.window, granularity) for a in owned)
+        need = plan_cost(window, granularity)
+        if used + need > cap:
+            raise _refuse(
+                "address space",
+                s.uid,
+                f"its arenas' windows take {format_size(used)} of the address plan, and {format_size(need)} more would pass its "
+                f"share of {format_size(cap)} ({self.limits.address_share:g} of {format_size(plan)}, --tenant-address-share)",
+                used,
+                cap,
+            )
+
+    def check_graph_pool(self, s: SessionRecord, owners: Iterable[int], slots: int) -> None:
+        """Before ``s`` registers a graph pool; ``owners``: the session of every pool kept."""
+        cap = max(1, int(slots * self.limits.graph_pool_share))
+        used = 0
+        for owner in owners:
+            session = self.sessions.get(owner)
+            if session is not None and session.uid == s.uid:
+                used += 1
+        if used >= cap:
+            raise _refuse(
+                "graph pools", s.uid,
+                f"its sessions keep {used} graph pools of its share of {cap} ({self.limits.graph_pool_share:g} of the daemon's "
+                f"{slots}, --tenant-graph-pool-share)",
+                used, cap,
+            )
