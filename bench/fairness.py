@@ -35,8 +35,8 @@ BENCH = "fairness"
 # ---------------------------------------------------------------------------
 
 
-def flooder(url: str, request: str, depth: int, ready_file: str) -> int:
-    """Keep ``depth`` requests in flight on one DEALER until SIGTERM (or orphaned)."""
+def flooder(url: str, request: str, depth: int, sockets: int, ready_file: str) -> int:
+    """Keep ``depth`` requests in flight on each of ``sockets`` DEALERs until SIGTERM (or orphaned)."""
     import zmq
 
     from gpumem_shared import protocol as p
@@ -44,27 +44,33 @@ def flooder(url: str, request: str, depth: int, ready_file: str) -> int:
     message: p.RequestMessage = p.Status() if request == "status" else p.Ping()
     parent = os.getppid()
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 1000)  # wake up now and then to notice an orphaning
-    sock.connect(url)
+    socks = []
+    poller = zmq.Poller()
     frames = [p.encode_request(i, message) for i in range(1, depth + 1)]
-    for frame in frames:
-        sock.send(frame)
+    for _ in range(sockets):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(url)
+        for frame in frames:
+            sock.send(frame)
+        poller.register(sock, zmq.POLLIN)
+        socks.append(sock)
     Path(ready_file).write_text(f"{os.getpid()}\n")
-    sent = depth
     try:
         while True:
-            try:
-                sock.recv()
-            except zmq.Again:
-                if os.getppid() != parent:
-                    return 0
-                continue
-            sock.send(frames[sent % depth])
-            sent += 1
+            ready = poller.poll(1000)  # wake up now and then to notice an orphaning
+            if not ready and os.getppid() != parent:
+                return 0
+            for sock, _ in ready:
+                while True:
+                    try:
+                        sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    sock.send(frames[0])
     finally:
-        sock.close(0)
+        for sock in socks:
+            sock.close(0)
         ctx.term()
 
 
@@ -95,6 +101,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1000, help="untimed probe round trips first (default: 1000)")
     ap.add_argument("--flooders", type=int, default=4, help="flooding peers, one process each (default: 4)")
     ap.add_argument("--depth", type=int, default=64, help="requests each flooder keeps in flight (default: 64)")
+    ap.add_argument("--sockets", type=int, default=1, help="control connections each flooder opens (default: 1)")
     ap.add_argument("--request", choices=["ping", "status"], default="ping", help="what the flooders send (default: ping)")
     ap.add_argument("--target", type=float, default=3.0, help="ok when ratio_p99 <= this (default: 3)")
     ap.add_argument("--start-timeout", type=float, default=60.0, help="seconds the daemon and flooders get to start")
@@ -107,8 +114,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--ready-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.flooder is None:
-        if args.iterations < 100 or args.warmup < 0 or args.flooders < 1 or args.depth < 1:
-            ap.error("--iterations must be >= 100, --flooders and --depth >= 1, --warmup >= 0")
+        if args.iterations < 100 or args.warmup < 0 or min(args.flooders, args.depth, args.sockets) < 1:
+            ap.error("--iterations must be >= 100, --flooders, --sockets and --depth >= 1, --warmup >= 0")
         try:
             args.cpus = c.parse_cpus(args.cpus)
         except ValueError as exc:
@@ -152,7 +159,8 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     for i in range(args.flooders):
         ready = rdir / f"flooder{i}.ready"
         child = c.Child(f"flooder {i}", [str(Path(__file__).resolve()), "--flooder", url, "--ready-file", str(ready),
-                                         "--request", args.request, "--depth", str(args.depth)], rdir / f"flooder{i}.log")
+                                         "--request", args.request, "--depth", str(args.depth),
+                                         "--sockets", str(args.sockets)], rdir / f"flooder{i}.log")
         cleanup.callback(child.stop)
         flooders.append((child, ready))
     for child, ready in flooders:
@@ -168,7 +176,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     after = time_pings(session, args.iterations)
     c.say(f"after  : p50 {c.median(after) / 1e3:8.1f} us  p99 {c.percentile(after, 99) / 1e3:8.1f} us")
 
-    fig: dict[str, object] = {"iterations": args.iterations, "flooders": args.flooders, "depth": args.depth,
+    fig: dict[str, object] = {"iterations": args.iterations, "flooders": args.flooders, "sockets": args.sockets, "depth": args.depth,
                               "request": args.request, "daemon_args": " ".join(args.daemon_arg)}
     fig |= _figures("idle", idle) | _figures("flooded", flooded) | _figures("after", after)
     fig["ratio_p50"] = c.ratio(c.median(flooded), c.median(idle))
@@ -187,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.ready_file:
             sys.exit("--flooder needs --ready-file")
         c.ensure_importable()
-        return flooder(args.flooder, args.request, args.depth, args.ready_file)
+        return flooder(args.flooder, args.request, args.depth, args.sockets, args.ready_file)
     c.ensure_importable()
     return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup))
 

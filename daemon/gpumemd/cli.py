@@ -180,6 +180,13 @@ def _exporter(address: str, port: int) -> Exporter:
     help="Fraction of the daemon's graph-pool slots one uid's sessions may keep.",
 )
 @click.option(
+    "--tenant-requests",
+    type=click.IntRange(1),
+    default=TenantLimits.requests,
+    show_default=True,
+    help="Control requests one session may have waiting for service; more are refused at once (a client has one call out).",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
@@ -228,6 +235,7 @@ def command(
     tenant_arenas: int,
     tenant_address_share: float,
     tenant_graph_pool_share: float,
+    tenant_requests: int,
     metrics_port: int | None,
     metrics_address: str | None,
     metrics_hide_names: bool,
@@ -263,7 +271,7 @@ def command(
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
         restart_grace=restart_grace,
-        tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share),
+        tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
     )
     exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None
     try:

@@ -28,6 +28,9 @@ class TenantLimits:
     # placeholder scratch and guard step), and the graph-pool slots (MAX_POOLS).
     address_share: float = 0.5
     graph_pool_share: float = 0.5
+    # Control requests of one session read and waiting to be served: a client has one
+    # call out at a time, and one report per KV pool it is in a round of.
+    requests: int = 64
 
 
 @dataclasses.dataclass

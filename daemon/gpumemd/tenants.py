@@ -9,16 +9,21 @@ refused with RESOURCE_EXHAUSTED, naming the limit, the tenant and what it holds.
 Memory is not limited here: the device's bytes are what KV rounds and commits share by
 their own rules (reserve, budgets); what one tenant could take without committing a
 byte is what this module bounds.
+
+Service: control requests wait in one queue per peer (``FairQueue``), served one peer
+at a time in turn, so a peer that floods (however many connections it opens) waits
+behind itself rather than putting every other session behind its backlog.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from gpumem_shared import protocol as p
 from gpumem_shared.units import format_size
 
-from gpumemd.config import GiB, TenantLimits
+from gpumemd.config import GiB, MiB, TenantLimits
 from gpumemd.records import ArenaRecord, SessionRecord
 
 
@@ -85,3 +90,70 @@ class Tenants:
                 f"{slots}, --tenant-graph-pool-share)",
                 used, cap,
             )
+
+
+# Anonymous control peers (gpumemctl, pings) share one queue: a connection costs nothing
+# to open, so they are served as one peer, however many there are.
+ANONYMOUS = 0
+# Read ahead of service: enough for every anonymous peer a few requests deep, and bytes
+# for a thousand average requests many times over (a frame may be 2 MiB; real ones are
+# hundreds of bytes).
+ANONYMOUS_QUEUED = 1024
+QUEUED_BYTES = 64 * MiB
+
+
+class FairQueue:
+    """Control requests read, not yet served: a FIFO per peer (a session id, or
+    ANONYMOUS), and the ring of peers with requests waiting. ``pop`` takes the next
+    peer's oldest request, so each peer's requests keep their order and one peer's
+    backlog delays another by one request per turn at most."""
+
+    def __init__(self, per_session: int) -> None:
+        self.per_session = per_session
+        self._queues: dict[int, deque[tuple[bytes, bytes]]] = {}
+        self._ring: deque[int] = deque()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._ring)  # peers waiting: nonzero while anything is queued
+
+    def push(self, peer: int, identity: bytes, frame: bytes) -> p.ProtocolError | None:
+        """Queue ``frame`` from ``peer``, or the refusal to answer it with at once."""
+        queue = self._queues.get(peer)
+        held = 0 if queue is None else len(queue)
+        cap = ANONYMOUS_QUEUED if peer == ANONYMOUS else self.per_session
+        if held >= cap:
+            who = "anonymous control peers" if peer == ANONYMOUS else f"session {peer}"
+            flag = "" if peer == ANONYMOUS else " (--tenant-requests)"
+            return p.ProtocolError(
+                p.ErrorCode.RESOURCE_EXHAUSTED,
+                f"{who} already have {held} requests waiting for the daemon, the limit{flag}; wait for their replies",
+                limit="requests",
+                used=held,
+                cap=cap,
+            )
+        if self._bytes + len(frame) > QUEUED_BYTES:
+            return p.ProtocolError(
+                p.ErrorCode.RESOURCE_EXHAUSTED,
+                f"the daemon holds {format_size(self._bytes)} of requests waiting, its limit; send again once they are served",
+                limit="request bytes",
+                used=self._bytes,
+                cap=QUEUED_BYTES,
+            )
+        if queue is None:
+            queue = self._queues[peer] = deque()
+            self._ring.append(peer)
+        queue.append((identity, frame))
+        self._bytes += len(frame)
+        return None
+
+    def pop(self) -> tuple[bytes, bytes]:
+        peer = self._ring.popleft()
+        queue = self._queues[peer]
+        identity, frame = queue.popleft()
+        self._bytes -= len(frame)
+        if queue:
+            self._ring.append(peer)
+        else:
+            del self._queues[peer]
+        return identity, frame
