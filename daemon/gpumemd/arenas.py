@@ -176,7 +176,17 @@ class ArenaBook:
             )
         existing = self.by_name.get(name)
         if existing is not None:
-            raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"arena '{name}' already exists, owned by {existing.owner_label()}")
+            # Names are one namespace for every tenant (sharers attach by name): the one
+            # who holds it is named, uid included, so a squatter can be found.
+            raise p.ProtocolError(
+                p.ErrorCode.ALREADY_EXISTS,
+                f"arena '{name}' already exists, owned by {existing.owner_label()}, uid {existing.owner_uid}; "
+                "arena names are shared by every user of the daemon: choose another",
+                arena=name,
+                owner=existing.owner_name,
+                owner_pid=existing.owner_pid,
+                owner_uid=existing.owner_uid,
+            )
         plan = self.config.va_limit - self.config.va_base
         self.tenants.check_arena(s, self.by_name.values(), reserve_bytes + PLACEHOLDER_SCRATCH, self.device.granularity, plan)
         address = self._plan_window(reserve_bytes + PLACEHOLDER_SCRATCH)

@@ -150,3 +150,13 @@ def test_queued_bytes_are_bounded() -> None:
     assert refusal is not None and refusal.detail["limit"] == "request bytes"
     q.pop()
     assert q.push(5, b"s", b"x") is None
+
+
+def test_a_name_held_by_another_tenant_names_its_holder(h: Harness) -> None:
+    squatter, engine = h.connect("squatter", uid=B), h.connect("engine", uid=A)
+    h.create(squatter, "kv", GiB)
+    refusal = h.refused(engine, p.CreateArena(name="kv", reserve_bytes=GiB), p.ErrorCode.ALREADY_EXISTS)
+    assert (refusal.detail["owner"], refusal.detail["owner_uid"]) == ("squatter", B)
+    assert f"uid {B}" in refusal.message
+    h.release(squatter, "kv")  # the name goes with the arena
+    h.create(engine, "kv", GiB)
