@@ -3,13 +3,15 @@
 
 The probe is a gpumem session that calls ``Session.ping()`` one at a time. Its idle p99
 is the baseline, measured in the same run before the flood starts. Then ``--flooders``
-peers, each a process of its own with a DEALER on the daemon's control socket, keep
-``--depth`` requests in flight without pause (a new one for every reply), and the
-probe's round trip is measured again; then once more after they stopped (a recovery
-check: it shows whether the flood left anything behind).
+peers, each a process of its own with ``--sockets`` DEALERs on the daemon's control
+socket (connections cost a peer nothing), keep ``--depth`` requests in flight on each
+without pause (a new one for every reply), and the probe's round trip is measured
+again; then once more after they stopped (a recovery check: it shows whether the flood
+left anything behind). On a machine with fewer cores than flooders plus two, the
+flooders take CPU from the probe and the daemon, and p99 measures the scheduler.
 
     python bench/fairness.py --backend host
-    python bench/fairness.py --backend cuda --flooders 4 --depth 64
+    python bench/fairness.py --backend cuda --flooders 4 --sockets 1 --depth 64
 
 Last line: {"bench": "fairness", "backend", "figures", "targets", "ok"}; ok means
 ratio_p99 = flooded p99 / idle p99 <= --target (default 3).
@@ -100,8 +102,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--iterations", type=int, default=5000, help="timed probe round trips per phase (default: 5000)")
     ap.add_argument("--warmup", type=int, default=1000, help="untimed probe round trips first (default: 1000)")
     ap.add_argument("--flooders", type=int, default=4, help="flooding peers, one process each (default: 4)")
-    ap.add_argument("--depth", type=int, default=64, help="requests each flooder keeps in flight (default: 64)")
-    ap.add_argument("--sockets", type=int, default=1, help="control connections each flooder opens (default: 1)")
+    ap.add_argument("--depth", type=int, default=16, help="requests each flooder keeps in flight per connection (default: 16)")
+    ap.add_argument("--sockets", type=int, default=16,
+                    help="control connections each flooder opens: ZeroMQ turns over connections, not peers (default: 16)")
     ap.add_argument("--request", choices=["ping", "status"], default="ping", help="what the flooders send (default: ping)")
     ap.add_argument("--target", type=float, default=3.0, help="ok when ratio_p99 <= this (default: 3)")
     ap.add_argument("--start-timeout", type=float, default=60.0, help="seconds the daemon and flooders get to start")
@@ -137,7 +140,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     c.pin(args.cpus)
     rdir = cleanup.enter_context(c.runtime_dir("gmb-fair-"))
     c.say(f"{BENCH}: backend={args.backend} device={args.device} iterations={args.iterations} flooders={args.flooders} "
-          f"depth={args.depth} request={args.request} runtime dir {rdir}")
+          f"sockets={args.sockets} depth={args.depth} request={args.request} runtime dir {rdir}")
 
     daemon = c.Daemon(rdir, args.backend, args.device, args.daemon_arg)
     cleanup.callback(daemon.stop)
