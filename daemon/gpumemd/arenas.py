@@ -180,20 +180,20 @@ class ArenaBook:
             # who holds it is named, uid included, so a squatter can be found.
             raise p.ProtocolError(
                 p.ErrorCode.ALREADY_EXISTS,
-                f"arena '{name}' already exists, owned by {existing.owner_label()}, uid {existing.owner_uid}; "
+                f"arena '{name}' already exists, owned by {existing.owner_label()}, uid {self.tenants.owner_uid(existing)}; "
                 "arena names are shared by every user of the daemon: choose another",
                 arena=name,
                 owner=existing.owner_name,
                 owner_pid=existing.owner_pid,
-                owner_uid=existing.owner_uid,
+                owner_uid=self.tenants.owner_uid(existing),
             )
         plan = self.config.va_limit - self.config.va_base
         self.tenants.check_arena(s, self.by_name.values(), reserve_bytes + PLACEHOLDER_SCRATCH, self.device.granularity, plan)
         address = self._plan_window(reserve_bytes + PLACEHOLDER_SCRATCH)
         arena = ArenaRecord(
-            name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=reserve_bytes, kv=kv,
-            owner_uid=s.uid,
+            name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=reserve_bytes, kv=kv
         )
+        self.tenants.owners[name] = s.uid
         arena.attached.add(s.id)
         self.by_name[name] = arena
         log.info("arena %r created by %r: %d bytes at %#x", name, s.name, reserve_bytes, address)
@@ -390,6 +390,7 @@ class ArenaBook:
         arena.chunks = []
         arena.placeholders = []
         del self.by_name[arena.name]
+        self.tenants.owners.pop(arena.name, None)
         log.info("arena %r destroyed", arena.name)
 
     # ------------------------------------------------------------------ chunks
@@ -517,6 +518,7 @@ class ArenaBook:
                         self.retiring[chunk.id] = chunk
                 continue
             self.by_name[arena.name] = arena
+            self.tenants.adopt(arena)
         for chunk in (_CHUNK.restore(c, handle=None) for c in book.retiring):
             if chunk.holders:
                 self.retiring[chunk.id] = chunk

@@ -112,7 +112,6 @@ class ArenaRecord:
     address: int
     reserved: int
     kv: bool = False  # a KV pool's arena: its memory comes from rounds, grow and shrink
-    owner_uid: int = -1  # the tenant it counts against (tenants.py); -1: from a record older than the field
     owner_alive: bool = True
     released: bool = False  # the owner released it; waits for sharers to detach
     chunks: list[ChunkRecord] = dataclasses.field(default_factory=list)  # live, by offset

@@ -49,6 +49,20 @@ class Tenants:
     def __init__(self, limits: TenantLimits, sessions: dict[int, SessionRecord]) -> None:
         self.limits = limits
         self.sessions = sessions
+        # Each arena's tenant, by name: it counts against its owner's uid while sharers
+        # keep it after the owner's session ended. Not in the durable record (its arena
+        # images stay as they were): after a restart, known from the owners' sessions.
+        self.owners: dict[str, int] = {}
+
+    def adopt(self, arena: ArenaRecord) -> None:
+        """An arena rebuilt after a restart: its tenant, if its owner's session came back too."""
+        owner = self.sessions.get(arena.owner_id)
+        if owner is not None:
+            self.owners[arena.name] = owner.uid
+
+    def owner_uid(self, arena: ArenaRecord) -> int:
+        """The uid ``arena`` counts against; -1 where no session tells it any more."""
+        return self.owners.get(arena.name, -1)
 
     def check_session(self, uid: int) -> None:
         used = sum(1 for s in self.sessions.values() if s.uid == uid)
@@ -57,7 +71,7 @@ class Tenants:
 
     def check_arena(self, s: SessionRecord, arenas: Iterable[ArenaRecord], window: int, granularity: int, plan: int) -> None:
         """Before ``s`` creates an arena of ``window`` bytes (scratch included) in a plan of ``plan`` bytes."""
-        owned = [a for a in arenas if a.owner_uid == s.uid]
+        owned = [a for a in arenas if self.owners.get(a.name) == s.uid]
         if len(owned) >= self.limits.arenas:
             raise _refuse("arenas", s.uid, f"owns {len(owned)} arenas of {self.limits.arenas} (--tenant-arenas)", len(owned), self.limits.arenas)
         if self.limits.address_share >= 1:

@@ -11,11 +11,15 @@ from collections.abc import Callable
 import pytest
 
 from gpumem_shared import protocol as p
+from gpumem_shared.driver.host import HostDriver
 from gpumemd.config import StateConfig, TenantLimits
+from gpumemd.durable import Durable
 from gpumemd.records import SessionRecord as Session
+from gpumemd.state import DaemonState
 from gpumemd.tenants import ANONYMOUS, ANONYMOUS_QUEUED, QUEUED_BYTES, FairQueue
 
-from .harness import BULK, G, GiB, Harness, MiB
+from .harness import BULK, CAPACITY, Clock, G, GiB, Harness, MiB
+from .store_kit import FakeStore
 
 A, B = 1000, 2000  # two tenants' uids
 
@@ -160,3 +164,28 @@ def test_a_name_held_by_another_tenant_names_its_holder(h: Harness) -> None:
     assert f"uid {B}" in refusal.message
     h.release(squatter, "kv")  # the name goes with the arena
     h.create(engine, "kv", GiB)
+
+
+def test_arenas_count_against_their_tenant_after_a_restart(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness(tenants=TenantLimits(arenas=2))
+    a = h.connect("a", uid=A)
+    h.create(a, "x", GiB)
+    h.create(a, "y", GiB)
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    first.persist(h.state)
+    h.state.arenas.close()  # the slice goes, as with the daemon's death
+    again = DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, Clock(h.clock.now), Clock(h.wall_clock.now))
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again, store.passed())
+    try:
+        assert again.tenants.owners == {"x": A, "y": A}
+        with pytest.raises(p.ProtocolError) as info:
+            again.handle(again.sessions[a.id], p.CreateArena(name="z", reserve_bytes=GiB))
+        assert info.value.code is p.ErrorCode.RESOURCE_EXHAUSTED
+    finally:
+        again.drop_all()
+        first.close()
+        second.close()
+        store.drop()
