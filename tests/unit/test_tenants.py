@@ -65,6 +65,7 @@ def test_arena_count_per_uid(make_harness: Callable[..., Harness]) -> None:
     assert fill(h, h.connect("a2", uid=A), "x")[0] == []
     assert len(fill(h, b, "b", 2 * MiB)[0]) == 3
     h.release(a, taken[0])
+    assert taken[0] not in h.state.tenants.owners, "a destroyed arena's name stays counted (and kept) forever"
     h.create(a, "again", 2 * MiB)
 
 
