@@ -144,6 +144,15 @@ class SessionLost(GpuMemError):
     code = ErrorCode.SESSION_LOST
 
 
+class ResourceExhausted(GpuMemError):
+    """This uid is at one of the daemon's per-tenant limits (detail: limit, uid, used,
+    cap): what one user may hold of the sessions, arenas, address plan or graph-pool
+    slots that every user shares. Releasing some makes room; the operator sets them
+    (gpumemd --tenant-*)."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
 class SessionClosed(GpuMemError):
     """The session was closed by this process."""
 
@@ -169,7 +178,7 @@ _BY_CODE: dict[ErrorCode, type[GpuMemError]] = {
     for cls in (
         BadMessage, UnknownMessage, ProtocolMismatch, InvalidArgument, NoSession, NotFound, AlreadyExists,
         PermissionDenied, OutOfMemory, UnexpectedFds, ShuttingDown, DeviceDriverError, InternalError, RoundFailed,
-        SessionLost,
+        SessionLost, ResourceExhausted,
     )
     if cls.code is not None
 }

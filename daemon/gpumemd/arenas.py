@@ -39,6 +39,7 @@ from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
 from gpumemd.image import Image, Imager, Keep, Take, chunk_name
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
+from gpumemd.tenants import Tenants
 
 log = logging.getLogger("gpumemd.arenas")
 
@@ -81,10 +82,11 @@ _ARENA = Imager(ArenaRecord)
 
 
 class ArenaBook:
-    def __init__(self, driver: Driver, config: StateConfig, device: p.DeviceInfo) -> None:
+    def __init__(self, driver: Driver, config: StateConfig, device: p.DeviceInfo, tenants: Tenants) -> None:
         self.driver = driver
         self.config = config
         self.device = device
+        self.tenants = tenants
         self.by_name: dict[str, ArenaRecord] = {}
         self.retiring: dict[int, ChunkRecord] = {}
         self.next_chunk = 1
@@ -174,11 +176,24 @@ class ArenaBook:
             )
         existing = self.by_name.get(name)
         if existing is not None:
-            raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"arena '{name}' already exists, owned by {existing.owner_label()}")
+            # Names are one namespace for every tenant (sharers attach by name): the one
+            # who holds it is named, uid included, so a squatter can be found.
+            raise p.ProtocolError(
+                p.ErrorCode.ALREADY_EXISTS,
+                f"arena '{name}' already exists, owned by {existing.owner_label()}, uid {self.tenants.owner_uid(existing)}; "
+                "arena names are shared by every user of the daemon: choose another",
+                arena=name,
+                owner=existing.owner_name,
+                owner_pid=existing.owner_pid,
+                owner_uid=self.tenants.owner_uid(existing),
+            )
+        plan = self.config.va_limit - self.config.va_base
+        self.tenants.check_arena(s, self.by_name.values(), reserve_bytes + PLACEHOLDER_SCRATCH, self.device.granularity, plan)
         address = self._plan_window(reserve_bytes + PLACEHOLDER_SCRATCH)
         arena = ArenaRecord(
             name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=reserve_bytes, kv=kv
         )
+        self.tenants.owners[name] = s.uid
         arena.attached.add(s.id)
         self.by_name[name] = arena
         log.info("arena %r created by %r: %d bytes at %#x", name, s.name, reserve_bytes, address)
@@ -375,6 +390,7 @@ class ArenaBook:
         arena.chunks = []
         arena.placeholders = []
         del self.by_name[arena.name]
+        self.tenants.owners.pop(arena.name, None)
         log.info("arena %r destroyed", arena.name)
 
     # ------------------------------------------------------------------ chunks
@@ -502,6 +518,7 @@ class ArenaBook:
                         self.retiring[chunk.id] = chunk
                 continue
             self.by_name[arena.name] = arena
+            self.tenants.adopt(arena)
         for chunk in (_CHUNK.restore(c, handle=None) for c in book.retiring):
             if chunk.holders:
                 self.retiring[chunk.id] = chunk

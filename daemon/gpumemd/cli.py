@@ -24,7 +24,7 @@ from gpumem_shared.units import Size, format_size, parse
 
 from gpumemd import logs
 from gpumemd.arenas import SliceUnavailable
-from gpumemd.config import StateConfig
+from gpumemd.config import StateConfig, TenantLimits
 from gpumemd.metrics import Metrics
 from gpumemd.durable import Durable
 from gpumemd.outbox import Outbox
@@ -56,6 +56,12 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> Size
 def _positive(ctx: click.Context, param: click.Parameter, value: float) -> float:
     if not value > 0:
         raise click.BadParameter(f"must be a positive number of seconds, not {value}")
+    return value
+
+
+def _share(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not 0 < value <= 1:
+        raise click.BadParameter(f"must be a fraction in (0, 1], not {value}")
     return value
 
 
@@ -144,6 +150,43 @@ def _exporter(address: str, port: int) -> Exporter:
     help="After a restart with the state kept (systemd's fd store): seconds clients have to resume before what they held is released.",
 )
 @click.option(
+    "--tenant-sessions",
+    type=click.IntRange(1),
+    default=TenantLimits.sessions,
+    show_default=True,
+    help="Live sessions one uid may hold: no user locks the others out of the daemon's connections.",
+)
+@click.option(
+    "--tenant-arenas",
+    type=click.IntRange(1),
+    default=TenantLimits.arenas,
+    show_default=True,
+    help="Arenas (KV pools included) one uid may own at once.",
+)
+@click.option(
+    "--tenant-address-share",
+    type=float,
+    default=TenantLimits.address_share,
+    show_default=True,
+    callback=_share,
+    help="Fraction of the device's address plan one uid's arena windows may take (each arena also costs a guard step).",
+)
+@click.option(
+    "--tenant-graph-pool-share",
+    type=float,
+    default=TenantLimits.graph_pool_share,
+    show_default=True,
+    callback=_share,
+    help="Fraction of the daemon's graph-pool slots one uid's sessions may keep.",
+)
+@click.option(
+    "--tenant-requests",
+    type=click.IntRange(1),
+    default=TenantLimits.requests,
+    show_default=True,
+    help="Control requests one session may have waiting for service; more are refused at once (a client has one call out).",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
@@ -188,6 +231,11 @@ def command(
     round_timeout: float,
     round_policy: str,
     restart_grace: float,
+    tenant_sessions: int,
+    tenant_arenas: int,
+    tenant_address_share: float,
+    tenant_graph_pool_share: float,
+    tenant_requests: int,
     metrics_port: int | None,
     metrics_address: str | None,
     metrics_hide_names: bool,
@@ -223,6 +271,7 @@ def command(
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
         restart_grace=restart_grace,
+        tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
     )
     exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None
     try:

@@ -14,6 +14,25 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+@dataclasses.dataclass(frozen=True)
+class TenantLimits:
+    """What one tenant (a uid: the kernel names it for every fd channel, SO_PEERCRED) may
+    take of what every tenant shares and the daemon has a fixed amount of. The defaults
+    leave a lone tenant room for any real engine (a few sessions, tens of arenas and
+    graph pools, windows of a few GiB to a few hundred) and any other tenant at least
+    half of each, so no one uid can lock the rest out. tenants.py applies them."""
+
+    sessions: int = 256  # live sessions of one uid
+    arenas: int = 512  # arenas (KV pools' included) one uid owns
+    # Shares of what is fixed at start: the address plan (every arena's window, its
+    # placeholder scratch and guard step), and the graph-pool slots (MAX_POOLS).
+    address_share: float = 0.5
+    graph_pool_share: float = 0.5
+    # Control requests of one session read and waiting to be served: a client has one
+    # call out at a time, and one report per KV pool it is in a round of.
+    requests: int = 64
+
+
 @dataclasses.dataclass
 class StateConfig:
     index: int
@@ -33,3 +52,4 @@ class StateConfig:
     # After a restart with the state kept: how long sessions wait for their clients to
     # resume before what they hold is released like a dead client's.
     restart_grace: float = 30.0
+    tenants: TenantLimits = dataclasses.field(default_factory=TenantLimits)

@@ -119,6 +119,7 @@ class GraphPoolBook:
             raise p.ProtocolError(
                 p.ErrorCode.OUT_OF_MEMORY, f"gpumemd keeps {MAX_POOLS} graph pools, its limit (each has a lease segment); retire graph pools first"
             )
+        self.arenas.tenants.check_graph_pool(s, (g.owner_id for g in self.by_id.values()), MAX_POOLS)
         pool_id = self.next_id
         try:
             segment, fd = LeaseSegment.create(pool_id)

@@ -35,13 +35,17 @@ from gpumemd.logs import log_request
 from gpumemd.outbox import Batch, Letter, Mail, Outbox
 from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
 from gpumemd.state import DaemonState
+from gpumemd.tenants import ANONYMOUS, FairQueue
 
 log = logging.getLogger("gpumemd.server")
 
-# One control request per poll wake-up. Asking the ROUTER whether more are queued
-# (ZMQ_EVENTS) costs a syscall, the same as the poll that follows; polling again
-# instead lets the fd channel (where deaths and HELLOs arrive) in between any two
-# requests, so a flood of control requests cannot starve it.
+# One control request served per poll wake-up: the fd channel (where deaths and HELLOs
+# arrive) gets in between any two requests, so a flood of control requests cannot starve
+# it. What the ROUTER holds is read ahead into one queue per peer (tenants.FairQueue)
+# and served in turn: ZeroMQ queues fairly per connection only, and connections cost a
+# flooder nothing, so without it every session waited behind one peer's backlog.
+# Reading stops after this many per wake-up, so the loop goes round.
+CONTROL_READ_AHEAD = 256
 
 # pyzmq's flags are IntFlag members: combining or testing them on the hot path builds
 # new enum members on every call. Plain ints for the per-request path.
@@ -83,6 +87,7 @@ class Server:
         self._connections = self._door.connections  # by socket fd
         self._by_session: dict[int, Connection] = {}
         self._by_token: dict[bytes, SessionRecord] = {}
+        self._waiting = FairQueue(state.config.tenants.requests)  # control requests read, not yet served
         self._lock_fd = -1
         self._ctx: zmq.Context[Any] | None = None
         self._router: zmq.Socket[Any] | None = None
@@ -162,9 +167,10 @@ class Server:
         wait_ms = max(int(wait_ms), 1)  # the poller would convert a float on every call
         router, listener, wake = self._router, self._listener.fileno(), self._wake_r
         connections = self._connections
+        waiting = self._waiting
         try:
             while not self._stop_requested:
-                for ready, _ in poller.poll(wait_ms):
+                for ready, _ in poller.poll(0 if waiting else wait_ms):
                     if ready is router:
                         self._on_control()
                     elif ready == listener:
@@ -175,6 +181,9 @@ class Server:
                         conn = connections.get(ready)
                         if conn is not None:  # not dropped by what ran before it in this round
                             self._on_fd_channel(conn)
+                if waiting:
+                    identity, frame = waiting.pop()
+                    self._post(self._serve_request(identity, frame))
                 self._tick()
         finally:
             self._shutdown()
@@ -209,26 +218,33 @@ class Server:
     # ------------------------------------------------------------------ control channel
 
     def _on_control(self) -> None:
+        """Read what the ROUTER holds into its peers' queues; the loop serves them."""
         assert self._router is not None
-        router = self._router
-        try:
-            identity = router.recv(_NOBLOCK)
-        except zmq.Again:
-            return  # the poll's readiness went stale; it reports it again
-        # The request frame without a copy (the decoder reads its buffer); its ``more``
-        # says whether frames follow, without asking the socket.
-        frame = router.recv(_NOBLOCK, copy=False)
-        if frame.more:
-            parts = 2
-            while frame.more:  # a multipart message arrives whole: the rest is there
-                frame = router.recv(_NOBLOCK, copy=False)
-                parts += 1
-            log.warning("control message with %d frames dropped (expected identity + one frame)", parts)
-            err = p.ProtocolError(p.ErrorCode.BAD_MESSAGE, "a request is exactly one frame")
-            router.send(identity, _SNDMORE_NOBLOCK)
-            router.send(p.encode_error(0, err), _NOBLOCK)
-            return
-        self._post(self._serve_request(identity, frame.buffer))
+        router, by_token, waiting = self._router, self._by_token, self._waiting
+        for _ in range(CONTROL_READ_AHEAD):
+            try:
+                identity = router.recv(_NOBLOCK)
+            except zmq.Again:
+                return  # all read (or the poll's readiness went stale; it reports it again)
+            # The request frame without a copy; its ``more`` says whether frames follow,
+            # without asking the socket.
+            frame = router.recv(_NOBLOCK, copy=False)
+            if frame.more:
+                parts = 2
+                while frame.more:  # a multipart message arrives whole: the rest is there
+                    frame = router.recv(_NOBLOCK, copy=False)
+                    parts += 1
+                log.warning("control message with %d frames dropped (expected identity + one frame)", parts)
+                err = p.ProtocolError(p.ErrorCode.BAD_MESSAGE, "a request is exactly one frame")
+                router.send(identity, _SNDMORE_NOBLOCK)
+                router.send(p.encode_error(0, err), _NOBLOCK)
+                continue
+            data = frame.bytes
+            session = by_token.get(identity)
+            refusal = waiting.push(ANONYMOUS if session is None else session.id, identity, data)
+            if refusal is not None:
+                router.send(identity, _SNDMORE_NOBLOCK)
+                router.send(p.encode_error(p.request_id_of(data), refusal), _NOBLOCK)
 
     def _serve(self, identity: bytes, frame: bytes | memoryview) -> Mail:
         return self.outbox.request(identity, self._by_token.get(identity), frame)

@@ -37,6 +37,7 @@ from gpumemd.image import IMAGE_VERSION, Image, Imager, Keep, StateImage, Take
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
 from gpumemd.tally import Tally
+from gpumemd.tenants import Tenants
 
 log = logging.getLogger("gpumemd.state")
 
@@ -115,7 +116,8 @@ class DaemonState:
         )
         self.tally = Tally()
         self._served = self.tally.served  # counted on every request: one lookup fewer
-        self.arenas = ArenaBook(driver, config, self.device)
+        self.tenants = Tenants(config.tenants, self.sessions)
+        self.arenas = ArenaBook(driver, config, self.device, self.tenants)
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, self.tally)
         self._handlers: dict[type, Handler] = {
@@ -157,6 +159,7 @@ class DaemonState:
         holder = next((x for x in self.sessions.values() if x.name == hello.name), None)
         if holder is not None:
             self._take_name(holder, pid, uid)
+        self.tenants.check_session(uid)
         live = {lease_table.word_session(i) for i in self.sessions}
         # Lease words must tell live sessions apart, and 0 in a slot's fields means nobody.
         while lease_table.word_session(self.next_session) in live or lease_table.word_session(self.next_session) == 0:

@@ -21,6 +21,7 @@ from gpumem.leases import Lease
 from gpumem_shared import _native, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import KIND_NAMES, LeaseKind, LeaseSegment, LeaseStatus
+from gpumemd.config import TenantLimits
 from gpumemd.records import Outcome, SessionRecord as Session
 
 from .harness import BULK, GiB, Harness, MiB, open_fds
@@ -601,6 +602,7 @@ def test_releasing_the_arena_drops_its_pools_and_their_segments(h: Harness) -> N
 
 def test_the_pool_limit_refuses_a_registration_and_retiring_frees_room(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("gpumemd.graph_pools.MAX_POOLS", 2)  # to keep the test small
+    h.state.tenants.limits = TenantLimits(graph_pool_share=1.0)  # the daemon's limit, not a tenant's share (test_tenants)
     s = owner(h)
     a, _ = register(h, s, 0, "a"), register(h, s, 4 * MiB, "b")
     m = p.RegisterGraphPool(arena=ARENA, label="c", extents=[p.Extent(offset=8 * MiB, size=4 * MiB)], free_runs=[])

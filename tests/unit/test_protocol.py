@@ -92,6 +92,7 @@ def test_error_code_numbers_never_change() -> None:
         "INTERNAL": 13,
         "ROUND_FAILED": 14,
         "SESSION_LOST": 15,
+        "RESOURCE_EXHAUSTED": 16,
     }
 
 

@@ -14,7 +14,7 @@ from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.config import StateConfig
+from gpumemd.config import StateConfig, TenantLimits
 from gpumemd.records import ChunkRecord, Outcome, SessionRecord as Session
 
 from .harness import BULK, CAPACITY, DescriptorFreeDriver, G, GiB, Harness, MiB, is_reserved, mapped_ranges, open_fds, planned, the_slice, windows
@@ -221,7 +221,8 @@ def test_freed_window_is_reused(h: Harness) -> None:
 
 
 def test_planning_range_exhausted_is_out_of_memory(make_harness: Callable[..., Harness]) -> None:
-    h = make_harness(va_limit=StateConfig.va_base + 16 * GiB)
+    # The whole plan to one tenant: the plan's own limit, not a tenant's share (test_tenants).
+    h = make_harness(va_limit=StateConfig.va_base + 16 * GiB, tenants=TenantLimits(address_share=1.0))
     s = h.connect("engine-a")
     created = []
     for i in range(16):

@@ -50,6 +50,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 13  # a daemon bug; details are in the daemon's log
     ROUND_FAILED = 14  # a KV commit round failed: deadline passed, or the budget is short
     SESSION_LOST = 15  # RESUME of a session the restarted daemon does not hold (grace period over, no record)
+    RESOURCE_EXHAUSTED = 16  # a tenant's (uid's) limit: sessions, arenas, address space, graph pools
 
 
 class MsgType(enum.IntEnum):

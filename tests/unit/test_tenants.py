@@ -1,0 +1,192 @@
+"""Per-tenant limits (tenants.py): one uid cannot take all of what every uid shares.
+
+Each test fills one resource from one uid and checks that the refusal is typed and
+named, that another uid still gets its share, and that giving back makes room again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from gpumem_shared import protocol as p
+from gpumem_shared.driver.host import HostDriver
+from gpumemd.config import StateConfig, TenantLimits
+from gpumemd.durable import Durable
+from gpumemd.records import SessionRecord as Session
+from gpumemd.state import DaemonState
+from gpumemd.tenants import ANONYMOUS, ANONYMOUS_QUEUED, QUEUED_BYTES, FairQueue
+
+from .harness import BULK, CAPACITY, Clock, G, GiB, Harness, MiB
+from .store_kit import FakeStore
+
+A, B = 1000, 2000  # two tenants' uids
+
+
+def fill(h: Harness, s: Session, prefix: str, reserve: int = G) -> tuple[list[str], p.ProtocolError]:
+    """Arenas for ``s`` until one is refused: their names, and the refusal."""
+    names: list[str] = []
+    for i in range(10_000):
+        try:
+            h.create(s, f"{prefix}{i}", reserve)
+        except p.ProtocolError as exc:
+            return names, exc
+        names.append(f"{prefix}{i}")
+    raise AssertionError("10,000 arenas and no refusal")
+
+
+def test_one_uid_takes_at_most_its_share_of_the_address_plan(make_harness: Callable[..., Harness]) -> None:
+    # Arenas of 2 MiB, no memory committed: each still costs a window, a scratch and a guard step of the plan.
+    h = make_harness(va_limit=StateConfig.va_base + 32 * GiB)
+    greedy, other = h.connect("greedy", uid=A), h.connect("other", uid=B)
+    taken, refusal = fill(h, greedy, "g")
+    assert refusal.code is p.ErrorCode.RESOURCE_EXHAUSTED, refusal.message
+    assert (refusal.detail["limit"], refusal.detail["uid"]) == ("address space", A)
+    assert "uid 1000" in refusal.message and "--tenant-address-share" in refusal.message
+    assert refusal.detail["used"] <= refusal.detail["cap"] == 16 * GiB
+    assert 4 <= len(taken) <= 8
+    # The other tenant gets arenas too: the plan was not filled by the first.
+    theirs, _ = fill(h, other, "o")
+    assert len(theirs) >= 4, f"uid {B} got {len(theirs)} arenas after uid {A} took {len(taken)}"
+    # Giving one back makes room for one more.
+    h.release(greedy, taken[0])
+    h.create(greedy, "again", G)
+
+
+def test_arena_count_per_uid(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness(tenants=TenantLimits(arenas=3))
+    a, b = h.connect("a", uid=A), h.connect("b", uid=B)
+    taken, refusal = fill(h, a, "a", 2 * MiB)
+    assert len(taken) == 3
+    assert refusal.code is p.ErrorCode.RESOURCE_EXHAUSTED and refusal.detail["limit"] == "arenas"
+    assert "owns 3 arenas of 3" in refusal.message
+    # A second session of the same uid counts against the same tenant.
+    assert fill(h, h.connect("a2", uid=A), "x")[0] == []
+    assert len(fill(h, b, "b", 2 * MiB)[0]) == 3
+    h.release(a, taken[0])
+    assert taken[0] not in h.state.tenants.owners, "a destroyed arena's name stays counted (and kept) forever"
+    h.create(a, "again", 2 * MiB)
+
+
+def test_an_arena_counts_against_its_owners_uid_after_the_owner_left(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness(tenants=TenantLimits(arenas=1))
+    owner, sharer = h.connect("owner", uid=A), h.connect("sharer", uid=A)
+    h.create(owner, "kept", GiB)
+    h.ok(owner, p.ShareArena(name="kept", client="sharer"))
+    h.ok(sharer, p.AttachArena(name="kept"))
+    h.state.close_session(owner.id)  # the arena stays while the sharer maps it
+    assert "kept" in h.state.arenas.by_name
+    h.refused(h.connect("later", uid=A), p.CreateArena(name="more", reserve_bytes=GiB), p.ErrorCode.RESOURCE_EXHAUSTED)
+
+
+def test_sessions_per_uid(h: Harness) -> None:
+    h.state.tenants.limits = TenantLimits(sessions=3)
+    mine = [h.connect(f"a{i}", uid=A) for i in range(3)]
+    with pytest.raises(p.ProtocolError) as info:
+        h.connect("a3", uid=A)
+    assert info.value.code is p.ErrorCode.RESOURCE_EXHAUSTED
+    assert (info.value.detail["limit"], info.value.detail["used"], info.value.detail["cap"]) == ("sessions", 3, 3)
+    assert "a3" not in {s.name for s in h.state.sessions.values()}
+    h.connect("b", uid=B)  # another tenant still gets in
+    h.state.close_session(mine[0].id)
+    h.connect("a3", uid=A)
+
+
+def test_graph_pool_share_per_uid(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gpumemd.graph_pools.MAX_POOLS", 4)  # a share of 2 each, to keep the test small
+    a, b = h.connect("a", uid=A), h.connect("b", uid=B)
+    for s, arena in ((a, "ga"), (b, "gb")):
+        h.create(s, arena, GiB)
+        h.commit(s, arena, 2 * BULK)
+
+    def register(s: Session, arena: str, i: int) -> p.RegisterGraphPool:
+        return p.RegisterGraphPool(arena=arena, label=f"p{i}", extents=[p.Extent(offset=i * 4 * MiB, size=4 * MiB)], free_runs=[])
+
+    first = [h.ok(a, register(a, "ga", i)).reply.pool.id for i in range(2)]
+    refusal = h.refused(a, register(a, "ga", 2), p.ErrorCode.RESOURCE_EXHAUSTED)
+    assert refusal.detail["limit"] == "graph pools" and "keep 2 graph pools of its share of 2" in refusal.message
+    for i in range(2):  # the other tenant's share is still there
+        h.ok(b, register(b, "gb", i))
+    h.ok(a, p.RetireGraphPool(pool_id=first[0]))
+    h.ok(a, register(a, "ga", 2))
+
+
+# =========================================================================== fair service
+
+
+def drain(q: FairQueue) -> list[bytes]:
+    out = []
+    while q:
+        out.append(q.pop()[1])
+    return out
+
+
+def test_a_flooding_peer_delays_another_by_one_request_per_turn() -> None:
+    q = FairQueue(per_session=64)
+    for i in range(50):  # a backlog from the anonymous peers, read before the session's request
+        assert q.push(ANONYMOUS, b"anon", b"flood%d" % i) is None
+    assert q.push(7, b"probe", b"ping") is None
+    assert q.push(7, b"probe", b"ping2") is None
+    order = drain(q)
+    assert order.index(b"ping") == 1 and order.index(b"ping2") == 3, order[:6]
+    assert [f for f in order if f.startswith(b"flood")] == [b"flood%d" % i for i in range(50)], "a peer's requests keep their order"
+
+
+def test_a_peer_over_its_queue_limit_is_refused_at_once() -> None:
+    q = FairQueue(per_session=3)
+    assert all(q.push(7, b"s", b"r") is None for _ in range(3))
+    refusal = q.push(7, b"s", b"r")
+    assert refusal is not None and refusal.code is p.ErrorCode.RESOURCE_EXHAUSTED
+    assert (refusal.detail["limit"], refusal.detail["used"], refusal.detail["cap"]) == ("requests", 3, 3)
+    assert q.push(8, b"t", b"r") is None, "another session's requests still queue"
+    q.pop()
+    assert q.push(7, b"s", b"r") is None, "served requests make room"
+    for _ in range(ANONYMOUS_QUEUED):
+        assert q.push(ANONYMOUS, b"a", b"x") is None
+    assert q.push(ANONYMOUS, b"a", b"x") is not None
+
+
+def test_queued_bytes_are_bounded() -> None:
+    q = FairQueue(per_session=64)
+    big = bytes(QUEUED_BYTES // 4)
+    assert all(q.push(peer, b"s", big) is None for peer in (1, 2, 3, 4))
+    refusal = q.push(5, b"s", b"x")
+    assert refusal is not None and refusal.detail["limit"] == "request bytes"
+    q.pop()
+    assert q.push(5, b"s", b"x") is None
+
+
+def test_a_name_held_by_another_tenant_names_its_holder(h: Harness) -> None:
+    squatter, engine = h.connect("squatter", uid=B), h.connect("engine", uid=A)
+    h.create(squatter, "kv", GiB)
+    refusal = h.refused(engine, p.CreateArena(name="kv", reserve_bytes=GiB), p.ErrorCode.ALREADY_EXISTS)
+    assert (refusal.detail["owner"], refusal.detail["owner_uid"]) == ("squatter", B)
+    assert f"uid {B}" in refusal.message
+    h.release(squatter, "kv")  # the name goes with the arena
+    h.create(engine, "kv", GiB)
+
+
+def test_arenas_count_against_their_tenant_after_a_restart(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness(tenants=TenantLimits(arenas=2))
+    a = h.connect("a", uid=A)
+    h.create(a, "x", GiB)
+    h.create(a, "y", GiB)
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    first.persist(h.state)
+    h.state.arenas.close()  # the slice goes, as with the daemon's death
+    again = DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, Clock(h.clock.now), Clock(h.wall_clock.now))
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again, store.passed())
+    try:
+        assert again.tenants.owners == {"x": A, "y": A}
+        with pytest.raises(p.ProtocolError) as info:
+            again.handle(again.sessions[a.id], p.CreateArena(name="z", reserve_bytes=GiB))
+        assert info.value.code is p.ErrorCode.RESOURCE_EXHAUSTED
+    finally:
+        again.drop_all()
+        first.close()
+        second.close()
+        store.drop()
