@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The repository maps its folders onto package names (pyproject's package-dir).
+# Each top-level folder holds one package under its import name (client/gpumem, ...).
 _PACKAGES = {"gpumem": "client", "gpumemd": "daemon", "gpumem_shared": "shared"}
 
 
@@ -49,7 +49,7 @@ def ensure_importable() -> None:
     atexit.register(shutil.rmtree, shim, ignore_errors=True)
     (shim / _OWNER_FILE).write_text(f"{os.getpid()}\n")
     for name, folder in _PACKAGES.items():
-        (shim / name).symlink_to(REPO / folder, target_is_directory=True)
+        (shim / name).symlink_to(REPO / folder / name, target_is_directory=True)
     sys.path.insert(0, str(shim))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH", "")]))
     print(f"note: gpumem is not installed from this checkout; importing it from {REPO} through {shim}", flush=True)
