@@ -1,0 +1,61 @@
+"""What a start does with LISTEN_FDS that do not add up: LISTEN_FDS counting
+descriptors not passed is a configuration error (exit 78, one line), and descriptors
+passed for another pid (LISTEN_PID) are neither adopted nor kept open."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import Daemon, child_env
+
+# In the child before gpumemd: a memfd named argv[1] at descriptor 3, LISTEN_FDS=argv[2]
+# and LISTEN_PID this pid plus argv[3] (0: this process, which execs gpumemd).
+_LAUNCH = """
+import os, sys
+fd = os.memfd_create(sys.argv[1], 0)
+os.dup2(fd, 3, inheritable=True)
+if fd != 3:
+    os.close(fd)
+os.environ.update(LISTEN_FDS=sys.argv[2], LISTEN_FDNAMES="chunk-1", LISTEN_PID=str(os.getpid() + int(sys.argv[3])))
+os.execv(sys.executable, [sys.executable, "-m", "gpumemd", *sys.argv[4:]])
+"""
+
+
+def launch(runtime_dir: Path, memfd_name: str, listen_fds: int, pid_offset: int, **kw: object) -> subprocess.Popen[bytes]:
+    args = ["--device", "0", "--backend", "host", "--host-capacity", "1GiB", "--runtime-dir", str(runtime_dir)]
+    return subprocess.Popen(
+        [sys.executable, "-c", _LAUNCH, memfd_name, str(listen_fds), str(pid_offset), *args],
+        env=child_env(runtime_dir, FDSTORE="16"), **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_listen_fds_beyond_the_descriptors_passed_is_one_line_and_exit_78(runtime_dir: Path) -> None:
+    proc = launch(runtime_dir, "passed", 5, 0, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=60)
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 78, err.decode()
+    assert lines == ["gpumemd: LISTEN_FDS=5 but descriptor 4 was not passed (not open); check what starts gpumemd "
+                     "(systemd sets LISTEN_FDS itself)"]
+
+
+def test_descriptors_passed_for_another_pid_are_closed(runtime_dir: Path) -> None:
+    log = runtime_dir / "gpumemd.log"
+    with open(log, "wb") as out:
+        proc = launch(runtime_dir, "not-for-this-daemon", 1, 1, stdout=out, stderr=subprocess.STDOUT)
+    d = Daemon.__new__(Daemon)  # the ready wait and the stop of conftest's Daemon, on this process
+    d.runtime_dir, d.device, d.log_path, d.proc, d._log = runtime_dir, 0, log, proc, open(log, "ab")
+    try:
+        d.wait_ready()
+        links = []
+        for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+            try:
+                links.append(os.readlink(f"/proc/{proc.pid}/fd/{fd}"))
+            except FileNotFoundError:
+                continue
+        assert not [link for link in links if "not-for-this-daemon" in link], links
+        assert "is for pid" in d.log() and "1 of them open here, closed" in d.log()
+    finally:
+        assert d.stop() == 0
