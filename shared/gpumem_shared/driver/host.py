@@ -27,10 +27,13 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fallocate.restype = ctypes.c_int
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
 MAP_NORESERVE, MAP_FIXED_NOREPLACE = 0x4000, 0x100000
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 # The same granule as the GPUs we stand in for, so sizes behave identically.
@@ -169,15 +172,24 @@ class HostDriver(Driver):
         pass  # a fresh memfd reads as zero
 
     def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
-        # A fresh memfd reads as zero: nothing to scrub.
+        # A fresh memfd reads as zero, but the promise is the driver's, not the memfd's:
+        # a fresh chunk's pages are dropped (they read as zero after) before its first fd
+        # leaves, whatever wrote there since it was created.
         fds: list[int] = []
         try:
-            for _, _, handle, _ in chunks:
+            for _, size, handle, fresh in chunks:
+                if fresh and _libc.fallocate(handle, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size) != 0:
+                    err = ctypes.get_errno()
+                    raise DriverError(f"zeroing a {size}-byte memfd chunk failed: {os.strerror(err)}")
                 fds.append(os.dup(handle))
         except OSError as exc:
             for fd in fds:
                 os.close(fd)
             raise DriverError(f"duplicating {len(chunks)} chunk descriptors failed: {exc.strerror}", out_of_memory=exc.errno == errno.EMFILE) from None
+        except DriverError:
+            for fd in fds:
+                os.close(fd)
+            raise
         return fds
 
     def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:
