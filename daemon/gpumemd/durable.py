@@ -151,7 +151,7 @@ class Durable:
         for name in RECORD_NAMES:
             group = fds.pop(name, [])
             if len(group) > 1:  # which one is the daemon's cannot be told: none is trusted
-                log.error("fd store: %d descriptors named %r; none is read, all closed", len(group), name)
+                _lost(state, "fd store: %d descriptors named %r; none is read, all closed", len(group), name)
                 _close_all(group)
                 group = []
             record_fds.append(group[0] if group else -1)
@@ -159,16 +159,20 @@ class Durable:
         if all(fd >= 0 and RecordFile.is_record(fd) for fd in record_fds):
             self.record = RecordFile(record_fds)
             payload = self.record.read()
+            if self.record.lost is not None:
+                state.restore_problems.append(
+                    f"durable record write {self.record.lost}, the newest, is corrupt: what it acknowledged is lost"
+                )
         else:
             if any(fd >= 0 for fd in record_fds) or fds:
-                log.error("fd store: the durable record is missing or is not a memfd (%s passed); state is not rebuilt",
-                          ", ".join(sorted(inherited)) or "nothing")
+                _lost(state, "fd store: the durable record is missing or is not a memfd (%s passed); state is not rebuilt",
+                      ", ".join(sorted(inherited)) or "nothing")
             _close_all([fd for fd in record_fds if fd >= 0])
             self.record = RecordFile.create()
         if payload is not None:
             self._rebuild(state, payload, fds)
         elif fds:
-            log.error("fd store: no readable durable record; state is not rebuilt")
+            _lost(state, "fd store: no readable durable record; state is not rebuilt")
         for name, group in sorted(fds.items()):  # what no record names: stored just before a crash, or foreign
             log.warning("fd store: %r is named by no record; closed", name)
             _close_all(group)
@@ -183,18 +187,18 @@ class Durable:
         try:
             image = decode(payload)
         except msgspec.DecodeError as exc:
-            log.error("durable record unreadable (%s); state is not rebuilt", exc)
+            _lost(state, "durable record unreadable (%s); state is not rebuilt", exc)
             return
         mine = (state.device.uuid, state.driver.kind, state.config.va_base)
         if image.version != IMAGE_VERSION or (image.device_uuid, image.backend, image.va_base) != mine:
-            log.error(
-                "durable record is of another daemon (version %d, device %s, backend %s, slice %#x; this one: %s, %s, %#x); "
+            _lost(
+                state, "durable record is of another daemon (version %d, device %s, backend %s, slice %#x; this one: %s, %s, %#x); "
                 "state is not rebuilt", image.version, image.device_uuid, image.backend, image.va_base, *mine,
             )
             return
         bad = bad_counter(image)
         if bad is not None:
-            log.error("durable record refused: %s is beyond any id a daemon issues; state is not rebuilt", bad)
+            _lost(state, "durable record refused: %s is beyond any id a daemon issues; state is not rebuilt", bad)
             return
         identities = image.stored or {}
 
@@ -205,8 +209,8 @@ class Durable:
             want = identities.get(name)
             found = [fd for fd in group if _identity(fd) == want]
             if found[1:] or len(found) < len(group):
-                log.error(
-                    "fd store: %d descriptor(s) named %r that are not the one the daemon stored (device:inode %s); closed%s",
+                _lost(
+                    state, "fd store: %d descriptor(s) named %r that are not the one the daemon stored (device:inode %s); closed%s",
                     len(group) - len(found[:1]), name, "%d:%d" % want if want else "unrecorded", "" if found else ", and it is lost",
                 )
                 _close_all([fd for fd in group if fd not in found[:1]])
@@ -215,7 +219,7 @@ class Durable:
         try:
             state.restore(image, take)
         except Exception as exc:  # a record this daemon did not write: whatever it holds must not stop the start
-            log.error("durable record does not restore (%s: %s); state is rebuilt only in part", type(exc).__name__, exc)
+            _lost(state, "durable record does not restore (%s: %s); state is rebuilt only in part", type(exc).__name__, exc)
 
     def persist(self, state: DaemonState) -> None:
         live: dict[str, int] = {}
@@ -272,6 +276,12 @@ def _identity(fd: int) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino
+
+
+def _lost(state: DaemonState, message: str, *args: object) -> None:
+    """An error the start could not rebuild past: logged, and shown in status for the daemon's life."""
+    log.error(message, *args)
+    state.restore_problems.append(message % args)
 
 
 def _close_all(fds: list[int]) -> None:

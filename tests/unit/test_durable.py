@@ -156,6 +156,8 @@ def test_a_chunk_put_in_the_store_by_another_is_not_adopted(make_harness: Callab
         else:
             assert 1 in held and "forged" not in os.readlink(f"/proc/self/fd/{again.state.driver.chunk_fd(held[1].handle)}")
         assert "named 'chunk-1' that are not the one the daemon stored" in caplog.text
+        (problem,) = again.state.status().daemon.restore_problems
+        assert "named 'chunk-1' that are not the one the daemon stored" in problem
         assert not _open_files("forged-chunk"), "the forged descriptor was left open"
     finally:
         _finish(again, durable)
@@ -206,6 +208,9 @@ def test_a_corrupt_newest_record_is_rebuilt_from_the_one_before_and_says_what_is
         lost = newest[0]
         assert f"write {lost}, the newest, is corrupt; the state is rebuilt from write {lost - 1}" in caplog.text
         assert f"acknowledged in write {lost} is lost" in caplog.text
+        assert again.state.status().daemon.restore_problems == [
+            f"durable record write {lost}, the newest, is corrupt: what it acknowledged is lost"
+        ], "gpumemctl status does not show what the start lost"
         assert again.state.generation == 1
         assert durable.record.sequence > lost, "a write after it must not be read as older than the corrupt one"
         assert RecordFile(list(durable.record.fds)).read() is not None
