@@ -83,3 +83,12 @@ def test_the_grace_period_runs_on_while_another_session_waits(restarted: Restart
     h.state.tick()
     assert sorted(h.state.sessions) == [back.id], "the session that never came back is still kept"
     assert h.state.grace_deadline is None
+
+
+def test_the_grace_period_runs_on_when_a_successor_takes_a_dead_clients_name(restarted: Restarted) -> None:
+    h, (dead, late) = restarted(["dead", "late"])
+    deadline = h.state.grace_deadline
+    h.state.sessions[dead.id].pid = 1 << 23  # beyond any pid_max: provably gone
+    h.state.open_session(p.Hello(name="dead"), pid=9999, uid=dead.uid, gid=dead.gid)
+    assert dead.id not in h.state.sessions
+    assert h.state.grace_deadline == deadline, "taking over one name ended the grace period of a session still waiting"
