@@ -179,6 +179,11 @@ class Durable:
         # The manager still holds every name passed: the first persist removes those the
         # state does not name, and takes the identity of those it does from what it adopted.
         self._stored = dict.fromkeys(inherited)
+        if self.record.fds != record_fds:  # new memfds: what the store holds under their names goes first
+            for name in RECORD_NAMES:
+                if name in self._stored:
+                    del self._stored[name]
+                    self._unstore(name)
         state.resumable = True
         self.persist(state)
 
@@ -249,13 +254,9 @@ class Durable:
             self.record.write(payload)
         except OSError as exc:
             log.error("writing the durable record failed (%s); a restart now would rebuild an older state", exc.strerror)
-        gone = self._stored.keys() - live.keys()
-        try:
-            for name in gone:
-                self.notifier.unstore(name)
+        for name in self._stored.keys() - live.keys():
+            if self._unstore(name):
                 del self._stored[name]
-        except StoreError as exc:
-            log.error("%s; the store keeps descriptors the record no longer names (closed at the next start)", exc)
         if len(live) > self.notifier.store_max and not self._warned_full:
             self._warned_full = True
             log.error(
@@ -263,6 +264,14 @@ class Durable:
                 "it do not survive a restart; raise FileDescriptorStoreMax= in the unit", self.notifier.store_max, len(live),
             )
         state.dirty = False
+
+    def _unstore(self, name: str) -> bool:
+        try:
+            self.notifier.unstore(name)
+        except StoreError as exc:
+            log.error("%s; the store keeps descriptors the record no longer names (closed at the next start)", exc)
+            return False
+        return True
 
     def close(self) -> None:
         self.record.close()

@@ -171,6 +171,11 @@ def test_duplicate_record_names_are_not_read(make_harness: Callable[..., Harness
     try:
         assert "2 descriptors named 'record-0'; none is read, all closed" in caplog.text
         assert again.state.generation == 0 and not again.state.sessions
+        store = durable.notifier
+        assert isinstance(store, FakeStore)
+        assert [os.fstat(store.held[name]).st_ino for name in RECORD_NAMES] == [os.fstat(fd).st_ino for fd in durable.record.fds], (
+            "the store still holds the records that were refused, not the daemon's new ones"
+        )
     finally:
         _finish(again, durable)
 
