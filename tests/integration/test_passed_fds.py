@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import Daemon, child_env
 
 # In the child before gpumemd: a memfd named argv[1] at descriptor 3, LISTEN_FDS=argv[2]
@@ -24,27 +26,32 @@ os.execv(sys.executable, [sys.executable, "-m", "gpumemd", *sys.argv[4:]])
 """
 
 
-def launch(runtime_dir: Path, memfd_name: str, listen_fds: int, pid_offset: int, **kw: object) -> subprocess.Popen[bytes]:
+def launch(runtime_dir: Path, memfd_name: str, listen_fds: str, pid_offset: int, **kw: object) -> subprocess.Popen[bytes]:
     args = ["--device", "0", "--backend", "host", "--host-capacity", "1GiB", "--runtime-dir", str(runtime_dir)]
     return subprocess.Popen(
-        [sys.executable, "-c", _LAUNCH, memfd_name, str(listen_fds), str(pid_offset), *args],
+        [sys.executable, "-c", _LAUNCH, memfd_name, listen_fds, str(pid_offset), *args],
         env=child_env(runtime_dir, FDSTORE="16"), **kw,  # type: ignore[arg-type]
     )
 
 
-def test_listen_fds_beyond_the_descriptors_passed_is_one_line_and_exit_78(runtime_dir: Path) -> None:
-    proc = launch(runtime_dir, "passed", 5, 0, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+@pytest.mark.parametrize(
+    ("listen_fds", "said"),
+    [
+        ("5", "LISTEN_FDS=5 but descriptor 4 was not passed (not open); check what starts gpumemd (systemd sets LISTEN_FDS itself)"),
+        ("many", "LISTEN_FDS='many' is not a number of descriptors"),
+    ],
+)
+def test_listen_fds_that_do_not_add_up_are_one_line_and_exit_78(runtime_dir: Path, listen_fds: str, said: str) -> None:
+    proc = launch(runtime_dir, "passed", listen_fds, 0, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=60)
-    lines = err.decode().strip().splitlines()
     assert proc.returncode == 78, err.decode()
-    assert lines == ["gpumemd: LISTEN_FDS=5 but descriptor 4 was not passed (not open); check what starts gpumemd "
-                     "(systemd sets LISTEN_FDS itself)"]
+    assert err.decode().strip().splitlines() == [f"gpumemd: {said}"]
 
 
 def test_descriptors_passed_for_another_pid_are_closed(runtime_dir: Path) -> None:
     log = runtime_dir / "gpumemd.log"
     with open(log, "wb") as out:
-        proc = launch(runtime_dir, "not-for-this-daemon", 1, 1, stdout=out, stderr=subprocess.STDOUT)
+        proc = launch(runtime_dir, "not-for-this-daemon", "1", 1, stdout=out, stderr=subprocess.STDOUT)
     d = Daemon.__new__(Daemon)  # the ready wait and the stop of conftest's Daemon, on this process
     d.runtime_dir, d.device, d.log_path, d.proc, d._log = runtime_dir, 0, log, proc, open(log, "ab")
     try:
