@@ -6,7 +6,10 @@ a client cannot hand a chunk back, since an importer cannot export it again), ev
 pool's lease segment (``lease-<id>``, so the leases in it stay held), and the record
 itself (``record-0``, ``record-1``): two memfds written in turn, each a header (magic,
 sequence number, length, CRC-32) and a msgpack image of the books. A torn or corrupt
-write fails its check, and the other one, a write older, is read instead.
+write fails its check, and the other one, a write older, is read instead (a whole header
+newer than the one read means an acknowledged write is lost: said in the log and in
+status). The record names each stored fd's identity (device, inode): a descriptor put in
+the store under a name by anyone else is closed, not adopted.
 
 Write order, so that a crash at any instant loses nothing a client holds and leaks
 nothing: new fds go to the store, a barrier waits until the manager has them, then the
@@ -139,8 +142,11 @@ class Durable:
     def __init__(self, notifier: SystemdNotifier) -> None:
         self.notifier = notifier
         self.record = RecordFile([])
-        # Names the manager holds for this daemon, with the identity of what the daemon stored (None: not known yet).
-        self._stored: dict[str, tuple[int, int] | None] = {}
+        self._stored: set[str] = set()  # names the manager holds for this daemon
+        # The identity of what the daemon stored under each name, as the record names it;
+        # ``_adopted``: names passed at start, whose identity the first write takes from what was adopted.
+        self._identities: dict[str, tuple[int, int]] = {}
+        self._adopted: set[str] = set()
         self._warned_full = False
 
     def start(self, state: DaemonState, inherited: dict[str, list[int]]) -> None:
@@ -178,11 +184,12 @@ class Durable:
             _close_all(group)
         # The manager still holds every name passed: the first persist removes those the
         # state does not name, and takes the identity of those it does from what it adopted.
-        self._stored = dict.fromkeys(inherited)
+        self._stored = set(inherited)
+        self._adopted = set(inherited)
         if self.record.fds != record_fds:  # new memfds: what the store holds under their names goes first
             for name in RECORD_NAMES:
                 if name in self._stored:
-                    del self._stored[name]
+                    self._stored.discard(name)
                     self._unstore(name)
         state.resumable = True
         self.persist(state)
@@ -231,32 +238,31 @@ class Durable:
         image = state.image(live.__setitem__)
         for name, fd in zip(RECORD_NAMES, self.record.fds):
             live[name] = fd
-        stored = self._stored
+        stored, identities = self._stored, self._identities
         new = [name for name in live if name not in stored]
         try:
             for name in new:
                 self.notifier.store(name, live[name])
-                stored[name] = _identity(live[name])
+                stored.add(name)
+                _remember(identities, name, live[name])
             if new:
                 self.notifier.barrier(BARRIER_TIMEOUT)
         except StoreError as exc:
             log.error("%s; a restart now would lose what was not stored", exc)
-        image.stored = {}
-        for name, fd in live.items():
-            if name in stored:
-                known = stored[name]
-                if known is None:  # passed at start and adopted: it is what the record named
-                    known = stored[name] = _identity(fd)
-                if known is not None:
-                    image.stored[name] = known
+        if self._adopted:
+            for name in self._adopted & live.keys():
+                _remember(identities, name, live[name])
+            self._adopted = set()
+        image.stored = identities
         payload = encode(image)
         try:
             self.record.write(payload)
         except OSError as exc:
             log.error("writing the durable record failed (%s); a restart now would rebuild an older state", exc.strerror)
-        for name in self._stored.keys() - live.keys():
+        for name in stored - live.keys():
             if self._unstore(name):
-                del self._stored[name]
+                stored.discard(name)
+                identities.pop(name, None)
         if len(live) > self.notifier.store_max and not self._warned_full:
             self._warned_full = True
             log.error(
@@ -285,6 +291,12 @@ def _identity(fd: int) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino
+
+
+def _remember(identities: dict[str, tuple[int, int]], name: str, fd: int) -> None:
+    found = _identity(fd)
+    if found is not None:
+        identities[name] = found
 
 
 def _lost(state: DaemonState, message: str, *args: object) -> None:

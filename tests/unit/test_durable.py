@@ -242,3 +242,19 @@ def test_a_write_number_no_daemon_reaches_does_not_stop_the_next_write(slot: str
         assert RecordFile(list(record.fds)).read() == b"third"
     finally:
         record.close()
+
+
+def test_what_a_start_adopted_is_named_by_identity_in_the_next_record(make_harness: Callable[..., Harness]) -> None:
+    h, again, durable = _stored_then_restarted(make_harness, lambda store, passed: None)
+    try:
+        committed = again.state.arenas.by_name["a"].committed
+        record = RecordFile([durable.notifier.held[name] for name in RECORD_NAMES])  # type: ignore[attr-defined]
+        payload = record.read()
+        assert payload is not None
+        stored = decode(payload).stored or {}
+        chunk = again.state.arenas.by_name["a"].chunks[0]
+        st = os.fstat(again.state.driver.chunk_fd(chunk.handle))
+        assert tuple(stored[chunk_name(chunk.id)]) == (st.st_dev, st.st_ino), "a second restart would refuse the chunk"
+        assert committed == 40 * MiB and not again.state.restore_problems
+    finally:
+        _finish(again, durable)
