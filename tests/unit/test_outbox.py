@@ -219,3 +219,33 @@ def test_a_chunk_is_zeroed_before_its_first_tenant_and_only_then(make_harness: C
         assert os.pread(again[0], 7, 0) == b"owner's", "the sharer does not see the owner's bytes"
     finally:
         fdchannel.close_all(sent)
+
+
+def test_a_staged_kv_minimum_is_zeroed_when_staged_and_not_again_at_handout(make_harness: Callable[..., Harness]) -> None:
+    driver = RecordingDriver()
+    h = make_harness(driver=driver)
+    outbox = Outbox(h.state, None)
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    sent: list[int] = []
+    next_id = iter(range(1, 100))
+
+    def send(session: SessionRecord, message: p.RequestMessage) -> dict[bytes, list[int]]:
+        mail = outbox.request(session.token, session, p.encode_request(next(next_id), message))
+        assert all(p.decode_reply(letter.frame).ok for letter in mail.letters)
+        fds = {letter.to: [fd for batch in letter.batches if batch.owned for fd in batch.fds] for letter in mail.letters}
+        sent.extend(fd for got in fds.values() for fd in got)
+        return fds
+
+    try:
+        for session, pool in ((a, "kva"), (b, "kvb")):
+            send(session, p.KvDeclare(name=pool, buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=8192))
+            send(session, p.RoundJoin(pool=pool, expect=2))
+        assert send(a, p.CaptureDone(pool="kva", min_tokens=8192)) == {}, "the round waits for engine-b"
+        driver.exports.clear()
+        handed = send(b, p.CaptureDone(pool="kvb", min_tokens=16))[a.token]
+        fresh = {os.fstat(handle).st_ino: flag for handle, flag in driver.exports}
+        staged = [fresh[os.fstat(fd).st_ino] for fd in handed]
+        assert handed and staged == [False] * len(handed), "the staged minimum was zeroed again at handout (or never staged)"
+        assert all(os.pread(fd, 4096, 0) == bytes(4096) for fd in handed), "engine-a read what its chunks held before"
+    finally:
+        fdchannel.close_all(sent)
