@@ -5,13 +5,15 @@ passed for another pid (LISTEN_PID) are neither adopted nor kept open."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, child_env
+from conftest import child_env
 
 # In the child before gpumemd: a memfd named argv[1] at descriptor 3, LISTEN_FDS=argv[2]
 # and LISTEN_PID this pid plus argv[3] (0: this process, which execs gpumemd).
@@ -52,10 +54,12 @@ def test_descriptors_passed_for_another_pid_are_closed(runtime_dir: Path) -> Non
     log = runtime_dir / "gpumemd.log"
     with open(log, "wb") as out:
         proc = launch(runtime_dir, "not-for-this-daemon", "1", 1, stdout=out, stderr=subprocess.STDOUT)
-    d = Daemon.__new__(Daemon)  # the ready wait and the stop of conftest's Daemon, on this process
-    d.runtime_dir, d.device, d.log_path, d.proc, d._log = runtime_dir, 0, log, proc, open(log, "ab")
     try:
-        d.wait_ready()
+        deadline = time.monotonic() + 60
+        while not (runtime_dir / "gpu0.json").exists():  # what the daemon writes once it serves
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
         links = []
         for fd in os.listdir(f"/proc/{proc.pid}/fd"):
             try:
@@ -63,6 +67,7 @@ def test_descriptors_passed_for_another_pid_are_closed(runtime_dir: Path) -> Non
             except FileNotFoundError:
                 continue
         assert not [link for link in links if "not-for-this-daemon" in link], links
-        assert "is for pid" in d.log() and "1 of them open here, closed" in d.log()
+        assert "is for pid" in log.read_text() and "1 of them open here, closed" in log.read_text()
     finally:
-        assert d.stop() == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
