@@ -128,6 +128,9 @@ class SessionChannel:
         self._away: str | None = None  # why the daemon is gone, while a resume is due
         self._lost: str | None = None  # why the session cannot come back
         self._closed = False
+        # Set, without the lock, by a close() on another thread while a call holds it: the
+        # call ends with SessionClosed at its next slice of waiting instead of its deadline.
+        self._interrupted = False
         # What RESUME reports this session maps (set by the Session, which knows its arenas).
         self.holdings: Callable[[], list[p.Holding]] = list
         self._sockets = _Sockets()
@@ -277,6 +280,7 @@ class SessionChannel:
         pause = _RESUME_RETRY_FIRST
         ep = self.endpoints
         while True:
+            self._check_interrupted()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DaemonTimeout(
@@ -411,8 +415,13 @@ class SessionChannel:
             raise _DaemonAway(self._away)
 
     def _keep_batches(self, request_id: int) -> None:
-        """While ``request_id`` is out: notices, stale batches, the daemon's going away."""
+        """While ``request_id`` is out: notices, stale batches, the daemon's going away, a close."""
+        self._check_interrupted()
         self._poll_events(keep=request_id)
+
+    def _check_interrupted(self) -> None:
+        if self._interrupted:
+            raise SessionClosed(f"session '{self.name}' was closed by another thread while this call waited")
 
     def _read_event(self, sock: socket.socket) -> tuple[p.FdBatch | None, list[int]]:
         """Read one fd-channel message: notices are queued here; an FdBatch is returned
@@ -513,10 +522,24 @@ class SessionChannel:
     def closed(self) -> bool:
         return self._closed
 
+    def interrupt(self) -> None:
+        """End a call another thread has in progress (SessionClosed, within one slice of
+        its wait) and return once it has let go of the channel: close() must not wait for
+        a call's deadline (a KV round's report waits up to the round's). Calls made
+        after this one returns go on as usual (close releases arenas through them)."""
+        self._interrupted = True
+        try:
+            with self._lock:
+                pass
+        finally:
+            self._interrupted = False
+
     def close(self) -> None:
         """Close both sockets; the daemon releases what this session alone held. Returns
         once the daemon has dropped the session (within _GOODBYE_S): its name is free for
-        the next HELLO, from this process or another."""
+        the next HELLO, from this process or another. A call in progress on another
+        thread ends with SessionClosed first."""
+        self.interrupt()
         with self._lock:
             self._closed = True
             self._goodbye()

@@ -119,7 +119,9 @@ class SessionCore:
             borrowed.close()
 
     def close(self) -> None:
-        """Release the arenas (unmapping them) and close both channels."""
+        """Release the arenas (unmapping them) and close both channels; a call another
+        thread has in progress ends first (SessionClosed), not at its deadline."""
+        self.channel.interrupt()
         for arena in list(self._arenas.values()):
             try:
                 arena.release()

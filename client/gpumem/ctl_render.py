@@ -139,6 +139,7 @@ def render_status(s: p.StatusReply) -> str:
             f"  restarted {d.generation} time(s) with its state kept; {d.waiting} client(s) holding {d.waiting_objects} "
             f"arena(s) and graph pool(s) not resumed yet" + (f", released in {_duration(d.grace_left_s)}" if d.waiting else "")
         )
+    lines += [f"  NOT REBUILT at its start: {problem}" for problem in d.restore_problems]
     lines += [
         f"device {dev.index}: {dev.name}  {dev.uuid}",
         f"  total {format_size(dev.total_bytes)}  free {format_size(dev.free_bytes)}  gpumemd holds "

@@ -28,7 +28,7 @@ from gpumemd.config import StateConfig, TenantLimits
 from gpumemd.metrics import Metrics
 from gpumemd.durable import Durable
 from gpumemd.outbox import Outbox
-from gpumemd.notify import SystemdNotifier, inherited_fds
+from gpumemd.notify import PassedFdsError, SystemdNotifier, inherited_fds
 from gpumemd.runtime import StartupError
 from gpumemd.server import Server
 from gpumemd.state import DaemonState
@@ -244,6 +244,10 @@ def command(
 ) -> None:
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
     logs.configure(log_level, log_format)
+    try:  # before the daemon opens a descriptor of its own: those passed are below any
+        inherited = inherited_fds(os.environ)
+    except PassedFdsError as exc:
+        raise ConfigError(str(exc)) from None
     if metrics_address is not None and metrics_port is None:
         raise ConfigError(f"--metrics-address {metrics_address} serves nothing without --metrics-port")
     if metrics_hide_names and metrics_port is None:
@@ -280,7 +284,6 @@ def command(
         raise ConfigError(str(exc)) from None
     metrics = Metrics(state, hide_names=metrics_hide_names) if exporter is not None else None
     notifier = SystemdNotifier()
-    inherited = inherited_fds(os.environ)
     durable = Durable(notifier) if notifier.store_max > 0 else None
     if durable is None and inherited:
         logging.getLogger("gpumemd.cli").warning("descriptors passed (%s) but no fd store to keep them in ($FDSTORE unset): closed", ", ".join(sorted(inherited)))

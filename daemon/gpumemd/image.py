@@ -91,6 +91,28 @@ class StateImage(msgspec.Struct, array_like=True):
     arenas: Any = None
     graph_pools: Any = None
     kv: Any = None
+    # Each stored fd's identity (st_dev, st_ino) by its name, taken when it was stored: a
+    # descriptor put in the store under that name by anyone else is not it.
+    stored: dict[str, tuple[int, int]] | None = None
+
+
+# The ids the daemon hands out next, by book and field: each one issued is one more, and
+# must stay a number msgpack, lease words and the driver take. A record whose counters
+# lie beyond this was not written by a daemon (none issues 2**62 ids) and is refused
+# whole, before any book restores from it. Numbers a client chose (its request ids) may
+# be anything the protocol allows, and are not checked here.
+COUNTER_BOUND = 1 << 62
+COUNTERS = (("sessions", "next_session"), ("arenas", "next_chunk"), ("arenas", "next_grant"), ("graph_pools", "next_id"), ("kv", "next_round"))
+
+
+def bad_counter(image: StateImage) -> str | None:
+    """The first counter of ``image`` out of bounds, as ``part.field = value``; None: none is."""
+    for part, field in COUNTERS:
+        book = getattr(image, part)
+        value = book.get(field) if isinstance(book, dict) else None
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < COUNTER_BOUND:
+            return f"{part}.{field} = {value!r}"
+    return None
 
 
 _ENCODER = msgspec.msgpack.Encoder()

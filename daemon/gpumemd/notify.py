@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import logging
 import os
+import resource
 import select
 import socket
 from collections.abc import Mapping, MutableMapping
@@ -105,20 +106,55 @@ class SystemdNotifier:
             self._sock = None
 
 
+class PassedFdsError(Exception):
+    """LISTEN_FDS names descriptors this process was not passed; the message is one line."""
+
+
 def inherited_fds(environ: MutableMapping[str, str]) -> dict[str, list[int]]:
     """The descriptors the service manager passed to this process, by name, as
     sd_listen_fds_with_names(3) reads them; the variables are removed (children must not
-    take them for theirs). Empty when LISTEN_PID names another process."""
+    take them for theirs). Called before the daemon opens any descriptor of its own.
+
+    LISTEN_PID naming another process: the variables are not for this one (a wrapper
+    that forked instead of exec'ing), and nothing is adopted, as sd_listen_fds(3) says.
+    Unlike sd_listen_fds, the descriptors in LISTEN_FDS' range that are open are closed:
+    whatever holds them (chunks of GPU memory) would otherwise stay allocated for the
+    daemon's life with nobody to use it, and closing them takes nothing from the process
+    that passed them, which keeps its own. Nothing of the daemon's is open yet to be
+    closed by mistake. PassedFdsError: LISTEN_FDS counts descriptors that are not open."""
     count, names, pid = environ.pop("LISTEN_FDS", ""), environ.pop("LISTEN_FDNAMES", ""), environ.pop("LISTEN_PID", "")
-    if not count.isdigit() or pid != str(os.getpid()):
-        if count:
-            log.warning("LISTEN_FDS=%s is for pid %s, not this process (%d): ignored", count, pid or "(unset)", os.getpid())
+    if not count:
+        return {}
+    if not count.isdigit():
+        raise PassedFdsError(f"LISTEN_FDS={count[:32]!r} is not a number of descriptors")
+    if pid != str(os.getpid()):
+        end = min(LISTEN_FDS_START + int(count), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        closed = [fd for fd in range(LISTEN_FDS_START, end) if _close_if_open(fd)]
+        log.warning(
+            "LISTEN_FDS=%s is for pid %s, not this process (%d): not adopted; %d of them open here, closed",
+            count, pid or "(unset)", os.getpid(), len(closed),
+        )
         return {}
     fds = list(range(LISTEN_FDS_START, LISTEN_FDS_START + int(count)))
+    for fd in fds:  # the first one missing ends the check: LISTEN_FDS may be absurdly large
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            raise PassedFdsError(
+                f"LISTEN_FDS={count} but descriptor {fd} was not passed (not open); check what starts gpumemd "
+                "(systemd sets LISTEN_FDS itself)"
+            ) from None
     labels = names.split(":") if names else []
     labels += ["unknown"] * (len(fds) - len(labels))
     out: dict[str, list[int]] = {}
     for fd, label in zip(fds, labels):
-        os.set_inheritable(fd, False)
         out.setdefault(label, []).append(fd)
     return out
+
+
+def _close_if_open(fd: int) -> bool:
+    try:
+        os.close(fd)
+    except OSError:
+        return False
+    return True

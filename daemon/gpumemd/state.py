@@ -104,6 +104,8 @@ class DaemonState:
         self.resumable = False
         self.grace_deadline: float | None = None
         self.dirty = False
+        # What the start could not rebuild from the store (durable.py says), shown in status.
+        self.restore_problems: list[str] = []
         self._notices: Notices = []
         self.sessions: dict[int, SessionRecord] = {}
         self.next_session = 1
@@ -423,7 +425,8 @@ class DaemonState:
         now = self.clock()
         grace = 0.0 if self.grace_deadline is None else max(0.0, self.grace_deadline - now)
         daemon = status.daemon_status(
-            self.driver.kind, now - self.started, self.config.runtime_dir, self.stopping, self.generation, grace
+            self.driver.kind, now - self.started, self.config.runtime_dir, self.stopping, self.generation, grace,
+            self.restore_problems,
         )
         return status.assemble(daemon, self.sessions, self.arenas, self.graph_pools, self.kv, self.clock())
 

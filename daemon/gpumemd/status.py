@@ -97,7 +97,8 @@ def assemble(
 
 
 def daemon_status(
-    backend: str, uptime_s: float, runtime_dir: str, stopping: bool, generation: int = 0, grace_left_s: float = 0.0
+    backend: str, uptime_s: float, runtime_dir: str, stopping: bool, generation: int = 0, grace_left_s: float = 0.0,
+    restore_problems: list[str] | None = None,
 ) -> p.DaemonStatus:
     return p.DaemonStatus(
         version=__version__,
@@ -109,6 +110,7 @@ def daemon_status(
         state="stopping" if stopping else "serving",
         generation=generation,
         grace_left_s=round(grace_left_s, 3),
+        restore_problems=list(restore_problems or []),
     )
 
 

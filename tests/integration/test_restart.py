@@ -452,7 +452,7 @@ def _tamper(r: Restartable, how: str) -> None:
         ("corrupt", "is truncated or corrupt", False),
         ("truncated", "is truncated", True),
         ("missing-chunk", "chunk(s) [1] missing from the fd store", True),
-        ("wrong-kind", "a stored chunk is not one", True),
+        ("wrong-kind", "1 descriptor(s) named 'chunk-1' that are not the one the daemon stored", True),
         ("extra", "'stranger' is named by no record; closed", True),
         ("no-record", "the durable record is missing", False),
     ],
@@ -699,3 +699,48 @@ def test_a_name_is_free_again_the_moment_a_resumable_session_closes(service: Ser
         with gpumem.connect(0, name="again", runtime_dir=runtime_dir, timeout=10) as s:
             s.ping()
         assert status(runtime_dir)["clients"] == []
+
+
+def _daemon_files(pid: int, part: str) -> list[str]:
+    """The daemon's open descriptors whose file names ``part`` (from /proc, not its log)."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if part in link:
+            found.append(link)
+    return found
+
+
+def _memfd(name: str, size: int) -> int:
+    fd = os.memfd_create(name)
+    os.ftruncate(fd, size)
+    return fd
+
+
+@pytest.mark.parametrize("how", ["a name no record has", "a chunk's name, before the chunk"])
+def test_a_descriptor_put_in_the_store_by_another_is_closed_in_the_daemon(service: Service, runtime_dir: Path, how: str) -> None:
+    r = service()
+    with RawSession(runtime_dir, "eng") as session:
+        session.create("a", 64 * MiB)
+        assert session.commit("a", 8 * MiB)["ok"]
+        r.kill()
+        m = r.manager
+        with m._lock:
+            size = os.fstat(dict(m.store)["chunk-1"]).st_size
+            name = "stranger" if how == "a name no record has" else "chunk-1"
+            m.store.insert(0, (name, _memfd("planted-by-another", size)))
+        r.start()
+        assert not _daemon_files(r.pid, "planted-by-another"), "the daemon keeps a descriptor it logged as closed"
+        s = status(runtime_dir)
+        assert s["daemon"]["generation"] == 1 and s["arenas"][0]["committed"] == 8 * MiB
+        if how == "a name no record has":
+            assert "'stranger' is named by no record; closed" in r.log()
+        else:
+            assert "1 descriptor(s) named 'chunk-1' that are not the one the daemon stored" in r.log()
+            assert _daemon_files(r.pid, "gpumemd-chunk"), "the daemon's own chunk was not adopted"
+        sock, reply, fds = raw_resume(runtime_dir, session.session_id, session.hello["credential"], [{"arena": "a", "chunks": [1]}])
+        assert reply["ok"]
+        sock.close()

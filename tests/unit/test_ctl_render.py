@@ -350,3 +350,9 @@ def test_the_first_top_frame_shows_no_change() -> None:
         "  idle      1003  3        0 B                -",
     ]
     assert lines[lines.index("ROUNDS") + 1 :] == ["  (none)"]
+
+
+def test_what_a_start_could_not_rebuild_is_shown() -> None:
+    problems = ["durable record write 9, the newest, is corrupt: what it acknowledged is lost"]
+    lines = render_status(reply(daemon=daemon(generation=1, restore_problems=problems))).splitlines()
+    assert lines[3] == "  NOT REBUILT at its start: durable record write 9, the newest, is corrupt: what it acknowledged is lost"

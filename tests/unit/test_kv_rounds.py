@@ -1147,8 +1147,8 @@ def test_status_reports_rounds_and_kv_pools(h: Harness) -> None:
 
 
 class RecordingDriver(HostDriver):
-    """The real host driver (whose zero() does nothing: a fresh memfd reads as zero), but
-    it records every zero() call, and creating or zeroing chunks fails as told."""
+    """The real host driver, but it records every zero() call, and creating or zeroing
+    chunks fails as told."""
 
     def __init__(self) -> None:
         super().__init__(index=0, capacity=CAPACITY)

@@ -7,6 +7,7 @@ stored; a read-only request writes no record, and one request writes it once."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,13 +15,15 @@ import pytest
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
+from gpumem_shared.driver.base import Handle
+from gpumem_shared.driver.host import HostDriver
 from gpumemd import arenas, state
 from gpumemd.durable import Durable, RecordFile
 from gpumemd.image import StateImage, chunk_name, decode, lease_name
 from gpumemd.outbox import Mail, Outbox
 from gpumemd.records import SessionRecord
 
-from .harness import Harness, MiB
+from .harness import CAPACITY, Harness, MiB
 from .store_kit import FakeStore
 
 
@@ -168,3 +171,81 @@ def test_a_resent_request_gets_its_recorded_answer_again(door: Door) -> None:
     assert door.h.state.arenas.by_name["a"].committed == committed, "carried out twice"
     holders = {c["id"]: c["holders"] for c in chunks(door.record())}
     assert all(owner.id in holders[cid] for cid in handed), "chunks handed out again before the record says who maps them"
+
+
+class RecordingDriver(HostDriver):
+    """The host driver, recording each chunk export's zero flag; what a chunk held before
+    its first handout is written into it first, as an earlier tenant's bytes would be."""
+
+    def __init__(self) -> None:
+        super().__init__(index=0, capacity=CAPACITY)
+        self.exports: list[tuple[int, bool]] = []  # (chunk fd, fresh)
+
+    def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
+        handles = super().create_chunks(placements)
+        for fd in handles:
+            os.pwrite(fd, b"\xab" * 4096, 0)
+        return handles
+
+    def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
+        self.exports += [(handle, fresh) for _, _, handle, fresh in chunks]
+        return super().export_fds(chunks)
+
+
+def test_a_chunk_is_zeroed_before_its_first_tenant_and_only_then(make_harness: Callable[..., Harness]) -> None:
+    driver = RecordingDriver()
+    h = make_harness(driver=driver)
+    outbox = Outbox(h.state, None)
+    owner, peer = h.connect("owner"), h.connect("peer")
+    sent: list[int] = []
+
+    def send(session: SessionRecord, message: p.RequestMessage) -> list[int]:
+        mail = outbox.request(session.token, session, p.encode_request(len(sent) + 1, message))
+        assert all(p.decode_reply(letter.frame).ok for letter in mail.letters)
+        fds = [fd for letter in mail.letters for b in letter.batches if b.owned for fd in b.fds]
+        sent.extend(fds)
+        return fds
+
+    try:
+        send(owner, p.CreateArena(name="a", reserve_bytes=256 * MiB))
+        first = send(owner, p.CommitArena(name="a", nbytes=40 * MiB))
+        assert first and [fresh for _, fresh in driver.exports] == [True] * len(first), "a new chunk left unzeroed"
+        assert all(os.pread(fd, 4096, 0) == bytes(4096) for fd in first), "the first tenant read what was there before"
+        os.pwrite(first[0], b"owner's", 0)
+        driver.exports.clear()
+        send(owner, p.ShareArena(name="a", client="peer"))
+        again = send(peer, p.AttachArena(name="a"))
+        assert again and [fresh for _, fresh in driver.exports] == [False] * len(again), "a chunk in use was zeroed again"
+        assert os.pread(again[0], 7, 0) == b"owner's", "the sharer does not see the owner's bytes"
+    finally:
+        fdchannel.close_all(sent)
+
+
+def test_a_staged_kv_minimum_is_zeroed_when_staged_and_not_again_at_handout(make_harness: Callable[..., Harness]) -> None:
+    driver = RecordingDriver()
+    h = make_harness(driver=driver)
+    outbox = Outbox(h.state, None)
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    sent: list[int] = []
+    next_id = iter(range(1, 100))
+
+    def send(session: SessionRecord, message: p.RequestMessage) -> dict[bytes, list[int]]:
+        mail = outbox.request(session.token, session, p.encode_request(next(next_id), message))
+        assert all(p.decode_reply(letter.frame).ok for letter in mail.letters)
+        fds = {letter.to: [fd for batch in letter.batches if batch.owned for fd in batch.fds] for letter in mail.letters}
+        sent.extend(fd for got in fds.values() for fd in got)
+        return fds
+
+    try:
+        for session, pool in ((a, "kva"), (b, "kvb")):
+            send(session, p.KvDeclare(name=pool, buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=8192))
+            send(session, p.RoundJoin(pool=pool, expect=2))
+        assert send(a, p.CaptureDone(pool="kva", min_tokens=8192)) == {}, "the round waits for engine-b"
+        driver.exports.clear()
+        handed = send(b, p.CaptureDone(pool="kvb", min_tokens=16))[a.token]
+        fresh = {os.fstat(handle).st_ino: flag for handle, flag in driver.exports}
+        staged = [fresh[os.fstat(fd).st_ino] for fd in handed]
+        assert handed and staged == [False] * len(handed), "the staged minimum was zeroed again at handout (or never staged)"
+        assert all(os.pread(fd, 4096, 0) == bytes(4096) for fd in handed), "engine-a read what its chunks held before"
+    finally:
+        fdchannel.close_all(sent)

@@ -128,6 +128,7 @@ def test_status_of_an_idle_daemon(make_harness: Callable[..., Harness]) -> None:
         "waiting": 0,
         "waiting_objects": 0,
         "grace_left_s": 0.0,
+        "restore_problems": [],
     }
     device = status.device
     assert (device.index, device.total_bytes, device.free_bytes, device.granularity) == (0, CAPACITY, CAPACITY, G)

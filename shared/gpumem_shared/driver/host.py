@@ -27,10 +27,13 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fallocate.restype = ctypes.c_int
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
 MAP_NORESERVE, MAP_FIXED_NOREPLACE = 0x4000, 0x100000
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 # The same granule as the GPUs we stand in for, so sizes behave identically.
@@ -54,6 +57,13 @@ def _mmap(address: int, size: int, prot: int, flags: int, fd: int = -1) -> int:
     return int(result)
 
 
+def _punch(fd: int, size: int) -> None:
+    """Zero a memfd chunk: its pages are dropped, and read as zero after."""
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size) != 0:
+        err = ctypes.get_errno()
+        raise DriverError(f"zeroing a {size}-byte memfd chunk failed: {os.strerror(err)}")
+
+
 class HostDriver(Driver):
     kind = "host"
     granularity = HOST_GRANULARITY
@@ -66,6 +76,9 @@ class HostDriver(Driver):
         self.index = index
         self.capacity = capacity
         self.peers = sorted(set(peers))
+        # The chunks this process created or adopted, by their placement address: ``zero``
+        # is given placements, and a host chunk lives in its memfd, not at its address.
+        self._chunks: dict[int, int] = {}
 
     def device_name(self) -> str:
         return "host shared memory (memfd)"
@@ -137,7 +150,7 @@ class HostDriver(Driver):
                 # A new descriptor is the lowest free one: every number below it is taken.
                 if fd >= limit - spare:
                     raise OSError(errno.EMFILE, f"{fd} descriptors open of the open-file limit {limit}, which must keep {spare} free")
-                os.ftruncate(fd, size)  # fresh memfd pages read as zero: no scrub needed
+                os.ftruncate(fd, size)
         except OSError as exc:
             for fd in fds:
                 os.close(fd)
@@ -146,6 +159,7 @@ class HostDriver(Driver):
                 "chunks, or raise gpumemd's open-file limit)" if exc.errno == errno.EMFILE else f"memfd chunk creation failed: {exc.strerror}",
                 out_of_memory=exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EMFILE),
             ) from None
+        self._chunks.update((address, fd) for (address, _), fd in zip(placements, fds))
         return fds
 
     def chunk_fd(self, handle: Handle) -> int:
@@ -159,25 +173,40 @@ class HostDriver(Driver):
                 raise DriverError(f"descriptor {fd} is not a chunk: {exc.strerror}") from None
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 raise DriverError(f"descriptor {fd} is not a {size}-byte memfd chunk (mode {st.st_mode:#o}, {st.st_size} bytes)")
+        self._chunks.update((address, fd) for (address, _), fd in zip(placements, fds))
         return list(fds)
 
     def destroy_chunks(self, placements: list[tuple[int, int]], handles: list[Handle]) -> None:
-        for fd in handles:
+        for (address, _), fd in zip(placements, handles):
+            if self._chunks.get(address) == fd:
+                del self._chunks[address]
             os.close(fd)
 
     def zero(self, placements: list[tuple[int, int]]) -> None:
-        pass  # a fresh memfd reads as zero
+        for address, size in placements:
+            fd = self._chunks.get(address)
+            if fd is None:
+                raise DriverError(f"no chunk of this process at {address:#x} to zero")
+            _punch(fd, size)
 
     def export_fds(self, chunks: list[tuple[int, int, Handle, bool]]) -> list[int]:
-        # A fresh memfd reads as zero: nothing to scrub.
+        # A fresh memfd reads as zero, but the promise is the driver's, not the memfd's:
+        # a fresh chunk's pages are dropped (they read as zero after) before its first fd
+        # leaves, whatever wrote there since it was created.
         fds: list[int] = []
         try:
-            for _, _, handle, _ in chunks:
+            for _, size, handle, fresh in chunks:
+                if fresh:
+                    _punch(handle, size)
                 fds.append(os.dup(handle))
         except OSError as exc:
             for fd in fds:
                 os.close(fd)
             raise DriverError(f"duplicating {len(chunks)} chunk descriptors failed: {exc.strerror}", out_of_memory=exc.errno == errno.EMFILE) from None
+        except DriverError:
+            for fd in fds:
+                os.close(fd)
+            raise
         return fds
 
     def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:

@@ -20,6 +20,8 @@ class DaemonStatus(Message):
     waiting: int = 0  # since 1.4: sessions kept across a restart whose client has not resumed yet
     waiting_objects: int = 0  # since 1.4: arenas and graph pools those sessions hold
     grace_left_s: float = 0.0  # since 1.4: until waiting sessions are released like dead clients'
+    # since 1.5: what the last start could not rebuild from the fd store (a corrupt newest write, refused descriptors)
+    restore_problems: list[str] = msgspec.field(default_factory=list)
 
 
 class DeviceStatus(Message):

@@ -1,0 +1,94 @@
+"""RESUME after a restart, on the state alone: only the process that opened a session
+(its pid and its uid) with the credential HELLO issued gets it back, a session that was
+never given a credential cannot be resumed with an empty one, and the grace period ends
+only once every kept session has come back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from gpumem_shared import protocol as p
+from gpumem_shared.driver.host import HostDriver
+from gpumemd.durable import Durable
+from gpumemd.records import SessionRecord
+from gpumemd.state import DaemonState
+
+from .harness import CAPACITY, Clock, Harness
+from .store_kit import FakeStore
+
+Restarted = Callable[[list[str]], tuple[Harness, list[SessionRecord]]]
+
+
+@pytest.fixture
+def restarted(make_harness: Callable[..., Harness]) -> Iterator[Restarted]:
+    """``restarted(names)``: sessions opened under those names in a daemon with a store,
+    and the state a restart rebuilds, every session waiting for its client."""
+    made: list[tuple[Harness, Durable]] = []
+    store = FakeStore()
+
+    def make(names: list[str]) -> tuple[Harness, list[SessionRecord]]:
+        h = make_harness()
+        first = Durable(store)  # type: ignore[arg-type]
+        first.start(h.state, {})
+        before = [h.connect(name) for name in names]
+        first.persist(h.state)
+        h.state.arenas.close()
+        clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
+        again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
+        second = Durable(store)  # type: ignore[arg-type]
+        second.start(again.state, store.passed())
+        made.extend([(h, first), (again, second)])
+        return again, before
+
+    yield make
+    for h, durable in reversed(made):
+        h.state.drop_all()
+        durable.close()
+    store.drop()
+
+
+def resume(session: SessionRecord, credential: bytes | None = None) -> p.Resume:
+    return p.Resume(session_id=session.id, credential=session.credential if credential is None else credential)
+
+
+def test_a_resume_from_the_same_pid_under_another_uid_is_refused(restarted: Restarted) -> None:
+    h, (s,) = restarted(["eng"])
+    with pytest.raises(p.ProtocolError) as refused:
+        h.state.resume(resume(s), s.pid, s.uid + 1, s.gid)  # the pid reused by another user's process
+    assert refused.value.code == p.ErrorCode.PERMISSION_DENIED
+    assert h.state.sessions[s.id].waiting
+    session, reply = h.state.resume(resume(s), s.pid, s.uid, s.gid)
+    assert reply.session_id == s.id and not session.waiting
+
+
+def test_a_session_without_a_credential_cannot_be_resumed_with_an_empty_one(restarted: Restarted) -> None:
+    h, (s,) = restarted(["eng"])
+    kept = h.state.sessions[s.id]
+    kept.credential = b""  # as a session opened before the daemon had a store is kept
+    with pytest.raises(p.ProtocolError) as refused:
+        h.state.resume(resume(s, b""), s.pid, s.uid, s.gid)
+    assert refused.value.code == p.ErrorCode.SESSION_LOST
+    assert kept.waiting
+
+
+def test_the_grace_period_runs_on_while_another_session_waits(restarted: Restarted) -> None:
+    h, (back, late) = restarted(["back", "late"])
+    deadline = h.state.grace_deadline
+    assert deadline is not None
+    h.state.resume(resume(back), back.pid, back.uid, back.gid)
+    assert h.state.grace_deadline == deadline, "one resume ended the grace period of a session still waiting"
+    h.clock.now = deadline
+    h.state.tick()
+    assert sorted(h.state.sessions) == [back.id], "the session that never came back is still kept"
+    assert h.state.grace_deadline is None
+
+
+def test_the_grace_period_runs_on_when_a_successor_takes_a_dead_clients_name(restarted: Restarted) -> None:
+    h, (dead, late) = restarted(["dead", "late"])
+    deadline = h.state.grace_deadline
+    h.state.sessions[dead.id].pid = 1 << 23  # beyond any pid_max: provably gone
+    h.state.open_session(p.Hello(name="dead"), pid=9999, uid=dead.uid, gid=dead.gid)
+    assert dead.id not in h.state.sessions
+    assert h.state.grace_deadline == deadline, "taking over one name ended the grace period of a session still waiting"
