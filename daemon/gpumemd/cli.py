@@ -118,6 +118,12 @@ def _exporter(address: str, port: int) -> Exporter:
 )
 @click.option("--reserve", default=None, callback=_size, help="Memory never committed [default: 1GiB on CUDA, 0 on host].")
 @click.option(
+    "--capacity",
+    default=None,
+    callback=_size,
+    help="The most gpumemd commits in all, however much the device has free: emulates a smaller GPU [default: no cap].",
+)
+@click.option(
     "--hello-timeout", type=float, default=5.0, show_default=True, callback=_positive, help="Seconds a new connection has to say HELLO."
 )
 @click.option(
@@ -184,6 +190,7 @@ def command(
     chunk_size: Size,
     kv_chunk_size: Size,
     reserve: Size | None,
+    capacity: Size | None,
     hello_timeout: float,
     round_timeout: float,
     round_policy: str,
@@ -210,6 +217,9 @@ def command(
         raise ConfigError(
             f"--reserve {format_size(reserve_bytes)} leaves nothing to serve: the device has {format_size(driver.total_bytes())}"
         )
+    capacity_bytes = capacity.bytes if capacity is not None else 0
+    if capacity is not None and capacity_bytes <= reserve_bytes:
+        raise ConfigError(f"--capacity {format_size(capacity_bytes)} leaves nothing to serve above the {format_size(reserve_bytes)} reserve")
     endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
     va_base, va_limit = plan_range(device)
     config = StateConfig(
@@ -220,6 +230,7 @@ def command(
         bulk_chunk=bulk,
         kv_chunk=kv_chunk,
         reserve_bytes=reserve_bytes,
+        capacity_bytes=capacity_bytes,
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
         restart_grace=restart_grace,

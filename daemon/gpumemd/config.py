@@ -23,6 +23,9 @@ class StateConfig:
     # (fewer creates, exports and maps) and shrinks coarser (whole chunks only).
     kv_chunk: int = GiB
     reserve_bytes: int = 0  # never committed: the headroom other users of the device need
+    # The most the daemon commits in all (0: the device's free memory is the only bound):
+    # a bench emulates a smaller GPU with it, where KV pressure is real on a large one.
+    capacity_bytes: int = 0
     # The address slice the daemon reserves at start and plans arena windows in: the
     # device's slice of the shared plan (gpumem_shared.address_plan) outside tests.
     va_base: int = VA_PLAN_BASE
