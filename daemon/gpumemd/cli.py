@@ -135,6 +135,14 @@ def _exporter(address: str, port: int) -> Exporter:
     help="Seconds from a KV commit round's first join to its deadline.",
 )
 @click.option(
+    "--move-timeout",
+    type=float,
+    default=2.0,
+    show_default=True,
+    callback=_positive,
+    help="Seconds a KV grow waits for other pools to give back before it is answered with what could be got.",
+)
+@click.option(
     "--round-policy",
     type=click.Choice([policy.value for policy in p.RoundPolicy]),
     default=p.RoundPolicy.PARTIAL.value,
@@ -193,6 +201,7 @@ def command(
     capacity: Size | None,
     hello_timeout: float,
     round_timeout: float,
+    move_timeout: float,
     round_policy: str,
     restart_grace: float,
     metrics_port: int | None,
@@ -233,6 +242,7 @@ def command(
         capacity_bytes=capacity_bytes,
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
+        move_timeout=move_timeout,
         restart_grace=restart_grace,
     )
     exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None

@@ -33,6 +33,9 @@ class StateConfig:
     max_reserve: int = VA_PLAN_SLICE
     round_timeout: float = 300.0  # seconds from a round's first join to its deadline
     round_policy: p.RoundPolicy = p.RoundPolicy.PARTIAL  # what a round's passed deadline does
+    # Seconds a KV grow that other pools must give back for waits for their shrinks before
+    # it is answered with what could be got (and who did not answer).
+    move_timeout: float = 2.0
     # After a restart with the state kept: how long sessions wait for their clients to
     # resume before what they hold is released like a dead client's.
     restart_grace: float = 30.0

@@ -133,8 +133,8 @@ class DaemonState:
             p.PlaceholderArena: self.arenas.placeholder,
             p.KvDeclare: self.kv.declare,
             p.RoundJoin: self.kv.join,
-            p.KvGrow: self.kv.grow,
             p.KvShrink: self.kv.shrink,
+            p.KvDemand: self.kv.report_demand,
             p.RegisterGraphPool: self.graph_pools.register,
             p.UpdateGraphPool: self.graph_pools.update,
             p.RetireGraphPool: self.graph_pools.retire,
@@ -144,7 +144,7 @@ class DaemonState:
             p.ReportEscape: self._report_escape,
         }
         # Answered later, when their round commits or fails: they need the request id.
-        self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done}
+        self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow}
 
     # ------------------------------------------------------------------ sessions
 
@@ -295,6 +295,7 @@ class DaemonState:
         self.arenas.drop_holder(session_id)
         for round_ in rounds:  # once its memory is given back: the budget counts it as free
             self.kv.try_finish(round_)
+        self.kv.memory_freed()  # a grow waiting for its shrink (or its pool) may go ahead
         if not left:  # it released what it had: a clean close
             log.info("session %d closed: client %r pid %d", session.id, session.name, session.pid)
             return notices
