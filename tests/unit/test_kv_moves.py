@@ -9,9 +9,11 @@ from collections.abc import Callable
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
 
+from gpumemd.metrics import Metrics
 from gpumemd.records import SessionRecord as Session
 
 from .harness import Harness, MiB
+from .test_metrics import histogram, number
 from .test_kv_rounds import capture, commit_reply, declare, done, join
 
 # --------------------------------------------------------------------------- the capacity cap
@@ -95,6 +97,10 @@ def test_a_grow_that_does_not_fit_is_answered_once_the_idle_neighbour_gives_back
     assert t.kv_move_seconds.count == 1 and t.kv_move_seconds.sum == 1.0
     status = {k.name: k for k in h.state.status().kv}
     assert (status["kvb"].in_use, status["kvb"].demand_tokens, status["kvb"].share_bytes) == (0, 1024, 4 * MiB)
+    snap = Metrics(h.state).snapshot
+    assert number(snap, "gpumemd_kv_moves_total", kind="shrink_confirmed") == 1
+    assert number(snap, "gpumemd_kv_moved_bytes_total") == 64 * MiB
+    assert sum(histogram(snap, "gpumemd_kv_move_seconds").counts) == 1
 
 
 def test_a_busy_neighbour_at_its_share_is_not_asked_and_the_grow_is_refused_at_once(make_harness: Callable[..., Harness]) -> None:
