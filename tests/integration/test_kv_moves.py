@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import gpumem
 from gpumemd_testkit import MiB, status, wait_status
 from kv_testkit import Engine, cost
 
@@ -92,3 +93,42 @@ def test_a_neighbour_killed_mid_shrink_gives_everything_back_at_once(daemon_fact
     assert [k["name"] for k in s["kv"]] == ["kv-a"]
     assert s["device"]["accounted_bytes"] == cost(ROWS, 3072)
     assert a.kvcheck() == "MATCH"
+
+
+def test_the_client_grows_ahead_and_answers_a_shrink_by_moving_live_rows_first(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """In-process, two sessions: a grows ahead of need without waiting; b's live rows sit
+    past the bound asked, so its move_live hook runs first, and b gives back the rest."""
+    daemon_factory("host", args=["--host-capacity", "1GiB", "--capacity", "512MiB", "--kv-chunk-size", "32MiB", "--move-timeout", "10"])
+    buffers = [gpumem.KvBuffer(f"b{i}", row) for i, row in enumerate(ROWS)]
+    with gpumem.connect(0, name="engine-a", runtime_dir=runtime_dir, timeout=20.0) as sa, \
+            gpumem.connect(0, name="engine-b", runtime_dir=runtime_dir, timeout=20.0) as sb:
+        pa, pb = sa.declare_kv_pool("kv-a", buffers, max_tokens=4096), sb.declare_kv_pool("kv-b", buffers, max_tokens=4096)
+        pa.join_round()
+        pb.join_round()
+        waits = [pa.send_capture_done(min_tokens=256), pb.send_capture_done(min_tokens=256)]
+        assert [w.wait() for w in waits] == [2048, 2048]
+
+        live = {"top": 1300}  # b's highest live row, in a block past any bound the daemon asks
+        moved: list[int] = []
+
+        def move_live(bound: int) -> int:
+            moved.append(bound)
+            live["top"] = 100  # the engine copied its live blocks below the bound
+            return live["top"]
+
+        pb.rows_in_use = lambda: live["top"]
+        pb.report_demand(100)
+        assert pa.grow_ahead(1000, watermark=256, step=1024) is None  # 1048 rows free: no need yet
+        wait = pa.grow_ahead(1900, watermark=256, step=1024)
+        assert wait is not None and pa.grow_ahead(1950, watermark=256, step=1024) is None  # one on its way
+        kept = None
+        until = time.monotonic() + 10
+        while kept is None and time.monotonic() < until:
+            kept = pb.answer_shrinks(move_live)  # at b's step boundaries: a notice arrives within the wait
+            time.sleep(0.01)
+        assert kept is not None and moved == [kept] and 256 <= kept < 1300
+        assert wait.wait() == 3072 and pa.tokens == 3072 and pa.unanswered == []
+        assert pb.tokens == kept
+        s = status(runtime_dir)
+        assert s["device"]["accounted_bytes"] == cost(ROWS, 3072) + cost(ROWS, kept)
+        assert {k["name"]: k["in_use"] for k in s["kv"]} == {"kv-a": 1900, "kv-b": 100}  # the grow carried a's use
