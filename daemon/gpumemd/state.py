@@ -391,7 +391,7 @@ class DaemonState:
     def tick(self) -> None:
         """Lease-slot repairs, round deadlines, the counts of pools gone: called by the server's loop."""
         self.graph_pools.sweep()
-        if self.kv.active_rounds():  # deadlines may end a round: what it commits must be kept
+        if self.kv.active_rounds() or self.kv.grows:  # deadlines may end a round or a grow: what it commits must be kept
             self.dirty = True
         self.kv.tick()
         if self.grace_deadline is not None and self.clock() >= self.grace_deadline:
