@@ -385,6 +385,7 @@ class DaemonState:
         if not self.stopping:
             for round_ in left:  # it may have been the last one pending
                 self.kv.try_finish(round_)
+            self.kv.memory_freed()  # a grow may have waited for this memory
 
     # ------------------------------------------------------------------ the loop's hooks
 

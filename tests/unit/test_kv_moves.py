@@ -238,3 +238,14 @@ def test_idle_pools_are_asked_first(make_harness: Callable[..., Harness]) -> Non
     assert (sid, arena) == (c.id, "kvc")
     give_back(h, c, "kvc", bound)
     assert commit_reply(done(h)[7]).pool.tokens == 26624
+
+
+def test_a_donor_that_releases_its_pool_instead_of_shrinking_answers_the_grow_at_once(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    h.ok(b, p.ReleaseArena(name="kvb"))
+    got = commit_reply(done(h)[7])
+    assert (got.pool.tokens, got.unanswered) == (49152, [])
+    assert h.state.arenas.accounted_bytes() == 192 * MiB
