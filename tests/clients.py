@@ -19,6 +19,8 @@ Commands:
   kvdeclare POOL NBUF ROW MAXTOK   kvplaceholder POOL     join POOL
   capture POOL HEADROOM MIN MAX WEIGHT   (blocks until the round commits; JSON result)
   grow POOL TOKENS             shrink POOL TOKENS         shrinkreq POOL   kvcheck POOL
+  kvgrow POOL TOKENS (JSON tokens, unanswered)            demand POOL IN_USE
+  answershrink POOL TIMEOUT    (waits up to TIMEOUT s for a KV_SHRINK notice, answers it; JSON tokens kept, null if none came)
   address ARENA                free                       ping
   notices                      status                     close
   exit
@@ -49,6 +51,7 @@ import os
 import select
 import socket
 import sys
+import time
 import traceback
 
 import gpumem
@@ -134,6 +137,20 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
         return POOLS[args[0]].grow(int(args[1]))
     if cmd == "shrink":
         return POOLS[args[0]].shrink(int(args[1]))
+    if cmd == "kvgrow":
+        pool = POOLS[args[0]]
+        pool.grow(int(args[1]))
+        return json.dumps({"tokens": pool.tokens, "unanswered": pool.unanswered})
+    if cmd == "demand":
+        POOLS[args[0]].report_demand(int(args[1]))
+        return ""
+    if cmd == "answershrink":
+        deadline = time.monotonic() + float(args[1])
+        kept = POOLS[args[0]].answer_shrinks()
+        while kept is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # notices arrive on the fd channel; polled, within the deadline
+            kept = POOLS[args[0]].answer_shrinks()
+        return json.dumps(kept)
     if cmd == "shrinkreq":
         return json.dumps(POOLS[args[0]].shrink_requests())
     if cmd == "kvcheck":

@@ -259,7 +259,7 @@ def render_rounds(s: p.StatusReply) -> list[str]:
 
 def render_kv(s: p.StatusReply) -> list[str]:
     return _table(
-        ["NAME", "OWNER", "BUFFERS", "BYTES/TOKEN", "TOKENS", "COMMITTED", "MIN TOKENS", "SHRINK REQUEST"],
+        ["NAME", "OWNER", "BUFFERS", "BYTES/TOKEN", "TOKENS", "COMMITTED", "MIN TOKENS", "IN USE", "DEMAND", "WEIGHT", "SHARE", "SHRINK REQUEST"],
         [
             [
                 k.name,
@@ -269,11 +269,18 @@ def render_kv(s: p.StatusReply) -> list[str]:
                 f"{k.tokens}/{k.max_tokens}",
                 format_size(k.committed_bytes),
                 str(k.min_tokens),
+                *_moves(k),
                 f"to {k.shrink_request} tokens" if k.shrink_request >= 0 else "-",
             ]
             for k in s.kv
         ],
     )
+
+
+def _moves(k: p.KvPoolStatus) -> list[str]:
+    """The runtime-move policy's view of a pool: rows in use (as its engine said), the
+    tokens it wants, its weight, its fair share."""
+    return [str(k.in_use) if k.in_use >= 0 else "-", str(k.demand_tokens), f"{k.weight:g}", format_size(k.share_bytes)]
 
 
 # ---------------------------------------------------------------------------- top
@@ -354,4 +361,14 @@ def render_top(s: p.StatusReply, before: p.StatusReply | None, now: float) -> li
         pending = [f"{m.client}/{m.pool}" for m in r.members if not m.reported]
         waiting = f"  waiting for {', '.join(pending)}" if pending and r in active else ""
         lines.append(f"  round {r.id}  {r.state}  {reported}/{len(r.members)} reported{figures}{waiting}" + (f"  error: {r.error}" if r.error else ""))
+    if s.kv:
+        lines += ["", "KV POOLS"]
+        lines += _table(
+            ["POOL", "OWNER", "MIN TOKENS", "TOKENS", "COMMITTED", "IN USE", "DEMAND", "WEIGHT", "SHARE", "SHRINK REQUEST"],
+            [
+                [k.name, k.owner, str(k.min_tokens), str(k.tokens), format_size(k.committed_bytes), *_moves(k),
+                 f"to {k.shrink_request}" if k.shrink_request >= 0 else "-"]
+                for k in sorted(s.kv, key=lambda k: (-k.committed_bytes, k.name))
+            ],
+        )
     return lines

@@ -9,8 +9,15 @@ capture, grow and shrink.
     tokens = pool.capture_done(headroom_bytes=..., min_tokens=...)   # waits for the round to commit
     # rows [0, tokens) of every buffer are real memory now, at the same addresses
 
-The daemon may ask a pool to give rows back for an engine that joins later
-(``shrink_requests()``); nothing is taken until the owner confirms with ``shrink()``.
+The daemon may ask a pool to give rows back for an engine that joins later, or for a
+neighbour's grow while this pool holds more than its fair share (``shrink_requests()``,
+``answer_shrinks()``); nothing is taken until the owner confirms with ``shrink()``.
+Runtime moves (docs/architecture.md, "Runtime KV moves"):
+
+    pool.report_demand(rows_in_use)          # on a change (a burst starts, the pool idles), not per step
+    wait = pool.grow_ahead(rows_in_use, watermark=4096, step=16384)   # None while far from the top
+    ... decode steps go on ...; at a step boundary before the rows run out: wait.wait()
+    pool.answer_shrinks(move_live)           # at a step boundary: give back what the daemon asked
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import protocol as p
 from gpumem.arena import DEFAULT_PLACEHOLDER_SLOT, Arena
-from gpumem.errors import InvalidArgument
+from gpumem.errors import DaemonTimeout, GpuMemError, InvalidArgument
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -48,6 +55,9 @@ class KvPool:
         # Set by the engine: the highest row it still uses. shrink() refuses to give
         # back rows below it.
         self.rows_in_use: Callable[[], int] | None = None
+        self.unanswered: list[str] = []  # the pools that did not give back for the last grow
+        self._reported = -1  # the last use sent with report_demand
+        self._growing: GrowWait | None = None
 
     @classmethod
     def declare(
@@ -152,16 +162,60 @@ class KvPool:
 
     # ------------------------------------------------------------------ elastic
 
-    def grow(self, tokens: int) -> int:
-        """Commit rows up to ``tokens`` if the device has the memory (else OutOfMemory
-        with the figures)."""
-        reply, fds = self.core.channel.call(p.KvGrow(pool=self.name, tokens=tokens))
-        self.apply(reply, fds)
-        return self.tokens
+    def grow(self, tokens: int, *, in_use: int = -1, timeout: float | None = None) -> int:
+        """Commit rows up to ``tokens``; returns the tokens the pool holds. When the device
+        is full the daemon asks pools above their fair share to give back and answers when
+        they did, or at its move deadline with what it got: fewer tokens than asked, and
+        ``unanswered`` names the pools that did not give back. OutOfMemory (with the
+        figures) when it got nothing. ``in_use`` tells the daemon the rows in use now."""
+        return self.send_grow(tokens, in_use=in_use).wait(timeout)
+
+    def send_grow(self, tokens: int, *, in_use: int = -1) -> GrowWait:
+        """``grow`` without waiting: the engine goes on with its steps and collects the
+        answer with ``wait()`` (``ready()`` says whether it came)."""
+        message = p.KvGrow(pool=self.name, tokens=tokens, in_use=in_use)
+        return GrowWait(self, message, self.core.channel.start(message))
+
+    def grow_ahead(self, in_use: int, *, watermark: int, step: int) -> GrowWait | None:
+        """Grow before the rows run out, off the step's critical path: once fewer than
+        ``watermark`` committed rows are free, ask for ``step`` more (up to the declared
+        bound) without waiting. None when no grow is needed, or one is on its way."""
+        if self._growing is not None and not self._growing.done:
+            return None
+        if self.tokens - in_use >= watermark or self.tokens >= self.max_tokens:
+            return None
+        self._growing = self.send_grow(min(self.max_tokens, self.tokens + step), in_use=in_use)
+        return self._growing
+
+    def report_demand(self, in_use: int) -> None:
+        """Tell the daemon how many rows the engine uses (0: idle), which decides whether
+        this pool is asked to give back for a neighbour's grow. A call to the daemon, so
+        send it when the use changes much (a burst starts or ends), not per step; the
+        same figure twice is not sent."""
+        if in_use != self._reported:
+            self.core.call(p.KvDemand(pool=self.name, in_use=in_use))
+            self._reported = in_use
 
     def shrink_requests(self) -> list[int]:
         """Bounds the daemon asked this pool to shrink to, oldest first."""
         return [n.tokens for n in self.core.channel.notices(kind=p.NoticeKind.KV_SHRINK, arena=self.name)]
+
+    def answer_shrinks(self, move_live: Callable[[int], int] | None = None) -> int | None:
+        """Answer the daemon's KV_SHRINK notices (None when there were none): give back
+        the rows from the latest bound asked on. Rows still in use there (``rows_in_use``)
+        are the engine's to move first: ``move_live(bound)`` copies the live blocks at or
+        past ``bound`` into free rows below it (device to device, updating the engine's
+        block tables) and returns the rows it still uses; rows it could not move are kept
+        and the rest given back. Returns the tokens the pool keeps."""
+        bounds = self.shrink_requests()
+        if not bounds:
+            return None
+        bound = bounds[-1]  # the daemon's latest ask replaces the earlier ones
+        used = self.rows_in_use() if self.rows_in_use is not None else 0
+        if used > bound and move_live is not None:
+            used = move_live(bound)
+        keep = max(bound, used)
+        return self.shrink(keep) if keep < self.tokens else self.tokens
 
     def shrink(self, tokens: int) -> int:
         """Confirm rows from ``tokens`` on are free and give them back. Whole chunks go,
@@ -187,6 +241,43 @@ class KvPool:
 
     def __repr__(self) -> str:
         return f"<gpumem.KvPool '{self.name}' {len(self.buffers)} buffers, {self.tokens}/{self.max_tokens} tokens>"
+
+
+class GrowWait:
+    """A KV_GROW sent and not yet answered (``KvPool.send_grow``)."""
+
+    def __init__(self, pool: KvPool, message: p.KvGrow, request_id: int) -> None:
+        self.pool = pool
+        self._message = message
+        self._request_id = request_id
+        self._tokens: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the answer (``timeout``: the session's); returns the tokens the pool
+        holds. The daemon answers within its move deadline; DaemonTimeout when the wait
+        ends first (``wait`` may be called again then)."""
+        if self._tokens is None:
+            pool = self.pool
+            try:
+                reply, fds = pool.core.channel.finish(self._request_id, self._message, timeout if timeout is not None else pool.core.timeout)
+            except DaemonTimeout:
+                raise  # not answered yet: wait() may be called again
+            except GpuMemError:
+                self._tokens = pool.tokens  # answered with a refusal (OutOfMemory: nothing came free)
+                raise
+            self._tokens = pool.tokens  # answered: never waited for again, even if applying it fails
+            pool.apply(reply, fds)
+            pool.unanswered = reply.unanswered
+            self._tokens = pool.tokens
+        return self._tokens
+
+    @property
+    def done(self) -> bool:
+        return self._tokens is not None
+
+    def __repr__(self) -> str:
+        state = f"{self._tokens} tokens" if self._tokens is not None else "pending"
+        return f"<gpumem.GrowWait KV pool '{self.pool.name}' to {self._message.tokens} tokens ({state})>"
 
 
 class RoundWait:

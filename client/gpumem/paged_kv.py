@@ -13,6 +13,10 @@ from the start; only the first ``blocks`` are real memory after the round, the r
 placeholder (captured copies land in scratch), so the engine must hand out block ids
 below ``blocks`` only. ``max_blocks`` defaults to what the whole device could hold.
 ``views()`` gives the same regions as raw views (DLPack, NumPy on the host backend).
+Runtime moves go through ``cache.pool`` in blocks (a block is a row):
+``pool.report_demand(blocks_in_use)``, ``pool.grow_ahead(...)`` and
+``pool.answer_shrinks(move_live)``, whose ``move_live(bound)`` copies live blocks at or
+past ``bound`` into free blocks below it and updates the block tables.
 """
 
 from __future__ import annotations

@@ -468,7 +468,10 @@ class ArenaBook:
 
     def free_bytes(self) -> int:
         measured = self.driver.measured_free()
-        return measured if measured is not None else max(0, self.device.total_bytes - self.accounted_bytes())
+        free = measured if measured is not None else max(0, self.device.total_bytes - self.accounted_bytes())
+        if self.config.capacity_bytes:
+            free = min(free, max(0, self.config.capacity_bytes - self.accounted_bytes()))
+        return free
 
     def available_bytes(self) -> int:
         return max(0, self.free_bytes() - self.config.reserve_bytes)

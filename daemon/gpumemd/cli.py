@@ -124,6 +124,12 @@ def _exporter(address: str, port: int) -> Exporter:
 )
 @click.option("--reserve", default=None, callback=_size, help="Memory never committed [default: 1GiB on CUDA, 0 on host].")
 @click.option(
+    "--capacity",
+    default=None,
+    callback=_size,
+    help="The most gpumemd commits in all, however much the device has free: emulates a smaller GPU [default: no cap].",
+)
+@click.option(
     "--hello-timeout", type=float, default=5.0, show_default=True, callback=_positive, help="Seconds a new connection has to say HELLO."
 )
 @click.option(
@@ -133,6 +139,14 @@ def _exporter(address: str, port: int) -> Exporter:
     show_default=True,
     callback=_positive,
     help="Seconds from a KV commit round's first join to its deadline.",
+)
+@click.option(
+    "--move-timeout",
+    type=float,
+    default=2.0,
+    show_default=True,
+    callback=_positive,
+    help="Seconds a KV grow waits for other pools to give back before it is answered with what could be got.",
 )
 @click.option(
     "--round-policy",
@@ -227,8 +241,10 @@ def command(
     chunk_size: Size,
     kv_chunk_size: Size,
     reserve: Size | None,
+    capacity: Size | None,
     hello_timeout: float,
     round_timeout: float,
+    move_timeout: float,
     round_policy: str,
     restart_grace: float,
     tenant_sessions: int,
@@ -262,6 +278,9 @@ def command(
         raise ConfigError(
             f"--reserve {format_size(reserve_bytes)} leaves nothing to serve: the device has {format_size(driver.total_bytes())}"
         )
+    capacity_bytes = capacity.bytes if capacity is not None else 0
+    if capacity is not None and capacity_bytes <= reserve_bytes:
+        raise ConfigError(f"--capacity {format_size(capacity_bytes)} leaves nothing to serve above the {format_size(reserve_bytes)} reserve")
     endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
     va_base, va_limit = plan_range(device)
     config = StateConfig(
@@ -272,8 +291,10 @@ def command(
         bulk_chunk=bulk,
         kv_chunk=kv_chunk,
         reserve_bytes=reserve_bytes,
+        capacity_bytes=capacity_bytes,
         round_timeout=round_timeout,
         round_policy=p.RoundPolicy(round_policy),
+        move_timeout=move_timeout,
         restart_grace=restart_grace,
         tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
     )

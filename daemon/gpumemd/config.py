@@ -42,6 +42,9 @@ class StateConfig:
     # (fewer creates, exports and maps) and shrinks coarser (whole chunks only).
     kv_chunk: int = GiB
     reserve_bytes: int = 0  # never committed: the headroom other users of the device need
+    # The most the daemon commits in all (0: the device's free memory is the only bound):
+    # a bench emulates a smaller GPU with it, where KV pressure is real on a large one.
+    capacity_bytes: int = 0
     # The address slice the daemon reserves at start and plans arena windows in: the
     # device's slice of the shared plan (gpumem_shared.address_plan) outside tests.
     va_base: int = VA_PLAN_BASE
@@ -49,6 +52,9 @@ class StateConfig:
     max_reserve: int = VA_PLAN_SLICE
     round_timeout: float = 300.0  # seconds from a round's first join to its deadline
     round_policy: p.RoundPolicy = p.RoundPolicy.PARTIAL  # what a round's passed deadline does
+    # Seconds a KV grow that other pools must give back for waits for their shrinks before
+    # it is answered with what could be got (and who did not answer).
+    move_timeout: float = 2.0
     # After a restart with the state kept: how long sessions wait for their clients to
     # resume before what they hold is released like a dead client's.
     restart_grace: float = 30.0

@@ -8,7 +8,6 @@ the budget split is kv_math's.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -19,13 +18,13 @@ import msgspec
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 
-from gpumemd import kv_math
+from gpumemd import kv_math, kv_moves
+from gpumemd.kv_moves import PendingGrow
 from gpumemd.arenas import ArenaBook, map_batches
 from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager
 from gpumemd.records import (
-    ArenaRecord,
     ChunkRecord,
     Completion,
     KvPoolRecord,
@@ -79,6 +78,7 @@ class KvBook:
         self.next_round = 1
         self._completions: list[Completion] = []
         self._notices: Notices = []
+        self.grows: list[PendingGrow] = []
 
     # ------------------------------------------------------------------ lookups
 
@@ -203,7 +203,9 @@ class KvBook:
         self.try_finish(round_)
         return Outcome(None)
 
-    def grow(self, s: SessionRecord, m: p.KvGrow) -> Outcome:
+    def grow(self, s: SessionRecord, m: p.KvGrow, request_id: int) -> Outcome:
+        """Grow now if the memory is free; else ask pools above their fair share to give
+        back, and answer once they did or at the move deadline (deferred)."""
         pool = self._owned(s, m.pool, "grow")
         in_round = self._round_of(pool)
         if in_round is not None:  # the round decides its tokens; a grow now would be overwritten
@@ -213,22 +215,41 @@ class KvBook:
                 p.ErrorCode.INVALID_ARGUMENT,
                 f"KV pool '{pool.name}' holds {pool.tokens} tokens of at most {pool.max_tokens}; cannot grow to {m.tokens}",
             )
-        arena = self.arenas.by_name[pool.name]
-        wanted = self._missing(pool, arena, m.tokens)
-        need = sum(size for _, size in wanted)
-        available = self.arenas.require_available(need, f"growing KV pool '{pool.name}' from {pool.tokens} to {m.tokens} tokens")
-        new = self.arenas.create_chunks([(arena, offset, size) for offset, size in wanted], available, ladder=False)
-        pool.tokens = m.tokens
-        return Outcome(self._reply(pool, new, []), handout=self.arenas.hand(s, new))
+        if any(g.pool is pool for g in self.grows):
+            raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"a grow of KV pool '{pool.name}' is already waiting for memory")
+        kv_moves.said(pool, m.in_use)
+        need = kv_moves.need(pool, self.arenas.by_name[pool.name], m.tokens)
+        available = self.arenas.available_bytes()
+        what = f"growing KV pool '{pool.name}' from {pool.tokens} to {m.tokens} tokens"
+        if need <= available:
+            return Outcome(*self._grown(s, pool, m.tokens, m.tokens, []))
+        claims = self._claims(pool, m.tokens)
+        gives = kv_moves.donors(claims, sum(c.held for c in claims) + available, pool.name, need - available)
+        if not gives:  # no pool holds more than its share: nothing to wait for
+            self.tally.kv_grows_refused += 1
+            self.arenas.require_available(need, what)  # refuses, with the figures
+        asked = [self.pools[name] for name, _ in gives]
+        for donor, (_, give) in zip(asked, gives):
+            self._ask(donor, give, f"KV pool '{pool.name}' of {s.name} needs {need - available} more bytes to grow to {m.tokens} tokens")
+        self.grows.append(PendingGrow(s.id, request_id, pool, m.tokens, self.clock(), self.clock() + self.config.move_timeout, asked))
+        self.tally.kv_grows_deferred += 1
+        figures = {"pool": pool.name, "asked_tokens": m.tokens, "need": need, "available": available}
+        log.info("%s: %d bytes short; asked %s to give back", what, need - available, gives, extra={"figures": figures})
+        return Outcome(None)
+
+    def report_demand(self, s: SessionRecord, m: p.KvDemand) -> Outcome:
+        kv_moves.said(self._owned(s, m.pool, "report demand for"), m.in_use)
+        return Outcome(p.Ack())
 
     def shrink(self, s: SessionRecord, m: p.KvShrink) -> Outcome:
         pool = self._owned(s, m.pool, "shrink")
+        kv_moves.said(pool, m.in_use)
         if not 0 <= m.tokens < pool.tokens:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' holds {pool.tokens} tokens; cannot shrink to {m.tokens}")
         arena = self.arenas.by_name[pool.name]
         drop: list[ChunkRecord] = []
         kept_tokens = pool.tokens
-        for buffer, mine in zip(pool.buffers, _by_buffer(pool, arena)):
+        for buffer, mine in zip(pool.buffers, kv_moves.by_buffer(pool, arena)):
             bound = buffer.offset + pool.prefix(buffer, m.tokens)
             drop += [c for c in mine if c.offset >= bound]
             kept_end = max((c.offset + c.size for c in mine if c.offset < bound), default=buffer.offset)
@@ -238,6 +259,8 @@ class KvBook:
         notices: Notices = []
         self.arenas.retire(drop, notices, "", arena.name, exclude=s.id)
         pool.tokens = kept_tokens
+        if pool.shrink_request is not None:
+            self.tally.kv_shrinks_confirmed += 1
         pool.shrink_request = None
         log.info("KV pool %r shrank to %d tokens (asked %d), %d bytes retired", pool.name, kept_tokens, m.tokens, sum(c.size for c in drop))
         return Outcome(self._reply(pool, [], [c.view() for c in drop if s.id in c.holders]), notices=notices)
@@ -247,6 +270,7 @@ class KvBook:
     def drop_session(self, session_id: int) -> list[RoundRecord]:
         """The client went away: its members leave their rounds. Returns the active rounds,
         to finish once its memory is back."""
+        self.grows = [g for g in self.grows if g.session_id != session_id]  # no one to answer
         rounds = self.active_rounds()
         for round_ in rounds:
             for member in [m for m in round_.members if m.session_id == session_id]:
@@ -257,6 +281,11 @@ class KvBook:
     def drop_pool(self, name: str) -> list[RoundRecord]:
         """The pool's arena is gone: forget the pool; returns the rounds it left."""
         self.pools.pop(name, None)
+        for grow in [g for g in self.grows if g.pool.name == name]:
+            self.grows.remove(grow)
+            self._completions.append(
+                Completion(grow.session_id, grow.request_id, p.ProtocolError(p.ErrorCode.NOT_FOUND, f"KV pool '{name}' was released while it waited to grow"))
+            )
         left = []
         for round_ in self.active_rounds():
             for member in [m for m in round_.members if m.pool.name == name]:
@@ -266,15 +295,20 @@ class KvBook:
         return left
 
     def memory_freed(self) -> None:
-        """Chunks were unmapped: a round waiting for shrinks may commit now."""
+        """Chunks were unmapped (or a client's memory reclaimed): a round or a grow
+        waiting for shrinks may go ahead now."""
         for round_ in self.active_rounds():
             if round_.state == p.RoundState.AWAITING_SHRINK:
                 self.try_finish(round_)
+        for grow in list(self.grows):
+            self._settle(grow)
 
     def tick(self) -> None:
         for round_ in self.active_rounds():
             if self.clock() >= round_.deadline:
                 self.try_finish(round_)
+        for grow in [g for g in self.grows if self.clock() >= g.deadline]:
+            self._settle(grow)
 
     def take_completions(self) -> list[Completion]:
         out, self._completions = self._completions, []
@@ -380,7 +414,7 @@ class KvBook:
         work = []
         for member in members:
             arena = self.arenas.by_name[member.pool.name]
-            work += [(arena, offset, size) for offset, size in self._missing(member.pool, arena, tokens[member])]
+            work += [(arena, offset, size) for offset, size in kv_moves.missing(member.pool, arena, tokens[member])]
         started = time.perf_counter()
         try:
             self.arenas.create_chunks(work, max(budget, 0), ladder=False)
@@ -394,6 +428,7 @@ class KvBook:
             pool = member.pool
             pool.tokens = tokens[member]
             pool.min_tokens = member.report.min_tokens
+            pool.top_tokens, pool.weight = member.report.max_tokens, member.report.weight
             member.tokens = tokens[member]
             member.bytes = pool.cost(tokens[member])
             member.staged = []
@@ -421,7 +456,7 @@ class KvBook:
         others: it gets at least that much if the round commits, and the round's last
         report then waits only for what is left. Given back if the round fails."""
         arena = self.arenas.by_name[member.pool.name]
-        work = [(arena, offset, size) for offset, size in self._missing(member.pool, arena, member.report.min_tokens)]
+        work = [(arena, offset, size) for offset, size in kv_moves.missing(member.pool, arena, member.report.min_tokens)]
         need = sum(size for _, _, size in work)
         if not work or need > self.arenas.available_bytes():
             return
@@ -472,51 +507,84 @@ class KvBook:
             for pool in self.pools.values()
             if pool.name not in in_round and pool.tokens > pool.min_tokens and pool.owner_id in self.sessions
         ]
-        # A shrink gives back whole chunks only (KV_SHRINK keeps any chunk the bound falls
-        # in), so count and ask for what chunk boundaries can actually free.
-        spare = {pool: self._freeable(pool, pool.min_tokens) for pool in donors}
+        # Shrinks give back whole chunks only: count what chunk boundaries can free.
+        spare = {pool: kv_moves.freeable(pool, self.arenas.by_name[pool.name], pool.min_tokens) for pool in donors}
         donors = [pool for pool in donors if spare[pool] > 0]
         total = sum(spare[pool] for pool in donors)
         if total < deficit:
             return False
+        names = ", ".join(f"{m.client}/{m.pool.name}" for m in round_.members)
         for pool in donors:
-            give = -(-deficit * spare[pool] // total)
-            lo, hi = pool.min_tokens, pool.tokens  # freeable(lo) >= give; the most tokens that free it
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if self._freeable(pool, mid) >= give:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            pool.shrink_request = lo
-            names = ", ".join(f"{m.client}/{m.pool.name}" for m in round_.members)
-            notice = p.Notice(
-                kind=p.NoticeKind.KV_SHRINK,
-                arena=pool.name,
-                tokens=lo,
-                message=f"gpumemd needs {deficit} bytes for round {round_.id} ({names}): when rows from "
-                f"{lo} on are free, confirm with shrink({lo})",
-            )
-            self._notices.append((pool.owner_id, notice))
+            self._ask(pool, -(-deficit * spare[pool] // total), f"round {round_.id} ({names}) needs {deficit} bytes")
         return True
 
-    def _freeable(self, pool: KvPoolRecord, tokens: int) -> int:
-        """Bytes KV_SHRINK to ``tokens`` would give back: the chunks past every buffer's bound."""
-        freed = 0
-        for buffer, mine in zip(pool.buffers, _by_buffer(pool, self.arenas.by_name[pool.name])):
-            bound = buffer.offset + pool.prefix(buffer, tokens)
-            freed += sum(c.size for c in mine if c.offset >= bound)
-        return freed
+    # ------------------------------------------------------------------ runtime moves
 
-    def _missing(self, pool: KvPoolRecord, arena: ArenaRecord, tokens: int) -> list[tuple[int, int]]:
-        """(offset, size) still to commit so every buffer holds ``tokens`` rows."""
+    def demand(self, pool: KvPoolRecord) -> int:
+        return kv_moves.demand(pool, next((g.tokens for g in self.grows if g.pool is pool), None))
+
+    def _claims(self, taker: KvPoolRecord | None = None, tokens: int = 0) -> list[kv_moves.Claim]:
+        """Every committed pool (and the taker) as the move policy sees it."""
         out = []
-        for buffer, mine in zip(pool.buffers, _by_buffer(pool, arena)):
-            have = max((c.offset + c.size for c in mine), default=buffer.offset)
-            want = buffer.offset + pool.prefix(buffer, tokens)
-            if want > have:
-                out.append((have, want - have))
+        for pool in self.pools.values():
+            if not (pool.tokens or pool is taker) or self._round_of(pool) is not None:
+                continue
+            demand = max(tokens, pool.min_tokens) if pool is taker else self.demand(pool)
+            held = sum(c.size for c in self.arenas.by_name[pool.name].chunks)
+            out.append(kv_moves.Claim(pool.name, held, pool.cost(pool.min_tokens), pool.cost(demand), pool.weight, idle=pool.in_use == 0))
         return out
+
+    def shares(self) -> dict[str, int]:
+        """Each committed pool's fair share in bytes, for the status."""
+        claims = self._claims()
+        return kv_moves.fair_shares(claims, sum(c.held for c in claims) + self.arenas.available_bytes())
+
+    def _ask(self, pool: KvPoolRecord, give: int, why: str) -> None:
+        """Send ``pool`` a KV_SHRINK notice for the most tokens that free ``give`` bytes."""
+        lo = kv_moves.shrink_bound(pool, self.arenas.by_name[pool.name], give)
+        pool.shrink_request = lo
+        message = f"gpumemd asks for {give} bytes back: {why}. When rows from {lo} on are free, confirm with shrink({lo})"
+        self._notices.append((pool.owner_id, p.Notice(kind=p.NoticeKind.KV_SHRINK, arena=pool.name, tokens=lo, message=message)))
+        self.tally.kv_shrinks_asked += 1
+
+    def _grown(self, s: SessionRecord, pool: KvPoolRecord, tokens: int, asked: int, unanswered: list[str]) -> tuple[p.KvCommitReply, list[ChunkRecord]]:
+        arena = self.arenas.by_name[pool.name]
+        work = [(arena, offset, size) for offset, size in kv_moves.missing(pool, arena, tokens)]
+        new = self.arenas.create_chunks(work, self.arenas.available_bytes(), ladder=False) if work else []
+        pool.tokens = max(pool.tokens, tokens)
+        reply = msgspec.structs.replace(self._reply(pool, new, []), asked_tokens=asked, unanswered=unanswered)
+        return reply, self.arenas.hand(s, new)
+
+    def _settle(self, grow: PendingGrow) -> None:
+        """Answer a waiting grow once its memory is free, or at its deadline with what
+        fits then (OUT_OF_MEMORY if nothing), naming the pools that did not give back."""
+        pool, arena, now = grow.pool, self.arenas.by_name[grow.pool.name], self.clock()
+        available = self.arenas.available_bytes()
+        full = kv_moves.need(pool, arena, grow.tokens) <= available
+        if not full and now < grow.deadline and any(d.shrink_request is not None and d.name in self.pools for d in grow.asked):
+            return
+        self.grows.remove(grow)
+        unanswered = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in grow.asked if d.shrink_request is not None and d.name in self.pools]
+        tokens = grow.tokens if full else kv_moves.most_within(pool, arena, grow.tokens, available)
+        figures = {"pool": pool.name, "asked_tokens": grow.tokens, "tokens": tokens, "waited_ms": round((now - grow.created) * 1e3, 3)}
+        before = self.arenas.accounted_bytes()
+        try:
+            if tokens == pool.tokens:
+                message = f"KV pool '{pool.name}': nothing came free within {self.config.move_timeout:g}s; not answered: {', '.join(unanswered) or 'none'}"
+                self.arenas.require_available(kv_moves.need(pool, arena, grow.tokens), message)  # refuses, with the figures
+            reply, handout = self._grown(self.sessions[grow.session_id], pool, tokens, grow.tokens, unanswered)
+        except p.ProtocolError as exc:
+            self.tally.kv_grows_refused += 1
+            self._completions.append(Completion(grow.session_id, grow.request_id, exc))
+            return
+        moved = self.arenas.accounted_bytes() - before
+        self.tally.kv_grew(full, moved, now - grow.created)
+        log.info(
+            "KV pool %r grew to %d tokens (asked %d) after %.0f ms: %d bytes; not answered: %s",
+            pool.name, tokens, grow.tokens, (now - grow.created) * 1e3, moved, ", ".join(unanswered) or "none",
+            extra={"figures": {**figures, "bytes": moved}},
+        )
+        self._completions.append(Completion(grow.session_id, grow.request_id, reply, handout))
 
     def _reply(self, pool: KvPoolRecord, new: list[ChunkRecord], retired: list[p.ChunkView], round_: RoundRecord | None = None) -> p.KvCommitReply:
         view = self.arenas.view(self.arenas.by_name[pool.name])
@@ -530,15 +598,3 @@ class KvBook:
             budget=msgspec.structs.replace(round_.budget) if round_ else p.RoundBudget(),
         )
 
-
-def _by_buffer(pool: KvPoolRecord, arena: ArenaRecord) -> list[list[ChunkRecord]]:
-    """Each buffer's chunks, in one pass over the arena's: a pool may have thousands of
-    buffers and as many chunks, and a scan of every chunk per buffer held the daemon's
-    only thread for seconds (found by the protocol fuzzer)."""
-    starts = [b.offset for b in pool.buffers]  # the layout places them in order
-    out: list[list[ChunkRecord]] = [[] for _ in pool.buffers]
-    for chunk in arena.chunks:
-        i = bisect.bisect_right(starts, chunk.offset) - 1
-        if i >= 0 and chunk.offset < pool.buffers[i].offset + pool.buffers[i].region:
-            out[i].append(chunk)
-    return out

@@ -138,6 +138,7 @@ class Metrics:
             tally.sessions_opened,
             len(self.state.sessions),
             sum(tally.rounds.values()),
+            tally.kv_shrinks_asked + tally.kv_grows_refused + tally.kv_move_seconds.count,  # moves answered at a tick
             free,
             self.state.stopping,
         )
@@ -265,6 +266,14 @@ class Metrics:
               HistogramValue.of(tally.round_seconds))
         f.one("gpumemd_kv_round_budget_bytes", "gauge", "The budget of the last KV round measured: free - reserve - headroom.", tally.last_round_budget)
         f.one("gpumemd_kv_round_committed_bytes", "gauge", "What the last KV round measured committed (0 if it failed).", tally.last_round_committed)
+        moves = (("grow_deferred", tally.kv_grows_deferred), ("shrink_asked", tally.kv_shrinks_asked),
+                 ("shrink_confirmed", tally.kv_shrinks_confirmed), ("grow_satisfied", tally.kv_grows_satisfied),
+                 ("grow_partial", tally.kv_grows_partial), ("grow_refused", tally.kv_grows_refused))
+        f.add("gpumemd_kv_moves_total", "counter", "Runtime KV moves, by kind: grows that waited for others, shrinks asked and confirmed, "
+              "and the waiting grows' ends.", ("kind",), [((kind,), n) for kind, n in moves])
+        f.one("gpumemd_kv_moved_bytes_total", "counter", "Bytes waiting grows got once others gave back.", tally.kv_moved_bytes)
+        f.one("gpumemd_kv_move_seconds", "histogram", "How long a grow that got memory waited for others' shrinks.",
+              HistogramValue.of(tally.kv_move_seconds))
         f.add("gpumemd_kv_pool_tokens", "gauge", "Committed token rows of each KV pool; client is its owner.", ("pool", "client"),
               [(named[k.name], k.tokens) for k in sorted(kv.pools.values(), key=lambda k: k.name)])
 

@@ -196,6 +196,11 @@ class KvPoolRecord:
     tokens: int = 0  # committed rows per buffer
     min_tokens: int = 0  # from its round's capture-done, kept for shrink requests
     shrink_request: int | None = None  # tokens the daemon asked it to shrink to
+    # From its round's capture-done too, for runtime moves: the most it may grow to by
+    # others' memory (0: the declared bound) and its weight against the other pools.
+    top_tokens: int = 0
+    weight: float = 1.0
+    in_use: int = -1  # rows its engine last said it uses (-1: never said)
 
     @property
     def bytes_per_token(self) -> int:

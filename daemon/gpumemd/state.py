@@ -137,8 +137,8 @@ class DaemonState:
             p.PlaceholderArena: self.arenas.placeholder,
             p.KvDeclare: self.kv.declare,
             p.RoundJoin: self.kv.join,
-            p.KvGrow: self.kv.grow,
             p.KvShrink: self.kv.shrink,
+            p.KvDemand: self.kv.report_demand,
             p.RegisterGraphPool: self.graph_pools.register,
             p.UpdateGraphPool: self.graph_pools.update,
             p.RetireGraphPool: self.graph_pools.retire,
@@ -148,7 +148,7 @@ class DaemonState:
             p.ReportEscape: self._report_escape,
         }
         # Answered later, when their round commits or fails: they need the request id.
-        self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done}
+        self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow}
 
     # ------------------------------------------------------------------ sessions
 
@@ -300,6 +300,7 @@ class DaemonState:
         self.arenas.drop_holder(session_id)
         for round_ in rounds:  # once its memory is given back: the budget counts it as free
             self.kv.try_finish(round_)
+        self.kv.memory_freed()  # a grow waiting for its shrink (or its pool) may go ahead
         if not left:  # it released what it had: a clean close
             log.info("session %d closed: client %r pid %d", session.id, session.name, session.pid)
             return notices
@@ -389,13 +390,14 @@ class DaemonState:
         if not self.stopping:
             for round_ in left:  # it may have been the last one pending
                 self.kv.try_finish(round_)
+            self.kv.memory_freed()  # a grow may have waited for this memory
 
     # ------------------------------------------------------------------ the loop's hooks
 
     def tick(self) -> None:
         """Lease-slot repairs, round deadlines, the counts of pools gone: called by the server's loop."""
         self.graph_pools.sweep()
-        if self.kv.active_rounds():  # deadlines may end a round: what it commits must be kept
+        if self.kv.active_rounds() or self.kv.grows:  # deadlines may end a round or a grow: what it commits must be kept
             self.dirty = True
         self.kv.tick()
         if self.grace_deadline is not None and self.clock() >= self.grace_deadline:

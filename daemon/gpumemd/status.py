@@ -32,6 +32,7 @@ def assemble(
         daemon.waiting_objects = sum(1 for a in arenas.by_name.values() if a.attached & waiting) + sum(
             1 for g in graph_pools.by_id.values() if g.owner_id in waiting
         )
+    shares = kv.shares()
     return p.StatusReply(
         daemon=daemon,
         device=p.DeviceStatus(
@@ -90,6 +91,10 @@ def assemble(
                 committed_bytes=arenas.by_name[pool.name].committed,
                 min_tokens=pool.min_tokens,
                 shrink_request=-1 if pool.shrink_request is None else pool.shrink_request,
+                weight=pool.weight,
+                demand_tokens=kv.demand(pool),
+                share_bytes=shares.get(pool.name, 0),
+                in_use=pool.in_use,
             )
             for pool in kv.pools.values()
         ],

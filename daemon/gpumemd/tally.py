@@ -17,6 +17,7 @@ from gpumem_shared import protocol as p
 # Seconds. Reclaiming a dead client is driver calls (milliseconds on CUDA); a KV round
 # lasts from its first join, through the engines' graph capture, to its commit.
 RECLAIM_BOUNDS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+MOVE_BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # a grow's wait for others' shrinks
 ROUND_BOUNDS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -56,6 +57,17 @@ class Tally:
     # Graph pool id -> its lease slot's release count when the pool was registered, so
     # that leases are counted from the registration on (metrics.py reads the rest).
     escapes: dict[int, int] = dataclasses.field(default_factory=dict)  # graph pool id -> escapes reported
+    # Runtime KV moves: grows that had to wait for other pools, KV_SHRINK notices sent for
+    # grows and rounds, shrinks that answered one, and the waiting grows' ends: got all
+    # they asked, got part, got nothing; bytes they got and how long they waited.
+    kv_grows_deferred: int = 0
+    kv_shrinks_asked: int = 0
+    kv_shrinks_confirmed: int = 0
+    kv_grows_satisfied: int = 0
+    kv_grows_partial: int = 0
+    kv_grows_refused: int = 0
+    kv_moved_bytes: int = 0
+    kv_move_seconds: Histogram = dataclasses.field(default_factory=lambda: Histogram(MOVE_BOUNDS))
 
     def refuse(self, cls: type[p.RequestMessage], code: int) -> None:
         key = (cls, code)
@@ -72,3 +84,11 @@ class Tally:
         if budget != p.RoundBudget():  # measured (a round that failed before measuring has none)
             self.last_round_budget = budget.budget
             self.last_round_committed = budget.committed
+
+    def kv_grew(self, full: bool, moved: int, seconds: float) -> None:
+        if full:
+            self.kv_grows_satisfied += 1
+        else:
+            self.kv_grows_partial += 1
+        self.kv_moved_bytes += moved
+        self.kv_move_seconds.observe(seconds)

@@ -249,6 +249,7 @@ def test_watchdog_for_another_pid_is_not_ours(daemon_factory, runtime_dir) -> No
         (["--host-capacity", "1.5b"], "whole number of bytes"),
         (["--host-capacity", "0"], "--host-capacity 0"),
         (["--host-capacity", "1GiB", "--reserve", "1GiB"], "leaves nothing to serve"),
+        (["--capacity", "64MiB", "--reserve", "64MiB"], "--capacity 64 MiB leaves nothing to serve"),
         (["--round-timeout", "-1"], "positive number of seconds"),
         (["--round-policy", "sometimes"], "--round-policy"),
         (["--device", "99"], "devices 0-15"),

@@ -68,7 +68,8 @@ def round_(id: int, state: p.RoundState, members: list[p.RoundMemberStatus], **f
 
 def kv_pool(name: str, owner: str, **fields: Any) -> p.KvPoolStatus:
     base: dict[str, Any] = dict(
-        buffers=2, bytes_per_token=256 * KiB, max_tokens=65536, tokens=4096, committed_bytes=1 * GiB, min_tokens=1024, shrink_request=-1
+        buffers=2, bytes_per_token=256 * KiB, max_tokens=65536, tokens=4096, committed_bytes=1 * GiB, min_tokens=1024, shrink_request=-1,
+        weight=1.0, demand_tokens=4096, share_bytes=1 * GiB, in_use=-1,
     )
     return p.KvPoolStatus(name=name, owner=owner, **{**base, **fields})
 
@@ -277,12 +278,12 @@ def test_kv_pools_line_up_under_their_headers() -> None:
     pools = [
         kv_pool("kv", "engine-a"),
         kv_pool("draft", "engine-b", buffers=1, bytes_per_token=64 * KiB, max_tokens=8192, tokens=8192, committed_bytes=512 * MiB,
-                min_tokens=0, shrink_request=2048),
+                min_tokens=0, shrink_request=2048, weight=0.5, demand_tokens=0, share_bytes=128 * MiB, in_use=0),
     ]
     assert render_kv(reply(kv=pools)) == [
-        "  NAME   OWNER     BUFFERS  BYTES/TOKEN  TOKENS      COMMITTED  MIN TOKENS  SHRINK REQUEST",
-        "  kv     engine-a  2        256 KiB      4096/65536  1 GiB      1024        -",
-        "  draft  engine-b  1        64 KiB       8192/8192   512 MiB    0           to 2048 tokens",
+        "  NAME   OWNER     BUFFERS  BYTES/TOKEN  TOKENS      COMMITTED  MIN TOKENS  IN USE  DEMAND  WEIGHT  SHARE    SHRINK REQUEST",
+        "  kv     engine-a  2        256 KiB      4096/65536  1 GiB      1024        -       4096    1       1 GiB    -",
+        "  draft  engine-b  1        64 KiB       8192/8192   512 MiB    0           0       0       0.5     128 MiB  to 2048 tokens",
     ]
 
 
@@ -356,3 +357,18 @@ def test_what_a_start_could_not_rebuild_is_shown() -> None:
     problems = ["durable record write 9, the newest, is corrupt: what it acknowledged is lost"]
     lines = render_status(reply(daemon=daemon(generation=1, restore_problems=problems))).splitlines()
     assert lines[3] == "  NOT REBUILT at its start: durable record write 9, the newest, is corrupt: what it acknowledged is lost"
+
+
+def test_a_top_frame_shows_each_kv_pools_minimum_share_demand_and_use() -> None:
+    pools = [
+        kv_pool("kv", "engine-a", in_use=3000, demand_tokens=3000),
+        kv_pool("draft", "engine-b", committed_bytes=2 * GiB, tokens=8192, min_tokens=0, shrink_request=2048, weight=0.5, demand_tokens=0,
+                share_bytes=256 * MiB, in_use=0),
+    ]
+    lines = render_top(top_reply(64 * MiB, 6 * MiB, kv=pools), None, NOW)
+    section = lines.index("KV POOLS")
+    assert rows(lines[section + 1 : section + 4]) == [
+        ["draft", "engine-b", "0", "8192", "2 GiB", "0", "0", "0.5", "256 MiB", "to 2048"],
+        ["kv", "engine-a", "1024", "4096", "1 GiB", "3000", "3000", "1", "1 GiB", "-"],
+    ]
+    assert "KV POOLS" not in render_top(top_reply(64 * MiB, 6 * MiB), None, NOW)

@@ -96,6 +96,7 @@ def populated(h: Harness) -> None:
     st.graph_pools.by_id[pool_id].segment_moves = 2  # its segment is stored as lease-<id>.2
     kv = st.kv.pools["kv"]
     kv.tokens, kv.min_tokens, kv.shrink_request = 1024, 256, 512
+    kv.top_tokens, kv.weight, kv.in_use = 1536, 3.0, 700
     round_ = st.kv.rounds[-1]
     round_.state, round_.dropped, round_.error = p.RoundState.AWAITING_SHRINK, ["x/y: gone"], "an error"
     round_.budget = p.RoundBudget(free=1, staged=2, reserve=3, headroom=4, graph_pools=5, budget=6, minimums=7, committed=8)

@@ -1134,8 +1134,9 @@ def test_status_reports_rounds_and_kv_pools(h: Harness) -> None:
         "committed": 244 * MiB,  # the staged 4 MiB included: handed out now
     }
     assert status.kv == [
-        p.KvPoolStatus("kva", "engine-a", 2, 12288, 32768, 19456, 228 * MiB, 100, -1),
-        p.KvPoolStatus("kvb", "engine-b", 1, 4096, 65536, 4096, 16 * MiB, 0, -1),
+        # Both want what they hold (their engines said nothing), which their shares cover.
+        p.KvPoolStatus("kva", "engine-a", 2, 12288, 32768, 19456, 228 * MiB, 100, -1, 2.5, 19456, 228 * MiB, -1),
+        p.KvPoolStatus("kvb", "engine-b", 1, 4096, 65536, 4096, 16 * MiB, 0, -1, 1.0, 4096, 16 * MiB, -1),
     ]
     assert status.device.accounted_bytes == 244 * MiB
     assert p.to_wire(status)  # the whole report encodes

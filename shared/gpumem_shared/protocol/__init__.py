@@ -112,6 +112,7 @@ from gpumem_shared.protocol.kv import (
     CaptureDone,
     KvGrow,
     KvShrink,
+    KvDemand,
 )
 from gpumem_shared.protocol.graph_pools import (
     GraphPoolReply,
@@ -152,7 +153,7 @@ __all__ = [
     "KvPoolStatus", "GraphPoolStatus", "LeaseStatus", "StatusReply", "Status", "ArenaReply", "MapReply", "CreateArena",
     "AttachArena", "ShareReply", "ShareArena", "UnshareArena", "CommitArena", "DecommitArena", "SyncArena", "ReleaseArena",
     "ChunksUnmapped", "PlaceholderReply", "PlaceholderArena", "KvBuffer", "KvBufferView", "KvPoolView", "KvDeclareReply",
-    "KvDeclare", "RoundView", "RoundJoin", "KvCommitReply", "CaptureDone", "KvGrow", "KvShrink", "GraphPoolReply",
+    "KvDeclare", "RoundView", "RoundJoin", "KvCommitReply", "CaptureDone", "KvGrow", "KvShrink", "KvDemand", "GraphPoolReply",
     "RegisterGraphPool", "UpdateGraphPool", "RetireGraphPool", "OpenGraphPool", "PublishLeaseEvent", "LeaseEventReply",
     "LookupLeaseEvent", "ReportEscape", "REQUESTS", "EVENTS", "Request", "Reply", "check_version", "check_hello_version",
     "encode_request", "decode_request", "request_id_of", "encode_reply", "encode_error", "decode_reply", "decode_body",

@@ -27,7 +27,7 @@ from gpumem_shared.protocol.graph_pools import (
     RetireGraphPool,
     UpdateGraphPool,
 )
-from gpumem_shared.protocol.kv import CaptureDone, KvDeclare, KvGrow, KvShrink, RoundJoin
+from gpumem_shared.protocol.kv import CaptureDone, KvDeclare, KvDemand, KvGrow, KvShrink, RoundJoin
 from gpumem_shared.protocol.session import FdBatch, Hello, Notice, Ping, Resume
 from gpumem_shared.protocol.status import Status
 
@@ -54,6 +54,7 @@ REQUESTS: dict[int, type[RequestMessage]] = {
         CaptureDone,
         KvGrow,
         KvShrink,
+        KvDemand,
         RegisterGraphPool,
         UpdateGraphPool,
         RetireGraphPool,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 5)
+PROTOCOL_VERSION: tuple[int, int] = (1, 6)
 
 # The oldest protocol HELLO accepts, on either side (see the package doc, __init__.py).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
@@ -73,6 +73,7 @@ class MsgType(enum.IntEnum):
     CAPTURE_DONE = 22
     KV_GROW = 23
     KV_SHRINK = 24
+    KV_DEMAND = 25
     GRAPH_POOL_REGISTER = 30
     GRAPH_POOL_UPDATE = 31
     GRAPH_POOL_RETIRE = 32

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from gpumem_shared.protocol.base import ArenaView, ChunkView, Message, RequestMessage, RoundBudget
+from gpumem_shared.protocol.base import Ack, ArenaView, ChunkView, Message, RequestMessage, RoundBudget
 from gpumem_shared.protocol.codes import MAX_KV_BUFFERS, MsgType, RoundState
 
 
@@ -79,6 +79,11 @@ class KvCommitReply(Message):
     round_id: int = 0
     # As in RoundStatus: the daemon may give a dict with the same keys.
     budget: RoundBudget = msgspec.field(default_factory=RoundBudget)
+    # A grow's answer: the tokens it asked for (the pool's ``tokens`` are what it got,
+    # fewer when other pools did not give back enough by the move deadline), and the
+    # pools asked to give back that had not confirmed by then ("client/pool").
+    asked_tokens: int = 0
+    unanswered: list[str] = msgspec.field(default_factory=list)
 
 
 class CaptureDone(RequestMessage, kw_only=True):
@@ -96,12 +101,16 @@ class CaptureDone(RequestMessage, kw_only=True):
 
 
 class KvGrow(RequestMessage, kw_only=True):
-    """Commit more rows (up to ``tokens``) if the device has the memory."""
+    """Commit more rows (up to ``tokens``). When the device lacks the memory, the daemon
+    asks pools above their fair share to give back (KV_SHRINK notices) and answers once
+    they did, or at the move deadline with what it could get (``asked_tokens`` and
+    ``unanswered`` in the reply); OUT_OF_MEMORY when it could get nothing."""
 
     TYPE = MsgType.KV_GROW
     REPLY = KvCommitReply
     pool: str
     tokens: int
+    in_use: int = -1  # rows the engine uses now (-1: not said); 0 marks the pool idle
 
 
 class KvShrink(RequestMessage, kw_only=True):
@@ -113,3 +122,15 @@ class KvShrink(RequestMessage, kw_only=True):
     REPLY = KvCommitReply
     pool: str
     tokens: int
+    in_use: int = -1  # rows the engine uses now (-1: not said); 0 marks the pool idle
+
+
+class KvDemand(RequestMessage, kw_only=True):
+    """What the engine uses of its pool now, sent when that changes much (a burst
+    starts, the pool goes idle), not per step: a pool that uses less than it holds may
+    be asked to give the rest back to a pool that needs it; 0 marks it idle."""
+
+    TYPE = MsgType.KV_DEMAND
+    REPLY = Ack
+    pool: str
+    in_use: int

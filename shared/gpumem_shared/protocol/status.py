@@ -114,6 +114,13 @@ class KvPoolStatus(Message):
     committed_bytes: int
     min_tokens: int
     shrink_request: int  # tokens the daemon asked for; -1 when none
+    # The runtime-move policy's figures: its weight, the tokens it wants now (a waiting
+    # grow's, else what its engine last said it uses), its fair share in bytes, and the
+    # rows in use its engine last reported (-1: never).
+    weight: float = 1.0
+    demand_tokens: int = 0
+    share_bytes: int = 0
+    in_use: int = -1
 
 
 class GraphPoolStatus(Message):

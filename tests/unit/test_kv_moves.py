@@ -1,0 +1,251 @@
+"""Runtime KV moves in DaemonState: the daemon's capacity cap, and grows that do not fit
+answered from what other pools give back (fair share, minimums, idle first, deadlines,
+liars and the dead), on the real host driver with a fake clock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpumem_shared import protocol as p
+from gpumem_shared.protocol import ErrorCode
+
+from gpumemd.metrics import Metrics
+from gpumemd.records import SessionRecord as Session
+
+from .harness import Harness, MiB
+from .test_metrics import histogram, number
+from .test_kv_rounds import capture, commit_reply, declare, done, join
+
+# --------------------------------------------------------------------------- the capacity cap
+
+
+def test_capacity_caps_what_a_round_measures_and_every_commit(make_harness: Callable[..., Harness]) -> None:
+    # The host device has 256 MiB; the daemon may commit 64 MiB. 16 MiB go to a plain arena,
+    # so the round measures 48 MiB free: 48 MiB / 4 KiB rows = 12288 tokens.
+    h = make_harness(capacity_bytes=64 * MiB)
+    a, other = h.connect("engine-a"), h.connect("other")
+    h.create(other, "plain", 64 * MiB)
+    h.commit(other, "plain", 16 * MiB)
+    declare(h, a, "kv", rows=(4096,), max_tokens=65536)
+    join(h, a, "kv")
+    capture(h, a, "kv", 1)
+    reply = commit_reply(done(h)[1])
+    assert (reply.budget.free, reply.budget.committed, reply.pool.tokens) == (48 * MiB, 48 * MiB, 12288)
+    assert h.state.arenas.accounted_bytes() == 64 * MiB
+    assert h.state.status().device.free_bytes == 0
+    refused = h.refused(other, p.CommitArena(name="plain", nbytes=18 * MiB), ErrorCode.OUT_OF_MEMORY)
+    assert refused.detail["available"] == 0
+
+
+# --------------------------------------------------------------------------- runtime moves
+# Rows of 4 KiB: 256 tokens a MiB, a 16 MiB chunk holds 4096. The device has 256 MiB.
+
+
+def two_pools(h: Harness, min_b: int = 1024) -> tuple[Session, Session]:
+    """engine-a/kva and engine-b/kvb, one round, equal weights: with the default minimums
+    128 MiB (32768 tokens) each, the device full."""
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    declare(h, a, "kva")
+    declare(h, b, "kvb")
+    join(h, a, "kva")
+    join(h, b, "kvb")
+    capture(h, a, "kva", 1, min_tokens=1024)
+    capture(h, b, "kvb", 2, min_tokens=min_b)
+    tokens = {rid: commit_reply(c).pool.tokens for rid, c in done(h).items()}
+    # Minimums first, the rest split evenly: 110 MiB each above b's 32 MiB minimum.
+    assert tokens == ({1: 32768, 2: 32768} if min_b == 1024 else {1: 29184, 2: 36352})
+    assert h.state.arenas.available_bytes() == 0
+    return a, b
+
+
+def grow_waits(h: Harness, s: Session, pool: str, tokens: int, request_id: int) -> None:
+    outcome = h.state.handle(s, p.KvGrow(pool=pool, tokens=tokens), request_id)
+    assert outcome.reply is None and outcome.handout == []
+
+
+def shrink_notices(h: Harness) -> list[tuple[int, str, int]]:
+    return [(sid, n.arena, n.tokens) for sid, n in h.state.take_notices() if n.kind is p.NoticeKind.KV_SHRINK]
+
+
+def give_back(h: Harness, s: Session, pool: str, tokens: int) -> None:
+    """The owner confirms the shrink and unmaps what it retires."""
+    reply = h.ok(s, p.KvShrink(pool=pool, tokens=tokens)).reply
+    assert isinstance(reply, p.KvCommitReply) and reply.pool.tokens == tokens
+    h.unmapped(s, pool, [c.id for c in reply.retired])
+
+
+def test_a_grow_that_does_not_fit_is_answered_once_the_idle_neighbour_gives_back(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    # a wants 192 MiB. b is idle: its share is its 4 MiB minimum, so it holds 124 MiB
+    # above it; 64 MiB are asked: a shrink to 16384 tokens.
+    grow_waits(h, a, "kva", 49152, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 16384)]
+    h.clock.now += 1.0
+    h.state.tick()
+    assert done(h) == {}, "answered before the memory is free and before the deadline"
+    reply = h.ok(b, p.KvShrink(pool="kvb", tokens=16384)).reply
+    assert done(h) == {}, "the retired chunks are still mapped in b"
+    h.unmapped(b, "kvb", [c.id for c in reply.retired])
+    got = commit_reply(done(h)[7])
+    assert (got.pool.tokens, got.asked_tokens, got.unanswered) == (49152, 49152, [])
+    assert sum(c.size for c in got.chunks) == 64 * MiB
+    assert h.state.arenas.accounted_bytes() == 256 * MiB
+    t = h.state.tally
+    assert (t.kv_grows_deferred, t.kv_shrinks_asked, t.kv_shrinks_confirmed, t.kv_grows_satisfied, t.kv_moved_bytes) == (1, 1, 1, 1, 64 * MiB)
+    assert t.kv_move_seconds.count == 1 and t.kv_move_seconds.sum == 1.0
+    status = {k.name: k for k in h.state.status().kv}
+    assert (status["kvb"].in_use, status["kvb"].demand_tokens, status["kvb"].share_bytes) == (0, 1024, 4 * MiB)
+    snap = Metrics(h.state).snapshot
+    assert number(snap, "gpumemd_kv_moves_total", kind="shrink_confirmed") == 1
+    assert number(snap, "gpumemd_kv_moved_bytes_total") == 64 * MiB
+    assert sum(histogram(snap, "gpumemd_kv_move_seconds").counts) == 1
+
+
+def test_a_busy_neighbour_at_its_share_is_not_asked_and_the_grow_is_refused_at_once(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=32768))
+    refused = h.refused(a, p.KvGrow(pool="kva", tokens=49152), ErrorCode.OUT_OF_MEMORY)
+    assert refused.detail == {"requested": 64 * MiB, "available": 0}
+    assert shrink_notices(h) == [] and h.state.tally.kv_grows_refused == 1
+
+
+def test_a_neighbour_gives_back_down_to_its_weighted_share_and_the_grow_gets_part(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    a, b = two_pools(h)
+    # b uses 64 MiB, under its half; a wants everything (256 MiB). Shares: b 64 MiB (its
+    # demand), a the other 192. So b gives back 64 MiB, and a gets 192 MiB of its 256,
+    # answered once b confirmed: no pool left to wait for.
+    h.ok(b, p.KvDemand(pool="kvb", in_use=16384))
+    grow_waits(h, a, "kva", 65536, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 16384)]
+    give_back(h, b, "kvb", 16384)
+    got = commit_reply(done(h)[7])
+    assert (got.pool.tokens, got.asked_tokens, got.unanswered) == (49152, 65536, [])
+    assert h.state.tally.kv_grows_partial == 1 and h.state.arenas.accounted_bytes() == 256 * MiB
+
+
+def test_no_pool_is_pushed_below_its_minimum(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    a, b = two_pools(h, min_b=8192)  # 32 MiB
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 65536, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 8192)]
+    give_back(h, b, "kvb", 8192)
+    got = commit_reply(done(h)[7])
+    assert (got.pool.tokens, got.asked_tokens) == (57344, 65536)
+    assert {k.name: k.tokens for k in h.state.status().kv} == {"kva": 57344, "kvb": 8192}
+
+
+def test_a_pool_that_never_answers_is_named_at_the_deadline_and_costs_the_wait_only(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness(move_timeout=2.0)
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 16384)]
+    h.clock.now += 1.99
+    h.state.tick()
+    assert done(h) == {}
+    h.clock.now += 0.01
+    h.state.dirty = False
+    h.state.tick()
+    assert h.state.dirty, "a tick that may answer a grow marks the record for saving"
+    error = done(h)[7].reply
+    assert isinstance(error, p.ProtocolError) and error.code is ErrorCode.OUT_OF_MEMORY
+    assert "engine-b/kvb" in error.message and "2s" in error.message
+    assert h.state.arenas.accounted_bytes() == 256 * MiB and h.state.tally.kv_grows_refused == 1
+    assert {k.name: k.tokens for k in h.state.status().kv} == {"kva": 32768, "kvb": 32768}
+    # The next grow is decided afresh.
+    grow_waits(h, a, "kva", 49152, 8)
+
+
+def test_a_liar_above_its_share_is_asked_whatever_it_claims(make_harness: Callable[..., Harness]) -> None:
+    # b alone takes the device; a's round then asks b for a's 16 MiB minimum. b holds 240
+    # MiB and claims to use all of it: with equal weights its share is still half of the
+    # 256, so a's grow to 128 MiB (its share) asks b for 112 MiB: a shrink to 32768.
+    h = make_harness()
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    declare(h, b, "kvb")
+    join(h, b, "kvb")
+    capture(h, b, "kvb", 1)
+    assert commit_reply(done(h)[1]).pool.tokens == 65536
+    declare(h, a, "kva")
+    join(h, a, "kva")
+    capture(h, a, "kva", 2, min_tokens=4096)
+    [(_, _, bound)] = shrink_notices(h)
+    give_back(h, b, "kvb", bound)
+    assert commit_reply(done(h)[2]).pool.tokens == 4096
+    h.ok(b, p.KvDemand(pool="kvb", in_use=61440))
+    grow_waits(h, a, "kva", 32768, 3)
+    assert shrink_notices(h) == [(b.id, "kvb", 32768)]
+    give_back(h, b, "kvb", 32768)
+    assert commit_reply(done(h)[3]).pool.tokens == 32768
+
+
+def test_a_donor_that_dies_mid_shrink_frees_its_memory_and_the_grow_is_answered(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 16384)]
+    h.ok(b, p.KvShrink(pool="kvb", tokens=16384))  # confirmed, then killed before it unmapped
+    h.state.close_session(b.id)
+    got = commit_reply(done(h)[7])
+    assert (got.pool.tokens, got.unanswered) == (49152, [])
+    assert "kvb" not in h.state.arenas.by_name and h.state.arenas.accounted_bytes() == 192 * MiB
+
+
+def test_a_taker_that_dies_while_waiting_leaves_nothing_behind(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    h.state.close_session(a.id)
+    assert h.state.kv.grows == []
+    give_back(h, b, "kvb", 16384)
+    h.clock.now += 10
+    h.state.tick()
+    assert done(h) == {} and h.state.arenas.accounted_bytes() == 64 * MiB
+
+
+def test_demand_reports_are_bounded_by_what_the_pool_holds_and_only_its_owner_may_send_them(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=10**12))
+    assert h.state.kv.pools["kvb"].in_use == 32768
+    h.refused(a, p.KvDemand(pool="kvb", in_use=0), ErrorCode.PERMISSION_DENIED)
+    assert h.state.kv.pools["kvb"].in_use == 32768
+
+
+def test_idle_pools_are_asked_first(make_harness: Callable[..., Harness]) -> None:
+    # Three pools of 84 MiB (21504 tokens) each, 4 MiB free. b uses just its minimum, c
+    # nothing: both hold 80 MiB above their shares, and a's grow by 20 MiB needs 16 of
+    # it. The idle one gives (by name alone, b would).
+    h = make_harness()
+    a, b, c = h.connect("engine-a"), h.connect("engine-b"), h.connect("engine-c")
+    for s, name in ((a, "kva"), (b, "kvb"), (c, "kvc")):
+        declare(h, s, name)
+        join(h, s, name)
+    for i, (s, name) in enumerate(((a, "kva"), (b, "kvb"), (c, "kvc"))):
+        capture(h, s, name, i, min_tokens=1024)
+    assert {commit_reply(x).pool.tokens for x in done(h).values()} == {21504}
+    h.ok(b, p.KvDemand(pool="kvb", in_use=1024))
+    h.ok(c, p.KvDemand(pool="kvc", in_use=0))
+    grow_waits(h, a, "kva", 26624, 7)
+    [(sid, arena, bound)] = shrink_notices(h)
+    assert (sid, arena) == (c.id, "kvc")
+    give_back(h, c, "kvc", bound)
+    assert commit_reply(done(h)[7]).pool.tokens == 26624
+
+
+def test_a_donor_that_releases_its_pool_instead_of_shrinking_answers_the_grow_at_once(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    h.ok(b, p.ReleaseArena(name="kvb"))
+    got = commit_reply(done(h)[7])
+    assert (got.pool.tokens, got.unanswered) == (49152, [])
+    assert h.state.arenas.accounted_bytes() == 192 * MiB
