@@ -1,5 +1,7 @@
-"""The metrics endpoint: ``GET /metrics`` in the Prometheus text format, served by a
-thread of its own; prometheus-client (the ``metrics`` extra) renders the families.
+"""The metrics endpoint: ``GET /metrics`` in the Prometheus text format (0.0.4), or in
+OpenMetrics to a scraper whose Accept header asks for ``application/openmetrics-text``;
+served by a thread of its own; prometheus-client (the ``metrics`` extra) renders the
+families.
 
 The thread never touches the daemon's state. Per scrape it reads the latest snapshot
 (metrics.py: a reference the daemon's thread replaces whole) and renders the families
@@ -25,7 +27,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -39,6 +42,11 @@ MAX_REQUEST = 8192  # bytes of request line and headers; a GET has no body
 _POLL = 0.5  # seconds between looks at the stop flag while nothing happens
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 431: "Request Header Fields Too Large",
             500: "Internal Server Error"}
+
+
+TEXT = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+_EOF = b"# EOF\n"  # OpenMetrics' last line: once per exposition, after every family
 
 
 def _le(bound: float) -> str:
@@ -77,10 +85,31 @@ class _FamilyCollector(Collector):
         yield _metric(self.family)
 
 
-def _render(family: Family) -> bytes:
+def _exposition(registry: CollectorRegistry, content_type: str) -> bytes:
+    """The registry's families in the format, without OpenMetrics' closing line."""
+    if content_type == OPENMETRICS:
+        text: bytes = openmetrics.generate_latest(registry)  # type: ignore[no-untyped-call]
+        return text.removesuffix(_EOF)
+    return generate_latest(registry)
+
+
+def _render(family: Family, content_type: str) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_FamilyCollector(family))
-    return generate_latest(registry)
+    return _exposition(registry, content_type)
+
+
+def negotiate(head: bytes) -> str:
+    """The format a request's Accept header asks for: OpenMetrics if it names it at all
+    (Prometheus lists it first, with a higher q, when it wants it), else text 0.0.4."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() != b"accept":
+            continue
+        for media in value.split(b","):
+            if media.split(b";", 1)[0].strip().lower() == b"application/openmetrics-text":
+                return OPENMETRICS
+    return TEXT
 
 
 def _response(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> bytes:
@@ -119,8 +148,10 @@ class Exporter:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._connections: dict[int, _Connection] = {}  # by fd, oldest first
         self._metrics: Metrics | None = None
-        self._rendered: tuple[Snapshot | None, bytes] = (None, b"")
-        self._families: dict[int, tuple[Family, bytes]] = {}  # by id(): the family is kept, so its id is not reused
+        # Per format: the snapshot last rendered, its text, and each family's text by id()
+        # (the family is kept with it, so its id is not reused).
+        self._rendered: dict[str, tuple[Snapshot | None, bytes]] = {TEXT: (None, b""), OPENMETRICS: (None, b"")}
+        self._families: dict[str, dict[int, tuple[Family, bytes]]] = {TEXT: {}, OPENMETRICS: {}}
         self._process = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=self._process)
         self._stop = threading.Event()
@@ -217,7 +248,8 @@ class Exporter:
         if method != b"GET":
             return _response(405, b"GET /metrics\n")
         try:
-            return _response(200, self._render(), CONTENT_TYPE_LATEST)
+            content_type = negotiate(head)
+            return _response(200, self._render(content_type), content_type)
         except Exception:  # a scrape must never take the exporter down
             log.warning("metrics scrape from %s failed", conn.peer, exc_info=True)
             return _response(500, b"rendering the metrics failed; see gpumemd's log\n")
@@ -240,11 +272,15 @@ class Exporter:
         self._selector.unregister(conn.sock)
         conn.sock.close()
 
-    def _render(self) -> bytes:
+    def _render(self, content_type: str) -> bytes:
         assert self._metrics is not None
         snapshot = self._metrics.snapshot  # one read of a reference replaced whole: no lock
-        if snapshot is not self._rendered[0]:
-            done = self._families
-            self._families = {id(f): done.get(id(f)) or (f, _render(f)) for f in snapshot.families}
-            self._rendered = (snapshot, b"".join(text for _, text in self._families.values()))
-        return self._rendered[1] + generate_latest(self._process)
+        rendered = self._rendered[content_type]
+        if snapshot is not rendered[0]:
+            done = self._families[content_type]
+            families = self._families[content_type] = {
+                id(f): done.get(id(f)) or (f, _render(f, content_type)) for f in snapshot.families
+            }
+            rendered = self._rendered[content_type] = (snapshot, b"".join(text for _, text in families.values()))
+        tail = _EOF if content_type == OPENMETRICS else b""
+        return rendered[1] + _exposition(self._process, content_type) + tail

@@ -11,7 +11,7 @@ The counters themselves are plain integers the daemon's thread keeps (tally.py).
 Leases: their fast path (take, give back) never reaches the daemon. What it can read
 honestly is the lease table, on each tick, for every registered graph pool:
 
-- acquisitions: every release, and every clear, bumps the slot's futex word by one;
+- releases: every release, and every clear, bumps the slot's futex word by one;
   the count since the pool was registered is the leases on it that ended (given back
   by the holder, undone by a taker that found a new epoch, or swept by the daemon).
   A lease still held is counted when it ends.
@@ -83,8 +83,8 @@ class Snapshot:
 class _LeaseWatch:
     """What the daemon's thread keeps between ticks about one graph pool's lease slot."""
 
-    releases: int  # the slot's futex word when last read
-    acquisitions: int = 0
+    word: int  # the slot's futex word when last read
+    releases: int = 0
     waiters: int = 0
     held: int = 0  # the holder's kind at the last tick, 0 when free
     conflicts: int = 0
@@ -93,18 +93,23 @@ class _LeaseWatch:
     waits: Histogram = dataclasses.field(default_factory=lambda: Histogram(WAIT_BOUNDS))
 
 
+# Every series carries the device as DCGM exporter labels it (``gpu``: the index, ``UUID``),
+# so gpumemd's series join DCGM's with on(gpu) or on(UUID), whichever the dashboard keys by.
+DEVICE_LABELS = ("gpu", "UUID")
+
+
 class _Families:
-    """Collects the families of one snapshot; every one carries the ``device`` label. A
+    """Collects the families of one snapshot; every one carries the device's labels. A
     family equal to the one in the snapshot before is that same object, so the exporter
     renders only the families that changed."""
 
-    def __init__(self, device: str, before: Snapshot | None) -> None:
+    def __init__(self, device: tuple[str, str], before: Snapshot | None) -> None:
         self.device = device
         self.before = {f.name: f for f in before.families} if before is not None else {}
         self.out: list[Family] = []
 
     def add(self, name: str, kind: Kind, help: str, labels: tuple[str, ...], samples: list[Sample]) -> None:
-        family = Family(name, kind, help, ("device", *labels), tuple(((self.device, *values), v) for values, v in samples))
+        family = Family(name, kind, help, (*DEVICE_LABELS, *labels), tuple(((*self.device, *values), v) for values, v in samples))
         same = self.before.get(name)
         self.out.append(same if same == family else family)
 
@@ -155,17 +160,17 @@ class Metrics:
         for pool in graph_pools.by_id.values():
             watch = self._watch.get(pool.id)
             if watch is None:  # its segment is new at registration: counted from 0, no lease missed
-                watch = self._watch[pool.id] = _LeaseWatch(releases=0)
+                watch = self._watch[pool.id] = _LeaseWatch(word=0)
                 moved = True
             segment = pool.segment
-            releases = segment.releases()
-            ended = (releases - watch.releases) & _U32  # the word wraps; a tick sees far fewer than 2**32
+            word = segment.releases()
+            ended = (word - watch.word) & _U32  # the word wraps; a tick sees far fewer than 2**32
             waiters = segment.waiters()
             holder = segment.holder()
             held = holder.kind if holder is not None else 0
             if ended or waiters != watch.waiters or held != watch.held:
                 moved = True
-            watch.releases, watch.acquisitions = releases, watch.acquisitions + ended
+            watch.word, watch.releases = word, watch.releases + ended
             watch.waiters, watch.held = waiters, held
             if waiters and holder is not None:
                 key = (holder.kind, holder.session, holder.pid, holder.since_ns)
@@ -196,11 +201,11 @@ class Metrics:
     def _build(self, free: int, before: Snapshot | None) -> Snapshot:
         state, tally = self.state, self.state.tally
         arenas, device = state.arenas, state.device
-        f = _Families(str(device.index), before)
+        f = _Families((str(device.index), device.uuid), before)
 
         f.add(
             "gpumemd_info", "gauge", "The daemon: version, backend, and the device it serves (always 1).",
-            ("version", "backend", "uuid", "name"), [((__version__, state.driver.kind, device.uuid, device.name), 1)],
+            ("version", "backend", "modelName"), [((__version__, state.driver.kind, device.name), 1)],
         )
         f.one(
             "gpumemd_daemon_generation", "gauge",
@@ -287,9 +292,9 @@ class Metrics:
               [(labels, sum(n for _, n in g.free_runs)) for g, labels, _ in watches])
         f.add("gpumemd_lease_held", "gauge", "Whether a lease of this kind held the pool at the last tick.", (*pool_labels, "kind"),
               [((*labels, kind.noun), int(w.held == kind)) for _, labels, w in watches for kind in LeaseKind])
-        f.add("gpumemd_lease_acquisitions_total", "counter",
+        f.add("gpumemd_lease_releases_total", "counter",
               "Leases on the pool that ended (given back, undone, or swept), from the slot's release count; a held lease counts when it ends.",
-              pool_labels, [(labels, w.acquisitions) for _, labels, w in watches])
+              pool_labels, [(labels, w.releases) for _, labels, w in watches])
         f.add("gpumemd_lease_waiters", "gauge", "Processes asleep on the pool's lease slot at the last tick.", pool_labels,
               [(labels, w.waiters) for _, labels, w in watches])
         f.add("gpumemd_lease_conflicts_total", "counter",

@@ -59,7 +59,7 @@ FAMILIES = {
     "gpumemd_kv_pool_tokens": "gauge",
     "gpumemd_graph_pool_free_bytes": "gauge",
     "gpumemd_lease_held": "gauge",
-    "gpumemd_lease_acquisitions": "counter",
+    "gpumemd_lease_releases": "counter",
     "gpumemd_lease_waiters": "gauge",
     "gpumemd_lease_conflicts": "counter",
     "gpumemd_lease_wait_seconds": "histogram",
@@ -81,7 +81,7 @@ def scrape(url: str) -> dict[str, Any]:
     """The families of one scrape, by name; each sample as (name, labels, value)."""
     with urllib.request.urlopen(url, timeout=10) as response:
         assert response.status == 200
-        assert response.headers["Content-Type"].startswith("text/plain; version="), response.headers["Content-Type"]
+        assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8", response.headers["Content-Type"]
         text = response.read().decode()
     return {f.name: f for f in text_string_to_metric_families(text)}
 
@@ -142,12 +142,12 @@ def test_a_scrape_says_what_status_says(daemon_factory, run_client, runtime_dir)
     assert "process_open_fds" in families, "the daemon's process figures come with every scrape"
 
     device = status["device"]
-    assert sample(families, "gpumemd_device_total_bytes", device="0") == device["total_bytes"]
+    assert sample(families, "gpumemd_device_total_bytes", gpu="0", UUID=status["device"]["uuid"]) == device["total_bytes"]
     assert sample(families, "gpumemd_device_free_bytes") == device["free_bytes"]
     assert sample(families, "gpumemd_device_held_bytes") == device["accounted_bytes"] == 70 * MiB
     assert sample(families, "gpumemd_device_reserve_bytes") == device["reserve_bytes"]
     assert sample(families, "gpumemd_daemon_generation") == 1
-    assert sample(families, "gpumemd_info", version=status["daemon"]["version"], backend="host", uuid=device["uuid"]) == 1
+    assert sample(families, "gpumemd_info", version=status["daemon"]["version"], backend="host", UUID=device["uuid"]) == 1
 
     for arena in status["arenas"]:
         labels = {"arena": arena["name"], "client": arena["owner"]}
@@ -169,7 +169,7 @@ def test_a_scrape_says_what_status_says(daemon_factory, run_client, runtime_dir)
     assert lease["holder"] == "engine-a" and lease["kind"] == "capture"
     assert sample(families, "gpumemd_lease_held", kind="capture", **labels) == 1
     assert sample(families, "gpumemd_lease_held", kind="replay", **labels) == 0
-    assert sample(families, "gpumemd_lease_acquisitions", "gpumemd_lease_acquisitions_total", **labels) == 3
+    assert sample(families, "gpumemd_lease_releases", "gpumemd_lease_releases_total", **labels) == 3
     assert sample(families, "gpumemd_graph_pool_free_bytes", **labels) == graph_pool["free_bytes"]
 
     # engine-b dies attached to two arenas: one is its own (its 6 MiB come back), the

@@ -1,6 +1,6 @@
 """The metrics snapshot, built on the daemon's thread from a DaemonState on the host
 driver: what the counters count, when a new snapshot is published, and what the
-daemon reads from the lease table (acquisitions, waiters, conflicts, waits, escapes).
+daemon reads from the lease table (releases, waiters, conflicts, waits, escapes).
 The rendering to the Prometheus format and the scrape are the integration tier's."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import LeaseKind, LeaseSegment, LeaseStatus
-from gpumemd.metrics import HistogramValue, Metrics, Snapshot
+from gpumemd.metrics import DEVICE_LABELS, HistogramValue, Metrics, Snapshot
 from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, CAPACITY, GiB, Harness, MiB
@@ -25,7 +25,7 @@ from .test_lease_table import Waiter, wait_until_sleeping
 def value(snapshot: Snapshot, name: str, **labels: str) -> float | HistogramValue:
     """The one sample of ``name`` whose labels include ``labels`` (device 0 implied)."""
     (family,) = [f for f in snapshot.families if f.name == name]
-    wanted = {"device": "0", **labels}
+    wanted = {"gpu": "0", **labels}
     found = [v for values, v in family.samples if all(dict(zip(family.labels, values)).get(k) == x for k, x in wanted.items())]
     assert len(found) == 1, f"{name}{wanted}: {len(found)} samples in {family.samples}"
     return found[0]
@@ -45,7 +45,7 @@ def histogram(snapshot: Snapshot, name: str, **labels: str) -> HistogramValue:
 
 def labelled(snapshot: Snapshot, name: str) -> dict[tuple[str, ...], float | HistogramValue]:
     (family,) = [f for f in snapshot.families if f.name == name]
-    return {values[1:]: v for values, v in family.samples}
+    return {values[len(DEVICE_LABELS):]: v for values, v in family.samples}
 
 
 def fresh(m: Metrics) -> Snapshot:
@@ -148,10 +148,45 @@ def test_the_exporter_serves_a_changed_snapshot_as_a_whole_new_one(h: Harness) -
         fresh_one.start(m)
         after = _scrape(served.url)
         assert after == _scrape(fresh_one.url) and after != first
-        assert b'gpumemd_arena_committed_bytes{arena="kv",client="engine-a",device="0"} 1.6777216e+07' in after
+        assert b'gpumemd_arena_committed_bytes{UUID="%s",arena="kv",client="engine-a",gpu="0"} 1.6777216e+07' % h.state.device.uuid.encode() in after
     finally:
         served.close()
         fresh_one.close()
+
+
+def test_a_scraper_that_asks_for_openmetrics_gets_it_and_others_text_0_0_4(h: Harness) -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpumemd.exporter import Exporter
+
+    owned_pool(h)
+    m = Metrics(h.state)
+    exporter = Exporter("127.0.0.1", 0)
+    prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    try:
+        exporter.start(m)
+        replies = {}
+        for accept in (prometheus, "text/plain", None):
+            request = urllib.request.Request(exporter.url, headers={"Accept": accept} if accept else {})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                replies[accept] = response.headers["Content-Type"], response.read().decode()
+        for _ in range(2):  # the second time from what the first rendered
+            with urllib.request.urlopen(urllib.request.Request(exporter.url, headers={"Accept": prometheus}), timeout=10) as response:
+                again = response.read().decode()
+            assert again.split("# HELP process_")[0] == replies[prometheus][1].split("# HELP process_")[0]
+    finally:
+        exporter.close()
+    content_type, body = replies[prometheus]
+    assert content_type == "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    assert body.endswith("\n# EOF\n") and body.count("# EOF") == 1, body[-200:]
+    families = {f.name: f for f in openmetrics_families(body)}  # the strict parser: it refuses a malformed exposition
+    assert families["gpumemd_lease_releases"].type == "counter" and "process_open_fds" in families
+    for accept in ("text/plain", None):
+        content_type, body = replies[accept]
+        assert content_type == "text/plain; version=0.0.4; charset=utf-8" and "# EOF" not in body
+        assert {f.name for f in text_string_to_metric_families(body)} >= {"gpumemd_lease_releases", "gpumemd_device_free_bytes"}
 
 
 def test_kv_rounds_by_outcome_with_duration_and_budget(h: Harness) -> None:
@@ -266,17 +301,17 @@ def test_leases_are_counted_from_the_registration_on(make_harness) -> None:  # t
     take_and_give_back(h, s, pool, 3)
     snap = fresh(m)
     labels = lease_labels(pool)
-    assert number(snap, "gpumemd_lease_acquisitions_total", **labels) == 3
+    assert number(snap, "gpumemd_lease_releases_total", **labels) == 3
     assert number(snap, "gpumemd_graph_pool_free_bytes", **labels) == 2 * MiB
     take_and_give_back(h, s, pool, 4)
-    assert number(fresh(m), "gpumemd_lease_acquisitions_total", **labels) == 7
+    assert number(fresh(m), "gpumemd_lease_releases_total", **labels) == 7
     h.ok(s, p.RetireGraphPool(pool_id=pool.id))
     h.state.tick()
-    assert labelled(fresh(m), "gpumemd_lease_acquisitions_total") == {}
+    assert labelled(fresh(m), "gpumemd_lease_releases_total") == {}
     # A pool registered after it has a new segment: its count starts afresh, not at 7.
     again = h.ok(s, p.RegisterGraphPool(arena="graphs", label="again", extents=[p.Extent(offset=0, size=4 * MiB)], free_runs=[])).reply.pool
     take_and_give_back(h, s, again, 2)
-    assert number(fresh(m), "gpumemd_lease_acquisitions_total", **lease_labels(again)) == 2
+    assert number(fresh(m), "gpumemd_lease_releases_total", **lease_labels(again)) == 2
 
 
 def test_a_holder_with_a_sleeper_behind_it_is_one_conflict_and_one_wait(h: Harness) -> None:
@@ -305,7 +340,7 @@ def test_a_holder_with_a_sleeper_behind_it_is_one_conflict_and_one_wait(h: Harne
     assert number(snap, "gpumemd_lease_held", kind="replay", **labels) == 1
     wait = histogram(snap, "gpumemd_lease_wait_seconds", **labels)
     assert sum(wait.counts) == 1 and 0.05 <= wait.sum < 10.0
-    assert number(snap, "gpumemd_lease_acquisitions_total", **labels) == 1, "the capture ended; the replay is still held"
+    assert number(snap, "gpumemd_lease_releases_total", **labels) == 1, "the capture ended; the replay is still held"
 
 
 def test_each_holder_that_keeps_sleepers_waiting_is_its_own_conflict(h: Harness) -> None:
@@ -335,7 +370,7 @@ def test_each_holder_that_keeps_sleepers_waiting_is_its_own_conflict(h: Harness)
         w.finish()
     assert table.release(table.peek()) == LeaseStatus.OK
     snap = fresh(m)
-    assert number(snap, "gpumemd_lease_acquisitions_total", **labels) == 3
+    assert number(snap, "gpumemd_lease_releases_total", **labels) == 3
     assert sum(histogram(snap, "gpumemd_lease_wait_seconds", **labels).counts) == 2
 
 
@@ -391,9 +426,9 @@ def test_every_family_is_named_for_prometheus(h: Harness) -> None:
         assert family.name.endswith("_total") == (family.kind == "counter"), family.name
         assert family.kind != "histogram" or family.name.endswith("_seconds"), family.name
         assert "bytes" not in family.name or family.name.endswith(("_bytes", "_bytes_total")), family.name
-        assert family.labels[0] == "device", family.name
-        assert set(family.labels) <= {"device", "client", "arena", "pool", "pool_id", "kind", "type", "outcome", "reason",
-                                      "version", "backend", "uuid", "name"}, family.name
+        assert family.labels[:2] == ("gpu", "UUID"), family.name  # DCGM exporter's names: series join on either
+        assert set(family.labels) <= {"gpu", "UUID", "client", "arena", "pool", "pool_id", "kind", "type", "outcome", "reason",
+                                      "version", "backend", "modelName"}, family.name
     assert len(names) == len(Metrics(h.state).snapshot.families), "a family appears twice"
 
 
