@@ -19,7 +19,7 @@ import click
 from gpumem_shared import protocol as p
 from gpumem_shared.address_plan import VA_PLAN_SLICES, plan_range
 from gpumem_shared.driver import Driver, DriverUnavailable
-from gpumem_shared.paths import Endpoints, resolve_runtime_dir
+from gpumem_shared.paths import Endpoints, UnsafeRuntimeDir, resolve_runtime_dir
 from gpumem_shared.units import Size, format_size, parse
 
 from gpumemd import logs
@@ -281,7 +281,10 @@ def command(
     capacity_bytes = capacity.bytes if capacity is not None else 0
     if capacity is not None and capacity_bytes <= reserve_bytes:
         raise ConfigError(f"--capacity {format_size(capacity_bytes)} leaves nothing to serve above the {format_size(reserve_bytes)} reserve")
-    endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
+    try:
+        endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
+    except UnsafeRuntimeDir as exc:
+        raise ConfigError(str(exc)) from None
     va_base, va_limit = plan_range(device)
     config = StateConfig(
         index=device,

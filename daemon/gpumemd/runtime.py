@@ -1,4 +1,4 @@
-"""What the daemon needs of its host before it serves: the lock that makes it its
+"""What the daemon needs of its host before it serves: the locks that make it its
 device's only daemon, its files in the runtime directory (stale sockets cleared, socket
 modes and group, the identity file clients discover it by), and the open-file limit with
 the connections it allows.
@@ -9,12 +9,16 @@ Everything here runs once, at start or at stop, on the daemon's thread.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import grp
+import hashlib
 import json
 import logging
 import os
 import resource
+import socket
+from pathlib import Path
 
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
@@ -29,6 +33,14 @@ FD_HEADROOM_MIN = 64
 # Connections that have not said HELLO: anyone who may open the socket can make them, and
 # each holds a descriptor until its HELLO timeout.
 MAX_PENDING = 256
+# The device lock is an abstract socket named by a digest of the UUID; the holder's pid
+# and runtime directory follow the same digest in a second name, which /proc/net/unix
+# shows to the daemon refused. A name has 107 bytes: the digest leaves room for the
+# directory (whose socket paths must fit in 108 bytes themselves).
+_ABSTRACT_MAX = 107
+_HOLDER = "/pid="
+
+
 class StartupError(Exception):
     """The daemon cannot start; the message is the one line an operator sees."""
 
@@ -78,10 +90,72 @@ def group_id(socket_group: str | None) -> int | None:
         raise StartupError(f"socket group '{socket_group}' does not exist (groupadd it, or drop --socket-group)") from None
 
 
-def take_lock(endpoints: Endpoints) -> int:
-    """The device's lock (flock on gpuN.lock), held for the daemon's life; returns its fd.
-    A ZeroMQ ipc bind would silently take a live daemon's socket over: holding this lock
-    is what proves any socket file present belongs to a dead one."""
+def take_lock(endpoints: Endpoints, device_uuid: str | None) -> list[int]:
+    """The device's locks, held for the daemon's life; returns their fds. The flock on
+    gpuN.lock: a ZeroMQ ipc bind would silently take a live daemon's socket over, and
+    holding this lock is what proves any socket file present belongs to a dead one. With
+    ``device_uuid``, the device's own lock besides (take_device_lock)."""
+    fds = take_device_lock(device_uuid, endpoints.runtime_dir) if device_uuid is not None else []
+    try:
+        fds.append(_take_dir_lock(endpoints))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def take_device_lock(uuid: str, runtime_dir: Path) -> list[int]:
+    """One daemon per GPU, whichever runtime directory it was given: an abstract unix
+    socket named by the device's UUID, bound for the daemon's life (the kernel frees the
+    name when the process dies, however it dies; no file to leave stale or to be planted
+    by another user). Abstract names are per network namespace: containers of their own
+    network do not see each other's. Returns the sockets' fds."""
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    try:
+        lock.bind(_abstract(_lock_name(uuid)))
+    except OSError as exc:
+        lock.close()
+        if exc.errno != errno.EADDRINUSE:
+            raise StartupError(f"cannot take device {uuid}'s lock: {exc.strerror or exc}") from None
+        raise StartupError(
+            f"another gpumemd ({_device_holder(uuid)}) already serves device {uuid}; stop it first "
+            "(systemctl stop gpumemd@<index>, or kill that pid)"
+        ) from None
+    holder = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    try:
+        holder.bind(_abstract(f"{_lock_name(uuid)}{_HOLDER}{os.getpid()} {runtime_dir}"))
+    except OSError:  # only a name for the message of a daemon refused
+        holder.close()
+        return [lock.detach()]
+    return [lock.detach(), holder.detach()]
+
+
+def _lock_name(uuid: str) -> str:
+    return "gpumemd/" + hashlib.sha256(uuid.encode()).hexdigest()[:24]
+
+
+def _abstract(name: str) -> bytes:
+    return b"\0" + name.encode()[:_ABSTRACT_MAX]
+
+
+def _device_holder(uuid: str) -> str:
+    """Who holds the device's lock, from the holder's second name in /proc/net/unix."""
+    prefix = "@" + _lock_name(uuid) + _HOLDER
+    try:
+        with open("/proc/net/unix") as table:
+            for line in table:
+                fields = line.rstrip("\n").split(None, 7)
+                if len(fields) == 8 and fields[7].startswith(prefix):
+                    pid, _, runtime_dir = fields[7][len(prefix):].partition(" ")
+                    cut = " (cut short)" if len(fields[7]) >= _ABSTRACT_MAX else ""
+                    return f"pid {pid}, runtime directory {runtime_dir}{cut}"
+    except OSError:
+        pass
+    return "pid unknown: it is starting, or in another network namespace"
+
+
+def _take_dir_lock(endpoints: Endpoints) -> int:
     fd = os.open(endpoints.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

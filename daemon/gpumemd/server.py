@@ -88,7 +88,7 @@ class Server:
         self._by_session: dict[int, Connection] = {}
         self._by_token: dict[bytes, SessionRecord] = {}
         self._waiting = FairQueue(state.config.tenants.requests)  # control requests read, not yet served
-        self._lock_fd = -1
+        self._lock_fds: list[int] = []
         self._ctx: zmq.Context[Any] | None = None
         self._router: zmq.Socket[Any] | None = None
         self._listener: socket.socket | None = None
@@ -109,7 +109,9 @@ class Server:
         except OSError as exc:
             raise StartupError(f"cannot create runtime directory {ep.runtime_dir}: {exc.strerror}") from None
         gid = runtime.group_id(self.socket_group)
-        self._lock_fd = runtime.take_lock(ep)
+        # The host backend's device is the daemon's own memory: nothing another daemon shares.
+        device_uuid = self.state.device.uuid if self.state.driver.kind == "cuda" else None
+        self._lock_fds = runtime.take_lock(ep, device_uuid)
         budget = self._door.budget = FdBudget.of(runtime.raise_fd_limit())
         log.info("fd channel: up to %d connections, %d of them before HELLO", budget.connections, budget.pending)
         runtime.remove_stale_sockets(ep)
@@ -427,7 +429,7 @@ class Server:
         runtime.remove_files(self.endpoints)
         self.outbox.close()
         signal.set_wakeup_fd(-1)
-        for fd in (self._wake_r, self._wake_w, self._lock_fd):
+        for fd in (self._wake_r, self._wake_w, *self._lock_fds):
             if fd >= 0:
                 os.close(fd)
         log.info("stopped")

@@ -13,6 +13,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,19 +24,27 @@ ENV_RUNTIME_DIR = "GPUMEMD_RUNTIME_DIR"
 SYSTEM_RUNTIME_DIR = Path("/run/gpumemd")
 
 
-def _user_runtime_dir(environ: Mapping[str, str], euid: int) -> Path:
-    if environ.get("XDG_RUNTIME_DIR"):
-        return Path(environ["XDG_RUNTIME_DIR"]) / "gpumemd"
+class UnsafeRuntimeDir(Exception):
+    """The runtime directory is one someone else may control; the message says which and why."""
+
+
+def _tmp_runtime_dir(euid: int) -> Path:
     return Path(tempfile.gettempdir()) / f"gpumemd-{euid}"
 
 
-def default_runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
+def _user_runtime_dir(environ: Mapping[str, str], euid: int) -> Path:
+    if environ.get("XDG_RUNTIME_DIR"):
+        return Path(environ["XDG_RUNTIME_DIR"]) / "gpumemd"
+    return _tmp_runtime_dir(euid)
+
+
+def default_runtime_dir(environ: Mapping[str, str] | None = None, *, euid: int | None = None) -> Path:
     """Where a daemon started by hand puts its sockets: $GPUMEMD_RUNTIME_DIR, the system
     directory for root, else the user's own runtime directory."""
     environ = os.environ if environ is None else environ
     if environ.get(ENV_RUNTIME_DIR):
         return Path(environ[ENV_RUNTIME_DIR])
-    euid = os.geteuid()
+    euid = os.geteuid() if euid is None else euid
     return SYSTEM_RUNTIME_DIR if euid == 0 else _user_runtime_dir(environ, euid)
 
 
@@ -52,8 +61,38 @@ def runtime_dir_candidates(environ: Mapping[str, str] | None = None, *, euid: in
     return [SYSTEM_RUNTIME_DIR, _user_runtime_dir(environ, euid)]
 
 
-def resolve_runtime_dir(explicit: str | os.PathLike[str] | None) -> Path:
-    return Path(explicit) if explicit else default_runtime_dir()
+def resolve_runtime_dir(
+    explicit: str | os.PathLike[str] | None, environ: Mapping[str, str] | None = None, *, euid: int | None = None
+) -> Path:
+    """The daemon's runtime directory, absolute: clients started elsewhere must find the
+    same place. The fallback under the temporary directory is made private (0700) and
+    refused unless it is: in a directory everyone may write, someone else can make
+    ``gpumemd-<uid>`` first and would then see, or replace, the daemon's sockets."""
+    euid = os.geteuid() if euid is None else euid
+    path = Path(explicit) if explicit else default_runtime_dir(environ, euid=euid)
+    path = path.absolute()
+    if not explicit and path == _tmp_runtime_dir(euid).absolute():
+        check_private_dir(path, euid)
+    return path
+
+
+def check_private_dir(path: Path, euid: int) -> None:
+    """Make ``path`` (0700) if it is not there; refuse it unless it is a directory of
+    ``euid``'s that nobody else may write."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UnsafeRuntimeDir(f"cannot create runtime directory {path}: {exc.strerror or exc}") from None
+    st = os.lstat(path)
+    fix = f"remove it, or give gpumemd a private directory (XDG_RUNTIME_DIR, {ENV_RUNTIME_DIR} or --runtime-dir)"
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeRuntimeDir(f"runtime directory {path} is not a directory (a symlink or a file): {fix}")
+    if st.st_uid != euid:
+        raise UnsafeRuntimeDir(f"runtime directory {path} belongs to uid {st.st_uid}, not to uid {euid} who runs gpumemd: {fix}")
+    if st.st_mode & 0o022:
+        raise UnsafeRuntimeDir(f"runtime directory {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): {fix}")
 
 
 @dataclasses.dataclass(frozen=True)

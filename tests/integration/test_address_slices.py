@@ -34,6 +34,9 @@ def test_a_slice_taken_in_the_process_is_a_va_collision(daemon, runtime_dir) -> 
     scenario(runtime_dir, "collision", daemon.backend)
 
 
+# Host only: on CUDA a second daemon for the same GPU is refused at start (one daemon per
+# GPU UUID, test_daemon_lifecycle), whatever its runtime directory.
+@pytest.mark.parametrize("backend", ["host"])
 def test_two_daemons_of_one_device_index_cannot_share_a_process(daemon, runtime_dir: Path) -> None:  # type: ignore[no-untyped-def]
     other_dir = runtime_dir / "other"  # removed with runtime_dir, whatever happens here
     other_dir.mkdir()

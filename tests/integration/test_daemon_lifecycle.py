@@ -7,11 +7,13 @@ from __future__ import annotations
 import grp
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,6 +79,73 @@ def test_second_daemon_for_same_device_refuses_to_start(daemon_factory, runtime_
     other = daemon_factory("host", device=1)
     assert status(runtime_dir, device=1)["daemon"]["pid"] == other.pid
     assert status(runtime_dir, device=0)["daemon"]["pid"] == first.pid
+
+
+def test_one_daemon_per_gpu_whatever_its_runtime_directory(backend, daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """On CUDA the device is shared, so a second daemon for it elsewhere is refused by its
+    UUID; on the host backend each daemon's device is its own memory, so daemons in their
+    own directories (parallel tests) all serve."""
+    first = daemon_factory(backend)
+    elsewhere = Path(tempfile.mkdtemp(prefix="gpumemd-t-", dir="/tmp"))
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-m", "gpumemd", "--device", "0", "--backend", backend, "--runtime-dir", str(elsewhere)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(elsewhere),
+        ) as second:
+            if backend == "cuda":
+                out, err = second.communicate(timeout=60)
+                assert second.returncode == EX_CONFIG and out == "", (second.returncode, err)
+                lines = err.strip().splitlines()
+                assert len(lines) == 1 and f"pid {first.pid}, runtime directory {runtime_dir})" in lines[0], err
+                assert status(runtime_dir)["daemon"]["pid"] == first.pid
+                assert list(elsewhere.glob("gpu0.*")) in ([], [elsewhere / "gpu0.lock"]), list(elsewhere.iterdir())
+                return
+            try:
+                deadline = time.monotonic() + 20
+                while read_info(Endpoints(elsewhere, 0).info_path) is None:
+                    assert second.poll() is None and time.monotonic() < deadline, second.stderr.read() if second.stderr else ""
+                    time.sleep(0.02)
+                assert status(elsewhere)["daemon"]["pid"] == second.pid and status(runtime_dir)["daemon"]["pid"] == first.pid
+            finally:
+                second.terminate()
+                second.communicate(timeout=30)
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
+def test_a_relative_runtime_directory_is_made_absolute(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Clients started elsewhere must find the same sockets: the daemon says, and works
+    in, the absolute directory."""
+    where = Path(tempfile.mkdtemp(prefix="g", dir="/tmp"))
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-m", "gpumemd", "--backend", "host", "--runtime-dir", "run"],
+            cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(where / "run"),
+        ) as daemon:
+            try:
+                deadline = time.monotonic() + 20
+                while read_info(Endpoints(where / "run", 0).info_path) is None:
+                    assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr.read() if daemon.stderr else ""
+                    time.sleep(0.02)
+                assert status(where / "run")["daemon"]["runtime_dir"] == str(where / "run")
+            finally:
+                daemon.terminate()
+                daemon.communicate(timeout=30)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_the_cuda_backend_without_cuda_bindings_names_the_extra(runtime_dir: Path) -> None:
+    # The import fails as it does where the cuda extra is not installed.
+    without = "import sys; sys.modules['cuda'] = None; from gpumemd.cli import main; sys.argv[0] = 'gpumemd'; main()"
+    result = subprocess.run(
+        [sys.executable, "-c", without, "--runtime-dir", str(runtime_dir)],
+        capture_output=True, text=True, timeout=60, env=child_env(runtime_dir),
+    )
+    assert result.returncode == EX_CONFIG, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'gpumemd[cuda]'" in lines[0] and "--backend host" in lines[0], result.stderr
+    assert list(runtime_dir.glob("gpu0.*")) == []
 
 
 def test_stale_sockets_of_a_killed_daemon_are_replaced(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]

@@ -65,3 +65,13 @@ def test_the_native_module_is_built_for_the_stable_abi() -> None:
     setup = (ROOT / "setup.py").read_text()
     assert f'LIMITED_API = "0x{major:02X}{minor:02X}0000"' in setup
     assert f'"py_limited_api": "cp{major}{minor}"' in setup
+
+
+def test_cuda_bindings_come_with_the_cuda_extra_only() -> None:
+    """31 MB that a host-backend or gpumemctl-only install does without; the extras
+    that run on a GPU bring it."""
+    requires = metadata.requires("gpumemd") or []
+    cuda = [r for r in requires if r.startswith("cuda-bindings")]
+    assert cuda and all("extra ==" in r for r in cuda), requires
+    extras = {re.search(r'extra == "(\w+)"', r).group(1) for r in cuda}  # type: ignore[union-attr]
+    assert extras == {"cuda", "torch", "nanovllm", "test"}, cuda

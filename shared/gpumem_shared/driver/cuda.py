@@ -42,7 +42,7 @@ def _load_driver() -> Any:
     try:
         from cuda.bindings import driver as cu
     except ImportError as exc:
-        raise DriverUnavailable(f"cuda-bindings is not installed ({exc.name} missing)") from None
+        raise DriverUnavailable(f"cuda-bindings is not installed ({exc.name} missing): pip install 'gpumemd[cuda]'") from None
     try:
         result = cu.cuInit(0)
     except RuntimeError:  # cuda.pathfinder's DynamicLibNotFoundError: no libcuda
