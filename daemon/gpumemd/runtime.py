@@ -18,6 +18,7 @@ import logging
 import os
 import resource
 import socket
+import stat
 from pathlib import Path
 
 from gpumem_shared import protocol as p
@@ -39,6 +40,9 @@ MAX_PENDING = 256
 # directory (whose socket paths must fit in 108 bytes themselves).
 _ABSTRACT_MAX = 107
 _HOLDER = "/pid="
+# Root daemons' device locks: /run is root's alone, so no other user can plant a file
+# or a link here before the first daemon starts.
+DEVICE_LOCK_DIR = Path("/run/gpumemd-devices")
 
 
 class StartupError(Exception):
@@ -106,16 +110,32 @@ def take_lock(endpoints: Endpoints, device_uuid: str | None) -> list[int]:
 
 
 def take_device_lock(uuid: str, runtime_dir: Path) -> list[int]:
-    """One daemon per GPU, whichever runtime directory it was given: an abstract unix
-    socket named by the device's UUID, bound for the daemon's life (the kernel frees the
-    name when the process dies, however it dies; no file to leave stale or to be planted
-    by another user). Abstract names are per network namespace: containers of their own
-    network do not see each other's. Returns the sockets' fds."""
+    """One daemon per GPU, whichever runtime directory it was given. Returns the locks' fds.
+
+    An abstract unix socket named by the device's UUID, bound for the daemon's life (the
+    kernel frees the name when the process dies, however it dies; no file to leave stale).
+    Abstract names are per network namespace, and anyone may bind one first: a root daemon
+    (what systemd runs) holds a lock file in a directory only root writes
+    (DEVICE_LOCK_DIR), which decides among root daemons and which an unprivileged squatter
+    of the abstract name cannot take; a daemon of another user sees it and stands back."""
+    fds: list[int] = []
+    if os.geteuid() == 0:
+        fds.append(_take_root_lock(uuid, runtime_dir))
+    else:
+        _stand_back_for_root(uuid)
     lock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         lock.bind(_abstract(_lock_name(uuid)))
     except OSError as exc:
         lock.close()
+        if exc.errno == errno.EADDRINUSE and fds:
+            # The root lock is ours, so the name's holder is no root daemon: another user's
+            # daemon or a squatter. Either way it does not keep the system's daemon out.
+            log.warning("device %s's abstract lock name is held by a process of another user (%s); serving on the root lock",
+                        uuid, _device_holder(uuid))
+            return fds
+        for fd in fds:
+            os.close(fd)
         if exc.errno != errno.EADDRINUSE:
             raise StartupError(f"cannot take device {uuid}'s lock: {exc.strerror or exc}") from None
         raise StartupError(
@@ -127,8 +147,53 @@ def take_device_lock(uuid: str, runtime_dir: Path) -> list[int]:
         holder.bind(_abstract(f"{_lock_name(uuid)}{_HOLDER}{os.getpid()} {runtime_dir}"))
     except OSError:  # only a name for the message of a daemon refused
         holder.close()
-        return [lock.detach()]
-    return [lock.detach(), holder.detach()]
+        return [*fds, lock.detach()]
+    return [*fds, lock.detach(), holder.detach()]
+
+
+def _root_lock_path(uuid: str) -> Path:
+    return DEVICE_LOCK_DIR / (_lock_name(uuid).rpartition("/")[2] + ".lock")
+
+
+def _take_root_lock(uuid: str, runtime_dir: Path) -> int:
+    try:
+        DEVICE_LOCK_DIR.mkdir(mode=0o755, exist_ok=True)
+        st = os.lstat(DEVICE_LOCK_DIR)
+    except OSError as exc:
+        raise StartupError(f"cannot make the device lock directory {DEVICE_LOCK_DIR}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise StartupError(f"the device lock directory {DEVICE_LOCK_DIR} is not a directory only root may write; remove it")
+    path = _root_lock_path(uuid)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise StartupError(f"cannot open device {uuid}'s lock {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "pid unknown"
+        os.close(fd)
+        raise StartupError(
+            f"another gpumemd ({holder}) already serves device {uuid}; stop it first (systemctl stop gpumemd@<index>, or kill that pid)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}, runtime directory {runtime_dir}\n".encode(), 0)
+    return fd
+
+
+def _stand_back_for_root(uuid: str) -> None:
+    """A root daemon serving the device keeps an unprivileged one from starting beside it."""
+    try:
+        fd = os.open(_root_lock_path(uuid), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return  # no root daemon has served it (or its lock is not ours to read)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "pid unknown"
+        raise StartupError(f"the system's gpumemd ({holder}) already serves device {uuid}; use it, or stop it first") from None
+    finally:
+        os.close(fd)
 
 
 def _lock_name(uuid: str) -> str:

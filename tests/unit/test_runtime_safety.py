@@ -33,6 +33,16 @@ def device() -> str:
     return f"GPU-test-{uuid.uuid4()}"
 
 
+@pytest.fixture(autouse=True)
+def lock_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Root daemons' device locks go here, not under /run, for the test's life."""
+    path = Path(tempfile.mkdtemp(prefix="gl", dir="/tmp"))
+    path.chmod(0o755)  # another user's process must reach it, as it reaches /run's
+    monkeypatch.setattr(runtime, "DEVICE_LOCK_DIR", path / "devices")
+    yield path / "devices"
+    shutil.rmtree(path)
+
+
 @pytest.fixture
 def short() -> Iterator[Path]:
     """A directory whose path fits the holder's name whole, as /run/gpumemd does."""
@@ -65,8 +75,9 @@ def test_the_device_lock_of_a_killed_daemon_is_free_at_once(device: str, short: 
     tmp_path = short
     with subprocess.Popen(
         [sys.executable, "-c", "import sys; from pathlib import Path; from gpumemd import runtime; "
+         "runtime.DEVICE_LOCK_DIR = Path(sys.argv[3]); "
          "runtime.take_device_lock(sys.argv[1], Path(sys.argv[2])); print('held', flush=True); sys.stdin.read()",
-         device, str(tmp_path)],
+         device, str(tmp_path), str(runtime.DEVICE_LOCK_DIR)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     ) as holder:
         try:
@@ -164,3 +175,45 @@ def test_given_directories_are_the_operators_choice_and_made_absolute(tmpdir_: P
     assert resolve_runtime_dir(None, {paths.ENV_RUNTIME_DIR: "env-run"}, euid=ME) == tmpdir_ / "env-run"
     assert resolve_runtime_dir(None, {"XDG_RUNTIME_DIR": "/run/user/1000"}, euid=ME) == Path("/run/user/1000/gpumemd")
     assert not (tmpdir_ / "rel").exists() and not (tmpdir_ / "env-run").exists(), "only the fallback is made here"
+
+
+_HOLD = (
+    "import sys; from pathlib import Path; from gpumemd import runtime; runtime.DEVICE_LOCK_DIR = Path(sys.argv[3]); "
+    "fds = runtime.take_device_lock(sys.argv[1], Path(sys.argv[2])) if sys.argv[4] == 'lock' else None; "
+    "import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+    "s.bind(runtime._abstract(runtime._lock_name(sys.argv[1]))) if sys.argv[4] == 'squat' else None; "
+    "print('held', flush=True); sys.stdin.read()"
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the system daemon's lock is root's")
+def test_a_squatter_of_the_abstract_name_does_not_keep_the_system_daemon_out(device: str, short: Path, lock_dir: Path) -> None:
+    # The squatter binds the name first and holds no root lock: any process can.
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLD, device, str(short), str(lock_dir), "squat"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as squatter:
+        try:
+            assert squatter.stdout is not None and squatter.stdout.readline() == "held\n"
+            first = runtime.take_device_lock(device, short)  # refused before the root lock
+            try:
+                with pytest.raises(StartupError, match=f"pid {os.getpid()}, runtime directory {short}"):
+                    runtime.take_device_lock(device, short / "other")  # a second root daemon still is
+            finally:
+                _close(first)
+        finally:
+            squatter.kill()
+            squatter.wait(timeout=30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the system daemon's lock is root's")
+def test_another_users_daemon_stands_back_for_the_system_daemon(device: str, short: Path) -> None:
+    first = runtime.take_device_lock(device, short)
+    try:
+        # What a daemon of another user runs: it reads the root lock (its own open of the
+        # file, so the system daemon's flock is seen) and stands back.
+        with pytest.raises(StartupError, match=f"the system's gpumemd \\(pid {os.getpid()}, runtime directory {short}\\)"):
+            runtime._stand_back_for_root(device)
+    finally:
+        _close(first)
+    runtime._stand_back_for_root(device)  # gone: nothing to stand back for
