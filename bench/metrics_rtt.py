@@ -116,6 +116,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.scraper is None and args.holder is None:
         if args.iterations < 1 or args.rounds < 1 or args.warmup < 0 or args.arenas < 1:
             ap.error("--iterations, --rounds and --arenas must be >= 1, --warmup >= 0")
+        if args.backend == "cuda":
+            # Three daemons side by side, one device: gpumemd serves each GPU once. What
+            # the metrics cost is the daemon's own work, which the host backend measures.
+            ap.error("the three daemons it compares cannot share one GPU (one gpumemd per GPU); run --backend host")
         try:
             args.cpus = c.parse_cpus(args.cpus)
         except ValueError as exc:
