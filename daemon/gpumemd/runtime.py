@@ -35,18 +35,19 @@ class StartupError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class FdBudget:
-    """How many fd-channel connections the open-file limit allows."""
+    """How many connections the open-file limit allows, on each channel."""
 
     limit: int
-    connections: int  # sessions and pending connections together
-    pending: int  # connections that have not said HELLO yet
+    connections: int  # fd channel: sessions and pending connections together
+    pending: int  # fd channel: connections that have not said HELLO yet
+    control: int  # control channel: a DEALER per session, and anonymous peers (gpumemctl)
 
     @classmethod
     def of(cls, limit: int) -> FdBudget:
         headroom = max(FD_HEADROOM_MIN, limit // 4)
         # A session holds a control-channel connection besides its fd channel.
         connections = max(1, (limit - headroom) // 2)
-        return cls(limit, connections, max(1, min(MAX_PENDING, connections // 4)))
+        return cls(limit, connections, max(1, min(MAX_PENDING, connections // 4)), max(1, limit - headroom - connections))
 
 
 def raise_fd_limit() -> int:

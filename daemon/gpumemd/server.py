@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
@@ -31,6 +32,7 @@ from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
 from gpumemd.records import SessionRecord
 from gpumemd.admission import ACCEPT_BATCH, Admission, Connection
+from gpumemd.control_door import ControlDoor, ControlPeer
 from gpumemd.logs import log_request
 from gpumemd.outbox import Batch, Letter, Mail, Outbox
 from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
@@ -55,6 +57,10 @@ _POLLIN = int(zmq.POLLIN)
 # once). A bigger message closes its connection unread; up to this size it is refused
 # with BAD_MESSAGE like any frame over MAX_FRAME_BYTES.
 MAX_CONTROL_MESSAGE = 2 * p.MAX_FRAME_BYTES
+# What the ROUTER's monitor reports: each control-channel connection's descriptor as it
+# comes and goes (control_door.py).
+_MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_MONITOR_URL = "inproc://gpumemd.control-monitor"
 
 
 class Server:
@@ -81,11 +87,14 @@ class Server:
         self._stop_requested = False
         self._door = Admission(FdBudget.of(FD_HEADROOM_MIN * 4), hello_timeout)  # the real budget from bind()
         self._connections = self._door.connections  # by socket fd
+        self._control = ControlDoor(self._door.budget, hello_timeout)
         self._by_session: dict[int, Connection] = {}
         self._by_token: dict[bytes, SessionRecord] = {}
         self._lock_fd = -1
         self._ctx: zmq.Context[Any] | None = None
         self._router: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self._control_listener: socket.socket | None = None  # the ROUTER listens on copies of it
         self._listener: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._last_watchdog = 0.0
@@ -105,8 +114,11 @@ class Server:
             raise StartupError(f"cannot create runtime directory {ep.runtime_dir}: {exc.strerror}") from None
         gid = runtime.group_id(self.socket_group)
         self._lock_fd = runtime.take_lock(ep)
-        budget = self._door.budget = FdBudget.of(runtime.raise_fd_limit())
-        log.info("fd channel: up to %d connections, %d of them before HELLO", budget.connections, budget.pending)
+        budget = self._door.budget = self._control.budget = FdBudget.of(runtime.raise_fd_limit())
+        log.info(
+            "fd channel: up to %d connections, %d of them before HELLO; control channel: up to %d connections",
+            budget.connections, budget.pending, budget.control,
+        )
         runtime.remove_stale_sockets(ep)
         old_umask = os.umask(0o117)  # sockets are born 0660; no window at a wider mode
         try:
@@ -117,7 +129,17 @@ class Server:
             # A session resumed after a restart comes back on a new DEALER with its old
             # routing id: the newest connection under an id is the one that answers.
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            self._router.bind(ep.zmq_url)
+            self._router.monitor(_MONITOR_URL, _MONITOR_EVENTS)
+            self._monitor = self._ctx.socket(zmq.PAIR)
+            self._monitor.setsockopt(zmq.RCVHWM, 0)  # a lost event would leave a connection uncounted
+            self._monitor.connect(_MONITOR_URL)
+            # The daemon owns the listening socket: reopening the channel (control_door.py)
+            # closes the ROUTER's copy and every connection it accepted, while clients
+            # connecting meanwhile wait in the backlog instead of finding no socket.
+            self._control_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            self._control_listener.bind(str(ep.zmq_path))
+            self._control_listener.listen(128)
+            self._bind_control()
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._listener.bind(str(ep.fd_path))
             self._listener.listen(128)
@@ -138,6 +160,11 @@ class Server:
 
     # ------------------------------------------------------------------ loop
 
+    def _bind_control(self) -> None:
+        assert self._router is not None and self._control_listener is not None
+        self._router.setsockopt(zmq.USE_FD, os.dup(self._control_listener.fileno()))
+        self._router.bind(self.endpoints.zmq_url)
+
     def request_stop(self, *_: Any) -> None:
         # Runs in a signal handler: set a flag only; the wake-up fd breaks the poll.
         self._stop_requested = True
@@ -146,6 +173,7 @@ class Server:
         assert self._router is not None and self._listener is not None
         poller = zmq.Poller()
         poller.register(self._router, _POLLIN)
+        poller.register(self._monitor, _POLLIN)
         poller.register(self._wake_r, _POLLIN)
         self._poller = poller
         self._update_listener(time.monotonic())
@@ -160,7 +188,7 @@ class Server:
         if self.notifier.watchdog_interval is not None:
             wait_ms = min(wait_ms, self.notifier.watchdog_interval * 500)
         wait_ms = max(int(wait_ms), 1)  # the poller would convert a float on every call
-        router, listener, wake = self._router, self._listener.fileno(), self._wake_r
+        router, listener, wake, monitor = self._router, self._listener.fileno(), self._wake_r, self._monitor
         connections = self._connections
         try:
             while not self._stop_requested:
@@ -171,6 +199,8 @@ class Server:
                         self._on_accept()
                     elif ready == wake:
                         self._drain_wake()
+                    elif ready is monitor:
+                        self._on_monitor()
                     else:
                         conn = connections.get(ready)
                         if conn is not None:  # not dropped by what ran before it in this round
@@ -193,6 +223,8 @@ class Server:
             for conn in self._door.silent(now):
                 self._drop(conn)
             self._door.log_flood(now)
+            self._guard_control(now, self._control.silent(now))
+            self._control.log_flood(now)
             self._update_listener(now)
             self._post(self.outbox.tick())  # round deadlines, lease repairs, the grace period
             if self._on_tick is not None:
@@ -218,6 +250,9 @@ class Server:
         # The request frame without a copy (the decoder reads its buffer); its ``more``
         # says whether frames follow, without asking the socket.
         frame = router.recv(_NOBLOCK, copy=False)
+        cut_off = self._control.spoke(frame.get(zmq.SRCFD), identity, identity in self._by_token, time.monotonic())
+        if cut_off is not None:
+            self._hang_up(self._control.peers[cut_off], time.monotonic())
         if frame.more:
             parts = 2
             while frame.more:  # a multipart message arrives whole: the rest is there
@@ -297,6 +332,62 @@ class Server:
                 log.info("notice %r to session %d not delivered: %s", notice.kind, session_id, exc)
             except p.ProtocolError as exc:
                 log.error("notice %r to session %d not delivered: %s", notice, session_id, exc.message)
+
+    def _on_monitor(self) -> None:
+        """Control-channel connections as libzmq accepts and closes them; past the budget,
+        hang up the excess at once (a burst must not reach the open-file limit)."""
+        assert self._monitor is not None
+        now = time.monotonic()
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(_NOBLOCK))
+            except zmq.Again:
+                break
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                pid, uid = self._peer_of(fd)
+                self._control.accepted(fd, uid, pid, now)
+            else:
+                self._control.closed(fd)
+        self._guard_control(now, self._control.excess(now))
+
+    def _peer_of(self, fd: int) -> tuple[int, int]:
+        """The pid and uid of the peer on a control-channel descriptor ((-1, -1) if it is
+        gone already)."""
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                pid, uid, _ = fdchannel.peer_credentials(sock)
+        except OSError:
+            return -1, -1
+        return pid, uid
+
+    def _guard_control(self, now: float, victims: Sequence[ControlPeer]) -> None:
+        for peer in victims:
+            self._hang_up(peer, now)
+        if self._control.stalled(now, len(self._by_session)):
+            self._reopen_control()
+
+    def _hang_up(self, peer: ControlPeer, now: float) -> None:
+        """shutdown(2) on a control-channel connection libzmq holds: it sees the hang-up
+        and closes it. The descriptor must still be that connection: the monitor may not
+        have told its close yet, and the number may be the daemon's own again."""
+        self._control.hang_up(peer, now)
+        if peer.fd in self._connections:
+            return
+        try:
+            with socket.socket(fileno=os.dup(peer.fd)) as sock:
+                if sock.family == socket.AF_UNIX and sock.getsockname() == str(self.endpoints.zmq_path):
+                    sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed meanwhile
+
+    def _reopen_control(self) -> None:
+        """Close the ROUTER's listener, and with it every connection it accepted (the only
+        way to free a stalled one, control_door.py), then listen again on the same socket."""
+        assert self._router is not None
+        self._router.unbind(self.endpoints.zmq_url)
+        self._control.reopened()
+        self._bind_control()
 
     # ------------------------------------------------------------------ fd channel
 
@@ -388,6 +479,7 @@ class Server:
         if conn.session is not None:
             self._by_session.pop(conn.session.id, None)
             self._by_token.pop(conn.session.token, None)
+            self._control.ended(conn.session.token)
             self._post(self.outbox.session_closed(conn.session.id))
 
     # ------------------------------------------------------------------ shutdown
@@ -410,6 +502,9 @@ class Server:
         log.info("stopped")
 
     def _close_sockets(self) -> None:
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
@@ -419,3 +514,6 @@ class Server:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._control_listener is not None:
+            self._control_listener.close()
+            self._control_listener = None

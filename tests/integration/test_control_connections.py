@@ -1,0 +1,97 @@
+"""Control-channel connections under a small open-file limit: libzmq accepts them on its
+own thread and aborts the process (``Too many open files (src/ipc_listener.cpp)``) when
+accept fails, so the daemon counts them from the ROUTER's monitor and hangs up the ones
+that cost a descriptor for nothing (daemon/gpumemd/control_door.py).
+
+Before it did, each routing-id handover round below left one connection open in the
+daemon for good (libzmq cut the old one off from the ROUTER and its reader stalled once
+its peer sent again), and a crowd of DEALERs that never sent a word held a descriptor
+each: both ended in that abort."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from gpumem_shared import protocol as p
+from gpumemd_testkit import Probe, RawControl, RawSession, envelope
+
+NOFILE = 256  # control budget: 256 - 64 headroom - 96 fd-channel connections = 96
+CONTROL_BUDGET = 96
+ROUNDS = 3 * NOFILE
+SETTLE = 10.0
+
+
+def ping(control: RawControl, rid: int) -> None:
+    reply = control.call(p.MsgType.PING, request_id=rid)
+    assert reply["ok"], reply
+
+
+def answered(control: RawControl, rid: int) -> bool:
+    """PING: whether it was answered. Under this attack the daemon reopens its control
+    channel now and then, and a request on the wire at that moment gets no reply."""
+    control.send_frames(envelope(p.MsgType.PING, None, rid))
+    return bool(control.sock.poll(2000, zmq.POLLIN)) and control.recv()["ok"] is True
+
+
+def handover_round(runtime_dir: Any, routing_id: bytes, rid: int) -> None:
+    """A speaks under an id, B takes the id over and leaves, A speaks again (unanswered:
+    the ROUTER no longer reads it), and leaves."""
+    a = RawControl(runtime_dir, routing_id=routing_id)
+    try:
+        answered(a, rid)
+        with RawControl(runtime_dir, routing_id=routing_id) as b:
+            answered(b, rid + 1)
+        a.send_frames(envelope(p.MsgType.PING, None, rid + 2))
+    finally:
+        a.close()
+
+
+def settled_fds(probe: Probe, most: int, timeout: float = SETTLE) -> int:
+    """The daemon's descriptor count once it is at most ``most`` (libzmq closes what a
+    peer left on its own thread, a moment later), or the count at the timeout."""
+    deadline = time.monotonic() + timeout
+    while (n := probe.fds()) > most and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
+def test_routing_id_handover_rounds_leave_no_descriptor(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory("host", nofile=NOFILE)
+    probe = Probe(daemon.pid)
+    with RawControl(runtime_dir) as warm:
+        ping(warm, 1)
+    baseline = settled_fds(probe, 0, timeout=0.5)
+    most = baseline
+    for i in range(ROUNDS):
+        handover_round(runtime_dir, b"taken-%d" % (i % 7), 10 * i)
+        most = max(most, probe.fds())
+        assert probe.alive(), f"gpumemd died after {i} handover rounds:\n{daemon.log()[-3000:]}"
+    # Bounded while it runs, and back where it was once no session would notice the
+    # channel reopen (no session is open).
+    assert most < baseline + CONTROL_BUDGET + 16, f"the daemon held {most} descriptors (baseline {baseline})"
+    after = settled_fds(probe, baseline + 2)
+    assert after <= baseline + 2, f"{after - baseline} descriptors left open after {ROUNDS} handover rounds:\n{daemon.log()[-2000:]}"
+    with RawControl(runtime_dir) as late:
+        ping(late, 1)
+
+
+def test_a_session_keeps_working_through_handover_rounds(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """With a session open the daemon reopens the channel only once stalled connections
+    crowd the budget; the count stays within it, and the session's DEALER goes on
+    (reconnected by libzmq if the channel was reopened under it)."""
+    daemon = daemon_factory("host", nofile=NOFILE)
+    probe = Probe(daemon.pid)
+    with RawSession(runtime_dir, "steady") as steady:
+        assert steady.control is not None
+        baseline = settled_fds(probe, 0, timeout=0.5)
+        most = baseline
+        for i in range(ROUNDS):
+            handover_round(runtime_dir, b"taken", 10 * i)
+            most = max(most, probe.fds())
+        assert probe.alive(), daemon.log()[-3000:]
+        assert most < baseline + CONTROL_BUDGET + 16, f"the daemon held {most} descriptors (baseline {baseline})"
+        assert answered(steady.control, 1) or answered(steady.control, 2), "the session's DEALER got no answer"
+        assert steady.commit("kv", 0)["code"] != p.ErrorCode.INTERNAL
