@@ -34,7 +34,9 @@ log = logging.getLogger("gpumemd.control_door")
 
 # A connection hung up and still open this long later is stalled (see above): only
 # reopening the channel frees it.
-STALL_AFTER = 0.5
+STALL_AFTER = 2.0
+# The door shut this long, connections no session speaks through are hung up to open it.
+SHUT_PATIENCE = 2.0
 # Repeated warnings are summed up at most this often.
 LOG_EVERY = 5.0
 
@@ -58,6 +60,9 @@ class ControlDoor:
         self.peers: dict[int, ControlPeer] = {}  # by descriptor, oldest first
         self._newest: dict[bytes, int] = {}  # routing id -> the descriptor its requests came on last
         self._hung_up: collections.Counter[str] = collections.Counter()  # why, since the last log line
+        self.door_shut = False  # past the budget: the daemon turns new connections away itself
+        self._shut_since = 0.0
+        self.turned_away = 0  # since the last log line
         self._logged = 0.0
 
     def accepted(self, fd: int, uid: int, pid: int, now: float) -> None:
@@ -106,26 +111,45 @@ class ControlDoor:
                 break
             if not peer.spoke and not peer.hung_up:
                 out.append(peer)
-        self._hung_up[f"sent nothing within {self.hello_timeout:.1f}s"] += len(out)
+        if out:
+            self._hung_up[f"sent nothing within {self.hello_timeout:.1f}s"] += len(out)
         return out
 
     def excess(self, now: float) -> list[ControlPeer]:
-        """Past the budget: the connections to hang up (none a session speaks through),
-        of the uid holding the most first, the longest idle first."""
-        over = len(self.peers) - self.budget.control
+        """Past the budget (or the door shut): the connections to hang up (none a session
+        speaks through), of the uid holding the most first, the longest idle first."""
+        # The door shut a while: down to where it opens again, so that a stalled
+        # connection is found out (hung up and still open) instead of keeping it shut for
+        # good. Not at once: each opening lets a burst in before the door shuts again.
+        keep = self.budget.control
+        if self.door_shut and now - self._shut_since >= SHUT_PATIENCE:
+            keep, self._shut_since = keep * 3 // 4, now
+        over = len(self.peers) - keep
         if over <= 0:
             return []
         loose = [p for p in self.peers.values() if not p.session and not p.hung_up]
         held = collections.Counter(p.uid for p in loose)
         loose.sort(key=lambda p: (-held[p.uid], p.spoke or p.accepted))
         out = loose[:over]
-        self._hung_up[f"past the budget of {self.budget.control} control connections"] += len(out)
+        if out:
+            self._hung_up[f"the budget of {self.budget.control} control connections spent"] += len(out)
         return out
 
+    def shut_door(self, now: float) -> bool | None:
+        """Whether new connections must now be turned away (True) or let in (False); None:
+        as it is. The door opens again once a quarter of the budget is free, so that a
+        crowd that reconnects as it is hung up is not let in one at a time."""
+        if not self.door_shut and len(self.peers) >= self.budget.control:
+            self._shut_since = now
+            return True
+        if self.door_shut and len(self.peers) <= self.budget.control * 3 // 4:
+            return False
+        return None
+
     def stalled(self, now: float, sessions: int) -> bool:
-        """Connections hung up and still open, past the budget or while no session would
-        notice the channel reopen: only reopening it frees them."""
-        if sessions and len(self.peers) <= self.budget.control:
+        """Connections hung up and still open, with the budget spent (the door shut) or
+        while no session would notice the channel reopen: only reopening it frees them."""
+        if sessions and len(self.peers) < self.budget.control:
             return False
         return any(p.hung_up and now - p.hung_up >= STALL_AFTER for p in self.peers.values())
 
@@ -141,9 +165,15 @@ class ControlDoor:
         self._newest.clear()
 
     def log_flood(self, now: float) -> None:
-        if not self._hung_up or now - self._logged < LOG_EVERY:
+        if not (self._hung_up or self.turned_away) or now - self._logged < LOG_EVERY:
             return
         self._logged = now
+        if self.turned_away:
+            log.warning(
+                "turned %d control-channel connection(s) away: %d open, the budget is %d (raise LimitNOFILE for more)",
+                self.turned_away, len(self.peers), self.budget.control,
+            )
+            self.turned_away = 0
         for why, n in self._hung_up.items():
             if n:
                 log.warning("hung up %d control-channel connection(s): %s", n, why)

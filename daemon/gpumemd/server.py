@@ -61,6 +61,7 @@ MAX_CONTROL_MESSAGE = 2 * p.MAX_FRAME_BYTES
 # comes and goes (control_door.py).
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 _MONITOR_URL = "inproc://gpumemd.control-monitor"
+CONTROL_BACKLOG = 16
 
 
 class Server:
@@ -95,6 +96,8 @@ class Server:
         self._router: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
         self._control_listener: socket.socket | None = None  # the ROUTER listens on copies of it
+        self._zmq_fd = -1  # the ROUTER's copy (libzmq's to close)
+        self._shut_door: socket.socket | None = None  # what the ROUTER's copy is while the door is shut
         self._listener: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._last_watchdog = 0.0
@@ -138,7 +141,11 @@ class Server:
             # connecting meanwhile wait in the backlog instead of finding no socket.
             self._control_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             self._control_listener.bind(str(ep.zmq_path))
-            self._control_listener.listen(128)
+            # A short backlog: what libzmq can take in one burst, before the daemon sees
+            # the count and shuts the door (control_door.py), when it opens again.
+            self._control_listener.listen(CONTROL_BACKLOG)
+            self._control_listener.setblocking(False)
+            self._shut_door = self._unreachable_listener(ep.runtime_dir / f"{ep.zmq_path.name}.shut")
             self._bind_control()
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._listener.bind(str(ep.fd_path))
@@ -160,10 +167,51 @@ class Server:
 
     # ------------------------------------------------------------------ loop
 
+    @staticmethod
+    def _unreachable_listener(path: Any) -> socket.socket:
+        """A listening socket no one can connect to (its name unlinked at once)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            sock.bind(str(path))
+            os.unlink(path)
+            sock.listen(1)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
     def _bind_control(self) -> None:
         assert self._router is not None and self._control_listener is not None
-        self._router.setsockopt(zmq.USE_FD, os.dup(self._control_listener.fileno()))
+        self._zmq_fd = os.dup(self._control_listener.fileno())
+        self._router.setsockopt(zmq.USE_FD, self._zmq_fd)
         self._router.bind(self.endpoints.zmq_url)
+        self._control.door_shut = False
+
+    def _shut_control_door(self, shut: bool) -> None:
+        """libzmq accepts every connection the moment it comes, faster than the daemon can
+        count and hang up: a burst would reach the open-file limit first. Past the budget
+        the ROUTER's copy of the listener becomes a listener no one can reach (dup2: its
+        poll registration stays on the real one, its accept finds nothing), and the daemon
+        takes the connections that come off the backlog itself and closes them; their
+        DEALERs try again later."""
+        assert self._control_listener is not None and self._shut_door is not None
+        os.dup2((self._shut_door if shut else self._control_listener).fileno(), self._zmq_fd)
+        self._control.door_shut = shut
+        if shut:
+            self._poller.register(self._control_listener.fileno(), _POLLIN)
+        else:
+            self._poller.unregister(self._control_listener.fileno())
+
+    def _turn_away(self) -> None:
+        """The door is shut: connections off the control channel's backlog are closed."""
+        assert self._control_listener is not None
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = self._control_listener.accept()
+            except OSError:  # BlockingIOError: none left; EMFILE: none can be taken now either
+                break
+            sock.close()
+            self._control.turned_away += 1
 
     def request_stop(self, *_: Any) -> None:
         # Runs in a signal handler: set a flag only; the wake-up fd breaks the poll.
@@ -189,6 +237,7 @@ class Server:
             wait_ms = min(wait_ms, self.notifier.watchdog_interval * 500)
         wait_ms = max(int(wait_ms), 1)  # the poller would convert a float on every call
         router, listener, wake, monitor = self._router, self._listener.fileno(), self._wake_r, self._monitor
+        control_listener = self._control_listener.fileno() if self._control_listener is not None else -1
         connections = self._connections
         try:
             while not self._stop_requested:
@@ -201,6 +250,8 @@ class Server:
                         self._drain_wake()
                     elif ready is monitor:
                         self._on_monitor()
+                    elif ready == control_listener:
+                        self._turn_away()
                     else:
                         conn = connections.get(ready)
                         if conn is not None:  # not dropped by what ran before it in this round
@@ -223,7 +274,7 @@ class Server:
             for conn in self._door.silent(now):
                 self._drop(conn)
             self._door.log_flood(now)
-            self._guard_control(now, self._control.silent(now))
+            self._guard_control(now, [*self._control.silent(now), *self._control.excess(now)])
             self._control.log_flood(now)
             self._update_listener(now)
             self._post(self.outbox.tick())  # round deadlines, lease repairs, the grace period
@@ -250,7 +301,10 @@ class Server:
         # The request frame without a copy (the decoder reads its buffer); its ``more``
         # says whether frames follow, without asking the socket.
         frame = router.recv(_NOBLOCK, copy=False)
-        cut_off = self._control.spoke(frame.get(zmq.SRCFD), identity, identity in self._by_token, time.monotonic())
+        fd = frame.get(zmq.SRCFD)
+        if fd not in self._control.peers:
+            self._on_monitor()  # its accept not counted yet: the hand-over must not go unseen
+        cut_off = self._control.spoke(fd, identity, identity in self._by_token, time.monotonic())
         if cut_off is not None:
             self._hang_up(self._control.peers[cut_off], time.monotonic())
         if frame.more:
@@ -347,6 +401,8 @@ class Server:
             if event["event"] == zmq.EVENT_ACCEPTED:
                 pid, uid = self._peer_of(fd)
                 self._control.accepted(fd, uid, pid, now)
+                if self._control.shut_door(now):
+                    self._shut_control_door(True)  # at once: libzmq goes on accepting meanwhile
             else:
                 self._control.closed(fd)
         self._guard_control(now, self._control.excess(now))
@@ -366,6 +422,9 @@ class Server:
             self._hang_up(peer, now)
         if self._control.stalled(now, len(self._by_session)):
             self._reopen_control()
+        shut = self._control.shut_door(now)
+        if shut is not None:
+            self._shut_control_door(shut)
 
     def _hang_up(self, peer: ControlPeer, now: float) -> None:
         """shutdown(2) on a control-channel connection libzmq holds: it sees the hang-up
@@ -384,8 +443,10 @@ class Server:
     def _reopen_control(self) -> None:
         """Close the ROUTER's listener, and with it every connection it accepted (the only
         way to free a stalled one, control_door.py), then listen again on the same socket."""
-        assert self._router is not None
-        self._router.unbind(self.endpoints.zmq_url)
+        assert self._router is not None and self._control_listener is not None
+        if self._control.door_shut:  # libzmq's copy must be the listener it polls when it lets go of it
+            self._shut_control_door(False)
+        self._router.unbind(self.endpoints.zmq_url)  # libzmq closes its copy
         self._control.reopened()
         self._bind_control()
 
@@ -514,6 +575,7 @@ class Server:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        if self._control_listener is not None:
-            self._control_listener.close()
-            self._control_listener = None
+        for sock in (self._control_listener, self._shut_door):
+            if sock is not None:
+                sock.close()
+        self._control_listener = self._shut_door = None

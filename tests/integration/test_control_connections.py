@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 
 from gpumem_shared import protocol as p
+from gpumem_shared.paths import Endpoints
 from gpumemd_testkit import Probe, RawControl, RawSession, envelope
 
 NOFILE = 256  # control budget: 256 - 64 headroom - 96 fd-channel connections = 96
@@ -95,3 +96,46 @@ def test_a_session_keeps_working_through_handover_rounds(daemon_factory, runtime
         assert most < baseline + CONTROL_BUDGET + 16, f"the daemon held {most} descriptors (baseline {baseline})"
         assert answered(steady.control, 1) or answered(steady.control, 2), "the session's DEALER got no answer"
         assert steady.commit("kv", 0)["code"] != p.ErrorCode.INTERNAL
+
+
+def test_a_crowd_of_silent_dealers_is_hung_up(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """Three times the open-file limit in DEALERs that connect and never send: the daemon
+    hangs up those past its budget as they come (libzmq's DEALERs reconnect, and are hung
+    up again), stays within its descriptors, serves the session it has, and takes
+    anonymous peers again once the crowd leaves."""
+    daemon = daemon_factory("host", nofile=NOFILE)
+    probe = Probe(daemon.pid)
+    ctx: zmq.Context[Any] = zmq.Context()
+    crowd: list[zmq.Socket[Any]] = []
+    try:
+        with RawSession(runtime_dir, "steady") as steady:
+            assert steady.control is not None and steady.call(p.MsgType.PING)["ok"]  # its DEALER is the session's now
+            baseline = settled_fds(probe, 0, timeout=0.5)
+            most = baseline
+            for i in range(3 * NOFILE):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(Endpoints(runtime_dir, 0).zmq_url)
+                crowd.append(sock)
+                if i % 16 == 0:
+                    most = max(most, probe.fds())
+                    assert probe.alive(), f"gpumemd died with {i} silent DEALERs:\n{daemon.log()[-3000:]}"
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:  # the crowd reconnecting as it is hung up
+                most = max(most, probe.fds())
+                time.sleep(0.02)
+            assert probe.alive(), f"gpumemd died under the crowd:\n{daemon.log()[-3000:]}"
+            assert most < NOFILE - 8, f"the daemon held {most} descriptors under a limit of {NOFILE}"
+            assert answered(steady.control, 1) or answered(steady.control, 2), "the session got no answer under the crowd"
+            for sock in crowd:
+                sock.close(linger=0)
+            crowd = []
+            with RawControl(runtime_dir) as late:
+                assert answered(late, 3) or answered(late, 4), "an anonymous peer got no answer after the crowd left"
+            assert steady.call(p.MsgType.PING)["ok"]
+    finally:
+        for sock in crowd:
+            sock.close(linger=0)
+        ctx.term()
+    log = daemon.log()
+    assert "control-channel connection(s) away" in log or "hung up" in log, log[-2000:]
