@@ -61,6 +61,9 @@ class ControlDoor:
         self._newest: dict[bytes, int] = {}  # routing id -> the descriptor its requests came on last
         self._hung_up: collections.Counter[str] = collections.Counter()  # why, since the last log line
         self.door_shut = False  # past the budget: the daemon turns new connections away itself
+        # Descriptors near the open-file limit, whatever holds them (chunks, the fd
+        # channel): libzmq must not be the one that finds none left.
+        self.fd_pressure = False
         self._shut_since = 0.0
         self.turned_away = 0  # since the last log line
         self._logged = 0.0
@@ -139,10 +142,10 @@ class ControlDoor:
         """Whether new connections must now be turned away (True) or let in (False); None:
         as it is. The door opens again once a quarter of the budget is free, so that a
         crowd that reconnects as it is hung up is not let in one at a time."""
-        if not self.door_shut and len(self.peers) >= self.budget.control:
+        if not self.door_shut and (len(self.peers) >= self.budget.control or self.fd_pressure):
             self._shut_since = now
             return True
-        if self.door_shut and len(self.peers) <= self.budget.control * 3 // 4:
+        if self.door_shut and len(self.peers) <= self.budget.control * 3 // 4 and not self.fd_pressure:
             return False
         return None
 

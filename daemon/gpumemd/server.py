@@ -62,6 +62,10 @@ MAX_CONTROL_MESSAGE = 2 * p.MAX_FRAME_BYTES
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 _MONITOR_URL = "inproc://gpumemd.control-monitor"
 CONTROL_BACKLOG = 16
+# A descriptor numbered this close to the open-file limit (the kernel hands out the lowest
+# free number, so it tells how many are open) shuts the control channel's door until the
+# count is twice as far from it again.
+FD_MARGIN = 16
 
 
 class Server:
@@ -274,6 +278,8 @@ class Server:
             for conn in self._door.silent(now):
                 self._drop(conn)
             self._door.log_flood(now)
+            if self._control.fd_pressure:
+                self._control.fd_pressure = self._open_fds() >= self._control.budget.limit - 2 * FD_MARGIN
             self._guard_control(now, [*self._control.silent(now), *self._control.excess(now)])
             self._control.log_flood(now)
             self._update_listener(now)
@@ -401,11 +407,23 @@ class Server:
             if event["event"] == zmq.EVENT_ACCEPTED:
                 pid, uid = self._peer_of(fd)
                 self._control.accepted(fd, uid, pid, now)
+                self._watch_fd(fd)
                 if self._control.shut_door(now):
                     self._shut_control_door(True)  # at once: libzmq goes on accepting meanwhile
             else:
                 self._control.closed(fd)
         self._guard_control(now, self._control.excess(now))
+
+    @staticmethod
+    def _open_fds() -> int:
+        try:
+            return len(os.listdir("/proc/self/fd"))
+        except OSError:  # EMFILE: listing takes a descriptor
+            return 1 << 30
+
+    def _watch_fd(self, fd: int) -> None:
+        if fd >= self._control.budget.limit - FD_MARGIN:
+            self._control.fd_pressure = True
 
     def _peer_of(self, fd: int) -> tuple[int, int]:
         """The pid and uid of the peer on a control-channel descriptor ((-1, -1) if it is
@@ -475,6 +493,9 @@ class Server:
                 sock.close()
                 continue
             self._door.admit(Connection(sock=sock, pid=pid, uid=uid, gid=gid, accepted=now, deadline=now + self.hello_timeout))
+            self._watch_fd(sock.fileno())
+            if self._control.shut_door(now):
+                self._shut_control_door(True)
             self._poller.register(sock.fileno(), _POLLIN)
         self._update_listener(now)
 
@@ -563,6 +584,8 @@ class Server:
         log.info("stopped")
 
     def _close_sockets(self) -> None:
+        if self._control.door_shut:  # libzmq lets go of the listener it polls
+            self._shut_control_door(False)
         if self._monitor is not None:
             self._monitor.close(linger=0)
             self._monitor = None
