@@ -10,6 +10,7 @@ each: both ended in that abort."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -139,3 +140,26 @@ def test_a_crowd_of_silent_dealers_is_hung_up(daemon_factory, runtime_dir) -> No
         ctx.term()
     log = daemon.log()
     assert "control-channel connection(s) away" in log or "hung up" in log, log[-2000:]
+
+
+def test_as_many_sessions_as_the_fd_channel_takes_each_with_its_dealer(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """The fd budget counts each session's control connection besides its fd channel: as
+    many sessions as the fd channel takes, each speaking through its DEALER, fit the
+    open-file limit (a budget that forgot the DEALER let twice as many sessions in as the
+    descriptors hold)."""
+    daemon = daemon_factory("host", nofile=NOFILE)
+    probe = Probe(daemon.pid)
+    found = re.search(r"fd channel: up to (\d+) connections", daemon.log())
+    assert found is not None, daemon.log()
+    sessions: list[RawSession] = []
+    try:
+        for i in range(int(found.group(1))):
+            sessions.append(RawSession(runtime_dir, f"s{i}"))
+            assert sessions[-1].call(p.MsgType.PING)["ok"], f"session {i} got no answer"
+            assert probe.alive(), f"gpumemd died at session {i}:\n{daemon.log()[-3000:]}"
+        for session in sessions:
+            assert session.call(p.MsgType.PING)["ok"]
+        assert probe.fds() < NOFILE
+    finally:
+        for session in sessions:
+            session.close()
