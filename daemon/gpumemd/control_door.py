@@ -15,11 +15,16 @@ open until the listener closes, one per handover, without limit.
 The daemon hangs up (shutdown(2) on the descriptor the monitor named; libzmq sees the
 hang-up and closes it) the connections a routing id left for a newer one, those that
 sent nothing within the HELLO timeout, and, past the budget, connections no session
-speaks through: first of the uid holding the most of them, the longest idle first. When
-connections already hung up stay open (stalled) and keep the count past the budget,
-only closing the listener frees them: the daemon reopens the control channel on the
-same listening socket (every client's DEALER reconnects on its own; a request on the
-wire at that moment gets no reply).
+speaks through: first of the uid holding the most of them, the longest idle first.
+Hanging up comes after the accept, and libzmq accepts faster than the daemon counts:
+with the budget spent, or descriptors near the open-file limit, the door shuts (the
+server makes libzmq's copy of the listener one no one reaches, and closes what comes off
+the backlog itself) until a quarter of the budget is free again.
+
+Connections hung up that stay open (stalled) are freed only by closing the listener: the
+daemon reopens the control channel on the same listening socket when the budget is spent
+or no session is open to notice (every client's DEALER reconnects on its own; a request
+on the wire at that moment gets no reply).
 """
 
 from __future__ import annotations

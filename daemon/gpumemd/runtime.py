@@ -15,16 +15,19 @@ import json
 import logging
 import os
 import resource
+import socket
+from pathlib import Path
 
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
 
 log = logging.getLogger("gpumemd.runtime")
 
-# What the open-file limit must leave besides fd-channel connections: ZeroMQ's own
-# descriptors (its context, the ROUTER's listener, one per control-channel peer; libzmq
-# aborts the process when it cannot accept a peer), the lease table, the lock, the
-# wake-up pipe, the host backend's chunk memfds, chunk descriptors being handed out.
+# What the open-file limit must leave besides connections on both channels: ZeroMQ's
+# own descriptors (its context, the ROUTER's listener; libzmq aborts the process when it
+# cannot accept a peer, so the control channel's count is kept within its share:
+# control_door.py), the lease table, the lock, the wake-up pipe, the host backend's chunk
+# memfds, chunk descriptors being handed out.
 FD_HEADROOM_MIN = 64
 # Connections that have not said HELLO: anyone who may open the socket can make them, and
 # each holds a descriptor until its HELLO timeout.
@@ -64,6 +67,27 @@ def raise_fd_limit() -> int:
         return soft
     log.info("open-file limit %d (soft limit raised from %d to the hard limit)", hard, soft)
     return hard
+
+
+def open_fds() -> int:
+    """Descriptors open in this process (past any limit when listing them fails: EMFILE)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 1 << 30
+
+
+def unreachable_listener(path: Path) -> socket.socket:
+    """A listening socket no one can connect to (bound at ``path``, unlinked at once)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+    try:
+        sock.bind(str(path))
+        os.unlink(path)
+        sock.listen(1)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def group_id(socket_group: str | None) -> int | None:

@@ -149,7 +149,7 @@ class Server:
             # the count and shuts the door (control_door.py), when it opens again.
             self._control_listener.listen(CONTROL_BACKLOG)
             self._control_listener.setblocking(False)
-            self._shut_door = self._unreachable_listener(ep.runtime_dir / f"{ep.zmq_path.name}.shut")
+            self._shut_door = runtime.unreachable_listener(ep.runtime_dir / f"{ep.zmq_path.name}.shut")
             self._bind_control()
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._listener.bind(str(ep.fd_path))
@@ -170,19 +170,6 @@ class Server:
         runtime.write_info(ep, self.state.device.uuid, self.state.driver.kind)
 
     # ------------------------------------------------------------------ loop
-
-    @staticmethod
-    def _unreachable_listener(path: Any) -> socket.socket:
-        """A listening socket no one can connect to (its name unlinked at once)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-        try:
-            sock.bind(str(path))
-            os.unlink(path)
-            sock.listen(1)
-        except OSError:
-            sock.close()
-            raise
-        return sock
 
     def _bind_control(self) -> None:
         assert self._router is not None and self._control_listener is not None
@@ -279,7 +266,7 @@ class Server:
                 self._drop(conn)
             self._door.log_flood(now)
             if self._control.fd_pressure:
-                self._control.fd_pressure = self._open_fds() >= self._control.budget.limit - 2 * FD_MARGIN
+                self._control.fd_pressure = runtime.open_fds() >= self._control.budget.limit - 2 * FD_MARGIN
             self._guard_control(now, [*self._control.silent(now), *self._control.excess(now)])
             self._control.log_flood(now)
             self._update_listener(now)
@@ -413,13 +400,6 @@ class Server:
             else:
                 self._control.closed(fd)
         self._guard_control(now, self._control.excess(now))
-
-    @staticmethod
-    def _open_fds() -> int:
-        try:
-            return len(os.listdir("/proc/self/fd"))
-        except OSError:  # EMFILE: listing takes a descriptor
-            return 1 << 30
 
     def _watch_fd(self, fd: int) -> None:
         if fd >= self._control.budget.limit - FD_MARGIN:
