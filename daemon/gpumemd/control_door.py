@@ -157,7 +157,7 @@ class ControlDoor:
     def stalled(self, now: float, sessions: int) -> bool:
         """Connections hung up and still open, with the budget spent (the door shut) or
         while no session would notice the channel reopen: only reopening it frees them."""
-        if sessions and len(self.peers) < self.budget.control:
+        if sessions and not self.door_shut and len(self.peers) < self.budget.control:
             return False
         return any(p.hung_up and now - p.hung_up >= STALL_AFTER for p in self.peers.values())
 

@@ -163,3 +163,27 @@ def test_as_many_sessions_as_the_fd_channel_takes_each_with_its_dealer(daemon_fa
     finally:
         for session in sessions:
             session.close()
+
+
+def test_an_impostor_under_a_session_token_leaves_no_descriptor(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """A DEALER under a session's token takes its routing id over and leaves; the
+    session's own DEALER, cut off, sends again, and the session goes on with a new one.
+    Each round used to leave the cut-off connection open for good; now they are freed
+    when they fill the budget (the channel reopens), and the session goes on."""
+    daemon = daemon_factory("host", nofile=NOFILE)
+    probe = Probe(daemon.pid)
+    with RawSession(runtime_dir, "steady") as steady:
+        assert steady.control is not None and answered(steady.control, 1)
+        baseline = settled_fds(probe, 0, timeout=0.5)
+        most = baseline
+        for i in range(NOFILE):
+            with RawControl(runtime_dir, routing_id=steady.token) as impostor:
+                answered(impostor, 10 * i)
+            steady.control.send_frames(envelope(p.MsgType.PING, None, 10 * i + 1))  # unanswered: cut off
+            steady.control.close()
+            steady.control = RawControl(runtime_dir, routing_id=steady.token)
+            most = max(most, probe.fds())
+            assert probe.alive(), f"gpumemd died after {i} rounds:\n{daemon.log()[-3000:]}"
+        assert most < baseline + CONTROL_BUDGET + 16, f"the daemon held {most} descriptors (baseline {baseline})"
+        assert answered(steady.control, 2) or answered(steady.control, 3), "the session got no answer after the rounds"
+    assert "reopened the control channel" in daemon.log(), daemon.log()[-2000:]

@@ -80,3 +80,15 @@ def test_stalled_connections_reopen_the_channel_only_when_no_session_notices_or_
     assert d.stalled(1.0 + STALL_AFTER, sessions=1)
     d.reopened()
     assert not d.peers
+
+
+def test_a_door_shut_by_stalled_connections_reopens_the_channel() -> None:
+    """Stalled connections short of the budget, the door shut: without the reopen nothing
+    would ever let a connection in again."""
+    d = door()
+    for fd in range(BUDGET.control - 2):
+        d.accepted(fd, 0, 0, 0.0)
+        d.hang_up(d.peers[fd], 1.0)
+    assert not d.stalled(1.0 + STALL_AFTER, sessions=1)
+    d.door_shut = True
+    assert d.stalled(1.0 + STALL_AFTER, sessions=1)
