@@ -4,7 +4,7 @@
 The generator and the checks are tests/integration/fuzz_kit.py's (typed requests built
 from the protocol's own message types, garbage frames, wrong envelopes, huge and
 multi-frame messages, fd-channel garbage and stray descriptors, sessions that come and
-go); tests/integration/test_fuzz.py runs 5,000 cases in CI. Every case must get its one
+go, routing ids handed over between DEALERs, crowds of DEALERs that never speak); tests/integration/test_fuzz.py runs 5,000 cases in CI. Every case must get its one
 typed reply (never INTERNAL) and the daemon must stay alive; at the end, with every
 session closed, nothing may stay accounted and the daemon's RSS and descriptors must be
 back near where they were.

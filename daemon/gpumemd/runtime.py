@@ -21,15 +21,17 @@ import socket
 import stat
 from pathlib import Path
 
+from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
 
 log = logging.getLogger("gpumemd.runtime")
 
-# What the open-file limit must leave besides fd-channel connections: ZeroMQ's own
-# descriptors (its context, the ROUTER's listener, one per control-channel peer; libzmq
-# aborts the process when it cannot accept a peer), the lease table, the lock, the
-# wake-up pipe, the host backend's chunk memfds, chunk descriptors being handed out.
+# What the open-file limit must leave besides connections on both channels: ZeroMQ's
+# own descriptors (its context, the ROUTER's listener; libzmq aborts the process when it
+# cannot accept a peer, so the control channel's count is kept within its share:
+# control_door.py), the lease table, the lock, the wake-up pipe, the host backend's chunk
+# memfds, chunk descriptors being handed out.
 FD_HEADROOM_MIN = 64
 # Connections that have not said HELLO: anyone who may open the socket can make them, and
 # each holds a descriptor until its HELLO timeout.
@@ -51,18 +53,19 @@ class StartupError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class FdBudget:
-    """How many fd-channel connections the open-file limit allows."""
+    """How many connections the open-file limit allows, on each channel."""
 
     limit: int
-    connections: int  # sessions and pending connections together
-    pending: int  # connections that have not said HELLO yet
+    connections: int  # fd channel: sessions and pending connections together
+    pending: int  # fd channel: connections that have not said HELLO yet
+    control: int  # control channel: a DEALER per session, and anonymous peers (gpumemctl)
 
     @classmethod
     def of(cls, limit: int) -> FdBudget:
         headroom = max(FD_HEADROOM_MIN, limit // 4)
         # A session holds a control-channel connection besides its fd channel.
         connections = max(1, (limit - headroom) // 2)
-        return cls(limit, connections, max(1, min(MAX_PENDING, connections // 4)))
+        return cls(limit, connections, max(1, min(MAX_PENDING, connections // 4)), max(1, limit - headroom - connections))
 
 
 def raise_fd_limit() -> int:
@@ -79,6 +82,27 @@ def raise_fd_limit() -> int:
         return soft
     log.info("open-file limit %d (soft limit raised from %d to the hard limit)", hard, soft)
     return hard
+
+
+def open_fds() -> int:
+    """Descriptors open in this process (past any limit when listing them fails: EMFILE)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 1 << 30
+
+
+def unreachable_listener(path: Path) -> socket.socket:
+    """A listening socket no one can connect to (bound at ``path``, unlinked at once)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+    try:
+        sock.bind(str(path))
+        os.unlink(path)
+        sock.listen(1)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def group_id(socket_group: str | None) -> int | None:
@@ -266,3 +290,14 @@ def remove_files(endpoints: Endpoints) -> None:
     with its descriptor)."""
     for path in (endpoints.zmq_path, endpoints.fd_path, endpoints.info_path):
         path.unlink(missing_ok=True)
+
+
+def peer_of(fd: int) -> tuple[int, int]:
+    """The pid and uid of the peer on a connection's descriptor ((-1, -1) if it is gone
+    already)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            pid, uid, _ = fdchannel.peer_credentials(sock)
+    except OSError:
+        return -1, -1
+    return pid, uid

@@ -210,7 +210,25 @@ class Reconnect:
     session: int
 
 
-Operation = Typed | Frames | Huge | FdMessage | Scribble | Reconnect
+@dataclasses.dataclass(frozen=True)
+class Handover:
+    """Two DEALERs under one routing id: the second takes the id over (ROUTER_HANDOVER)
+    and leaves, the first, cut off, speaks again. The id is a fresh one, or a session's
+    token (an impostor's DEALER: the session's own is the one cut off, and a new one takes
+    its place). Each round used to leave a connection open in the daemon for good."""
+
+    session: int | None
+    speak_again: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Crowd:
+    """DEALERs that connect, never say a word, and leave."""
+
+    size: int
+
+
+Operation = Typed | Frames | Huge | FdMessage | Scribble | Reconnect | Handover | Crowd
 
 PEERS = SESSIONS + 3
 ANONYMOUS, FORGED, STALE = SESSIONS, SESSIONS + 1, SESSIONS + 2
@@ -399,8 +417,10 @@ def operations() -> st.SearchStrategy[Operation]:
         Scribble, st.integers(0, SESSIONS - 1), st.integers(0, 16 * lease_table.SEGMENT_BYTES - 1), st.binary(min_size=1, max_size=64)
     )
     reconnect = st.builds(Reconnect, st.integers(0, SESSIONS - 1))
+    handover = st.builds(Handover, st.none() | st.integers(0, SESSIONS - 1), st.booleans())
+    crowd = st.builds(Crowd, st.integers(1, 32))
     # Few reconnects: a session's arenas, pools and rounds go with it.
-    return _weighted((30, typed), (5, frames), (1, huge), (5, fd_message), (2, scribble), (1, reconnect))
+    return _weighted((30, typed), (5, frames), (1, huge), (5, fd_message), (2, scribble), (1, reconnect), (1, handover), (1, crowd))
 
 
 # ---------------------------------------------------------------------------
@@ -600,6 +620,10 @@ class World:
                 self._fd_message(op)
             elif isinstance(op, Scribble):
                 self._scribble(op)
+            elif isinstance(op, Handover):
+                self._handover(op)
+            elif isinstance(op, Crowd):
+                self._crowd(op.size)
             else:
                 self._reconnect(op.session)
         except FuzzFailure:
@@ -970,6 +994,28 @@ class World:
             self.stale_token = token
         self._reopen(index)
 
+    def _handover(self, op: Handover) -> None:
+        session = self.sessions[op.session] if op.session is not None else None
+        if session is not None and session.peer is not None:
+            first, routing_id = session.peer, session.token
+        else:
+            routing_id = os.urandom(8)
+            first = self._connected_peer(routing_id, collections.Counter())
+        second = self._connected_peer(routing_id, collections.Counter())
+        second.close()
+        if op.speak_again:
+            first.sock.send(_pack(_envelope(int(T.PING), {}, next(self._ids))))  # unanswered: the ROUTER reads it no more
+        if first is not (session.peer if session is not None else None):
+            first.close()
+        else:
+            assert op.session is not None
+            self._replace_peer(op.session)
+
+    def _crowd(self, size: int) -> None:
+        crowd = [Peer(self.endpoints, None) for _ in range(size)]
+        for peer in crowd:
+            peer.close()
+
     def _stale_peer(self, token: bytes) -> Peer:
         return self._connected_peer(token, collections.Counter())
 
@@ -1082,16 +1128,20 @@ class World:
             time.sleep(0.05)
 
     def status(self) -> p.StatusReply:
-        peer = Peer(self.endpoints, None)
-        try:
-            rid = next(self._ids)
-            peer.sock.send(p.encode_request(rid, p.Status()))
-            if not peer.sock.poll(int(REPLY_TIMEOUT * 1000), zmq.POLLIN):
-                raise FuzzFailure(f"STATUS got no reply within {REPLY_TIMEOUT}s")
-            reply = msgpack.unpackb(peer.sock.recv(), raw=False)
-            return msgspec.convert(reply["b"], p.StatusReply)
-        finally:
-            peer.close()
+        """STATUS, asked again once: with the last session closed the daemon reopens its
+        control channel if connections stalled (control_door.py), and a request on the
+        wire at that moment gets no reply."""
+        for _ in range(2):
+            peer = Peer(self.endpoints, None)
+            try:
+                rid = next(self._ids)
+                peer.sock.send(p.encode_request(rid, p.Status()))
+                if peer.sock.poll(int(REPLY_TIMEOUT * 1000 / 2), zmq.POLLIN):
+                    reply = msgpack.unpackb(peer.sock.recv(), raw=False)
+                    return msgspec.convert(reply["b"], p.StatusReply)
+            finally:
+                peer.close()
+        raise FuzzFailure(f"STATUS, asked twice, got no reply within {REPLY_TIMEOUT}s")
 
 
 def fuzz(world: World, cases: int) -> None:

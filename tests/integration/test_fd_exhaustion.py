@@ -9,13 +9,15 @@ process in an assert, failing to accept a control-channel peer ("Too many open f
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
 
 import gpumem
 from conftest import child_env
-from gpumemd_testkit import MiB, Probe, RawSession, status
+from gpumem_shared import protocol as p
+from gpumemd_testkit import MiB, Probe, RawSession, envelope, status
 
 NOFILE = 256
 FLOOD_SECONDS = 3.0
@@ -88,3 +90,52 @@ def test_connection_flood_under_a_small_fd_limit(daemon_factory, runtime_dir) ->
         assert {c["name"] for c in status(runtime_dir)["clients"]} == {"steady"}
     log = daemon.log()
     assert f"open-file limit {NOFILE}" in log and "evicted for newer connections" in log, log[-2000:]
+
+
+def test_accept_failing_for_want_of_descriptors_backs_off(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """The daemon's descriptors spent on other things (chunks' memfds, as many as the host
+    backend makes, and sessions that hold only their fd channel) while fd-channel
+    connections wait: accept fails with EMFILE. The daemon logs it, rests its listener
+    instead of polling it, readable, in a tight loop (its CPU time over a second stays
+    low), and accepts again once descriptors are free."""
+    daemon = daemon_factory("host", nofile=NOFILE)
+    probe = Probe(daemon.pid)
+    held: list[socket.socket] = []
+    with RawSession(runtime_dir, "filler") as filler:
+        filler.create("kv", 1 << 30)
+        committed = 0
+        while True:
+            committed += 2 * MiB
+            if not filler.commit("kv", committed)["ok"]:  # the host backend keeps its spare descriptors
+                break
+        try:
+            for i in range(NOFILE):
+                if "accept on the fd channel failed" in daemon.log():
+                    break
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                sock.settimeout(0.5)
+                held.append(sock)
+                sock.connect(str(runtime_dir / "gpu0.fd"))
+                sock.send(envelope(p.MsgType.HELLO, {"name": f"fd-only-{i}", "client_version": "raw"}, 1))
+                try:
+                    sock.recv(1 << 16)
+                except TimeoutError:  # not accepted: the daemon is out of descriptors
+                    continue
+            assert "accept on the fd channel failed" in daemon.log(), f"accept never failed ({probe.fds()} descriptors)"
+            assert "Too many open files" in daemon.log(), daemon.log()[-2000:]
+            for _ in range(8):  # waiting in the backlog: the listener stays readable
+                held.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+                held[-1].connect(str(runtime_dir / "gpu0.fd"))
+            cpu_before, started = probe.cpu_seconds(), time.monotonic()
+            time.sleep(1.0)
+            cpu, wall = probe.cpu_seconds() - cpu_before, time.monotonic() - started
+            assert probe.alive(), daemon.log()[-3000:]
+            assert cpu < CPU_SHARE_BOUND * wall, f"gpumemd used {cpu:.2f}s of CPU in {wall:.1f}s with accept failing"
+            released = filler.call(p.MsgType.ARENA_RELEASE, {"name": "kv"})
+            assert released["ok"], released  # its chunks' descriptors go
+        finally:
+            for sock in held:
+                sock.close()
+        with gpumem.connect(0, name="after-emfile", runtime_dir=runtime_dir, timeout=10.0) as late:
+            late.ping()
+        assert filler.call(2)["ok"]
