@@ -108,7 +108,13 @@ def _die(code: int, message: str) -> NoReturn:
     is_flag=True,
     help="One JSON object: daemon, device, clients, arenas, graph_pools (also as extents, deprecated), leases, rounds, kv.",
 )
-@click.option("--all", "every", is_flag=True, help="Every daemon in the runtime directory, one per device (JSON: a list).")
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="Every daemon in the runtime directory, one per device (JSON: a list); those this user may not reach are "
+    "named on stderr, and then the exit status is 1.",
+)
 @click.pass_context
 def status(
     ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, as_json: bool, every: bool
@@ -123,21 +129,25 @@ def status(
     dirs = runtime_dirs(runtime_dir or ctx.obj["runtime_dir"])
     found = [Endpoints(directory, d["index"]) for directory in dirs for d in live_daemons(directory)]
     wait = timeout if timeout is not None else (ctx.obj["timeout"] if ctx.obj["timeout"] is not None else 5.0)
-    replies = []
+    replies, refused = [], []
     for endpoints in found:
         try:
             replies.append(_ask(endpoints, p.Status(), wait))
-        except SocketPermissionDenied as exc:
-            _die(EXIT_ERROR, exc.message)
+        except SocketPermissionDenied as exc:  # named; the daemons this user may reach still answer
+            refused.append(f"gpumemctl: device {endpoints.index} ({endpoints.runtime_dir}): {exc.message}")
         except DaemonUnavailable as exc:  # it stopped since: the others still answer
             click.echo(f"gpumemctl: device {endpoints.index} ({endpoints.runtime_dir}): {exc.message}", err=True)
-    if not replies:
+    if not replies and not refused:
         where = " or ".join(str(d) for d in dirs)
-        _die(EXIT_NOT_RUNNING, f"no live gpumemd in {where} (start them with 'systemctl start gpumemd@N')")
+        _die(EXIT_NOT_RUNNING, f"no live gpumemd in {where} (start one per GPU with 'systemctl start gpumemd@<index>')")
     if as_json:
         click.echo(json.dumps([p.to_wire(r) for r in replies], indent=2))
-        return
-    click.echo("\n\n".join(f"=== device {r.device.index} ({r.device.uuid}) ===\n{render_status(r)}" for r in replies))
+    elif replies:
+        click.echo("\n\n".join(f"=== device {r.device.index} ({r.device.uuid}) ===\n{render_status(r)}" for r in replies))
+    for line in refused:
+        click.echo(line, err=True)
+    if refused:
+        sys.exit(EXIT_ERROR)
 
 
 def _list_view(

@@ -86,9 +86,11 @@ def _named(flag: str) -> str:
 
 def _granular(flag: str, size: Size, granularity: int) -> int:
     if size.bytes <= 0 or size.bytes % granularity:
+        iec = size.as_iec()
+        meant = f"; did you mean {iec}?" if iec is not None and iec.bytes > 0 and iec.bytes % granularity == 0 else ""
         raise ConfigError(
             f"{_named(flag)} {size} is not a positive multiple of the device granularity "
-            f"{format_size(granularity)}; nearest valid: {size.nearest_multiples(granularity)}"
+            f"{format_size(granularity)}; nearest valid: {size.nearest_multiples(granularity)}{meant}"
         )
     return size.bytes
 
