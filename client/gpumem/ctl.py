@@ -24,7 +24,7 @@ import click
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints, daemon_alive
 from gpumem.control import ControlChannel, check_access
-from gpumem.ctl_render import render_arenas, render_extents, render_kv, render_leases, render_rounds, render_status, render_top
+from gpumem.ctl_render import render_arenas, render_graph_pools, render_kv, render_leases, render_rounds, render_status, render_top
 from gpumem.discovery import live_daemons, resolve_device, runtime_dirs
 from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch, SocketPermissionDenied
 
@@ -50,7 +50,7 @@ def _target(command: Callable[..., Any]) -> Callable[..., Any]:
 @_target
 @click.pass_context
 def main(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None) -> None:
-    """Inspect gpumemd: clients, arenas, graph-pool extents, leases, KV commit rounds and KV pools."""
+    """Inspect gpumemd: clients, arenas, graph pools, leases, KV commit rounds and KV pools."""
     ctx.obj = {"device": device, "runtime_dir": runtime_dir, "timeout": timeout}
 
 
@@ -119,7 +119,7 @@ def _die(code: int, message: str) -> NoReturn:
 def status(
     ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, as_json: bool, every: bool
 ) -> None:
-    """Daemon, device, clients, arenas, extents, leases, KV commit rounds and KV pools."""
+    """Daemon, device, clients, arenas, graph pools, leases, KV commit rounds and KV pools."""
     if not every:
         reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
         click.echo(json.dumps(p.to_wire(reply), indent=2) if as_json else render_status(reply))
@@ -172,11 +172,19 @@ _list_view(
 )
 _list_view("kv", "KV", lambda s: s.kv, render_kv, "KV pools: layout, committed tokens and bytes, pending shrink requests.")
 _list_view(
-    "extents",
-    "EXTENTS",
+    "graph-pools",
+    "GRAPH POOLS",
     lambda s: s.graph_pools,
-    lambda s: render_extents(s, runs=True),
+    lambda s: render_graph_pools(s, runs=True),
     "Graph pools: owner, extents, free runs, bytes free, epoch, repairs of their lease slots.",
+)
+# The command's name before graph pools had one name everywhere: scripts keep working.
+_list_view(
+    "extents",
+    "GRAPH POOLS",
+    lambda s: s.graph_pools,
+    lambda s: render_graph_pools(s, runs=True),
+    "The old name of graph-pools, kept so scripts keep working.",
 )
 _list_view("arenas", "ARENAS", lambda s: s.arenas, render_arenas, "Arenas: owner, sizes, grants (never their tokens), attached clients.")
 _list_view("leases", "LEASES", lambda s: s.leases, render_leases, "Leases held on graph pools: kind, holder, pid, label, since.")

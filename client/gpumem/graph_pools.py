@@ -3,7 +3,7 @@
 After capturing CUDA graphs into an arena's pool, the owner registers the pool: its
 segments (extents) and its free runs, the blocks torch's allocator holds inactive
 between replays, coalesced. The daemon keeps them per pool with an epoch that every
-recapture (and every change of the runs) bumps; ``gpumemctl extents`` shows them.
+recapture (and every change of the runs) bumps; ``gpumemctl graph-pools`` shows them.
 Leases on these pools, and borrowing their free runs, build on this registry.
 
 The runs are free only while nothing else allocates in the arena's pool: after eager

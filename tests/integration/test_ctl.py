@@ -283,3 +283,16 @@ def test_status_all_shows_the_daemons_it_may_reach_and_names_the_others(daemon_f
     assert "=== device 0 " in result.stdout and "=== device 1 " not in result.stdout, result.stdout
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"gpumemctl: device 1 ({runtime_dir}): permission denied"), result.stderr
+
+
+def test_graph_pools_have_one_name_and_the_old_command_still_answers(daemon, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """The section and the command say "graph pools" as the JSON and the docs do;
+    `gpumemctl extents`, the old name, still works for scripts and --help says what it is."""
+    env = child_env(runtime_dir)
+    shown = ctl("status", "--runtime-dir", str(runtime_dir), env=env).stdout
+    assert "\nGRAPH POOLS\n" in shown and "\nEXTENTS\n" not in shown, shown
+    new = ctl("graph-pools", "--runtime-dir", str(runtime_dir), env=env)
+    old = ctl("extents", "--runtime-dir", str(runtime_dir), env=env)
+    assert new.returncode == old.returncode == 0 and new.stdout == old.stdout and new.stdout.startswith("GRAPH POOLS\n"), (new, old)
+    listed = " ".join(ctl("--help").stdout.split())
+    assert "graph-pools Graph pools:" in listed and "extents The old name of graph-pools, kept so scripts keep working." in listed, listed
