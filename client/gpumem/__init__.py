@@ -47,6 +47,7 @@ from gpumem.views import RawView
 from gpumem.kv_pool import KvBuffer, KvPool, RoundWait
 from gpumem.session import Session, connect
 from gpumem_shared import __version__
+from gpumem_shared.protocol import Extent
 
 __all__ = [
     "AlreadyExists",
@@ -62,6 +63,7 @@ __all__ = [
     "DaemonTimeout",
     "DaemonUnavailable",
     "EngineMemory",
+    "Extent",
     "GpuMemError",
     "GraphPool",
     "InvalidArgument",

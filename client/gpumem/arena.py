@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import fdchannel
@@ -27,7 +27,7 @@ from gpumem.views import RawView
 
 if TYPE_CHECKING:
     from gpumem.elastic import ArenaAllocator, ArenaUsage
-    from gpumem.graph_pools import GraphPool
+    from gpumem.graph_pools import ExtentLike, GraphPool
     from gpumem.core import SessionCore
     from gpumem.torch_support import ArenaPool
 
@@ -403,6 +403,9 @@ class Arena:
         self.core.driver.write(self.address + offset, data)
 
     def read(self, offset: int, size: int) -> bytes:
+        """Copy ``size`` committed bytes at ``offset`` out to the host (a convenience for
+        tools and tests, on either backend; engines use ``view`` or ``tensor``). The range
+        must be backed: reading what is not committed raises InvalidArgument."""
         self._check_open()
         self._check_range(offset, size)
         return self.core.driver.read(self.address + offset, size)
@@ -491,13 +494,19 @@ class Arena:
             yield pool
 
     def register_graph_pool(
-        self, label: str, *, shared: bool = False, extents: list[p.Extent] | None = None, free_runs: list[p.Extent] | None = None
+        self,
+        label: str,
+        *,
+        shared: bool = False,
+        extents: Sequence[ExtentLike] | None = None,
+        free_runs: Sequence[ExtentLike] | None = None,
     ) -> GraphPool:
         """Register the graphs captured into this arena's pool with the daemon (extents
         and free runs; owner only). ``shared``: clients the arena is shared with may
         open the pool, take its leases and borrow its free runs. ``extents`` and
-        ``free_runs`` (offsets from the arena's base) describe a pool laid out by other
-        means than the arena's torch pool. See gpumem.graph_pools."""
+        ``free_runs`` (gpumem.Extent or (offset, size) pairs, offsets from the arena's
+        base) describe a pool laid out by other means than the arena's torch pool. See
+        gpumem.graph_pools."""
         from gpumem.graph_pools import GraphPool
 
         self._check_open()

@@ -31,6 +31,7 @@ from gpumem_shared import __version__, fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
 from gpumem.control import ControlChannel, permission_denied
+from gpumem.discovery import ELSEWHERE
 from gpumem.errors import (
     BadMessage,
     DaemonStopped,
@@ -160,8 +161,8 @@ class SessionChannel:
         except (FileNotFoundError, ConnectionRefusedError):
             raise DaemonUnavailable(
                 f"no gpumemd serves device {ep.index}: nothing listens at {ep.fd_path}; start it with "
-                f"'systemctl start gpumemd@{ep.index}' (or 'gpumemd --device {ep.index}'), or point "
-                "runtime_dir / $GPUMEMD_RUNTIME_DIR at the daemon's directory"
+                f"'systemctl start gpumemd@{ep.index}' (or 'gpumemd --device {ep.index}'), or, for a daemon that "
+                f"runs elsewhere, {ELSEWHERE}"
             ) from None
         except PermissionError:
             raise permission_denied(ep.fd_path) from None
@@ -447,7 +448,8 @@ class SessionChannel:
             fdchannel.close_all(fds)
             self._notices.append(event)
             if event.kind == p.NoticeKind.STOPPING:
-                self._mark_stopped(event.message)
+                # The notice's text says mapped memory stays valid too: the clause is added once, below.
+                self._mark_stopped(f"gpumemd for device {self.endpoints.index} is stopping")
             return None, []
         if len(fds) != len(event.chunk_ids):
             fdchannel.close_all(fds)

@@ -62,6 +62,14 @@ def permission_denied(path: Path) -> SocketPermissionDenied:
             f"permission denied: gpumemd's socket {path} is closed to this user{where} ({facts}); gpumemd's runtime "
             "directory must be searchable and its sockets open to a group (gpumemd --socket-group)"
         )
+    if st.st_gid == 0 or group == owner:
+        # The daemon's own group (root, or the owner's private one): joining it would hand
+        # this user far more than the socket. The sockets want a group of their own.
+        return SocketPermissionDenied(
+            f"permission denied: gpumemd's socket {path}{where} ({facts}) belongs to {owner}'s own group, which no "
+            "user should join for it; start gpumemd with --socket-group gpumem (after 'groupadd --system gpumem'; "
+            f"the systemd unit does so), then 'usermod -aG gpumem {user}' and log in again"
+        )
     return SocketPermissionDenied(
         f"permission denied: join group {group} to use gpumemd's socket {path}{where} ({facts}); "
         f"after 'usermod -aG {group} {user}', log in again"

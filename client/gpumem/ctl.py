@@ -24,7 +24,7 @@ import click
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints, daemon_alive
 from gpumem.control import ControlChannel, check_access
-from gpumem.ctl_render import render_arenas, render_extents, render_kv, render_leases, render_rounds, render_status, render_top
+from gpumem.ctl_render import render_arenas, render_graph_pools, render_kv, render_leases, render_rounds, render_status, render_top
 from gpumem.discovery import live_daemons, resolve_device, runtime_dirs
 from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch, SocketPermissionDenied
 
@@ -50,7 +50,7 @@ def _target(command: Callable[..., Any]) -> Callable[..., Any]:
 @_target
 @click.pass_context
 def main(ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None) -> None:
-    """Inspect gpumemd: clients, arenas, graph-pool extents, leases, KV commit rounds and KV pools."""
+    """Inspect gpumemd: clients, arenas, graph pools, leases, KV commit rounds and KV pools."""
     ctx.obj = {"device": device, "runtime_dir": runtime_dir, "timeout": timeout}
 
 
@@ -108,12 +108,18 @@ def _die(code: int, message: str) -> NoReturn:
     is_flag=True,
     help="One JSON object: daemon, device, clients, arenas, graph_pools (also as extents, deprecated), leases, rounds, kv.",
 )
-@click.option("--all", "every", is_flag=True, help="Every daemon in the runtime directory, one per device (JSON: a list).")
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="Every daemon in the runtime directory, one per device (JSON: a list); those this user may not reach are "
+    "named on stderr, and then the exit status is 1.",
+)
 @click.pass_context
 def status(
     ctx: click.Context, device: str | None, runtime_dir: str | None, timeout: float | None, as_json: bool, every: bool
 ) -> None:
-    """Daemon, device, clients, arenas, extents, leases, KV commit rounds and KV pools."""
+    """Daemon, device, clients, arenas, graph pools, leases, KV commit rounds and KV pools."""
     if not every:
         reply: p.StatusReply = _query(ctx, device, runtime_dir, timeout, p.Status())
         click.echo(json.dumps(p.to_wire(reply), indent=2) if as_json else render_status(reply))
@@ -123,21 +129,25 @@ def status(
     dirs = runtime_dirs(runtime_dir or ctx.obj["runtime_dir"])
     found = [Endpoints(directory, d["index"]) for directory in dirs for d in live_daemons(directory)]
     wait = timeout if timeout is not None else (ctx.obj["timeout"] if ctx.obj["timeout"] is not None else 5.0)
-    replies = []
+    replies, refused = [], []
     for endpoints in found:
         try:
             replies.append(_ask(endpoints, p.Status(), wait))
-        except SocketPermissionDenied as exc:
-            _die(EXIT_ERROR, exc.message)
+        except SocketPermissionDenied as exc:  # named; the daemons this user may reach still answer
+            refused.append(f"gpumemctl: device {endpoints.index} ({endpoints.runtime_dir}): {exc.message}")
         except DaemonUnavailable as exc:  # it stopped since: the others still answer
             click.echo(f"gpumemctl: device {endpoints.index} ({endpoints.runtime_dir}): {exc.message}", err=True)
-    if not replies:
+    if not replies and not refused:
         where = " or ".join(str(d) for d in dirs)
-        _die(EXIT_NOT_RUNNING, f"no live gpumemd in {where} (start them with 'systemctl start gpumemd@N')")
+        _die(EXIT_NOT_RUNNING, f"no live gpumemd in {where} (start one per GPU with 'systemctl start gpumemd@<index>')")
     if as_json:
         click.echo(json.dumps([p.to_wire(r) for r in replies], indent=2))
-        return
-    click.echo("\n\n".join(f"=== device {r.device.index} ({r.device.uuid}) ===\n{render_status(r)}" for r in replies))
+    elif replies:
+        click.echo("\n\n".join(f"=== device {r.device.index} ({r.device.uuid}) ===\n{render_status(r)}" for r in replies))
+    for line in refused:
+        click.echo(line, err=True)
+    if refused:
+        sys.exit(EXIT_ERROR)
 
 
 def _list_view(
@@ -162,11 +172,19 @@ _list_view(
 )
 _list_view("kv", "KV", lambda s: s.kv, render_kv, "KV pools: layout, committed tokens and bytes, pending shrink requests.")
 _list_view(
-    "extents",
-    "EXTENTS",
+    "graph-pools",
+    "GRAPH POOLS",
     lambda s: s.graph_pools,
-    lambda s: render_extents(s, runs=True),
+    lambda s: render_graph_pools(s, runs=True),
     "Graph pools: owner, extents, free runs, bytes free, epoch, repairs of their lease slots.",
+)
+# The command's name before graph pools had one name everywhere: scripts keep working.
+_list_view(
+    "extents",
+    "GRAPH POOLS",
+    lambda s: s.graph_pools,
+    lambda s: render_graph_pools(s, runs=True),
+    "The old name of graph-pools, kept so scripts keep working.",
 )
 _list_view("arenas", "ARENAS", lambda s: s.arenas, render_arenas, "Arenas: owner, sizes, grants (never their tokens), attached clients.")
 _list_view("leases", "LEASES", lambda s: s.leases, render_leases, "Leases held on graph pools: kind, holder, pid, label, since.")

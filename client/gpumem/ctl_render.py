@@ -27,7 +27,7 @@ def render_leases(s: p.StatusReply) -> list[str]:
     )
 
 
-def render_extents(s: p.StatusReply, runs: bool = False) -> list[str]:
+def render_graph_pools(s: p.StatusReply, runs: bool = False) -> list[str]:
     lines = _table(
         ["POOL", "OWNER", "ARENA", "LABEL", "EPOCH", "SHARED", "EXTENTS", "EXTENT BYTES", "FREE RUNS", "FREE", "LARGEST RUN", "REPAIRS"],
         [
@@ -162,7 +162,7 @@ def render_status(s: p.StatusReply) -> str:
         ],
     )
     lines += ["", "ARENAS"] + render_arenas(s)
-    lines += ["", "EXTENTS"] + render_extents(s)
+    lines += ["", "GRAPH POOLS"] + render_graph_pools(s)
     lines += ["", "LEASES"] + render_leases(s)
     lines += ["", "ROUNDS"] + render_rounds(s)
     lines += ["", "KV"] + render_kv(s)

@@ -21,6 +21,10 @@ from gpumem_shared.paths import Endpoints, daemon_alive, discover, runtime_dir_c
 from gpumem.errors import DaemonUnavailable, DeviceAmbiguous
 
 
+# How to point a client at a daemon whose runtime directory is not a default one.
+ELSEWHERE = "give its runtime directory: $GPUMEMD_RUNTIME_DIR, connect(runtime_dir=...) or gpumemctl --runtime-dir"
+
+
 def live_daemons(runtime_dir: Path) -> list[dict[str, Any]]:
     """Identity records of the daemons running in ``runtime_dir``, by index."""
     return [d for d in discover(runtime_dir) if daemon_alive(Endpoints(runtime_dir, d["index"]))]
@@ -55,10 +59,11 @@ def resolve_device(
             continue
         if daemon_alive(endpoints):
             return endpoints
+    index = str(device) if isinstance(device, int) or device.isdigit() else "<index>"
     raise DaemonUnavailable(
         f"no gpumemd serves device {device!r}: looked in {' and '.join(str(d) for d in dirs)}; start it with "
-        "'systemctl start gpumemd@N' (or 'gpumemd --device N'), or point runtime_dir / $GPUMEMD_RUNTIME_DIR at "
-        "the daemon's directory"
+        f"'systemctl start gpumemd@{index}' (or 'gpumemd --device {index}'), or, for a daemon that runs elsewhere, "
+        f"{ELSEWHERE}"
     )
 
 

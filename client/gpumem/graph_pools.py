@@ -3,7 +3,7 @@
 After capturing CUDA graphs into an arena's pool, the owner registers the pool: its
 segments (extents) and its free runs, the blocks torch's allocator holds inactive
 between replays, coalesced. The daemon keeps them per pool with an epoch that every
-recapture (and every change of the runs) bumps; ``gpumemctl extents`` shows them.
+recapture (and every change of the runs) bumps; ``gpumemctl graph-pools`` shows them.
 Leases on these pools, and borrowing their free runs, build on this registry.
 
 The runs are free only while nothing else allocates in the arena's pool: after eager
@@ -18,7 +18,8 @@ owner and to the sessions that open it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
@@ -28,6 +29,28 @@ from gpumem.errors import BadMessage, InvalidArgument, NotFound
 if TYPE_CHECKING:
     from gpumem.arena import Arena
     from gpumem.core import SessionCore
+
+# What a caller may give for extents and free runs: gpumem.Extent, or (offset, size).
+ExtentLike: TypeAlias = p.Extent | tuple[int, int]
+
+
+def as_extents(given: Sequence[ExtentLike] | None, what: str) -> list[p.Extent]:
+    """``given`` as wire extents; anything else is refused here, in Python's terms,
+    rather than as a wire error naming a field the caller never wrote."""
+    if given is None:
+        return []
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise InvalidArgument(f"{what} must be a list of gpumem.Extent or (offset, size) pairs, not {type(given).__name__}")
+    extents: list[p.Extent] = []
+    for item in given:
+        if isinstance(item, p.Extent):
+            extents.append(item)
+            continue
+        pair = tuple(item) if isinstance(item, (tuple, list)) else ()
+        if len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in pair):
+            raise InvalidArgument(f"{what}: {item!r} is neither a gpumem.Extent nor an (offset, size) pair of ints")
+        extents.append(p.Extent(offset=pair[0], size=pair[1]))
+    return extents
 
 
 def extents_and_runs(segments: list[dict[str, Any]], base: int) -> tuple[list[p.Extent], list[p.Extent]]:
@@ -100,19 +123,22 @@ class GraphPool:
         label: str,
         *,
         shared: bool = False,
-        extents: list[p.Extent] | None = None,
-        free_runs: list[p.Extent] | None = None,
+        extents: Sequence[ExtentLike] | None = None,
+        free_runs: Sequence[ExtentLike] | None = None,
     ) -> GraphPool:
         """Register the arena's torch pool, or, with ``extents`` (and ``free_runs``), a
-        pool laid out by other means, whose GPU work that used the runs is done."""
-        if extents is None:
+        pool laid out by other means, whose GPU work that used the runs is done. Each
+        extent or run is a gpumem.Extent or an (offset, size) pair, from the arena's base."""
+        if extents is not None:
+            extents, free_runs = as_extents(extents, "extents"), as_extents(free_runs, "free_runs")
+        else:
             if arena.core.backend == "cuda":
                 # A borrower from another process may start on the runs right away: the
                 # warm-up and capture work that used them must be done.
                 arena.torch_pool().torch.cuda.synchronize(arena.core.device_ordinal)
             extents, free_runs = extents_and_runs(arena.torch_pool().segments(), arena.address)
         reply, fds = arena.core.channel.call(
-            p.RegisterGraphPool(arena=arena.name, label=label, extents=extents, free_runs=free_runs or [], shared=shared)
+            p.RegisterGraphPool(arena=arena.name, label=label, extents=list(extents), free_runs=list(free_runs or []), shared=shared)
         )
         return cls(arena, reply.pool, granted_segment(reply, fds))
 

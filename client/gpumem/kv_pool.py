@@ -78,7 +78,11 @@ class KvPool:
     # ------------------------------------------------------------------ layout
 
     def view(self, buffer: str) -> RawView:
-        """The whole region of ``buffer`` (max_tokens rows), as raw bytes."""
+        """The whole region of ``buffer`` (max_tokens rows of its row_bytes, row i at
+        byte i * row_bytes) as a framework-agnostic RawView: DLPack and
+        ``__cuda_array_interface__`` on CUDA, ``__array_interface__`` on the host backend
+        (``numpy.asarray(view)``), no torch needed. Only the first ``tokens`` rows are
+        backed by memory: the rest are virtual or placeholder, never to be touched."""
         b = self._buffer(buffer)
         return self.arena.view(b.offset, self.max_tokens * b.row_bytes)
 

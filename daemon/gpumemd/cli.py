@@ -5,16 +5,22 @@ daemon cannot use, figures that contradict each other, an address slice that is 
 free in the daemon's process) ends the process with exit status 78 and one line on
 stderr: the unit's RestartPreventExitStatus=78 then keeps systemd from restarting a
 daemon that can never start as configured.
+
+Every flag may also come from the environment as GPUMEMD_<FLAG> (GPUMEMD_METRICS_PORT
+for --metrics-port), read when the command starts; the command line wins, and an error
+in a value from the environment names the variable.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
 import click
+from click.core import ParameterSource
 
 from gpumem_shared import protocol as p
 from gpumem_shared.address_plan import VA_PLAN_SLICES, plan_range
@@ -38,6 +44,10 @@ if TYPE_CHECKING:
 
 # sysexits EX_CONFIG.
 EXIT_CONFIG = 78
+# Every flag may come from the environment instead (--metrics-port: GPUMEMD_METRICS_PORT),
+# as the systemd unit's per-instance EnvironmentFile sets them; the command line wins.
+ENV_PREFIX = "GPUMEMD"
+_option = functools.partial(click.option, show_envvar=True)
 
 
 class ConfigError(Exception):
@@ -65,11 +75,22 @@ def _share(ctx: click.Context, param: click.Parameter, value: float) -> float:
     return value
 
 
+def _named(flag: str) -> str:
+    """``flag`` as the user gave it: with the variable's name when it came from the environment."""
+    ctx = click.get_current_context(silent=True)
+    name = flag.lstrip("-").replace("-", "_")
+    if ctx is not None and ctx.get_parameter_source(name) is ParameterSource.ENVIRONMENT:
+        return f"{flag} (${ENV_PREFIX}_{name.upper()})"
+    return flag
+
+
 def _granular(flag: str, size: Size, granularity: int) -> int:
     if size.bytes <= 0 or size.bytes % granularity:
+        iec = size.as_iec()
+        meant = f"; did you mean {iec}?" if iec is not None and iec.bytes > 0 and iec.bytes % granularity == 0 else ""
         raise ConfigError(
-            f"{flag} {size} is not a positive multiple of the device granularity "
-            f"{format_size(granularity)}; nearest valid: {size.nearest_multiples(granularity)}"
+            f"{_named(flag)} {size} is not a positive multiple of the device granularity "
+            f"{format_size(granularity)}; nearest valid: {size.nearest_multiples(granularity)}{meant}"
         )
     return size.bytes
 
@@ -103,36 +124,36 @@ def _exporter(address: str, port: int) -> Exporter:
         raise ConfigError(f"cannot serve metrics on {address} port {port}: {exc.strerror or exc}") from None
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": ENV_PREFIX})
 @click.version_option(package_name="gpumemd", prog_name="gpumemd")
-@click.option("--device", type=int, default=0, show_default=True, help="GPU index (nvidia-smi order) this daemon owns.")
-@click.option("--backend", type=click.Choice(["cuda", "host"]), default=None, help="Driver backend [default: cuda].")
-@click.option("--host-capacity", default="8GiB", show_default=True, callback=_size, help="Memory the host backend offers.")
-@click.option(
+@_option("--device", type=int, default=0, show_default=True, help="GPU index (nvidia-smi order) this daemon owns.")
+@_option("--backend", type=click.Choice(["cuda", "host"]), default=None, help="Driver backend [default: cuda].")
+@_option("--host-capacity", default="8GiB", show_default=True, callback=_size, help="Memory the host backend offers.")
+@_option(
     "--runtime-dir",
     default=None,
     help="Socket directory [default: $GPUMEMD_RUNTIME_DIR, /run/gpumemd for root, else $XDG_RUNTIME_DIR/gpumemd].",
 )
-@click.option("--socket-group", default=None, help="Group (name or number) that owns the sockets (mode 0660); its members may connect.")
-@click.option("--chunk-size", default="512MiB", show_default=True, callback=_size, help="Size of bulk chunks; tails use smaller ones.")
-@click.option(
+@_option("--socket-group", default=None, help="Group (name or number) that owns the sockets (mode 0660); its members may connect.")
+@_option("--chunk-size", default="512MiB", show_default=True, callback=_size, help="Size of bulk chunks; tails use smaller ones.")
+@_option(
     "--kv-chunk-size",
     default="1GiB",
     show_default=True,
     callback=_size,
     help="KV buffers are committed in chunks this large: larger means faster rounds, coarser shrinks.",
 )
-@click.option("--reserve", default=None, callback=_size, help="Memory never committed [default: 1GiB on CUDA, 0 on host].")
-@click.option(
+@_option("--reserve", default=None, callback=_size, help="Memory never committed [default: 1GiB on CUDA, 0 on host].")
+@_option(
     "--capacity",
     default=None,
     callback=_size,
     help="The most gpumemd commits in all, however much the device has free: emulates a smaller GPU [default: no cap].",
 )
-@click.option(
+@_option(
     "--hello-timeout", type=float, default=5.0, show_default=True, callback=_positive, help="Seconds a new connection has to say HELLO."
 )
-@click.option(
+@_option(
     "--round-timeout",
     type=float,
     default=300.0,
@@ -140,7 +161,7 @@ def _exporter(address: str, port: int) -> Exporter:
     callback=_positive,
     help="Seconds from a KV commit round's first join to its deadline.",
 )
-@click.option(
+@_option(
     "--move-timeout",
     type=float,
     default=2.0,
@@ -148,14 +169,14 @@ def _exporter(address: str, port: int) -> Exporter:
     callback=_positive,
     help="Seconds a KV grow waits for other pools to give back before it is answered with what could be got.",
 )
-@click.option(
+@_option(
     "--round-policy",
     type=click.Choice([policy.value for policy in p.RoundPolicy]),
     default=p.RoundPolicy.PARTIAL.value,
     show_default=True,
     help="At a round's deadline: commit for the members that reported, or fail the round.",
 )
-@click.option(
+@_option(
     "--restart-grace",
     type=float,
     default=30.0,
@@ -163,21 +184,21 @@ def _exporter(address: str, port: int) -> Exporter:
     callback=_positive,
     help="After a restart with the state kept (systemd's fd store): seconds clients have to resume before what they held is released.",
 )
-@click.option(
+@_option(
     "--tenant-sessions",
     type=click.IntRange(1),
     default=TenantLimits.sessions,
     show_default=True,
     help="Live sessions one uid may hold: no user locks the others out of the daemon's connections.",
 )
-@click.option(
+@_option(
     "--tenant-arenas",
     type=click.IntRange(1),
     default=TenantLimits.arenas,
     show_default=True,
     help="Arenas (KV pools included) one uid may own at once.",
 )
-@click.option(
+@_option(
     "--tenant-address-share",
     type=float,
     default=TenantLimits.address_share,
@@ -185,7 +206,7 @@ def _exporter(address: str, port: int) -> Exporter:
     callback=_share,
     help="Fraction of the device's address plan one uid's arena windows may take (each arena also costs a guard step).",
 )
-@click.option(
+@_option(
     "--tenant-graph-pool-share",
     type=float,
     default=TenantLimits.graph_pool_share,
@@ -193,39 +214,39 @@ def _exporter(address: str, port: int) -> Exporter:
     callback=_share,
     help="Fraction of the daemon's graph-pool slots one uid's sessions may keep.",
 )
-@click.option(
+@_option(
     "--tenant-requests",
     type=click.IntRange(1),
     default=TenantLimits.requests,
     show_default=True,
     help="Control requests one session may have waiting for service; more are refused at once (a client has one call out).",
 )
-@click.option(
+@_option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
     help="Serve Prometheus metrics at http://ADDRESS:PORT/metrics (needs: pip install 'gpumemd[metrics]'); 0 picks a free port, logged. "
     "No access control: whoever reaches it reads client names, arena names and pool labels (see --metrics-hide-names).",
 )
-@click.option(
+@_option(
     "--metrics-address",
     default=None,
     help="Address the metrics endpoint listens on [default: 127.0.0.1, where every local user can read it, socket group or not].",
 )
-@click.option(
+@_option(
     "--metrics-hide-names",
     is_flag=True,
     help="Label metrics with a keyed digest of each client name, arena name and pool label (the same while the daemon runs) "
     "instead of the names: for an endpoint that users outside the socket group can reach.",
 )
-@click.option(
+@_option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
     show_default=True,
     help="debug adds a line per control request: type, client, size, outcome, time in µs.",
 )
-@click.option(
+@_option(
     "--log-format",
     type=click.Choice(logs.FORMATS),
     default="text",
@@ -345,9 +366,21 @@ def _fail(message: str) -> NoReturn:
     sys.exit(EXIT_CONFIG)
 
 
+def _from_where(exc: click.BadParameter) -> str:
+    """Name the variable a bad value came from: the command line shows no flag for it."""
+    param = exc.param
+    if exc.ctx is None or param is None or param.name is None:
+        return ""
+    if exc.ctx.get_parameter_source(param.name) is not ParameterSource.ENVIRONMENT:
+        return ""
+    return f"${ENV_PREFIX}_{param.name.upper()}={os.environ.get(f'{ENV_PREFIX}_{param.name.upper()}', '')!r}: "
+
+
 def main() -> None:
     try:
         command.main(standalone_mode=False)
+    except click.BadParameter as exc:
+        _fail(_from_where(exc) + exc.format_message().replace("\n", " "))
     except click.UsageError as exc:  # unknown flags, bad values: one line, not click's usage block
         _fail(exc.format_message().replace("\n", " "))
     except ConfigError as exc:

@@ -209,8 +209,9 @@ class Metrics:
         )
         f.one(
             "gpumemd_daemon_generation", "gauge",
-            "Daemon generation: 1 at a fresh start, one more with each restart that rebuilt the state from the fd store.",
-            state.generation + 1,
+            "Daemon generation: 0 at a fresh start, one more with each restart that rebuilt the state from the fd store "
+            "(the generation gpumemctl status --json shows).",
+            state.generation,
         )
         f.one("gpumemd_start_time_seconds", "gauge", "When the daemon started, unix time.", self._started)
 

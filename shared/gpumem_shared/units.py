@@ -34,6 +34,19 @@ class Size:
         above = _in_unit(below + step, self.unit, self.scale)
         return f"{_in_unit(below, self.unit, self.scale)} or {above}" if below else above
 
+    def as_iec(self) -> Size | None:
+        """The same figure in the IEC unit when this size is written in an SI one (8G as
+        8GiB): what someone who typed 8G for GPU memory most likely meant. None otherwise."""
+        unit = self.unit.lower()
+        if unit not in _UNITS or self.scale == 1 or self.scale % 1000:
+            return None
+        power = _PREFIXES.index(unit[0]) + 1
+        scale = 1024**power
+        exact = Decimal(self.bytes) / Decimal(self.scale) * scale
+        if exact != exact.to_integral_value():
+            return None
+        return Size(int(exact), f"{unit[0].upper()}iB", scale)
+
     def __str__(self) -> str:
         return _in_unit(self.bytes, self.unit, self.scale)
 

@@ -257,3 +257,42 @@ def test_without_access_to_the_sockets_ctl_and_library_say_which_group_to_join(d
     assert result.returncode == 1 and "Traceback" not in result.stderr, result
     assert f"permission denied: gpumemd's socket {ep.zmq_path} is closed to this user: the directory {runtime_dir} is closed" in result.stderr, result.stderr
     ping(runtime_dir)  # the daemon never noticed
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts gpumemctl as another user: needs root")
+def test_a_root_daemon_without_a_socket_group_is_answered_with_socket_group_not_joining_root(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """Joining root (the daemon's own group) would hand the user far more than the socket:
+    the advice is a group for the sockets, and joining that."""
+    python = _other_user_python(runtime_dir)
+    daemon_factory("host")  # no --socket-group: the sockets are root:root 0660
+    runtime_dir.chmod(0o755)
+    result = _as_other_user(python, "-m", "gpumem.ctl", "status", "--runtime-dir", str(runtime_dir))
+    assert result.returncode == 1, result
+    assert "usermod -aG root" not in result.stderr, result.stderr
+    assert "start gpumemd with --socket-group gpumem" in result.stderr and "'usermod -aG gpumem nobody'" in result.stderr, result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts gpumemctl as another user: needs root")
+def test_status_all_shows_the_daemons_it_may_reach_and_names_the_others(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    python = _other_user_python(runtime_dir)
+    daemon_factory("host", device=0, args=["--socket-group", str(OTHER_UID)])  # the other user's own group
+    daemon_factory("host", device=1, args=["--socket-group", _other_user_group()])
+    runtime_dir.chmod(0o755)
+    result = _as_other_user(python, "-m", "gpumem.ctl", "status", "--all", "--runtime-dir", str(runtime_dir))
+    assert result.returncode == 1, result
+    assert "=== device 0 " in result.stdout and "=== device 1 " not in result.stdout, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"gpumemctl: device 1 ({runtime_dir}): permission denied"), result.stderr
+
+
+def test_graph_pools_have_one_name_and_the_old_command_still_answers(daemon, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """The section and the command say "graph pools" as the JSON and the docs do;
+    `gpumemctl extents`, the old name, still works for scripts and --help says what it is."""
+    env = child_env(runtime_dir)
+    shown = ctl("status", "--runtime-dir", str(runtime_dir), env=env).stdout
+    assert "\nGRAPH POOLS\n" in shown and "\nEXTENTS\n" not in shown, shown
+    new = ctl("graph-pools", "--runtime-dir", str(runtime_dir), env=env)
+    old = ctl("extents", "--runtime-dir", str(runtime_dir), env=env)
+    assert new.returncode == old.returncode == 0 and new.stdout == old.stdout and new.stdout.startswith("GRAPH POOLS\n"), (new, old)
+    listed = " ".join(ctl("--help").stdout.split())
+    assert "graph-pools Graph pools:" in listed and "extents The old name of graph-pools, kept so scripts keep working." in listed, listed

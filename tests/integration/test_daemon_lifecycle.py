@@ -315,6 +315,8 @@ def test_watchdog_for_another_pid_is_not_ours(daemon_factory, runtime_dir) -> No
         (["--chunk-size", "3MiB"], "nearest valid: 2MiB or 4MiB"),
         (["--kv-chunk-size", "3000kB"], "nearest valid: 2097.152kB or 4194.304kB"),
         (["--chunk-size", "8XB"], "is not a size"),
+        (["--chunk-size", "512M"], "nearest valid: 511.705088M or 513.80224M; did you mean 512MiB?"),
+        (["--host-capacity", "8G"], "did you mean 8GiB?"),
         (["--host-capacity", "1.5b"], "whole number of bytes"),
         (["--host-capacity", "0"], "--host-capacity 0"),
         (["--host-capacity", "1GiB", "--reserve", "1GiB"], "leaves nothing to serve"),

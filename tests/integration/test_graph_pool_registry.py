@@ -1,5 +1,5 @@
 """The graph-pool registry against a real gpumemd (host backend): register / update /
-retire through the client library and on the raw wire, what ``gpumemctl extents`` and
+retire through the client library and on the raw wire, what ``gpumemctl graph-pools`` and
 ``gpumemctl status`` show, and a kill -9 of the owner dropping its pools.
 
 The host backend has no torch pool, so the registry messages are sent as they are
@@ -193,8 +193,8 @@ def test_registry_messages_on_the_raw_wire(host_daemon, runtime_dir) -> None:  #
 
 
 def test_ctl_extents_json_and_human_and_status(host_daemon, connect, runtime_dir) -> None:  # type: ignore[no-untyped-def]
-    assert json.loads(ctl(runtime_dir, "extents", "--json").stdout) == []
-    assert section(ctl(runtime_dir, "extents").stdout, "EXTENTS", None) == ["  (none)"]
+    assert json.loads(ctl(runtime_dir, "graph-pools", "--json").stdout) == []
+    assert section(ctl(runtime_dir, "graph-pools").stdout, "GRAPH POOLS", None) == ["  (none)"]
 
     owner = connect("ctl-owner")
     owner.create_arena("graphs", GiB).commit(32 * MiB)
@@ -210,7 +210,7 @@ def test_ctl_extents_json_and_human_and_status(host_daemon, connect, runtime_dir
     second = owner.call(p.RegisterGraphPool(arena="graphs", label="prefill", extents=[E(16 * MiB, 8 * MiB)], free_runs=[])).pool
     assert (first.id, first.epoch, second.id) == (1, 2, 2)
 
-    listed = json.loads(ctl(runtime_dir, "extents", "--json").stdout)
+    listed = json.loads(ctl(runtime_dir, "graph-pools", "--json").stdout)
     assert listed == [p.to_wire(first), p.to_wire(second)]
     assert listed[0]["free_runs"] == wire([E(5 * MiB, 1 * MiB), E(1 * MiB, 512 * KiB), E(256 * KiB, 256 * KiB)])
     assert listed[0]["free_bytes"] == 1 * MiB + 768 * KiB
@@ -248,18 +248,18 @@ def test_ctl_extents_json_and_human_and_status(host_daemon, connect, runtime_dir
         },
     ]
     assert expected[0]["FREE"] == "1.75 MiB"
-    human = section(ctl(runtime_dir, "extents").stdout, "EXTENTS", None)
+    human = section(ctl(runtime_dir, "graph-pools").stdout, "GRAPH POOLS", None)
     assert table(human[:3]) == expected
     assert human[3:] == [
         "  pool 1 free runs (offset+size): 0x500000+1 MiB, 0x100000+512 KiB, 0x40000+256 KiB",
         "  pool 2 free runs (offset+size): none",
     ]
-    assert table(section(ctl(runtime_dir, "status").stdout, "EXTENTS", "LEASES")) == expected
+    assert table(section(ctl(runtime_dir, "status").stdout, "GRAPH POOLS", "LEASES")) == expected
 
     owner.call(p.RetireGraphPool(pool_id=first.id))
-    assert [row["POOL"] for row in table(section(ctl(runtime_dir, "status").stdout, "EXTENTS", "LEASES"))] == ["2"]
+    assert [row["POOL"] for row in table(section(ctl(runtime_dir, "status").stdout, "GRAPH POOLS", "LEASES"))] == ["2"]
     owner.call(p.RetireGraphPool(pool_id=second.id))
-    assert section(ctl(runtime_dir, "status").stdout, "EXTENTS", "LEASES") == ["  (none)"]
+    assert section(ctl(runtime_dir, "status").stdout, "GRAPH POOLS", "LEASES") == ["  (none)"]
 
 
 # --------------------------------------------------------------------------- owner death

@@ -4,7 +4,7 @@ A pool's lease slot lives in a segment (a memfd of one page, ``gpumemd-lease-poo
 that gpumemd grants only to the pool's owner and to the clients that open it. These
 scenarios look at what each client process really maps (/proc/self/maps) and holds
 (/proc/self/fd); at a user naming a client without the right, which gpumemd repairs
-within a tick and reports (its log, ``gpumemctl status --json``, ``gpumemctl extents``);
+within a tick and reports (its log, ``gpumemctl status --json``, ``gpumemctl graph-pools``);
 and at a client that lets go of the arena but keeps writing through the mapping it had:
 the pool moved to a fresh segment, which the clients left follow."""
 

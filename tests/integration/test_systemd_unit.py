@@ -86,6 +86,8 @@ def test_unit_declares_what_the_daemon_relies_on() -> None:
     assert _one(service, "RuntimeDirectoryPreserve") == "yes"
     assert _one(service, "Restart") == "on-failure"
     assert "78" in _one(service, "RestartPreventExitStatus").split()  # EX_CONFIG: no point restarting
+    # Per-instance flags (GPUMEMD_METRICS_PORT=9400) in an optional file: "-" lets an instance have none.
+    assert _one(service, "EnvironmentFile") == "-/etc/gpumemd/gpumemd-%i.env"
     nofile = _one(service, "LimitNOFILE")
     assert nofile == "infinity" or int(nofile) >= 65536
     exec_start = _one(service, "ExecStart").split()

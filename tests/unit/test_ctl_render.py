@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpumem.ctl_render import render_arenas, render_extents, render_kv, render_leases, render_rounds, render_status, render_top
+from gpumem.ctl_render import render_arenas, render_graph_pools, render_kv, render_leases, render_rounds, render_status, render_top
 from gpumem_shared import protocol as p
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -100,7 +100,7 @@ def test_an_idle_daemon_prints_every_section_empty() -> None:
         "  total 80 GiB  free 60 GiB  gpumemd holds 20 GiB  reserve 1 GiB  granularity 2 MiB",
         "", "CLIENTS", "  (none)",
         "", "ARENAS", "  (none)",
-        "", "EXTENTS", "  (none)",
+        "", "GRAPH POOLS", "  (none)",
         "", "LEASES", "  (none)",
         "", "ROUNDS", "  (none)",
         "", "KV", "  (none)",
@@ -142,7 +142,7 @@ def test_the_status_page_holds_every_list_view() -> None:
         kv=[kv_pool("kv", "engine-a")],
     )
     text = render_status(full)
-    for title, lines in [("ARENAS", render_arenas(full)), ("EXTENTS", render_extents(full)), ("LEASES", render_leases(full)),
+    for title, lines in [("ARENAS", render_arenas(full)), ("GRAPH POOLS", render_graph_pools(full)), ("LEASES", render_leases(full)),
                          ("ROUNDS", render_rounds(full)), ("KV", render_kv(full))]:
         assert "\n".join(["", title, *lines, ""]) in text + "\n"
 
@@ -192,15 +192,15 @@ def test_extents_show_free_runs_escapes_and_repairs() -> None:
     )
     quiet = graph_pool(8, label="prefill", arena="draft")
     s = reply(graph_pools=[busy, quiet])
-    lines = render_extents(s)
+    lines = render_graph_pools(s)
     assert rows(lines[:3]) == [
         ["7", "engine-a", "kv", "decode", "3", "yes", "2", "6 MiB", "2", "1.50 MiB", "1 MiB", "2"],
         ["8", "engine-a", "draft", "prefill", "1", "no", "1", "4 MiB", "0", "0 B", "-", "0"],
     ]
     assert lines[3] == "  pool 7: replay and capture refused: engine-b holds borrowed tensors past their scope"
     assert lines[4].startswith("  pool 7: gpumemd repaired its lease slot 2 time(s): a client wrote there what no client may")
-    assert len(lines) == 5, "pool 8 has nothing to warn about; the runs only show in `gpumemctl extents`"
-    assert render_extents(s, runs=True)[5:] == [
+    assert len(lines) == 5, "pool 8 has nothing to warn about; the runs only show in `gpumemctl graph-pools`"
+    assert render_graph_pools(s, runs=True)[5:] == [
         "  pool 7 free runs (offset+size): 0x100000+1 MiB, 0x300000+512 KiB",
         "  pool 8 free runs (offset+size): none",
     ]

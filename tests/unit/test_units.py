@@ -91,3 +91,24 @@ def test_format_negative_sizes() -> None:
 @pytest.mark.parametrize("n", [0, 1, 1023, 4 * KiB, 1536, 512 * MiB, 3 * GiB, 5 * TiB])
 def test_exact_sizes_round_trip(n: int) -> None:
     assert parse_size(format_size(n)) == n
+
+
+def test_an_si_size_reads_as_the_iec_one_it_likely_meant() -> None:
+    assert str(parse("8G").as_iec()) == "8GiB"
+    assert str(parse("512MB").as_iec()) == "512MiB"
+    assert str(parse("3k").as_iec()) == "3KiB"
+    assert parse("8GiB").as_iec() is None and parse("4096").as_iec() is None
+
+
+def test_the_readmes_iec_size_examples_suit_a_granular_flag() -> None:
+    """The README offers IEC examples before saying granular flags want them: each must
+    be a multiple of the 2 MiB granularity (its 1.5GB was refused by every such flag)."""
+    import re
+
+    from conftest import ROOT
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    sentence = re.search(r"Sizes take IEC units \(([^)]*)\)", text)
+    assert sentence is not None, "the README's sentence on size units moved"
+    examples = re.findall(r"`([^`]+)`", sentence.group(1))
+    assert examples and all(parse_size(e) % (2 * MiB) == 0 for e in examples), examples
