@@ -195,7 +195,11 @@ class Arena:
         self._unmap_aliases(touching(self._aliases, merge(ranges)))
 
     def restore_placeholder(self) -> None:
-        """Alias the placeholder again wherever it was asked for and nothing is mapped."""
+        """Alias the placeholder again wherever it was asked for and nothing is mapped.
+        Not once the session closes: its close() unmaps the arena meanwhile, and a mapping
+        put back after that would outlive it (on CUDA the slice then cannot be freed)."""
+        if self._released or self.core.closing:
+            return
         self._cover_free(subtract(self._cover, self.backed_ranges()))
 
     def _unmap_aliases(self, spans: list[tuple[int, int]]) -> None:
