@@ -129,6 +129,11 @@ def handoff_client(name: str, rounds: int) -> int:
                 native_waits += status == LeaseStatus.OK_WAITED
             else:
                 status = _native.lease_acquire(address, word, epoch, 5_000_000_000, None)[0]
+            if status == LeaseStatus.STALE and pool.segment.epoch() == 0 and leasing.follow(pool):
+                # The pool moved to a fresh segment (a user lost its right): the bare calls
+                # follow it as Lease.acquire does, and this turn is not timed.
+                address = pool.segment.address
+                continue
             if status not in taken:
                 raise RuntimeError(f"the bare native acquire did not take the lease within 5 s (status {status})")
             acquired = time.monotonic_ns()

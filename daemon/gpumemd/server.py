@@ -41,25 +41,21 @@ from gpumemd.tenants import ANONYMOUS, FairQueue
 
 log = logging.getLogger("gpumemd.server")
 
-# One control request served per poll wake-up: the fd channel (where deaths and HELLOs
-# arrive) gets in between any two requests, so a flood of control requests cannot starve
-# it. What the ROUTER holds is read ahead into one queue per peer (tenants.FairQueue)
-# and served in turn: ZeroMQ queues fairly per connection only, and connections cost a
-# flooder nothing, so without it every session waited behind one peer's backlog.
-# Reading stops after this many per wake-up, so the loop goes round.
+# One control request served per poll wake-up, so the fd channel (deaths, HELLOs) gets in
+# between any two. What the ROUTER holds is read ahead into a queue per peer
+# (tenants.FairQueue) and served in turn: ZeroMQ is fair per connection only, and
+# connections cost a flooder nothing. At most this many are read per wake-up.
 CONTROL_READ_AHEAD = 256
 
-# pyzmq's flags are IntFlag members: combining or testing them on the hot path builds
-# new enum members on every call. Plain ints for the per-request path.
+# pyzmq's flags are IntFlag members, built anew by every | or test: plain ints here.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 
 
-# libzmq buffers a control-channel message whole before the daemon sees it: without a
-# bound a peer's gigabyte frame costs a gigabyte of the daemon's memory (one per peer at
-# once). A bigger message closes its connection unread; up to this size it is refused
-# with BAD_MESSAGE like any frame over MAX_FRAME_BYTES.
+# libzmq buffers a message whole before the daemon sees it: unbounded, a peer's gigabyte
+# frame costs the daemon a gigabyte. A bigger one closes its connection unread; up to this
+# size it is refused with BAD_MESSAGE like any frame over MAX_FRAME_BYTES.
 MAX_CONTROL_MESSAGE = 2 * p.MAX_FRAME_BYTES
 # What the ROUTER's monitor reports: each control-channel connection's descriptor as it
 # comes and goes (control_door.py).
@@ -296,11 +292,10 @@ class Server:
     # ------------------------------------------------------------------ control channel
 
     def _on_control(self) -> None:
-        """Read what the ROUTER holds into its peers' queues; the loop serves them. With
-        none waiting, the first request is answered before anything more is read: a quiet
-        daemon's reply pays neither a copy nor the read that finds the ROUTER empty."""
+        """Read what the ROUTER holds into its peers' queues, which the loop serves. With none
+        waiting, the first is answered before more is read: a quiet daemon pays no copy."""
         assert self._router is not None
-        router, by_token, waiting, door = self._router, self._by_token, self._waiting, self._control
+        router, by_token, waiting = self._router, self._by_token, self._waiting
         first = not waiting
         for _ in range(CONTROL_READ_AHEAD):
             try:
@@ -310,12 +305,12 @@ class Server:
             # The request frame without a copy; its ``more`` says whether frames follow,
             # without asking the socket.
             frame = router.recv(_NOBLOCK, copy=False)
-            fd = frame.get(zmq.SRCFD)
-            if fd not in door.peers:
-                self._on_monitor()  # its accept not counted yet: the hand-over must not go unseen
-            cut_off = door.spoke(fd, identity, identity in by_token, time.monotonic())
-            if cut_off is not None:
-                self._hang_up(door.peers[cut_off], time.monotonic())
+            if first and not frame.more:  # no peer waits, so none is passed over
+                first = False
+                self._post(self._serve_request(identity, frame.buffer))
+                self._spoke(frame, identity)  # after the reply: the door's books are not on its path
+                continue
+            self._spoke(frame, identity)
             if frame.more:
                 parts = 2
                 while frame.more:  # a multipart message arrives whole: the rest is there
@@ -326,16 +321,22 @@ class Server:
                 router.send(identity, _SNDMORE_NOBLOCK)
                 router.send(p.encode_error(0, err), _NOBLOCK)
                 continue
-            if first:  # no peer waits, so none is passed over
-                first = False
-                self._post(self._serve_request(identity, frame.buffer))
-                continue
             data = frame.bytes
             session = by_token.get(identity)
             refusal = waiting.push(ANONYMOUS if session is None else session.id, identity, data)
             if refusal is not None:
                 router.send(identity, _SNDMORE_NOBLOCK)
                 router.send(p.encode_error(p.request_id_of(data), refusal), _NOBLOCK)
+
+    def _spoke(self, frame: zmq.Frame, identity: bytes) -> None:
+        """The control door's books: a routing id that moved to a newer connection hangs the old one up."""
+        door = self._control
+        fd = frame.get(zmq.SRCFD)
+        if fd not in door.peers:
+            self._on_monitor()  # its accept not counted yet: the hand-over must not go unseen
+        cut_off = door.spoke(fd, identity, identity in self._by_token, time.monotonic())
+        if cut_off is not None:
+            self._hang_up(door.peers[cut_off], time.monotonic())
 
     def _serve(self, identity: bytes, frame: bytes | memoryview) -> Mail:
         return self.outbox.request(identity, self._by_token.get(identity), frame)
