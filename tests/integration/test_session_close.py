@@ -8,7 +8,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 import gpumem
+from gpumem_shared.driver import DriverError
 from gpumemd_testkit import wait_status
 
 # Far beyond what the test waits: a close() that waited for it would fail the test.
@@ -16,7 +19,13 @@ CALL_TIMEOUT_S = 120.0
 CLOSE_WITHIN_S = 10.0
 
 
-def test_close_ends_a_call_blocked_in_another_thread(daemon: object, runtime_dir: Path) -> None:
+def test_close_ends_a_call_blocked_in_another_thread(daemon: object, runtime_dir: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    if backend == "cuda":
+        # Seen on the H200 (2026-12-01): the interrupted call ends as it should, then the
+        # second session's close() cannot free the process's address slice (cuMemAddressFree:
+        # CUDA_ERROR_INVALID_VALUE), so something of the first session's arena stays mapped
+        # there. Open in issue 22; strict, so the fix must remove this mark.
+        request.applymarker(pytest.mark.xfail(strict=True, raises=DriverError, reason="slice not freed after an interrupted close (CUDA)"))
     first = gpumem.connect(0, "first", runtime_dir=runtime_dir, timeout=CALL_TIMEOUT_S)
     second = gpumem.connect(0, "second", runtime_dir=runtime_dir, timeout=CALL_TIMEOUT_S)
     try:
