@@ -861,23 +861,24 @@ class World:
         what = f"fd channel: {op!r:.300}"
         payload = spelled(op.payload)
         pipes = [os.pipe() for _ in range(op.stray_fds)]
+        # Each descriptor is closed exactly once: a number closed twice may by then be one
+        # ZeroMQ's I/O thread opened, and closing it under ZeroMQ aborts the process
+        # ("File exists (src/epoll.cpp)").
+        opened = {fd for pair in pipes for fd in pair}
         try:
             if op.session is None:
                 self._fd_fresh(payload, op.then_hello, what, [w for _, w in pipes])
             else:
                 self._fd_session(op.session, payload, what, [w for _, w in pipes])
             for _, w in pipes:
+                opened.discard(w)
                 os.close(w)
             for r, _ in pipes:
                 if not select.select([r], [], [], REPLY_TIMEOUT)[0] or os.read(r, 1) != b"":
                     raise FuzzFailure(f"{what}: the daemon kept a stray descriptor")
         finally:
-            for r, w in pipes:
-                for fd in (r, w):
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
+            for fd in opened:
+                os.close(fd)
 
     def _fd_fresh(self, payload: bytes, then_hello: bool, what: str, fds: list[int]) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
