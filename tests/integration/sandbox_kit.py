@@ -65,7 +65,16 @@ def emulation_tools() -> str | None:
     if os.geteuid() != 0:
         return "mount namespaces and capability bounds need root"
     missing = [tool for tool in ("unshare", "setpriv", "mount") if shutil.which(tool) is None]
-    return f"{', '.join(missing)} not installed" if missing else None
+    if missing:
+        return f"{', '.join(missing)} not installed"
+    # Root in a container may still lack CAP_SYS_ADMIN or CAP_SETPCAP: try each step once.
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+         "mount -t tmpfs tmpfs /tmp && mount -o remount,bind,ro / && "
+         "exec setpriv --no-new-privs --bounding-set=-all --inh-caps=-all --clear-groups -- true"],
+        capture_output=True, text=True, timeout=60,
+    )
+    return None if probe.returncode == 0 else f"this root may not make the sandbox: {probe.stderr.strip()}"
 
 
 def _mount_points() -> list[Path]:
