@@ -4,6 +4,7 @@ accepts; and it says what the daemon relies on."""
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import re
@@ -247,6 +248,7 @@ class _Sandboxed:
         self.runtime_dir, self.log_path = runtime_dir, log
         self.unit: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        self._made_lock_dir = False
         if sandbox_kit.systemd_is_pid1() and os.geteuid() == 0 and shutil.which("systemd-run"):
             self.unit = f"{runtime_dir.name}.service"
             started = subprocess.run(
@@ -259,6 +261,7 @@ class _Sandboxed:
             if missing is not None:
                 pytest.skip(f"no systemd as PID 1 here to run the unit's sandbox, and it cannot be emulated: {missing}")
             runtime_dir.mkdir(mode=0o755)
+            self._made_lock_dir = not runtime.DEVICE_LOCK_DIR.exists()
             runtime.DEVICE_LOCK_DIR.mkdir(mode=0o755, exist_ok=True)  # as RuntimeDirectory= makes it
             writable = [runtime_dir, runtime.DEVICE_LOCK_DIR]
             with log.open("wb") as out:
@@ -288,6 +291,14 @@ class _Sandboxed:
             raise AssertionError(f"gpumemd still runs after {timeout} s: {self.log()}") from None
 
     def stop(self) -> None:
+        try:
+            self._stop()
+        finally:
+            if self._made_lock_dir:
+                with contextlib.suppress(OSError):  # a daemon's lock in it since: it stays
+                    runtime.DEVICE_LOCK_DIR.rmdir()
+
+    def _stop(self) -> None:
         if self.unit is not None:
             subprocess.run(["systemctl", "stop", self.unit], capture_output=True, timeout=60)
         elif self.proc is not None and self.proc.poll() is None:
