@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from gpumem.allocator import Slot, SlotStats
+from gpumem.allocator import FAIL_DEVICE, FAIL_UNBACKED, Slot, SlotStats
 from gpumem.errors import GpuMemError, InvalidArgument
 from gpumem_shared import _native
 
@@ -111,6 +111,29 @@ class ArenaAllocator:
             free=max(0, committed - stats.cursor_bytes),
             cap=self.cap,
             grows=self.grows,
+        )
+
+    def refusal(self, stats: SlotStats) -> str:
+        """Why the slot refused its last request (``stats`` read after the failure), in
+        the words an ``ArenaOutOfMemory`` carries to torch's or CuPy's caller."""
+        arena = self.arena
+        cursor = stats.cursor_bytes
+        if stats.last_fail_reason == FAIL_UNBACKED and self.step:
+            return (
+                f"arena '{arena.name}' could not grow for a request of {stats.last_failed} bytes at offset {cursor}: "
+                f"{self.grow_error or 'the commit did not back it'} (committed {arena.committed}, cap {self.cap})"
+            )
+        if stats.last_fail_reason == FAIL_UNBACKED:
+            return (
+                f"arena '{arena.name}' cannot place a request of {stats.last_failed} bytes: the space at offset {cursor} "
+                "is not backed; commit it, make the arena elastic (arena.set_elastic()), back it with arena.placeholder(), "
+                "or lay out virtual-only torch tensors inside arena.allocating(virtual=True)"
+            )
+        if stats.last_fail_reason == FAIL_DEVICE:
+            return f"arena '{arena.name}' (cuda:{self.slot.device}) was asked for memory on another device"
+        return (
+            f"arena '{arena.name}' cannot hold a request of {stats.last_failed} bytes: {stats.largest_free} bytes are "
+            f"left of its {arena.reserved}-byte window ({cursor} handed out)"
         )
 
     def trim_target(self) -> int:

@@ -166,7 +166,7 @@ class MappingError(GpuMemError):
 
 
 class ArenaOutOfMemory(GpuMemError, MemoryError):
-    """A torch allocation routed into an arena found no room (or no backing) there."""
+    """A torch or CuPy allocation routed into an arena found no room (or no backing) there."""
 
 
 class TorchFeatureMissing(GpuMemError, RuntimeError):

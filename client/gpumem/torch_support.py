@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from gpumem.allocator import FAIL_DEVICE, FAIL_UNBACKED, SlotStats, library_path, virtual_only
+from gpumem.allocator import library_path, virtual_only
 from gpumem.errors import ArenaOutOfMemory, InvalidArgument, TorchFeatureMissing
 
 if TYPE_CHECKING:
@@ -221,30 +221,8 @@ class ArenaPool:
         except RuntimeError as exc:  # torch.OutOfMemoryError, or a plain RuntimeError from older torch
             stats = self.slot.stats()
             if stats.failures > before:
-                raise ArenaOutOfMemory(self.oom_message(stats), {"requested": stats.last_failed, "available": stats.largest_free}) from exc
+                raise ArenaOutOfMemory(self.allocator.refusal(stats), {"requested": stats.last_failed, "available": stats.largest_free}) from exc
             raise
-
-    def oom_message(self, stats: SlotStats) -> str:
-        arena = self.arena
-        cursor = stats.cursor_bytes
-        if stats.last_fail_reason == FAIL_UNBACKED and self.allocator.step:
-            return (
-                f"arena '{arena.name}' could not grow for a request of {stats.last_failed} bytes at offset {cursor}: "
-                f"{self.allocator.grow_error or 'the commit did not back it'} (committed {arena.committed}, cap "
-                f"{self.allocator.cap})"
-            )
-        if stats.last_fail_reason == FAIL_UNBACKED:
-            return (
-                f"arena '{arena.name}' cannot place a request of {stats.last_failed} bytes: the space at offset {cursor} "
-                "is not backed; commit it, back it with arena.placeholder(), or lay out virtual-only tensors inside "
-                "arena.allocating(virtual=True)"
-            )
-        if stats.last_fail_reason == FAIL_DEVICE:
-            return f"arena '{arena.name}' (cuda:{self.device}) was asked for memory on another device"
-        return (
-            f"arena '{arena.name}' cannot hold a request of {stats.last_failed} bytes: {stats.largest_free} bytes are "
-            f"left of its {arena.reserved}-byte window ({cursor} handed out)"
-        )
 
     @property
     def graph_pool(self) -> Any:

@@ -272,7 +272,15 @@ def set_socket_modes(endpoints: Endpoints, gid: int | None) -> None:
     for path in (endpoints.zmq_path, endpoints.fd_path):
         os.chmod(path, 0o660)
         if gid is not None:
-            os.chown(path, -1, gid)
+            try:
+                os.chown(path, -1, gid)
+            except PermissionError:
+                # The unit keeps no capability (CAP_CHOWN included): root gives a file to
+                # a group only as a member of it.
+                raise StartupError(
+                    f"cannot give {path} to group {gid}: not a member of it, and no CAP_CHOWN "
+                    "(under systemd: SupplementaryGroups= must name the --socket-group)"
+                ) from None
 
 
 def write_info(endpoints: Endpoints, uuid: str, backend: str) -> None:
