@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""Burst: memory moves to the engine that bursts while its neighbour idles (issue 24).
+
+Two engines share a daemon whose ``--capacity`` makes KV pressure real: their combined
+peak demand is about 1.5x what the KV budget holds. Seeded, staggered bursts: engine a
+bursts while b idles, then the other way, ``--cycles`` times; each burst is a batch of
+requests arriving over ``--spread-s``. Four configurations in the same run, in this order:
+
+  round    gpumemd, the KV split of the commit round, fixed (nano-vllm's block manager
+           does not follow its pool)
+  static   the engine as shipped, no daemon, each with the blocks the round gave it
+           (the same memory, split once)
+  elastic  gpumemd, the block manager following its pool: the bursting engine grows
+           ahead of need, the idle one gives back (live blocks moved down)
+  alone    the bound of any elastic scheme: one engine, no daemon, all the blocks both
+           had, serving both engines' bursts (they never overlap)
+
+Per configuration: time to first token (from each request's arrival; the bursts'
+requests, not the two long ones that follow each burst and outlive it, which the
+neighbour's burst then finds holding blocks) p50 and p99, preemptions, decode tokens/s
+over the run (decode steps only; steady decode compares a step's time at the same batch
+size, static against elastic), and the moves (grows, shrinks answered,
+blocks moved and the time spent copying them, steps that waited for a grow). Token ids
+must be identical across the four. Then, with a daemon of its own, a ``--grow-mib`` grow
+timed ``--repeats`` times when the memory is free and when an idle neighbour must give
+it back first.
+
+Engines: ``--backend host`` runs stand-ins (bench/burst_engines.py: nano-vllm's scheduler
+and block manager in miniature over real host memory, a token rule that reads every KV
+slot back, compute as sleeps); ``--backend cuda`` runs nano-vllm (bench/nanovllm_kit.py's
+random-weight Qwen3, built in a temp dir, greedy; 1,100-token prompts and 120 new tokens,
+which never start a block during decode, so the static configuration queues rather than
+hitting the fork's preemption assert).
+
+    python bench/burst.py --backend host
+    python bench/burst.py --backend cuda --capacity 6GiB
+
+Last line: {"bench": "burst", ...}; ok when elastic p99 <= 0.25x static, p50 and p99
+<= 1.3x alone, no preemption in elastic, its decode >= 0.98x static, the grows within
+50 ms (free) and 200 ms (given back) at p99, and the tokens identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import _common as c
+
+BENCH = "burst"
+MiB = 1 << 20
+CONFIGS = ["round", "static", "elastic", "alone"]
+TAIL = 2  # long requests after each burst
+SIZES = {  # per backend: tokens a block, prompt tokens, new tokens, compute
+    "host": {"block": 64, "prompt": 960, "prompt_extra": 16, "new": 48},
+    "cuda": {"block": 256, "prompt": 1100, "prompt_extra": 0, "new": 120},
+}
+
+
+def schedule(backend: str, per_burst: int, cycles: int, phase_s: float, spread_s: float, seed: int) -> dict[str, list[dict[str, Any]]]:
+    """Each engine's requests: bursts in alternate phases, arrivals seeded within the spread."""
+    rng, size = random.Random(seed), SIZES[backend]
+    out: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+    for phase in range(2 * cycles):
+        arrivals = sorted(rng.uniform(0, spread_s) for _ in range(per_burst))
+        for i, at in enumerate(arrivals):
+            n = size["prompt"] + rng.randint(1, size["prompt_extra"]) if size["prompt_extra"] else size["prompt"]
+            out["ab"[phase % 2]].append({"id": phase * 10000 + i, "at": phase * phase_s + at,
+                                         "prompt": [rng.randrange(2, 32768) for _ in range(n)], "max_tokens": size["new"]})
+        # Long requests that outlive the burst: when the neighbour bursts, this engine is
+        # asked to give back while they still hold blocks, maybe high ones (moved down).
+        for i in range(TAIL):
+            out["ab"[phase % 2]].append({"id": phase * 10000 + 9000 + i, "at": (phase + 0.6) * phase_s, "tail": True,
+                                         "prompt": [rng.randrange(2, 32768) for _ in range(size["prompt"])], "max_tokens": 3 * size["new"]})
+    return out
+
+
+def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup: contextlib.ExitStack) -> dict[str, Any]:
+    """Start the daemon (round, elastic) and the engines, serve the schedule, collect."""
+    folder = work / config
+    folder.mkdir()
+    daemon = None
+    if config in ("round", "elastic"):
+        rt = cleanup.enter_context(c.runtime_dir())
+        extra = ["--capacity", args.capacity, "--kv-chunk-size", args.kv_chunk_size, "--move-timeout", str(args.move_timeout)]
+        extra += ["--host-capacity", "4GiB", "--reserve", "0"] if args.backend == "host" else []
+        daemon = c.Daemon(rt, args.backend, args=extra)
+        daemon.wait_ready(60)
+    names = ["alone"] if config == "alone" else ["a", "b"]
+    engines = {}
+    for i, name in enumerate(names):
+        blocks = 2 * plan.get("blocks", 0) if config == "alone" else plan.get("blocks", 0)
+        spec = {
+            "name": f"engine-{name}", "backend": args.backend, "config": config, "blocks": blocks, "min_blocks": args.min_blocks,
+            "watermark": args.watermark, "step": args.step, "runtime_dir": str(daemon.runtime_dir) if daemon else "",
+            "model": str(plan.get("model", "")), "port": 29700 + 10 * CONFIGS.index(config) + i,
+            **{key: str(folder / f"{name}.{key}") for key in ("ready", "go", "schedule", "out")},
+        }
+        (folder / f"{name}.spec").write_text(json.dumps(spec))
+        engines[name] = c.Child(f"engine {name} ({config})", [__file__, "--engine", str(folder / f"{name}.spec")], folder / f"{name}.log")
+    try:
+        ready = {}
+        for name, child in engines.items():
+            path = folder / f"{name}.ready"
+            child.wait_for(path.exists, 600 if args.backend == "cuda" else 60, "being ready")
+            ready[name] = json.loads(path.read_text())["blocks"]
+        if "blocks" not in plan:  # the round's figures size the rest
+            plan["blocks"] = min(ready.values())
+        c.say(f"{config}: blocks {ready}")
+        requests = plan.setdefault("requests", _requests(args, plan["blocks"]))
+        for name in names:
+            mine = requests["a"] + requests["b"] if name == "alone" else requests[name]
+            (folder / f"{name}.schedule").write_text(json.dumps(mine))  # before its go file: read once that is there
+        t0 = time.monotonic() + 0.5
+        for name in names:
+            (folder / f"{name}.go.tmp").write_text(repr(t0))
+            (folder / f"{name}.go.tmp").rename(folder / f"{name}.go")  # whole, or not there
+        span = 2 * args.cycles * args.phase_s + 600
+        for name, child in engines.items():
+            child.wait_for((folder / f"{name}.out").exists, span, "serving its schedule")
+        results = {name: json.loads((folder / f"{name}.out").read_text()) for name in names}
+    finally:
+        for name in engines:
+            (folder / f"{name}.go.stop").write_text("")
+        for child in engines.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(60)  # it closes its session and exits on the stop file
+            if child.stop(10) not in (0, None):
+                c.say(f"warning: {child.name} ended with a failure; its log:\n{child.log()}")
+        if daemon is not None:
+            moves = [line.split(": ", 1)[-1] for line in daemon.log_path.read_text().splitlines() if "grew to" in line]
+            daemon.stop()
+            c.say(f"{config}: {len(moves)} grows that waited for a neighbour" + "".join(f"\n  daemon: {m}" for m in moves[:6]))
+    return _summary(config, results)
+
+
+def _requests(args: Any, blocks: int) -> dict[str, list[dict[str, Any]]]:
+    """A burst demands about 0.75 of both engines' blocks: 1.5x the budget over the two."""
+    size = SIZES[args.backend]
+    per_request = -(-(size["prompt"] + size["prompt_extra"] + size["new"]) // size["block"])
+    per_burst = args.requests or max(1, math.ceil(0.75 * 2 * blocks / per_request))
+    c.say(f"bursts of {per_burst} requests ({per_request} blocks each: {per_burst * per_request} of {2 * blocks} blocks)")
+    return schedule(args.backend, per_burst, args.cycles, args.phase_s, args.spread_s, args.seed)
+
+
+def _summary(config: str, results: dict[str, Any]) -> dict[str, Any]:
+    ttft = [v for r in results.values() for v in r["ttft_s"].values()]
+    decode_s = sum(r["decode_s"] for r in results.values())
+    steps: dict[int, list[float]] = {}
+    for r in results.values():
+        for batch, took in r["decode_steps"]:
+            steps.setdefault(batch, []).append(took)
+    follow: dict[str, Any] = {}
+    for r in results.values():
+        for key, value in r["follow"].items():
+            follow[key] = follow.get(key, 0) + (len(value) if isinstance(value, list) else value)
+    waits = [w for r in results.values() for w in r["follow"].get("grow_waits_s", [])]
+    out = {
+        "ttft_p50_s": c.percentile(ttft, 50), "ttft_p99_s": c.percentile(ttft, 99), "requests": len(ttft),
+        "preempted": sum(r["preempted"] for r in results.values()),
+        "decode_tok_s": sum(r["decode_tokens"] for r in results.values()) / decode_s if decode_s else math.nan,
+        "blocks": {r["name"]: [r["blocks_start"], r["blocks_end"]] for r in results.values()},
+        "moves": {**follow, "grow_waits_s": sum(waits)} if follow else {},
+        "tokens": {k: v for r in results.values() for k, v in r["tokens"].items()},
+        "decode_step_s": {batch: c.median(took) for batch, took in steps.items()},
+    }
+    c.say(f"{config}: TTFT p50 {out['ttft_p50_s'] * 1e3:.0f} ms, p99 {out['ttft_p99_s'] * 1e3:.0f} ms over {len(ttft)} requests; "
+          f"{out['preempted']} preempted; decode {out['decode_tok_s']:.0f} tok/s; blocks {out['blocks']}")
+    if follow:
+        c.say(f"{config}: moves {out['moves']}")
+    return out
+
+
+def grow_latency(args: Any, cleanup: contextlib.ExitStack) -> dict[str, list[float]]:
+    """A ``--grow-mib`` grow, timed: memory free, and an idle neighbour giving it back."""
+    import gpumem
+
+    row, grow = 2 * MiB, args.grow_mib // 2
+    rt = cleanup.enter_context(c.runtime_dir())
+    capacity = f"{5 * args.grow_mib // 2}MiB"
+    extra = ["--capacity", capacity, "--kv-chunk-size", "64MiB", "--move-timeout", "2"]
+    extra += ["--host-capacity", f"{3 * args.grow_mib}MiB", "--reserve", "0"] if args.backend == "host" else []
+    daemon = c.Daemon(rt, args.backend, args=extra)
+    cleanup.callback(daemon.stop)
+    daemon.wait_ready(60)
+    sx, sy = (gpumem.connect(0, name=n, runtime_dir=rt, timeout=30.0) for n in ("grower", "neighbour"))
+    cleanup.callback(sy.close)
+    cleanup.callback(sx.close)
+    x, y = (s.declare_kv_pool(f"{s.name}-kv", [gpumem.KvBuffer("kv", row)], max_tokens=4 * grow) for s in (sx, sy))
+    for pool in (x, y):
+        pool.join_round(expect=2)
+    waits = [pool.send_capture_done(min_tokens=16) for pool in (x, y)]
+    start = [w.wait() for w in waits][0]
+    y.report_demand(0)
+    times: dict[str, list[float]] = {"free_ms": [], "given_back_ms": []}
+    for _ in range(args.repeats):
+        y.shrink(16)
+        t = time.perf_counter()
+        got = x.grow(start + grow)
+        times["free_ms"].append((time.perf_counter() - t) * 1e3)
+        x.shrink(start)
+        y.grow(start)
+        stop = threading.Event()
+
+        def answer(stop: threading.Event) -> None:  # the neighbour's step loop, idle: it only answers shrinks
+            while not stop.is_set():
+                y.answer_shrinks()
+                time.sleep(0.001)
+
+        helper = threading.Thread(target=answer, args=(stop,))
+        helper.start()
+        try:
+            t = time.perf_counter()
+            got = min(got, x.grow(start + grow))
+            times["given_back_ms"].append((time.perf_counter() - t) * 1e3)
+        finally:
+            stop.set()
+            helper.join()
+        if got < start + grow:
+            raise RuntimeError(f"the grow got {got} of {start + grow} tokens; daemon log:\n{daemon.log()}")
+        x.shrink(start)
+        y.grow(start)
+    c.say(f"grow of {args.grow_mib} MiB: free {', '.join(f'{v:.1f}' for v in times['free_ms'])} ms; "
+          f"given back {', '.join(f'{v:.1f}' for v in times['given_back_ms'])} ms")
+    return times
+
+
+def _build_model(backend: str, work: Path) -> Path | None:
+    if backend != "cuda":
+        return None
+    model = work / "model"
+    subprocess.run([sys.executable, str(Path(__file__).parent / "nanovllm_kit.py"), "build", str(model)], check=True, timeout=300)
+    return model
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--engine":
+        c.ensure_importable()
+        import burst_engines
+
+        return burst_engines.main(sys.argv[2:])
+    parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
+    parser.add_argument("--capacity", default=None, help="the daemons' --capacity (default: 256MiB host, 6GiB cuda)")
+    parser.add_argument("--kv-chunk-size", default=None, help="default: 8MiB host, 64MiB cuda")
+    parser.add_argument("--move-timeout", type=float, default=2.0)
+    parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--phase-s", type=float, default=None, help="seconds between bursts (default: 4 host, 8 cuda)")
+    parser.add_argument("--spread-s", type=float, default=0.05, help="a burst's requests arrive within this")
+    parser.add_argument("--requests", type=int, default=0, help="a burst's requests (0: 0.75 of both engines' blocks)")
+    parser.add_argument("--min-blocks", type=int, default=16)
+    parser.add_argument("--watermark", type=int, default=16, help="blocks: grow once fewer would stay free")
+    parser.add_argument("--step", type=int, default=64, help="blocks: grows in multiples of this")
+    parser.add_argument("--grow-mib", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=24)
+    args = parser.parse_args()
+    host = args.backend == "host"
+    args.capacity = args.capacity or ("256MiB" if host else "6GiB")
+    args.kv_chunk_size = args.kv_chunk_size or ("8MiB" if host else "64MiB")
+    args.phase_s = args.phase_s or (4.0 if host else 8.0)
+    c.ensure_importable()
+
+    def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
+        result.targets = {"elastic_p99_vs_static_max": 0.25, "elastic_vs_alone_max": 1.3, "elastic_preempted": 0,
+                          "decode_vs_static_min": 0.98, "grow_free_p99_ms_max": 50.0, "grow_given_back_p99_ms_max": 200.0,
+                          "tokens_identical": True}
+        work = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="gmb-burst-", dir="/tmp")))
+        plan: dict[str, Any] = {"model": _build_model(args.backend, work)}
+        runs = {config: run_config(config, args, work, plan, cleanup) for config in CONFIGS}
+        grows = grow_latency(args, cleanup)
+        tokens = {config: run.pop("tokens") for config, run in runs.items()}
+        steps = {config: run.pop("decode_step_s") for config, run in runs.items()}
+        # Steady decode: a step's time at the same batch, static against elastic (more
+        # memory makes elastic's batches larger, which tokens/s over the run would reward).
+        same = [steps["static"][b] / steps["elastic"][b] for b in steps["static"] if b in steps["elastic"]]
+        differ = {config: sum(tokens[config].get(k) != v for k, v in tokens["static"].items()) for config in CONFIGS}
+        el, st, al = runs["elastic"], runs["static"], runs["alone"]
+        result.figures = {
+            **{f"{config}_{key}": value for config, run in runs.items() for key, value in run.items()},
+            "elastic_p99_vs_static": c.ratio(el["ttft_p99_s"], st["ttft_p99_s"]),
+            "elastic_p50_vs_alone": c.ratio(el["ttft_p50_s"], al["ttft_p50_s"]),
+            "elastic_p99_vs_alone": c.ratio(el["ttft_p99_s"], al["ttft_p99_s"]),
+            "decode_vs_static": c.median(same), "decode_batches_compared": len(same),
+            "grow_mib": args.grow_mib,
+            "grow_free_p99_ms": c.percentile(grows["free_ms"], 99), "grow_free_p50_ms": c.median(grows["free_ms"]),
+            "grow_given_back_p99_ms": c.percentile(grows["given_back_ms"], 99),
+            "grow_given_back_p50_ms": c.median(grows["given_back_ms"]),
+            "sequences_differing_from_static": differ, "requests": len(tokens["static"]),
+            "capacity": args.capacity, "blocks_per_engine": plan["blocks"],
+        }
+        f = result.figures
+        c.say(f"elastic TTFT p99 {f['elastic_p99_vs_static']:.2f}x static; p50 {f['elastic_p50_vs_alone']:.2f}x and p99 "
+              f"{f['elastic_p99_vs_alone']:.2f}x alone; decode {f['decode_vs_static']:.3f}x static; sequences differing {differ}")
+        result.ok = (f["elastic_p99_vs_static"] <= 0.25 and max(f["elastic_p50_vs_alone"], f["elastic_p99_vs_alone"]) <= 1.3
+                     and el["preempted"] == 0 and f["decode_vs_static"] >= 0.98 and f["grow_free_p99_ms"] <= 50
+                     and f["grow_given_back_p99_ms"] <= 200 and not any(differ.values()))
+
+    return c.run(BENCH, args.backend, body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
