@@ -60,6 +60,7 @@ BENCH = "burst"
 MiB = 1 << 20
 CONFIGS = ["round", "static", "elastic", "alone"]
 TAIL = 2  # long requests after each burst
+MAX_BATCH = {"host": 256, "cuda": 64}  # the engines' max_num_seqs (bench/burst_engines.py, bench/nanovllm_kit.py)
 SIZES = {  # per backend: tokens a block, prompt tokens, new tokens, compute
     "host": {"block": 64, "prompt": 960, "prompt_extra": 16, "new": 48},
     "cuda": {"block": 256, "prompt": 1100, "prompt_extra": 0, "new": 120},
@@ -84,14 +85,16 @@ def schedule(backend: str, per_burst: int, cycles: int, phase_s: float, spread_s
     return out
 
 
-def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup: contextlib.ExitStack) -> dict[str, Any]:
-    """Start the daemon (round, elastic) and the engines, serve the schedule, collect."""
-    folder = work / config
+def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup: contextlib.ExitStack) -> dict[str, Any] | None:
+    """Start the daemon (round, elastic) and the engines, serve the schedule, collect.
+    None when the round showed the capacity too large for KV pressure: ``plan`` then
+    holds a smaller one, for the round again."""
+    folder = work / f"{config}-{len(list(work.glob(config + '-*')))}"
     folder.mkdir()
     daemon = None
     if config in ("round", "elastic"):
         rt = cleanup.enter_context(c.runtime_dir())
-        extra = ["--capacity", args.capacity, "--kv-chunk-size", args.kv_chunk_size, "--move-timeout", str(args.move_timeout)]
+        extra = ["--capacity", plan.get("capacity", args.capacity), "--kv-chunk-size", args.kv_chunk_size, "--move-timeout", str(args.move_timeout)]
         extra += ["--host-capacity", "4GiB", "--reserve", "0"] if args.backend == "host" else []
         daemon = c.Daemon(rt, args.backend, args=extra)
         daemon.wait_ready(60)
@@ -107,14 +110,19 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
         }
         (folder / f"{name}.spec").write_text(json.dumps(spec))
         engines[name] = c.Child(f"engine {name} ({config})", [__file__, "--engine", str(folder / f"{name}.spec")], folder / f"{name}.log")
+    served = False
     try:
         ready = {}
         for name, child in engines.items():
             path = folder / f"{name}.ready"
             child.wait_for(path.exists, 600 if args.backend == "cuda" else 60, "being ready")
-            ready[name] = json.loads(path.read_text())["blocks"]
+            ready[name] = json.loads(path.read_text())
         if "blocks" not in plan:  # the round's figures size the rest
-            plan["blocks"] = min(ready.values())
+            blocks = min(r["blocks"] for r in ready.values())
+            if _too_roomy(args, plan, blocks, ready["a"]["block_bytes"]):
+                return None
+            plan["blocks"] = blocks
+        ready = {name: r["blocks"] for name, r in ready.items()}
         c.say(f"{config}: blocks {ready}")
         requests = plan.setdefault("requests", _requests(args, plan["blocks"]))
         for name in names:
@@ -128,12 +136,14 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
         for name, child in engines.items():
             child.wait_for((folder / f"{name}.out").exists, span, "serving its schedule")
         results = {name: json.loads((folder / f"{name}.out").read_text()) for name in names}
+        served = True
     finally:
         for name in engines:
             (folder / f"{name}.go.stop").write_text("")
         for child in engines.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(60)  # it closes its session and exits on the stop file
+                if served:
+                    child.proc.wait(60)  # it closes its session and exits on the stop file
             if child.stop(10) not in (0, None):
                 c.say(f"warning: {child.name} ended with a failure; its log:\n{child.log()}")
         if daemon is not None:
@@ -143,11 +153,35 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
     return _summary(config, results)
 
 
+def _per_request(backend: str) -> int:
+    size = SIZES[backend]
+    return -(-(size["prompt"] + size["prompt_extra"] + size["new"]) // size["block"])
+
+
+def _too_roomy(args: Any, plan: dict[str, Any], blocks: int, block_bytes: int) -> bool:
+    """Whether a burst, at most the engine's batch, cannot demand 0.75 of both engines'
+    blocks (no KV pressure: the engine queues on its batch, not on memory). Then
+    ``plan["capacity"]`` is the daemon's capacity that makes it so, once."""
+    most = MAX_BATCH[args.backend] * _per_request(args.backend)
+    if args.requests or "capacity" in plan or 0.75 * 2 * blocks <= most:
+        return False
+    cut = (2 * blocks - int(most / 0.75)) * block_bytes
+    plan["capacity"] = f"{(_bytes(args.capacity) - cut) // MiB}MiB"
+    c.say(f"round: {blocks} blocks an engine, more than bursts of at most {MAX_BATCH[args.backend]} requests press on; "
+          f"--capacity {args.capacity} becomes {plan['capacity']}, and the round runs again")
+    return True
+
+
+def _bytes(size: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    unit = next((u for u in units if size.endswith(u)), "")
+    return int(float(size[: len(size) - len(unit)]) * units.get(unit, 1))
+
+
 def _requests(args: Any, blocks: int) -> dict[str, list[dict[str, Any]]]:
     """A burst demands about 0.75 of both engines' blocks: 1.5x the budget over the two."""
-    size = SIZES[args.backend]
-    per_request = -(-(size["prompt"] + size["prompt_extra"] + size["new"]) // size["block"])
-    per_burst = args.requests or max(1, math.ceil(0.75 * 2 * blocks / per_request))
+    per_request = _per_request(args.backend)
+    per_burst = args.requests or min(MAX_BATCH[args.backend], max(1, math.ceil(0.75 * 2 * blocks / per_request)))
     c.say(f"bursts of {per_burst} requests ({per_request} blocks each: {per_burst * per_request} of {2 * blocks} blocks)")
     return schedule(args.backend, per_burst, args.cycles, args.phase_s, args.spread_s, args.seed)
 
@@ -276,7 +310,12 @@ def main() -> int:
                           "tokens_identical": True}
         work = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="gmb-burst-", dir="/tmp")))
         plan: dict[str, Any] = {"model": _build_model(args.backend, work)}
-        runs = {config: run_config(config, args, work, plan, cleanup) for config in CONFIGS}
+        runs: dict[str, dict[str, Any]] = {}
+        for config in CONFIGS:
+            run = run_config(config, args, work, plan, cleanup) or run_config(config, args, work, plan, cleanup)  # once resized
+            if run is None:
+                raise RuntimeError(f"{config}: the round found no capacity that makes KV pressure real")
+            runs[config] = run
         grows = grow_latency(args, cleanup)
         tokens = {config: run.pop("tokens") for config, run in runs.items()}
         steps = {config: run.pop("decode_step_s") for config, run in runs.items()}
@@ -296,7 +335,7 @@ def main() -> int:
             "grow_given_back_p99_ms": c.percentile(grows["given_back_ms"], 99),
             "grow_given_back_p50_ms": c.median(grows["given_back_ms"]),
             "sequences_differing_from_static": differ, "requests": len(tokens["static"]),
-            "capacity": args.capacity, "blocks_per_engine": plan["blocks"],
+            "capacity": plan.get("capacity", args.capacity), "blocks_per_engine": plan["blocks"],
         }
         f = result.figures
         c.say(f"elastic TTFT p99 {f['elastic_p99_vs_static']:.2f}x static; p50 {f['elastic_p50_vs_alone']:.2f}x and p99 "

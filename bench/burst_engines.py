@@ -144,6 +144,8 @@ class StandIn:
     def blocks(self) -> int:
         return len(self.manager.blocks)
 
+    block_bytes = 2 * BLOCK * SLOT
+
     def _copy(self, src: list[int], dst: list[int]) -> None:
         for rows in (self.k, self.v):
             rows[dst] = rows[src]  # gathered first: sources and destinations never overlap
@@ -296,6 +298,11 @@ class Nano:
     def blocks(self) -> int:
         return len(self.llm.scheduler.block_manager.blocks)
 
+    @property
+    def block_bytes(self) -> int:
+        hf, runner = self.llm.model_runner.config.hf_config, self.llm.model_runner
+        return int(2 * hf.num_hidden_layers * runner.block_size * hf.num_key_value_heads * hf.head_dim * runner.dtype.itemsize)
+
     def add(self, rid: int, prompt: list[int], max_tokens: int) -> None:
         self.llm.add_request(prompt, self.params(temperature=1.0, max_tokens=max_tokens, ignore_eos=True))
         self.rids[self.llm.scheduler.waiting[-1].seq_id] = rid
@@ -347,8 +354,8 @@ def _write(path: str, data: dict[str, Any]) -> None:
 
 
 def serve(spec: dict[str, Any]) -> int:
-    engine: StandIn | Nano = StandIn(spec) if spec["backend"] == "host" else Nano(spec)
-    _write(spec["ready"], {"blocks": engine.blocks})
+    engine: StandIn | Nano = StandIn(spec) if spec["backend"] == "host" else Nano(spec)  # the round runs in here
+    _write(spec["ready"], {"blocks": engine.blocks, "block_bytes": engine.block_bytes})
     t0 = float(_wait_file(spec["go"]))
     pending = sorted(json.loads(Path(spec["schedule"]).read_text()), key=lambda r: r["at"])
     arrival = {r["id"]: t0 + r["at"] for r in pending}
