@@ -29,8 +29,10 @@ Engines: ``--backend host`` runs stand-ins (bench/burst_engines.py: nano-vllm's 
 and block manager in miniature over real host memory, a token rule that reads every KV
 slot back, compute as sleeps); ``--backend cuda`` runs nano-vllm (bench/nanovllm_kit.py's
 random-weight Qwen3, built in a temp dir, greedy; 1,100-token prompts and 120 new tokens,
-which never start a block during decode, so the static configuration queues rather than
-hitting the fork's preemption assert).
+180 for the long ones: none starts a block during decode, so the static configuration
+queues rather than hitting the fork's preemption assert). On CUDA a burst is at most 64
+requests (the kit's max_num_seqs): when the round's blocks are more than such bursts
+press on, the round runs again under the capacity that makes them (said in the output).
 
     python bench/burst.py --backend host
     python bench/burst.py --backend cuda --capacity 6GiB
@@ -61,9 +63,11 @@ MiB = 1 << 20
 CONFIGS = ["round", "static", "elastic", "alone"]
 TAIL = 2  # long requests after each burst
 MAX_BATCH = {"host": 256, "cuda": 64}  # the engines' max_num_seqs (bench/burst_engines.py, bench/nanovllm_kit.py)
-SIZES = {  # per backend: tokens a block, prompt tokens, new tokens, compute
-    "host": {"block": 64, "prompt": 960, "prompt_extra": 16, "new": 48},
-    "cuda": {"block": 256, "prompt": 1100, "prompt_extra": 0, "new": 120},
+SIZES = {  # per backend: tokens a block, prompt tokens (plus up to extra), new tokens; the long ones' new tokens and arrival in their phase
+    "host": {"block": 64, "prompt": 960, "prompt_extra": 16, "new": 48, "tail_new": 144, "tail_at": 0.6},
+    # nano-vllm: 1,100 + 180 tokens end where the fifth block does: no request starts a
+    # block during decode (the fork's preemption path asserts under pressure)
+    "cuda": {"block": 256, "prompt": 1100, "prompt_extra": 0, "new": 120, "tail_new": 180, "tail_at": 0.85},
 }
 
 
@@ -80,8 +84,8 @@ def schedule(backend: str, per_burst: int, cycles: int, phase_s: float, spread_s
         # Long requests that outlive the burst: when the neighbour bursts, this engine is
         # asked to give back while they still hold blocks, maybe high ones (moved down).
         for i in range(TAIL):
-            out["ab"[phase % 2]].append({"id": phase * 10000 + 9000 + i, "at": (phase + 0.6) * phase_s, "tail": True,
-                                         "prompt": [rng.randrange(2, 32768) for _ in range(size["prompt"])], "max_tokens": 3 * size["new"]})
+            out["ab"[phase % 2]].append({"id": phase * 10000 + 9000 + i, "at": (phase + size["tail_at"]) * phase_s, "tail": True,
+                                         "prompt": [rng.randrange(2, 32768) for _ in range(size["prompt"])], "max_tokens": size["tail_new"]})
     return out
 
 
@@ -89,7 +93,8 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
     """Start the daemon (round, elastic) and the engines, serve the schedule, collect.
     None when the round showed the capacity too large for KV pressure: ``plan`` then
     holds a smaller one, for the round again."""
-    folder = work / f"{config}-{len(list(work.glob(config + '-*')))}"
+    attempt = len(list(work.glob(config + "-*")))
+    folder = work / f"{config}-{attempt}"
     folder.mkdir()
     daemon = None
     if config in ("round", "elastic"):
@@ -105,7 +110,7 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
         spec = {
             "name": f"engine-{name}", "backend": args.backend, "config": config, "blocks": blocks, "min_blocks": args.min_blocks,
             "watermark": args.watermark, "step": args.step, "runtime_dir": str(daemon.runtime_dir) if daemon else "",
-            "model": str(plan.get("model", "")), "port": 29700 + 10 * CONFIGS.index(config) + i,
+            "model": str(plan.get("model", "")), "port": 29700 + 20 * CONFIGS.index(config) + 2 * attempt + i,
             **{key: str(folder / f"{name}.{key}") for key in ("ready", "go", "schedule", "out")},
         }
         (folder / f"{name}.spec").write_text(json.dumps(spec))

@@ -335,7 +335,7 @@ class Nano:
         return {"blocks_end": self.blocks, "preempted": self.preempted, "follow": follow}
 
     def close(self) -> None:
-        self.llm.exit()
+        pass  # nano-vllm exits itself at exit (atexit), which closes the session on gpumemd
 
 
 # ---------------------------------------------------------------------- serving a schedule
