@@ -18,8 +18,8 @@ requests arriving over ``--spread-s``. Four configurations in the same run, in t
 Per configuration: time to first token (from each request's arrival; the bursts'
 requests, not the two long ones that follow each burst and outlive it, which the
 neighbour's burst then finds holding blocks) p50 and p99, preemptions, decode tokens/s
-over the run (decode steps only; steady decode compares a step's time at the same batch
-size, static against elastic), and the moves (grows, shrinks answered,
+over the run (decode steps only; steady decode compares a decode step's time at
+static's median batch, from a line fitted to each configuration's steps), and the moves (grows, shrinks answered,
 blocks moved and the time spent copying them, steps that waited for a grow). Token ids
 must be identical across the four. Then, with a daemon of its own, a ``--grow-mib`` grow
 timed ``--repeats`` times when the memory is free and when an idle neighbour must give
@@ -194,10 +194,7 @@ def _requests(args: Any, blocks: int) -> dict[str, list[dict[str, Any]]]:
 def _summary(config: str, results: dict[str, Any]) -> dict[str, Any]:
     ttft = [v for r in results.values() for v in r["ttft_s"].values()]
     decode_s = sum(r["decode_s"] for r in results.values())
-    steps: dict[int, list[float]] = {}
-    for r in results.values():
-        for batch, took in r["decode_steps"]:
-            steps.setdefault(batch, []).append(took)
+
     follow: dict[str, Any] = {}
     for r in results.values():
         for key, value in r["follow"].items():
@@ -210,13 +207,22 @@ def _summary(config: str, results: dict[str, Any]) -> dict[str, Any]:
         "blocks": {r["name"]: [r["blocks_start"], r["blocks_end"]] for r in results.values()},
         "moves": {**follow, "grow_waits_s": sum(waits)} if follow else {},
         "tokens": {k: v for r in results.values() for k, v in r["tokens"].items()},
-        "decode_step_s": {batch: c.median(took) for batch, took in steps.items()},
+        "decode_steps": [step for r in results.values() for step in r["decode_steps"]],
     }
     c.say(f"{config}: TTFT p50 {out['ttft_p50_s'] * 1e3:.0f} ms, p99 {out['ttft_p99_s'] * 1e3:.0f} ms over {len(ttft)} requests; "
           f"{out['preempted']} preempted; decode {out['decode_tok_s']:.0f} tok/s; blocks {out['blocks']}")
     if follow:
         c.say(f"{config}: moves {out['moves']}")
     return out
+
+
+def _step_at(steps: list[list[float]], batch: float) -> float:
+    """The least-squares line through (batch, seconds) of the decode steps, at ``batch``."""
+    n = len(steps)
+    mx, my = sum(b for b, _ in steps) / n, sum(t for _, t in steps) / n
+    var = sum((b - mx) ** 2 for b, _ in steps)
+    slope = sum((b - mx) * (t - my) for b, t in steps) / var if var else 0.0
+    return my + slope * (batch - mx)
 
 
 def grow_latency(args: Any, cleanup: contextlib.ExitStack) -> dict[str, list[float]]:
@@ -226,7 +232,8 @@ def grow_latency(args: Any, cleanup: contextlib.ExitStack) -> dict[str, list[flo
     row, grow = 2 * MiB, args.grow_mib // 2
     rt = cleanup.enter_context(c.runtime_dir())
     capacity = f"{5 * args.grow_mib // 2}MiB"
-    extra = ["--capacity", capacity, "--kv-chunk-size", "64MiB", "--move-timeout", "2"]
+    least = max(1, grow // 8)  # each pool's minimum, in tokens
+    extra = ["--capacity", capacity, "--kv-chunk-size", f"{max(2, args.grow_mib // 16)}MiB", "--move-timeout", "2"]
     extra += ["--host-capacity", f"{3 * args.grow_mib}MiB", "--reserve", "0"] if args.backend == "host" else []
     daemon = c.Daemon(rt, args.backend, args=extra)
     cleanup.callback(daemon.stop)
@@ -237,12 +244,12 @@ def grow_latency(args: Any, cleanup: contextlib.ExitStack) -> dict[str, list[flo
     x, y = (s.declare_kv_pool(f"{s.name}-kv", [gpumem.KvBuffer("kv", row)], max_tokens=4 * grow) for s in (sx, sy))
     for pool in (x, y):
         pool.join_round(expect=2)
-    waits = [pool.send_capture_done(min_tokens=16) for pool in (x, y)]
+    waits = [pool.send_capture_done(min_tokens=least) for pool in (x, y)]
     start = [w.wait() for w in waits][0]
     y.report_demand(0)
     times: dict[str, list[float]] = {"free_ms": [], "given_back_ms": []}
     for _ in range(args.repeats):
-        y.shrink(16)
+        y.shrink(least)
         t = time.perf_counter()
         got = x.grow(start + grow)
         times["free_ms"].append((time.perf_counter() - t) * 1e3)
@@ -323,10 +330,12 @@ def main() -> int:
             runs[config] = run
         grows = grow_latency(args, cleanup)
         tokens = {config: run.pop("tokens") for config, run in runs.items()}
-        steps = {config: run.pop("decode_step_s") for config, run in runs.items()}
-        # Steady decode: a step's time at the same batch, static against elastic (more
-        # memory makes elastic's batches larger, which tokens/s over the run would reward).
-        same = [steps["static"][b] / steps["elastic"][b] for b in steps["static"] if b in steps["elastic"]]
+        steps = {config: run.pop("decode_steps") for config, run in runs.items()}
+        # Steady decode: a decode step's time at the same batch (static's median), from a
+        # straight line fitted to each configuration's steps (more memory makes elastic's
+        # batches larger, which tokens/s over the run would reward).
+        batch = c.median([b for b, _ in steps["static"]])
+        at = {config: _step_at(steps[config], batch) for config in ("static", "elastic")}
         differ = {config: sum(tokens[config].get(k) != v for k, v in tokens["static"].items()) for config in CONFIGS}
         el, st, al = runs["elastic"], runs["static"], runs["alone"]
         result.figures = {
@@ -334,7 +343,8 @@ def main() -> int:
             "elastic_p99_vs_static": c.ratio(el["ttft_p99_s"], st["ttft_p99_s"]),
             "elastic_p50_vs_alone": c.ratio(el["ttft_p50_s"], al["ttft_p50_s"]),
             "elastic_p99_vs_alone": c.ratio(el["ttft_p99_s"], al["ttft_p99_s"]),
-            "decode_vs_static": c.median(same), "decode_batches_compared": len(same),
+            "decode_vs_static": c.ratio(at["static"], at["elastic"]), "decode_batch": batch,
+            "static_decode_step_ms": 1e3 * at["static"], "elastic_decode_step_ms": 1e3 * at["elastic"],
             "grow_mib": args.grow_mib,
             "grow_free_p99_ms": c.percentile(grows["free_ms"], 99), "grow_free_p50_ms": c.median(grows["free_ms"]),
             "grow_given_back_p99_ms": c.percentile(grows["given_back_ms"], 99),
