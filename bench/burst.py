@@ -19,7 +19,8 @@ Per configuration: time to first token (from each request's arrival; the bursts'
 requests, not the two long ones that follow each burst and outlive it, which the
 neighbour's burst then finds holding blocks) p50 and p99, preemptions, decode tokens/s
 over the run (decode steps only; steady decode compares a decode step's time at
-static's median batch, from a line fitted to each configuration's steps), and the moves (grows, shrinks answered,
+the batch of static's median decoded token, from a line fitted to each configuration's
+steps), and the moves (grows, shrinks answered,
 blocks moved and the time spent copying them, steps that waited for a grow). Token ids
 must be identical across the four. Then, with a daemon of its own, a ``--grow-mib`` grow
 timed ``--repeats`` times when the memory is free and when an idle neighbour must give
@@ -331,10 +332,10 @@ def main() -> int:
         grows = grow_latency(args, cleanup)
         tokens = {config: run.pop("tokens") for config, run in runs.items()}
         steps = {config: run.pop("decode_steps") for config, run in runs.items()}
-        # Steady decode: a decode step's time at the same batch (static's median), from a
+        # Steady decode: a decode step's time at the same batch (static's median token's), from a
         # straight line fitted to each configuration's steps (more memory makes elastic's
         # batches larger, which tokens/s over the run would reward).
-        batch = c.median([b for b, _ in steps["static"]])
+        batch = c.median([b for b, _ in steps["static"] for _ in range(int(b))])  # weighted by tokens: the bursts', not the long ones' steps
         at = {config: _step_at(steps[config], batch) for config in ("static", "elastic")}
         differ = {config: sum(tokens[config].get(k) != v for k, v in tokens["static"].items()) for config in CONFIGS}
         el, st, al = runs["elastic"], runs["static"], runs["alone"]
