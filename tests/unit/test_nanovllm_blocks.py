@@ -4,6 +4,7 @@ with nano-vllm's fields, the pool a scripted one."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -170,3 +171,52 @@ def test_a_shrink_moves_live_blocks_down_copies_them_first_and_drops_the_top() -
     assert seqs[0].block_table == [1, 0] and seqs[1].block_table == [2]
     assert pool.tokens == 8 and len(m.blocks) == 8 and sorted(m.free_block_ids) == list(range(3, 8))
     assert pool.calls == ["demand 0", "shrink 8"] and f.figures.blocks_moved == 2
+
+
+def test_the_patched_scheduler_follows_its_pool_before_every_step_and_counts_preemptions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpumem.integrations.nanovllm's wiring, over stand-in nano-vllm modules: the
+    scheduler built after the round gets a follower over its block manager, each
+    schedule() runs the follower first, preemptions are counted, idle() answers."""
+    import collections
+    import types
+
+    from gpumem.integrations import nanovllm
+
+    class Scheduler:
+        def __init__(self, config: Any) -> None:
+            self.block_manager = Manager(config.num_kvcache_blocks)
+            self.waiting: collections.deque[Seq] = collections.deque()
+            self.running: collections.deque[Seq] = collections.deque()
+
+        def schedule(self) -> str:
+            return "scheduled"
+
+        def preempt(self, seq: Seq) -> None:
+            pass
+
+    class ModelRunner:
+        def __init__(self, config: Any, rank: int, event: Any) -> None: ...
+        def capture_cudagraph(self) -> None: ...
+        def run(self, seqs: Any, is_prefill: bool) -> None: ...
+        def exit(self) -> None: ...
+
+    engine = types.ModuleType("nanovllm.engine")
+    engine.block_manager = types.SimpleNamespace(Block=Block)  # type: ignore[attr-defined]
+    engine.llm_engine = types.SimpleNamespace(Scheduler=Scheduler)  # type: ignore[attr-defined]
+    engine.model_runner = types.SimpleNamespace(ModelRunner=ModelRunner)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nanovllm", types.ModuleType("nanovllm"))
+    monkeypatch.setitem(sys.modules, "nanovllm.engine", engine)
+    nanovllm.enable("engine-a", watermark_blocks=2, grow_step_blocks=8)
+    pool = Pool(8)
+    config = types.SimpleNamespace(gpumem_round=types.SimpleNamespace(wait=lambda: 8), gpumem_pool=pool, gpumem_copy=None)
+    scheduler = engine.llm_engine.Scheduler(config)  # type: ignore[attr-defined]
+    assert config.num_kvcache_blocks == 8 and pool.rows_in_use() == 0
+    scheduler.waiting.append(Seq(4 * 7))  # 7 blocks of 8: 1 would stay free, under the watermark
+    assert scheduler.schedule() == "scheduled"
+    assert pool.calls[:2] == ["demand 7", "grow 16 0"]
+    scheduler.preempt(Seq(4))
+    assert scheduler.gpumem.figures.preempted == 1
+    pool.waits[0].answer = 16
+    scheduler.waiting.clear()
+    nanovllm.idle(types.SimpleNamespace(scheduler=scheduler))
+    assert "demand 0" in pool.calls and len(scheduler.block_manager.blocks) == 16

@@ -46,6 +46,7 @@ class Settings:
 
 
 _settings: list[Settings] = []
+_COPY_BLOCKS = 32  # blocks a copy of live blocks gathers at a time
 
 
 def enable(name: str, **options: Any) -> None:
@@ -141,7 +142,9 @@ def _copy_blocks(caches: list[Any], src: list[int], dst: list[int]) -> None:
     import torch
 
     device = caches[0].device
-    s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
-    for cache in caches:
-        cache[d] = cache[s]  # gathered first: sources and destinations never overlap
+    for at in range(0, len(src), _COPY_BLOCKS):  # the gather's temporary stays small: it is outside the arenas
+        s = torch.tensor(src[at:at + _COPY_BLOCKS], device=device)
+        d = torch.tensor(dst[at:at + _COPY_BLOCKS], device=device)
+        for cache in caches:
+            cache[d] = cache[s]  # gathered first: sources and destinations never overlap
     torch.cuda.synchronize(device)
