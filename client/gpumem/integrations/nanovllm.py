@@ -12,6 +12,10 @@ the decode graphs land in elastic arenas; ``allocate_kv_cache`` declares a paged
 replay, and the round's report goes out without waiting; the scheduler, built after the
 tokenizer loads, waits for the round and takes its block count; ``run`` allocates in the
 model arena, the sampler borrows the graph pool's free runs; ``exit`` closes the session.
+At run time the block manager follows the KV pool (gpumem.integrations.nanovllm_blocks):
+before each step the scheduler grows ahead of need and answers the daemon's shrinks,
+moving live blocks down with device-to-device copies; ``idle(llm)`` answers them while
+the engine has nothing to do (``follow=False``: the round's blocks, fixed).
 ``gpu_memory_utilization`` is not read: the round sizes the KV cache. One process per
 engine (``tensor_parallel_size`` 1).
 """
@@ -23,6 +27,7 @@ from typing import Any
 
 from gpumem.engine import EngineMemory
 from gpumem.errors import InvalidArgument
+from gpumem.integrations.nanovllm_blocks import BlockFollower
 
 
 @dataclasses.dataclass
@@ -35,14 +40,18 @@ class Settings:
     weight: float = 1.0
     borrow_sampler: bool = True
     runtime_dir: str | None = None
+    follow: bool = True  # the block manager follows the pool at run time
+    watermark_blocks: int = 16  # grow once fewer would stay free
+    grow_step_blocks: int = 64  # grows in multiples of this
 
 
 _settings: list[Settings] = []
+_COPY_BLOCKS = 32  # blocks a copy of live blocks gathers at a time
 
 
 def enable(name: str, **options: Any) -> None:
     """Put the nano-vllm engines this process builds from now on on gpumemd."""
-    from nanovllm.engine import llm_engine, model_runner
+    from nanovllm.engine import block_manager, llm_engine, model_runner
 
     _settings[:] = [Settings(name, **options)]
     runner = model_runner.ModelRunner
@@ -71,10 +80,14 @@ def enable(name: str, **options: Any) -> None:
             itemsize=self.dtype.itemsize,
             expect=_settings[0].expect,
         )
-        caches = iter(kv.tensors(self.dtype))
+        layers = kv.tensors(self.dtype)
+        caches = iter(layers)
         for module in self.model.modules():
             if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
                 module.k_cache, module.v_cache = next(caches)
+        every = [t for layer in layers for t in layer]
+        self.config.gpumem_copy = lambda src, dst: _copy_blocks(every, src, dst)
+        self.config.gpumem_pool = kv.pool
 
     def capture_cudagraph(self: Any) -> None:
         capture(self)
@@ -92,9 +105,46 @@ def enable(name: str, **options: Any) -> None:
         def __init__(self, config: Any) -> None:
             config.num_kvcache_blocks = config.gpumem_round.wait()
             super().__init__(config)
+            s = _settings[0]
+            self.gpumem = None if not s.follow else BlockFollower(
+                config.gpumem_pool, self.block_manager, new_block=block_manager.Block, copy_blocks=config.gpumem_copy,
+                sequences=lambda: [*self.running, *self.waiting], watermark=s.watermark_blocks, step=s.grow_step_blocks,
+            )
+
+        def schedule(self) -> Any:
+            if self.gpumem is not None:
+                self.gpumem.before_step(self.waiting, self.running)
+            return super().schedule()
+
+        def preempt(self, seq: Any) -> None:
+            if self.gpumem is not None:
+                self.gpumem.figures.preempted += 1
+            super().preempt(seq)
 
     for name, patched in [("__init__", __init__), ("allocate_kv_cache", allocate_kv_cache),
                           ("capture_cudagraph", capture_cudagraph), ("run", run), ("exit", exit)]:
         setattr(runner, name, patched)
     llm_engine.Scheduler = Scheduler
     runner._gpumem_patched = True
+
+
+def idle(llm: Any) -> None:
+    """Call while ``llm`` has nothing to do (between requests): answers the daemon's
+    shrinks and says the engine idles, which its steps cannot do when none run."""
+    follower = llm.scheduler.gpumem
+    if follower is not None:
+        follower.idle()
+
+
+def _copy_blocks(caches: list[Any], src: list[int], dst: list[int]) -> None:
+    """Blocks ``src`` into ``dst`` in every layer's K and V (device to device), complete
+    on return: the rows at ``src`` may be unmapped next."""
+    import torch
+
+    device = caches[0].device
+    for at in range(0, len(src), _COPY_BLOCKS):  # the gather's temporary stays small: it is outside the arenas
+        s = torch.tensor(src[at:at + _COPY_BLOCKS], device=device)
+        d = torch.tensor(dst[at:at + _COPY_BLOCKS], device=device)
+        for cache in caches:
+            cache[d] = cache[s]  # gathered first: sources and destinations never overlap
+    torch.cuda.synchronize(device)

@@ -1,0 +1,47 @@
+"""nano-vllm's block manager, blocks and sequences as far as
+gpumem.integrations.nanovllm_blocks reads and writes them (their fields, nano-vllm's
+names), for tests without nano-vllm."""
+
+from __future__ import annotations
+
+import collections
+
+BLOCK = 4  # tokens a block
+
+
+class Block:
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+
+class Manager:
+    """nano-vllm's BlockManager, as far as the follower reads and writes it."""
+
+    def __init__(self, blocks: int) -> None:
+        self.block_size = BLOCK
+        self.blocks = [Block(i) for i in range(blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: collections.deque[int] = collections.deque(range(blocks))
+        self.used_block_ids: set[int] = set()
+
+    def take(self, block_id: int) -> int:
+        self.free_block_ids.remove(block_id)
+        self.used_block_ids.add(block_id)
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+
+class Seq:
+    def __init__(self, tokens: int, table: list[int] | None = None) -> None:
+        self.tokens = tokens
+        self.block_table = table or []
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.tokens // BLOCK)

@@ -1,0 +1,222 @@
+"""nano-vllm's block manager following its KV pool (gpumem.integrations.nanovllm_blocks),
+without a GPU, nano-vllm or a daemon: the block manager and sequences are stand-ins
+with nano-vllm's fields, the pool a scripted one."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from gpumem.errors import DaemonTimeout, GpuMemError, OutOfMemory
+from gpumem.integrations.nanovllm_blocks import BlockFollower, plan, relocate, resize, top
+from nanovllm_fakes import Block, Manager, Seq
+
+def test_live_blocks_past_the_bound_move_to_the_lowest_free_ones_and_every_table_follows() -> None:
+    m = Manager(10)
+    for i in (0, 5, 7, 8):
+        m.take(i)
+    m.blocks[7].ref_count, m.blocks[7].hash, m.blocks[7].token_ids = 2, 77, [1, 2, 3, 4]  # a shared prefix block
+    m.hash_to_block_id[77] = 7
+    a, b = Seq(14, [0, 7, 5, 8]), Seq(6, [7, 8])
+    moves = plan(m, 4)
+    assert moves == [(8, 1), (7, 2), (5, 3)]  # highest first, to the lowest free
+    relocate(m, [a, b], moves)
+    assert a.block_table == [0, 2, 3, 1] and b.block_table == [2, 1]
+    assert m.used_block_ids == {0, 1, 2, 3} and top(m) == 4
+    assert sorted(m.free_block_ids) == [4, 5, 6, 7, 8, 9] and len(m.free_block_ids) == 6
+    assert (m.blocks[2].ref_count, m.blocks[2].hash, m.blocks[2].token_ids) == (2, 77, [1, 2, 3, 4])
+    assert (m.blocks[7].ref_count, m.blocks[7].hash) == (0, -1)
+    assert m.hash_to_block_id == {77: 2}
+    resize(m, 4, Block)
+    assert len(m.blocks) == 4 and not m.free_block_ids
+
+
+def test_a_pool_full_of_live_blocks_moves_what_fits_and_keeps_the_rest() -> None:
+    m = Manager(6)
+    for i in (0, 1, 4, 5):
+        m.take(i)
+    assert plan(m, 2) == []  # nothing free below the bound
+    assert plan(m, 3) == [(5, 2)]
+    relocate(m, [Seq(4, [5])], plan(m, 3))
+    assert top(m) == 5  # block 4 stays: the pool keeps rows up to it
+
+
+def test_the_manager_grows_at_the_end_and_never_drops_a_block_in_use() -> None:
+    m = Manager(4)
+    m.take(1)
+    m.hash_to_block_id[9] = 3  # a freed block's stale prefix entry
+    resize(m, 6, Block)
+    assert [b.block_id for b in m.blocks] == list(range(6)) and list(m.free_block_ids) == [0, 2, 3, 4, 5]
+    resize(m, 2, Block)
+    assert list(m.free_block_ids) == [0] and m.hash_to_block_id == {}
+    with pytest.raises(GpuMemError, match="block 1 is in use"):
+        resize(m, 1, Block)
+
+
+class Wait:
+    def __init__(self, pool: Pool, tokens: int) -> None:
+        self.pool, self.tokens = pool, tokens
+        self.answer: int | None = None  # set by the test: the tokens the daemon gives
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.pool.calls.append(f"wait {timeout is not None and timeout > 0.01}")
+        if self.answer is None:
+            raise DaemonTimeout("not yet")
+        if self.answer < 0:
+            raise OutOfMemory("nothing came free")
+        self.pool.tokens = self.answer
+        return self.answer
+
+
+class Pool:
+    """KvPool as the follower uses it, answering as the test scripts."""
+
+    def __init__(self, tokens: int, max_tokens: int = 1000) -> None:
+        self.name, self.tokens, self.max_tokens = "kv", tokens, max_tokens
+        self.unanswered: list[str] = []
+        self.rows_in_use: Any = None
+        self.bounds: list[int] = []
+        self.calls: list[str] = []
+        self.waits: list[Wait] = []
+
+    def answer_shrinks(self, move_live: Any) -> int | None:  # KvPool.answer_shrinks, without a daemon
+        if not self.bounds:
+            return None
+        bound = self.bounds.pop()
+        used = self.rows_in_use()
+        if used > bound:
+            used = move_live(bound)
+        self.tokens = max(bound, used)
+        self.calls.append(f"shrink {self.tokens}")
+        return self.tokens
+
+    def send_grow(self, tokens: int, *, in_use: int = -1) -> Wait:
+        self.calls.append(f"grow {tokens} {in_use}")
+        self.waits.append(Wait(self, tokens))
+        return self.waits[-1]
+
+    def report_demand(self, in_use: int) -> None:
+        self.calls.append(f"demand {in_use}")
+
+
+def follower(pool: Pool, manager: Manager, seqs: list[Seq], copied: list[tuple[list[int], list[int]]]) -> BlockFollower:
+    return BlockFollower(
+        pool, manager, new_block=Block, copy_blocks=lambda s, d: copied.append((s, d)), sequences=lambda: seqs,  # type: ignore[arg-type]
+        watermark=4, step=8, wait_s=0.2,
+    )
+
+
+def test_a_step_that_neither_grows_nor_shrinks_calls_nothing() -> None:
+    pool, m = Pool(32), Manager(32)
+    running = [Seq(6, [m.take(0), m.take(1)])]
+    f = follower(pool, m, running, [])
+    f.before_step([], running)
+    assert pool.calls == ["demand 2"]  # busy: said once
+    pool.calls.clear()
+    for _ in range(3):
+        running[0].tokens += 1
+        f.before_step([], running)
+    assert pool.calls == []
+
+
+def test_growth_runs_ahead_without_waiting_and_the_manager_takes_the_blocks_when_they_come() -> None:
+    pool, m = Pool(16), Manager(16)
+    running = [Seq(38, [m.take(i) for i in range(10)])]  # mid-block: needs none next
+    f = follower(pool, m, running, [])
+    waiting = [Seq(12)]  # 3 blocks: 3 free after them, under the watermark
+    f.before_step(waiting, running)
+    assert pool.calls[:2] == ["demand 13", "grow 24 10"]  # 13 wanted + watermark 4, in steps of 8
+    assert all(c == "wait False" for c in pool.calls[2:])  # looked, never waited
+    f.before_step(waiting, running)
+    assert sum(c.startswith("grow") for c in pool.calls) == 1  # one on its way
+    pool.waits[0].answer = 24
+    f.before_step(waiting, running)
+    assert len(m.blocks) == 24 and len(m.free_block_ids) == 14 and f.growing is None
+    assert list(m.free_block_ids)[-8:] == list(range(16, 24))
+
+
+def test_a_step_that_cannot_run_waits_for_the_grow() -> None:
+    pool, m = Pool(4), Manager(4)
+    f = follower(pool, m, [], [])
+    big = [Seq(20)]  # 5 blocks, 4 held: nano-vllm would have nothing to schedule
+    with pytest.raises(OutOfMemory, match="holds 4 blocks, 4 free"):
+        f.before_step(big, [])  # never answered: bounded by wait_s
+    assert "wait True" in pool.calls
+    pool.waits[-1].answer = 16
+    f.before_step(big, [])
+    assert len(m.blocks) == 16
+
+
+def test_a_refused_grow_is_asked_again_only_after_a_pause() -> None:
+    pool, m = Pool(8), Manager(8)
+    running = [Seq(20, [m.take(i) for i in range(5)])]
+    f = follower(pool, m, running, [])
+    f.before_step([], running)
+    pool.waits[0].answer = -1  # OutOfMemory
+    f.before_step([], running)
+    f.before_step([], running)
+    assert sum(c.startswith("grow") for c in pool.calls) == 1 and f.figures.grows_short == 1
+
+
+def test_a_shrink_moves_live_blocks_down_copies_them_first_and_drops_the_top() -> None:
+    pool, m = Pool(16), Manager(16)
+    seqs = [Seq(8, [m.take(14), m.take(15)]), Seq(4, [m.take(2)])]
+    copied: list[tuple[list[int], list[int]]] = []
+    f = follower(pool, m, seqs, copied)
+    pool.bounds.append(8)
+    f.idle()
+    assert copied == [([15, 14], [0, 1])]
+    assert seqs[0].block_table == [1, 0] and seqs[1].block_table == [2]
+    assert pool.tokens == 8 and len(m.blocks) == 8 and sorted(m.free_block_ids) == list(range(3, 8))
+    assert pool.calls == ["demand 0", "shrink 8"] and f.figures.blocks_moved == 2
+
+
+def test_the_patched_scheduler_follows_its_pool_before_every_step_and_counts_preemptions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpumem.integrations.nanovllm's wiring, over stand-in nano-vllm modules: the
+    scheduler built after the round gets a follower over its block manager, each
+    schedule() runs the follower first, preemptions are counted, idle() answers."""
+    import collections
+    import types
+
+    from gpumem.integrations import nanovllm
+
+    class Scheduler:
+        def __init__(self, config: Any) -> None:
+            self.block_manager = Manager(config.num_kvcache_blocks)
+            self.waiting: collections.deque[Seq] = collections.deque()
+            self.running: collections.deque[Seq] = collections.deque()
+
+        def schedule(self) -> str:
+            return "scheduled"
+
+        def preempt(self, seq: Seq) -> None:
+            pass
+
+    class ModelRunner:
+        def __init__(self, config: Any, rank: int, event: Any) -> None: ...
+        def capture_cudagraph(self) -> None: ...
+        def run(self, seqs: Any, is_prefill: bool) -> None: ...
+        def exit(self) -> None: ...
+
+    engine = types.ModuleType("nanovllm.engine")
+    engine.block_manager = types.SimpleNamespace(Block=Block)  # type: ignore[attr-defined]
+    engine.llm_engine = types.SimpleNamespace(Scheduler=Scheduler)  # type: ignore[attr-defined]
+    engine.model_runner = types.SimpleNamespace(ModelRunner=ModelRunner)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nanovllm", types.ModuleType("nanovllm"))
+    monkeypatch.setitem(sys.modules, "nanovllm.engine", engine)
+    nanovllm.enable("engine-a", watermark_blocks=2, grow_step_blocks=8)
+    pool = Pool(8)
+    config = types.SimpleNamespace(gpumem_round=types.SimpleNamespace(wait=lambda: 8), gpumem_pool=pool, gpumem_copy=None)
+    scheduler = engine.llm_engine.Scheduler(config)  # type: ignore[attr-defined]
+    assert config.num_kvcache_blocks == 8 and pool.rows_in_use() == 0
+    scheduler.waiting.append(Seq(4 * 7))  # 7 blocks of 8: 1 would stay free, under the watermark
+    assert scheduler.schedule() == "scheduled"
+    assert pool.calls[:2] == ["demand 7", "grow 16 0"]
+    scheduler.preempt(Seq(4))
+    assert scheduler.gpumem.figures.preempted == 1
+    pool.waits[0].answer = 16
+    scheduler.waiting.clear()
+    nanovllm.idle(types.SimpleNamespace(scheduler=scheduler))
+    assert "demand 0" in pool.calls and len(scheduler.block_manager.blocks) == 16
