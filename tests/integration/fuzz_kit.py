@@ -1144,7 +1144,12 @@ class World:
         if figures["rss_growth_bytes"] > bounds.rss_growth:
             raise FuzzFailure(f"the daemon's RSS grew by {figures['rss_growth_bytes']} bytes over the run (bound {bounds.rss_growth})")
         if figures["fds_growth"] > bounds.fds_growth:
-            raise FuzzFailure(f"the daemon holds {figures['fds_growth']} more descriptors than at the start (bound {bounds.fds_growth})")
+            kinds = collections.Counter(d.split(" -> ", 1)[1].split(":", 1)[0] for d in self.probe.descriptors())
+            raise FuzzFailure(
+                f"the daemon holds {figures['fds_growth']} more descriptors than at the start (bound {bounds.fds_growth}); "
+                f"by kind: {dict(kinds)}; the operations before the end:\n" + "\n".join(self.history)
+                + f"\nthe daemon's log ends:\n{self.daemon_log()[-3000:]}"
+            )
         return figures
 
     def _settled_fds(self, deadline: float) -> int:
