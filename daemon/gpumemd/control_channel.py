@@ -52,6 +52,11 @@ class ControlChannel:
         self._fd_channel = fd_channel  # the fd channel's descriptors: never one of the control channel's
         self._router: zmq.Socket[Any] | None = None
         self.monitor: zmq.Socket[Any] | None = None
+        # What the loop polls for the monitor: its descriptor, not the socket. zmq_poll
+        # asks a socket for its events (a syscall each) before and after every wait, on
+        # every request; the descriptor costs nothing until libzmq signals it, and each
+        # wake-up reads the monitor dry (the edge comes again with the next event).
+        self.monitor_fd = -1
         self.listener: socket.socket | None = None  # the ROUTER listens on copies of it
         self._zmq_fd = -1  # the ROUTER's copy (libzmq's to close)
         self._shut_door: socket.socket | None = None  # what the ROUTER's copy is while the door is shut
@@ -64,6 +69,7 @@ class ControlChannel:
         self.monitor = ctx.socket(zmq.PAIR)
         self.monitor.setsockopt(zmq.RCVHWM, 0)  # a lost event would leave a connection uncounted
         self.monitor.connect(_MONITOR_URL)
+        self.monitor_fd = self.monitor.fileno()
         # Reopening the channel closes the ROUTER's copy and every connection it
         # accepted, while clients connecting meanwhile wait in the backlog of this one
         # instead of finding no socket.
@@ -81,7 +87,7 @@ class ControlChannel:
             self._shut(False)
         if self.monitor is not None:
             self.monitor.close(linger=0)
-            self.monitor = None
+            self.monitor, self.monitor_fd = None, -1
         for sock in (self.listener, self._shut_door):
             if sock is not None:
                 sock.close()
@@ -110,8 +116,12 @@ class ControlChannel:
     def on_monitor(self) -> None:
         """Connections as libzmq accepts and closes them; past the budget, hang up the
         excess at once (a burst must not reach the open-file limit)."""
-        assert self.monitor is not None
         now = time.monotonic()
+        self._read_monitor(now)
+        self._guard(now, self.door.excess(now))
+
+    def _read_monitor(self, now: float) -> None:
+        assert self.monitor is not None
         while True:
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(_NOBLOCK))
@@ -124,7 +134,6 @@ class ControlChannel:
                 self.fd_opened(fd, now)
             else:
                 self.door.closed(fd)
-        self._guard(now, self.door.excess(now))
 
     def turn_away(self) -> None:
         """The door is shut: connections off the listener's backlog are closed."""
@@ -140,6 +149,7 @@ class ControlChannel:
     def tick(self, now: float) -> None:
         """Silent connections and the excess hung up, the door and the channel seen to."""
         door = self.door
+        self._read_monitor(now)  # should a wake-up have gone amiss, the count is right within a tick
         if door.fd_pressure:
             door.fd_pressure = runtime.open_fds() >= door.budget.limit - 2 * FD_MARGIN
         self._guard(now, [*door.silent(now), *door.excess(now)])
