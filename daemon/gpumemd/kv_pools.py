@@ -314,6 +314,9 @@ class KvBook:
         out, self._completions = self._completions, []
         return out
 
+    def has_mail(self) -> bool:
+        return bool(self._notices or self._completions)
+
     def take_notices(self) -> Notices:
         out, self._notices = self._notices, []
         return out

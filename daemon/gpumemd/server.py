@@ -196,7 +196,7 @@ class Server:
                             self._on_fd_channel(conn)
                 if waiting:
                     identity, frame = waiting.pop()
-                    self._post(self._serve_request(identity, frame))
+                    self._serve_request(identity, frame)
                 self._tick()
         finally:
             self._shutdown()
@@ -247,7 +247,7 @@ class Server:
             frame = router.recv(_NOBLOCK, copy=False)
             if first and not frame.more:  # no peer waits, so none is passed over
                 first = False
-                self._post(self._serve_request(identity, frame.buffer))
+                self._serve_request(identity, frame.buffer)
                 spoke(frame, identity, identity in by_token)  # after the reply: the door's books are not on its path
             else:
                 spoke(frame, identity, identity in by_token)
@@ -278,18 +278,29 @@ class Server:
             router.send(identity, _SNDMORE_NOBLOCK)
             router.send(p.encode_error(p.request_id_of(data), refusal), _NOBLOCK)
 
-    def _serve(self, identity: bytes, frame: bytes | memoryview) -> Mail:
-        return self.outbox.request(identity, self._by_token.get(identity), frame)
+    def _serve(self, identity: bytes, frame: bytes | memoryview) -> None:
+        self._answer(identity, self.outbox.request(identity, self._by_token.get(identity), frame))
 
-    def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> Mail:
+    def _answer(self, identity: bytes, out: Mail | bytes) -> None:
+        """Send what the outbox made of a request: its reply alone (most requests), or mail."""
+        if isinstance(out, bytes):
+            router = self._router
+            if router is not None:
+                router.send(identity, _SNDMORE_NOBLOCK)
+                router.send(out, _NOBLOCK)
+        else:
+            self._post(out)
+
+    def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> None:
         """``_serve``, and a debug line for the request (logs.log_request)."""
         started = time.perf_counter_ns()
-        mail = self._serve(identity, frame)
+        out = self.outbox.request(identity, self._by_token.get(identity), frame)
         micros = (time.perf_counter_ns() - started) / 1e3
         session = self._by_token.get(identity)
         client = f"client {session.name!r} (session {session.id})" if session is not None else "an anonymous peer"
-        log_request(log, frame, mail.reply_to(identity), client, session.name if session else "", micros)
-        return mail
+        reply = out if isinstance(out, bytes) else out.reply_to(identity)
+        log_request(log, frame, reply, client, session.name if session else "", micros)
+        self._answer(identity, out)
 
     def _post(self, mail: Mail) -> None:
         """Send what the outbox put together (the record holds it already)."""
