@@ -177,9 +177,10 @@ class Server:
         control_listener = control.listener.fileno() if control.listener is not None else -1
         connections = self._connections
         waiting = self._waiting
+        queued = waiting.peers
         try:
             while not self._stop_requested:
-                for ready, _ in poller.poll(0 if waiting else wait_ms):
+                for ready, _ in poller.poll(0 if queued else wait_ms):
                     if ready is router:
                         self._on_control()
                     elif ready == listener:
@@ -194,7 +195,7 @@ class Server:
                         conn = connections.get(ready)
                         if conn is not None:  # not dropped by what ran before it in this round
                             self._on_fd_channel(conn)
-                if waiting:
+                if queued:
                     identity, frame = waiting.pop()
                     self._serve_request(identity, frame)
                 self._tick()
@@ -232,35 +233,39 @@ class Server:
     # ------------------------------------------------------------------ control channel
 
     def _on_control(self) -> None:
-        """Read what the ROUTER holds into its peers' queues, which the loop serves. With none
-        waiting, the first is answered before more is read: a quiet daemon pays no copy."""
-        assert self._router is not None
-        router, by_token, waiting, spoke = self._router, self._by_token, self._waiting, self._control.spoke
-        first = not waiting
-        for _ in range(CONTROL_READ_AHEAD):
+        """Serve the request the ROUTER holds, and read what else it holds into its peers'
+        queues, which the loop serves in turn. With none waiting, the first is answered
+        before more is read: a quiet daemon pays no copy."""
+        router = self._router
+        assert router is not None
+        try:
+            identity = router.recv(_NOBLOCK)
+        except zmq.Again:
+            return  # the poll's readiness went stale; it reports it again
+        # The request frame without a copy; its ``more`` says whether frames follow,
+        # without asking the socket.
+        frame = router.recv(_NOBLOCK, copy=False)
+        if frame.more or self._waiting.peers:
+            self._read_ahead(identity, frame)
+        else:  # no peer waits, so none is passed over
+            self._serve_request(identity, frame.buffer)
+            self._control.spoke(frame, identity, identity in self._by_token)  # after the reply: the door's books are not on its path
+        for _ in range(CONTROL_READ_AHEAD - 1):
+            # Asked, not found out by a recv that fails: pyzmq builds an exception for
+            # that, which cost more than the rest of a PING's turn here.
+            if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
+                return
             try:
                 identity = router.recv(_NOBLOCK)
             except zmq.Again:
-                return  # the poll's readiness went stale; it reports it again
-            # The request frame without a copy; its ``more`` says whether frames follow,
-            # without asking the socket.
-            frame = router.recv(_NOBLOCK, copy=False)
-            if first and not frame.more:  # no peer waits, so none is passed over
-                first = False
-                self._serve_request(identity, frame.buffer)
-                spoke(frame, identity, identity in by_token)  # after the reply: the door's books are not on its path
-            else:
-                spoke(frame, identity, identity in by_token)
-                self._read_ahead(identity, frame)
-            # Asked, not found out by a recv that fails: pyzmq builds an exception for that,
-            # which cost a PING more than the rest of its turn here.
-            if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
                 return
+            self._read_ahead(identity, router.recv(_NOBLOCK, copy=False))
 
     def _read_ahead(self, identity: bytes, frame: zmq.Frame) -> None:
-        """Queue a request for its turn (or refuse it at once)."""
+        """Queue a request for its peer's turn (or refuse it at once)."""
         assert self._router is not None
         router = self._router
+        self._control.spoke(frame, identity, identity in self._by_token)
         if frame.more:
             parts = 2
             while frame.more:  # a multipart message arrives whole: the rest is there
