@@ -28,7 +28,7 @@ from gpumemd.image import Image, Imager
 from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, MemberRecord, Outcome, RoundRecord, SessionRecord
 from gpumemd.tally import Tally
 
-log = logging.getLogger("gpumemd.kv_pools")
+log = logging.getLogger("gpumemd.kv_pools")  # the KV book's lines, its rounds' included, under one name
 
 # Finished rounds stay in the status for a while.
 _ROUNDS_KEPT = 16
@@ -46,6 +46,9 @@ _ROUND, _MEMBER = Imager(RoundRecord), Imager(MemberRecord)
 
 
 class RoundDesk:
+    """The rounds, the oldest first, and the next round's id; the book's pools as it
+    keeps them, its completions to answer with, its shrink request to send."""
+
     def __init__(
         self,
         arenas: ArenaBook,
@@ -374,6 +377,8 @@ class RoundDesk:
 
 
 def commit_reply(arenas: ArenaBook, pool: KvPoolRecord, new: list[ChunkRecord], retired: list[p.ChunkView], round_: RoundRecord | None = None) -> p.KvCommitReply:
+    """The reply to a commit, a grow or a shrink of ``pool``: its chunks ``new`` (handed
+    out in fd batches before it) and ``retired``, and the round's figures if a round."""
     view = arenas.view(arenas.by_name[pool.name])
     return p.KvCommitReply(
         pool=pool.view(view),
