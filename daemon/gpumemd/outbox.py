@@ -194,8 +194,8 @@ class Outbox:
 
     def _seal_reply(self, to: bytes, reply: bytes, notices: Sequence[tuple[int, p.Notice]] = ()) -> Mail | bytes:
         """``_seal`` for a reply without descriptors: the frame alone when nothing else
-        leaves with it (no Mail or Letter built and taken apart: on a PING they cost a
-        fifth of the daemon's part of the turn)."""
+        leaves with it (no Mail or Letter built and taken apart: on a PING they were a
+        quarter of the daemon's Python work, 0.8 of 3.2 µs on the 2-core VM)."""
         state = self.state
         if notices or state.has_mail():
             mail = Mail(notices)
