@@ -28,11 +28,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumem.errors import InvalidArgument
+from gpumem.kv_pool import RoundFigures, waited
 from gpumem.leased_graph import DEFAULT_WAIT_S, LeasedGraph, leased_graphs
 from gpumem.paged_kv import PagedKvCache
 from gpumem.session import DEFAULT_TIMEOUT, connect
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from gpumem.arena import Arena
     from gpumem.graph_pools import GraphPool
     from gpumem.kv_pool import RoundWait
@@ -121,41 +124,21 @@ class EngineMemory:
         self.graph_pool = self.graphs.register_graph_pool(label, shared=shared)
         return leased_graphs(graphs, self.session, self.graph_pool, wait=wait)
 
-    def kv_commit(
-        self,
-        *,
-        headroom_bytes: int = 0,
-        min_blocks: int = 0,
-        max_blocks: int = 0,
-        weight: float = 1.0,
-        timeout: float | None = None,
-    ) -> int:
-        """Report capture done for the KV cache's round (the graphs arena's bytes as the
-        graph-pool figure) and wait for it; returns the blocks committed.
-        ``headroom_bytes``: what the engine will still allocate past its arenas' peaks
-        once the KV cache holds the rest."""
-        return self.start_kv_commit(
-            headroom_bytes=headroom_bytes, min_blocks=min_blocks, max_blocks=max_blocks, weight=weight, timeout=timeout
-        ).wait()
-
     def start_kv_commit(
-        self,
-        *,
-        headroom_bytes: int = 0,
-        min_blocks: int = 0,
-        max_blocks: int = 0,
-        weight: float = 1.0,
-        timeout: float | None = None,
+        self, *, min_blocks: int = 0, max_blocks: int = 0, timeout: float | None = None, **figures: Unpack[RoundFigures]
     ) -> RoundWait:
-        """``kv_commit`` without waiting: the engine finishes its start-up while the round
-        gathers, and calls ``wait()`` on the ``RoundWait`` (the blocks committed) before
-        its scheduler needs the blocks."""
+        """Report capture done for the KV cache's round (``RoundFigures``; the graphs
+        arena's bytes as the graph-pool figure), without waiting: the engine finishes
+        its start-up while the round gathers, and calls ``wait()`` on the ``RoundWait``
+        (the blocks committed) before its scheduler needs the blocks. ``kv_commit`` is
+        the same report, waited for."""
         if self.kv is None:
             raise InvalidArgument(f"engine '{self.name}' has no KV cache: call kv_cache() first")
         return self.kv.send_capture_done(
-            headroom_bytes=headroom_bytes, graph_pool_bytes=self.graphs.committed, min_blocks=min_blocks,
-            max_blocks=max_blocks, weight=weight, timeout=timeout,
+            min_blocks=min_blocks, max_blocks=max_blocks, timeout=timeout, graph_pool_bytes=self.graphs.committed, **figures
         )
+
+    kv_commit = waited(start_kv_commit)
 
     def borrowed(self, fn: Callable[..., R], *args: Any, user: str = "sampler", need_bytes: int = 0, **kwargs: Any) -> R:
         """``fn(*args, **kwargs)`` with its temporaries in the graph pool's free runs

@@ -22,9 +22,10 @@ Runtime moves (docs/architecture.md, "Runtime KV moves"):
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict
 
 from gpumem_shared import protocol as p
 from gpumem.arena import DEFAULT_PLACEHOLDER_SLOT, Arena
@@ -32,12 +33,48 @@ from gpumem.errors import DaemonTimeout, GpuMemError, InvalidArgument
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from gpumem.core import SessionCore
 
 KvBuffer = p.KvBuffer
 
 # How long past a round's deadline capture_done waits for the daemon's answer.
 _DEADLINE_SLACK_S = 30.0
+
+P = ParamSpec("P")
+
+
+class RoundFigures(TypedDict, total=False):
+    """What an engine tells its commit round once its graphs are captured (CAPTURE_DONE),
+    as every report call takes them: ``capture_done``/``send_capture_done`` of ``KvPool``
+    and ``PagedKvCache``, ``EngineMemory.kv_commit``/``start_kv_commit``. The minimum and
+    maximum go beside these, in the caller's unit (``min_tokens``, or ``min_blocks``: a
+    block is a row), and so does ``timeout``, the call's bound on the wait (default: a
+    little past the round's deadline). ``CaptureFigures`` adds the graph pools' bytes."""
+
+    headroom_bytes: int  # what the engine will still allocate past its arenas' peaks, kept out of the budget
+    weight: float  # its share of what is left once every member has its minimum (relative to the others')
+
+
+class CaptureFigures(RoundFigures, total=False):
+    graph_pool_bytes: int  # what its captured graphs hold (EngineMemory counts its graphs arena)
+
+
+def waited(send: Callable[P, RoundWait]) -> Callable[P, int]:
+    """The report call that waits, made from the one that does not (same figures)."""
+
+    def wait_for_round(*args: P.args, **kwargs: P.kwargs) -> int:
+        return send(*args, **kwargs).wait()
+
+    wait_for_round.__doc__ = (
+        f"``{send.__name__}``, waited for: sends the report and waits for the round to commit; returns the rows "
+        "(tokens, or blocks) every buffer now holds. Raises RoundFailed (the deadline passed, or the budget "
+        "cannot cover the minimums) with the figures."
+    )
+    # help() and editors show the keywords, not (*args, **kwargs).
+    wait_for_round.__signature__ = inspect.signature(send).replace(return_annotation="int")  # type: ignore[attr-defined]
+    return wait_for_round
 
 
 class KvPool:
@@ -120,49 +157,19 @@ class KvPool:
         self._round_deadline_s = view.deadline_in_s
         return view
 
-    def capture_done(
-        self,
-        *,
-        headroom_bytes: int = 0,
-        graph_pool_bytes: int = 0,
-        min_tokens: int = 0,
-        max_tokens: int = 0,
-        weight: float = 1.0,
-        timeout: float | None = None,
-    ) -> int:
-        """Report that this engine's graphs are captured and wait for the round to
-        commit; returns the tokens every buffer now holds. Raises RoundFailed (the
-        deadline passed, or the budget cannot cover the minimums) with the figures.
-        ``send_capture_done`` takes the same figures and does not wait."""
-        return self.send_capture_done(
-            headroom_bytes=headroom_bytes, graph_pool_bytes=graph_pool_bytes, min_tokens=min_tokens,
-            max_tokens=max_tokens, weight=weight, timeout=timeout,
-        ).wait()
-
     def send_capture_done(
-        self,
-        *,
-        headroom_bytes: int = 0,
-        graph_pool_bytes: int = 0,
-        min_tokens: int = 0,
-        max_tokens: int = 0,
-        weight: float = 1.0,
-        timeout: float | None = None,
+        self, *, min_tokens: int = 0, max_tokens: int = 0, timeout: float | None = None, **figures: Unpack[CaptureFigures]
     ) -> RoundWait:
-        """``capture_done``'s report, sent without waiting: the engine goes on with its
-        start-up while other engines capture, and calls ``wait()`` on the ``RoundWait``
-        before it needs the rows (the session's other calls work meanwhile). ``timeout``
-        bounds the wait from now."""
-        message = p.CaptureDone(
-            pool=self.name,
-            headroom_bytes=headroom_bytes,
-            graph_pool_bytes=graph_pool_bytes,
-            min_tokens=min_tokens,
-            max_tokens=max_tokens,
-            weight=weight,
-        )
+        """Report that this engine's graphs are captured (``CaptureFigures``), without
+        waiting: the engine goes on with its start-up while other engines capture, and
+        calls ``wait()`` on the ``RoundWait`` (the tokens every buffer holds) before it
+        needs the rows (the session's other calls work meanwhile). ``timeout`` bounds
+        the wait from now. ``capture_done`` is the same report, waited for."""
+        message = p.CaptureDone(pool=self.name, min_tokens=min_tokens, max_tokens=max_tokens, **figures)
         limit = timeout if timeout is not None else max(self.core.timeout, self._round_deadline_s + _DEADLINE_SLACK_S)
         return RoundWait(self, message, self.core.channel.start(message), limit)
+
+    capture_done = waited(send_capture_done)
 
     # ------------------------------------------------------------------ elastic
 

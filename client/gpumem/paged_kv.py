@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import protocol as p
 from gpumem.errors import InvalidArgument
-from gpumem.kv_pool import KvPool, RoundWait
+from gpumem.kv_pool import CaptureFigures, KvPool, RoundWait, waited
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from gpumem.core import SessionCore
 
 
@@ -117,39 +119,15 @@ class PagedKvCache:
 
     # ------------------------------------------------------------------ commit round
 
-    def capture_done(
-        self,
-        *,
-        headroom_bytes: int = 0,
-        graph_pool_bytes: int = 0,
-        min_blocks: int = 0,
-        max_blocks: int = 0,
-        weight: float = 1.0,
-        timeout: float | None = None,
-    ) -> int:
-        """The round's report (``KvPool.capture_done``) in blocks: waits for the round,
-        returns the blocks committed."""
-        return self.send_capture_done(
-            headroom_bytes=headroom_bytes, graph_pool_bytes=graph_pool_bytes, min_blocks=min_blocks,
-            max_blocks=max_blocks, weight=weight, timeout=timeout,
-        ).wait()
-
     def send_capture_done(
-        self,
-        *,
-        headroom_bytes: int = 0,
-        graph_pool_bytes: int = 0,
-        min_blocks: int = 0,
-        max_blocks: int = 0,
-        weight: float = 1.0,
-        timeout: float | None = None,
+        self, *, min_blocks: int = 0, max_blocks: int = 0, timeout: float | None = None, **figures: Unpack[CaptureFigures]
     ) -> RoundWait:
-        """``capture_done`` without waiting (``KvPool.send_capture_done``): the
-        ``RoundWait``'s ``wait()`` returns the blocks committed."""
-        return self.pool.send_capture_done(
-            headroom_bytes=headroom_bytes, graph_pool_bytes=graph_pool_bytes, min_tokens=min_blocks,
-            max_tokens=max_blocks, weight=weight, timeout=timeout,
-        )
+        """The round's report (``KvPool.send_capture_done``) in blocks, without waiting:
+        the ``RoundWait``'s ``wait()`` returns the blocks committed. ``capture_done`` is
+        the same report, waited for."""
+        return self.pool.send_capture_done(min_tokens=min_blocks, max_tokens=max_blocks, timeout=timeout, **figures)
+
+    capture_done = waited(send_capture_done)
 
     def release(self) -> None:
         self.pool.release()

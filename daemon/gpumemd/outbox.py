@@ -10,6 +10,10 @@ server, which binds, polls, admits and sends what it is given. A crash before th
 server sends loses nothing a client holds: the record already names every chunk and
 answer the mail carries. Nothing dirty, nothing written: a read-only request costs no
 record write.
+
+Most requests send their reply and nothing else (no descriptors, no notices, no other
+answer): for those the outbox gives the server the reply's frame alone, the record
+written first all the same, and builds no Mail.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from gpumem_shared.driver import DriverError
 
 from gpumemd.arenas import map_batches
 from gpumemd.durable import Durable
-from gpumemd.records import ChunkRecord, Completion, SessionRecord
+from gpumemd.records import ChunkRecord, Completion, Outcome, SessionRecord
 from gpumemd.state import DaemonState
 
 log = logging.getLogger("gpumemd.outbox")
@@ -101,10 +105,10 @@ class Outbox:
             self.durable.persist(self.state)
         return session, frame
 
-    def request(self, to: bytes, session: SessionRecord | None, frame: bytes | memoryview) -> Mail:
+    def request(self, to: bytes, session: SessionRecord | None, frame: bytes | memoryview) -> Mail | bytes:
         """A control-channel request from routing id ``to`` (``session``: the one that id
-        belongs to), answered, and whatever the state produced meanwhile."""
-        mail = Mail()
+        belongs to), answered, and whatever the state produced meanwhile: the reply's
+        frame alone (bytes, for ``to``) when nothing else leaves, else the Mail."""
         request_id = 0
         try:
             request = p.decode_request(frame)
@@ -116,32 +120,29 @@ class Outbox:
                 if self.state.grace_deadline is not None and self._waiting(to):
                     # Sent to the daemon before this one: the client sends it again once resumed.
                     log.debug("request %d from a session waiting to resume dropped unanswered", request_id)
-                    return self._seal(mail)
+                    return self._seal(Mail())
             elif request_id in session.resending:
                 session.resending.discard(request_id)
                 if request_id in session.answers:
+                    mail = Mail()
                     mail.letters.append(self._replay(to, session, request_id, message, mail))
                     return self._seal(mail)
             outcome = self.state.handle(session, message, request_id)
-            if outcome.notices:
-                mail.notices = [*mail.notices, *outcome.notices]
-            if outcome.reply is not None:  # None: deferred, answered as a completion
-                letter = Letter(to, p.encode_reply(request_id, outcome.reply))
-                mail.letters.append(letter)
-                if session is not None and (outcome.handout or outcome.grants):
-                    letter.session_id = session.id
-                    if not self._pack(letter, session, request_id, outcome.handout, outcome.grants, mail):
-                        return self._seal(mail)
-                if session is not None and self.durable is not None and self.state.dirty:
-                    session.remember(request_id, letter.frame, outcome.handout, outcome.grants)
+            if outcome.reply is None:  # deferred, answered as a completion
+                return self._seal(Mail(outcome.notices))
+            reply = p.encode_reply(request_id, outcome.reply)
+            if session is not None and (outcome.handout or outcome.grants):
+                return self._hand_out(to, session, request_id, reply, outcome)
+            if session is not None and self.durable is not None and self.state.dirty:
+                session.remember(request_id, reply, [], [])
+            return self._seal_reply(to, reply, outcome.notices)
         except p.ProtocolError as exc:
             rid = exc.detail.get("request_id", request_id)
-            mail.letters.append(Letter(to, p.encode_error(rid if isinstance(rid, int) else 0, exc)))
+            return self._seal_reply(to, p.encode_error(rid if isinstance(rid, int) else 0, exc))
         except Exception:
             log.exception("request %d failed inside the daemon", request_id)
             internal = p.ProtocolError(p.ErrorCode.INTERNAL, "internal error in gpumemd; see its log")
-            mail.letters.append(Letter(to, p.encode_error(request_id, internal)))
-        return self._seal(mail)
+            return self._seal_reply(to, p.encode_error(request_id, internal))
 
     def tick(self) -> Mail:
         """The loop's upkeep (round deadlines, lease repairs, the grace period), and what it produced."""
@@ -180,6 +181,29 @@ class Outbox:
         if self.durable is not None and state.dirty:
             self.durable.persist(state)
         return mail
+
+    def _hand_out(self, to: bytes, session: SessionRecord, request_id: int, reply: bytes, outcome: Outcome) -> Mail:
+        """A reply that hands out chunks or lease segments: they go first, on the session's
+        fd channel, and the session remembers the answer with them."""
+        mail = Mail(outcome.notices)
+        letter = Letter(to, reply, session.id)
+        mail.letters.append(letter)
+        if self._pack(letter, session, request_id, outcome.handout, outcome.grants, mail) and self.durable is not None and self.state.dirty:
+            session.remember(request_id, reply, outcome.handout, outcome.grants)
+        return self._seal(mail)
+
+    def _seal_reply(self, to: bytes, reply: bytes, notices: Sequence[tuple[int, p.Notice]] = ()) -> Mail | bytes:
+        """``_seal`` for a reply without descriptors: the frame alone when nothing else
+        leaves with it (no Mail or Letter built and taken apart: on a PING they were a
+        quarter of the daemon's Python work, 0.8 of 3.2 µs on the 2-core VM)."""
+        state = self.state
+        if notices or state.has_mail():
+            mail = Mail(notices)
+            mail.letters.append(Letter(to, reply))
+            return self._seal(mail)
+        if self.durable is not None and state.dirty:
+            self.durable.persist(state)
+        return reply
 
     def _answer(self, done_list: list[Completion], mail: Mail) -> None:
         """Deferred answers: each remembered by its session before it leaves."""

@@ -20,10 +20,9 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
@@ -32,7 +31,7 @@ from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
 from gpumemd.records import SessionRecord
 from gpumemd.admission import ACCEPT_BATCH, Admission, Connection
-from gpumemd.control_door import ControlDoor, ControlPeer
+from gpumemd.control_channel import ControlChannel
 from gpumemd.logs import log_request
 from gpumemd.outbox import Batch, Letter, Mail, Outbox
 from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
@@ -51,21 +50,13 @@ CONTROL_READ_AHEAD = 256
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
 
 
 # libzmq buffers a message whole before the daemon sees it: unbounded, a peer's gigabyte
 # frame costs the daemon a gigabyte. A bigger one closes its connection unread; up to this
 # size it is refused with BAD_MESSAGE like any frame over MAX_FRAME_BYTES.
 MAX_CONTROL_MESSAGE = 2 * p.MAX_FRAME_BYTES
-# What the ROUTER's monitor reports: each control-channel connection's descriptor as it
-# comes and goes (control_door.py).
-_MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-_MONITOR_URL = "inproc://gpumemd.control-monitor"
-CONTROL_BACKLOG = 16
-# A descriptor numbered this close to the open-file limit (the kernel hands out the lowest
-# free number, so it tells how many are open) shuts the control channel's door until the
-# count is twice as far from it again.
-FD_MARGIN = 16
 
 
 class Server:
@@ -92,17 +83,15 @@ class Server:
         self._stop_requested = False
         self._door = Admission(FdBudget.of(FD_HEADROOM_MIN * 4), hello_timeout)  # the real budget from bind()
         self._connections = self._door.connections  # by socket fd
-        self._control = ControlDoor(self._door.budget, hello_timeout)
         self._by_session: dict[int, Connection] = {}
+        self._poller = zmq.Poller()
+        # Its connections, counted and hung up (control_channel.py, control_door.py).
+        self._control = ControlChannel(endpoints, self._door.budget, hello_timeout, self._poller, self._by_session, self._connections)
         self._by_token: dict[bytes, SessionRecord] = {}
         self._waiting = FairQueue(state.config.tenants.requests)  # control requests read, not yet served
         self._lock_fds: list[int] = []
         self._ctx: zmq.Context[Any] | None = None
         self._router: zmq.Socket[Any] | None = None
-        self._monitor: zmq.Socket[Any] | None = None
-        self._control_listener: socket.socket | None = None  # the ROUTER listens on copies of it
-        self._zmq_fd = -1  # the ROUTER's copy (libzmq's to close)
-        self._shut_door: socket.socket | None = None  # what the ROUTER's copy is while the door is shut
         self._listener: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._last_watchdog = 0.0
@@ -124,7 +113,7 @@ class Server:
         # The host backend's device is the daemon's own memory: nothing another daemon shares.
         device_uuid = self.state.device.uuid if self.state.driver.kind == "cuda" else None
         self._lock_fds = runtime.take_lock(ep, device_uuid)
-        budget = self._door.budget = self._control.budget = FdBudget.of(runtime.raise_fd_limit())
+        budget = self._door.budget = self._control.door.budget = FdBudget.of(runtime.raise_fd_limit())
         log.info(
             "fd channel: up to %d connections, %d of them before HELLO; control channel: up to %d connections",
             budget.connections, budget.pending, budget.control,
@@ -139,21 +128,7 @@ class Server:
             # A session resumed after a restart comes back on a new DEALER with its old
             # routing id: the newest connection under an id is the one that answers.
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            self._router.monitor(_MONITOR_URL, _MONITOR_EVENTS)
-            self._monitor = self._ctx.socket(zmq.PAIR)
-            self._monitor.setsockopt(zmq.RCVHWM, 0)  # a lost event would leave a connection uncounted
-            self._monitor.connect(_MONITOR_URL)
-            # The daemon owns the listening socket: reopening the channel (control_door.py)
-            # closes the ROUTER's copy and every connection it accepted, while clients
-            # connecting meanwhile wait in the backlog instead of finding no socket.
-            self._control_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            self._control_listener.bind(str(ep.zmq_path))
-            # A short backlog: what libzmq can take in one burst, before the daemon sees
-            # the count and shuts the door (control_door.py), when it opens again.
-            self._control_listener.listen(CONTROL_BACKLOG)
-            self._control_listener.setblocking(False)
-            self._shut_door = runtime.unreachable_listener(ep.runtime_dir / f"{ep.zmq_path.name}.shut")
-            self._bind_control()
+            self._control.open(self._ctx, self._router)  # on a listener the daemon owns
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._listener.bind(str(ep.fd_path))
             self._listener.listen(128)
@@ -174,50 +149,16 @@ class Server:
 
     # ------------------------------------------------------------------ loop
 
-    def _bind_control(self) -> None:
-        assert self._router is not None and self._control_listener is not None
-        self._zmq_fd = os.dup(self._control_listener.fileno())
-        self._router.setsockopt(zmq.USE_FD, self._zmq_fd)
-        self._router.bind(self.endpoints.zmq_url)
-        self._control.door_shut = False
-
-    def _shut_control_door(self, shut: bool) -> None:
-        """libzmq accepts every connection the moment it comes, faster than the daemon can
-        count and hang up: a burst would reach the open-file limit first. Past the budget
-        the ROUTER's copy of the listener becomes a listener no one can reach (dup2: its
-        poll registration stays on the real one, its accept finds nothing), and the daemon
-        takes the connections that come off the backlog itself and closes them; their
-        DEALERs try again later."""
-        assert self._control_listener is not None and self._shut_door is not None
-        os.dup2((self._shut_door if shut else self._control_listener).fileno(), self._zmq_fd)
-        self._control.door_shut = shut
-        if shut:
-            self._poller.register(self._control_listener.fileno(), _POLLIN)
-        else:
-            self._poller.unregister(self._control_listener.fileno())
-
-    def _turn_away(self) -> None:
-        """The door is shut: connections off the control channel's backlog are closed."""
-        assert self._control_listener is not None
-        for _ in range(ACCEPT_BATCH):
-            try:
-                sock, _ = self._control_listener.accept()
-            except OSError:  # BlockingIOError: none left; EMFILE: none can be taken now either
-                break
-            sock.close()
-            self._control.turned_away += 1
-
     def request_stop(self, *_: Any) -> None:
         # Runs in a signal handler: set a flag only; the wake-up fd breaks the poll.
         self._stop_requested = True
 
     def serve_forever(self) -> None:
         assert self._router is not None and self._listener is not None
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._router, _POLLIN)
-        poller.register(self._monitor, _POLLIN)
+        poller.register(self._control.monitor_fd, _POLLIN)
         poller.register(self._wake_r, _POLLIN)
-        self._poller = poller
         self._update_listener(time.monotonic())
         if log.isEnabledFor(logging.DEBUG):
             self._serve_request = self._serve_traced
@@ -230,30 +171,33 @@ class Server:
         if self.notifier.watchdog_interval is not None:
             wait_ms = min(wait_ms, self.notifier.watchdog_interval * 500)
         wait_ms = max(int(wait_ms), 1)  # the poller would convert a float on every call
-        router, listener, wake, monitor = self._router, self._listener.fileno(), self._wake_r, self._monitor
-        control_listener = self._control_listener.fileno() if self._control_listener is not None else -1
+        router, listener, wake = self._router, self._listener.fileno(), self._wake_r
+        control = self._control
+        monitor = control.monitor_fd
+        control_listener = control.listener.fileno() if control.listener is not None else -1
         connections = self._connections
         waiting = self._waiting
+        queued = waiting.peers
         try:
             while not self._stop_requested:
-                for ready, _ in poller.poll(0 if waiting else wait_ms):
+                for ready, _ in poller.poll(0 if queued else wait_ms):
                     if ready is router:
                         self._on_control()
                     elif ready == listener:
                         self._on_accept()
                     elif ready == wake:
                         self._drain_wake()
-                    elif ready is monitor:
-                        self._on_monitor()
+                    elif ready == monitor:
+                        control.on_monitor()
                     elif ready == control_listener:
-                        self._turn_away()
+                        control.turn_away()  # the door is shut
                     else:
                         conn = connections.get(ready)
                         if conn is not None:  # not dropped by what ran before it in this round
                             self._on_fd_channel(conn)
-                if waiting:
+                if queued:
                     identity, frame = waiting.pop()
-                    self._post(self._serve_request(identity, frame))
+                    self._serve_request(identity, frame)
                 self._tick()
         finally:
             self._shutdown()
@@ -272,10 +216,7 @@ class Server:
             for conn in self._door.silent(now):
                 self._drop(conn)
             self._door.log_flood(now)
-            if self._control.fd_pressure:
-                self._control.fd_pressure = runtime.open_fds() >= self._control.budget.limit - 2 * FD_MARGIN
-            self._guard_control(now, [*self._control.silent(now), *self._control.excess(now)])
-            self._control.log_flood(now)
+            self._control.tick(now)
             self._update_listener(now)
             self._post(self.outbox.tick())  # round deadlines, lease repairs, the grace period
             if self._on_tick is not None:
@@ -292,64 +233,79 @@ class Server:
     # ------------------------------------------------------------------ control channel
 
     def _on_control(self) -> None:
-        """Read what the ROUTER holds into its peers' queues, which the loop serves. With none
-        waiting, the first is answered before more is read: a quiet daemon pays no copy."""
-        assert self._router is not None
-        router, by_token, waiting = self._router, self._by_token, self._waiting
-        first = not waiting
-        for _ in range(CONTROL_READ_AHEAD):
+        """Serve the request the ROUTER holds, and read what else it holds into its peers'
+        queues, which the loop serves in turn. With none waiting, the first is answered
+        before more is read: a quiet daemon pays no copy."""
+        router = self._router
+        assert router is not None
+        try:
+            identity = router.recv(_NOBLOCK)
+        except zmq.Again:
+            return  # the poll's readiness went stale; it reports it again
+        # The request frame without a copy; its ``more`` says whether frames follow,
+        # without asking the socket.
+        frame = router.recv(_NOBLOCK, copy=False)
+        if frame.more or self._waiting.peers:
+            self._read_ahead(identity, frame)
+        else:  # no peer waits, so none is passed over
+            self._serve_request(identity, frame.buffer)
+            self._control.spoke(frame, identity, identity in self._by_token)  # after the reply: the door's books are not on its path
+        for _ in range(CONTROL_READ_AHEAD - 1):
+            # Asked, not found out by a recv that fails: pyzmq builds an exception for
+            # that (about 9 µs on the 2-core VM, asking about 3.5).
+            if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
+                return
             try:
                 identity = router.recv(_NOBLOCK)
             except zmq.Again:
-                return  # all read (or the poll's readiness went stale; it reports it again)
-            # The request frame without a copy; its ``more`` says whether frames follow,
-            # without asking the socket.
-            frame = router.recv(_NOBLOCK, copy=False)
-            if first and not frame.more:  # no peer waits, so none is passed over
-                first = False
-                self._post(self._serve_request(identity, frame.buffer))
-                self._spoke(frame, identity)  # after the reply: the door's books are not on its path
-                continue
-            self._spoke(frame, identity)
-            if frame.more:
-                parts = 2
-                while frame.more:  # a multipart message arrives whole: the rest is there
-                    frame = router.recv(_NOBLOCK, copy=False)
-                    parts += 1
-                log.warning("control message with %d frames dropped (expected identity + one frame)", parts)
-                err = p.ProtocolError(p.ErrorCode.BAD_MESSAGE, "a request is exactly one frame")
+                return
+            self._read_ahead(identity, router.recv(_NOBLOCK, copy=False))
+
+    def _read_ahead(self, identity: bytes, frame: zmq.Frame) -> None:
+        """Queue a request for its peer's turn (or refuse it at once)."""
+        assert self._router is not None
+        router = self._router
+        self._control.spoke(frame, identity, identity in self._by_token)
+        if frame.more:
+            parts = 2
+            while frame.more:  # a multipart message arrives whole: the rest is there
+                frame = router.recv(_NOBLOCK, copy=False)
+                parts += 1
+            log.warning("control message with %d frames dropped (expected identity + one frame)", parts)
+            err = p.ProtocolError(p.ErrorCode.BAD_MESSAGE, "a request is exactly one frame")
+            router.send(identity, _SNDMORE_NOBLOCK)
+            router.send(p.encode_error(0, err), _NOBLOCK)
+            return
+        data = frame.bytes
+        session = self._by_token.get(identity)
+        refusal = self._waiting.push(ANONYMOUS if session is None else session.id, identity, data)
+        if refusal is not None:
+            router.send(identity, _SNDMORE_NOBLOCK)
+            router.send(p.encode_error(p.request_id_of(data), refusal), _NOBLOCK)
+
+    def _serve(self, identity: bytes, frame: bytes | memoryview) -> None:
+        self._answer(identity, self.outbox.request(identity, self._by_token.get(identity), frame))
+
+    def _answer(self, identity: bytes, out: Mail | bytes) -> None:
+        """Send what the outbox made of a request: its reply alone (most requests), or mail."""
+        if isinstance(out, bytes):
+            router = self._router
+            if router is not None:
                 router.send(identity, _SNDMORE_NOBLOCK)
-                router.send(p.encode_error(0, err), _NOBLOCK)
-                continue
-            data = frame.bytes
-            session = by_token.get(identity)
-            refusal = waiting.push(ANONYMOUS if session is None else session.id, identity, data)
-            if refusal is not None:
-                router.send(identity, _SNDMORE_NOBLOCK)
-                router.send(p.encode_error(p.request_id_of(data), refusal), _NOBLOCK)
+                router.send(out, _NOBLOCK)
+        else:
+            self._post(out)
 
-    def _spoke(self, frame: zmq.Frame, identity: bytes) -> None:
-        """The control door's books: a routing id that moved to a newer connection hangs the old one up."""
-        door = self._control
-        fd = frame.get(zmq.SRCFD)
-        if fd not in door.peers:
-            self._on_monitor()  # its accept not counted yet: the hand-over must not go unseen
-        cut_off = door.spoke(fd, identity, identity in self._by_token, time.monotonic())
-        if cut_off is not None:
-            self._hang_up(door.peers[cut_off], time.monotonic())
-
-    def _serve(self, identity: bytes, frame: bytes | memoryview) -> Mail:
-        return self.outbox.request(identity, self._by_token.get(identity), frame)
-
-    def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> Mail:
+    def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> None:
         """``_serve``, and a debug line for the request (logs.log_request)."""
         started = time.perf_counter_ns()
-        mail = self._serve(identity, frame)
+        out = self.outbox.request(identity, self._by_token.get(identity), frame)
         micros = (time.perf_counter_ns() - started) / 1e3
         session = self._by_token.get(identity)
         client = f"client {session.name!r} (session {session.id})" if session is not None else "an anonymous peer"
-        log_request(log, frame, mail.reply_to(identity), client, session.name if session else "", micros)
-        return mail
+        reply = out if isinstance(out, bytes) else out.reply_to(identity)
+        log_request(log, frame, reply, client, session.name if session else "", micros)
+        self._answer(identity, out)
 
     def _post(self, mail: Mail) -> None:
         """Send what the outbox put together (the record holds it already)."""
@@ -406,64 +362,6 @@ class Server:
             except p.ProtocolError as exc:
                 log.error("notice %r to session %d not delivered: %s", notice, session_id, exc.message)
 
-    def _on_monitor(self) -> None:
-        """Control-channel connections as libzmq accepts and closes them; past the budget,
-        hang up the excess at once (a burst must not reach the open-file limit)."""
-        assert self._monitor is not None
-        now = time.monotonic()
-        while True:
-            try:
-                event = parse_monitor_message(self._monitor.recv_multipart(_NOBLOCK))
-            except zmq.Again:
-                break
-            fd = int(event["value"])
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                pid, uid = runtime.peer_of(fd)
-                self._control.accepted(fd, uid, pid, now)
-                self._watch_fd(fd)
-                if self._control.shut_door(now):
-                    self._shut_control_door(True)  # at once: libzmq goes on accepting meanwhile
-            else:
-                self._control.closed(fd)
-        self._guard_control(now, self._control.excess(now))
-
-    def _watch_fd(self, fd: int) -> None:
-        if fd >= self._control.budget.limit - FD_MARGIN:
-            self._control.fd_pressure = True
-
-    def _guard_control(self, now: float, victims: Sequence[ControlPeer]) -> None:
-        for peer in victims:
-            self._hang_up(peer, now)
-        if self._control.stalled(now, len(self._by_session)):
-            self._reopen_control()
-        shut = self._control.shut_door(now)
-        if shut is not None:
-            self._shut_control_door(shut)
-
-    def _hang_up(self, peer: ControlPeer, now: float) -> None:
-        """shutdown(2) on a control-channel connection libzmq holds: it sees the hang-up
-        and closes it. The descriptor must still be that connection: the monitor may not
-        have told its close yet, and the number may be the daemon's own again."""
-        self._control.hang_up(peer, now)
-        if peer.fd in self._connections:
-            return
-        try:
-            with socket.socket(fileno=os.dup(peer.fd)) as sock:
-                if sock.family == socket.AF_UNIX and sock.getsockname() == str(self.endpoints.zmq_path):
-                    sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # closed meanwhile
-
-    def _reopen_control(self) -> None:
-        """Close the ROUTER's listener, and with it every connection it accepted (the only
-        way to free a stalled one, control_door.py), then listen again on the same socket."""
-        assert self._router is not None and self._control_listener is not None
-        if self._control.door_shut:  # libzmq's copy must be the listener it polls when it lets go of it
-            self._shut_control_door(False)
-        self._router.unbind(self.endpoints.zmq_url)  # libzmq closes its copy
-        self._control.reopened()
-        self._bind_control()
-
     # ------------------------------------------------------------------ fd channel
 
     def _on_accept(self) -> None:
@@ -489,9 +387,7 @@ class Server:
                 sock.close()
                 continue
             self._door.admit(Connection(sock=sock, pid=pid, uid=uid, gid=gid, accepted=now, deadline=now + self.hello_timeout))
-            self._watch_fd(sock.fileno())
-            if self._control.shut_door(now):
-                self._shut_control_door(True)
+            self._control.fd_opened(sock.fileno(), now)
             self._poller.register(sock.fileno(), _POLLIN)
         self._update_listener(now)
 
@@ -557,7 +453,7 @@ class Server:
         if conn.session is not None:
             self._by_session.pop(conn.session.id, None)
             self._by_token.pop(conn.session.token, None)
-            self._control.ended(conn.session.token)
+            self._control.door.ended(conn.session.token)
             self._post(self.outbox.session_closed(conn.session.id))
 
     # ------------------------------------------------------------------ shutdown
@@ -580,11 +476,7 @@ class Server:
         log.info("stopped")
 
     def _close_sockets(self) -> None:
-        if self._control.door_shut:  # libzmq lets go of the listener it polls
-            self._shut_control_door(False)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
+        self._control.close()
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
@@ -594,7 +486,3 @@ class Server:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        for sock in (self._control_listener, self._shut_door):
-            if sock is not None:
-                sock.close()
-        self._control_listener = self._shut_door = None

@@ -416,6 +416,10 @@ class DaemonState:
     def take_completions(self) -> list[Completion]:
         return self.kv.take_completions()
 
+    def has_mail(self) -> bool:
+        """Notices or deferred answers waiting to be taken."""
+        return bool(self._notices) or self.kv.has_mail()
+
     def take_notices(self) -> Notices:
         kv = self.kv.take_notices()
         if not self._notices:

@@ -125,11 +125,10 @@ class FairQueue:
     def __init__(self, per_session: int) -> None:
         self.per_session = per_session
         self._queues: dict[int, deque[tuple[bytes, bytes]]] = {}
-        self._ring: deque[int] = deque()
+        # The peers with requests waiting, in turn: empty while nothing is queued (the
+        # server's loop asks on every turn, so it asks the deque, not a method).
+        self.peers: deque[int] = deque()
         self._bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._ring)  # peers waiting: nonzero while anything is queued
 
     def push(self, peer: int, identity: bytes, frame: bytes) -> p.ProtocolError | None:
         """Queue ``frame`` from ``peer``, or the refusal to answer it with at once."""
@@ -156,18 +155,18 @@ class FairQueue:
             )
         if queue is None:
             queue = self._queues[peer] = deque()
-            self._ring.append(peer)
+            self.peers.append(peer)
         queue.append((identity, frame))
         self._bytes += len(frame)
         return None
 
     def pop(self) -> tuple[bytes, bytes]:
-        peer = self._ring.popleft()
+        peer = self.peers.popleft()
         queue = self._queues[peer]
         identity, frame = queue.popleft()
         self._bytes -= len(frame)
         if queue:
-            self._ring.append(peer)
+            self.peers.append(peer)
         else:
             del self._queues[peer]
         return identity, frame

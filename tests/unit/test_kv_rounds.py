@@ -1328,7 +1328,7 @@ def test_staging_leaves_the_budget_and_the_split_as_an_unstaged_round_has_them(
         return out
 
     with monkeypatch.context() as m:
-        m.setattr(h.state.kv, "_stage", lambda member: None)
+        m.setattr(h.state.kv.desk, "_stage", lambda member: None)
         plain_budget, plain_tokens, plain_chunks, plain_open = run()
     budget, tokens, chunks, open_bytes = run()
 

@@ -20,7 +20,7 @@ from gpumem_shared.driver.host import HostDriver
 from gpumemd import arenas, state
 from gpumemd.durable import Durable, RecordFile
 from gpumemd.image import StateImage, chunk_name, decode, lease_name
-from gpumemd.outbox import Mail, Outbox
+from gpumemd.outbox import Letter, Mail, Outbox
 from gpumemd.records import SessionRecord
 
 from .harness import CAPACITY, Harness, MiB
@@ -38,6 +38,15 @@ def chunks(record: StateImage) -> list[dict[str, Any]]:
 
 # Answered from the state as it is, never resent for an answer: the record does not keep them.
 READ_ONLY = (p.Ping, p.Status)
+
+
+def as_mail(to: bytes, out: Mail | bytes) -> Mail:
+    """What the server sends for ``out``: a reply that leaves alone is one letter to ``to``."""
+    if isinstance(out, Mail):
+        return out
+    mail = Mail()
+    mail.letters.append(Letter(to, out))
+    return mail
 
 
 @dataclasses.dataclass
@@ -64,7 +73,7 @@ class Door:
         if not request_id:
             request_id = self.next_id
             self.next_id += 1
-        mail = self.outbox.request(session.token, session, p.encode_request(request_id, message))
+        mail = as_mail(session.token, self.outbox.request(session.token, session, p.encode_request(request_id, message)))
         self.check(mail, remembered=not isinstance(message, READ_ONLY))
         return request_id, mail
 
@@ -106,10 +115,10 @@ def door(make_harness: Callable[..., Harness]) -> Iterator[Door]:
     outbox = Outbox(h.state, durable)
     real = outbox.request
 
-    def kept(to: bytes, session: SessionRecord | None, frame: bytes | memoryview) -> Mail:
-        mail = real(to, session, frame)
-        mails.append(mail)
-        return mail
+    def kept(to: bytes, session: SessionRecord | None, frame: bytes | memoryview) -> Mail | bytes:
+        out = real(to, session, frame)
+        mails.append(as_mail(to, out))
+        return out
 
     outbox.request = kept  # type: ignore[method-assign]
     yield Door(h, store, durable, outbox)
@@ -152,6 +161,19 @@ def test_a_read_only_request_writes_no_record_and_a_request_writes_it_once(door:
     door.send(owner, p.RoundJoin(pool="kv"))
     before = door.written()
     door.send(owner, p.CaptureDone(pool="kv", min_tokens=16))  # the request and the round's answer
+    assert door.written() == before + 1
+
+
+def test_a_reply_that_leaves_alone_leaves_after_the_record(door: Door) -> None:
+    """Most replies go to the server as a bare frame (no Mail): the record is written
+    before that frame is handed over all the same."""
+    owner = door.hello("owner")
+    before = door.written()
+    out = door.outbox.request(owner.token, owner, p.encode_request(50, p.CreateArena(name="a", reserve_bytes=256 * MiB)))
+    assert isinstance(out, bytes), "a reply with nothing to go with it was put in a Mail"
+    assert door.written() == before + 1, "the bare reply was handed over before the record was written"
+    door.check(as_mail(owner.token, out))
+    assert isinstance(door.outbox.request(owner.token, owner, p.encode_request(51, p.Ping())), bytes)
     assert door.written() == before + 1
 
 
@@ -200,7 +222,7 @@ def test_a_chunk_is_zeroed_before_its_first_tenant_and_only_then(make_harness: C
     sent: list[int] = []
 
     def send(session: SessionRecord, message: p.RequestMessage) -> list[int]:
-        mail = outbox.request(session.token, session, p.encode_request(len(sent) + 1, message))
+        mail = as_mail(session.token, outbox.request(session.token, session, p.encode_request(len(sent) + 1, message)))
         assert all(p.decode_reply(letter.frame).ok for letter in mail.letters)
         fds = [fd for letter in mail.letters for b in letter.batches if b.owned for fd in b.fds]
         sent.extend(fds)
@@ -230,7 +252,7 @@ def test_a_staged_kv_minimum_is_zeroed_when_staged_and_not_again_at_handout(make
     next_id = iter(range(1, 100))
 
     def send(session: SessionRecord, message: p.RequestMessage) -> dict[bytes, list[int]]:
-        mail = outbox.request(session.token, session, p.encode_request(next(next_id), message))
+        mail = as_mail(session.token, outbox.request(session.token, session, p.encode_request(next(next_id), message)))
         assert all(p.decode_reply(letter.frame).ok for letter in mail.letters)
         fds = {letter.to: [fd for batch in letter.batches if batch.owned for fd in batch.fds] for letter in mail.letters}
         sent.extend(fd for got in fds.values() for fd in got)

@@ -117,7 +117,7 @@ def test_graph_pool_share_per_uid(h: Harness, monkeypatch: pytest.MonkeyPatch) -
 
 def drain(q: FairQueue) -> list[bytes]:
     out = []
-    while q:
+    while q.peers:
         out.append(q.pop()[1])
     return out
 
