@@ -4,6 +4,7 @@ no sockets, no click, so tests build replies by hand and read the text."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 
 from gpumem_shared import protocol as p
@@ -70,14 +71,23 @@ def _grant_text(g: p.GrantStatus) -> str:
     return " ".join(named) if named else "token"
 
 
+def arena_names(s: p.StatusReply) -> dict[str, str]:
+    """Each arena's name as shown: names are per uid, so a name that two uids' arenas
+    hold is shown with its owner's uid ("UID/NAME", what another uid attaches it by)."""
+    plain = {a.name: a.name.rpartition("/")[2] for a in s.arenas}
+    held = collections.Counter(plain.values())
+    return {a.name: f"{a.owner_uid}/{plain[a.name]}" if held[plain[a.name]] > 1 and a.owner_uid >= 0 else a.name for a in s.arenas}
+
+
 def render_arenas(s: p.StatusReply) -> list[str]:
     """Arenas, then their grants: who may attach by identity, and whom a grant's token
     admits besides (the status carries no token)."""
+    named = arena_names(s)
     lines = _table(
         ["NAME", "OWNER", "RESERVED", "COMMITTED", "CHUNKS", "ADDRESS", "GRANTS", "ATTACHED", "RETIRING"],
         [
             [
-                a.name,
+                named[a.name],
                 a.owner if a.owner_alive else f"{a.owner} (gone)",
                 format_size(a.reserved),
                 format_size(a.committed),
@@ -92,7 +102,7 @@ def render_arenas(s: p.StatusReply) -> list[str]:
     )
     rows = [
         [
-            a.name,
+            named[a.name],
             str(g.id),
             g.client or "any",
             "any" if g.uid == -1 else (f"{g.uid} (owner's)" if g.uid_implied else str(g.uid)),
@@ -332,10 +342,11 @@ def render_top(s: p.StatusReply, before: p.StatusReply | None, now: float) -> li
         ],
     )
     lines += ["", "ARENAS"]
+    named = arena_names(s)
     lines += _table(
         ["ARENA", "OWNER", "COMMITTED", "RESERVED", "USED", "CHUNKS", "ATTACHED", "RETIRING"],
         [
-            [a.name, a.owner if a.owner_alive else f"{a.owner} (gone)", format_size(a.committed), format_size(a.reserved),
+            [named[a.name], a.owner if a.owner_alive else f"{a.owner} (gone)", format_size(a.committed), format_size(a.reserved),
              f"{100 * a.committed / a.reserved:.0f}%" if a.reserved else "-", str(a.chunks), ",".join(a.attached) or "-",
              format_size(a.retiring_bytes) if a.retiring_bytes else "-"]
             for a in sorted(s.arenas, key=lambda a: (-a.committed, a.name))

@@ -21,7 +21,6 @@ from gpumem_shared.driver import DriverError
 from gpumemd import kv_math, kv_moves
 from gpumemd.kv_moves import PendingGrow
 from gpumemd.arenas import ArenaBook, map_batches
-from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager
 from gpumemd.records import (
@@ -102,7 +101,6 @@ class KvBook:
     # ------------------------------------------------------------------ requests
 
     def declare(self, s: SessionRecord, m: p.KvDeclare) -> Outcome:
-        check_name(m.name, "KV pool name")
         g = self.arenas.device.granularity
         if m.max_tokens < 0 or m.reserve_bytes < 0 or (m.max_tokens == 0) == (m.reserve_bytes == 0):
             raise p.ProtocolError(
