@@ -695,7 +695,7 @@ class World:
             self.stale = self._stale_peer(self.stale_token)
         return self.stale
 
-    def _resolve(self, value: Any, peer: int) -> Any:
+    def _resolve(self, value: Any, peer: int, in_long: bool = False) -> Any:
         if isinstance(value, Ref):
             if value.kind == "arena":
                 owner = peer if value.index < 40 and peer < SESSIONS else value.index // len(ARENA_NAMES) % SESSIONS
@@ -706,11 +706,14 @@ class World:
             pick = {"chunk": self.chunks, "pool": self.pools, "session": self.session_words}[value.kind]
             return pick[-1 - value.index % len(pick)] if pick and value.index < 48 else value.index
         if isinstance(value, Long):
-            return self._resolve(value.spell(), peer)
+            # A long list inside a long list is spelled as its few items: RESUME's 20,000
+            # holdings of 20,000 chunk ids each were 400 million values, and the fuzzer
+            # stalled for good building one frame the daemon refuses unread (2 MiB).
+            return self._resolve(list(value.items) if in_long else value.spell(), peer, in_long=True)
         if isinstance(value, dict):
-            return {k: self._resolve(v, peer) for k, v in value.items()}
+            return {k: self._resolve(v, peer, in_long) for k, v in value.items()}
         if isinstance(value, list):
-            return [self._resolve(v, peer) for v in value]
+            return [self._resolve(v, peer, in_long) for v in value]
         return value
 
     def _typed(self, op: Typed) -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fuzz_kit import Bounds, World, fuzz
+from fuzz_kit import Bounds, Long, World, fuzz
 
 CASES = {"host": 5000, "cuda": 1000}
 ROUND_TIMEOUT = 1.0  # rounds end quickly, so deferred replies come within the run
@@ -28,3 +28,14 @@ def test_the_daemon_survives_the_protocol_fuzzer(daemon_factory, backend, runtim
     assert figures["cases"] >= CASES[backend] and figures["daemon_alive"]
     assert figures["errors_by_code"].get("OK", 0) > CASES[backend] // 20, f"too few requests got through to the books: {figures}"
     print(f"fuzz ({backend}): {figures['cases']} cases in {seconds:.1f}s; {figures}")
+
+
+def test_a_long_list_inside_a_long_list_stays_short() -> None:
+    """The shape that stalled bench/fuzz.py: RESUME holdings, a long list of holdings each
+    with a long list of chunk ids. Spelled in full, 100 of 20,000 would be 2 million ids
+    for one frame; the inner list is spelled as its items."""
+    holdings = Long(({"arena": "a0", "chunks": Long((1, 2), 20_000)},), 100)
+    spelled = World.__new__(World)._resolve({"holdings": holdings}, 0)  # no reference to resolve: no world needed
+    assert len(spelled["holdings"]) == 100
+    assert all(h["chunks"] == [1, 2] for h in spelled["holdings"])
+    assert len(World.__new__(World)._resolve(Long((7,), 20_000), 0)) == 20_000, "a long list alone stays long"
