@@ -81,13 +81,18 @@ class Tenants:
 
     def owner_uid(self, arena: ArenaRecord) -> int:
         """The uid ``arena`` counts against; -1 where no session tells it any more."""
-        return self.owners.get(arena.name, -1)
+        return self._uid_of(arena.name)
+
+    def _uid_of(self, key: str) -> int:
+        qualified = _QUALIFIED.fullmatch(key)
+        return self.owners.get(key, -1 if qualified is None else int(qualified[1]))  # a key "UID/NAME" says it too
 
     def resolve(self, s: SessionRecord, name: str, arenas: Mapping[str, ArenaRecord], *, create: str = "") -> str:
         """The key of the arena ``s`` means by ``name`` (a name it has no arena of: the
         name itself, which the book then finds nothing under); for a create (``create``
-        says what the name is called in a refusal), the key the new arena gets. Another uid's arena is never reached by its bare name: a process
-        that asks for its own uid's ``kv`` before it exists must not get another user's."""
+        says what the name is called in a refusal), the key the new arena gets. Another
+        uid's arena is never reached by its bare name: a process that asks for its own
+        uid's ``kv`` before it exists must not be handed another user's."""
         if not create:
             named = arenas.get(name)
             if named is not None and s.id in named.attached:
@@ -103,16 +108,17 @@ class Tenants:
                     uid=s.uid,
                 )
         for key in (plain, f"{uid}/{plain}"):
-            if key in arenas and self.owners.get(key) == uid:
+            if key in arenas and self._uid_of(key) == uid:
                 return key
         if create:
             return plain if plain not in arenas else f"{uid}/{plain}"
         if qualified is None and plain in arenas:
-            holder = self.owners.get(plain, -1)
+            holder = self._uid_of(plain)
+            whose = f"uid {holder}, as '{holder}/{plain}'" if holder >= 0 else "a uid no session names since a restart"
             raise p.ProtocolError(
                 p.ErrorCode.NOT_FOUND,
-                f"uid {s.uid} has no arena named '{plain}'; the one of that name belongs to uid {holder}: another "
-                f"uid's arena is named with its owner, '{holder}/{plain}', and attached through a grant of its owner's",
+                f"uid {s.uid} has no arena named '{plain}'; the one of that name belongs to {whose}: another uid's arena "
+                "is named with its owner's uid, and attached through a grant of its owner's",
                 arena=plain,
                 owner_uid=holder,
             )

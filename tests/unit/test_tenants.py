@@ -222,3 +222,31 @@ def test_arenas_count_against_their_tenant_after_a_restart(make_harness: Callabl
         first.close()
         second.close()
         store.drop()
+
+
+def test_each_uids_name_is_its_own_after_a_restart(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    squatter, engine = h.connect("squatter", uid=B), h.connect("engine", uid=A)
+    h.create(squatter, "kv", GiB)
+    h.create(engine, "kv", GiB)
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    first.persist(h.state)
+    h.state.arenas.close()
+    again = DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, Clock(h.clock.now), Clock(h.wall_clock.now))
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again, store.passed())
+    try:
+        for session, owner in ((again.sessions[engine.id], "engine"), (again.sessions[squatter.id], "squatter")):
+            reply = again.handle(session, p.SyncArena(name="kv")).reply
+            assert isinstance(reply, p.MapReply) and reply.arena.owner == owner
+        late = again.open_session(p.Hello(name="sibling"), pid=99, uid=A, gid=A)[0]
+        with pytest.raises(p.ProtocolError) as info:  # its engine's, not the squatter's: no grant admits it
+            again.handle(late, p.AttachArena(name="kv"))
+        assert info.value.code is p.ErrorCode.PERMISSION_DENIED and "client 'engine'" in info.value.message
+    finally:
+        again.drop_all()
+        first.close()
+        second.close()
+        store.drop()
