@@ -29,13 +29,14 @@ def render_leases(s: p.StatusReply) -> list[str]:
 
 
 def render_graph_pools(s: p.StatusReply, runs: bool = False) -> list[str]:
+    named = arena_names(s)
     lines = _table(
         ["POOL", "OWNER", "ARENA", "LABEL", "EPOCH", "SHARED", "EXTENTS", "EXTENT BYTES", "FREE RUNS", "FREE", "LARGEST RUN", "REPAIRS"],
         [
             [
                 str(g.id),
                 g.owner,
-                g.arena,
+                named.get(g.arena, g.arena),
                 g.label,
                 str(g.epoch),
                 "yes" if g.shared else "no",
@@ -268,11 +269,12 @@ def render_rounds(s: p.StatusReply) -> list[str]:
 
 
 def render_kv(s: p.StatusReply) -> list[str]:
+    named = arena_names(s)  # a KV pool is an arena, its name the arena's
     return _table(
         ["NAME", "OWNER", "BUFFERS", "BYTES/TOKEN", "TOKENS", "COMMITTED", "MIN TOKENS", "IN USE", "DEMAND", "WEIGHT", "SHARE", "SHRINK REQUEST"],
         [
             [
-                k.name,
+                named.get(k.name, k.name),
                 k.owner,
                 str(k.buffers),
                 format_size(k.bytes_per_token),
@@ -358,7 +360,7 @@ def render_top(s: p.StatusReply, before: p.StatusReply | None, now: float) -> li
         ["POOL", "ARENA", "KIND", "HOLDER", "PID", "LABEL", "HELD FOR"],
         [
             [f"{pools[lease.pool_id].label} ({lease.pool_id})" if lease.pool_id in pools else str(lease.pool_id),
-             pools[lease.pool_id].arena if lease.pool_id in pools else "-", lease.kind, lease.holder, str(lease.pid), lease.label or "-",
+             named.get(pools[lease.pool_id].arena, pools[lease.pool_id].arena) if lease.pool_id in pools else "-", lease.kind, lease.holder, str(lease.pid), lease.label or "-",
              _held_for(max(0.0, now - lease.since))]
             for lease in sorted(s.leases, key=lambda lease: lease.since)
         ],
@@ -377,7 +379,7 @@ def render_top(s: p.StatusReply, before: p.StatusReply | None, now: float) -> li
         lines += _table(
             ["POOL", "OWNER", "MIN TOKENS", "TOKENS", "COMMITTED", "IN USE", "DEMAND", "WEIGHT", "SHARE", "SHRINK REQUEST"],
             [
-                [k.name, k.owner, str(k.min_tokens), str(k.tokens), format_size(k.committed_bytes), *_moves(k),
+                [named.get(k.name, k.name), k.owner, str(k.min_tokens), str(k.tokens), format_size(k.committed_bytes), *_moves(k),
                  f"to {k.shrink_request}" if k.shrink_request >= 0 else "-"]
                 for k in sorted(s.kv, key=lambda k: (-k.committed_bytes, k.name))
             ],

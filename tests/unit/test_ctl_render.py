@@ -186,6 +186,10 @@ def test_a_name_two_uids_hold_is_shown_with_each_owners_uid() -> None:
     split = lines.index("")
     assert [r[:2] for r in rows(lines[:split])] == [["2000/kv", "squatter"], ["1000/kv", "engine"], ["scratch", "engine"]]
     assert rows(lines[split + 2 :])[0][:2] == ["1000/kv", "1"]
+    # A KV pool is an arena: its name is shown the same way, and so is a graph pool's arena.
+    both = reply(arenas=[squat, own], kv=[kv_pool("kv", "squatter"), kv_pool("1000/kv", "engine")], graph_pools=[graph_pool(3, arena="kv")])
+    assert [r[0] for r in rows(render_kv(both))] == ["2000/kv", "1000/kv"]
+    assert rows(render_graph_pools(both))[0][2] == "2000/kv"
 
 
 def test_arenas_without_grants_print_no_grant_table() -> None:
