@@ -4,6 +4,7 @@ no sockets, no click, so tests build replies by hand and read the text."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 
 from gpumem_shared import protocol as p
@@ -28,13 +29,14 @@ def render_leases(s: p.StatusReply) -> list[str]:
 
 
 def render_graph_pools(s: p.StatusReply, runs: bool = False) -> list[str]:
+    named = arena_names(s)
     lines = _table(
         ["POOL", "OWNER", "ARENA", "LABEL", "EPOCH", "SHARED", "EXTENTS", "EXTENT BYTES", "FREE RUNS", "FREE", "LARGEST RUN", "REPAIRS"],
         [
             [
                 str(g.id),
                 g.owner,
-                g.arena,
+                named.get(g.arena, g.arena),
                 g.label,
                 str(g.epoch),
                 "yes" if g.shared else "no",
@@ -70,14 +72,23 @@ def _grant_text(g: p.GrantStatus) -> str:
     return " ".join(named) if named else "token"
 
 
+def arena_names(s: p.StatusReply) -> dict[str, str]:
+    """Each arena's name as shown: names are per uid, so a name that two uids' arenas
+    hold is shown with its owner's uid ("UID/NAME", what another uid attaches it by)."""
+    plain = {a.name: a.name.rpartition("/")[2] for a in s.arenas}
+    held = collections.Counter(plain.values())
+    return {a.name: f"{a.owner_uid}/{plain[a.name]}" if held[plain[a.name]] > 1 and a.owner_uid >= 0 else a.name for a in s.arenas}
+
+
 def render_arenas(s: p.StatusReply) -> list[str]:
     """Arenas, then their grants: who may attach by identity, and whom a grant's token
     admits besides (the status carries no token)."""
+    named = arena_names(s)
     lines = _table(
         ["NAME", "OWNER", "RESERVED", "COMMITTED", "CHUNKS", "ADDRESS", "GRANTS", "ATTACHED", "RETIRING"],
         [
             [
-                a.name,
+                named[a.name],
                 a.owner if a.owner_alive else f"{a.owner} (gone)",
                 format_size(a.reserved),
                 format_size(a.committed),
@@ -92,7 +103,7 @@ def render_arenas(s: p.StatusReply) -> list[str]:
     )
     rows = [
         [
-            a.name,
+            named[a.name],
             str(g.id),
             g.client or "any",
             "any" if g.uid == -1 else (f"{g.uid} (owner's)" if g.uid_implied else str(g.uid)),
@@ -258,11 +269,12 @@ def render_rounds(s: p.StatusReply) -> list[str]:
 
 
 def render_kv(s: p.StatusReply) -> list[str]:
+    named = arena_names(s)  # a KV pool is an arena, its name the arena's
     return _table(
         ["NAME", "OWNER", "BUFFERS", "BYTES/TOKEN", "TOKENS", "COMMITTED", "MIN TOKENS", "IN USE", "DEMAND", "WEIGHT", "SHARE", "SHRINK REQUEST"],
         [
             [
-                k.name,
+                named.get(k.name, k.name),
                 k.owner,
                 str(k.buffers),
                 format_size(k.bytes_per_token),
@@ -332,10 +344,11 @@ def render_top(s: p.StatusReply, before: p.StatusReply | None, now: float) -> li
         ],
     )
     lines += ["", "ARENAS"]
+    named = arena_names(s)
     lines += _table(
         ["ARENA", "OWNER", "COMMITTED", "RESERVED", "USED", "CHUNKS", "ATTACHED", "RETIRING"],
         [
-            [a.name, a.owner if a.owner_alive else f"{a.owner} (gone)", format_size(a.committed), format_size(a.reserved),
+            [named[a.name], a.owner if a.owner_alive else f"{a.owner} (gone)", format_size(a.committed), format_size(a.reserved),
              f"{100 * a.committed / a.reserved:.0f}%" if a.reserved else "-", str(a.chunks), ",".join(a.attached) or "-",
              format_size(a.retiring_bytes) if a.retiring_bytes else "-"]
             for a in sorted(s.arenas, key=lambda a: (-a.committed, a.name))
@@ -347,7 +360,7 @@ def render_top(s: p.StatusReply, before: p.StatusReply | None, now: float) -> li
         ["POOL", "ARENA", "KIND", "HOLDER", "PID", "LABEL", "HELD FOR"],
         [
             [f"{pools[lease.pool_id].label} ({lease.pool_id})" if lease.pool_id in pools else str(lease.pool_id),
-             pools[lease.pool_id].arena if lease.pool_id in pools else "-", lease.kind, lease.holder, str(lease.pid), lease.label or "-",
+             named.get(pools[lease.pool_id].arena, pools[lease.pool_id].arena) if lease.pool_id in pools else "-", lease.kind, lease.holder, str(lease.pid), lease.label or "-",
              _held_for(max(0.0, now - lease.since))]
             for lease in sorted(s.leases, key=lambda lease: lease.since)
         ],
@@ -366,7 +379,7 @@ def render_top(s: p.StatusReply, before: p.StatusReply | None, now: float) -> li
         lines += _table(
             ["POOL", "OWNER", "MIN TOKENS", "TOKENS", "COMMITTED", "IN USE", "DEMAND", "WEIGHT", "SHARE", "SHRINK REQUEST"],
             [
-                [k.name, k.owner, str(k.min_tokens), str(k.tokens), format_size(k.committed_bytes), *_moves(k),
+                [named.get(k.name, k.name), k.owner, str(k.min_tokens), str(k.tokens), format_size(k.committed_bytes), *_moves(k),
                  f"to {k.shrink_request}" if k.shrink_request >= 0 else "-"]
                 for k in sorted(s.kv, key=lambda k: (-k.committed_bytes, k.name))
             ],

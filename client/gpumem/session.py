@@ -145,7 +145,10 @@ class Session:
     def attach_arena(self, name: str, token: str | None = None) -> Arena:
         """Map an arena another client owns, where one of its grants admits this session:
         by its identity (client name, uid, gid), or by ``token``, the one the owner's
-        ``share`` returned and handed over. Refused with ``PermissionDenied`` saying why."""
+        ``share`` returned and handed over. Refused with ``PermissionDenied`` saying why.
+        Names are per uid: another user's arena is named with its owner's uid,
+        ``"1000/kv"``; a bare name is this process's uid's. The arena's ``name`` is the
+        one the daemon answered with (docs/protocol.md, "Arena names")."""
         return Arena.attach(self.core, name, token or "")
 
     def open_graph_pool(self, pool_id: int = 0, *, owner: str = "", label: str = "") -> GraphPool:

@@ -39,7 +39,7 @@ from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
 from gpumemd.image import Image, Imager, Keep, Take, chunk_name
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
-from gpumemd.tenants import Tenants
+from gpumemd.tenants import Tenants, plain_name
 
 log = logging.getLogger("gpumemd.arenas")
 
@@ -165,7 +165,7 @@ class ArenaBook:
     # ------------------------------------------------------------------ requests
 
     def create(self, s: SessionRecord, name: str, reserve_bytes: int, *, kv: bool = False) -> ArenaRecord:
-        check_name(name, "KV pool name" if kv else "arena name")
+        check_name(plain_name(name), "KV pool name" if kv else "arena name")
         check_size(reserve_bytes, "reserve_bytes", self.device.granularity, allow_zero=False)
         if reserve_bytes > self.config.max_reserve:
             raise p.ProtocolError(
@@ -175,17 +175,13 @@ class ArenaBook:
                 limit=self.config.max_reserve,
             )
         existing = self.by_name.get(name)
-        if existing is not None:
-            # Names are one namespace for every tenant (sharers attach by name): the one
-            # who holds it is named, uid included, so a squatter can be found.
+        if existing is not None:  # names are per uid (Tenants.resolve): this uid holds it
             raise p.ProtocolError(
                 p.ErrorCode.ALREADY_EXISTS,
-                f"arena '{name}' already exists, owned by {existing.owner_label()}, uid {self.tenants.owner_uid(existing)}; "
-                "arena names are shared by every user of the daemon: choose another",
+                f"arena '{name}' already exists, owned by {existing.owner_label()} of this uid; choose another name",
                 arena=name,
                 owner=existing.owner_name,
                 owner_pid=existing.owner_pid,
-                owner_uid=self.tenants.owner_uid(existing),
             )
         plan = self.config.va_limit - self.config.va_base
         self.tenants.check_arena(s, self.by_name.values(), reserve_bytes + PLACEHOLDER_SCRATCH, self.device.granularity, plan)

@@ -8,6 +8,11 @@ plus what is free: pools that want less than their weighted part get what they w
 and the rest is split again among the others by weight, never below a minimum. A pool
 that holds more than its share may be asked to give the excess back; nothing else is.
 
+The floor, a pool's guaranteed minimum, is defined once, by ``floor``, and every path
+that could take memory from a pool for another's demand calls it: the fair split
+(each Claim's minimum: no share below it), a round's donors (``spare``: what a shrink
+down to it frees) and every shrink request (``shrink_bound`` never names fewer tokens).
+
 A demand is the engine's word, so a pool that claims more than it uses gains nothing by
 it: its share is bounded by its weight whatever it claims, and what it holds above that
 share stays askable. Idle pools (nothing in use) are asked first, then the pools furthest
@@ -48,9 +53,16 @@ class Claim:
     idle: bool = False  # nothing in use: asked before the others
 
 
+def floor(pool: KvPoolRecord) -> int:
+    """The fewest tokens another pool's demand may leave ``pool``: the minimum its round's
+    CAPTURE_DONE guaranteed. Its owner may shrink below it; nobody may ask it to."""
+    return pool.min_tokens
+
+
 def fair_shares(claims: list[Claim], total: int) -> dict[str, int]:
     """Each pool's share of ``total`` bytes: minimums first, then weighted water-filling
-    capped at each demand. Shares may sum to less than ``total`` when every demand is met."""
+    capped at each demand. Shares may sum to less than ``total`` when every demand is met;
+    no share is below its minimum, so nothing above a share is under a floor."""
     shares = {c.name: c.minimum for c in claims}
     spare = total - sum(shares.values())
     active = [c for c in claims if c.demand > shares[c.name]]
@@ -70,10 +82,10 @@ def fair_shares(claims: list[Claim], total: int) -> dict[str, int]:
 
 def donors(claims: list[Claim], total: int, taker: str, deficit: int) -> list[tuple[str, int]]:
     """(pool, bytes to give back) covering as much of ``deficit`` as the pools other than
-    ``taker`` hold above their fair share (and their minimum): idle pools first, then the
-    ones furthest above their share. Less than ``deficit`` when that is all there is."""
+    ``taker`` hold above their fair share (never below their minimum): idle pools first,
+    then the ones furthest above their share. Less than ``deficit`` when that is all there is."""
     shares = fair_shares(claims, total)
-    excess = {c.name: c.held - max(shares[c.name], c.minimum) for c in claims if c.name != taker}
+    excess = {c.name: c.held - shares[c.name] for c in claims if c.name != taker}
     order = sorted((c for c in claims if excess.get(c.name, 0) > 0), key=lambda c: (not c.idle, -excess[c.name], c.name))
     out = []
     for c in order:
@@ -95,7 +107,7 @@ def demand(pool: KvPoolRecord, waiting: int | None) -> int:
     """Tokens the pool wants now: a waiting grow's, else the rows in use its engine
     reported (what it holds if it never did), within its minimum and its top."""
     wanted = waiting if waiting is not None else pool.in_use if pool.in_use >= 0 else pool.tokens
-    return max(pool.min_tokens, min(wanted, pool.top_tokens or pool.max_tokens))
+    return max(floor(pool), min(wanted, pool.top_tokens or pool.max_tokens))
 
 
 # ------------------------------------------------------------------ a pool's chunks
@@ -134,10 +146,16 @@ def freeable(pool: KvPoolRecord, arena: ArenaRecord, tokens: int) -> int:
     return freed
 
 
+def spare(pool: KvPoolRecord, arena: ArenaRecord) -> int:
+    """Bytes another pool's demand may ask of ``pool``: what a shrink down to its floor frees."""
+    return freeable(pool, arena, floor(pool))
+
+
 def shrink_bound(pool: KvPoolRecord, arena: ArenaRecord, give: int) -> int:
-    """The most tokens (not below the pool's minimum) a shrink to which frees ``give``
-    bytes: a shrink gives back whole chunks only, so count what chunk boundaries free."""
-    lo, hi = pool.min_tokens, pool.tokens
+    """The most tokens (not below the pool's floor) a shrink to which frees ``give``
+    bytes: a shrink gives back whole chunks only, so count what chunk boundaries free.
+    Asked for more than its ``spare``, the pool is asked for its floor."""
+    lo, hi = floor(pool), pool.tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if freeable(pool, arena, mid) >= give:

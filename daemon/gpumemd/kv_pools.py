@@ -20,7 +20,6 @@ from gpumemd import kv_math, kv_moves
 from gpumemd.kv_moves import PendingGrow
 from gpumemd.kv_rounds import RoundDesk, commit_reply
 from gpumemd.arenas import ArenaBook
-from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager
 from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, Notices, Outcome, RoundRecord, SessionRecord
@@ -84,7 +83,6 @@ class KvBook:
     # ------------------------------------------------------------------ requests
 
     def declare(self, s: SessionRecord, m: p.KvDeclare) -> Outcome:
-        check_name(m.name, "KV pool name")
         g = self.arenas.device.granularity
         if m.max_tokens < 0 or m.reserve_bytes < 0 or (m.max_tokens == 0) == (m.reserve_bytes == 0):
             raise p.ProtocolError(
@@ -254,9 +252,10 @@ class KvBook:
         for pool in self.pools.values():
             if not (pool.tokens or pool is taker) or self.desk.of(pool) is not None:
                 continue
-            demand = max(tokens, pool.min_tokens) if pool is taker else self.demand(pool)
+            floor = kv_moves.floor(pool)
+            demand = max(tokens, floor) if pool is taker else self.demand(pool)
             held = sum(c.size for c in self.arenas.by_name[pool.name].chunks)
-            out.append(kv_moves.Claim(pool.name, held, pool.cost(pool.min_tokens), pool.cost(demand), pool.weight, idle=pool.in_use == 0))
+            out.append(kv_moves.Claim(pool.name, held, pool.cost(floor), pool.cost(demand), pool.weight, idle=pool.in_use == 0))
         return out
 
     def shares(self) -> dict[str, int]:

@@ -356,16 +356,11 @@ class RoundDesk:
 
     def _ask_shrinks(self, round_: RoundRecord, deficit: int) -> bool:
         """Ask pools committed earlier to give back ``deficit`` bytes, in proportion to
-        what they hold above their minimum. Only their owners can free rows; nothing is
+        what they hold above their floor. Only their owners can free rows; nothing is
         taken without the owner's KV_SHRINK."""
         in_round = {m.pool.name for m in round_.members}
-        donors = [
-            pool
-            for pool in self.pools.values()
-            if pool.name not in in_round and pool.tokens > pool.min_tokens and pool.owner_id in self.sessions
-        ]
-        # Shrinks give back whole chunks only: count what chunk boundaries can free.
-        spare = {pool: kv_moves.freeable(pool, self.arenas.by_name[pool.name], pool.min_tokens) for pool in donors}
+        donors = [pool for pool in self.pools.values() if pool.name not in in_round and pool.owner_id in self.sessions]
+        spare = {pool: kv_moves.spare(pool, self.arenas.by_name[pool.name]) for pool in donors}
         donors = [pool for pool in donors if spare[pool] > 0]
         total = sum(spare[pool] for pool in donors)
         if total < deficit:

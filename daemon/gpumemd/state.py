@@ -46,6 +46,17 @@ Handler = Callable[[Any, Any], Outcome]
 # Requests that change nothing a restart must find: no durable record is written for them.
 _READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent})
 
+# The field of each request that names an arena (a KV pool is one): the daemon reads it
+# as a name of the sender's uid (Tenants.resolve) before any book sees it.
+_ARENA_FIELD: dict[type, str] = {
+    **dict.fromkeys(
+        [p.CreateArena, p.AttachArena, p.ShareArena, p.UnshareArena, p.CommitArena, p.DecommitArena, p.SyncArena,
+         p.ReleaseArena, p.ChunksUnmapped, p.PlaceholderArena, p.KvDeclare], "name"),
+    **dict.fromkeys([p.RoundJoin, p.CaptureDone, p.KvGrow, p.KvShrink, p.KvDemand], "pool"),
+    p.RegisterGraphPool: "arena",
+}
+_CREATES: dict[type, str] = {p.CreateArena: "arena name", p.KvDeclare: "KV pool name"}
+
 # A process that started more than this after a session's HELLO is not the one that said
 # it (its pid was reused): /proc gives the start in clock ticks after a boot time in
 # whole seconds.
@@ -331,6 +342,10 @@ class DaemonState:
                 raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; mapped memory stays valid in your process")
             if session is None and cls.NEEDS_SESSION:
                 raise p.ProtocolError(p.ErrorCode.NO_SESSION, "this request needs a session: open one with HELLO on the fd channel first")
+            field = _ARENA_FIELD.get(cls)
+            if field is not None and session is not None:
+                key = self.tenants.resolve(session, getattr(message, field), self.arenas.by_name, create=_CREATES.get(cls, ""))
+                message = msgspec.structs.replace(message, **{field: key})
             if deferred is not None:
                 outcome = deferred(session, message, request_id)
             else:

@@ -73,6 +73,7 @@ def assemble(
                 retiring_bytes=sum(c.size for c in arenas.retiring.values() if c.arena == a.name),
                 placeholder_bytes=sum(c.size for c in a.placeholders),
                 grants=[g.status() for g in a.grants],
+                owner_uid=arenas.tenants.owner_uid(a),
             )
             for a in arenas.by_name.values()
         ],

@@ -10,6 +10,13 @@ Memory is not limited here: the device's bytes are what KV rounds and commits sh
 their own rules (reserve, budgets); what one tenant could take without committing a
 byte is what this module bounds.
 
+Names: each uid has its own arena names (KV pools are arenas), so no tenant can take a
+name another tenant's engine needs. Inside the daemon an arena is known by its key: its
+name, or "UID/NAME" when another uid's arena holds the bare name already ("/" is in no
+name). A client says a name of its own uid, or "UID/NAME" for another uid's arena (its
+grants still decide the attach); replies carry the key, which the client says from
+then on (``Tenants.resolve``).
+
 Service: control requests wait in one queue per peer (``FairQueue``), served one peer
 at a time in turn, so a peer that floods (however many connections it opens) waits
 behind itself rather than putting every other session behind its backlog.
@@ -17,12 +24,14 @@ behind itself rather than putting every other session behind its backlog.
 
 from __future__ import annotations
 
+import re
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from gpumem_shared import protocol as p
 from gpumem_shared.units import format_size
 
+from gpumemd.checks import check_name
 from gpumemd.config import GiB, MiB, TenantLimits
 from gpumemd.records import ArenaRecord, SessionRecord
 
@@ -32,6 +41,16 @@ def plan_cost(window: int, granularity: int) -> int:
     plan's alignment, and the guard step after it (arenas._plan_window)."""
     align = max(granularity, GiB)
     return -(-window // align) * align + align
+
+
+# A uid is at most ten digits; the name after it is checked as any name is.
+_QUALIFIED = re.compile(r"([0-9]{1,10})/(.*)", re.ASCII | re.DOTALL)
+
+
+def plain_name(key: str) -> str:
+    """The name an arena's key holds, without the owner's uid."""
+    qualified = _QUALIFIED.fullmatch(key)
+    return key if qualified is None else qualified[2]
 
 
 def _refuse(limit: str, uid: int, detail: str, used: int, cap: int) -> p.ProtocolError:
@@ -62,7 +81,48 @@ class Tenants:
 
     def owner_uid(self, arena: ArenaRecord) -> int:
         """The uid ``arena`` counts against; -1 where no session tells it any more."""
-        return self.owners.get(arena.name, -1)
+        return self._uid_of(arena.name)
+
+    def _uid_of(self, key: str) -> int:
+        qualified = _QUALIFIED.fullmatch(key)
+        return self.owners.get(key, -1 if qualified is None else int(qualified[1]))  # a key "UID/NAME" says it too
+
+    def resolve(self, s: SessionRecord, name: str, arenas: Mapping[str, ArenaRecord], *, create: str = "") -> str:
+        """The key of the arena ``s`` means by ``name`` (a name it has no arena of: the
+        name itself, which the book then finds nothing under); for a create (``create``
+        says what the name is called in a refusal), the key the new arena gets. Another
+        uid's arena is never reached by its bare name: a process that asks for its own
+        uid's ``kv`` before it exists must not be handed another user's."""
+        if not create:
+            named = arenas.get(name)
+            if named is not None and s.id in named.attached:
+                return name  # the key the daemon gave this session
+        qualified = _QUALIFIED.fullmatch(name)
+        uid, plain = (int(qualified[1]), qualified[2]) if qualified else (s.uid, name)
+        if create:
+            check_name(plain, create)
+            if uid != s.uid:
+                raise p.ProtocolError(
+                    p.ErrorCode.PERMISSION_DENIED,
+                    f"arena name '{name}' is one of uid {uid}'s; uid {s.uid} creates arenas under its own names",
+                    uid=s.uid,
+                )
+        for key in (plain, f"{uid}/{plain}"):
+            if key in arenas and self._uid_of(key) == uid:
+                return key
+        if create:
+            return plain if plain not in arenas else f"{uid}/{plain}"
+        if qualified is None and plain in arenas:
+            holder = self._uid_of(plain)
+            whose = f"uid {holder}, as '{holder}/{plain}'" if holder >= 0 else "a uid no session names since a restart"
+            raise p.ProtocolError(
+                p.ErrorCode.NOT_FOUND,
+                f"uid {s.uid} has no arena named '{plain}'; the one of that name belongs to {whose}: another uid's arena "
+                "is named with its owner's uid, and attached through a grant of its owner's",
+                arena=plain,
+                owner_uid=holder,
+            )
+        return name
 
     def check_session(self, uid: int) -> None:
         used = sum(1 for s in self.sessions.values() if s.uid == uid)

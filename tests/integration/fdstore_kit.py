@@ -54,6 +54,7 @@ class ServiceManager:
         self.store: list[tuple[str, int]] = []  # (name, fd), in the order stored
         self.refused = 0  # FDSTORE beyond store_max, as systemd refuses them
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # the store's names changed
         self._ready = threading.Event()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._sock.bind(str(self.path))
@@ -98,12 +99,14 @@ class ServiceManager:
                         os.close(fd)
                     else:
                         self.store.append((name, fd))
+                self._changed.notify_all()
                 return
             if fields.get("FDSTOREREMOVE") == "1":
                 name = fields.get("FDNAME", "")
                 for _, fd in [e for e in self.store if e[0] == name]:
                     os.close(fd)
                 self.store = [e for e in self.store if e[0] != name]
+                self._changed.notify_all()
             if fields.get("READY") == "1":
                 self._ready.set()
             if fields.get("BARRIER") == "1" and self._holding:
@@ -128,6 +131,14 @@ class ServiceManager:
     def names(self) -> list[str]:
         with self._lock:
             return [name for name, _ in self.store]
+
+    def settled_names(self, expected: list[str], timeout: float = 10.0) -> list[str]:
+        """The store's names, sorted, once they are ``expected`` or ``timeout`` passed:
+        nothing answers an FDSTOREREMOVE, so this thread may take one a moment after the
+        daemon replied to the request that made it send it."""
+        with self._changed:
+            self._changed.wait_for(lambda: sorted(n for n, _ in self.store) == sorted(expected), timeout)
+            return sorted(name for name, _ in self.store)
 
     # ------------------------------------------------------------------ the service
 

@@ -7,8 +7,9 @@ gets a value of its type (edge integers from -2**63 to 2**64-1, inf and nan, any
 bytes, nested structs, short lists and lists of 20,000), a value of another type, or
 nothing at all; two requests in five are clean, every field plausible. A field whose name
 says what it refers to (an arena, a chunk, a graph pool, a client) mostly gets something
-that exists, resolved when the operation runs, and each session starts with an arena
-(128 MiB committed) and a KV pool, so requests get past validation into the books.
+that exists, resolved when the operation runs (an arena now and then as UID/NAME), and
+each session starts with an arena (128 MiB committed) and a KV pool, so requests get
+past validation into the books.
 Beside them: garbage frames, envelopes of the wrong shape, frames around the protocol's
 and libzmq's size bounds and multi-frame messages on the control channel, sent by session
 peers, an anonymous peer, a peer with a forged token and one with the token of a closed
@@ -84,6 +85,7 @@ EDGE_TEXT = ("", " ", "x" * 129, "x" * 300, "a\x00b", "..", "../etc", "a b", "kv
 # Arena and KV pool names a session uses, by its index: a request names one of its own
 # most of the time (only the owner may commit, share, decommit), else anyone's.
 ARENA_NAMES = ("a{}", "b{}", "kv{}")
+OTHER_UID = 4242  # a uid no session of the fuzzer has: its names reach nothing
 LABELS = ("g0", "g1", "")
 # No operation may cost the daemon's one thread this much CPU time: every tenant waits
 # behind it. CPU time, not wall time: a loaded machine slows both sides alike.
@@ -713,7 +715,10 @@ class World:
         if isinstance(value, Ref):
             if value.kind == "arena":
                 owner = peer if value.index < 40 and peer < SESSIONS else value.index // len(ARENA_NAMES) % SESSIONS
-                return ARENA_NAMES[value.index % len(ARENA_NAMES)].format(owner)
+                name = ARENA_NAMES[value.index % len(ARENA_NAMES)].format(owner)
+                if value.index >= 56:  # named with a uid: the fuzzer's own (the same arena), or another's (none)
+                    return f"{os.getuid() if value.index % 2 else OTHER_UID}/{name}"
+                return name
             if value.kind == "client":
                 names = [s.name for s in self.sessions if s is not None] or ["nobody"]
                 return names[value.index % len(names)]

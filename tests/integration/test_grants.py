@@ -83,23 +83,25 @@ def test_an_impostor_of_another_uid_gets_nothing_until_it_gives_the_token(daemon
     impostor.expect("CONNECTED")
     (me,) = [c for c in status(runtime_dir)["clients"] if c["name"] == "engine-b"]
     assert (me["pid"], me["uid"], me["gid"]) == (impostor.pid, OTHER_UID, 0)
+    kv = f"{owner_uid}/kv"  # names are per uid: another uid's arena is named with its owner
     before = json.loads(do(impostor, f"probe {address} {COMMIT}"))
     assert before["mapped"] is False
     why = (f"client 'engine-b' (uid {OTHER_UID}, gid 0)", f"admits uid {owner_uid} only", "'engine-a'")
-    refused(impostor, "rawattach kv", "PermissionDenied", *why)
+    refused(impostor, f"rawattach {kv}", "PermissionDenied", *why)
     assert json.loads(do(impostor, "fdqueue")) == {"messages": 0, "fds": 0, "kinds": []}, "a refused attach hands out no fd"
-    refused(impostor, "attach kv", "PermissionDenied", *why)
-    refused(impostor, f"attach kv {'0' * 64}", "PermissionDenied", "matches none of its grants")
+    refused(impostor, f"attach {kv}", "PermissionDenied", *why)
+    refused(impostor, "attach kv", "NotFound", f"'{kv}'")  # a bare name is its own uid's
+    refused(impostor, f"attach {kv} {'0' * 64}", "PermissionDenied", "matches none of its grants")
     assert json.loads(do(impostor, f"probe {address} {COMMIT}")) == before, "a refused attach maps nothing"
     s = status(runtime_dir)
     assert s["arenas"][0]["attached"] == ["engine-a"]
     assert [c["arenas"] for c in s["clients"] if c["name"] == "engine-b"] == [[]]
 
     # The token, handed over out of band, admits it.
-    assert int(do(impostor, f"attach kv {token}")) == address
-    assert do(impostor, f"check kv 0 {COMMIT} {PATTERN}") == "MATCH"
+    assert int(do(impostor, f"attach {kv} {token}")) == address
+    assert do(impostor, f"check {kv} 0 {COMMIT} {PATTERN}") == "MATCH"
     assert json.loads(do(impostor, f"probe {address} {COMMIT}"))["mapped"] is True
-    do(impostor, "write kv 4096 0badf00d")
+    do(impostor, f"write {kv} 4096 0badf00d")
     assert do(owner, "read kv 4096 4") == "0badf00d"
 
     # Status shows the grant, never its token: not the daemon's reply, gpumemctl, or its log.
@@ -112,21 +114,61 @@ def test_an_impostor_of_another_uid_gets_nothing_until_it_gives_the_token(daemon
 
     # Revoked: what is attached stays attached and mapped; a new attach is refused.
     do(owner, f"unshare kv {token}")
-    assert do(impostor, "read kv 4096 4") == "0badf00d"
+    assert do(impostor, f"read {kv} 4096 4") == "0badf00d"
     do(owner, f"commit kv {COMMIT + 8 * MiB}")
-    assert int(do(impostor, "sync kv")) == COMMIT + 8 * MiB, "an attached sharer keeps its place"
-    do(impostor, "release kv")
-    refused(impostor, f"attach kv {token}", "PermissionDenied", "matches none of its grants")
+    assert int(do(impostor, f"sync {kv}")) == COMMIT + 8 * MiB, "an attached sharer keeps its place"
+    do(impostor, f"release {kv}")
+    refused(impostor, f"attach {kv} {token}", "PermissionDenied", "matches none of its grants")
     assert json.loads(do(impostor, f"probe {address} {COMMIT}"))["mapped"] is False
     assert status(runtime_dir)["arenas"][0]["grants"] == []
 
     # A grant that names the other uid admits that user's engine without a token.
     do(owner, f"share kv - uid={OTHER_UID}")
-    assert int(do(impostor, "attach kv")) == address
-    assert do(impostor, "read kv 4096 4") == "0badf00d"
-    assert do(impostor, f"check kv {MiB} {COMMIT - MiB} {PATTERN}") == "MATCH"
+    assert int(do(impostor, f"attach {kv}")) == address
+    assert do(impostor, f"read {kv} 4096 4") == "0badf00d"
+    assert do(impostor, f"check {kv} {MiB} {COMMIT - MiB} {PATTERN}") == "MATCH"
     assert token not in daemon.log()
     for client in (impostor, owner):
+        client.send("exit")
+        client.finish()
+
+
+@needs_root
+def test_a_name_squatted_by_another_uid_is_still_the_victims_own(daemon, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """Names are per uid: another user's 'kv', even shared with the victim's uid as bait,
+    neither keeps the victim's engine from creating its 'kv' nor stands in for it."""
+    os.chmod(runtime_dir, 0o750)
+    owner_uid = os.getuid()
+    squatter = run_client("shell", "squatter", "--as", f"{OTHER_UID}:0")
+    squatter.expect("CONNECTED")
+    bait = int(do(squatter, f"create kv {4 * GiB}"))
+    do(squatter, f"commit kv {COMMIT}")
+    do(squatter, f"fill kv 0 {COMMIT} 90")
+    do(squatter, f"share kv - uid={owner_uid}")
+
+    # The victim's second process asks for its engine's 'kv' before the engine made it.
+    sibling = run_client("shell", "engine-b")
+    sibling.expect("CONNECTED")
+    refused(sibling, "attach kv", "NotFound", f"'{OTHER_UID}/kv'")
+
+    engine = run_client("shell", "engine-a")
+    engine.expect("CONNECTED")
+    address = int(do(engine, f"create kv {4 * GiB}"))
+    assert address != bait
+    do(engine, f"commit kv {COMMIT}")
+    do(engine, f"fill kv 0 {COMMIT} {PATTERN}")
+    do(engine, "share kv engine-b")
+    assert int(do(sibling, "attach kv")) == address
+    assert do(sibling, f"check kv 0 {COMMIT} {PATTERN}") == "MATCH"
+    assert do(squatter, f"check kv 0 {COMMIT} 90") == "MATCH", "the squatter's memory is its own"
+
+    # Status and gpumemctl name each 'kv' with its owner.
+    arenas = {a["name"]: (a["owner"], a["owner_uid"]) for a in status(runtime_dir)["arenas"]}
+    assert arenas == {"kv": ("squatter", OTHER_UID), f"{owner_uid}/kv": ("engine-a", owner_uid)}
+    rows = [line.split() for line in ctl(runtime_dir, "arenas").splitlines()]
+    owners = [r[:2] for r in rows if r and r[0].endswith("/kv") and not r[1].isdigit()]  # the grants' rows follow, by number
+    assert owners == [[f"{OTHER_UID}/kv", "squatter"], [f"{owner_uid}/kv", "engine-a"]], rows
+    for client in (sibling, engine, squatter):
         client.send("exit")
         client.finish()
 

@@ -121,7 +121,7 @@ def test_an_empty_store_is_a_fresh_start(service: Service, runtime_dir: Path) ->
         assert session.commit("a", 8 * MiB)["ok"]
         assert sorted(r.manager.names()) == ["chunk-1", "record-0", "record-1"]
     wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0, 5, "memory back")
-    assert sorted(r.manager.names()) == ["record-0", "record-1"]
+    assert r.manager.settled_names(["record-0", "record-1"]) == ["record-0", "record-1"]
 
 
 def test_kill_9_keeps_arenas_shares_pools_leases_and_kv_pools(service: Service, connect: Connect, runtime_dir: Path) -> None:
@@ -164,7 +164,7 @@ def test_kill_9_keeps_arenas_shares_pools_leases_and_kv_pools(service: Service, 
     peer.close()
     owner.close()
     wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0 and not s["clients"], 5, "memory back after both left")
-    assert sorted(r.manager.names()) == ["record-0", "record-1"]
+    assert r.manager.settled_names(["record-0", "record-1"]) == ["record-0", "record-1"]
 
 
 def test_a_call_made_while_the_daemon_is_away_waits_for_it(service: Service, connect: Connect, runtime_dir: Path) -> None:
@@ -240,7 +240,7 @@ def test_a_crash_between_the_store_and_the_record_loses_and_leaks_nothing(servic
     assert len(stored) == len(set(stored)) == s["arenas"][0]["chunks"], (stored, s["arenas"][0])
     session.close()
     wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0 and not s["arenas"], 10, "memory back at 0")
-    assert sorted(r.manager.names()) == ["record-0", "record-1"]
+    assert r.manager.settled_names(["record-0", "record-1"]) == ["record-0", "record-1"]
 
 
 def test_a_call_times_out_naming_the_daemon_when_it_does_not_come_back(service: Service, connect: Connect, runtime_dir: Path) -> None:
@@ -476,12 +476,7 @@ def test_a_bad_store_is_logged_and_leaks_nothing(service: Service, runtime_dir: 
         if how == "truncated":  # the older record: the arena, not yet the commit; the chunk closed
             assert s["arenas"][0]["committed"] == 0 and "'chunk-1' is named by no record" in r.log()
         wait_status(runtime_dir, lambda s: not s["clients"] and s["device"]["accounted_bytes"] == 0, 15, "everything released")
-        # FDSTOREREMOVE goes unanswered (no barrier after it): the stand-in manager's thread
-        # takes it a moment after the daemon answers the status above.
-        deadline = time.monotonic() + 10
-        while sorted(r.manager.names()) != ["record-0", "record-1"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert sorted(r.manager.names()) == ["record-0", "record-1"]
+        assert r.manager.settled_names(["record-0", "record-1"]) == ["record-0", "record-1"]
         if rebuilt:
             sock, reply, _ = raw_resume(runtime_dir, session.session_id, session.hello["credential"])
             sock.close()

@@ -175,6 +175,23 @@ def test_arenas_show_grants_by_what_they_admit_never_a_token() -> None:
     ]
 
 
+def test_a_name_two_uids_hold_is_shown_with_each_owners_uid() -> None:
+    """Names are per uid: the bare 'kv' is uid 2000's, uid 1000's came second (its key is
+    '1000/kv'); both are shown as what another uid attaches them by. A name one uid
+    holds stays bare."""
+    squat = arena("kv", "squatter", 0, owner_uid=2000)
+    own = arena("1000/kv", "engine", 0, owner_uid=1000, grants=[p.GrantStatus(id=1, client="sibling", uid=1000, uid_implied=True)])
+    alone = arena("scratch", "engine", 0, owner_uid=1000)
+    lines = render_arenas(reply(arenas=[squat, own, alone]))
+    split = lines.index("")
+    assert [r[:2] for r in rows(lines[:split])] == [["2000/kv", "squatter"], ["1000/kv", "engine"], ["scratch", "engine"]]
+    assert rows(lines[split + 2 :])[0][:2] == ["1000/kv", "1"]
+    # A KV pool is an arena: its name is shown the same way, and so is a graph pool's arena.
+    both = reply(arenas=[squat, own], kv=[kv_pool("kv", "squatter"), kv_pool("1000/kv", "engine")], graph_pools=[graph_pool(3, arena="kv")])
+    assert [r[0] for r in rows(render_kv(both))] == ["2000/kv", "1000/kv"]
+    assert rows(render_graph_pools(both))[0][2] == "2000/kv"
+
+
 def test_arenas_without_grants_print_no_grant_table() -> None:
     lines = render_arenas(reply(arenas=[arena("kv", "engine-a", 2 * MiB)]))
     assert len(lines) == 2 and "GRANTS:" not in "\n".join(lines)

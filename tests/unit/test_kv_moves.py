@@ -53,7 +53,7 @@ def two_pools(h: Harness, min_b: int = 1024) -> tuple[Session, Session]:
     capture(h, b, "kvb", 2, min_tokens=min_b)
     tokens = {rid: commit_reply(c).pool.tokens for rid, c in done(h).items()}
     # Minimums first, the rest split evenly: 110 MiB each above b's 32 MiB minimum.
-    assert tokens == ({1: 32768, 2: 32768} if min_b == 1024 else {1: 29184, 2: 36352})
+    assert tokens == {1024: {1: 32768, 2: 32768}, 8192: {1: 29184, 2: 36352}}.get(min_b, tokens)
     assert h.state.arenas.available_bytes() == 0
     return a, b
 
@@ -135,6 +135,43 @@ def test_no_pool_is_pushed_below_its_minimum(make_harness: Callable[..., Harness
     assert shrink_notices(h) == [(b.id, "kvb", 8192)]
     give_back(h, b, "kvb", 8192)
     got = commit_reply(done(h)[7])
+    assert (got.pool.tokens, got.asked_tokens) == (57344, 65536)
+    assert {k.name: k.tokens for k in h.state.status().kv} == {"kva": 57344, "kvb": 8192}
+
+
+def test_a_pool_at_its_floor_is_not_asked_whatever_its_weight(make_harness: Callable[..., Harness]) -> None:
+    """The fair split's path: b holds just its minimum (64 MiB) at a tenth of a's weight.
+    Its weighted part of the device is 23 MiB, but no share is below a floor: b is above
+    nothing, so the grow is refused at once, and nobody is asked."""
+    h = make_harness()
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    declare(h, a, "kva")
+    declare(h, b, "kvb")
+    join(h, a, "kva")
+    join(h, b, "kvb")
+    capture(h, a, "kva", 1, min_tokens=1024)
+    capture(h, b, "kvb", 2, min_tokens=16384, max_tokens=16384, weight=0.1)
+    tokens = {rid: commit_reply(c).pool.tokens for rid, c in done(h).items()}
+    assert tokens == {1: 49152, 2: 16384} and h.state.arenas.available_bytes() == 0
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    refused = h.refused(a, p.KvGrow(pool="kva", tokens=65536), ErrorCode.OUT_OF_MEMORY)
+    assert refused.detail == {"requested": 64 * MiB, "available": 0}
+    assert shrink_notices(h) == [] and h.state.tally.kv_grows_deferred == 0
+
+
+def test_a_floor_inside_a_chunk_is_never_crossed_by_a_shrink_request(make_harness: Callable[..., Harness]) -> None:
+    """The shrink request's path: b's floor, 5000 rows, lies inside its second 16 MiB
+    chunk, and a shrink frees whole chunks only. Asked for all it holds above the floor,
+    b is asked down to 5000 rows (freeing the chunks past 8192), never to 4096."""
+    h = make_harness()
+    a, b = two_pools(h, min_b=5000)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 65536, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 5000)]
+    reply = h.ok(b, p.KvShrink(pool="kvb", tokens=5000)).reply
+    assert isinstance(reply, p.KvCommitReply) and reply.pool.tokens == 8192, "whole chunks: it keeps two"
+    h.unmapped(b, "kvb", [c.id for c in reply.retired])
+    got = commit_reply(done(h)[7])  # the one pool asked answered: what came free is a's
     assert (got.pool.tokens, got.asked_tokens) == (57344, 65536)
     assert {k.name: k.tokens for k in h.state.status().kv} == {"kva": 57344, "kvb": 8192}
 

@@ -181,6 +181,7 @@ def test_status_describes_clients_and_arenas(h: Harness) -> None:
             {"id": i, "client": name, "uid": 1000, "gid": -1, "uid_implied": True}
             for i, name in enumerate(("engine-c", "tool-1", "engine-b", "bench", "zz-top"), 1)
         ],
+        "owner_uid": 1000,
     }
     scratch = arenas["scratch"]
     assert (scratch.committed, scratch.retiring_bytes, scratch.attached) == (4 * MiB, 0, ["engine-b"])

@@ -140,6 +140,11 @@ def test_arena_requests_on_a_missing_arena_are_not_found(h: Harness) -> None:
 # --------------------------------------------------------------------------- grants
 
 OWNER_UID, OTHER_UID = 1000, 2000
+OWNERS_KV = f"{OWNER_UID}/kv"  # how a session of another uid names it (names are per uid)
+
+
+def kv_for(s: Session) -> str:
+    return "kv" if s.uid == OWNER_UID else OWNERS_KV
 
 
 def owned_arena(h: Harness, commit: int = 6 * MiB) -> Session:
@@ -156,7 +161,7 @@ def assert_not_admitted(h: Harness, s: Session, token: str = "", *why: str) -> p
     holds no chunk (so the server has nothing to send it)."""
     arena = h.state.arenas.by_name["kv"]
     attached, holders = set(arena.attached), [set(c.holders) for c in arena.chunks]
-    error = h.refused(s, p.AttachArena(name="kv", token=token), ErrorCode.PERMISSION_DENIED)
+    error = h.refused(s, p.AttachArena(name=kv_for(s), token=token), ErrorCode.PERMISSION_DENIED)
     assert f"arena 'kv' belongs to client 'engine-a' (pid {arena.owner_pid})" in error.message
     assert f"client '{s.name}' (uid {s.uid}, gid {s.gid})" in error.message
     for part in why:
@@ -186,14 +191,14 @@ def test_the_token_lifts_the_implied_uid_and_nothing_the_share_named(h: Harness)
     assert_not_admitted(h, c, token, "names client 'engine-b'")
     b = h.connect("engine-b", uid=OTHER_UID, gid=OTHER_UID)
     assert_not_admitted(h, b, "", "admits uid 1000 only")
-    out = h.attach(b, "kv", token)
+    out = h.attach(b, OWNERS_KV, token)
     assert ids(out.handout) == ids(out.reply.chunks) == ids(h.state.arenas.by_name["kv"].chunks)
 
 
 def test_a_share_by_uid_admits_that_uid_under_any_name(h: Harness) -> None:
     a = owned_arena(h)
     token = h.share(a, "kv", uid=OTHER_UID)
-    h.attach(h.connect("anything", uid=OTHER_UID, gid=77), "kv")
+    h.attach(h.connect("anything", uid=OTHER_UID, gid=77), OWNERS_KV)
     third = h.connect("third", uid=3000, gid=3000)
     assert_not_admitted(h, third, "", "is not shared with")
     assert_not_admitted(h, third, token, "it admits uid 2000 only")  # named explicitly: the token does not lift it
@@ -209,13 +214,13 @@ def test_a_share_by_client_and_uid_needs_both(h: Harness) -> None:
     same_uid_as_owner = h.connect("engine-b")
     assert_not_admitted(h, same_uid_as_owner, "", "admits uid 2000 only")
     h.state.close_session(same_uid_as_owner.id)
-    h.attach(h.connect("engine-b", uid=OTHER_UID), "kv")
+    h.attach(h.connect("engine-b", uid=OTHER_UID), OWNERS_KV)
 
 
 def test_a_share_by_gid_admits_the_group_under_any_uid(h: Harness) -> None:
     a = owned_arena(h)
     token = h.share(a, "kv", gid=50)
-    h.attach(h.connect("in-group", uid=3000, gid=50), "kv")
+    h.attach(h.connect("in-group", uid=3000, gid=50), OWNERS_KV)
     outside = h.connect("outside", uid=3001, gid=51)
     assert_not_admitted(h, outside, "", "is not shared with")
     assert_not_admitted(h, outside, token, "it admits gid 50 only")
@@ -230,7 +235,7 @@ def test_a_share_that_names_nobody_admits_by_token_alone(h: Harness) -> None:
     assert_not_admitted(h, same_user, "", "is not shared with")
     assert_not_admitted(h, same_user, "0" * 64, "the token given matches none of its grants")
     assert_not_admitted(h, same_user, token[:-1], "matches none")
-    h.attach(h.connect("far-away", uid=4242, gid=4242), "kv", token)
+    h.attach(h.connect("far-away", uid=4242, gid=4242), OWNERS_KV, token)
     h.attach(same_user, "kv", token)
 
 
@@ -258,7 +263,7 @@ def test_every_grant_is_compared_in_constant_time(h: Harness, monkeypatch: pytes
         return real(x, y)
 
     monkeypatch.setattr(gpumemd.grants.hmac, "compare_digest", recording)
-    h.attach(h.connect("b", uid=OTHER_UID), "kv", tokens[0])
+    h.attach(h.connect("b", uid=OTHER_UID), OWNERS_KV, tokens[0])
     assert sorted(x for x, _ in compared) == sorted(t.encode() for t in tokens)
     assert {y for _, y in compared} == {tokens[0].encode()}
 
@@ -294,7 +299,7 @@ def test_revoking_refuses_new_attaches_and_takes_nothing_from_attached_sharers(h
     token = h.share(a, "kv", "engine-b")
     keep = h.share(a, "kv", "engine-c")
     b = h.connect("engine-b", uid=OTHER_UID)
-    first = ids(h.attach(b, "kv", token).handout)
+    first = ids(h.attach(b, OWNERS_KV, token).handout)
     h.ok(a, p.UnshareArena(name="kv", token=token))
     arena = h.state.arenas.by_name["kv"]
     assert [g.client for g in arena.grants] == ["engine-c"]
@@ -307,7 +312,7 @@ def test_revoking_refuses_new_attaches_and_takes_nothing_from_attached_sharers(h
     assert_not_admitted(h, b2, "", "is not shared with")
     h.attach(h.connect("engine-c"), "kv")  # the other grant stands
     h.refused(a, p.UnshareArena(name="kv", token=token), ErrorCode.NOT_FOUND)  # once only
-    h.refused(b, p.UnshareArena(name="kv", token=keep), ErrorCode.PERMISSION_DENIED)
+    h.refused(b, p.UnshareArena(name=OWNERS_KV, token=keep), ErrorCode.PERMISSION_DENIED)
     assert [g.client for g in arena.grants] == ["engine-c"]
     assert first and set(first).isdisjoint(grown)
 
@@ -321,7 +326,7 @@ def test_status_shows_grants_and_never_their_tokens(h: Harness, caplog: pytest.L
         h.share(a, "kv", "engine-c", gid=50),
         h.share(a, "kv"),
     ]
-    h.attach(h.connect("engine-b", uid=OTHER_UID), "kv", tokens[0])
+    h.attach(h.connect("engine-b", uid=OTHER_UID), OWNERS_KV, tokens[0])
     # one hex digit off; a fixed "0" would be the token itself when it ends in 0 (1 run in 16)
     near = tokens[3][:-1] + ("1" if tokens[3].endswith("0") else "0")
     assert_not_admitted(h, h.connect("x", uid=3000), near, "matches none")

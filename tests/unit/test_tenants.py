@@ -157,14 +157,46 @@ def test_queued_bytes_are_bounded() -> None:
     assert q.push(5, b"s", b"x") is None
 
 
-def test_a_name_held_by_another_tenant_names_its_holder(h: Harness) -> None:
+def test_a_name_another_uid_squats_is_still_the_victims_own(h: Harness) -> None:
+    """Names are per uid: a squatter's 'kv' neither blocks the victim's nor stands in for it."""
     squatter, engine = h.connect("squatter", uid=B), h.connect("engine", uid=A)
     h.create(squatter, "kv", GiB)
-    refusal = h.refused(engine, p.CreateArena(name="kv", reserve_bytes=GiB), p.ErrorCode.ALREADY_EXISTS)
-    assert (refusal.detail["owner"], refusal.detail["owner_uid"]) == ("squatter", B)
-    assert f"uid {B}" in refusal.message
-    h.release(squatter, "kv")  # the name goes with the arena
-    h.create(engine, "kv", GiB)
+    h.share(squatter, "kv", uid=A)  # the bait: its memory for whoever of uid A asks for 'kv'
+    sibling = h.connect("sibling", uid=A)
+    refusal = h.refused(sibling, p.AttachArena(name="kv"), p.ErrorCode.NOT_FOUND)  # before the engine's exists
+    assert refusal.detail == {"arena": "kv", "owner_uid": B} and f"'{B}/kv'" in refusal.message, refusal.message
+    view = h.create(engine, "kv", GiB)
+    assert view.name == f"{A}/kv" and view.address != h.state.arenas.by_name["kv"].address
+    h.share(engine, "kv", "sibling")
+    attached = h.attach(sibling, "kv").reply.arena
+    assert (attached.name, attached.owner) == (f"{A}/kv", "engine")
+    h.commit(engine, "kv", 4 * MiB)  # its bare name, as before
+    assert h.sync(sibling, f"{A}/kv").reply.arena.committed == 4 * MiB  # or the key the daemon answered with
+    assert h.state.arenas.by_name["kv"].committed == 0 and h.state.arenas.by_name["kv"].attached == {squatter.id}
+    # Another uid's arena is reached by naming its owner; its grants still decide.
+    h.refused(squatter, p.AttachArena(name=f"{A}/kv"), p.ErrorCode.PERMISSION_DENIED)
+    h.refused(squatter, p.CreateArena(name=f"{A}/other", reserve_bytes=GiB), p.ErrorCode.PERMISSION_DENIED)
+    h.refused(engine, p.CreateArena(name="kv", reserve_bytes=GiB), p.ErrorCode.ALREADY_EXISTS)
+    arenas = {(a.name, a.owner_uid) for a in h.state.status().arenas}
+    assert arenas == {("kv", B), (f"{A}/kv", A)}
+    # KV pools are arenas: the same holds for them.
+    buffers = [p.KvBuffer(name="k", row_bytes=4096)]
+    h.ok(squatter, p.KvDeclare(name="cache", buffers=buffers, max_tokens=4096))
+    pool = h.ok(engine, p.KvDeclare(name="cache", buffers=buffers, max_tokens=4096)).reply.pool
+    assert pool.name == f"{A}/cache"
+    assert h.ok(engine, p.RoundJoin(pool="cache")).reply.members == [f"engine/{A}/cache"]
+
+
+def test_a_free_name_stays_bare_and_is_reached_by_its_owners_uid_too(h: Harness) -> None:
+    engine, other = h.connect("engine", uid=A), h.connect("other", uid=B)
+    assert h.create(engine, "kv", GiB).name == "kv"
+    h.share(engine, "kv", uid=B)
+    assert h.attach(other, f"{A}/kv").reply.arena.name == "kv"
+    assert h.create(other, "kv", GiB).name == f"{B}/kv"  # its own, beside the one it attached
+    assert h.sync(other, "kv").reply.arena.owner == "engine", "the key the daemon answered with is the attached one"
+    assert h.sync(other, f"{B}/kv").reply.arena.owner == "other"
+    h.refused(other, p.CreateArena(name="bad/", reserve_bytes=GiB), p.ErrorCode.INVALID_ARGUMENT)
+    h.refused(other, p.CreateArena(name=f"{B}/{A}/x", reserve_bytes=GiB), p.ErrorCode.INVALID_ARGUMENT)
 
 
 def test_arenas_count_against_their_tenant_after_a_restart(make_harness: Callable[..., Harness]) -> None:
@@ -185,6 +217,34 @@ def test_arenas_count_against_their_tenant_after_a_restart(make_harness: Callabl
         with pytest.raises(p.ProtocolError) as info:
             again.handle(again.sessions[a.id], p.CreateArena(name="z", reserve_bytes=GiB))
         assert info.value.code is p.ErrorCode.RESOURCE_EXHAUSTED
+    finally:
+        again.drop_all()
+        first.close()
+        second.close()
+        store.drop()
+
+
+def test_each_uids_name_is_its_own_after_a_restart(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    squatter, engine = h.connect("squatter", uid=B), h.connect("engine", uid=A)
+    h.create(squatter, "kv", GiB)
+    h.create(engine, "kv", GiB)
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    first.persist(h.state)
+    h.state.arenas.close()
+    again = DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, Clock(h.clock.now), Clock(h.wall_clock.now))
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again, store.passed())
+    try:
+        for session, owner in ((again.sessions[engine.id], "engine"), (again.sessions[squatter.id], "squatter")):
+            reply = again.handle(session, p.SyncArena(name="kv")).reply
+            assert isinstance(reply, p.MapReply) and reply.arena.owner == owner
+        late = again.open_session(p.Hello(name="sibling"), pid=99, uid=A, gid=A)[0]
+        with pytest.raises(p.ProtocolError) as info:  # its engine's, not the squatter's: no grant admits it
+            again.handle(late, p.AttachArena(name="kv"))
+        assert info.value.code is p.ErrorCode.PERMISSION_DENIED and "client 'engine'" in info.value.message
     finally:
         again.drop_all()
         first.close()

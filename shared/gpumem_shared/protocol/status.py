@@ -75,6 +75,9 @@ class ArenaStatus(Message):
     retiring_bytes: int  # decommitted, still mapped by some client
     placeholder_bytes: int = 0  # small chunks the owner aliases over uncommitted space
     grants: list[GrantStatus] = msgspec.field(default_factory=list)
+    # Since 1.7: the uid whose name it is (-1: unknown, its owner gone before a restart).
+    # Names are per uid: ``name`` is "UID/NAME" when another uid's arena holds the bare name.
+    owner_uid: int = -1
 
 
 class RoundMemberStatus(Message):
