@@ -406,7 +406,7 @@ class CudaDriver(Driver):
     def _copy_streams(self) -> list[Any]:
         streams: list[Any] | None = getattr(self, "_streams", None)
         if streams is None:
-            flag = self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+            flag = int(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
             streams = [self._ck(self._cu.cuStreamCreate(flag), "cuStreamCreate") for _ in range(COPY_STREAMS)]
             self._streams = streams
         return streams
