@@ -284,16 +284,17 @@ class SleeperBook:
 
     def restore(self, part: object, take: Take) -> list[str]:
         """The book as ``image`` left it, for the arenas that were rebuilt; returns what it
-        could not rebuild (a buffer missing from the store, or not its size)."""
+        could not rebuild (a buffer missing from the store). ``take`` hands only the very
+        file the daemon stored (durable.py checks its identity), and a sealed buffer
+        cannot have changed its size since."""
         book = msgspec.convert(part, SleeperBookImage)
         problems = []
         for image in book.buffers:
             buffer = _BUFFER.restore(image, fd=-1)
             fd = take(host_buffer_name(buffer.id))
-            size = os.fstat(fd).st_size if fd >= 0 else -1
-            if buffer.arena not in self.arenas.by_name or size != buffer.size:
+            if fd < 0 or buffer.arena not in self.arenas.by_name:
                 problem = f"host buffer {buffer.id} of arena '{buffer.arena}' " + (
-                    "missing from the fd store" if fd < 0 else f"is {size} bytes, not {buffer.size}" if size != buffer.size else "outlived its arena"
+                    "missing from the fd store" if fd < 0 else "outlived its arena"
                 )
                 log.error("%s: dropped", problem)
                 problems.append(problem)

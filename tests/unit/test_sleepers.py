@@ -190,7 +190,7 @@ def test_a_restart_keeps_the_sleeper_and_its_buffer(make_harness: Callable[..., 
         store.drop()
 
 
-def test_a_stored_buffer_of_another_size_is_not_adopted(make_harness: Callable[..., Harness]) -> None:
+def test_a_stored_buffer_that_is_not_the_one_stored_is_not_adopted(make_harness: Callable[..., Harness]) -> None:
     h = make_harness()
     store = FakeStore()
     first = Durable(store)  # type: ignore[arg-type]
@@ -212,7 +212,8 @@ def test_a_stored_buffer_of_another_size_is_not_adopted(make_harness: Callable[.
     second.start(again.state, passed)
     try:
         assert "weights" not in again.state.sleepers.buffers
-        assert any(name in problem or "not the one" in problem for problem in again.state.restore_problems)
+        problems = again.state.restore_problems
+        assert any(f"named {name!r} that are not the one" in x for x in problems) and any("missing from the fd store" in x for x in problems)
         with pytest.raises(OSError) as closed:
             os.fstat(impostor)  # not adopted: closed
         assert closed.value.errno == errno.EBADF
