@@ -121,7 +121,7 @@ class ArenaSleep:
         arena = self.arena
         if self.kv is not None:
             if self._tokens:
-                self.kv.grow(self._tokens, timeout=max(wait, arena.core.timeout))
+                self._wake_kv(wait)
         else:
             reply, fds = self._wake_call(wait)
             arena.apply(reply, fds)
@@ -149,6 +149,26 @@ class ArenaSleep:
                     raise OutOfMemory(f"{exc.message} (waited {wait:g}s for it to come free)", exc.detail) from None
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, _BACKOFF_MAX_S)
+
+    def _wake_kv(self, wait: float) -> None:
+        """Grow the KV pool back to all its rows (its blocks are the engine's: a part will
+        not do), again while the device lacks them, for up to ``wait`` s. A grow itself
+        asks pools above their fair share to give back."""
+        assert self.kv is not None
+        deadline = time.monotonic() + wait
+        pause = _BACKOFF_FIRST_S
+        while True:
+            try:
+                if self.kv.grow(self._tokens) >= self._tokens:
+                    return
+                why = f"it got {self.kv.tokens} of its {self._tokens} rows"
+            except OutOfMemory as exc:
+                why = exc.message
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OutOfMemory(f"KV pool '{self.kv.name}' cannot wake within {wait:g}s: {why}", {"tokens": self._tokens})
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _BACKOFF_MAX_S)
 
     def _buffer(self, nbytes: int) -> HostBuffer:
         """The host buffer, at least ``nbytes`` large (a larger one replaces it)."""

@@ -77,3 +77,28 @@ def test_an_engine_sleeps_by_tag_and_wakes_as_it_was(daemon: Any, runtime_dir: P
         assert mem.model.read(0, 8) == b"weights!" and mem.graphs.read(4 * MiB, 14) == b"captured state"
     s = status(runtime_dir)
     assert s["clients"] == [] and s["sleepers"] == [] and s["daemon"]["sleep_host_bytes"] == 0
+
+
+def test_a_kv_cache_kept_comes_back_whole_and_its_wake_waits_for_the_rows(daemon: Any, runtime_dir: Path) -> None:
+    with gpumem.EngineMemory("engine", 0, runtime_dir=str(runtime_dir), model_reserve=GiB, graph_reserve=GiB) as mem:
+        kv = mem.kv_cache(layers=2, block_shape=(16, 64), itemsize=2, max_blocks=512)
+        assert mem.kv_commit(max_blocks=300) == 300
+        ends = [(b.offset, b.offset + 300 * b.row_bytes - 8) for b in kv.pool.buffers.values()]
+        for first, last in ends:
+            kv.pool.arena.write(first, b"first ro")
+            kv.pool.arena.write(last, b"last row")
+        mem.sleep("kv")  # kept, not dropped
+        assert mem.asleep == ["kv"] and kv.pool.tokens == 0
+        with gpumem.connect(0, name="trainer", runtime_dir=runtime_dir, timeout=10.0) as trainer:
+            device = status(runtime_dir)["device"]
+            everything = (device["free_bytes"] - device["reserve_bytes"]) // device["granularity"] * device["granularity"]
+            hog = trainer.create_arena("hog", everything)
+            hog.commit(everything)
+            with pytest.raises(gpumem.OutOfMemory, match="cannot wake within 0.2s"):
+                mem.wake(wait=0.2)
+            assert mem.asleep == ["kv"]
+            hog.release()
+        mem.wake()
+        assert mem.asleep == [] and kv.blocks == 300
+        for first, last in ends:
+            assert kv.pool.arena.read(first, 8) == b"first ro" and kv.pool.arena.read(last, 8) == b"last row"
