@@ -123,7 +123,7 @@ class DaemonState:
         self.arenas = ArenaBook(driver, config, self.device, self.tenants)
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, self.tally)
-        self.sleepers = SleeperBook(self.arenas, self.sessions, config, wall_clock)
+        self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, wall_clock)
         self._handlers: dict[type, Handler] = {
             p.Ping: lambda s, m: Outcome(p.Ack()),
             p.Status: lambda s, m: Outcome(self.status()),
@@ -445,6 +445,10 @@ class DaemonState:
 
     def take_notices(self) -> Notices:
         kv = self.kv.take_notices()
+        if self.sleepers.notices:  # a wake that did not fit asked KV pools to give back
+            self.tally.kv_shrinks_asked += len(self.sleepers.notices)
+            self.dirty = True  # their shrink requests are in the record before the asks leave
+            kv, self.sleepers.notices = self.sleepers.notices + kv, []
         if not self._notices:
             return kv
         notices, self._notices = self._notices, []

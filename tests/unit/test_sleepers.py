@@ -222,3 +222,27 @@ def test_a_stored_buffer_that_is_not_the_one_stored_is_not_adopted(make_harness:
         first.close()
         second.close()
         store.drop()
+
+
+def test_a_wake_that_does_not_fit_asks_kv_pools_above_their_share_to_give_back(h: Harness) -> None:
+    from .test_kv_moves import give_back, shrink_notices
+    from .test_kv_rounds import capture, commit_reply, declare, done, join
+
+    sleeper, server = h.connect("sleeper"), h.connect("server")
+    h.create(sleeper, "weights", 512 * MiB)
+    h.commit(sleeper, "weights", 64 * MiB)
+    _asleep(h, sleeper, "weights")
+    # Meanwhile a serving engine's KV pool takes the whole device (4 KiB rows: 256 a MiB).
+    declare(h, server, "kv")
+    join(h, server, "kv")
+    capture(h, server, "kv", 1, min_tokens=1024)
+    assert commit_reply(done(h)[1]).pool.tokens == 65536 and h.state.arenas.available_bytes() == 0
+    h.ok(server, p.KvDemand(pool="kv", in_use=0))  # idle
+    refusal = h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
+    assert "KV pools kv were asked to give back" in refusal.message and "client 'server'" in refusal.message
+    (ask,) = shrink_notices(h)
+    assert ask[:2] == (server.id, "kv") and ask[2] <= 65536 - 64 * 256
+    h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
+    assert shrink_notices(h) == []  # asked once, not at every retry
+    give_back(h, server, "kv", ask[2])
+    assert h.ok(sleeper, p.WakeArena(name="weights")).reply.arena.committed == 64 * MiB
