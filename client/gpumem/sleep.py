@@ -97,11 +97,7 @@ class ArenaSleep:
         nbytes = sum(size for _, size in kept)
         if nbytes:
             host = self._buffer(nbytes)
-            copies, at = [], 0
-            for offset, size in kept:
-                copies.append((arena.address + offset, host.address + at, size))
-                at += size
-            arena.core.driver.copy_to_host(copies)
+            arena.core.driver.copy_to_host(self._copies(kept, host, arena.committed_ranges()))
         if self.kv is not None:
             self._tokens = self.kv.tokens
             if self._tokens:
@@ -127,12 +123,22 @@ class ArenaSleep:
             arena.apply(reply, fds)
         if self._kept:
             assert self.host is not None
-            copies, at = [], 0
-            for offset, size in self._kept:
-                copies.append((arena.address + offset, self.host.address + at, size))
-                at += size
-            arena.core.driver.copy_to_device(copies)
+            arena.core.driver.copy_to_device(self._copies(self._kept, self.host, arena.committed_ranges()))
         self.asleep = False
+
+    def _copies(self, kept: list[tuple[int, int]], host: HostBuffer, mapped: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """(device address, host address, size) of each kept range, packed in the buffer
+        in order, clipped to what is mapped now: a KV pool woken to its rows may map less
+        than it did (a shrink may have left a chunk past its rows), and rows past them hold
+        nothing the engine reads."""
+        copies, at = [], 0
+        for offset, size in kept:
+            for start, end in mapped:
+                lo, hi = max(start, offset), min(end, offset + size)
+                if lo < hi:
+                    copies.append((self.arena.address + lo, host.address + at + lo - offset, hi - lo))
+            at += size
+        return copies
 
     def _wake_call(self, wait: float) -> tuple[p.MapReply, dict[int, int]]:
         """ARENA_WAKE, again while the device lacks the memory, for up to ``wait`` s."""
