@@ -513,12 +513,42 @@ def engine(args: argparse.Namespace) -> int:
         again = generate(llm, batch, args.tokens)
         _write(args.out + ".again", {"same_tokens": again.tokens == first.tokens, "sequences": len(again.tokens),
                                      "differ": differing(again.tokens, first.tokens)})
+    if args.sleep_cycle:
+        sleep_cycle(torch, llm, batch, args.tokens, first.tokens, Path(args.sleep_cycle))
     if args.duel:
         duel(llm, batch, args.tokens, first.tokens, Path(args.duel), args.name, parts)
     if args.serve_forever:
         while True:
             generate(llm, batch, args.tokens)
     return 0
+
+
+def sleep_cycle(torch: Any, llm: Any, batch: list[list[int]], max_tokens: int, tokens: list[list[int]], folder: Path) -> None:
+    """The colocation step: sleep (weights and graphs kept in host memory, the KV cache
+    dropped), say what was freed (``asleep.json``), wait for ``wake`` (another process
+    uses the memory meanwhile), wake, then time the first token of one prompt and
+    compare the batch's tokens with ``tokens`` (``woke.json``)."""
+    from gpumem.integrations import nanovllm as integration
+
+    runner = llm.model_runner
+    before = _device_use(torch, runner)
+    free_before = torch.cuda.mem_get_info()[0]
+    started = time.perf_counter()
+    integration.sleep(llm)
+    slept_s = time.perf_counter() - started
+    after = _device_use(torch, runner)
+    _write(str(folder / "asleep.json"), {"sleep_s": slept_s, "freed_bytes": before["arena_bytes"] - after["arena_bytes"],
+                                         "device_freed_bytes": torch.cuda.mem_get_info()[0] - free_before})
+    _wait_file(str(folder / "wake"))
+    started = time.perf_counter()
+    integration.wake(llm)
+    wake_s = time.perf_counter() - started
+    started = time.perf_counter()
+    generate(llm, batch[:1], 1)
+    ttft_s = time.perf_counter() - started
+    again = generate(llm, batch, max_tokens)
+    _write(str(folder / "woke.json"), {"wake_s": wake_s, "ttft_s": ttft_s, "same_tokens": again.tokens == tokens,
+                                       "differ": differing(again.tokens, tokens), "blocks": runner.config.num_kvcache_blocks})
 
 
 def _device_use(torch: Any, runner: Any) -> dict[str, int]:
@@ -597,6 +627,7 @@ def main() -> int:
     e.add_argument("--passes", type=int, default=2, help="timed passes after the compared one (decode figures)")
     e.add_argument("--ab-attention", action="store_true", help="eager A/B of the stand-in's decode attention")
     e.add_argument("--duel", default="", help="then run timed passes on request (files in this folder)")
+    e.add_argument("--sleep-cycle", default="", help="then sleep, wait for FOLDER/wake, wake and generate again (files in FOLDER)")
     e.add_argument("--serve-forever", action="store_true")
     args = parser.parse_args()
     if args.command == "build":

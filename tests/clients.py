@@ -21,6 +21,8 @@ Commands:
   grow POOL TOKENS             shrink POOL TOKENS         shrinkreq POOL   kvcheck POOL
   kvgrow POOL TOKENS (JSON tokens, unanswered)            demand POOL IN_USE
   answershrink POOL TIMEOUT    (waits up to TIMEOUT s for a KV_SHRINK notice, answers it; JSON tokens kept, null if none came)
+  sleep ARENA keep|drop        wake ARENA [WAIT]          freehost ARENA
+  sleepstage ARENA             (the host buffer taken and the copy made, the chunks not handed back yet: a sleep cut short)
   address ARENA                free                       ping
   notices                      status                     close
   exit
@@ -56,6 +58,7 @@ import traceback
 
 import gpumem
 from gpumem_shared import protocol as p
+from gpumem.sleep import ArenaSleep
 from gpumem_shared.lease_table import SEGMENT_NAME, LeaseKind
 
 
@@ -111,6 +114,7 @@ def become(uid: int, gid: int) -> None:
 
 
 POOLS: dict[str, gpumem.KvPool] = {}
+SLEEPERS: dict[str, ArenaSleep] = {}
 LEASES: dict[int, object] = {}
 
 
@@ -241,6 +245,19 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
 
             numpy.asarray(view)[:] = int(args[3])
         return None
+    if cmd in ("sleep", "wake", "freehost", "sleepstage"):
+        sleeper = SLEEPERS.setdefault(args[0], ArenaSleep(arenas[args[0]]))
+        if cmd == "sleep":
+            sleeper.sleep(keep=args[1] == "keep")
+        elif cmd == "wake":
+            sleeper.wake(**({"wait": float(args[1])} if len(args) > 1 else {}))
+        elif cmd == "freehost":
+            sleeper.free_host()
+        else:
+            arena = arenas[args[0]]
+            host = sleeper._buffer(arena.committed)
+            session.driver.copy_to_host([(arena.address, host.address, arena.committed)])
+        return json.dumps({"committed": arenas[args[0]].committed, "host": sleeper.host.size if sleeper.host else 0})
     if cmd == "address":
         return arenas[args[0]].address
     if cmd == "free":

@@ -12,6 +12,7 @@ Nothing here touches CUDA or opens a socket at import time.
 from gpumem.arena import Arena
 from gpumem.errors import (
     AlreadyExists,
+    ArenaAsleep,
     ArenaOutOfMemory,
     BorrowEscaped,
     BorrowOutOfMemory,
@@ -21,6 +22,7 @@ from gpumem.errors import (
     DaemonTimeout,
     DaemonUnavailable,
     GpuMemError,
+    HostLimit,
     InvalidArgument,
     LeaseConflict,
     LeaseNotHeld,
@@ -46,12 +48,15 @@ from gpumem.leases import Lease
 from gpumem.views import RawView
 from gpumem.kv_pool import KvBuffer, KvPool, RoundWait
 from gpumem.session import Session, connect
+from gpumem.sleep import ArenaSleep
 from gpumem_shared import __version__
 from gpumem_shared.protocol import Extent
 
 __all__ = [
     "AlreadyExists",
     "Arena",
+    "ArenaAsleep",
+    "ArenaSleep",
     "ArenaUsage",
     "ArenaOutOfMemory",
     "Borrow",
@@ -65,6 +70,7 @@ __all__ = [
     "EngineMemory",
     "Extent",
     "GpuMemError",
+    "HostLimit",
     "GraphPool",
     "InvalidArgument",
     "KvBuffer",

@@ -119,6 +119,24 @@ def render_arenas(s: p.StatusReply) -> list[str]:
     return lines
 
 
+def render_sleepers(s: p.StatusReply) -> list[str]:
+    return _table(
+        ["ARENA", "OWNER", "STATE", "TO COMMIT", "KEPT", "HOST BUFFER", "SINCE"],
+        [
+            [
+                x.arena,
+                x.owner,
+                "asleep" if x.asleep else "awake",
+                format_size(x.committed_bytes) if x.asleep else "-",
+                format_size(x.kept_bytes) if x.asleep else "-",
+                format_size(x.host_bytes) if x.host_bytes else "-",
+                datetime.datetime.fromtimestamp(x.since).strftime("%Y-%m-%d %H:%M:%S") if x.asleep else "-",
+            ]
+            for x in s.sleepers
+        ],
+    )
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     if not rows:
         return ["  (none)"]
@@ -155,11 +173,13 @@ def render_status(s: p.StatusReply) -> str:
         f"device {dev.index}: {dev.name}  {dev.uuid}",
         f"  total {format_size(dev.total_bytes)}  free {format_size(dev.free_bytes)}  gpumemd holds "
         f"{format_size(dev.accounted_bytes)}  reserve {format_size(dev.reserve_bytes)}  granularity {format_size(dev.granularity)}",
-        "",
-        "CLIENTS",
     ]
+    if d.sleep_host_bytes or s.sleepers:
+        lines.append(f"  sleepers' host buffers {format_size(d.sleep_host_bytes)} of {format_size(d.sleep_host_limit)} (--sleep-host-limit)")
+    lines += ["", "CLIENTS"]
+    host = any(c.host_bytes for c in s.clients)  # a column of its own once something slept
     lines += _table(
-        ["ID", "NAME", "PID", "UID", "SINCE", "ARENAS"],
+        ["ID", "NAME", "PID", "UID", "SINCE", "ARENAS"] + (["HOST"] if host else []),
         [
             [
                 str(c.session_id),
@@ -169,10 +189,13 @@ def render_status(s: p.StatusReply) -> str:
                 datetime.datetime.fromtimestamp(c.since).strftime("%Y-%m-%d %H:%M:%S"),
                 ",".join(c.arenas) or "-",
             ]
+            + ([format_size(c.host_bytes)] if host else [])
             for c in s.clients
         ],
     )
     lines += ["", "ARENAS"] + render_arenas(s)
+    if s.sleepers:
+        lines += ["", "SLEEPERS"] + render_sleepers(s)
     lines += ["", "GRAPH POOLS"] + render_graph_pools(s)
     lines += ["", "LEASES"] + render_leases(s)
     lines += ["", "ROUNDS"] + render_rounds(s)

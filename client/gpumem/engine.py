@@ -15,6 +15,8 @@ after capture, leased replays and borrowed temporaries.
     blocks = pending.wait()
     with mem.running():
         ...serve; sample with mem.borrowed(sampler, logits, ...) ...
+    mem.sleep(drop=["kv"])                               # weights and graphs to host memory, KV dropped
+    mem.wake()                                           # same addresses, graphs replay as captured
 
 The order is the engine's: nothing here needs the KV cache before capture or the round
 before the scheduler. See docs/engines.md.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumem.errors import InvalidArgument
@@ -32,6 +34,7 @@ from gpumem.kv_pool import RoundFigures, waited
 from gpumem.leased_graph import DEFAULT_WAIT_S, LeasedGraph, leased_graphs
 from gpumem.paged_kv import PagedKvCache
 from gpumem.session import DEFAULT_TIMEOUT, connect
+from gpumem.sleep import DEFAULT_WAKE_WAIT_S, ArenaSleep
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -51,6 +54,9 @@ DEFAULT_GRAPH_RESERVE = 64 * GiB
 DEFAULT_MODEL_STEP = 256 << 20
 # Graph pools grow by torch's segments (2 or 20 MiB): small steps keep the trim tight.
 DEFAULT_GRAPH_STEP = 32 << 20
+# What sleep() and wake() name: the model arena (weights and activations), the graphs
+# arena (the graph pools' memory) and the KV cache; woken in this order.
+TAGS = ("weights", "graphs", "kv")
 
 
 class EngineMemory:
@@ -77,6 +83,7 @@ class EngineMemory:
         self.kv: PagedKvCache | None = None
         self.graph_pool: GraphPool | None = None
         self._running = threading.local()  # whether this thread is inside running()
+        self._sleepers: dict[str, ArenaSleep] = {}  # by tag, from its first sleep on (each keeps its host buffer)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[EngineMemory]:
@@ -160,8 +167,54 @@ class EngineMemory:
             del result
         return kept
 
+    def sleep(self, *tags: str, drop: Iterable[str] = ()) -> None:
+        """Hand the memory of ``tags`` (of TAGS: "weights", "graphs", "kv"; none named:
+        all) back to the device, each one's contents kept in host memory unless its tag
+        is in ``drop``: ``mem.sleep(drop=["kv"])``. Graph-pool memory is dropped only
+        when "graphs" is named there, and then its graphs must be captured again. The
+        session stays valid; the memory must not be touched (no step, no replay) until
+        ``wake``. The copies run at pinned bandwidth from the second sleep on (the first
+        registers each host buffer)."""
+        dropped = set(drop)
+        wanted = list(tags) or [t for t in TAGS if t != "kv" or self.kv is not None]
+        unknown = sorted((set(wanted) | dropped) - set(TAGS))
+        if unknown:
+            raise InvalidArgument(f"engine '{self.name}': no memory tagged {unknown}; the tags are {', '.join(TAGS)}")
+        for tag in [t for t in TAGS if t in wanted]:  # the order of TAGS: a failure leaves the rest awake
+            sleeper = self._sleeper(tag)
+            if not sleeper.asleep:
+                sleeper.sleep(keep=tag not in dropped)
+
+    def wake(self, *, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
+        """Wake what sleeps, at the same addresses, kept contents copied back; waits up to
+        ``wait`` seconds for memory others hold (OutOfMemory names them after)."""
+        for tag in TAGS:
+            sleeper = self._sleepers.get(tag)
+            if sleeper is not None and sleeper.asleep:
+                sleeper.wake(wait=wait)
+
+    @property
+    def asleep(self) -> list[str]:
+        """The tags asleep now."""
+        return [tag for tag, s in self._sleepers.items() if s.asleep]
+
+    def _sleeper(self, tag: str) -> ArenaSleep:
+        sleeper = self._sleepers.get(tag)
+        if sleeper is None:
+            if tag == "kv":
+                if self.kv is None:
+                    raise InvalidArgument(f"engine '{self.name}' has no KV cache to put to sleep")
+                sleeper = ArenaSleep(self.kv.pool.arena, self.kv.pool)
+            else:
+                sleeper = ArenaSleep(self.model if tag == "weights" else self.graphs)
+            self._sleepers[tag] = sleeper
+        return sleeper
+
     def close(self) -> None:
-        """Close the session: the daemon takes back every arena and the KV cache."""
+        """Close the session: the daemon takes back every arena and the KV cache (and
+        the host buffers of what slept)."""
+        for sleeper in self._sleepers.values():
+            sleeper.close()
         self.session.close()
 
     def __enter__(self) -> EngineMemory:

@@ -153,6 +153,20 @@ class ResourceExhausted(GpuMemError):
     code = ErrorCode.RESOURCE_EXHAUSTED
 
 
+class ArenaAsleep(GpuMemError):
+    """The arena sleeps (its chunks went back to the device): wake it first."""
+
+    code = ErrorCode.ARENA_ASLEEP
+
+
+class HostLimit(GpuMemError, MemoryError):
+    """Sleepers' host buffers would pass the daemon's limit (detail: limit, used,
+    requested; the message names the largest users). Waking or freeing buffers makes
+    room; the operator sets it (gpumemd --sleep-host-limit)."""
+
+    code = ErrorCode.HOST_LIMIT
+
+
 class SessionClosed(GpuMemError):
     """The session was closed by this process."""
 
@@ -178,7 +192,7 @@ _BY_CODE: dict[ErrorCode, type[GpuMemError]] = {
     for cls in (
         BadMessage, UnknownMessage, ProtocolMismatch, InvalidArgument, NoSession, NotFound, AlreadyExists,
         PermissionDenied, OutOfMemory, UnexpectedFds, ShuttingDown, DeviceDriverError, InternalError, RoundFailed,
-        SessionLost, ResourceExhausted,
+        SessionLost, ResourceExhausted, ArenaAsleep, HostLimit,
     )
     if cls.code is not None
 }

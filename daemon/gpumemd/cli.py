@@ -151,6 +151,12 @@ def _exporter(address: str, port: int) -> Exporter:
     help="The most gpumemd commits in all, however much the device has free: emulates a smaller GPU [default: no cap].",
 )
 @_option(
+    "--sleep-host-limit",
+    default=None,
+    callback=_size,
+    help="The most host memory sleeping engines' buffers may take in all [default: half the machine's memory].",
+)
+@_option(
     "--hello-timeout", type=float, default=5.0, show_default=True, callback=_positive, help="Seconds a new connection has to say HELLO."
 )
 @_option(
@@ -263,6 +269,7 @@ def command(
     kv_chunk_size: Size,
     reserve: Size | None,
     capacity: Size | None,
+    sleep_host_limit: Size | None,
     hello_timeout: float,
     round_timeout: float,
     move_timeout: float,
@@ -322,6 +329,8 @@ def command(
         restart_grace=restart_grace,
         tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
     )
+    if sleep_host_limit is not None:
+        config.sleep_host_limit = sleep_host_limit.bytes
     exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None
     try:
         state = DaemonState(driver, config)

@@ -6,6 +6,7 @@ The bottom of the daemon's import graph: no other gpumemd module is imported her
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from gpumem_shared import protocol as p
 from gpumem_shared.address_plan import VA_PLAN_BASE, VA_PLAN_SLICE
@@ -31,6 +32,12 @@ class TenantLimits:
     # Control requests of one session read and waiting to be served: a client has one
     # call out at a time, and one report per KV pool it is in a round of.
     requests: int = 64
+
+
+def default_sleep_host_limit() -> int:
+    """Half the machine's memory: sleepers' host buffers are real pages, and the engines
+    and the rest of the machine need the other half."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 @dataclasses.dataclass
@@ -59,3 +66,5 @@ class StateConfig:
     # resume before what they hold is released like a dead client's.
     restart_grace: float = 30.0
     tenants: TenantLimits = dataclasses.field(default_factory=TenantLimits)
+    # The most host memory sleepers' buffers may take in all (sleepers.py).
+    sleep_host_limit: int = dataclasses.field(default_factory=default_sleep_host_limit)

@@ -94,6 +94,7 @@ class StateImage(msgspec.Struct, array_like=True):
     # Each stored fd's identity (st_dev, st_ino) by its name, taken when it was stored: a
     # descriptor put in the store under that name by anyone else is not it.
     stored: dict[str, tuple[int, int]] | None = None
+    sleepers: Any = None  # since image 3's sleep and wake: absent in an earlier record (nobody slept)
 
 
 # The ids the daemon hands out next, by book and field: each one issued is one more, and

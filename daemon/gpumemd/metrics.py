@@ -282,6 +282,10 @@ class Metrics:
               HistogramValue.of(tally.kv_move_seconds))
         f.add("gpumemd_kv_pool_tokens", "gauge", "Committed token rows of each KV pool; client is its owner.", ("pool", "client"),
               [(named[k.name], k.tokens) for k in sorted(kv.pools.values(), key=lambda k: k.name)])
+        f.one("gpumemd_arenas_asleep", "gauge", "Arenas asleep now: their chunks handed back, committed again at their wake.",
+              len(state.sleepers.asleep))
+        f.one("gpumemd_sleep_host_bytes", "gauge", "Host memory of sleepers' buffers (the daemon's memfds; --sleep-host-limit caps it).",
+              state.sleepers.host_bytes())
 
         pools = sorted(state.graph_pools.by_id.values(), key=lambda g: g.id)
         watches = [

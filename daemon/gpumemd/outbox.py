@@ -123,7 +123,9 @@ class Outbox:
                     return self._seal(Mail())
             elif request_id in session.resending:
                 session.resending.discard(request_id)
-                if request_id in session.answers:
+                # A host buffer's grant is not a graph pool's, which is all a kept answer
+                # names: SLEEP_BUFFER is served again instead (it hands the same buffer).
+                if request_id in session.answers and not isinstance(message, p.SleepBuffer):
                     mail = Mail()
                     mail.letters.append(self._replay(to, session, request_id, message, mail))
                     return self._seal(mail)

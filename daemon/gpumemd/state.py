@@ -36,6 +36,7 @@ from gpumemd.graph_pools import GraphPoolBook
 from gpumemd.image import IMAGE_VERSION, Image, Imager, Keep, StateImage, Take
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
+from gpumemd.sleepers import SleeperBook
 from gpumemd.tally import Tally
 from gpumemd.tenants import Tenants
 
@@ -133,15 +134,16 @@ class DaemonState:
         self.arenas = ArenaBook(driver, config, self.device, self.tenants)
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, self.tally)
+        self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, wall_clock)
         self._handlers: dict[type, Handler] = {
             p.Ping: lambda s, m: Outcome(p.Ack()),
             p.Status: lambda s, m: Outcome(self.status()),
             p.CreateArena: self._create_arena,
-            p.AttachArena: self.arenas.attach,
+            p.AttachArena: self._awake(self.arenas.attach, "attach"),
             p.ShareArena: self.arenas.share,
             p.UnshareArena: self.arenas.unshare,
-            p.CommitArena: self.arenas.commit,
-            p.DecommitArena: self._decommit,
+            p.CommitArena: self._awake(self.arenas.commit, "commit to"),
+            p.DecommitArena: self._awake(self._decommit, "decommit"),
             p.SyncArena: self.arenas.sync,
             p.ReleaseArena: self._release,
             p.ChunksUnmapped: self._chunks_unmapped,
@@ -157,6 +159,10 @@ class DaemonState:
             p.PublishLeaseEvent: self.graph_pools.publish_event,
             p.LookupLeaseEvent: self.graph_pools.lookup_event,
             p.ReportEscape: self._report_escape,
+            p.SleepBuffer: self.sleepers.buffer,
+            p.FreeSleepBuffer: self.sleepers.free,
+            p.SleepArena: self._sleep,
+            p.WakeArena: self.sleepers.wake,
         }
         # Answered later, when their round commits or fails: they need the request id.
         self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow}
@@ -371,6 +377,26 @@ class DaemonState:
             self.graph_pools.refuse_from(arena, drop[0].offset, "decommit")
         return self.arenas.decommit(s, arena, drop)
 
+    def _awake(self, handler: Handler, action: str) -> Handler:
+        """``handler``, refused (ARENA_ASLEEP) for an arena that sleeps: its chunks are
+        the device's meanwhile, and its wake commits them again at their offsets."""
+
+        def checked(s: SessionRecord, m: Any) -> Outcome:
+            self.sleepers.check_awake(m.name, action)
+            return handler(s, m)
+
+        return checked
+
+    def _sleep(self, s: SessionRecord, m: p.SleepArena) -> Outcome:
+        """Every chunk goes back, under graph pools too (unlike a decommit): the pools stay
+        registered, their contents are in what the owner kept, and its wake maps the same
+        addresses again."""
+        notices: Notices = []
+        outcome = self.sleepers.sleep(s, m, notices)
+        outcome.notices = notices
+        self.kv.memory_freed()  # a grow may have waited for this memory
+        return outcome
+
     def _report_escape(self, s: SessionRecord, m: p.ReportEscape) -> Outcome:
         outcome = self.graph_pools.report_escape(s, m)
         if m.escaped:
@@ -401,6 +427,7 @@ class DaemonState:
         for pool in self.graph_pools.in_arena(arena.name):
             self.graph_pools.drop(pool)
         left = self.kv.drop_pool(arena.name) if arena.kv else []
+        self.sleepers.drop_arena(arena.name)
         self.arenas.destroy(arena, notices)
         if not self.stopping:
             for round_ in left:  # it may have been the last one pending
@@ -437,6 +464,10 @@ class DaemonState:
 
     def take_notices(self) -> Notices:
         kv = self.kv.take_notices()
+        if self.sleepers.notices:  # a wake that did not fit asked KV pools to give back
+            self.tally.kv_shrinks_asked += len(self.sleepers.notices)
+            self.dirty = True  # their shrink requests are in the record before the asks leave
+            kv, self.sleepers.notices = self.sleepers.notices + kv, []
         if not self._notices:
             return kv
         notices, self._notices = self._notices, []
@@ -449,7 +480,13 @@ class DaemonState:
             self.driver.kind, now - self.started, self.config.runtime_dir, self.stopping, self.generation, grace,
             self.restore_problems,
         )
-        return status.assemble(daemon, self.sessions, self.arenas, self.graph_pools, self.kv, self.clock())
+        reply = status.assemble(daemon, self.sessions, self.arenas, self.graph_pools, self.kv, self.clock())
+        host = self.sleepers.host_bytes_by_session()
+        for client in reply.clients:
+            client.host_bytes = host.get(client.session_id, 0)
+        daemon.sleep_host_bytes, daemon.sleep_host_limit = sum(host.values()), self.config.sleep_host_limit
+        reply.sleepers = self.sleepers.status()
+        return reply
 
     # ------------------------------------------------------------------ the durable record
 
@@ -460,7 +497,7 @@ class DaemonState:
         return StateImage(
             IMAGE_VERSION, self.device.uuid, self.driver.kind, self.config.va_base, self.generation,
             SessionsImage(sessions, self.next_session),
-            self.arenas.image(keep), self.graph_pools.image(keep), self.kv.image(),
+            self.arenas.image(keep), self.graph_pools.image(keep), self.kv.image(), sleepers=self.sleepers.image(keep),
         )
 
     def restore(self, image: StateImage, take: Take) -> None:
@@ -473,6 +510,8 @@ class DaemonState:
         self.arenas.restore(image.arenas, take)
         self.graph_pools.restore(image.graph_pools, take)
         self.kv.restore(image.kv)
+        if image.sleepers is not None:
+            self.restore_problems += self.sleepers.restore(image.sleepers, take)
         self.generation = image.generation + 1
         if self.sessions:
             self.grace_deadline = self.clock() + self.config.restart_grace
@@ -499,3 +538,4 @@ class DaemonState:
         self.arenas.retiring.clear()
         self.arenas.close()
         self.graph_pools.close()
+        self.sleepers.close()

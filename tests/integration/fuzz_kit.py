@@ -834,8 +834,10 @@ class World:
         session = self.sessions[peer_index]
         assert session is not None
         # A map reply's batches carry its chunks; a graph pool reply's one batch, the pool's
-        # lease segment, under the pool's id.
+        # lease segment, under the pool's id; a host buffer reply's, the buffer under its id.
         promised = {c["id"] for c in body.get("chunks", [])} | ({pool["id"]} if "chunks" not in body and isinstance(pool, dict) else set())
+        if isinstance(body.get("buffer"), dict):
+            promised.add(body["buffer"]["id"])
         got: list[int] = []
         for _ in range(batches):
             got += self._batch(session, reply["id"], what)

@@ -57,6 +57,8 @@ FAMILIES = {
     "gpumemd_kv_moved_bytes": "counter",
     "gpumemd_kv_move_seconds": "histogram",
     "gpumemd_kv_pool_tokens": "gauge",
+    "gpumemd_arenas_asleep": "gauge",
+    "gpumemd_sleep_host_bytes": "gauge",
     "gpumemd_graph_pool_free_bytes": "gauge",
     "gpumemd_lease_held": "gauge",
     "gpumemd_lease_releases": "counter",

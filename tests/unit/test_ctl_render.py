@@ -389,3 +389,31 @@ def test_a_top_frame_shows_each_kv_pools_minimum_share_demand_and_use() -> None:
         ["kv", "engine-a", "1024", "4096", "1 GiB", "3000", "3000", "1", "1 GiB", "-"],
     ]
     assert "KV POOLS" not in render_top(top_reply(64 * MiB, 6 * MiB), None, NOW)
+
+
+def test_sleepers_show_what_they_hand_back_and_keep_and_clients_their_host_memory() -> None:
+    asleep = p.SleeperStatus(
+        arena="engine-model", owner="engine-a", asleep=True, committed_bytes=16 * GiB, kept_bytes=16 * GiB, host_bytes=16 * GiB, since=NOW
+    )
+    awake = p.SleeperStatus(arena="engine-graphs", owner="engine-a", asleep=False, committed_bytes=0, kept_bytes=0, host_bytes=2 * GiB, since=0.0)
+    s = reply(
+        daemon=daemon(sleep_host_bytes=18 * GiB, sleep_host_limit=64 * GiB),
+        clients=[client(1, "engine-a", ["engine-model"], host_bytes=18 * GiB), client(2, "trainer", [])],
+        sleepers=[asleep, awake],
+    )
+    text = render_status(s).splitlines()
+    assert "  sleepers' host buffers 18 GiB of 64 GiB (--sleep-host-limit)" in text
+    clients = text.index("CLIENTS")
+    assert text[clients + 1].split() == ["ID", "NAME", "PID", "UID", "SINCE", "ARENAS", "HOST"]
+    assert rows(text[clients + 1 : clients + 4]) == [
+        ["1", "engine-a", "1001", "1000", "2023-11-14 22:13:20", "engine-model", "18 GiB"],
+        ["2", "trainer", "1002", "1000", "2023-11-14 22:13:20", "-", "0 B"],
+    ]
+    sleepers = text.index("SLEEPERS")
+    assert rows(text[sleepers + 1 : sleepers + 4]) == [
+        ["engine-model", "engine-a", "asleep", "16 GiB", "16 GiB", "16 GiB", "2023-11-14 22:13:20"],
+        ["engine-graphs", "engine-a", "awake", "-", "-", "2 GiB", "-"],
+    ]
+    idle = render_status(reply(clients=[client(1, "engine-a", [])])).splitlines()  # nothing slept: no new column, no section
+    assert "SLEEPERS" not in idle and not any("sleepers'" in line for line in idle)
+    assert idle[idle.index("CLIENTS") + 1].split() == ["ID", "NAME", "PID", "UID", "SINCE", "ARENAS"]

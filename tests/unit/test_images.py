@@ -29,6 +29,7 @@ from gpumemd.records import (
     RoundRecord,
     SessionRecord,
 )
+from gpumemd.sleepers import HostBufferRecord, SleeperRecord
 from gpumemd.state import DaemonState
 
 from .harness import CAPACITY, Clock, Harness, MiB
@@ -44,16 +45,21 @@ NOT_KEPT: dict[tuple[type, str], str] = {
     (GraphPoolRecord, "segment_fd"): "a descriptor of this process: the store passes the segment's memfd anew",
     (RoundRecord, "created"): "monotonic clocks do not survive a restart: kept as seconds since",
     (RoundRecord, "deadline"): "monotonic clocks do not survive a restart: kept as seconds left",
+    (HostBufferRecord, "fd"): "a descriptor of this process: the store passes the buffer's memfd anew",
 }
 
 # Every record class the durable record holds; the walk must reach each one.
-KEPT_CLASSES = {SessionRecord, Answer, ArenaRecord, ChunkRecord, GrantRecord, GraphPoolRecord, KvPoolRecord, KvBufferLayout, MemberRecord, RoundRecord}
+KEPT_CLASSES = {
+    SessionRecord, Answer, ArenaRecord, ChunkRecord, GrantRecord, GraphPoolRecord, KvPoolRecord, KvBufferLayout, MemberRecord, RoundRecord,
+    HostBufferRecord, SleeperRecord,
+}
 
 BOOKS: dict[str, Callable[[DaemonState], list[Any]]] = {
     "sessions": lambda s: sorted(s.sessions.values(), key=lambda x: x.id),
     "arenas": lambda s: sorted(s.arenas.by_name.values(), key=lambda a: a.name) + sorted(s.arenas.retiring.values(), key=lambda c: c.id),
     "graph_pools": lambda s: sorted(s.graph_pools.by_id.values(), key=lambda g: g.id),
     "kv": lambda s: sorted(s.kv.pools.values(), key=lambda k: k.name) + list(s.kv.rounds),
+    "sleepers": lambda s: sorted(s.sleepers.buffers.values(), key=lambda b: b.id) + sorted(s.sleepers.asleep.values(), key=lambda x: x.arena),
 }
 
 
@@ -85,6 +91,11 @@ def populated(h: Harness) -> None:
     h.ok(owner, p.UpdateGraphPool(pool_id=pool_id, extents=[p.Extent(offset=0, size=8 * MiB)], free_runs=[]))
     for name in ("kv", "kv2"):
         h.ok(owner, p.KvDeclare(name=name, buffers=[p.KvBuffer(name="k", row_bytes=4096)], max_tokens=4096))
+    h.create(owner, "c", 256 * MiB)
+    h.commit(owner, "c", 8 * MiB)
+    h.ok(owner, p.SleepBuffer(arena="c", nbytes=8 * MiB))
+    asleep = h.ok(owner, p.SleepArena(name="c", kept_bytes=8 * MiB)).reply
+    h.ok(owner, p.ChunksUnmapped(name="c", chunk_ids=[c.id for c in asleep.retired]))
     h.ok(owner, p.RoundJoin(pool="kv", expect=2))
     h.state.handle(owner, p.CaptureDone(pool="kv", headroom_bytes=MiB, graph_pool_bytes=MiB, min_tokens=512, max_tokens=2048, weight=2.0), 77)
     # What no request here sets, or sets only in a state a restart rarely meets.
@@ -191,6 +202,8 @@ def test_what_is_not_kept_as_is_comes_back_as_it_should(restart: Restart) -> Non
         old = before.graph_pools.by_id[pool_id]
         assert os.fstat(pool.segment_fd).st_ino == os.fstat(old.segment_fd).st_ino, "not the stored segment"
         assert pool.segment.escaped() == old.segment.escaped() != 0, "not the stored segment's slot"
+    for arena, buffer in after.sleepers.buffers.items():
+        assert os.fstat(buffer.fd).st_ino == os.fstat(before.sleepers.buffers[arena].fd).st_ino, "not the stored buffer"
     now_before, now_after = before.clock(), after.clock()
     for old_round, new_round in zip(before.kv.rounds, after.kv.rounds):
         assert now_after - new_round.created == pytest.approx(now_before - old_round.created)

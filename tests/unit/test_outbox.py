@@ -21,6 +21,7 @@ from gpumemd import arenas, state
 from gpumemd.durable import Durable, RecordFile
 from gpumemd.image import StateImage, chunk_name, decode, lease_name
 from gpumemd.outbox import Letter, Mail, Outbox
+from gpumemd.sleepers import host_buffer_name
 from gpumemd.records import SessionRecord
 
 from .harness import CAPACITY, Harness, MiB
@@ -98,8 +99,9 @@ class Door:
             for cid in chunk_ids:
                 assert chunk_name(cid) in self.store.held, f"chunk {cid} left before the store held it"
                 assert fresh.get(cid) is False, f"chunk {cid} left while the record calls it fresh (a restart would zero it again)"
-            for pid in pool_ids:
-                assert lease_name(pid) in self.store.held, f"graph pool {pid}'s lease segment left before the store held it"
+            for pid in pool_ids:  # a graph pool's lease segment, or a sleep buffer
+                held = lease_name(pid) in self.store.held or host_buffer_name(pid) in self.store.held
+                assert held, f"descriptor {pid} (a lease segment or host buffer) left before the store held it"
 
     def written(self) -> int:
         return self.durable.record.sequence
@@ -193,6 +195,24 @@ def test_a_resent_request_gets_its_recorded_answer_again(door: Door) -> None:
     assert door.h.state.arenas.by_name["a"].committed == committed, "carried out twice"
     holders = {c["id"]: c["holders"] for c in chunks(door.record())}
     assert all(owner.id in holders[cid] for cid in handed), "chunks handed out again before the record says who maps them"
+
+
+def test_a_resent_sleep_buffer_request_hands_the_buffer_not_a_pool_of_its_id(door: Door) -> None:
+    """A kept answer's grants are graph pools': SLEEP_BUFFER is served again instead, so
+    the buffer goes out, never the lease segment of the pool that shares its id."""
+    owner = door.hello("owner")
+    door.send(owner, p.CreateArena(name="a", reserve_bytes=256 * MiB))
+    door.send(owner, p.CommitArena(name="a", nbytes=16 * MiB))
+    _, mail = door.send(owner, p.RegisterGraphPool(arena="a", label="g", extents=[p.Extent(offset=0, size=8 * MiB)], free_runs=[]))
+    rid, first = door.send(owner, p.SleepBuffer(arena="a", nbytes=8 * MiB))
+    buffer = door.h.state.sleepers.buffers["a"]
+    assert buffer.id in door.h.state.graph_pools.by_id, "a graph pool shares the buffer's id"
+    assert [(b.ids, b.fds) for b in first.letters[0].batches] == [([buffer.id], [buffer.fd])]
+    owner.resending = {rid}
+    door.durable.persist(door.h.state)
+    _, again = door.send(owner, p.SleepBuffer(arena="a", nbytes=8 * MiB), rid)
+    assert [(b.ids, b.fds) for b in again.letters[0].batches] == [([buffer.id], [buffer.fd])]
+    assert door.h.state.sleepers.host_bytes() == 8 * MiB  # the same buffer, not a second one
 
 
 class RecordingDriver(HostDriver):

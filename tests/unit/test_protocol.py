@@ -51,6 +51,10 @@ SAMPLES: list[Any] = [
     p.PublishLeaseEvent(pool_id=1, handle=bytes(range(64))),
     p.LookupLeaseEvent(pool_id=1, session=3),
     p.ReportEscape(pool_id=1, escaped=True),
+    p.SleepBuffer(arena="kv", nbytes=2 << 20),
+    p.FreeSleepBuffer(arena="kv"),
+    p.SleepArena(name="kv", kept_bytes=2 << 20),
+    p.WakeArena(name="kv"),
 ]
 
 
@@ -94,6 +98,8 @@ def test_error_code_numbers_never_change() -> None:
         "ROUND_FAILED": 14,
         "SESSION_LOST": 15,
         "RESOURCE_EXHAUSTED": 16,
+        "ARENA_ASLEEP": 17,
+        "HOST_LIMIT": 18,
     }
 
 
@@ -126,6 +132,10 @@ def test_message_type_numbers_never_change() -> None:
         "LEASE_EVENT_PUBLISH": 34,
         "LEASE_EVENT_LOOKUP": 35,
         "GRAPH_POOL_ESCAPE": 36,
+        "SLEEP_BUFFER": 40,
+        "SLEEP_BUFFER_FREE": 41,
+        "ARENA_SLEEP": 42,
+        "ARENA_WAKE": 43,
         "FD_BATCH": 100,
         "NOTICE": 101,
     }

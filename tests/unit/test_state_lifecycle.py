@@ -113,7 +113,7 @@ def test_drop_all_releases_the_daemons_references(h: Harness) -> None:
 
 
 def test_status_of_an_idle_daemon(make_harness: Callable[..., Harness]) -> None:
-    h = make_harness(reserve_bytes=16 * MiB, runtime_dir="/run/gpumemd-test")
+    h = make_harness(reserve_bytes=16 * MiB, runtime_dir="/run/gpumemd-test", sleep_host_limit=64 * MiB)
     h.clock.now += 12.3456
     status = h.state.status()
     assert p.to_wire(status.daemon) == {
@@ -129,6 +129,8 @@ def test_status_of_an_idle_daemon(make_harness: Callable[..., Harness]) -> None:
         "waiting_objects": 0,
         "grace_left_s": 0.0,
         "restore_problems": [],
+        "sleep_host_bytes": 0,
+        "sleep_host_limit": 64 * MiB,
     }
     device = status.device
     assert (device.index, device.total_bytes, device.free_bytes, device.granularity) == (0, CAPACITY, CAPACITY, G)

@@ -18,16 +18,25 @@ moving live blocks down with device-to-device copies; ``idle(llm)`` answers them
 the engine has nothing to do (``follow=False``: the round's blocks, fixed).
 ``gpu_memory_utilization`` is not read: the round sizes the KV cache. One process per
 engine (``tensor_parallel_size`` 1).
+
+Between batches an idle engine sleeps and wakes (``EngineMemory.sleep``): by default
+its weights and graph pool go to host memory and its KV cache is dropped, with the
+block manager's prefix cache, whose blocks no longer hold what it says:
+
+    nanovllm.sleep(llm)                       # the GPU's memory is others' meanwhile
+    nanovllm.wake(llm)                        # same addresses: the graphs replay as captured
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from gpumem.engine import EngineMemory
 from gpumem.errors import InvalidArgument
 from gpumem.integrations.nanovllm_blocks import BlockFollower
+from gpumem.sleep import DEFAULT_WAKE_WAIT_S
 
 
 @dataclasses.dataclass
@@ -148,3 +157,27 @@ def _copy_blocks(caches: list[Any], src: list[int], dst: list[int]) -> None:
         for cache in caches:
             cache[d] = cache[s]  # gathered first: sources and destinations never overlap
     torch.cuda.synchronize(device)
+
+
+def sleep(llm: Any, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
+    """Put an idle engine's memory to sleep (``EngineMemory.sleep``; default: weights and
+    graph pool kept in host memory, the KV cache dropped). Refused while sequences hold
+    KV blocks; a dropped KV cache takes the prefix cache with it."""
+    mem: EngineMemory = llm.model_runner._gpumem
+    dropped = set(drop)
+    blocks = llm.scheduler.block_manager
+    if "kv" in dropped and (not tags or "kv" in tags):
+        if blocks.used_block_ids:
+            raise InvalidArgument(
+                f"engine '{mem.name}' has {len(blocks.used_block_ids)} KV blocks in use: finish its sequences before its KV "
+                "cache sleeps"
+            )
+        blocks.hash_to_block_id.clear()  # what a block held is gone: no prefix may match it
+        for block in blocks.blocks:
+            block.hash, block.token_ids = -1, []
+    mem.sleep(*tags, drop=dropped)
+
+
+def wake(llm: Any, *, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
+    """Wake what ``sleep`` put to sleep (``EngineMemory.wake``)."""
+    llm.model_runner._gpumem.wake(wait=wait)

@@ -144,6 +144,27 @@ class Driver(abc.ABC):
         """Let go of an event (one opened from another process's handle: the exporter's
         own must outlive every importer, so it lives as long as the process)."""
 
+    # --- sleep and wake (client side): copies between the device and a host buffer --
+    @abc.abstractmethod
+    def host_register(self, address: int, size: int) -> None:
+        """Make ``size`` bytes of host memory mapped at ``address`` (a sleep buffer) a
+        target of full-bandwidth copies (on CUDA: page-locked, once per mapping)."""
+
+    @abc.abstractmethod
+    def host_unregister(self, address: int) -> None:
+        """Undo ``host_register`` before the mapping goes."""
+
+    @abc.abstractmethod
+    def copy_to_host(self, copies: list[tuple[int, int, int]]) -> None:
+        """Each ``(device address, host address, size)``, device to host, several in
+        flight; the device's earlier work finishes first, and every copy has landed on
+        return."""
+
+    @abc.abstractmethod
+    def copy_to_device(self, copies: list[tuple[int, int, int]]) -> None:
+        """Each ``(device address, host address, size)``, host to device, several in
+        flight; every copy has landed on return."""
+
     # --- data access (tools, tests, small transfers) --------------------------
     @abc.abstractmethod
     def write(self, address: int, data: bytes) -> None: ...
@@ -154,6 +175,22 @@ class Driver(abc.ABC):
 
 def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
+
+
+# Copies are cut in pieces of this size, spread over the backend's streams (threads on
+# the host backend): a few in flight saturate the link, and a piece is small enough that
+# the last one finishes soon after the others.
+COPY_PIECE = 64 << 20
+COPY_STREAMS = 4
+
+
+def pieces(copies: list[tuple[int, int, int]], piece: int = COPY_PIECE) -> list[tuple[int, int, int]]:
+    """``copies`` cut into pieces of at most ``piece`` bytes, in order."""
+    out = []
+    for device, host, size in copies:
+        for at in range(0, size, piece):
+            out.append((device + at, host + at, min(piece, size - at)))
+    return out
 
 
 def contiguous(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

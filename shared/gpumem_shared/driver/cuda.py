@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpumem_shared import _native
-from gpumem_shared.driver.base import Driver, DriverError, DriverUnavailable, Handle, PeerAccessError, contiguous
+from gpumem_shared.driver.base import COPY_STREAMS, Driver, DriverError, DriverUnavailable, Handle, PeerAccessError, contiguous, pieces
 
 
 _EVENT_DISABLE_TIMING = 0x2
@@ -394,6 +394,39 @@ class CudaDriver(Driver):
         self._ck(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
         for offset, size in ranges:
             self._ck(self._cu.cuMemUnmap(address + offset, size), "cuMemUnmap")
+
+    def host_register(self, address: int, size: int) -> None:
+        self._current()
+        self._ck(self._cu.cuMemHostRegister(address, size, 0), "cuMemHostRegister")
+
+    def host_unregister(self, address: int) -> None:
+        self._current()
+        self._ck(self._cu.cuMemHostUnregister(address), "cuMemHostUnregister")
+
+    def _copy_streams(self) -> list[Any]:
+        streams: list[Any] | None = getattr(self, "_streams", None)
+        if streams is None:
+            flag = int(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            streams = [self._ck(self._cu.cuStreamCreate(flag), "cuStreamCreate") for _ in range(COPY_STREAMS)]
+            self._streams = streams
+        return streams
+
+    def copy_to_host(self, copies: list[tuple[int, int, int]]) -> None:
+        self._current()
+        self._ck(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")  # the engine's kernels write what is copied
+        streams = self._copy_streams()
+        for i, (device, host, size) in enumerate(pieces(copies)):
+            self._ck(self._cu.cuMemcpyDtoHAsync(host, device, size, streams[i % len(streams)]), "cuMemcpyDtoHAsync")
+        for stream in streams:
+            self._ck(self._cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def copy_to_device(self, copies: list[tuple[int, int, int]]) -> None:
+        self._current()
+        streams = self._copy_streams()
+        for i, (device, host, size) in enumerate(pieces(copies)):
+            self._ck(self._cu.cuMemcpyHtoDAsync(device, host, size, streams[i % len(streams)]), "cuMemcpyHtoDAsync")
+        for stream in streams:
+            self._ck(self._cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def write(self, address: int, data: bytes) -> None:
         self._current()

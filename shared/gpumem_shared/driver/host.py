@@ -9,6 +9,7 @@ memfd pages are allocated when first touched.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import errno
@@ -20,7 +21,7 @@ import stat
 from collections.abc import Sequence
 from typing import Any
 
-from gpumem_shared.driver.base import Driver, DriverError, Handle, PeerAccessError, contiguous
+from gpumem_shared.driver.base import COPY_STREAMS, Driver, DriverError, Handle, PeerAccessError, contiguous, pieces
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -235,6 +236,29 @@ class HostDriver(Driver):
         # a placeholder's hundreds of slots go in one call instead of one each.
         for offset, size in contiguous(ranges):
             self.unmap(address + offset, size)
+
+    def host_register(self, address: int, size: int) -> None:
+        pass  # host memory to host memory: nothing to pin
+
+    def host_unregister(self, address: int) -> None:
+        pass
+
+    def copy_to_host(self, copies: list[tuple[int, int, int]]) -> None:
+        self._copy([(host, device, size) for device, host, size in pieces(copies)])
+
+    def copy_to_device(self, copies: list[tuple[int, int, int]]) -> None:
+        self._copy([(device, host, size) for device, host, size in pieces(copies)])
+
+    def _copy(self, moves: list[tuple[int, int, int]]) -> None:
+        """memmove (which lets go of the GIL) in a few threads: one core does not fill
+        the memory bus."""
+        if len(moves) <= 1:
+            for dst, src, size in moves:
+                ctypes.memmove(dst, src, size)
+            return
+        with concurrent.futures.ThreadPoolExecutor(COPY_STREAMS) as pool:
+            for done in [pool.submit(ctypes.memmove, dst, src, size) for dst, src, size in moves]:
+                done.result()
 
     def write(self, address: int, data: bytes) -> None:
         ctypes.memmove(address, data, len(data))

@@ -29,6 +29,7 @@ from gpumem_shared.protocol.graph_pools import (
 )
 from gpumem_shared.protocol.kv import CaptureDone, KvDeclare, KvDemand, KvGrow, KvShrink, RoundJoin
 from gpumem_shared.protocol.session import FdBatch, Hello, Notice, Ping, Resume
+from gpumem_shared.protocol.sleep import FreeSleepBuffer, SleepArena, SleepBuffer, WakeArena
 from gpumem_shared.protocol.status import Status
 
 # One entry per request type the daemon serves, by wire number.
@@ -62,6 +63,10 @@ REQUESTS: dict[int, type[RequestMessage]] = {
         PublishLeaseEvent,
         LookupLeaseEvent,
         ReportEscape,
+        SleepBuffer,
+        FreeSleepBuffer,
+        SleepArena,
+        WakeArena,
     )
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 7)
+PROTOCOL_VERSION: tuple[int, int] = (1, 8)
 
 # The oldest protocol HELLO accepts, on either side (see the package doc, __init__.py).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
@@ -51,6 +51,8 @@ class ErrorCode(enum.IntEnum):
     ROUND_FAILED = 14  # a KV commit round failed: deadline passed, or the budget is short
     SESSION_LOST = 15  # RESUME of a session the restarted daemon does not hold (grace period over, no record)
     RESOURCE_EXHAUSTED = 16  # a tenant's (uid's) limit: sessions, arenas, address space, graph pools
+    ARENA_ASLEEP = 17  # the arena sleeps: wake it before committing, decommitting or attaching
+    HOST_LIMIT = 18  # host memory for sleepers' buffers is at the daemon's limit (--sleep-host-limit)
 
 
 class MsgType(enum.IntEnum):
@@ -81,6 +83,10 @@ class MsgType(enum.IntEnum):
     LEASE_EVENT_PUBLISH = 34
     LEASE_EVENT_LOOKUP = 35
     GRAPH_POOL_ESCAPE = 36
+    SLEEP_BUFFER = 40
+    SLEEP_BUFFER_FREE = 41
+    ARENA_SLEEP = 42
+    ARENA_WAKE = 43
     # fd channel, daemon -> client
     FD_BATCH = 100
     NOTICE = 101

@@ -22,6 +22,9 @@ class DaemonStatus(Message):
     grace_left_s: float = 0.0  # since 1.4: until waiting sessions are released like dead clients'
     # since 1.5: what the last start could not rebuild from the fd store (a corrupt newest write, refused descriptors)
     restore_problems: list[str] = msgspec.field(default_factory=list)
+    # since 1.8: sleepers' host buffers, and the most they may take (--sleep-host-limit)
+    sleep_host_bytes: int = 0
+    sleep_host_limit: int = 0
 
 
 class DeviceStatus(Message):
@@ -44,6 +47,7 @@ class ClientStatus(Message):
     since: float  # unix time
     arenas: list[str]
     waiting: bool = False  # since 1.4: kept across a restart, its client not back yet
+    host_bytes: int = 0  # since 1.8: its arenas' sleep buffers in host memory
 
 
 class GrantStatus(Message):
@@ -153,6 +157,18 @@ class LeaseStatus(Message):
     since: float  # unix time
 
 
+class SleeperStatus(Message):
+    """An arena that sleeps, or keeps a host buffer for its next sleep (since 1.8)."""
+
+    arena: str
+    owner: str
+    asleep: bool
+    committed_bytes: int  # what a wake commits again (while asleep); 0 awake
+    kept_bytes: int  # what its owner copied to the host buffer at the sleep
+    host_bytes: int  # its host buffer's size (0: none)
+    since: float  # unix time it fell asleep (0: awake)
+
+
 class StatusReply(Message):
     daemon: DaemonStatus
     device: DeviceStatus
@@ -165,6 +181,7 @@ class StatusReply(Message):
     rounds: list[RoundStatus] = msgspec.field(default_factory=list)
     kv: list[KvPoolStatus] = msgspec.field(default_factory=list)
     graph_pools: list[GraphPoolStatus] = msgspec.field(default_factory=list)
+    sleepers: list[SleeperStatus] = msgspec.field(default_factory=list)  # since 1.8
 
     def __post_init__(self) -> None:
         # Either name may be the one filled: a 1.1 daemon sends ``extents`` only, a

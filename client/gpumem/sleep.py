@@ -1,0 +1,212 @@
+"""Sleep and wake: an arena (or a KV pool) hands its memory back to the device and gets
+it again at the same virtual addresses, its contents restored where they were kept.
+
+What is kept goes to the arena's host buffer: a memfd the daemon creates, accounts
+against its host limit and keeps in its fd store (so it outlives an engine's or the
+daemon's restart), mapped here and registered with the driver once (on CUDA
+page-locked, so every later sleep and wake copies at pinned bandwidth; the buffer stays
+between cycles for that reason, until ``free_host``). This process does the copies:
+it maps both sides, and on CUDA holds the context and the streams.
+
+    sleeper = ArenaSleep(arena)
+    sleeper.sleep(keep=True)     # copied out, chunks back to the device
+    ...another process commits the memory meanwhile...
+    sleeper.wake()               # same addresses, contents back
+
+A KV pool sleeps by the KV book's own moves: shrunk to nothing, grown back to its rows
+on wake (a grow that does not fit asks pools above their fair share to give back).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import time
+from typing import TYPE_CHECKING
+
+from gpumem_shared import fdchannel
+from gpumem_shared import protocol as p
+from gpumem.errors import InvalidArgument, OutOfMemory
+
+if TYPE_CHECKING:
+    from gpumem.arena import Arena
+    from gpumem.kv_pool import KvPool
+
+# How long a wake waits, by default, for memory others hold to come free.
+DEFAULT_WAKE_WAIT_S = 30.0
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.005, 0.1
+
+
+class HostBuffer:
+    """An arena's host buffer mapped in this process and registered with the driver."""
+
+    def __init__(self, arena: Arena, buffer_id: int, fd: int, size: int) -> None:
+        self.driver = arena.core.driver
+        self.id = buffer_id
+        self.size = size
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._anchor = ctypes.c_char.from_buffer(self._map)  # the mapping's address; released before it closes
+        self.address = ctypes.addressof(self._anchor)
+        try:
+            self.driver.host_register(self.address, size)
+        except BaseException:
+            self._unmap()
+            raise
+
+    def read(self, offset: int, size: int) -> bytes:
+        return ctypes.string_at(self.address + offset, size)
+
+    def close(self) -> None:
+        if self._map.closed:
+            return
+        try:
+            self.driver.host_unregister(self.address)
+        finally:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        del self._anchor
+        self._map.close()
+
+
+class ArenaSleep:
+    """One arena's sleep and wake (a KV pool's, given ``kv``), with its host buffer."""
+
+    def __init__(self, arena: Arena, kv: KvPool | None = None) -> None:
+        if not arena.is_owner:
+            raise InvalidArgument(f"arena '{arena.name}' belongs to '{arena.owner_name}': only its owner puts it to sleep")
+        self.arena = arena
+        self.kv = kv
+        self.asleep = False
+        self.host: HostBuffer | None = None
+        self._kept: list[tuple[int, int]] = []  # (offset, size) of the arena, packed into the buffer in order
+        self._tokens = 0  # a KV pool's rows at its sleep
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(size for _, size in self._kept)
+
+    def sleep(self, keep: bool) -> None:
+        """Copy what is committed to the host buffer (``keep``), then hand every chunk
+        back. The arena's window, its graph pools and their leases stay; its memory must
+        not be touched until ``wake``."""
+        if self.asleep:
+            raise InvalidArgument(f"arena '{self.arena.name}' is asleep already")
+        arena = self.arena
+        kept = [(start, end - start) for start, end in arena.committed_ranges()] if keep else []
+        nbytes = sum(size for _, size in kept)
+        if nbytes:
+            host = self._buffer(nbytes)
+            arena.core.driver.copy_to_host(self._copies(kept, host, arena.committed_ranges()))
+        if self.kv is not None:
+            self._tokens = self.kv.tokens
+            if self._tokens:
+                self.kv.shrink(0)
+        else:
+            reply, fds = arena.core.channel.call(p.SleepArena(name=arena.name, kept_bytes=nbytes))
+            arena.apply(reply, fds)
+        self._kept = kept
+        self.asleep = True
+
+    def wake(self, *, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
+        """Commit the arena again at the same offsets and copy back what was kept. Memory
+        others hold is waited for up to ``wait`` seconds; then OutOfMemory names the
+        figures and who holds it."""
+        if not self.asleep:
+            raise InvalidArgument(f"arena '{self.arena.name}' is not asleep")
+        arena = self.arena
+        if self.kv is not None:
+            if self._tokens:
+                self._wake_kv(wait)
+        else:
+            reply, fds = self._wake_call(wait)
+            arena.apply(reply, fds)
+        if self._kept:
+            assert self.host is not None
+            arena.core.driver.copy_to_device(self._copies(self._kept, self.host, arena.committed_ranges()))
+        self.asleep = False
+
+    def _copies(self, kept: list[tuple[int, int]], host: HostBuffer, mapped: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """(device address, host address, size) of each kept range, packed in the buffer
+        in order, clipped to what is mapped now: a KV pool woken to its rows may map less
+        than it did (a shrink may have left a chunk past its rows), and rows past them hold
+        nothing the engine reads."""
+        copies, at = [], 0
+        for offset, size in kept:
+            for start, end in mapped:
+                lo, hi = max(start, offset), min(end, offset + size)
+                if lo < hi:
+                    copies.append((self.arena.address + lo, host.address + at + lo - offset, hi - lo))
+            at += size
+        return copies
+
+    def _wake_call(self, wait: float) -> tuple[p.MapReply, dict[int, int]]:
+        """ARENA_WAKE, again while the device lacks the memory, for up to ``wait`` s."""
+        deadline = time.monotonic() + wait
+        pause = _BACKOFF_FIRST_S
+        while True:
+            try:
+                reply: p.MapReply
+                reply, fds = self.arena.core.channel.call(p.WakeArena(name=self.arena.name))
+                return reply, fds
+            except OutOfMemory as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OutOfMemory(f"{exc.message} (waited {wait:g}s for it to come free)", exc.detail) from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, _BACKOFF_MAX_S)
+
+    def _wake_kv(self, wait: float) -> None:
+        """Grow the KV pool back to all its rows (its blocks are the engine's: a part will
+        not do), again while the device lacks them, for up to ``wait`` s. A grow itself
+        asks pools above their fair share to give back."""
+        assert self.kv is not None
+        deadline = time.monotonic() + wait
+        pause = _BACKOFF_FIRST_S
+        while True:
+            try:
+                if self.kv.grow(self._tokens) >= self._tokens:
+                    return
+                why = f"it got {self.kv.tokens} of its {self._tokens} rows"
+            except OutOfMemory as exc:
+                why = exc.message
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OutOfMemory(f"KV pool '{self.kv.name}' cannot wake within {wait:g}s: {why}", {"tokens": self._tokens})
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _BACKOFF_MAX_S)
+
+    def _buffer(self, nbytes: int) -> HostBuffer:
+        """The host buffer, at least ``nbytes`` large (a larger one replaces it)."""
+        if self.host is not None and self.host.size >= nbytes:
+            return self.host
+        if self.host is not None:  # unmapped before the daemon lets go of it
+            self.host.close()
+            self.host = None
+        core = self.arena.core
+        reply: p.HostBufferReply
+        reply, fds = core.channel.call(p.SleepBuffer(arena=self.arena.name, nbytes=nbytes))
+        try:
+            self.host = HostBuffer(self.arena, reply.buffer.id, fds[reply.buffer.id], reply.buffer.size)
+        finally:
+            fdchannel.close_all(list(fds.values()))  # the mapping holds the buffer now
+        return self.host
+
+    def free_host(self) -> None:
+        """Give the host buffer back (not while asleep with contents in it)."""
+        if self.asleep and self._kept:
+            raise InvalidArgument(f"arena '{self.arena.name}' sleeps with its contents in its host buffer: wake it first")
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+            self.arena.core.call(p.FreeSleepBuffer(arena=self.arena.name))
+
+    def close(self) -> None:
+        """Unmap the host buffer (the arena's release or the session's end frees it in the daemon)."""
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+
+    def __repr__(self) -> str:
+        state = f"asleep, {self.kept_bytes} bytes kept" if self.asleep else "awake"
+        return f"<gpumem.ArenaSleep '{self.arena.name}' {state}, host buffer {self.host.size if self.host else 0}>"

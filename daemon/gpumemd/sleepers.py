@@ -1,0 +1,344 @@
+"""The sleeper book: arenas asleep (their chunks handed back to the device, the size to
+commit again remembered) and the host buffers their contents are kept in.
+
+A host buffer is a memfd the daemon creates per arena, sealed at its size (a client
+holding a descriptor cannot grow it past the accounting), granted to the arena's owner
+like a lease segment (one FD_BATCH before the reply) and kept in the fd store, so it
+outlives a daemon restart with the sleeper's contents in it. Its bytes count against
+``--sleep-host-limit`` from its creation to its end (the owner frees it, or the arena
+goes). The owner maps it and does the copies itself: it has the device mappings and,
+on CUDA, the context and streams; registered once with CUDA, the buffer serves every
+later sleep at pinned-copy speed, which is why it stays after a wake.
+
+Sleeping is the decommit of every chunk, under graph pools too (their captured state
+is in what the owner copied out, or dropped at its word); waking is a commit to the
+size the arena had, at the same offsets: fresh chunks, zeroed before their first fd
+leaves like any. The window, the graph pools' registry and their lease segments are
+untouched. What this means for the other books (commit, decommit and attach refused
+while asleep, the buffer dropped with its arena) is decided in state.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+from collections.abc import Callable, Mapping
+
+import msgspec
+
+from gpumem_shared import protocol as p
+from gpumem_shared.units import format_size
+
+from gpumemd import kv_moves
+from gpumemd.arenas import ArenaBook
+from gpumemd.checks import check_size
+from gpumemd.config import StateConfig
+from gpumemd.image import Image, Imager, Keep, Take
+from gpumemd.kv_pools import KvBook
+from gpumemd.records import Notices, Outcome, SessionRecord
+
+log = logging.getLogger("gpumemd.sleepers")
+
+# The largest users a refusal names.
+_NAMED = 3
+
+
+def host_buffer_name(buffer_id: int) -> str:
+    """A host buffer's name in the fd store."""
+    return f"host-{buffer_id}"
+
+
+@dataclasses.dataclass(eq=False)
+class HostBufferRecord:
+    id: int
+    arena: str
+    owner_id: int
+    size: int
+    fd: int = -1  # the daemon's memfd; the store keeps it across a restart
+
+
+@dataclasses.dataclass(eq=False)
+class SleeperRecord:
+    arena: str
+    owner_id: int
+    committed: int  # what waking commits again
+    kept: int  # bytes the owner copied to its host buffer first
+    since: float  # unix time
+
+
+class SleeperBookImage(msgspec.Struct):
+    buffers: list[Image]
+    asleep: list[Image]
+    next_buffer: int
+
+
+_BUFFER = Imager(HostBufferRecord, "fd")
+_SLEEPER = Imager(SleeperRecord)
+
+
+def _sealed_memfd(name: str, size: int) -> int:
+    fd = os.memfd_create(f"gpumemd-sleep-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class SleeperBook:
+    def __init__(
+        self, arenas: ArenaBook, kv: KvBook, sessions: Mapping[int, SessionRecord], config: StateConfig, wall_clock: Callable[[], float]
+    ) -> None:
+        self.arenas = arenas
+        self.kv = kv
+        self.sessions = sessions
+        self.config = config
+        self.wall_clock = wall_clock
+        self.buffers: dict[str, HostBufferRecord] = {}  # by arena
+        self.asleep: dict[str, SleeperRecord] = {}  # by arena
+        self.next_buffer = 1
+        self.notices: Notices = []  # KV_SHRINK asks for a wake that did not fit, for the server to deliver
+
+    # ------------------------------------------------------------------ checks other requests make
+
+    def check_awake(self, arena: str, action: str) -> None:
+        sleeper = self.asleep.get(arena)
+        if sleeper is not None:
+            raise p.ProtocolError(
+                p.ErrorCode.ARENA_ASLEEP,
+                f"arena '{arena}' sleeps ({sleeper.committed} bytes to commit again at its wake): its owner wakes it "
+                f"before anyone may {action} it",
+                arena=arena,
+                committed=sleeper.committed,
+            )
+
+    # ------------------------------------------------------------------ requests
+
+    def buffer(self, s: SessionRecord, m: p.SleepBuffer) -> Outcome:
+        arena = self.arenas.owned(s, m.arena, "keep a sleep buffer for", kv_ok=True)
+        check_size(m.nbytes, "nbytes", self.arenas.device.granularity, allow_zero=False)
+        if m.nbytes > arena.reserved:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"a sleep buffer of {m.nbytes} bytes is larger than arena '{arena.name}' ({arena.reserved} bytes)",
+                requested=m.nbytes,
+                reserved=arena.reserved,
+            )
+        have = self.buffers.get(arena.name)
+        if have is None or have.size < m.nbytes:
+            self._admit(m.nbytes - (have.size if have else 0), f"a {format_size(m.nbytes)} sleep buffer for arena '{arena.name}'")
+            try:
+                fd = _sealed_memfd(arena.name, m.nbytes)
+            except OSError as exc:
+                raise p.ProtocolError(p.ErrorCode.HOST_LIMIT, f"creating a {m.nbytes}-byte host buffer failed: {exc.strerror}") from None
+            if have is not None:  # its owner unmapped it before asking for a larger one
+                os.close(have.fd)
+            have = HostBufferRecord(id=self.next_buffer, arena=arena.name, owner_id=s.id, size=m.nbytes, fd=fd)
+            self.next_buffer += 1
+            self.buffers[arena.name] = have
+            log.info("arena %r: %s host buffer %d for client %r", arena.name, format_size(have.size), have.id, s.name)
+        reply = p.HostBufferReply(arena=arena.name, buffer=p.HostBufferView(id=have.id, size=have.size), fd_batches=1)
+        return Outcome(reply, grants=[(have.id, have.fd)])
+
+    def free(self, s: SessionRecord, m: p.FreeSleepBuffer) -> Outcome:
+        self.arenas.owned(s, m.arena, "free the sleep buffer of", kv_ok=True)
+        if m.arena in self.asleep and self.asleep[m.arena].kept:
+            raise p.ProtocolError(
+                p.ErrorCode.ARENA_ASLEEP, f"arena '{m.arena}' sleeps with its contents in its host buffer: wake it first", arena=m.arena
+            )
+        self._drop_buffer(m.arena)
+        return Outcome(p.Ack())
+
+    def sleep(self, s: SessionRecord, m: p.SleepArena, notices: Notices) -> Outcome:
+        arena = self.arenas.owned(s, m.name, "put to sleep")
+        self.check_awake(arena.name, "put to sleep")
+        others = sorted(self.sessions[sid].name for sid in arena.attached - {s.id} if sid in self.sessions)
+        if others:
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"arena '{arena.name}' is attached by {', '.join(others)} too: an arena sleeps only while its owner "
+                "alone maps it (sharers release it first)",
+                arena=arena.name,
+            )
+        room = self.buffers[arena.name].size if arena.name in self.buffers else 0
+        if not 0 <= m.kept_bytes <= min(room, arena.committed):
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"kept_bytes {m.kept_bytes} is not within arena '{arena.name}'s committed {arena.committed} bytes and its "
+                f"host buffer of {room}",
+                kept_bytes=m.kept_bytes,
+            )
+        committed = arena.committed
+        outcome = self.arenas.decommit(s, arena, list(arena.chunks))
+        notices += outcome.notices
+        outcome.notices = []
+        self.asleep[arena.name] = SleeperRecord(arena.name, s.id, committed, m.kept_bytes, self.wall_clock())
+        log.info(
+            "arena %r of client %r asleep: %d bytes handed back, %d kept in host memory", arena.name, s.name, committed, m.kept_bytes,
+            extra={"figures": {"arena": arena.name, "committed": committed, "kept": m.kept_bytes}},
+        )
+        return outcome
+
+    def wake(self, s: SessionRecord, m: p.WakeArena) -> Outcome:
+        arena = self.arenas.owned(s, m.name, "wake")
+        sleeper = self.asleep.get(arena.name)
+        if sleeper is None:
+            raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"arena '{arena.name}' is not asleep", arena=arena.name)
+        need = sleeper.committed
+        if need:
+            try:
+                available = self.arenas.require_available(need, f"waking arena '{arena.name}'")
+            except p.ProtocolError as exc:
+                asked = self._ask_back(need, f"client '{s.name}' wakes arena '{arena.name}'")
+                also = f"; KV pools {', '.join(asked)} were asked to give back (ask again once they have)" if asked else ""
+                raise p.ProtocolError(exc.code, f"{exc.message}; the device's memory is held by {self._holders()}{also}", **exc.detail) from None
+            self.arenas.create_chunks([(arena, 0, need)], available)
+        del self.asleep[arena.name]
+        log.info("arena %r of client %r awake: %d bytes committed again", arena.name, s.name, need)
+        return self.arenas.map_reply(s, arena)
+
+    def _ask_back(self, need: int, why: str) -> list[str]:
+        """KV pools holding more than their fair share of what is left once ``need`` is
+        set aside are asked to give back (idle ones first), as a grow asks (kv_moves):
+        KV_SHRINK notices; nothing is taken without its owner's shrink. A pool asked
+        already, or in a round, is not asked again. Returns the pools asked."""
+        kv = self.kv
+        busy = {m.pool.name for r in kv.active_rounds() for m in r.members}
+        pools = {k.name: k for k in kv.pools.values() if k.tokens and k.name not in busy and k.shrink_request is None}
+        claims = [
+            kv_moves.Claim(k.name, sum(c.size for c in self.arenas.by_name[k.name].chunks), k.cost(k.min_tokens),
+                           k.cost(kv.demand(k)), k.weight, idle=k.in_use == 0)
+            for k in pools.values()
+        ]
+        available = self.arenas.available_bytes()
+        total = max(0, sum(c.held for c in claims) + available - need)
+        asked = []
+        for name, give in kv_moves.donors(claims, total, "", need - available):
+            pool = pools[name]
+            bound = kv_moves.shrink_bound(pool, self.arenas.by_name[name], give)
+            pool.shrink_request = bound
+            message = f"gpumemd asks for {give} bytes back: {why}. When rows from {bound} on are free, confirm with shrink({bound})"
+            self.notices.append((pool.owner_id, p.Notice(kind=p.NoticeKind.KV_SHRINK, arena=name, tokens=bound, message=message)))
+            asked.append(name)
+        return asked
+
+    # ------------------------------------------------------------------ the arena's end
+
+    def drop_arena(self, name: str) -> None:
+        """Arena ``name`` is gone: its sleep and its host buffer go with it."""
+        self.asleep.pop(name, None)
+        self._drop_buffer(name)
+
+    def _drop_buffer(self, arena: str) -> None:
+        buffer = self.buffers.pop(arena, None)
+        if buffer is not None:
+            os.close(buffer.fd)
+            log.info("arena %r: host buffer %d (%s) freed", arena, buffer.id, format_size(buffer.size))
+
+    def close(self) -> None:
+        for name in list(self.buffers):
+            self._drop_buffer(name)
+
+    # ------------------------------------------------------------------ accounting
+
+    def host_bytes(self) -> int:
+        return sum(b.size for b in self.buffers.values())
+
+    def host_bytes_by_session(self) -> dict[int, int]:
+        used: dict[int, int] = {}
+        for b in self.buffers.values():
+            used[b.owner_id] = used.get(b.owner_id, 0) + b.size
+        return used
+
+    def _admit(self, more: int, what: str) -> None:
+        limit, used = self.config.sleep_host_limit, self.host_bytes()
+        if used + more <= limit:
+            return
+        users = sorted(self.host_bytes_by_session().items(), key=lambda kv: -kv[1])[:_NAMED]
+        named = ", ".join(f"{self._who(sid)} {format_size(n)}" for sid, n in users) or "nobody"
+        log.warning("refused: %s; sleep buffers use %d of the %d-byte host limit", what, used, limit)
+        raise p.ProtocolError(
+            p.ErrorCode.HOST_LIMIT,
+            f"{what} needs {format_size(more)} more host memory; sleep buffers use {format_size(used)} of the "
+            f"{format_size(limit)} limit (gpumemd --sleep-host-limit); the largest users: {named}",
+            limit=limit,
+            used=used,
+            requested=more,
+        )
+
+    def _who(self, session_id: int) -> str:
+        s = self.sessions.get(session_id)
+        return f"client '{s.name}' (pid {s.pid})" if s is not None else f"session {session_id}"
+
+    def _holders(self) -> str:
+        """Who holds the device's memory, largest first: each owner's committed bytes."""
+        held: dict[str, int] = {}
+        for a in self.arenas.by_name.values():
+            who = f"client '{a.owner_name}' (pid {a.owner_pid})"
+            held[who] = held.get(who, 0) + a.committed + sum(c.size for c in a.placeholders)
+        retiring = sum(c.size for c in self.arenas.retiring.values())
+        if retiring:
+            held["chunks still mapped after their release (retiring)"] = retiring
+        top = sorted(((n, who) for who, n in held.items() if n), reverse=True)[:_NAMED]
+        return ", ".join(f"{who} {format_size(n)}" for n, who in top) or "nobody gpumemd knows of (other processes on the device)"
+
+    def status(self) -> list[p.SleeperStatus]:
+        names = set(self.asleep) | set(self.buffers)
+        out = []
+        for name in sorted(names):
+            sleeper, buffer = self.asleep.get(name), self.buffers.get(name)
+            owner_id = sleeper.owner_id if sleeper is not None else buffer.owner_id if buffer is not None else 0
+            owner = self.sessions.get(owner_id)
+            out.append(
+                p.SleeperStatus(
+                    arena=name,
+                    owner=owner.name if owner is not None else "",
+                    asleep=sleeper is not None,
+                    committed_bytes=sleeper.committed if sleeper is not None else 0,
+                    kept_bytes=sleeper.kept if sleeper is not None else 0,
+                    host_bytes=buffer.size if buffer is not None else 0,
+                    since=sleeper.since if sleeper is not None else 0.0,
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ the durable record
+
+    def image(self, keep: Keep) -> SleeperBookImage:
+        for b in self.buffers.values():
+            keep(host_buffer_name(b.id), b.fd)
+        return SleeperBookImage(
+            [_BUFFER.image(b) for b in self.buffers.values()], [_SLEEPER.image(x) for x in self.asleep.values()], self.next_buffer
+        )
+
+    def restore(self, part: object, take: Take) -> list[str]:
+        """The book as ``image`` left it, for the arenas that were rebuilt; returns what it
+        could not rebuild (a buffer missing from the store). ``take`` hands only the very
+        file the daemon stored (durable.py checks its identity), and a sealed buffer
+        cannot have changed its size since."""
+        book = msgspec.convert(part, SleeperBookImage)
+        problems = []
+        for image in book.buffers:
+            buffer = _BUFFER.restore(image, fd=-1)
+            fd = take(host_buffer_name(buffer.id))
+            if fd < 0 or buffer.arena not in self.arenas.by_name:
+                problem = f"host buffer {buffer.id} of arena '{buffer.arena}' " + (
+                    "missing from the fd store" if fd < 0 else "outlived its arena"
+                )
+                log.error("%s: dropped", problem)
+                problems.append(problem)
+                if fd >= 0:
+                    os.close(fd)
+                continue
+            buffer.fd = fd
+            self.buffers[buffer.arena] = buffer
+        for image in book.asleep:
+            sleeper = _SLEEPER.restore(image)
+            if sleeper.arena in self.arenas.by_name:
+                self.asleep[sleeper.arena] = sleeper
+        self.next_buffer = book.next_buffer
+        return problems

@@ -1,0 +1,104 @@
+"""EngineMemory's sleep and wake by tag against a real daemon, on every backend: weights
+and graph-pool memory kept in host memory, the KV cache dropped, the memory another
+session's meanwhile, everything back at the same addresses with its contents, the KV
+cache at its blocks again, the graph pool registered as it was and leased as before.
+(The test process plays torch's part, as in test_engine_api.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gpumem
+from gpumem_shared import protocol as p
+from gpumemd_testkit import MiB, status
+
+GiB = 1 << 30
+
+
+def test_an_engine_sleeps_by_tag_and_wakes_as_it_was(daemon: Any, runtime_dir: Path) -> None:
+    with gpumem.EngineMemory("engine", 0, runtime_dir=str(runtime_dir), model_reserve=GiB, graph_reserve=GiB) as mem:
+        assert mem.model.allocator().slot.alloc(5 * MiB) == mem.model.address
+        model_end = mem.model.committed - 8
+        mem.model.write(0, b"weights!")
+        mem.model.write(model_end, b"last row")
+        kv = mem.kv_cache(layers=2, block_shape=(16, 64), itemsize=2, max_blocks=512)
+        assert mem.kv_commit(max_blocks=300) == kv.blocks == 300
+        kv_start = next(iter(kv.pool.buffers.values())).offset
+        kv.pool.arena.write(kv_start, b"kv block")
+        assert mem.graphs.allocator().slot.alloc(8 * MiB) == mem.graphs.address
+        mem.graphs.write(4 * MiB, b"captured state")
+        mem.graph_pool = mem.graphs.register_graph_pool("decode", extents=[p.Extent(offset=0, size=8 * MiB)], free_runs=[])
+        epoch = mem.graph_pool.epoch
+        held = {a: getattr(mem, a).committed for a in ("model", "graphs")} | {"kv": kv.pool.arena.committed}
+        with pytest.raises(gpumem.InvalidArgument, match="the tags are weights, graphs, kv"):
+            mem.sleep("optimizer")
+
+        mem.sleep(drop=["kv"])
+        assert mem.asleep == ["weights", "graphs", "kv"]
+        s = status(runtime_dir)
+        placeholders = sum(a["placeholder_bytes"] for a in s["arenas"])
+        assert s["device"]["accounted_bytes"] == placeholders  # every committed byte went back
+        assert [c["host_bytes"] for c in s["clients"]] == [held["model"] + held["graphs"]]  # the KV cache kept nothing
+        with pytest.raises(gpumem.ArenaAsleep):
+            mem.model.commit(held["model"] + 2 * MiB)
+        assert mem.model.allocator().slot.alloc(1 * MiB) == 0  # nothing to allocate in while asleep
+
+        # Another session commits what the engine gave back, uses it, and gives it back.
+        freed = sum(held.values())
+        with gpumem.connect(0, name="trainer", runtime_dir=runtime_dir, timeout=10.0) as trainer:
+            scratch = trainer.create_arena("train", 4 * GiB)
+            scratch.commit(freed)
+            scratch.write(freed - 5, b"train")
+            assert scratch.read(freed - 5, 5) == b"train"
+            scratch.release()
+
+        mem.wake()
+        assert mem.asleep == []
+        assert (mem.model.committed, mem.graphs.committed, kv.pool.arena.committed) == (held["model"], held["graphs"], held["kv"])
+        assert kv.blocks == 300
+        assert mem.model.read(0, 8) == b"weights!" and mem.model.read(model_end, 8) == b"last row"
+        assert mem.graphs.read(4 * MiB, 14) == b"captured state"
+        assert kv.pool.arena.read(kv_start, 8) == bytes(8)  # dropped: fresh, zeroed memory
+        assert mem.graph_pool.epoch == epoch
+        (pool,) = status(runtime_dir)["graph_pools"]
+        assert (pool["id"], pool["epoch"]) == (mem.graph_pool.id, epoch)
+        with mem.session.replay(mem.graph_pool):  # leased as before
+            pass
+
+        # Again, all kept: the host buffers of the first cycle serve the second.
+        buffers = {tag: s.host for tag, s in mem._sleepers.items()}
+        mem.sleep("weights", "graphs")
+        assert mem.asleep == ["weights", "graphs"]
+        mem.wake()
+        assert {tag: s.host for tag, s in mem._sleepers.items()} == buffers
+        assert mem.model.read(0, 8) == b"weights!" and mem.graphs.read(4 * MiB, 14) == b"captured state"
+    s = status(runtime_dir)
+    assert s["clients"] == [] and s["sleepers"] == [] and s["daemon"]["sleep_host_bytes"] == 0
+
+
+def test_a_kv_cache_kept_comes_back_whole_and_its_wake_waits_for_the_rows(daemon: Any, runtime_dir: Path) -> None:
+    with gpumem.EngineMemory("engine", 0, runtime_dir=str(runtime_dir), model_reserve=GiB, graph_reserve=GiB) as mem:
+        kv = mem.kv_cache(layers=2, block_shape=(16, 64), itemsize=2, max_blocks=512)
+        assert mem.kv_commit(max_blocks=300) == 300
+        ends = [(b.offset, b.offset + 300 * b.row_bytes - 8) for b in kv.pool.buffers.values()]
+        for first, last in ends:
+            kv.pool.arena.write(first, b"first ro")
+            kv.pool.arena.write(last, b"last row")
+        mem.sleep("kv")  # kept, not dropped
+        assert mem.asleep == ["kv"] and kv.pool.tokens == 0
+        with gpumem.connect(0, name="trainer", runtime_dir=runtime_dir, timeout=10.0) as trainer:
+            device = status(runtime_dir)["device"]
+            everything = (device["free_bytes"] - device["reserve_bytes"]) // device["granularity"] * device["granularity"]
+            hog = trainer.create_arena("hog", everything)
+            hog.commit(everything)
+            with pytest.raises(gpumem.OutOfMemory, match="cannot wake within 0.2s"):
+                mem.wake(wait=0.2)
+            assert mem.asleep == ["kv"]
+            hog.release()
+        mem.wake()
+        assert mem.asleep == [] and kv.blocks == 300
+        for first, last in ends:
+            assert kv.pool.arena.read(first, 8) == b"first ro" and kv.pool.arena.read(last, 8) == b"last row"

@@ -1,0 +1,248 @@
+"""The sleeper book on the real host driver, no sockets: an arena asleep hands its chunks
+to the device (another session commits them), refuses commits and attaches, wakes at
+its size or names who holds the memory; host buffers are sealed, counted against the
+limit, and go with their arena; a restart keeps a sleeper and its buffer."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Callable
+
+import pytest
+
+from gpumem_shared import protocol as p
+from gpumem_shared.driver.host import HostDriver
+from gpumemd.durable import Durable
+from gpumemd.sleepers import host_buffer_name
+from gpumemd.state import DaemonState
+
+from .harness import CAPACITY, Clock, Harness, MiB
+from .store_kit import FakeStore
+
+
+def _buffer(h: Harness, s: object, arena: str, nbytes: int) -> tuple[int, int]:
+    """SLEEP_BUFFER: (buffer id, the daemon's fd the reply grants; not the caller's to close)."""
+    out = h.ok(s, p.SleepBuffer(arena=arena, nbytes=nbytes))
+    assert isinstance(out.reply, p.HostBufferReply) and out.reply.fd_batches == 1
+    ((buffer_id, fd),) = out.grants
+    assert buffer_id == out.reply.buffer.id and out.reply.buffer.size >= nbytes
+    return buffer_id, fd
+
+
+def _asleep(h: Harness, s: object, arena: str, kept: int = 0) -> list[int]:
+    """ARENA_SLEEP, and the retired chunks reported unmapped as a client does."""
+    out = h.ok(s, p.SleepArena(name=arena, kept_bytes=kept))
+    assert isinstance(out.reply, p.MapReply) and out.reply.chunks == []
+    retired = [c.id for c in out.reply.retired]
+    h.unmapped(s, arena, retired)  # type: ignore[arg-type]
+    return retired
+
+
+def test_sleep_frees_the_device_for_others_and_wake_commits_the_same_offsets(h: Harness) -> None:
+    engine, trainer = h.connect("engine"), h.connect("trainer")
+    h.create(engine, "weights", 512 * MiB)
+    before = h.commit(engine, "weights", 100 * MiB).reply.chunks
+    retired = _asleep(h, engine, "weights")
+    assert sorted(retired) == sorted(c.id for c in before)
+    assert h.state.arenas.accounted_bytes() == 0  # every byte is the device's again
+    h.create(trainer, "scratch", 512 * MiB)
+    h.commit(trainer, "scratch", CAPACITY)  # all of it, the sleeper's included
+    # The wake cannot have it: the figures, and who holds it.
+    refusal = h.refused(engine, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
+    assert "client 'trainer'" in refusal.message and refusal.detail["requested"] == 100 * MiB
+    h.release(trainer, "scratch")
+    woken = h.ok(engine, p.WakeArena(name="weights")).reply
+    assert woken.arena.committed == 100 * MiB
+    assert sorted((c.offset, c.size) for c in woken.chunks) == sorted((c.offset, c.size) for c in before)
+    assert all(c.fresh for c in h.state.arenas.by_name["weights"].chunks)  # zeroed before their first fd leaves
+    h.refused(engine, p.WakeArena(name="weights"), p.ErrorCode.INVALID_ARGUMENT)  # awake already
+
+
+def test_an_arena_asleep_refuses_commit_decommit_and_attach(h: Harness) -> None:
+    engine, other = h.connect("engine"), h.connect("other")
+    h.create(engine, "weights", 512 * MiB)
+    h.commit(engine, "weights", 64 * MiB)
+    h.share(engine, "weights", "other")
+    _asleep(h, engine, "weights")
+    for message in (p.CommitArena(name="weights", nbytes=32 * MiB), p.DecommitArena(name="weights", to_nbytes=0)):
+        refusal = h.refused(engine, message, p.ErrorCode.ARENA_ASLEEP)
+        assert refusal.detail == {"arena": "weights", "committed": 64 * MiB}
+    h.refused(other, p.AttachArena(name="weights"), p.ErrorCode.ARENA_ASLEEP)
+    h.refused(engine, p.SleepArena(name="weights"), p.ErrorCode.ARENA_ASLEEP)
+    h.refused(other, p.WakeArena(name="weights"), p.ErrorCode.PERMISSION_DENIED)  # the owner's alone
+
+
+def test_an_arena_attached_by_another_session_does_not_sleep(h: Harness) -> None:
+    engine, reader = h.connect("engine"), h.connect("reader")
+    h.create(engine, "weights", 512 * MiB)
+    h.commit(engine, "weights", 64 * MiB)
+    h.share(engine, "weights", "reader")
+    h.attach(reader, "weights")
+    refusal = h.refused(engine, p.SleepArena(name="weights"), p.ErrorCode.INVALID_ARGUMENT)
+    assert "reader" in refusal.message
+    assert h.state.arenas.by_name["weights"].committed == 64 * MiB  # nothing was taken from the reader
+
+
+def test_sleep_goes_under_graph_pools_which_stay_registered(h: Harness) -> None:
+    engine = h.connect("engine")
+    h.create(engine, "graphs", 512 * MiB)
+    h.commit(engine, "graphs", 64 * MiB)
+    pool = h.ok(engine, p.RegisterGraphPool(arena="graphs", label="decode", extents=[p.Extent(offset=0, size=32 * MiB)], free_runs=[]))
+    h.refused(engine, p.DecommitArena(name="graphs", to_nbytes=0), p.ErrorCode.INVALID_ARGUMENT)  # a decommit may not
+    _asleep(h, engine, "graphs")
+    assert list(h.state.graph_pools.by_id) == [pool.reply.pool.id]
+    h.ok(engine, p.WakeArena(name="graphs"))
+    assert h.state.graph_pools.by_id[pool.reply.pool.id].epoch == pool.reply.pool.epoch  # as it was
+
+
+def test_host_buffers_are_sealed_counted_and_limited(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness(sleep_host_limit=24 * MiB)
+    a, b = h.connect("engine-a"), h.connect("engine-b")
+    h.create(a, "wa", 512 * MiB)
+    h.create(b, "wb", 512 * MiB)
+    _, fd = _buffer(h, a, "wa", 16 * MiB)
+    # Sealed: the holder of a descriptor cannot grow it past what is counted.
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 64 * MiB)
+    assert os.fstat(fd).st_size == 16 * MiB
+    again, _ = _buffer(h, a, "wa", 8 * MiB)  # large enough: the same one again
+    assert again == h.state.sleepers.buffers["wa"].id
+    refusal = h.refused(b, p.SleepBuffer(arena="wb", nbytes=10 * MiB), p.ErrorCode.HOST_LIMIT)
+    assert refusal.detail == {"limit": 24 * MiB, "used": 16 * MiB, "requested": 10 * MiB}
+    assert "client 'engine-a'" in refusal.message and "--sleep-host-limit" in refusal.message
+    _buffer(h, b, "wb", 8 * MiB)
+    status = h.state.status()
+    assert {c.name: c.host_bytes for c in status.clients} == {"engine-a": 16 * MiB, "engine-b": 8 * MiB}
+    assert (status.daemon.sleep_host_bytes, status.daemon.sleep_host_limit) == (24 * MiB, 24 * MiB)
+    h.refused(b, p.SleepBuffer(arena="wa", nbytes=2 * MiB), p.ErrorCode.PERMISSION_DENIED)  # not its arena
+    h.ok(a, p.FreeSleepBuffer(arena="wa"))
+    assert h.state.sleepers.host_bytes() == 8 * MiB
+    # Growing replaces the buffer: only the difference needs room.
+    _buffer(h, b, "wb", 24 * MiB)
+    assert h.state.sleepers.host_bytes() == 24 * MiB
+
+
+def test_kept_bytes_must_fit_the_buffer_and_the_arena(h: Harness) -> None:
+    engine = h.connect("engine")
+    h.create(engine, "weights", 512 * MiB)
+    h.commit(engine, "weights", 16 * MiB)
+    h.refused(engine, p.SleepArena(name="weights", kept_bytes=4 * MiB), p.ErrorCode.INVALID_ARGUMENT)  # no buffer
+    _buffer(h, engine, "weights", 32 * MiB)
+    h.refused(engine, p.SleepArena(name="weights", kept_bytes=32 * MiB), p.ErrorCode.INVALID_ARGUMENT)  # beyond the arena
+    _asleep(h, engine, "weights", kept=16 * MiB)
+    (sleeper,) = h.state.status().sleepers
+    assert (sleeper.arena, sleeper.owner, sleeper.asleep, sleeper.committed_bytes, sleeper.kept_bytes, sleeper.host_bytes) == (
+        "weights", "engine", True, 16 * MiB, 16 * MiB, 32 * MiB,
+    )
+    h.refused(engine, p.FreeSleepBuffer(arena="weights"), p.ErrorCode.ARENA_ASLEEP)  # its contents are in there
+
+
+def test_a_sleeper_that_dies_leaves_nothing_behind(h: Harness) -> None:
+    engine, trainer = h.connect("engine"), h.connect("trainer")
+    h.create(engine, "weights", 512 * MiB)
+    h.commit(engine, "weights", 64 * MiB)
+    _buffer(h, engine, "weights", 64 * MiB)
+    _asleep(h, engine, "weights", kept=64 * MiB)
+    h.create(trainer, "scratch", 512 * MiB)
+    h.commit(trainer, "scratch", 128 * MiB)
+    h.state.close_session(engine.id)
+    assert h.state.sleepers.host_bytes() == 0 and not h.state.sleepers.asleep and not h.state.sleepers.buffers
+    assert h.state.arenas.accounted_bytes() == 128 * MiB  # the trainer's, untouched
+    assert h.state.arenas.by_name["scratch"].committed == 128 * MiB
+    # the fixture checks every descriptor (the buffer's memfd) was closed
+
+
+def test_a_restart_keeps_the_sleeper_and_its_buffer(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    engine = h.connect("engine")
+    h.create(engine, "weights", 512 * MiB)
+    h.commit(engine, "weights", 8 * MiB)
+    buffer_id, fd = _buffer(h, engine, "weights", 8 * MiB)
+    with mmap.mmap(fd, 8 * MiB) as m:
+        m[:5] = b"hello"
+    _asleep(h, engine, "weights", kept=8 * MiB)
+    first.persist(h.state)
+    assert host_buffer_name(buffer_id) in store.held
+    h.state.arenas.close()
+
+    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
+    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again.state, store.passed())
+    try:
+        assert again.state.restore_problems == []
+        (sleeper,) = again.state.status().sleepers
+        assert (sleeper.asleep, sleeper.committed_bytes, sleeper.kept_bytes, sleeper.host_bytes) == (True, 8 * MiB, 8 * MiB, 8 * MiB)
+        kept = again.state.sleepers.buffers["weights"]
+        assert os.pread(kept.fd, 5, 0) == b"hello"  # the contents outlived the daemon
+        session = again.state.sessions[engine.id]
+        session.waiting = False  # as its RESUME does
+        assert again.ok(session, p.WakeArena(name="weights")).reply.arena.committed == 8 * MiB
+    finally:
+        again.state.drop_all()
+        first.close()
+        second.close()
+        store.drop()
+
+
+def test_a_stored_buffer_that_is_not_the_one_stored_is_not_adopted(make_harness: Callable[..., Harness]) -> None:
+    h = make_harness()
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    engine = h.connect("engine")
+    h.create(engine, "weights", 512 * MiB)
+    buffer_id, _ = _buffer(h, engine, "weights", 8 * MiB)
+    first.persist(h.state)
+    h.state.arenas.close()
+    passed = store.passed()
+    name = host_buffer_name(buffer_id)
+    os.close(passed[name][0])
+    impostor = os.memfd_create("impostor")
+    os.ftruncate(impostor, 2 * MiB)
+    passed[name] = [impostor]
+    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
+    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again.state, passed)
+    try:
+        assert "weights" not in again.state.sleepers.buffers
+        problems = again.state.restore_problems
+        assert any(f"named {name!r} that are not the one" in x for x in problems) and any("missing from the fd store" in x for x in problems)
+        with pytest.raises(OSError) as closed:
+            os.fstat(impostor)  # not adopted: closed
+        assert closed.value.errno == errno.EBADF
+    finally:
+        again.state.drop_all()
+        first.close()
+        second.close()
+        store.drop()
+
+
+def test_a_wake_that_does_not_fit_asks_kv_pools_above_their_share_to_give_back(h: Harness) -> None:
+    from .test_kv_moves import give_back, shrink_notices
+    from .test_kv_rounds import capture, commit_reply, declare, done, join
+
+    sleeper, server = h.connect("sleeper"), h.connect("server")
+    h.create(sleeper, "weights", 512 * MiB)
+    h.commit(sleeper, "weights", 64 * MiB)
+    _asleep(h, sleeper, "weights")
+    # Meanwhile a serving engine's KV pool takes the whole device (4 KiB rows: 256 a MiB).
+    declare(h, server, "kv")
+    join(h, server, "kv")
+    capture(h, server, "kv", 1, min_tokens=1024)
+    assert commit_reply(done(h)[1]).pool.tokens == 65536 and h.state.arenas.available_bytes() == 0
+    h.ok(server, p.KvDemand(pool="kv", in_use=0))  # idle
+    refusal = h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
+    assert "KV pools kv were asked to give back" in refusal.message and "client 'server'" in refusal.message
+    (ask,) = shrink_notices(h)
+    assert ask[:2] == (server.id, "kv") and ask[2] <= 65536 - 64 * 256
+    h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
+    assert shrink_notices(h) == []  # asked once, not at every retry
+    give_back(h, server, "kv", ask[2])
+    assert h.ok(sleeper, p.WakeArena(name="weights")).reply.arena.committed == 64 * MiB
