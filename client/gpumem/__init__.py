@@ -17,6 +17,8 @@ from gpumem.errors import (
     BorrowOutOfMemory,
     BorrowStreamMismatch,
     DaemonStopped,
+    GroupHeld,
+    NotFenced,
     SessionLost,
     DaemonTimeout,
     DaemonUnavailable,
@@ -45,11 +47,14 @@ from gpumem.graph_pools import GraphPool
 from gpumem.leases import Lease
 from gpumem.views import RawView
 from gpumem.kv_pool import KvBuffer, KvPool, RoundWait
+from gpumem.prefix_directory import PrefixDirectory
+from gpumem.retain import Adopted, RetainGroup
 from gpumem.session import Session, connect
 from gpumem_shared import __version__
 from gpumem_shared.protocol import Extent
 
 __all__ = [
+    "Adopted",
     "AlreadyExists",
     "Arena",
     "ArenaUsage",
@@ -66,6 +71,7 @@ __all__ = [
     "Extent",
     "GpuMemError",
     "GraphPool",
+    "GroupHeld",
     "InvalidArgument",
     "KvBuffer",
     "Lease",
@@ -74,10 +80,12 @@ __all__ = [
     "LeaseNotHeld",
     "KvPool",
     "MappingError",
+    "NotFenced",
     "NotFound",
     "OutOfMemory",
     "PagedKvCache",
     "PermissionDenied",
+    "PrefixDirectory",
     "ProtocolMismatch",
     "RoundFailed",
     "RoundWait",
@@ -87,6 +95,7 @@ __all__ = [
     "StaleEpoch",
     "TorchFeatureMissing",
     "RawView",
+    "RetainGroup",
     "VaCollision",
     "__version__",
     "connect",

@@ -94,6 +94,7 @@ class StateImage(msgspec.Struct, array_like=True):
     # Each stored fd's identity (st_dev, st_ino) by its name, taken when it was stored: a
     # descriptor put in the store under that name by anyone else is not it.
     stored: dict[str, tuple[int, int]] | None = None
+    retained: Any = None  # the retain book's part (a record written before retain groups has none)
 
 
 # The ids the daemon hands out next, by book and field: each one issued is one more, and

@@ -32,10 +32,12 @@ from gpumemd import status
 from gpumemd.arenas import ArenaBook
 from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
+from gpumemd.fencing import Fence, fence_for, process_gone
 from gpumemd.graph_pools import GraphPoolBook
 from gpumemd.image import IMAGE_VERSION, Image, Imager, Keep, StateImage, Take
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
+from gpumemd.retained import RetainBook
 from gpumemd.tally import Tally
 from gpumemd.tenants import Tenants
 
@@ -45,33 +47,6 @@ Handler = Callable[[Any, Any], Outcome]
 
 # Requests that change nothing a restart must find: no durable record is written for them.
 _READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent})
-
-# A process that started more than this after a session's HELLO is not the one that said
-# it (its pid was reused): /proc gives the start in clock ticks after a boot time in
-# whole seconds.
-_START_SLACK = 2.0
-
-
-def process_gone(pid: int, since: float) -> bool:
-    """Whether the process that said HELLO as ``pid`` at ``since`` (unix time) is provably
-    gone: no such process, a zombie (its descriptors are closed), or one that started
-    after that HELLO. Anything unreadable proves nothing."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        with open("/proc/stat", "rb") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    except (OSError, StopIteration, ValueError):
-        return False
-    fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
-    if fields[0] in (b"Z", b"X"):
-        return True
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK") > since + _START_SLACK
-
 
 # Both about its connection: a rebuilt session waits for its client, whose RESUME says what it sends again.
 _SESSION = Imager(SessionRecord, "waiting", "resending")
@@ -89,6 +64,7 @@ class DaemonState:
         config: StateConfig,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        fence: Fence | None = None,
     ) -> None:
         self.driver = driver
         self.config = config
@@ -122,11 +98,13 @@ class DaemonState:
         self.arenas = ArenaBook(driver, config, self.device, self.tenants)
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, self.tally)
+        fence = fence or fence_for(driver.kind, self.device.uuid)
+        self.retained = RetainBook(self.arenas, self.kv, self.sessions, config, clock, fence)
         self._handlers: dict[type, Handler] = {
             p.Ping: lambda s, m: Outcome(p.Ack()),
             p.Status: lambda s, m: Outcome(self.status()),
             p.CreateArena: self._create_arena,
-            p.AttachArena: self.arenas.attach,
+            p.AttachArena: self._attach,
             p.ShareArena: self.arenas.share,
             p.UnshareArena: self.arenas.unshare,
             p.CommitArena: self.arenas.commit,
@@ -146,6 +124,10 @@ class DaemonState:
             p.PublishLeaseEvent: self.graph_pools.publish_event,
             p.LookupLeaseEvent: self.graph_pools.lookup_event,
             p.ReportEscape: self._report_escape,
+            p.RetainGroup: self.retained.open,
+            p.Retain: self.retained.mark,
+            p.Adopt: self.retained.adopt,
+            p.AdoptDone: self.retained.adopt_done,
         }
         # Answered later, when their round commits or fails: they need the request id.
         self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow}
@@ -288,11 +270,12 @@ class DaemonState:
         notices: Notices = []
         rounds = self.kv.drop_session(session_id)
         self.graph_pools.session_ended(session_id)
+        kept = self.retained.session_ended(session)  # orphaned for an adopter, not reclaimed
         for arena in left:
             self.arenas.detach(arena, session_id)
             if arena.owner_id == session_id:
                 self.arenas.owner_left(arena, notices, released=False)
-            if not arena.attached:
+            if not arena.attached and arena.name not in kept:
                 self._destroy(arena, notices)
             elif arena.owner_id == session_id:
                 log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
@@ -350,6 +333,10 @@ class DaemonState:
     def _create_arena(self, s: SessionRecord, m: p.CreateArena) -> Outcome:
         return Outcome(p.ArenaReply(arena=self.arenas.view(self.arenas.create(s, m.name, m.reserve_bytes))))
 
+    def _attach(self, s: SessionRecord, m: p.AttachArena) -> Outcome:
+        self.retained.check_attach(m.name)
+        return self.arenas.attach(s, m)
+
     def _decommit(self, s: SessionRecord, m: p.DecommitArena) -> Outcome:
         arena, drop = self.arenas.decommit_cut(s, m)
         if drop:
@@ -386,6 +373,7 @@ class DaemonState:
         for pool in self.graph_pools.in_arena(arena.name):
             self.graph_pools.drop(pool)
         left = self.kv.drop_pool(arena.name) if arena.kv else []
+        self.retained.forget(arena.name)
         self.arenas.destroy(arena, notices)
         if not self.stopping:
             for round_ in left:  # it may have been the last one pending
@@ -408,6 +396,11 @@ class DaemonState:
                     "released like a dead client's", session.id, session.name, session.pid, self.config.restart_grace,
                 )
                 self._notices += self.close_session(session.id)
+        for name in self.retained.expired():
+            arena = self.arenas.by_name.get(name)
+            if arena is not None and not arena.attached:  # a sharer still attached keeps it, as a dead owner's
+                self._destroy(arena, self._notices)
+                self.dirty = True
         escapes = self.tally.escapes
         if len(escapes) > len(self.graph_pools.by_id):  # pools went: their counts go too
             for gone in escapes.keys() - self.graph_pools.by_id.keys():
@@ -430,7 +423,9 @@ class DaemonState:
             self.driver.kind, now - self.started, self.config.runtime_dir, self.stopping, self.generation, grace,
             self.restore_problems,
         )
-        return status.assemble(daemon, self.sessions, self.arenas, self.graph_pools, self.kv, self.clock())
+        reply = status.assemble(daemon, self.sessions, self.arenas, self.graph_pools, self.kv, self.clock())
+        reply.retained = self.retained.status()
+        return reply
 
     # ------------------------------------------------------------------ the durable record
 
@@ -441,7 +436,7 @@ class DaemonState:
         return StateImage(
             IMAGE_VERSION, self.device.uuid, self.driver.kind, self.config.va_base, self.generation,
             SessionsImage(sessions, self.next_session),
-            self.arenas.image(keep), self.graph_pools.image(keep), self.kv.image(),
+            self.arenas.image(keep), self.graph_pools.image(keep), self.kv.image(), retained=self.retained.image(),
         )
 
     def restore(self, image: StateImage, take: Take) -> None:
@@ -454,6 +449,8 @@ class DaemonState:
         self.arenas.restore(image.arenas, take)
         self.graph_pools.restore(image.graph_pools, take)
         self.kv.restore(image.kv)
+        if image.retained is not None:
+            self.retained.restore(image.retained)
         self.generation = image.generation + 1
         if self.sessions:
             self.grace_deadline = self.clock() + self.config.restart_grace

@@ -51,6 +51,10 @@ SAMPLES: list[Any] = [
     p.PublishLeaseEvent(pool_id=1, handle=bytes(range(64))),
     p.LookupLeaseEvent(pool_id=1, session=3),
     p.ReportEscape(pool_id=1, escaped=True),
+    p.RetainGroup(group="engine-a"),
+    p.Retain(group="engine-a", name="kv", retained=False),
+    p.Adopt(group="engine-a", secret="ef" * 32),
+    p.AdoptDone(group="engine-a"),
 ]
 
 
@@ -94,6 +98,8 @@ def test_error_code_numbers_never_change() -> None:
         "ROUND_FAILED": 14,
         "SESSION_LOST": 15,
         "RESOURCE_EXHAUSTED": 16,
+        "GROUP_HELD": 20,
+        "NOT_FENCED": 21,
     }
 
 
@@ -126,6 +132,10 @@ def test_message_type_numbers_never_change() -> None:
         "LEASE_EVENT_PUBLISH": 34,
         "LEASE_EVENT_LOOKUP": 35,
         "GRAPH_POOL_ESCAPE": 36,
+        "RETAIN_GROUP": 50,
+        "RETAIN": 51,
+        "ADOPT": 52,
+        "ADOPT_DONE": 53,
         "FD_BATCH": 100,
         "NOTICE": 101,
     }

@@ -28,6 +28,7 @@ from gpumem_shared.protocol.graph_pools import (
     UpdateGraphPool,
 )
 from gpumem_shared.protocol.kv import CaptureDone, KvDeclare, KvDemand, KvGrow, KvShrink, RoundJoin
+from gpumem_shared.protocol.retain import Adopt, AdoptDone, Retain, RetainGroup
 from gpumem_shared.protocol.session import FdBatch, Hello, Notice, Ping, Resume
 from gpumem_shared.protocol.status import Status
 
@@ -62,6 +63,10 @@ REQUESTS: dict[int, type[RequestMessage]] = {
         PublishLeaseEvent,
         LookupLeaseEvent,
         ReportEscape,
+        RetainGroup,
+        Retain,
+        Adopt,
+        AdoptDone,
     )
 }
 

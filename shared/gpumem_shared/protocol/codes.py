@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 6)
+PROTOCOL_VERSION: tuple[int, int] = (1, 8)
 
 # The oldest protocol HELLO accepts, on either side (see the package doc, __init__.py).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
@@ -51,6 +51,8 @@ class ErrorCode(enum.IntEnum):
     ROUND_FAILED = 14  # a KV commit round failed: deadline passed, or the budget is short
     SESSION_LOST = 15  # RESUME of a session the restarted daemon does not hold (grace period over, no record)
     RESOURCE_EXHAUSTED = 16  # a tenant's (uid's) limit: sessions, arenas, address space, graph pools
+    GROUP_HELD = 20  # a retain group another live session holds (its owner, or the adopter that won)
+    NOT_FENCED = 21  # a retain group's last holder may still write its memory: adoption waits
 
 
 class MsgType(enum.IntEnum):
@@ -81,6 +83,10 @@ class MsgType(enum.IntEnum):
     LEASE_EVENT_PUBLISH = 34
     LEASE_EVENT_LOOKUP = 35
     GRAPH_POOL_ESCAPE = 36
+    RETAIN_GROUP = 50
+    RETAIN = 51
+    ADOPT = 52
+    ADOPT_DONE = 53
     # fd channel, daemon -> client
     FD_BATCH = 100
     NOTICE = 101

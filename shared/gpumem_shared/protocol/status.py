@@ -6,6 +6,7 @@ import msgspec
 
 from gpumem_shared.protocol.base import Extent, Message, RequestMessage, RoundBudget
 from gpumem_shared.protocol.codes import Backend, MsgType, RoundPolicy, RoundState
+from gpumem_shared.protocol.retain import RetainedStatus
 
 
 class DaemonStatus(Message):
@@ -162,6 +163,7 @@ class StatusReply(Message):
     rounds: list[RoundStatus] = msgspec.field(default_factory=list)
     kv: list[KvPoolStatus] = msgspec.field(default_factory=list)
     graph_pools: list[GraphPoolStatus] = msgspec.field(default_factory=list)
+    retained: list[RetainedStatus] = msgspec.field(default_factory=list)  # since 1.8: retain groups, orphaned ones included
 
     def __post_init__(self) -> None:
         # Either name may be the one filled: a 1.1 daemon sends ``extents`` only, a
