@@ -11,18 +11,26 @@ Commands, besides every one of tests/clients.py:
   dirtear NAME BLOCK HASH      (a publish cut short: the first half of the entry written)
   dirscan NAME BLOCKS          (JSON: blocks {hash: block}, empty, corrupt, beyond)
   diropen NAME                 (an adopted arena opened as a directory)
+  roshare ARENA CLIENT|-       (a read-only grant; its token)
+  rofds ARENA [TOKEN]          (ARENA_ATTACH on the control channel, its descriptors taken off the fd channel
+                                here and tried: JSON access mode, and whether a writable shared mapping and a
+                                read-write reopen through /proc succeed; closed after)
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import mmap
 import os
+import select
 import socket
 import struct
 import sys
 
 import clients
 import gpumem
+from gpumem_shared import protocol as p
 from gpumem.prefix_directory import ENTRY_BYTES, HEADER_BYTES, PrefixDirectory
 
 GROUPS: dict[str, gpumem.RetainGroup] = {}
@@ -80,7 +88,36 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
     if cmd == "dirscan":
         scan = DIRECTORIES[args[0]].scan(int(args[1]))
         return json.dumps({"blocks": {str(h): b for h, b in scan.blocks.items()}, "empty": scan.empty, "corrupt": scan.corrupt, "beyond": scan.beyond})
+    if cmd == "roshare":
+        return arenas[args[0]].share(None if args[1] == "-" else args[1], read_only=True)
+    if cmd == "rofds":
+        return json.dumps(_try_fds(session, args[0], args[1] if len(args) > 1 else ""))
     return clients.run(session, arenas, cmd, args)
+
+
+def _try_fds(session: gpumem.Session, arena: str, token: str) -> dict[str, object]:
+    reply = session.channel._control.call(p.AttachArena(name=arena, token=token), session.timeout)
+    sock = session.channel._sockets.fd_sock
+    assert sock is not None
+    got: list[int] = []
+    while len(got) < len(reply.chunks) and select.select([sock], [], [], 5.0)[0]:
+        _, fds, _, _ = socket.recv_fds(sock, 1 << 16, p.MAX_FDS_PER_MESSAGE)
+        got += fds
+    out: dict[str, object] = {"read_only": reply.read_only, "fds": len(got), "modes": [], "write_map": [], "reopen_rw": []}
+    for fd in got:
+        out["modes"].append("rdonly" if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY else "rdwr")  # type: ignore[attr-defined]
+        try:
+            mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE).close()
+            out["write_map"].append(True)  # type: ignore[attr-defined]
+        except OSError:
+            out["write_map"].append(False)  # type: ignore[attr-defined]
+        try:
+            os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDWR))
+            out["reopen_rw"].append(True)  # type: ignore[attr-defined]
+        except OSError:
+            out["reopen_rw"].append(False)  # type: ignore[attr-defined]
+        os.close(fd)
+    return out
 
 
 def main() -> int:

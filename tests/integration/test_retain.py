@@ -247,3 +247,42 @@ def test_the_prefix_directory_outlives_its_writer(daemon: Any, spawn: Spawn, run
     scan = json.loads(do(standby, "dirscan kv-prefix 4"))  # it committed 4 blocks: block 5 is past them
     assert scan["blocks"] == {"11": 0, "33": 2}
     assert (scan["corrupt"], scan["beyond"]) == (1, 1)
+
+
+def test_a_read_only_grant_maps_the_weights_for_reading_only(daemon: Any, backend: str, spawn: Spawn, runtime_dir: Path) -> None:
+    eng = spawn("primary")
+    address = int(do(eng, f"create weights {GiB}"))
+    do(eng, f"commit weights {8 * MiB}")
+    do(eng, f"fill weights 0 {8 * MiB} 171")
+    do(eng, "roshare weights standby")
+    standby = spawn("standby")
+    assert int(do(standby, "attach weights")) == address
+    assert do(standby, f"check weights 0 {8 * MiB} 171") == "MATCH"
+    assert reply(standby, "write weights 0 00").startswith("ERR PermissionDenied")
+    grants = {a["name"]: a["grants"] for a in status(runtime_dir)["arenas"]}["weights"]
+    assert [g["read_only"] for g in grants] == [True]
+    eng.kill()  # the standby keeps what it maps: the weights outlive the primary
+    wait_status(runtime_dir, lambda s: [c["name"] for c in s["clients"]] == ["standby"], 10.0, "the primary gone")
+    assert do(standby, f"check weights 0 {8 * MiB} 171") == "MATCH"
+
+
+@needs_root
+def test_a_read_only_grants_descriptors_cannot_map_writable(daemon_factory: Any, spawn: Spawn, runtime_dir: Path) -> None:
+    """The host backend's descriptors themselves: opened read-only (no writable shared
+    mapping, as root too), and not to be opened again read-write through /proc by
+    anyone but root. CUDA's read-only is the mapping's access (docs/architecture.md)."""
+    daemon_factory("host")
+    os.chmod(runtime_dir, 0o750)  # the other uid reaches the sockets through group root
+    eng = spawn("primary")
+    do(eng, f"create weights {GiB}")
+    do(eng, f"commit weights {8 * MiB}")
+    token = do(eng, "roshare weights -")
+    for name, args in (("reader", ()), ("other", ("--as", f"{OTHER_UID}:0"))):
+        c = spawn(name, *args)
+        got = json.loads(do(c, f"rofds weights {token}"))
+        assert got["read_only"] and got["fds"] >= 1
+        assert set(got["modes"]) == {"rdonly"} and not any(got["write_map"]), got
+        if name == "other":
+            assert not any(got["reopen_rw"]), got
+    assert do(eng, "write weights 0 c0ffee") is not None  # the owner's own mapping stays writable
+    assert do(eng, "read weights 0 3") == "c0ffee"

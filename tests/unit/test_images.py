@@ -95,6 +95,8 @@ def populated(h: Harness) -> None:
     arena.owner_alive, arena.released = False, True
     arena.chunks[0].fresh = False
     arena.grants[0].uid_implied = True
+    arena.grants[0].read_only = True
+    arena.readers.add(peer.id)
     st.graph_pools.by_id[pool_id].lease_repairs = 3
     st.graph_pools.by_id[pool_id].segment_moves = 2  # its segment is stored as lease-<id>.2
     kv = st.kv.pools["kv"]

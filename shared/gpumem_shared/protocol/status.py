@@ -60,6 +60,7 @@ class GrantStatus(Message):
     # ``uid`` is the owner's, implied by a share that named a client alone: a session
     # that gives the token is admitted under any uid.
     uid_implied: bool = False
+    read_only: bool = False  # since 1.8: it admits read-only mappings
 
 
 class ArenaStatus(Message):
