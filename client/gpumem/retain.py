@@ -103,15 +103,22 @@ def adopt(core: SessionCore, group: str, secret: str, *, wait: float = 0.0, conf
     """``Session.adopt``: take over retain group ``group`` with its ``secret``. While
     its holder still lives (``GroupHeld``) or may still write (``NotFenced``), tries again
     for up to ``wait`` seconds, then raises that error (which names the holder or the
-    pid). Maps every object at its addresses; ``confirm`` (the default) then tells the
+    pid); at once where another adopter took it first (``GroupHeld`` naming it). Maps every object at its addresses; ``confirm`` (the default) then tells the
     daemon, or call ``Adopted.confirm()`` once the engine checked what it got."""
     deadline = time.monotonic() + wait
     pause = _FIRST_RETRY_S
+    holder: int | str | None = None  # the session holding the group when this began to wait
     while True:
         try:
             reply, fds = core.channel.call(p.Adopt(group=group, secret=secret))
             break
-        except (GroupHeld, NotFenced):
+        except (GroupHeld, NotFenced) as exc:
+            if isinstance(exc, GroupHeld):
+                # Held by an adopter, or by another session than the one waited for: an
+                # adopter came first, and waiting longer would not change that.
+                if exc.detail.get("adopting") or holder not in (None, exc.detail.get("holder_session")):
+                    raise
+                holder = exc.detail.get("holder_session")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise

@@ -112,6 +112,7 @@ class RetainBook:
             holder=s.name if s else "",
             holder_pid=s.pid if s else 0,
             holder_session=group.holder,
+            adopting=int(group.adopting),
         )
 
     def group_of(self, name: str) -> GroupRecord | None:
