@@ -288,3 +288,47 @@ def test_a_read_only_grants_descriptors_cannot_map_writable(daemon_factory: Any,
             assert not any(got["reopen_rw"]), got
     assert do(eng, "write weights 0 c0ffee") is not None  # the owner's own mapping stays writable
     assert do(eng, "read weights 0 3") == "c0ffee"
+
+
+_ENGINE = r"""
+import sys, time
+import gpumem
+mem = gpumem.EngineMemory("primary", runtime_dir=sys.argv[1])
+kv = mem.kv_cache(layers=2, block_shape=(16, 64), itemsize=2, max_blocks=64)
+assert mem.kv_commit(max_blocks=32) == 32
+k0 = kv.pool.buffers["k0"]
+kv.pool.arena.write(k0.offset + 3 * k0.row_bytes, bytes([7]) * k0.row_bytes)  # block 3 of layer 0's K
+group = mem.retain("engine")
+mem.prefix.publish(3, 1234)
+print("READY", group.secret, kv.pool.arena.address, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_engine_adopts_a_dead_engines_kv_cache_and_prefix_directory(daemon: Any, runtime_dir: Path) -> None:
+    import gpumem
+
+    primary = subprocess.Popen([sys.executable, "-c", _ENGINE, str(runtime_dir)], stdout=subprocess.PIPE, text=True, env=child_env(runtime_dir))
+    try:
+        assert primary.stdout is not None
+        secret, address = primary.stdout.readline().split()[1:]
+        primary.kill()
+        primary.wait()
+        with gpumem.EngineMemory("standby", runtime_dir=str(runtime_dir)) as mem:
+            adopted = mem.adopt_kv("engine", secret, layers=2, block_shape=(16, 64), itemsize=2, wait=10)
+            assert adopted.confirmed and adopted.previous.startswith("client 'primary'")
+            assert mem.kv is not None and mem.prefix is not None
+            assert (mem.kv.blocks, mem.kv.max_blocks, mem.kv.pool.arena.address) == (32, 64, int(address))
+            k0 = mem.kv.pool.buffers["k0"]
+            assert mem.kv.pool.arena.read(k0.offset + 3 * k0.row_bytes, k0.row_bytes) == bytes([7]) * k0.row_bytes
+            assert mem.prefix.scan(mem.kv.blocks).blocks == {1234: 3}
+            mem.prefix.publish(4, 4321)  # it goes on publishing where the dead one stopped
+            assert mem.prefix.scan().blocks == {1234: 3, 4321: 4}
+    finally:
+        if primary.poll() is None:
+            primary.kill()
+            primary.wait()
+        if primary.stdout is not None:
+            primary.stdout.close()
+    s = wait_status(runtime_dir, lambda s: not s["arenas"], 5.0, "the standby's close released everything")
+    assert s["device"]["accounted_bytes"] == 0
