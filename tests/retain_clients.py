@@ -12,6 +12,8 @@ Commands, besides every one of tests/clients.py:
   dirscan NAME BLOCKS          (JSON: blocks {hash: block}, empty, corrupt, beyond)
   diropen NAME                 (an adopted arena opened as a directory)
   roshare ARENA CLIENT|-       (a read-only grant; its token)
+  access ARENA                 (how this process may touch the arena's first byte: "rw" or "r"; the
+                                host's /proc/self/maps, CUDA's cuMemGetAccess)
   rofds ARENA [TOKEN]          (ARENA_ATTACH on the control channel, its descriptors taken off the fd channel
                                 here and tried: JSON access mode, and whether a writable shared mapping and a
                                 read-write reopen through /proc succeed; closed after)
@@ -90,9 +92,30 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
         return json.dumps({"blocks": {str(h): b for h, b in scan.blocks.items()}, "empty": scan.empty, "corrupt": scan.corrupt, "beyond": scan.beyond})
     if cmd == "roshare":
         return arenas[args[0]].share(None if args[1] == "-" else args[1], read_only=True)
+    if cmd == "access":
+        return _access(session, arenas[args[0]].address)
     if cmd == "rofds":
         return json.dumps(_try_fds(session, args[0], args[1] if len(args) > 1 else ""))
     return clients.run(session, arenas, cmd, args)
+
+
+def _access(session: gpumem.Session, address: int) -> str:
+    if session.backend == "cuda":
+        from cuda.bindings import driver as cu
+
+        where = cu.CUmemLocation()
+        where.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        where.id = session.device_ordinal or 0
+        err, flags = cu.cuMemGetAccess(where, address)
+        assert int(err) == 0, err
+        return {cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: "rw", cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ: "r"}.get(flags, str(flags))
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return perms[:2].replace("-", "")
+    return "unmapped"
 
 
 def _try_fds(session: gpumem.Session, arena: str, token: str) -> dict[str, object]:

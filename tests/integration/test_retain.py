@@ -261,6 +261,7 @@ def test_a_read_only_grant_maps_the_weights_for_reading_only(daemon: Any, backen
     assert int(do(standby, "attach weights")) == address
     assert do(standby, f"check weights 0 {8 * MiB} 171") == "MATCH"
     assert reply(standby, "write weights 0 00").startswith("ERR PermissionDenied")
+    assert do(standby, "access weights") == "r" and do(eng, "access weights") == "rw"
     grants = {a["name"]: a["grants"] for a in status(runtime_dir)["arenas"]}["weights"]
     assert [g["read_only"] for g in grants] == [True]
     eng.kill()  # the standby keeps what it maps: the weights outlive the primary
