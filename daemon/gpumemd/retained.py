@@ -118,6 +118,12 @@ class RetainBook:
     def group_of(self, name: str) -> GroupRecord | None:
         return next((g for g in self.groups.values() if name in g.objects), None)
 
+    def orphaned(self, name: str) -> bool:
+        """Whether arena ``name`` is kept for an adopter: nobody attached is no reason to
+        release it."""
+        group = self.group_of(name)
+        return group is not None and not group.holder
+
     # ------------------------------------------------------------------ requests
 
     def open(self, s: SessionRecord, m: p.RetainGroup) -> Outcome:
@@ -270,11 +276,10 @@ class RetainBook:
 
     # ------------------------------------------------------------------ what others change
 
-    def session_ended(self, session: SessionRecord) -> set[str]:
+    def session_ended(self, session: SessionRecord) -> None:
         """``session`` ended without releasing what it retained: the objects of the groups
-        it held are orphaned (the names returned, which the dispatcher must not reclaim);
-        a group it held with nothing left goes."""
-        kept: set[str] = set()
+        it held are orphaned (``orphaned`` says so to the dispatcher, which must not
+        reclaim them); a group it held with nothing left goes."""
         for group in [g for g in self.groups.values() if g.holder == session.id]:
             group.objects = [n for n in group.objects if n in self.arenas.by_name and self.arenas.by_name[n].owner_id == session.id]
             if not group.objects:
@@ -285,14 +290,12 @@ class RetainBook:
             was_adopting = group.adopting
             group.holder, group.adopting = 0, False
             group.previous, group.previous_pid, group.previous_since = session.name, session.pid, session.since
-            kept.update(group.objects)
             log.warning(
                 "retain group %r orphaned: client %r (pid %d) ended %s; %s kept until adopted, or released in %.0fs",
                 group.name, session.name, session.pid, "before confirming its adoption" if was_adopting else "without releasing it",
                 ", ".join(group.objects), group.deadline - self.clock(),
                 extra={"figures": {"pid": session.pid, "objects": len(group.objects)}},
             )
-        return kept
 
     def forget(self, name: str) -> None:
         """Arena ``name`` is gone: no group retains it; an orphaned group left empty goes."""

@@ -270,14 +270,14 @@ class DaemonState:
         notices: Notices = []
         rounds = self.kv.drop_session(session_id)
         self.graph_pools.session_ended(session_id)
-        kept = self.retained.session_ended(session)  # orphaned for an adopter, not reclaimed
+        self.retained.session_ended(session)  # what it retained is orphaned for an adopter, not reclaimed
         for arena in left:
             self.arenas.detach(arena, session_id)
             if arena.owner_id == session_id:
                 self.arenas.owner_left(arena, notices, released=False)
-            if not arena.attached and arena.name not in kept:
+            if not arena.attached and not self.retained.orphaned(arena.name):
                 self._destroy(arena, notices)
-            elif arena.owner_id == session_id:
+            elif arena.attached and arena.owner_id == session_id:
                 log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
         # Chunks of arenas gone since (one a restart could not rebuild) stop counting it.
         self.arenas.drop_holder(session_id)
@@ -365,7 +365,7 @@ class DaemonState:
             for pool in self.graph_pools.in_arena(arena.name):
                 self.graph_pools.drop(pool)  # its memory goes now, even while sharers stay attached
             self.arenas.owner_left(arena, notices, released=True)
-        if not arena.attached:
+        if not arena.attached and not self.retained.orphaned(arena.name):  # an orphan's last sharer leaving keeps it
             self._destroy(arena, notices)
         return Outcome(p.Ack(), notices=notices)
 

@@ -279,3 +279,24 @@ def test_an_orphan_survives_a_restart_and_is_adopted_after_it(h: Harness, restar
     again.refused(standby, p.Adopt(group="g", secret="f" * 64), p.ErrorCode.PERMISSION_DENIED)
     reply, handed = adopt(again, standby, secret)
     assert reply.objects[0].arena.address == view.address and len(handed) == 1
+
+
+@pytest.mark.parametrize("last", ["releases", "dies"])
+def test_an_orphans_last_sharer_leaving_does_not_release_it(h: Harness, last: str) -> None:
+    s, secret, _ = primary_with_arena(h)
+    h.share(s, "weights-kv", "reader")
+    h.share(s, "weights-kv", "dying-reader")
+    reader, dying = h.connect("reader"), h.connect("dying-reader")
+    h.attach(reader, "weights-kv")
+    h.attach(dying, "weights-kv")
+    die(h, s)
+    if last == "releases":
+        die(h, dying)
+        h.release(reader, "weights-kv")
+    else:
+        h.release(reader, "weights-kv")
+        die(h, dying)
+    # Nobody is attached, and the group still waits.
+    assert h.state.arenas.accounted_bytes() == 8 * MiB and retained(h)["g"].state is p.RetainState.ORPHANED
+    reply, handed = adopt(h, h.connect("standby"), secret)
+    assert reply.objects[0].arena.committed == 8 * MiB and handed
