@@ -46,7 +46,7 @@ def main() -> int:
         bounds = Bounds()
         result.targets = {"daemon_alive": True, "rss_growth_bytes_max": bounds.rss_growth, "fds_growth_max": bounds.fds_growth}
         rt = cleanup.enter_context(c.runtime_dir("gmb-fuzz-"))
-        extra = ["--round-timeout", str(ROUND_TIMEOUT), "--hello-timeout", "2"]
+        extra = ["--round-timeout", str(ROUND_TIMEOUT), "--hello-timeout", "2", "--retain-grace", str(ROUND_TIMEOUT)]
         if args.backend == "host":
             extra += ["--host-capacity", args.host_capacity]
         daemon = c.Daemon(rt, args.backend, args=extra)

@@ -18,6 +18,8 @@ from gpumem.errors import (
     BorrowOutOfMemory,
     BorrowStreamMismatch,
     DaemonStopped,
+    GroupHeld,
+    NotFenced,
     SessionLost,
     DaemonTimeout,
     DaemonUnavailable,
@@ -47,12 +49,15 @@ from gpumem.graph_pools import GraphPool
 from gpumem.leases import Lease
 from gpumem.views import RawView
 from gpumem.kv_pool import KvBuffer, KvPool, RoundWait
+from gpumem.prefix_directory import PrefixDirectory
+from gpumem.retain import Adopted, RetainGroup
 from gpumem.session import Session, connect
 from gpumem.sleep import ArenaSleep
 from gpumem_shared import __version__
 from gpumem_shared.protocol import Extent
 
 __all__ = [
+    "Adopted",
     "AlreadyExists",
     "Arena",
     "ArenaAsleep",
@@ -72,6 +77,7 @@ __all__ = [
     "GpuMemError",
     "HostLimit",
     "GraphPool",
+    "GroupHeld",
     "InvalidArgument",
     "KvBuffer",
     "Lease",
@@ -80,10 +86,12 @@ __all__ = [
     "LeaseNotHeld",
     "KvPool",
     "MappingError",
+    "NotFenced",
     "NotFound",
     "OutOfMemory",
     "PagedKvCache",
     "PermissionDenied",
+    "PrefixDirectory",
     "ProtocolMismatch",
     "RoundFailed",
     "RoundWait",
@@ -93,6 +101,7 @@ __all__ = [
     "StaleEpoch",
     "TorchFeatureMissing",
     "RawView",
+    "RetainGroup",
     "VaCollision",
     "__version__",
     "connect",

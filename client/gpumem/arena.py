@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
-from gpumem.errors import InvalidArgument, MappingError, SessionClosed
+from gpumem.errors import InvalidArgument, MappingError, PermissionDenied, SessionClosed
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ class Arena:
         self.reserved = view.reserved
         self.granularity = view.granularity
         self.is_owner = owner
+        self.read_only = False  # attached through read-only grants: mapped for reading only
         self.committed = view.committed
         # Real chunks mapped here, by id: the daemon may put a new chunk at the offset of
         # one this process still maps, so an offset does not name a chunk.
@@ -148,6 +149,8 @@ class Arena:
         any placeholder there), put placeholder back where it was asked for and nothing
         else is mapped, and tell the daemon. Takes ownership of ``fds``."""
         self.committed = reply.arena.committed
+        if isinstance(reply, p.MapReply) and reply.read_only:
+            self.read_only = True
         try:
             # Retired first: a chunk handed out now may sit where a retired one is mapped.
             self._unmap(reply.retired)
@@ -180,7 +183,7 @@ class Arena:
             )
         self._unmap_aliases(touching(self._aliases, wanted))
         try:
-            driver.map_fds(self.address, [(fds[c.id], c.offset, c.size) for c in chunks])
+            driver.map_fds(self.address, [(fds[c.id], c.offset, c.size) for c in chunks], self.read_only)
         except DriverError as exc:
             self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
             raise MappingError(f"mapping {len(chunks)} chunk(s) of arena '{self.name}' failed: {exc}") from None
@@ -302,20 +305,26 @@ class Arena:
         self.restore_placeholder()
         self._backing_changed()
 
-    def share(self, client: str | None = None, *, uid: int | None = None, gid: int | None = None) -> str:
+    def share(self, client: str | None = None, *, uid: int | None = None, gid: int | None = None, read_only: bool = False) -> str:
         """Grant attach rights to this arena; returns the grant's token. The grant admits
         sessions whose identity matches everything it names: ``client`` (the name given
         to ``connect``; alone, it means that name under this process's uid), ``uid``,
         ``gid`` (the peer's primary gid), as the kernel reports them. The token, handed to
         another engine out of band (``attach_arena(name, token=...)``), admits it under
         any uid where only ``client`` was named, and anyone where nothing was; what the
-        share names explicitly still applies. Keep it secret; ``unshare(token)`` revokes."""
+        share names explicitly still applies. Keep it secret; ``unshare(token)`` revokes.
+        ``read_only``: the sessions it admits map the arena for reading only (a standby
+        engine mapping the weights: on the host backend its descriptors cannot map
+        writable; on CUDA its mapping has read access only, which its own driver calls
+        could change: docs/architecture.md, "Read-only grants")."""
         self._check_open()
         for what, value in (("uid", uid), ("gid", gid)):
             if value is not None and value < 0:
                 raise InvalidArgument(f"{what} {value} is not a valid id; leave it out to admit any {what}")
         reply: p.ShareReply = self.core.call(
-            p.ShareArena(name=self.name, client=client or "", uid=-1 if uid is None else uid, gid=-1 if gid is None else gid)
+            p.ShareArena(
+                name=self.name, client=client or "", uid=-1 if uid is None else uid, gid=-1 if gid is None else gid, read_only=read_only
+            )
         )
         return reply.token
 
@@ -403,6 +412,8 @@ class Arena:
     def write(self, offset: int, data: bytes) -> None:
         """Copy host bytes into committed memory (a convenience for tools and tests)."""
         self._check_open()
+        if self.read_only:
+            raise PermissionDenied(f"arena '{self.name}' is mapped read-only here (attached through a read-only grant)")
         self._check_range(offset, len(data))
         self.core.driver.write(self.address + offset, data)
 

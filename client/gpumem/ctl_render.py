@@ -200,7 +200,23 @@ def render_status(s: p.StatusReply) -> str:
     lines += ["", "LEASES"] + render_leases(s)
     lines += ["", "ROUNDS"] + render_rounds(s)
     lines += ["", "KV"] + render_kv(s)
+    if s.retained:  # shown where there are any: most daemons never see a retain group
+        lines += ["", "RETAINED"] + render_retained(s)
     return "\n".join(lines)
+
+
+def render_retained(s: p.StatusReply) -> list[str]:
+    """Retain groups: who holds each, or whose death orphaned it and until when."""
+    rows = []
+    for g in s.retained:
+        if g.state is p.RetainState.ORPHANED:
+            who = f"{g.previous} (pid {g.previous_pid}, {'fenced' if g.fenced else 'NOT fenced yet'})"
+            until = f"released in {_duration(max(0.0, g.deadline_in_s))}"
+        else:
+            who = f"{g.holder} (pid {g.holder_pid})"
+            until = f"unconfirmed: released in {_duration(max(0.0, g.deadline_in_s))} if it dies" if g.state is p.RetainState.ADOPTING else "-"
+        rows.append([g.group, str(g.uid), str(g.state), who, format_size(g.committed_bytes), ",".join(g.objects) or "-", until])
+    return _table(["GROUP", "UID", "STATE", "HOLDER / ORPHANED BY", "COMMITTED", "OBJECTS", "DEADLINE"], rows)
 
 
 def _tokens(n: int) -> str:

@@ -33,6 +33,7 @@ from gpumem.errors import InvalidArgument
 from gpumem.kv_pool import RoundFigures, waited
 from gpumem.leased_graph import DEFAULT_WAIT_S, LeasedGraph, leased_graphs
 from gpumem.paged_kv import PagedKvCache
+from gpumem.prefix_directory import PrefixDirectory
 from gpumem.session import DEFAULT_TIMEOUT, connect
 from gpumem.sleep import DEFAULT_WAKE_WAIT_S, ArenaSleep
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from gpumem.arena import Arena
     from gpumem.graph_pools import GraphPool
     from gpumem.kv_pool import RoundWait
+    from gpumem.retain import Adopted, RetainGroup
     from gpumem.session import Session
 
 K = TypeVar("K")
@@ -82,6 +84,7 @@ class EngineMemory:
             raise
         self.kv: PagedKvCache | None = None
         self.graph_pool: GraphPool | None = None
+        self.prefix: PrefixDirectory | None = None  # the KV cache's prefix directory, once made or adopted
         self._running = threading.local()  # whether this thread is inside running()
         self._sleepers: dict[str, ArenaSleep] = {}  # by tag, from its first sleep on (each keeps its host buffer)
 
@@ -209,6 +212,40 @@ class EngineMemory:
                 sleeper = ArenaSleep(self.model if tag == "weights" else self.graphs)
             self._sleepers[tag] = sleeper
         return sleeper
+
+    def retain(self, group: str, *, directory: bool = True) -> RetainGroup:
+        """Keep the KV cache (and a prefix directory for it, made here unless
+        ``directory`` is false) across this engine's death, for an engine that gives the
+        returned group's ``secret`` to ``adopt_kv`` (see gpumem.retain)."""
+        if self.kv is None:
+            raise InvalidArgument(f"engine '{self.name}' has no KV cache to retain: call kv_cache() first")
+        if directory and self.prefix is None:
+            self.prefix = self.session.create_prefix_directory(f"{self.name}-prefix", blocks=self.kv.max_blocks)
+        retained = self.session.retain_group(group)
+        retained.retain(self.kv, *([self.prefix] if self.prefix is not None else []))
+        return retained
+
+    def adopt_kv(
+        self, group: str, secret: str, *, layers: int, block_shape: tuple[int, ...], itemsize: int, combined: bool = False,
+        wait: float = 0.0,
+    ) -> Adopted:
+        """Take over a dead engine's retained KV cache (laid out as ``kv_cache`` describes
+        it) and its prefix directory, if it kept one: they become this engine's ``kv`` and
+        ``prefix``, at the same addresses. ``wait``: as ``Session.adopt``."""
+        if self.kv is not None:
+            raise InvalidArgument(f"engine '{self.name}' has a KV cache already")
+        adopted = self.session.adopt(group, secret, wait=wait)
+        if len(adopted.kv_pools) != 1:
+            raise InvalidArgument(f"retain group '{group}' holds {len(adopted.kv_pools)} KV pools, not one: {sorted(adopted.kv_pools)}")
+        (pool,) = adopted.kv_pools.values()
+        self.kv = PagedKvCache(pool, layers, block_shape, itemsize, combined)
+        for arena in adopted.arenas.values():  # the group may keep other arenas too (weights)
+            try:
+                self.prefix = PrefixDirectory.open(arena)
+                break
+            except InvalidArgument:
+                continue
+        return adopted
 
     def close(self) -> None:
         """Close the session: the daemon takes back every arena and the KV cache (and

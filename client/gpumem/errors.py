@@ -167,6 +167,20 @@ class HostLimit(GpuMemError, MemoryError):
     code = ErrorCode.HOST_LIMIT
 
 
+class GroupHeld(GpuMemError):
+    """A retain group another live session holds (detail: holder, holder_pid,
+    holder_session): its engine still runs, or another adopter came first."""
+
+    code = ErrorCode.GROUP_HELD
+
+
+class NotFenced(GpuMemError):
+    """A retain group's last holder may still write its memory (detail: pid): its process
+    has not exited, or the driver still lists its GPU context. Adoption waits for that."""
+
+    code = ErrorCode.NOT_FENCED
+
+
 class SessionClosed(GpuMemError):
     """The session was closed by this process."""
 
@@ -192,7 +206,7 @@ _BY_CODE: dict[ErrorCode, type[GpuMemError]] = {
     for cls in (
         BadMessage, UnknownMessage, ProtocolMismatch, InvalidArgument, NoSession, NotFound, AlreadyExists,
         PermissionDenied, OutOfMemory, UnexpectedFds, ShuttingDown, DeviceDriverError, InternalError, RoundFailed,
-        SessionLost, ResourceExhausted, ArenaAsleep, HostLimit,
+        SessionLost, ResourceExhausted, ArenaAsleep, HostLimit, GroupHeld, NotFenced,
     )
     if cls.code is not None
 }

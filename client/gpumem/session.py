@@ -32,6 +32,8 @@ from gpumem.graph_pools import GraphPool
 from gpumem.kv_pool import KvPool
 from gpumem.leases import Lease, LeasePool
 from gpumem.paged_kv import PagedKvCache
+from gpumem.prefix_directory import PrefixDirectory
+from gpumem.retain import Adopted, RetainGroup, adopt
 
 DEFAULT_TIMEOUT = 10.0
 # replay() runs on every step: a module global, because before Python 3.12 reading an enum
@@ -213,6 +215,23 @@ class Session:
             self.core, name, layers=layers, block_shape=block_shape, itemsize=itemsize, combined=combined,
             max_blocks=max_blocks, expect=expect,
         )
+
+    def retain_group(self, name: str) -> RetainGroup:
+        """Open retain group ``name``, held by this session: what it marks retained
+        (``RetainGroup.retain``) outlives this session's abnormal end, for a process of
+        this uid that gives ``secret`` to adopt (see gpumem.retain)."""
+        return RetainGroup.open(self.core, name)
+
+    def adopt(self, group: str, secret: str, *, wait: float = 0.0, confirm: bool = True) -> Adopted:
+        """Take over the retained arenas and KV pools of ``group``, whose holder ended,
+        mapped at their addresses (``gpumem.retain.adopt``: ``wait`` bounds the wait for
+        the holder's end and its fence)."""
+        return adopt(self.core, group, secret, wait=wait, confirm=confirm)
+
+    def create_prefix_directory(self, name: str, *, blocks: int) -> PrefixDirectory:
+        """A prefix directory for ``blocks`` KV blocks in a new arena ``name``, to retain
+        with the pool (see gpumem.prefix_directory)."""
+        return PrefixDirectory.create(self, name, blocks=blocks)
 
     def close(self) -> None:
         """Release this session's arenas (unmapping them) and close both channels."""

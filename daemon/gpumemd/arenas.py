@@ -201,7 +201,7 @@ class ArenaBook:
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"this session is already attached to arena '{m.name}'")
         if arena.released:
             raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"arena '{m.name}' was released by {arena.owner_label()}")
-        refusal = grants.refusal(arena, s, m.token)
+        refusal, read_only = grants.admit(arena, s, m.token)
         if refusal:
             log.warning("arena %r: attach by client %r (pid %d, uid %d, gid %d) refused: %s", arena.name, s.name, s.pid, s.uid, s.gid, refusal)
             raise p.ProtocolError(
@@ -214,14 +214,21 @@ class ArenaBook:
                 gid=s.gid,
             )
         arena.attached.add(s.id)
+        if read_only:
+            arena.readers.add(s.id)
         return self.map_reply(s, arena)
+
+    def read_only_for(self, session_id: int, name: str) -> bool:
+        """Whether chunks of arena ``name`` go to ``session_id`` as read-only descriptors."""
+        arena = self.by_name.get(name)
+        return arena is not None and session_id in arena.readers
 
     def share(self, s: SessionRecord, m: p.ShareArena) -> Outcome:
         arena = self.owned(s, m.name, "share")
         grant = grants.new_grant(arena, s, m, self.next_grant)
         self.next_grant += 1
         arena.grants.append(grant)
-        log.info("arena %r: grant %d admits %s", arena.name, grant.id, grants.describe(grant))
+        log.info("arena %r: grant %d admits %s%s", arena.name, grant.id, grants.describe(grant), " read-only" if grant.read_only else "")
         return Outcome(p.ShareReply(token=grant.token.decode(), grant=grant.status()))
 
     def unshare(self, s: SessionRecord, m: p.UnshareArena) -> Outcome:
@@ -367,6 +374,7 @@ class ArenaBook:
             chunk.holders.discard(session_id)
             self._forget_if_unheld(chunk)
         arena.attached.discard(session_id)
+        arena.readers.discard(session_id)
 
     def owner_left(self, arena: ArenaRecord, notices: Notices, *, released: bool) -> None:
         """The owner released the arena or died: its placeholders go; on a release, the
@@ -452,7 +460,8 @@ class ArenaBook:
         handout = self.hand(s, [c for c in arena.chunks if s.id not in c.holders])
         retired = [c.view() for c in self.retiring.values() if c.arena == arena.name and s.id in c.holders]
         reply = p.MapReply(
-            arena=self.view(arena), chunks=[c.view() for c in handout], retired=retired, fd_batches=map_batches(len(handout))
+            arena=self.view(arena), chunks=[c.view() for c in handout], retired=retired, fd_batches=map_batches(len(handout)),
+            read_only=s.id in arena.readers,
         )
         return Outcome(reply, handout=handout)
 

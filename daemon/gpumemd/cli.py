@@ -191,6 +191,14 @@ def _exporter(address: str, port: int) -> Exporter:
     help="After a restart with the state kept (systemd's fd store): seconds clients have to resume before what they held is released.",
 )
 @_option(
+    "--retain-grace",
+    type=float,
+    default=StateConfig.retain_grace,
+    show_default=True,
+    callback=_positive,
+    help="Seconds a retain group's arenas and KV pools stay orphaned (kept for an adopter) after their engine died.",
+)
+@_option(
     "--tenant-sessions",
     type=click.IntRange(1),
     default=TenantLimits.sessions,
@@ -275,6 +283,7 @@ def command(
     move_timeout: float,
     round_policy: str,
     restart_grace: float,
+    retain_grace: float,
     tenant_sessions: int,
     tenant_arenas: int,
     tenant_address_share: float,
@@ -327,6 +336,7 @@ def command(
         round_policy=p.RoundPolicy(round_policy),
         move_timeout=move_timeout,
         restart_grace=restart_grace,
+        retain_grace=retain_grace,
         tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
     )
     if sleep_host_limit is not None:

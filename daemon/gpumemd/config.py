@@ -65,6 +65,9 @@ class StateConfig:
     # After a restart with the state kept: how long sessions wait for their clients to
     # resume before what they hold is released like a dead client's.
     restart_grace: float = 30.0
+    # How long a retain group's objects stay orphaned (kept, accounted) for an adopter
+    # after their holder's session ended without releasing them.
+    retain_grace: float = 60.0
     tenants: TenantLimits = dataclasses.field(default_factory=TenantLimits)
     # The most host memory sleepers' buffers may take in all (sleepers.py).
     sleep_host_limit: int = dataclasses.field(default_factory=default_sleep_host_limit)

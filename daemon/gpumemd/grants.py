@@ -89,22 +89,27 @@ def new_grant(arena: ArenaRecord, s: SessionRecord, m: p.ShareArena, grant_id: i
         uid=s.uid if implied else m.uid,
         gid=m.gid,
         uid_implied=implied,
+        read_only=m.read_only,
     )
 
 
-def refusal(arena: ArenaRecord, s: SessionRecord, token: str) -> str:
-    """Why no grant of ``arena`` admits ``s`` ("" when one does): by identity, or by
-    the grant ``token`` belongs to. The reason never repeats the token."""
-    if any(_admits_by_identity(g, s) for g in arena.grants):
-        return ""
+def admit(arena: ArenaRecord, s: SessionRecord, token: str) -> tuple[str, bool]:
+    """Why no grant of ``arena`` admits ``s`` ("" when one does: by identity, or the
+    grant ``token`` belongs to), and whether every grant that admits it is read-only (one
+    that admits it read-write is enough for a writable mapping). The reason never
+    repeats the token."""
+    grant = by_token(arena, token) if token else None
+    admitting = [g for g in arena.grants if _admits_by_identity(g, s)]
+    if grant is not None and not _mismatch(grant, s, by_token=True):
+        admitting.append(grant)
+    if admitting:
+        return "", all(g.read_only for g in admitting)
     who = f"client '{s.name}' (uid {s.uid}, gid {s.gid})"
     if token:
-        grant = by_token(arena, token)
         if grant is None:
-            return f"the token given matches none of its grants (revoked, or never issued for it); no grant admits {who}"
-        why = _mismatch(grant, s, by_token=True)
-        return f"the grant the token belongs to ({describe(grant)}) does not admit {who}: {why}" if why else ""
+            return f"the token given matches none of its grants (revoked, or never issued for it); no grant admits {who}", False
+        return f"the grant the token belongs to ({describe(grant)}) does not admit {who}: {_mismatch(grant, s, by_token=True)}", False
     named = [g for g in arena.grants if g.client == s.name]
     if named:
-        return f"its grant to {describe(named[0])} does not admit {who}: {_mismatch(named[0], s, by_token=False)}"
-    return f"is not shared with {who}: no grant names this client, uid or gid" + ("" if arena.grants else " (it has no grants)")
+        return f"its grant to {describe(named[0])} does not admit {who}: {_mismatch(named[0], s, by_token=False)}", False
+    return f"is not shared with {who}: no grant names this client, uid or gid" + ("" if arena.grants else " (it has no grants)"), False

@@ -95,6 +95,7 @@ class StateImage(msgspec.Struct, array_like=True):
     # descriptor put in the store under that name by anyone else is not it.
     stored: dict[str, tuple[int, int]] | None = None
     sleepers: Any = None  # since image 3's sleep and wake: absent in an earlier record (nobody slept)
+    retained: Any = None  # the retain book's part (a record written before retain groups has none)
 
 
 # The ids the daemon hands out next, by book and field: each one issued is one more, and

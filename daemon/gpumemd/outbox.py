@@ -238,6 +238,7 @@ class Outbox:
             batch = chunks[start : start + p.MAX_FDS_PER_MESSAGE]
             try:
                 fds = self.state.driver.export_fds([(c.address, c.size, c.handle, c.fresh) for c in batch])
+                self._read_only(session, batch, fds)
             except DriverError as exc:
                 log.error("zeroing or exporting %d chunk(s) for client %r failed: %s; closing its session", len(batch), session.name, exc)
                 for made in batches:
@@ -252,6 +253,22 @@ class Outbox:
             batches.append(Batch(request_id, [pool_id for pool_id, _ in grants], [fd for _, fd in grants], owned=False))
         letter.batches = batches
         return True
+
+    def _read_only(self, session: SessionRecord, batch: list[ChunkRecord], fds: list[int]) -> None:
+        """Replace in ``fds`` the descriptors of chunks ``session`` maps through a read-only
+        grant with ones that map read-only; on failure every fd of ``fds`` is closed."""
+        arenas = self.state.arenas
+        ro = [i for i, c in enumerate(batch) if arenas.read_only_for(session.id, c.arena)]
+        if not ro:
+            return
+        try:
+            made = self.state.driver.read_only_fds([fds[i] for i in ro])
+        except DriverError:
+            fdchannel.close_all(fds)
+            raise
+        fdchannel.close_all([fds[i] for i in ro])
+        for i, fd in zip(ro, made):
+            fds[i] = fd
 
     def _replay(self, to: bytes, session: SessionRecord, request_id: int, message: Any, mail: Mail) -> Letter:
         """A request resent after a restart that the daemon before had carried out: its

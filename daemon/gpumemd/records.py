@@ -98,9 +98,12 @@ class GrantRecord:
     uid: int = -1
     gid: int = -1
     uid_implied: bool = False
+    read_only: bool = False  # the sessions it admits map the arena read-only
 
     def status(self) -> p.GrantStatus:
-        return p.GrantStatus(id=self.id, client=self.client, uid=self.uid, gid=self.gid, uid_implied=self.uid_implied)
+        return p.GrantStatus(
+            id=self.id, client=self.client, uid=self.uid, gid=self.gid, uid_implied=self.uid_implied, read_only=self.read_only
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -118,6 +121,7 @@ class ArenaRecord:
     placeholders: list[ChunkRecord] = dataclasses.field(default_factory=list)  # owner's, any offset
     grants: list[GrantRecord] = dataclasses.field(default_factory=list)
     attached: set[int] = dataclasses.field(default_factory=set)  # owner and sharers
+    readers: set[int] = dataclasses.field(default_factory=set)  # sharers attached through read-only grants only
 
     @property
     def window(self) -> int:

@@ -32,11 +32,13 @@ from gpumemd import status
 from gpumemd.arenas import ArenaBook
 from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
+from gpumemd.fencing import Fence, fence_for, process_gone
 from gpumemd.graph_pools import GraphPoolBook
 from gpumemd.image import IMAGE_VERSION, Image, Imager, Keep, StateImage, Take
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
 from gpumemd.sleepers import SleeperBook
+from gpumemd.retained import RetainBook
 from gpumemd.tally import Tally
 from gpumemd.tenants import Tenants
 
@@ -55,35 +57,10 @@ _ARENA_FIELD: dict[type, str] = {
          p.ReleaseArena, p.ChunksUnmapped, p.PlaceholderArena, p.KvDeclare], "name"),
     **dict.fromkeys([p.RoundJoin, p.CaptureDone, p.KvGrow, p.KvShrink, p.KvDemand], "pool"),
     p.RegisterGraphPool: "arena",
+    **dict.fromkeys([p.SleepBuffer, p.FreeSleepBuffer], "arena"),
+    **dict.fromkeys([p.SleepArena, p.WakeArena, p.Retain], "name"),
 }
 _CREATES: dict[type, str] = {p.CreateArena: "arena name", p.KvDeclare: "KV pool name"}
-
-# A process that started more than this after a session's HELLO is not the one that said
-# it (its pid was reused): /proc gives the start in clock ticks after a boot time in
-# whole seconds.
-_START_SLACK = 2.0
-
-
-def process_gone(pid: int, since: float) -> bool:
-    """Whether the process that said HELLO as ``pid`` at ``since`` (unix time) is provably
-    gone: no such process, a zombie (its descriptors are closed), or one that started
-    after that HELLO. Anything unreadable proves nothing."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        with open("/proc/stat", "rb") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    except (OSError, StopIteration, ValueError):
-        return False
-    fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
-    if fields[0] in (b"Z", b"X"):
-        return True
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK") > since + _START_SLACK
-
 
 # Both about its connection: a rebuilt session waits for its client, whose RESUME says what it sends again.
 _SESSION = Imager(SessionRecord, "waiting", "resending")
@@ -101,6 +78,7 @@ class DaemonState:
         config: StateConfig,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        fence: Fence | None = None,
     ) -> None:
         self.driver = driver
         self.config = config
@@ -135,11 +113,13 @@ class DaemonState:
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, self.tally)
         self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, wall_clock)
+        fence = fence or fence_for(driver.kind, self.device.uuid)
+        self.retained = RetainBook(self.arenas, self.kv, self.sessions, config, clock, fence)
         self._handlers: dict[type, Handler] = {
             p.Ping: lambda s, m: Outcome(p.Ack()),
             p.Status: lambda s, m: Outcome(self.status()),
             p.CreateArena: self._create_arena,
-            p.AttachArena: self._awake(self.arenas.attach, "attach"),
+            p.AttachArena: self._awake(self._attach, "attach"),
             p.ShareArena: self.arenas.share,
             p.UnshareArena: self.arenas.unshare,
             p.CommitArena: self._awake(self.arenas.commit, "commit to"),
@@ -163,6 +143,10 @@ class DaemonState:
             p.FreeSleepBuffer: self.sleepers.free,
             p.SleepArena: self._sleep,
             p.WakeArena: self.sleepers.wake,
+            p.RetainGroup: self.retained.open,
+            p.Retain: self.retained.mark,
+            p.Adopt: self.retained.adopt,
+            p.AdoptDone: self.retained.adopt_done,
         }
         # Answered later, when their round commits or fails: they need the request id.
         self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow}
@@ -305,13 +289,14 @@ class DaemonState:
         notices: Notices = []
         rounds = self.kv.drop_session(session_id)
         self.graph_pools.session_ended(session_id)
+        self.retained.session_ended(session)  # what it retained is orphaned for an adopter, not reclaimed
         for arena in left:
             self.arenas.detach(arena, session_id)
             if arena.owner_id == session_id:
                 self.arenas.owner_left(arena, notices, released=False)
-            if not arena.attached:
+            if not arena.attached and not self.retained.orphaned(arena.name):
                 self._destroy(arena, notices)
-            elif arena.owner_id == session_id:
+            elif arena.attached and arena.owner_id == session_id:
                 log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
         # Chunks of arenas gone since (one a restart could not rebuild) stop counting it.
         self.arenas.drop_holder(session_id)
@@ -371,6 +356,10 @@ class DaemonState:
     def _create_arena(self, s: SessionRecord, m: p.CreateArena) -> Outcome:
         return Outcome(p.ArenaReply(arena=self.arenas.view(self.arenas.create(s, m.name, m.reserve_bytes))))
 
+    def _attach(self, s: SessionRecord, m: p.AttachArena) -> Outcome:
+        self.retained.check_attach(m.name)
+        return self.arenas.attach(s, m)
+
     def _decommit(self, s: SessionRecord, m: p.DecommitArena) -> Outcome:
         arena, drop = self.arenas.decommit_cut(s, m)
         if drop:
@@ -419,7 +408,7 @@ class DaemonState:
             for pool in self.graph_pools.in_arena(arena.name):
                 self.graph_pools.drop(pool)  # its memory goes now, even while sharers stay attached
             self.arenas.owner_left(arena, notices, released=True)
-        if not arena.attached:
+        if not arena.attached and not self.retained.orphaned(arena.name):  # an orphan's last sharer leaving keeps it
             self._destroy(arena, notices)
         return Outcome(p.Ack(), notices=notices)
 
@@ -428,6 +417,7 @@ class DaemonState:
             self.graph_pools.drop(pool)
         left = self.kv.drop_pool(arena.name) if arena.kv else []
         self.sleepers.drop_arena(arena.name)
+        self.retained.forget(arena.name)
         self.arenas.destroy(arena, notices)
         if not self.stopping:
             for round_ in left:  # it may have been the last one pending
@@ -450,6 +440,11 @@ class DaemonState:
                     "released like a dead client's", session.id, session.name, session.pid, self.config.restart_grace,
                 )
                 self._notices += self.close_session(session.id)
+        for name in self.retained.expired():
+            arena = self.arenas.by_name.get(name)
+            if arena is not None and not arena.attached:  # a sharer still attached keeps it, as a dead owner's
+                self._destroy(arena, self._notices)
+                self.dirty = True
         escapes = self.tally.escapes
         if len(escapes) > len(self.graph_pools.by_id):  # pools went: their counts go too
             for gone in escapes.keys() - self.graph_pools.by_id.keys():
@@ -486,6 +481,7 @@ class DaemonState:
             client.host_bytes = host.get(client.session_id, 0)
         daemon.sleep_host_bytes, daemon.sleep_host_limit = sum(host.values()), self.config.sleep_host_limit
         reply.sleepers = self.sleepers.status()
+        reply.retained = self.retained.status()
         return reply
 
     # ------------------------------------------------------------------ the durable record
@@ -497,7 +493,8 @@ class DaemonState:
         return StateImage(
             IMAGE_VERSION, self.device.uuid, self.driver.kind, self.config.va_base, self.generation,
             SessionsImage(sessions, self.next_session),
-            self.arenas.image(keep), self.graph_pools.image(keep), self.kv.image(), sleepers=self.sleepers.image(keep),
+            self.arenas.image(keep), self.graph_pools.image(keep), self.kv.image(),
+            sleepers=self.sleepers.image(keep), retained=self.retained.image(),
         )
 
     def restore(self, image: StateImage, take: Take) -> None:
@@ -512,6 +509,8 @@ class DaemonState:
         self.kv.restore(image.kv)
         if image.sleepers is not None:
             self.restore_problems += self.sleepers.restore(image.sleepers, take)
+        if image.retained is not None:
+            self.retained.restore(image.retained)
         self.generation = image.generation + 1
         if self.sessions:
             self.grace_deadline = self.clock() + self.config.restart_grace

@@ -12,8 +12,10 @@ from fuzz_kit import MAX_CONTROL_MESSAGE, Bounds, Long, World, _least_packed_byt
 
 CASES = {"host": 5000, "cuda": 1000}
 ROUND_TIMEOUT = 1.0  # rounds end quickly, so deferred replies come within the run
-# The daemon under fuzz: 1 GiB of host memory makes running out of it reachable.
-ARGS = ["--round-timeout", str(ROUND_TIMEOUT), "--hello-timeout", "2"]
+# The daemon under fuzz: 1 GiB of host memory makes running out of it reachable. What a
+# session retained stays orphaned after it closed until --retain-grace: short, so that the
+# check that every byte came back once every session closed holds within its wait.
+ARGS = ["--round-timeout", str(ROUND_TIMEOUT), "--hello-timeout", "2", "--retain-grace", str(ROUND_TIMEOUT)]
 
 
 @pytest.mark.timeout(300)

@@ -106,7 +106,7 @@ def test_an_impostor_of_another_uid_gets_nothing_until_it_gives_the_token(daemon
 
     # Status shows the grant, never its token: not the daemon's reply, gpumemctl, or its log.
     (arena,) = status(runtime_dir)["arenas"]
-    assert arena["grants"] == [{"id": 1, "client": "engine-b", "uid": owner_uid, "gid": -1, "uid_implied": True}]
+    assert arena["grants"] == [{"id": 1, "client": "engine-b", "uid": owner_uid, "gid": -1, "uid_implied": True, "read_only": False}]
     assert sorted(arena["attached"]) == ["engine-a", "engine-b"]
     shown = ctl(runtime_dir, "status") + ctl(runtime_dir, "arenas") + ctl(runtime_dir, "status", "--json")
     assert f"engine-b uid {owner_uid}" in shown and "GRANTS" in shown

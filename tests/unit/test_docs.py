@@ -42,7 +42,7 @@ def test_every_error_code_is_documented() -> None:
 
 def test_every_string_enum_is_documented_with_its_values() -> None:
     rows = {m.group(1): m.group(2).split(", ") for m in re.finditer(r"^\| `(\w+)` \| ([a-z, -]+) \|", _section("String enums"), re.M)}
-    enums = [p.Backend, p.RoundState, p.RoundPolicy, p.NoticeKind]
+    enums = [p.Backend, p.RoundState, p.RoundPolicy, p.NoticeKind, p.RetainState]
     assert rows == {e.__name__: [member.value for member in e] for e in enums}
 
 

@@ -17,6 +17,7 @@ import pytest
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
 from gpumemd.durable import Durable
+from gpumemd.retained import GroupRecord
 from gpumemd.records import (
     Answer,
     ArenaRecord,
@@ -46,12 +47,13 @@ NOT_KEPT: dict[tuple[type, str], str] = {
     (RoundRecord, "created"): "monotonic clocks do not survive a restart: kept as seconds since",
     (RoundRecord, "deadline"): "monotonic clocks do not survive a restart: kept as seconds left",
     (HostBufferRecord, "fd"): "a descriptor of this process: the store passes the buffer's memfd anew",
+    (GroupRecord, "deadline"): "monotonic clocks do not survive a restart: kept as seconds left",
 }
 
 # Every record class the durable record holds; the walk must reach each one.
 KEPT_CLASSES = {
     SessionRecord, Answer, ArenaRecord, ChunkRecord, GrantRecord, GraphPoolRecord, KvPoolRecord, KvBufferLayout, MemberRecord, RoundRecord,
-    HostBufferRecord, SleeperRecord,
+    HostBufferRecord, SleeperRecord, GroupRecord,
 }
 
 BOOKS: dict[str, Callable[[DaemonState], list[Any]]] = {
@@ -60,6 +62,7 @@ BOOKS: dict[str, Callable[[DaemonState], list[Any]]] = {
     "graph_pools": lambda s: sorted(s.graph_pools.by_id.values(), key=lambda g: g.id),
     "kv": lambda s: sorted(s.kv.pools.values(), key=lambda k: k.name) + list(s.kv.rounds),
     "sleepers": lambda s: sorted(s.sleepers.buffers.values(), key=lambda b: b.id) + sorted(s.sleepers.asleep.values(), key=lambda x: x.arena),
+    "retained": lambda s: sorted(s.retained.groups.values(), key=lambda g: g.name),
 }
 
 
@@ -103,6 +106,8 @@ def populated(h: Harness) -> None:
     arena.owner_alive, arena.released = False, True
     arena.chunks[0].fresh = False
     arena.grants[0].uid_implied = True
+    arena.grants[0].read_only = True
+    arena.readers.add(peer.id)
     st.graph_pools.by_id[pool_id].lease_repairs = 3
     st.graph_pools.by_id[pool_id].segment_moves = 2  # its segment is stored as lease-<id>.2
     kv = st.kv.pools["kv"]
@@ -113,6 +118,11 @@ def populated(h: Harness) -> None:
     round_.budget = p.RoundBudget(free=1, staged=2, reserve=3, headroom=4, graph_pools=5, budget=6, minimums=7, committed=8)
     member = round_.members[0]
     member.tokens, member.bytes = 100, 200
+    h.ok(owner, p.RetainGroup(group="grp"))
+    h.ok(owner, p.Retain(group="grp", name="kv2"))
+    group = st.retained.groups["grp"]
+    group.previous, group.previous_pid, group.previous_since = "the one before", 77, 1.5
+    group.deadline, group.adopting = h.clock.now + 30, True
     owner.remember(5, b"a reply", arena.chunks[:2], [(pool_id, st.graph_pools.by_id[pool_id].segment_fd)])
 
 
@@ -208,3 +218,7 @@ def test_what_is_not_kept_as_is_comes_back_as_it_should(restart: Restart) -> Non
     for old_round, new_round in zip(before.kv.rounds, after.kv.rounds):
         assert now_after - new_round.created == pytest.approx(now_before - old_round.created)
         assert new_round.deadline - now_after == pytest.approx(old_round.deadline - now_before)
+    for name, group in after.retained.groups.items():
+        old_deadline = before.retained.groups[name].deadline
+        assert group.deadline is not None and old_deadline is not None
+        assert group.deadline - now_after == pytest.approx(old_deadline - now_before)

@@ -17,7 +17,7 @@ PACKAGES = {"gpumemd": ROOT / "daemon" / "gpumemd", "gpumem": ROOT / "client" / 
 
 # Bottom up: a module may import only modules before it in this list.
 DAEMON_LAYERS = [
-    "config", "notify", "runtime", "logs", "tally", "records", "image", "admission", "control_door", "control_channel", "checks", "tenants", "grants", "kv_math", "kv_moves", "arenas", "graph_pools", "kv_rounds", "kv_pools", "sleepers", "status", "state", "durable", "outbox", "metrics", "exporter", "server",
+    "config", "notify", "runtime", "fencing", "logs", "tally", "records", "image", "admission", "control_door", "control_channel", "checks", "tenants", "grants", "kv_math", "kv_moves", "arenas", "graph_pools", "kv_rounds", "kv_pools", "sleepers", "retained", "status", "state", "durable", "outbox", "metrics", "exporter", "server",
     "cli", "__main__",
 ]
 
@@ -80,7 +80,7 @@ def test_no_daemon_book_imports_one_above_it() -> None:
 # session's core (gpumem.core), and names Session only under ``if TYPE_CHECKING:``.
 CLIENT_LAYERS = [
     "errors", "views", "discovery", "control", "channel", "allocator", "torch_support", "capture_routing", "elastic",
-    "address_slices", "graph_pools", "leases", "core", "arena", "borrow", "kv_pool", "paged_kv", "sleep",
+    "address_slices", "graph_pools", "leases", "core", "arena", "borrow", "kv_pool", "paged_kv", "sleep", "prefix_directory", "retain",
     "session",
     "leased_graph", "engine", "integrations", "ctl", "__init__",
 ]

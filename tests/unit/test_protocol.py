@@ -55,6 +55,10 @@ SAMPLES: list[Any] = [
     p.FreeSleepBuffer(arena="kv"),
     p.SleepArena(name="kv", kept_bytes=2 << 20),
     p.WakeArena(name="kv"),
+    p.RetainGroup(group="engine-a"),
+    p.Retain(group="engine-a", name="kv", retained=False),
+    p.Adopt(group="engine-a", secret="ef" * 32),
+    p.AdoptDone(group="engine-a"),
 ]
 
 
@@ -100,6 +104,8 @@ def test_error_code_numbers_never_change() -> None:
         "RESOURCE_EXHAUSTED": 16,
         "ARENA_ASLEEP": 17,
         "HOST_LIMIT": 18,
+        "GROUP_HELD": 20,
+        "NOT_FENCED": 21,
     }
 
 
@@ -136,6 +142,10 @@ def test_message_type_numbers_never_change() -> None:
         "SLEEP_BUFFER_FREE": 41,
         "ARENA_SLEEP": 42,
         "ARENA_WAKE": 43,
+        "RETAIN_GROUP": 50,
+        "RETAIN": 51,
+        "ADOPT": 52,
+        "ADOPT_DONE": 53,
         "FD_BATCH": 100,
         "NOTICE": 101,
     }

@@ -180,7 +180,7 @@ def test_status_describes_clients_and_arenas(h: Harness) -> None:
         "retiring_bytes": 6 * MiB,
         "placeholder_bytes": 0,
         "grants": [
-            {"id": i, "client": name, "uid": 1000, "gid": -1, "uid_implied": True}
+            {"id": i, "client": name, "uid": 1000, "gid": -1, "uid_implied": True, "read_only": False}
             for i, name in enumerate(("engine-c", "tool-1", "engine-b", "bench", "zz-top"), 1)
         ],
         "owner_uid": 1000,

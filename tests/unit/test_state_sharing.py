@@ -333,9 +333,9 @@ def test_status_shows_grants_and_never_their_tokens(h: Harness, caplog: pytest.L
     h.ok(a, p.UnshareArena(name="kv", token=tokens[3]))
     (arena,) = h.state.status().arenas
     assert [p.to_wire(g) for g in arena.grants] == [
-        {"id": 1, "client": "engine-b", "uid": OWNER_UID, "gid": -1, "uid_implied": True},
-        {"id": 2, "client": "", "uid": OTHER_UID, "gid": -1, "uid_implied": False},
-        {"id": 3, "client": "engine-c", "uid": -1, "gid": 50, "uid_implied": False},
+        {"id": 1, "client": "engine-b", "uid": OWNER_UID, "gid": -1, "uid_implied": True, "read_only": False},
+        {"id": 2, "client": "", "uid": OTHER_UID, "gid": -1, "uid_implied": False, "read_only": False},
+        {"id": 3, "client": "engine-c", "uid": -1, "gid": 50, "uid_implied": False, "read_only": False},
     ]
     assert arena.shared_with == ["engine-b", "engine-c"]
     seen = p.encode_reply(1, h.state.status()) + caplog.text.encode() + repr(h.state.arenas.by_name["kv"]).encode()

@@ -93,10 +93,17 @@ class Driver(abc.ABC):
         them after sending. Fresh chunks (never handed out) are zeroed first, so no
         tenant sees an earlier tenant's bytes; the fds exist only once that is done."""
 
+    @abc.abstractmethod
+    def read_only_fds(self, fds: list[int]) -> list[int]:
+        """New descriptors of the chunks ``fds`` (from ``export_fds``, still the caller's)
+        for a process that may only read them; all or none. What "only read" means is
+        the backend's: see each one."""
+
     # --- mapping (client side) -----------------------------------------------
     @abc.abstractmethod
-    def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:
-        """Map chunks received as ``(fd, offset, size)`` at ``address + offset``.
+    def map_fds(self, address: int, placements: list[tuple[int, int, int]], read_only: bool = False) -> None:
+        """Map chunks received as ``(fd, offset, size)`` at ``address + offset``, for
+        reading only where ``read_only`` (chunks of a read-only grant).
 
         All or nothing; the fds stay owned by the caller."""
 

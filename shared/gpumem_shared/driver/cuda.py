@@ -115,6 +115,13 @@ class CudaDriver(Driver):
         self.peers = sorted({p for p in peers if p != ordinal})
         for peer in self.peers:
             self._access.append(self._peer_access(peer, count))
+        # The same devices with read access only: a read-only grant's mappings.
+        self._read_access = []
+        for granted in self._access:
+            desc = cu.CUmemAccessDesc()
+            desc.location.type, desc.location.id = granted.location.type, granted.location.id
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+            self._read_access.append(desc)
         self.granularity = int(
             self._ck(
                 cu.cuMemGetAllocationGranularity(
@@ -250,10 +257,11 @@ class CudaDriver(Driver):
         self._current()
         self._ck(self._cu.cuMemAddressFree(address, size), "cuMemAddressFree")
 
-    def _set_access(self, address: int, ranges: list[tuple[int, int]]) -> None:
+    def _set_access(self, address: int, ranges: list[tuple[int, int]], read_only: bool = False) -> None:
         # One cuMemSetAccess per contiguous run: it may span several mappings.
+        access = self._read_access if read_only else self._access
         for start, size in contiguous(ranges):
-            self._ck(self._cu.cuMemSetAccess(address + start, size, self._access, len(self._access)), "cuMemSetAccess")
+            self._ck(self._cu.cuMemSetAccess(address + start, size, access, len(access)), "cuMemSetAccess")
 
     def create_chunks(self, placements: list[tuple[int, int]]) -> list[Handle]:
         cu = self._cu
@@ -348,7 +356,23 @@ class CudaDriver(Driver):
         fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
         return fd
 
-    def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:
+    def read_only_fds(self, fds: list[int]) -> list[int]:
+        # A CUDA chunk's fd is a handle to the whole allocation: whoever imports it may map
+        # it and set any access it likes. Read-only is the client's mapping (read access
+        # only, cuMemSetAccess), which keeps a correct standby from writing by mistake and
+        # a wild kernel of it from corrupting the weights; it does not stop a hostile
+        # process of a grant's uid. docs/architecture.md, "Read-only grants".
+        made: list[int] = []
+        try:
+            for fd in fds:
+                made.append(os.dup(fd))
+        except OSError as exc:
+            for fd in made:
+                os.close(fd)
+            raise DriverError(f"duplicating a chunk descriptor failed: {exc.strerror}") from None
+        return made
+
+    def map_fds(self, address: int, placements: list[tuple[int, int, int]], read_only: bool = False) -> None:
         cu = self._cu
         self._current()
         mapped: list[tuple[int, int]] = []
@@ -360,7 +384,7 @@ class CudaDriver(Driver):
                 finally:
                     cu.cuMemRelease(handle)  # the mapping keeps the memory alive
                 mapped.append((offset, size))
-            self._set_access(address, mapped)
+            self._set_access(address, mapped, read_only)
         except DriverError:
             for offset, size in mapped:
                 cu.cuMemUnmap(address + offset, size)

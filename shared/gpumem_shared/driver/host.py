@@ -210,11 +210,29 @@ class HostDriver(Driver):
             raise
         return fds
 
-    def map_fds(self, address: int, placements: list[tuple[int, int, int]]) -> None:
+    def read_only_fds(self, fds: list[int]) -> list[int]:
+        # A descriptor opened O_RDONLY cannot back a shared writable mapping (mmap and
+        # mprotect refuse PROT_WRITE: EACCES), whoever holds it. Reopening it through
+        # /proc, which any holder could also do, checks the inode's mode: 0400 lets no
+        # process but root open it for writing again. The descriptors the daemon and the
+        # owner hold were opened read-write and stay so.
+        made: list[int] = []
+        try:
+            for fd in fds:
+                os.fchmod(fd, 0o400)
+                made.append(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            for fd in made:
+                os.close(fd)
+            raise DriverError(f"opening a chunk read-only failed: {exc.strerror}", out_of_memory=exc.errno == errno.EMFILE) from None
+        return made
+
+    def map_fds(self, address: int, placements: list[tuple[int, int, int]], read_only: bool = False) -> None:
         done: list[tuple[int, int]] = []
+        prot = PROT_READ if read_only else PROT_READ | PROT_WRITE
         try:
             for fd, offset, size in placements:
-                _mmap(address + offset, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd)
+                _mmap(address + offset, size, prot, MAP_SHARED | MAP_FIXED, fd)
                 done.append((offset, size))
         except OSError as exc:
             for offset, size in done:

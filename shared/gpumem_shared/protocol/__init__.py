@@ -31,7 +31,7 @@ hands every session the whole table.
 Where each part lives: ``codes`` (the version, the bounds, the error codes, the message
 type numbers, the string enums, ``ProtocolError``), ``base`` (the message bases and
 the value types several messages share), one module per area for the messages
-(``session``, ``status``, ``arenas``, ``kv``, ``graph_pools``, ``sleep``), ``catalog`` (the
+(``session``, ``status``, ``arenas``, ``kv``, ``graph_pools``, ``sleep``, ``retain``), ``catalog`` (the
 tables from wire numbers to message types) and ``codec`` (the envelopes, encoding and
 decoding). Peers use the names from here: ``from gpumem_shared import protocol as p``,
 then ``p.CommitArena``, ``p.encode_request``.
@@ -127,6 +127,17 @@ from gpumem_shared.protocol.graph_pools import (
     ReportEscape,
 )
 from gpumem_shared.protocol.sleep import HostBufferView, HostBufferReply, SleepBuffer, FreeSleepBuffer, SleepArena, WakeArena
+from gpumem_shared.protocol.retain import (
+    RetainState,
+    RetainGroupReply,
+    RetainGroup,
+    Retain,
+    AdoptedObject,
+    AdoptReply,
+    Adopt,
+    AdoptDone,
+    RetainedStatus,
+)
 from gpumem_shared.protocol.catalog import REQUESTS, EVENTS
 from gpumem_shared.protocol.codec import (
     Request,
@@ -158,7 +169,9 @@ __all__ = [
     "KvDeclare", "RoundView", "RoundJoin", "KvCommitReply", "CaptureDone", "KvGrow", "KvShrink", "KvDemand", "GraphPoolReply",
     "RegisterGraphPool", "UpdateGraphPool", "RetireGraphPool", "OpenGraphPool", "PublishLeaseEvent", "LeaseEventReply",
     "LookupLeaseEvent", "ReportEscape", "SleeperStatus", "HostBufferView", "HostBufferReply", "SleepBuffer",
-    "FreeSleepBuffer", "SleepArena", "WakeArena", "REQUESTS", "EVENTS", "Request", "Reply", "check_version", "check_hello_version",
+    "FreeSleepBuffer", "SleepArena", "WakeArena",
+    "RetainState", "RetainGroupReply", "RetainGroup", "Retain", "AdoptedObject", "AdoptReply", "Adopt", "AdoptDone", "RetainedStatus",
+    "REQUESTS", "EVENTS", "Request", "Reply", "check_version", "check_hello_version",
     "encode_request", "decode_request", "request_id_of", "encode_reply", "encode_error", "decode_reply", "decode_body",
     "encode_event", "decode_event", "to_wire", "from_wire",
 ]

@@ -22,6 +22,9 @@ class MapReply(Message):
     chunks: list[ChunkView]
     retired: list[ChunkView]
     fd_batches: int
+    # since 1.9: this session attached through a read-only grant: the fds map read-only
+    # (on the host backend nothing else; on CUDA the client maps with read access only).
+    read_only: bool = False
 
 
 class CreateArena(RequestMessage, kw_only=True):
@@ -65,6 +68,8 @@ class ShareArena(RequestMessage, kw_only=True):
     client: str = ""  # a client name (as given to HELLO); "": any name
     uid: int = -1  # -1: any uid (the owner's, where only ``client`` is named)
     gid: int = -1  # a primary gid; -1: any
+    # since 1.9: sessions it admits map the arena read-only (a standby mapping the weights).
+    read_only: bool = False
 
 
 class UnshareArena(RequestMessage, kw_only=True):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 8)
+PROTOCOL_VERSION: tuple[int, int] = (1, 9)
 
 # The oldest protocol HELLO accepts, on either side (see the package doc, __init__.py).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
@@ -53,6 +53,8 @@ class ErrorCode(enum.IntEnum):
     RESOURCE_EXHAUSTED = 16  # a tenant's (uid's) limit: sessions, arenas, address space, graph pools
     ARENA_ASLEEP = 17  # the arena sleeps: wake it before committing, decommitting or attaching
     HOST_LIMIT = 18  # host memory for sleepers' buffers is at the daemon's limit (--sleep-host-limit)
+    GROUP_HELD = 20  # a retain group another live session holds (its owner, or the adopter that won)
+    NOT_FENCED = 21  # a retain group's last holder may still write its memory: adoption waits
 
 
 class MsgType(enum.IntEnum):
@@ -87,6 +89,10 @@ class MsgType(enum.IntEnum):
     SLEEP_BUFFER_FREE = 41
     ARENA_SLEEP = 42
     ARENA_WAKE = 43
+    RETAIN_GROUP = 50
+    RETAIN = 51
+    ADOPT = 52
+    ADOPT_DONE = 53
     # fd channel, daemon -> client
     FD_BATCH = 100
     NOTICE = 101

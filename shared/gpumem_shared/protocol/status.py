@@ -6,6 +6,7 @@ import msgspec
 
 from gpumem_shared.protocol.base import Extent, Message, RequestMessage, RoundBudget
 from gpumem_shared.protocol.codes import Backend, MsgType, RoundPolicy, RoundState
+from gpumem_shared.protocol.retain import RetainedStatus
 
 
 class DaemonStatus(Message):
@@ -63,6 +64,7 @@ class GrantStatus(Message):
     # ``uid`` is the owner's, implied by a share that named a client alone: a session
     # that gives the token is admitted under any uid.
     uid_implied: bool = False
+    read_only: bool = False  # since 1.9: it admits read-only mappings
 
 
 class ArenaStatus(Message):
@@ -182,6 +184,7 @@ class StatusReply(Message):
     kv: list[KvPoolStatus] = msgspec.field(default_factory=list)
     graph_pools: list[GraphPoolStatus] = msgspec.field(default_factory=list)
     sleepers: list[SleeperStatus] = msgspec.field(default_factory=list)  # since 1.8
+    retained: list[RetainedStatus] = msgspec.field(default_factory=list)  # since 1.9: retain groups, orphaned ones included
 
     def __post_init__(self) -> None:
         # Either name may be the one filled: a 1.1 daemon sends ``extents`` only, a

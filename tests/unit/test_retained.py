@@ -1,0 +1,302 @@
+"""Retained memory on the state alone: what a holder's abnormal end keeps (orphaned,
+accounted, with a deadline), who may adopt it (the group's uid with its secret, once
+fenced, one adopter), what an adopter's death mid-adoption and the deadline do, and a
+restart in between. The fence is a stand-in here (the sessions' pids are made up);
+fencing.py's own checks run in the integration tier with real processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from gpumem_shared import protocol as p
+from gpumem_shared.driver.host import HostDriver
+from gpumemd.durable import Durable
+from gpumemd.records import SessionRecord as Session
+from gpumemd.state import DaemonState
+
+from .harness import CAPACITY, Clock, Harness, MiB
+from .store_kit import FakeStore
+from .test_kv_rounds import capture, commit_reply, declare, done, join
+
+GRACE = 60.0
+
+
+class Fence:
+    """The pids whose process still runs; every other one is fenced."""
+
+    def __init__(self) -> None:
+        self.running: set[int] = set()
+
+    def __call__(self, pid: int, since: float) -> str:
+        return f"pid {pid} still runs" if pid in self.running else ""
+
+
+@pytest.fixture
+def fence() -> Fence:
+    return Fence()
+
+
+@pytest.fixture
+def h(make_harness: Callable[..., Harness], fence: Fence) -> Harness:
+    harness = make_harness(retain_grace=GRACE)
+    harness.state.retained.fence = fence
+    return harness
+
+
+def group(h: Harness, s: Session, name: str = "g") -> str:
+    reply = h.ok(s, p.RetainGroup(group=name)).reply
+    assert isinstance(reply, p.RetainGroupReply) and len(reply.secret) == 64
+    return reply.secret
+
+
+def retain(h: Harness, s: Session, name: str, group_name: str = "g") -> None:
+    h.ok(s, p.Retain(group=group_name, name=name))
+
+
+def adopt(h: Harness, s: Session, secret: str, group_name: str = "g") -> tuple[p.AdoptReply, list[int]]:
+    outcome = h.ok(s, p.Adopt(group=group_name, secret=secret))
+    assert isinstance(outcome.reply, p.AdoptReply)
+    return outcome.reply, [c.id for c in outcome.handout]
+
+
+def retained(h: Harness) -> dict[str, p.RetainedStatus]:
+    return {r.group: r for r in h.state.status().retained}
+
+
+def die(h: Harness, s: Session) -> None:
+    """kill -9: the fd channel's EOF, nothing released before it."""
+    h.state.close_session(s.id)
+
+
+def primary_with_arena(h: Harness, nbytes: int = 8 * MiB) -> tuple[Session, str, p.ArenaView]:
+    s = h.connect("primary")
+    view = h.create(s, "weights-kv", 64 * MiB)
+    h.commit(s, "weights-kv", nbytes)
+    secret = group(h, s)
+    retain(h, s, "weights-kv")
+    return s, secret, view
+
+
+def test_a_retained_arena_outlives_its_owners_death_orphaned_and_accounted(h: Harness) -> None:
+    s, _, _ = primary_with_arena(h)
+    plain = h.create(s, "scratch", 64 * MiB)
+    assert plain.name == "scratch"
+    h.commit(s, "scratch", 4 * MiB)
+    die(h, s)
+    assert set(h.state.arenas.by_name) == {"weights-kv"}  # the unretained arena was reclaimed as before
+    assert h.state.arenas.accounted_bytes() == 8 * MiB
+    g = retained(h)["g"]
+    assert (g.state, g.objects, g.committed_bytes, g.previous, g.previous_pid) == (p.RetainState.ORPHANED, ["weights-kv"], 8 * MiB, "primary", s.pid)
+    assert g.deadline_in_s == GRACE and g.fenced and g.holder == ""
+    assert not h.state.status().arenas[0].owner_alive
+
+
+def test_adoption_hands_every_chunk_at_the_same_addresses_and_ownership_moves(h: Harness) -> None:
+    s, secret, view = primary_with_arena(h)
+    chunks = [c.id for c in h.state.arenas.by_name["weights-kv"].chunks]
+    die(h, s)
+    standby = h.connect("standby")
+    reply, handed = adopt(h, standby, secret)
+    (obj,) = reply.objects
+    assert obj.arena.address == view.address and obj.arena.committed == 8 * MiB and obj.kv is None
+    assert handed == chunks == [c.id for c in obj.chunks]
+    assert reply.fd_batches == 1 and reply.previous == f"client 'primary' (pid {s.pid})"
+    arena = h.state.arenas.by_name["weights-kv"]
+    assert (arena.owner_id, arena.owner_name, arena.owner_alive) == (standby.id, "standby", True)
+    assert retained(h)["g"].state is p.RetainState.ADOPTING
+    h.ok(standby, p.AdoptDone(group="g"))
+    g = retained(h)["g"]
+    assert (g.state, g.holder, g.deadline_in_s) == (p.RetainState.HELD, "standby", -1.0)
+    # The adopter owns it: it commits, and its own death orphans the group afresh.
+    h.commit(standby, "weights-kv", 16 * MiB)
+    h.clock.now += 500
+    die(h, standby)
+    g = retained(h)["g"]
+    assert (g.state, g.previous, g.deadline_in_s, g.committed_bytes) == (p.RetainState.ORPHANED, "standby", GRACE, 16 * MiB)
+
+
+def test_an_ordinary_release_and_close_keep_nothing(h: Harness) -> None:
+    s, _, _ = primary_with_arena(h)
+    h.release(s, "weights-kv")
+    die(h, s)
+    assert h.state.arenas.by_name == {} and h.state.arenas.accounted_bytes() == 0
+    assert retained(h) == {}
+
+
+def test_a_wrong_secret_or_another_uid_gets_nothing(h: Harness) -> None:
+    s, secret, _ = primary_with_arena(h)
+    die(h, s)
+    thief = h.connect("thief", uid=2000, gid=2000)
+    refused = h.refused(thief, p.Adopt(group="g", secret=secret), p.ErrorCode.PERMISSION_DENIED)  # stolen: right secret, other uid
+    assert "uid 1000" in refused.message and secret not in refused.message
+    guess = h.connect("guess")
+    wrong = "0" * 64
+    refused = h.refused(guess, p.Adopt(group="g", secret=wrong), p.ErrorCode.PERMISSION_DENIED)
+    assert "wrong secret" in refused.message
+    # Nor by attaching: a grant the dead owner made admits nobody to an orphan.
+    assert retained(h)["g"].state is p.RetainState.ORPHANED
+    assert h.state.arenas.by_name["weights-kv"].attached == set()
+    assert all(not c.holders for c in h.state.arenas.by_name["weights-kv"].chunks)
+
+
+def test_a_grant_of_the_dead_owner_does_not_open_an_orphan(h: Harness) -> None:
+    s, _, _ = primary_with_arena(h)
+    h.share(s, "weights-kv", "reader")
+    die(h, s)
+    reader = h.connect("reader")
+    h.refused(reader, p.AttachArena(name="weights-kv"), p.ErrorCode.PERMISSION_DENIED)
+    assert all(not c.holders for c in h.state.arenas.by_name["weights-kv"].chunks)
+
+
+def test_two_adopters_one_wins_the_other_is_told_who(h: Harness) -> None:
+    s, secret, _ = primary_with_arena(h)
+    first, second = h.connect("first"), h.connect("second")
+    held = h.refused(first, p.Adopt(group="g", secret=secret), p.ErrorCode.GROUP_HELD)  # the primary lives
+    assert held.detail["holder"] == "primary"
+    die(h, s)
+    adopt(h, first, secret)
+    lost = h.refused(second, p.Adopt(group="g", secret=secret), p.ErrorCode.GROUP_HELD)
+    assert (lost.detail["holder"], lost.detail["holder_pid"]) == ("first", first.pid)
+    assert "first" in lost.message
+    assert all(c.holders == {first.id} for c in h.state.arenas.by_name["weights-kv"].chunks)
+
+
+def test_an_adopter_that_dies_before_confirming_gives_it_back_with_the_same_deadline(h: Harness, fence: Fence) -> None:
+    s, secret, _ = primary_with_arena(h)
+    die(h, s)
+    h.clock.now += 20
+    adopter = h.connect("adopter")
+    adopt(h, adopter, secret)
+    h.clock.now += 10
+    fence.running.add(adopter.pid)  # its process lingers: its writes are not over yet
+    die(h, adopter)
+    g = retained(h)["g"]
+    assert (g.state, g.previous, g.deadline_in_s, g.fenced) == (p.RetainState.ORPHANED, "adopter", GRACE - 30, False)
+    assert h.state.arenas.accounted_bytes() == 8 * MiB
+    late = h.connect("late")
+    h.refused(late, p.Adopt(group="g", secret=secret), p.ErrorCode.NOT_FENCED)
+    fence.running.clear()
+    adopt(h, late, secret)
+
+
+def test_the_deadline_releases_an_orphan(h: Harness) -> None:
+    s, secret, _ = primary_with_arena(h)
+    die(h, s)
+    h.clock.now += GRACE - 1
+    h.state.tick()
+    assert h.state.arenas.accounted_bytes() == 8 * MiB
+    h.clock.now += 1
+    h.state.tick()
+    assert h.state.arenas.by_name == {} and h.state.arenas.accounted_bytes() == 0 and retained(h) == {}
+    late = h.connect("late")
+    h.refused(late, p.Adopt(group="g", secret=secret), p.ErrorCode.NOT_FOUND)
+
+
+def test_adoption_waits_for_the_fence(h: Harness, fence: Fence) -> None:
+    s, secret, _ = primary_with_arena(h)
+    fence.running.add(s.pid)
+    die(h, s)
+    standby = h.connect("standby")
+    refused = h.refused(standby, p.Adopt(group="g", secret=secret), p.ErrorCode.NOT_FENCED)
+    assert refused.detail["pid"] == s.pid and not retained(h)["g"].fenced
+    assert all(not c.holders for c in h.state.arenas.by_name["weights-kv"].chunks)  # nothing handed out
+    fence.running.clear()
+    adopt(h, standby, secret)
+
+
+def test_only_the_holder_marks_and_only_what_it_owns(h: Harness) -> None:
+    s, _, _ = primary_with_arena(h)
+    other = h.connect("other")
+    h.create(other, "theirs", 64 * MiB)
+    h.refused(other, p.Retain(group="g", name="theirs"), p.ErrorCode.PERMISSION_DENIED)  # not its group
+    h.refused(s, p.Retain(group="g", name="theirs"), p.ErrorCode.PERMISSION_DENIED)  # not its arena
+    h.refused(other, p.RetainGroup(group="g"), p.ErrorCode.GROUP_HELD)
+    stranger = h.connect("stranger", uid=2000, gid=2000)
+    h.refused(stranger, p.RetainGroup(group="g"), p.ErrorCode.ALREADY_EXISTS)
+    h.ok(s, p.Retain(group="g", name="weights-kv", retained=False))
+    die(h, s)
+    assert h.state.arenas.by_name.keys() == {"theirs"} and retained(h) == {}
+
+
+def test_a_retained_kv_pool_keeps_its_rows_and_its_adopter_grows_it(h: Harness) -> None:
+    s = h.connect("primary")
+    declare(h, s, "kv", max_tokens=65536)
+    join(h, s, "kv")
+    capture(h, s, "kv", 1, min_tokens=1024, max_tokens=8192)
+    assert commit_reply(done(h)[1]).pool.tokens == 8192
+    secret = group(h, s)
+    retain(h, s, "kv")
+    die(h, s)
+    assert h.state.kv.pools["kv"].tokens == 8192 and h.state.arenas.accounted_bytes() == 32 * MiB
+    standby = h.connect("standby")
+    reply, _ = adopt(h, standby, secret)
+    (obj,) = reply.objects
+    assert obj.kv is not None and obj.kv.tokens == 8192 and obj.kv.name == "kv"
+    grown = h.ok(standby, p.KvGrow(pool="kv", tokens=12288)).reply
+    assert isinstance(grown, p.KvCommitReply) and grown.pool.tokens == 12288
+
+
+Restarted = Callable[[Harness], Harness]
+
+
+@pytest.fixture
+def restart(fence: Fence) -> Iterator[Restarted]:
+    """``restart(h)``: the state a restart rebuilds from ``h``'s durable record."""
+    made: list[tuple[Harness, Durable]] = []
+    store = FakeStore()
+
+    def run(h: Harness) -> Harness:
+        first = Durable(store)  # type: ignore[arg-type]
+        first.start(h.state, {})
+        first.persist(h.state)
+        h.state.drop_all()
+        first.close()
+        clock, wall = Clock(h.clock.now + 5), Clock(h.wall_clock.now + 5)
+        again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall, fence), clock, wall)
+        second = Durable(store)  # type: ignore[arg-type]
+        second.start(again.state, store.passed())
+        made.append((again, second))
+        return again
+
+    yield run
+    for h, durable in reversed(made):
+        h.state.drop_all()
+        durable.close()
+    store.drop()
+
+
+def test_an_orphan_survives_a_restart_and_is_adopted_after_it(h: Harness, restart: Restarted) -> None:
+    s, secret, view = primary_with_arena(h)
+    die(h, s)
+    h.clock.now += 10
+    again = restart(h)
+    g = retained(again)["g"]
+    assert (g.state, g.objects, g.deadline_in_s, g.committed_bytes) == (p.RetainState.ORPHANED, ["weights-kv"], GRACE - 10, 8 * MiB)
+    assert again.state.arenas.tenants.owner_uid(again.state.arenas.by_name["weights-kv"]) == s.uid  # counted against its uid
+    standby = again.connect("standby")
+    again.refused(standby, p.Adopt(group="g", secret="f" * 64), p.ErrorCode.PERMISSION_DENIED)
+    reply, handed = adopt(again, standby, secret)
+    assert reply.objects[0].arena.address == view.address and len(handed) == 1
+
+
+@pytest.mark.parametrize("last", ["releases", "dies"])
+def test_an_orphans_last_sharer_leaving_does_not_release_it(h: Harness, last: str) -> None:
+    s, secret, _ = primary_with_arena(h)
+    h.share(s, "weights-kv", "reader")
+    h.share(s, "weights-kv", "dying-reader")
+    reader, dying = h.connect("reader"), h.connect("dying-reader")
+    h.attach(reader, "weights-kv")
+    h.attach(dying, "weights-kv")
+    die(h, s)
+    if last == "releases":
+        die(h, dying)
+        h.release(reader, "weights-kv")
+    else:
+        h.release(reader, "weights-kv")
+        die(h, dying)
+    # Nobody is attached, and the group still waits.
+    assert h.state.arenas.accounted_bytes() == 8 * MiB and retained(h)["g"].state is p.RetainState.ORPHANED
+    reply, handed = adopt(h, h.connect("standby"), secret)
+    assert reply.objects[0].arena.committed == 8 * MiB and handed
