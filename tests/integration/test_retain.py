@@ -280,9 +280,9 @@ def test_a_read_only_grants_descriptors_cannot_map_writable(daemon_factory: Any,
     do(eng, f"create weights {GiB}")
     do(eng, f"commit weights {8 * MiB}")
     token = do(eng, "roshare weights -")
-    for name, args in (("reader", ()), ("other", ("--as", f"{OTHER_UID}:0"))):
+    for name, args, arena in (("reader", (), "weights"), ("other", ("--as", f"{OTHER_UID}:0"), f"{os.getuid()}/weights")):
         c = spawn(name, *args)
-        got = json.loads(do(c, f"rofds weights {token}"))
+        got = json.loads(do(c, f"rofds {arena} {token}"))
         assert got["read_only"] and got["fds"] >= 1
         assert set(got["modes"]) == {"rdonly"} and not any(got["write_map"]), got
         if name == "other":
