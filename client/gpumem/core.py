@@ -120,7 +120,9 @@ class SessionCore:
 
     def close(self) -> None:
         """Release the arenas (unmapping them) and close both channels; a call another
-        thread has in progress ends first (SessionClosed), not at its deadline."""
+        thread has in progress ends first (SessionClosed), not at its deadline. That
+        call may still be putting its placeholder back: each arena's release waits for
+        it (the arena's mappings change under one lock), then nothing is mapped."""
         self.channel.interrupt()
         for arena in list(self._arenas.values()):
             try:
