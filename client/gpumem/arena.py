@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,14 @@ class Arena:
         self._placeholder_fds: dict[int, int] = {}  # slot size -> fd, kept to map again
         self._placeholder_ids: list[int] = []  # the daemon's ids of those chunks
         self._released = False
+        # Held while the mappings above change. A call that close() interrupts in another
+        # thread still puts its placeholder back (or maps the reply it got) while close()
+        # unmaps the arena: unserialized, close() closed the placeholder's descriptors under
+        # the call's mapping (EBADF) or missed a mapping made after it listed them (left
+        # in the address slice: on CUDA the slice then cannot be freed). Never held across
+        # a request: a request's ``meanwhile`` takes it under the channel's lock.
+        self._lock = threading.RLock()
+        self._holder = ""  # the thread holding it, for the error of a wait that ran out
         self._allocator: ArenaAllocator | None = None
         self._torch: ArenaPool | None = None
 
@@ -147,23 +156,50 @@ class Arena:
         """Carry out a reply that changed the arena's backing (the session's and the KV
         pool's requests too): unmap the retired chunks, map the chunks handed out (over
         any placeholder there), put placeholder back where it was asked for and nothing
-        else is mapped, and tell the daemon. Takes ownership of ``fds``."""
-        self.committed = reply.arena.committed
-        if isinstance(reply, p.MapReply) and reply.read_only:
-            self.read_only = True
+        else is mapped, and tell the daemon. Takes ownership of ``fds``. SessionClosed
+        when the arena was released meanwhile (a close() on another thread): nothing
+        of the reply is mapped then."""
+        not_mapped: list[int] = []  # chunks handed out that could not be mapped: the daemon hears so
         try:
-            # Retired first: a chunk handed out now may sit where a retired one is mapped.
-            self._unmap(reply.retired)
-            try:
-                if reply.chunks:
-                    self._map_chunks(reply.chunks, fds)
-            finally:
-                self.restore_placeholder()
+            with self._mapping():
+                if self._released:
+                    raise SessionClosed(f"arena '{self.name}' was released by this process while the daemon answered; nothing was mapped")
+                self.committed = reply.arena.committed
+                if isinstance(reply, p.MapReply) and reply.read_only:
+                    self.read_only = True
+                # Retired first: a chunk handed out now may sit where a retired one is mapped.
+                self._unmap(reply.retired)
+                try:
+                    if reply.chunks:
+                        not_mapped = [c.id for c in reply.chunks]
+                        self._map_chunks(reply.chunks, fds)
+                        not_mapped = []
+                finally:
+                    self._restore_placeholder()
         finally:
             fdchannel.close_all(list(fds.values()))  # the mappings hold the memory now
+            if not_mapped:
+                self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=not_mapped))
         if reply.retired:
             self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in reply.retired]))
         self._backing_changed()
+
+    @contextlib.contextmanager
+    def _mapping(self) -> Iterator[None]:
+        """Hold the arena's mappings (see ``_lock``). The holder runs driver calls only, so
+        the session's timeout is ample; past it the driver hangs."""
+        timeout = self.core.timeout
+        if not self._lock.acquire(timeout=timeout):
+            raise MappingError(
+                f"arena '{self.name}': thread '{self._holder}' of this process kept changing its mappings for more than "
+                f"{timeout:g}s (a driver call that does not return: check the device, e.g. with nvidia-smi)"
+            )
+        outer, self._holder = self._holder, threading.current_thread().name
+        try:
+            yield
+        finally:
+            self._holder = outer
+            self._lock.release()
 
     def _unmap(self, retired: list[p.ChunkView]) -> None:
         """Unmap the retired chunks mapped here, where this process mapped them."""
@@ -176,7 +212,6 @@ class Arena:
         wanted = merge([(c.offset, c.offset + c.size) for c in chunks])
         overlap = intersect(wanted, self.committed_ranges())
         if overlap:
-            self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
             raise MappingError(
                 f"the daemon handed out chunks of arena '{self.name}' over committed memory this process still maps "
                 f"(offsets {overlap}); they were not mapped"
@@ -185,7 +220,6 @@ class Arena:
         try:
             driver.map_fds(self.address, [(fds[c.id], c.offset, c.size) for c in chunks], self.read_only)
         except DriverError as exc:
-            self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in chunks]))
             raise MappingError(f"mapping {len(chunks)} chunk(s) of arena '{self.name}' failed: {exc}") from None
         for chunk in chunks:
             self._chunks[chunk.id] = chunk
@@ -195,15 +229,18 @@ class Arena:
         now maps real chunks if it succeeds: unmapped while the daemon works, it costs the
         swap nothing (``apply`` would unmap it after the answer otherwise). Where the
         request fails, ``restore_placeholder`` puts it back."""
-        self._unmap_aliases(touching(self._aliases, merge(ranges)))
+        with self._mapping():
+            self._unmap_aliases(touching(self._aliases, merge(ranges)))
 
     def restore_placeholder(self) -> None:
-        """Alias the placeholder again wherever it was asked for and nothing is mapped.
-        Not once the session closes: its close() unmaps the arena meanwhile, and a mapping
-        put back after that would outlive it (on CUDA the slice then cannot be freed)."""
-        if self._released or self.core.closing:
-            return
-        self._cover_free(subtract(self._cover, self.backed_ranges()))
+        """Alias the placeholder again wherever it was asked for and nothing is mapped;
+        nothing once the arena is released (a close() on another thread, meanwhile)."""
+        with self._mapping():
+            self._restore_placeholder()
+
+    def _restore_placeholder(self) -> None:
+        if not self._released:
+            self._cover_free(subtract(self._cover, self.backed_ranges()))
 
     def _unmap_aliases(self, spans: list[tuple[int, int]]) -> None:
         if not spans:
@@ -297,12 +334,20 @@ class Arena:
             )
         if self._placeholder_fds and slot_bytes not in self._placeholder_fds:
             raise InvalidArgument(f"arena '{self.name}' already uses {max(self._placeholder_fds)}-byte placeholder slots")
+        chunks: list[p.ChunkView] = []
+        fds: dict[int, int] = {}
         if not self._placeholder_fds:
             reply, fds = self.core.channel.call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
-            self._placeholder_fds = {c.size: fds[c.id] for c in reply.chunks}
-            self._placeholder_ids = [c.id for c in reply.chunks]
-        self._cover = merge(self._cover + [(offset, offset + nbytes)])
-        self.restore_placeholder()
+            chunks = reply.chunks
+        with self._mapping():
+            if self._released:
+                fdchannel.close_all(list(fds.values()))
+                raise SessionClosed(f"arena '{self.name}' was released by this process while the daemon answered")
+            if chunks:
+                self._placeholder_fds = {c.size: fds[c.id] for c in chunks}
+                self._placeholder_ids = [c.id for c in chunks]
+            self._cover = merge(self._cover + [(offset, offset + nbytes)])
+            self._restore_placeholder()
         self._backing_changed()
 
     def share(self, client: str | None = None, *, uid: int | None = None, gid: int | None = None, read_only: bool = False) -> str:
@@ -360,14 +405,16 @@ class Arena:
             self._torch.retire()
         if self._allocator is not None:
             self._allocator.retire(keep_slot=self._torch is not None)
-        driver = self.core.driver
-        driver.unmap_many(self.address, [(c.offset, c.size) for c in self._chunks.values()] + list(self._aliases.items()))
-        self._aliases.clear()
-        self._chunks.clear()
-        fdchannel.close_all(list(self._placeholder_fds.values()))
-        self._placeholder_fds.clear()
-        self._placeholder_ids.clear()
-        self._released = True
+        with self._mapping():
+            self._check_open()  # released by another thread meanwhile
+            mapped = [(c.offset, c.size) for c in self._chunks.values()] + list(self._aliases.items())
+            self.core.driver.unmap_many(self.address, mapped)
+            self._aliases.clear()
+            self._chunks.clear()
+            fdchannel.close_all(list(self._placeholder_fds.values()))
+            self._placeholder_fds.clear()
+            self._placeholder_ids.clear()
+            self._released = True
         self.core.drop_arena(self.name)
         self.core.call(p.ReleaseArena(name=self.name))
 

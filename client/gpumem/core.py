@@ -58,9 +58,6 @@ class SessionCore:
         channel.holdings = lambda: [arena.holding() for arena in list(arenas.values())]
         self._slice: AddressSlice | None = None  # the daemon's address slice, from the first arena on
         self._slice_lock = threading.Lock()  # two threads' first arenas take one hold
-        # Set as close() begins: a call it interrupts in another thread must not map the
-        # placeholder back (Arena.restore_placeholder) while close() unmaps the arenas.
-        self.closing = False
         daemon_key = f"{self.endpoints.runtime_dir}:{self.endpoints.index}"
         self.leasing = SessionLeases(channel, driver, hello.session_id, device_ordinal, daemon_key)
 
@@ -123,7 +120,9 @@ class SessionCore:
 
     def close(self) -> None:
         """Release the arenas (unmapping them) and close both channels; a call another
-        thread has in progress ends first (SessionClosed), not at its deadline."""
+        thread has in progress ends first (SessionClosed), not at its deadline. That
+        call may still be putting its placeholder back: each arena's release waits for
+        it (the arena's mappings change under one lock), then nothing is mapped."""
         self.channel.interrupt()
         for arena in list(self._arenas.values()):
             try:

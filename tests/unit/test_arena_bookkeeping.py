@@ -8,6 +8,7 @@ fails an assertion instead of faulting the test process."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from gpumem.address_slices import AddressSlice
 from gpumem.arena import Arena
 from gpumem.core import SessionCore
-from gpumem.errors import InvalidArgument, MappingError
+from gpumem.errors import InvalidArgument, MappingError, SessionClosed
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.paths import Endpoints
@@ -197,6 +198,63 @@ def test_chunks_over_committed_memory_still_mapped_are_refused(setup: tuple[Aren
     assert byte_at(2 * MiB) == 1, "the mapped chunk was replaced"
     assert arena.committed_ranges() == [(0, 4 * MiB)]
     assert daemon.unmapped_reports() == [[2]], "the refused chunk is not held here: the daemon must hear so"
+
+
+def test_an_answer_mapped_after_a_release_maps_nothing(setup: tuple[Arena, FakeChannel, Chunks]) -> None:
+    """A grow's or a round's answer that the engine's thread applies after close()
+    released the arena on another: mapped, it would outlive the arena in the slice."""
+    arena, daemon, chunks = setup
+    slot, granule = chunks.make(100, 0, SLOT), chunks.make(101, 0, G)
+    daemon.placeholder_chunks = [slot, granule]
+    daemon.placeholder_fds = {100: chunks.fds[100], 101: chunks.fds[101]}
+    arena.placeholder(0, WINDOW, SLOT)
+    late = chunks.make(1, 0, 4 * MiB)
+    reply = p.MapReply(arena=view(4 * MiB), chunks=[late], retired=[], fd_batches=1)
+    handed = chunks.handed([late])
+    open_fds = len(os.listdir("/proc/self/fd"))
+    arena.release()
+    assert mappings(0, WINDOW) == [(0, WINDOW, "none")]
+    with pytest.raises(SessionClosed, match="released by this process while the daemon answered"):
+        arena.apply(reply, handed)
+    assert mappings(0, WINDOW) == [(0, WINDOW, "none")], "the late answer was mapped into the released arena"
+    arena.restore_placeholder()  # the interrupted call's own clean-up, after close()
+    assert mappings(0, WINDOW) == [(0, WINDOW, "none")]
+    assert len(os.listdir("/proc/self/fd")) == open_fds - 3, "the placeholder's two and the answer's descriptor are closed"
+
+
+def test_a_release_waits_for_a_mapping_in_progress_within_the_timeout(setup: tuple[Arena, FakeChannel, Chunks]) -> None:
+    """close() releases the arenas while an interrupted call may still map (its placeholder
+    put back): the release waits its turn, bounded by the session's timeout, and the
+    error of a wait that runs out names the thread that holds the arena."""
+    arena, daemon, chunks = setup
+    slot, granule = chunks.make(100, 0, SLOT), chunks.make(101, 0, G)
+    daemon.placeholder_chunks = [slot, granule]
+    daemon.placeholder_fds = {100: chunks.fds[100], 101: chunks.fds[101]}
+    arena.placeholder(0, WINDOW, SLOT)
+    arena.vacate([(0, SLOT)])
+    driver = arena.core.driver
+    inside, go_on = threading.Event(), threading.Event()
+    map_aliased = driver.map_aliased
+
+    def stuck(address: int, fd: int, size: int, offsets: list[int]) -> None:
+        inside.set()
+        go_on.wait(30)
+        map_aliased(address, fd, size, offsets)
+
+    driver.map_aliased = stuck  # type: ignore[method-assign]
+    restorer = threading.Thread(target=arena.restore_placeholder, name="interrupted-call")
+    restorer.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(MappingError, match=r"thread 'interrupted-call' of this process kept changing its mappings for more than 1s"):
+            arena.release()
+        assert not any(isinstance(m, p.ReleaseArena) for m in daemon.sent) and arena.placeholder_bytes == WINDOW - SLOT
+    finally:
+        go_on.set()
+        restorer.join(10)
+    assert arena.placeholder_bytes == WINDOW
+    arena.release()
+    assert mappings(0, WINDOW) == [(0, WINDOW, "none")]
 
 
 def test_a_window_outside_the_daemons_slice_is_refused(setup: tuple[Arena, FakeChannel, Chunks]) -> None:
