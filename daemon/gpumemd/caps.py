@@ -224,6 +224,25 @@ class Caps:
         named = [(f"uid {u}", r) for u, r in sorted(pol.uids.items())] + [(f"gid {g}", r) for g, r in sorted(pol.gids.items())]
         return named + ([("default", pol.default)] if pol.default is not None else [])
 
+    def status(self) -> list[p.TenantCapStatus]:
+        """Every tenant the policy names, and each uid under the default that holds memory."""
+        used = self.usage()
+        rules = {t: r for t, r in self.rules() if t != "default"}
+        out = []
+        for tenant in {**rules, **used}:
+            rule = rules.get(tenant, self.policy.default)
+            if rule is not None:
+                out.append(
+                    p.TenantCapStatus(
+                        tenant=tenant,
+                        max_bytes=-1 if rule.max_bytes is None else rule.max_bytes,
+                        min_bytes=rule.min_bytes,
+                        used_bytes=used.get(tenant, 0),
+                        source=rule.source,
+                    )
+                )
+        return out
+
     def tenant_of(self, arena: str) -> tuple[str, Rule] | None:
         uid = self._owners.get(arena)
         return None if uid is None else self.policy.tenant(uid, self._groups.get(arena, -1))

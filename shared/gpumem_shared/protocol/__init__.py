@@ -82,6 +82,7 @@ from gpumem_shared.protocol.status import (
     GraphPoolStatus,
     LeaseStatus,
     SleeperStatus,
+    TenantCapStatus,
     StatusReply,
     Status,
 )
@@ -157,7 +158,7 @@ __all__ = [
     "ChunksUnmapped", "PlaceholderReply", "PlaceholderArena", "KvBuffer", "KvBufferView", "KvPoolView", "KvDeclareReply",
     "KvDeclare", "RoundView", "RoundJoin", "KvCommitReply", "CaptureDone", "KvGrow", "KvShrink", "KvDemand", "GraphPoolReply",
     "RegisterGraphPool", "UpdateGraphPool", "RetireGraphPool", "OpenGraphPool", "PublishLeaseEvent", "LeaseEventReply",
-    "LookupLeaseEvent", "ReportEscape", "SleeperStatus", "HostBufferView", "HostBufferReply", "SleepBuffer",
+    "LookupLeaseEvent", "ReportEscape", "SleeperStatus", "TenantCapStatus", "HostBufferView", "HostBufferReply", "SleepBuffer",
     "FreeSleepBuffer", "SleepArena", "WakeArena", "REQUESTS", "EVENTS", "Request", "Reply", "check_version", "check_hello_version",
     "encode_request", "decode_request", "request_id_of", "encode_reply", "encode_error", "decode_reply", "decode_body",
     "encode_event", "decode_event", "to_wire", "from_wire",
