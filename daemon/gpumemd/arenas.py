@@ -388,7 +388,6 @@ class ArenaBook:
         arena.chunks = []
         arena.placeholders = []
         del self.by_name[arena.name]
-        self.caps.destroyed(arena)
         self.tenants.owners.pop(arena.name, None)
         self.tenants.groups.pop(arena.name, None)
         log.info("arena %r destroyed", arena.name)

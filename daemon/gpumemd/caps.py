@@ -199,7 +199,6 @@ class Caps:
     ) -> None:
         self.policy_file, self.claims_dir = policy_file, claims_dir
         self._arenas, self._retiring, self._owners, self._groups = arenas, retiring, owners, groups
-        self._gone: dict[int, tuple[int, int]] = {}  # retiring chunks of destroyed arenas: their owner
         self.policy = read_policy(policy_file, claims_dir)  # at start, an error stops the daemon
 
     def reload(self) -> str | None:
@@ -251,27 +250,16 @@ class Caps:
         """Device bytes each capped tenant holds now (every tenant the policy names, and
         each uid under the default that holds any)."""
         used = {f"{kind} {ident}": 0 for kind, rules in (("uid", self.policy.uids), ("gid", self.policy.gids)) for ident in rules}
-        for key in [k for k in self._gone if k not in self._retiring]:
-            del self._gone[key]  # unmapped by every holder at last
         found: tuple[str, Rule] | None
         for arena in self._arenas.values():
             found = self.tenant_of(arena.name)
             if found is not None:
                 used[found[0]] = used.get(found[0], 0) + sum(c.size for c in arena.chunks)
-        for chunk in self._retiring.values():
-            gone = self._gone.get(chunk.id)
-            found = self.tenant_of(chunk.arena) if gone is None else self.policy.tenant(*gone)
+        for chunk in self._retiring.values():  # an arena is destroyed once no one maps any of it
+            found = self.tenant_of(chunk.arena)
             if found is not None:
                 used[found[0]] = used.get(found[0], 0) + chunk.size
         return used
-
-    def destroyed(self, arena: ArenaRecord) -> None:
-        """``arena`` is gone (its chunks retired first): what its holders still map keeps
-        counting against its owner until they unmap it, a name reused or not."""
-        uid = self._owners.get(arena.name)
-        if uid is not None:
-            owner = (uid, self._groups.get(arena.name, -1))
-            self._gone.update((c.id, owner) for c in self._retiring.values() if c.arena == arena.name)
 
     def room(self, arena: ArenaRecord) -> int | None:
         """What the tenant of ``arena`` may still commit under its maximum; None: no maximum."""

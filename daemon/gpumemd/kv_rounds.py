@@ -255,7 +255,7 @@ class RoundDesk:
         caps = self.arenas.caps
         held_back = caps.held_back(caps.tenants_of((self.arenas.by_name[m.pool.name], 0, 0) for m in members))
         try:
-            tokens = self._capped(members, kv_math.split(members, max(budget - held_back, 0)))
+            tokens = self._split(members, max(budget - held_back, 0))
         except kv_math.BudgetShort as short:
             if round_.state == p.RoundState.OPEN and not late and self._ask_shrinks(round_, short.needed - max(budget, 0)):
                 round_.state = p.RoundState.AWAITING_SHRINK
@@ -343,13 +343,20 @@ class RoundDesk:
                     self._completions.append(Completion(member.session_id, member.request_id, error))
         return list(round_.members)
 
-    def _capped(self, members: list[MemberRecord], tokens: dict[MemberRecord, int]) -> dict[MemberRecord, int]:
-        """The split, each capped tenant's members split again within its cap where
-        the round's share passed it (minimums first, then by weight: kv_math.split)."""
-        for room, group in self._by_tenant(members).values():
-            if sum(m.pool.cost(tokens[m]) for m in group) > room:
-                tokens.update(kv_math.split(group, room))
-        return tokens
+    def _split(self, members: list[MemberRecord], budget: int) -> dict[MemberRecord, int]:
+        """kv_math.split within each tenant's cap: a capped tenant whose members' shares
+        pass it gets its cap, split among them alone (minimums first, then by weight),
+        and the rest of the budget is split again among the others."""
+        rooms = self._by_tenant(members)
+        fixed: dict[MemberRecord, int] = {}
+        while True:
+            rest = [m for m in members if m not in fixed]
+            tokens = kv_math.split(rest, budget - sum(m.pool.cost(t) for m, t in fixed.items())) if rest else {}
+            over = [(room, group) for room, group in rooms.values() if group[0] not in fixed and sum(m.pool.cost(tokens[m]) for m in group) > room]
+            if not over:
+                return {**fixed, **tokens}
+            for room, group in over:
+                fixed.update(kv_math.split(group, room))
 
     def _stage(self, member: MemberRecord) -> None:
         """Create and zero the reporting member's minimum while the round waits for the
