@@ -271,12 +271,12 @@ class Caps:
     def held_back(self, takers: Iterable[str] = ()) -> int:
         """What tenants other than ``takers`` are guaranteed and do not hold yet: no one
         else may commit it."""
-        used, skip = self.usage(), set(takers)
-        out = 0
-        for tenant, rule in self._guaranteed():
-            if tenant not in skip:
-                out += max(0, rule.min_bytes - used.get(tenant, 0))
-        return out
+        skip = set(takers)
+        owed = [(t, r) for t, r in self._guaranteed() if t not in skip]
+        if not owed:  # no book walk on the common path: no minimums at all
+            return 0
+        used = self.usage()
+        return sum(max(0, rule.min_bytes - used.get(tenant, 0)) for tenant, rule in owed)
 
     def _guaranteed(self) -> list[tuple[str, Rule]]:
         # The default's minimum is each uid's that holds something under it; a uid with
@@ -307,7 +307,7 @@ class Caps:
         other tenant's guaranteed minimum taken (``available``: what the device has free
         for commits now, the reserve taken off; measured only where a minimum is owed)."""
         adding = self.tenants_of(work)
-        used = self.usage()
+        used = self.usage() if adding else {}
         for tenant, (rule, size) in adding.items():
             held = used.get(tenant, 0)
             if rule.max_bytes is not None and held + size > rule.max_bytes:
