@@ -254,3 +254,33 @@ def test_status_and_metrics_show_each_tenants_cap_and_use(make_harness: Callable
     assert number(snap, "gpumemd_tenant_used_bytes", tenant="gid 500") == 16 * MiB
     assert number(snap, "gpumemd_tenant_cap_bytes", tenant="uid 3000") == 32 * MiB
     assert number(snap, "gpumemd_tenant_min_bytes", tenant="gid 500") == 8 * MiB
+
+
+def test_a_wake_is_held_to_the_cap_in_force_then(make_harness: Callable[..., Harness], tmp_path: Path) -> None:
+    """Sleeping gives the bytes back; waking takes them again, under the cap as it is now."""
+    h = capped(make_harness, tmp_path, '[[tenant]]\nuid = 1000\nmax = "128MiB"\n')
+    a = h.connect("a", uid=A)
+    h.create(a, "weights", 256 * MiB)
+    h.commit(a, "weights", 100 * MiB)
+    out = h.ok(a, p.SleepArena(name="weights", kept_bytes=0))
+    assert isinstance(out.reply, p.MapReply)
+    h.unmapped(a, "weights", [c.id for c in out.reply.retired])
+    assert h.state.arenas.caps.usage()["uid 1000"] == 0
+    Path(h.config.tenant_policy).write_text('[[tenant]]\nuid = 1000\nmax = "64MiB"\n')
+    h.state.arenas.caps.reload()
+    err = refusal(h, a, p.WakeArena(name="weights"))
+    assert (err.detail["used"], err.detail["cap"]) == (0, 64 * MiB)
+    Path(h.config.tenant_policy).write_text('[[tenant]]\nuid = 1000\nmax = "128MiB"\n')
+    h.state.arenas.caps.reload()
+    assert h.ok(a, p.WakeArena(name="weights")).reply.arena.committed == 100 * MiB
+
+
+def test_a_round_leaves_what_other_tenants_are_guaranteed(make_harness: Callable[..., Harness], tmp_path: Path) -> None:
+    h = capped(make_harness, tmp_path, '[[tenant]]\nuid = 2000\nmin = "96MiB"\n')
+    a, b = h.connect("a", uid=A), h.connect("b", uid=B)
+    declare(h, a, "kv")
+    join(h, a, "kv")
+    capture(h, a, "kv", 1, min_tokens=1024)
+    assert commit_reply(done(h)[1]).pool.tokens == (256 - 96) * 256
+    h.create(b, "y", 128 * MiB)
+    h.commit(b, "y", 96 * MiB)  # there for it when it comes
