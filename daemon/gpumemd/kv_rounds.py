@@ -257,7 +257,7 @@ class RoundDesk:
         try:
             tokens = self._split(members, max(budget - held_back, 0))
         except kv_math.BudgetShort as short:
-            if round_.state == p.RoundState.OPEN and not late and self._ask_shrinks(round_, short.needed - max(budget, 0)):
+            if round_.state == p.RoundState.OPEN and not late and self._ask_shrinks(round_, short.needed - max(budget - held_back, 0)):
                 round_.state = p.RoundState.AWAITING_SHRINK
                 return
             if round_.state == p.RoundState.AWAITING_SHRINK and not late:
@@ -339,7 +339,7 @@ class RoundDesk:
                 round_.dropped.append(f"{member.client}/{member.pool.name}: {tenant}'s cap")
                 self._unstage(member)
                 if member.reported:
-                    error = p.ProtocolError(p.ErrorCode.RESOURCE_EXHAUSTED, message, limit="device memory", tenant=tenant, cap=room)
+                    error = p.ProtocolError(p.ErrorCode.RESOURCE_EXHAUSTED, message, limit="device memory", tenant=tenant, room=room, needed=needed)
                     self._completions.append(Completion(member.session_id, member.request_id, error))
         return list(round_.members)
 
