@@ -10,6 +10,7 @@ SO_PEERCRED (see test_grants.py).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -210,3 +211,33 @@ def test_a_dra_claim_becomes_its_tenants_cap_and_its_pod_finds_the_daemon(daemon
     do(engine, f"commit kv {64 * MiB}")
     engine.send("exit")
     engine.finish()
+
+
+@needs_root
+def test_a_kv_round_and_grows_of_two_uids_stay_within_their_caps(daemon_factory, backend, run_client, runtime_dir, policy) -> None:  # type: ignore[no-untyped-def]
+    policy.write_text(f'[[tenant]]\nuid = {A}\nmax = "64MiB"\n[[tenant]]\nuid = {B}\nmax = "96MiB"\n')
+    daemon_factory(backend, args=["--tenant-policy", str(policy)])
+    open_sockets(runtime_dir)
+    a, b = run_client("shell", "engine-a", "--as", f"{A}:0"), run_client("shell", "engine-b", "--as", f"{B}:0")
+    row = 4096  # 256 tokens a MiB
+    for c in (a, b):
+        c.expect("CONNECTED")
+        do(c, f"kvdeclare kv 1 {row} 262144")
+        do(c, "join kv")
+    a.send("capture kv 0 1024 262144 1.0")
+    b.send("capture kv 0 1024 262144 1.0")
+    got = {name: json.loads(c.expect("OK", timeout=60.0))["tokens"] for name, c in (("a", a), ("b", b))}
+    # Each gets its cap (the host device has 4 GiB: the caps, not the device, bound them).
+    assert got == {"a": 64 * 256, "b": 96 * 256}, got
+    # A grow past the cap gets nothing more: refused, naming it.
+    refused(a, "kvgrow kv 20000", "uid 4242 holds 64 MiB", "cap of 64 MiB")
+    # Raised, the grow gets what the new cap leaves.
+    policy.write_text(f'[[tenant]]\nuid = {A}\nmax = "80MiB"\n[[tenant]]\nuid = {B}\nmax = "96MiB"\n')
+    os.kill(int(status(runtime_dir)["daemon"]["pid"]), signal.SIGHUP)
+    wait_status(runtime_dir, lambda s: any(t["max_bytes"] == 80 * MiB for t in s["tenants"]), 5.0, "the raised cap")
+    assert json.loads(do(a, "kvgrow kv 262144"))["tokens"] == 80 * 256
+    rows = tenants(runtime_dir)
+    assert (rows[f"uid {A}"]["used_bytes"], rows[f"uid {B}"]["used_bytes"]) == (80 * MiB, 96 * MiB)
+    for c in (a, b):
+        c.send("exit")
+        c.finish()
