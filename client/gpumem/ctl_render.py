@@ -137,6 +137,22 @@ def render_sleepers(s: p.StatusReply) -> list[str]:
     )
 
 
+def render_tenants(s: p.StatusReply) -> list[str]:
+    return _table(
+        ["TENANT", "USED", "MAX", "MIN", "FROM"],
+        [
+            [
+                t.tenant,
+                format_size(t.used_bytes) + (" (over: commits refused)" if 0 <= t.max_bytes < t.used_bytes else ""),
+                "-" if t.max_bytes < 0 else format_size(t.max_bytes),
+                format_size(t.min_bytes),
+                t.source,
+            ]
+            for t in s.tenants
+        ],
+    )
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     if not rows:
         return ["  (none)"]
@@ -193,6 +209,8 @@ def render_status(s: p.StatusReply) -> str:
             for c in s.clients
         ],
     )
+    if s.tenants:
+        lines += ["", "TENANT CAPS"] + render_tenants(s)
     lines += ["", "ARENAS"] + render_arenas(s)
     if s.sleepers:
         lines += ["", "SLEEPERS"] + render_sleepers(s)

@@ -147,8 +147,9 @@ class SessionLost(GpuMemError):
 class ResourceExhausted(GpuMemError):
     """This uid is at one of the daemon's per-tenant limits (detail: limit, uid, used,
     cap): what one user may hold of the sessions, arenas, address plan or graph-pool
-    slots that every user shares. Releasing some makes room; the operator sets them
-    (gpumemd --tenant-*)."""
+    slots that every user shares, or of device memory (limit "device memory": detail
+    tenant, used, cap; or "guaranteed minimums": what other tenants are owed).
+    Releasing some makes room; the operator sets them (gpumemd --tenant-*)."""
 
     code = ErrorCode.RESOURCE_EXHAUSTED
 

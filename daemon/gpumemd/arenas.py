@@ -39,6 +39,7 @@ from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
 from gpumemd.image import Image, Imager, Keep, Take, chunk_name
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
+from gpumemd.caps import Caps
 from gpumemd.tenants import Tenants, plain_name
 
 log = logging.getLogger("gpumemd.arenas")
@@ -89,6 +90,7 @@ class ArenaBook:
         self.tenants = tenants
         self.by_name: dict[str, ArenaRecord] = {}
         self.retiring: dict[int, ChunkRecord] = {}
+        self.caps = Caps(config.tenant_policy, config.tenant_claims, self.by_name, self.retiring, tenants.owners, tenants.groups)
         self.next_chunk = 1
         self.next_grant = 1
         self._slice: tuple[int, int] | None = self._reserve_slice()
@@ -189,7 +191,7 @@ class ArenaBook:
         arena = ArenaRecord(
             name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=reserve_bytes, kv=kv
         )
-        self.tenants.owners[name] = s.uid
+        self.tenants.owners[name], self.tenants.groups[name] = s.uid, s.gid
         arena.attached.add(s.id)
         self.by_name[name] = arena
         log.info("arena %r created by %r: %d bytes at %#x", name, s.name, reserve_bytes, address)
@@ -395,6 +397,7 @@ class ArenaBook:
         arena.placeholders = []
         del self.by_name[arena.name]
         self.tenants.owners.pop(arena.name, None)
+        self.tenants.groups.pop(arena.name, None)
         log.info("arena %r destroyed", arena.name)
 
     # ------------------------------------------------------------------ chunks
@@ -415,6 +418,7 @@ class ArenaBook:
                 placements.append((arena, offset, chunk_size))
                 offset += chunk_size
         need = sum(size for _, _, size in placements)
+        self.caps.check(work, self.available_bytes)
         try:
             handles = self.driver.create_chunks([(a.address + offset, size) for a, offset, size in placements])
         except DriverError as exc:

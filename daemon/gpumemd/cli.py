@@ -30,6 +30,7 @@ from gpumem_shared.units import Size, format_size, parse
 
 from gpumemd import logs
 from gpumemd.arenas import SliceUnavailable
+from gpumemd.caps import PolicyError, read_policy
 from gpumemd.config import StateConfig, TenantLimits
 from gpumemd.metrics import Metrics
 from gpumemd.durable import Durable
@@ -236,6 +237,20 @@ def _exporter(address: str, port: int) -> Exporter:
     help="Control requests one session may have waiting for service; more are refused at once (a client has one call out).",
 )
 @_option(
+    "--tenant-policy",
+    type=click.Path(dir_okay=False),
+    default="",
+    help="A TOML or JSON file of device-memory caps per tenant (uid or gid: a maximum and a guaranteed minimum); "
+    "read again on SIGHUP. See docs/architecture.md, Tenant caps.",
+)
+@_option(
+    "--tenant-claims",
+    type=click.Path(file_okay=False),
+    default="",
+    help="A directory a Kubernetes DRA driver writes, one subdirectory per ResourceClaim with a tenant.json "
+    "(the tenant and the bytes it consumed): each is a cap, read again on SIGHUP.",
+)
+@_option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
@@ -289,6 +304,8 @@ def command(
     tenant_address_share: float,
     tenant_graph_pool_share: float,
     tenant_requests: int,
+    tenant_policy: str,
+    tenant_claims: str,
     metrics_port: int | None,
     metrics_address: str | None,
     metrics_hide_names: bool,
@@ -322,6 +339,10 @@ def command(
         endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
     except UnsafeRuntimeDir as exc:
         raise ConfigError(str(exc)) from None
+    try:  # here, so a bad policy stops the start with its reason; a bad reload keeps the old one
+        read_policy(tenant_policy, tenant_claims)
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
     va_base, va_limit = plan_range(device)
     config = StateConfig(
         index=device,
@@ -338,6 +359,8 @@ def command(
         restart_grace=restart_grace,
         retain_grace=retain_grace,
         tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
+        tenant_policy=tenant_policy,
+        tenant_claims=tenant_claims,
     )
     if sleep_host_limit is not None:
         config.sleep_host_limit = sleep_host_limit.bytes

@@ -69,5 +69,9 @@ class StateConfig:
     # after their holder's session ended without releasing them.
     retain_grace: float = 60.0
     tenants: TenantLimits = dataclasses.field(default_factory=TenantLimits)
+    # Device-memory caps per tenant (caps.py): the policy file and the DRA claims
+    # directory, read at start and again on SIGHUP; neither: no caps.
+    tenant_policy: str = ""
+    tenant_claims: str = ""
     # The most host memory sleepers' buffers may take in all (sleepers.py).
     sleep_host_limit: int = dataclasses.field(default_factory=default_sleep_host_limit)

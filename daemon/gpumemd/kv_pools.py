@@ -136,24 +136,44 @@ class KvBook:
         if any(g.pool is pool for g in self.grows):
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"a grow of KV pool '{pool.name}' is already waiting for memory")
         kv_moves.said(pool, m.in_use)
-        need = kv_moves.need(pool, self.arenas.by_name[pool.name], m.tokens)
-        available = self.arenas.available_bytes()
-        what = f"growing KV pool '{pool.name}' from {pool.tokens} to {m.tokens} tokens"
+        tokens = self._within_cap(pool, m.tokens)
+        need = kv_moves.need(pool, self.arenas.by_name[pool.name], tokens)
+        available = self._available(pool)
+        what = f"growing KV pool '{pool.name}' from {pool.tokens} to {tokens} tokens"
         if need <= available:
-            return Outcome(*self._grown(s, pool, m.tokens, m.tokens, []))
-        claims = self._claims(pool, m.tokens)
+            return Outcome(*self._grown(s, pool, tokens, m.tokens, []))
+        claims = self._claims(pool, tokens)
         gives = kv_moves.donors(claims, sum(c.held for c in claims) + available, pool.name, need - available)
         if not gives:  # no pool holds more than its share: nothing to wait for
             self.tally.kv_grows_refused += 1
             self.arenas.require_available(need, what)  # refuses, with the figures
         asked = [self.pools[name] for name, _ in gives]
         for donor, (_, give) in zip(asked, gives):
-            self._ask(donor, give, f"KV pool '{pool.name}' of {s.name} needs {need - available} more bytes to grow to {m.tokens} tokens")
-        self.grows.append(PendingGrow(s.id, request_id, pool, m.tokens, self.clock(), self.clock() + self.config.move_timeout, asked))
+            self._ask(donor, give, f"KV pool '{pool.name}' of {s.name} needs {need - available} more bytes to grow to {tokens} tokens")
+        self.grows.append(PendingGrow(s.id, request_id, pool, tokens, self.clock(), self.clock() + self.config.move_timeout, asked))
         self.tally.kv_grows_deferred += 1
-        figures = {"pool": pool.name, "asked_tokens": m.tokens, "need": need, "available": available}
+        figures = {"pool": pool.name, "asked_tokens": tokens, "need": need, "available": available}
         log.info("%s: %d bytes short; asked %s to give back", what, need - available, gives, extra={"figures": figures})
         return Outcome(None)
+
+    def _within_cap(self, pool: KvPoolRecord, tokens: int) -> int:
+        """The most of ``tokens`` the pool's tenant may hold under its cap (caps.py): a
+        grow past it gets what fits, one with no row to gain is refused, naming the cap."""
+        arena = self.arenas.by_name[pool.name]
+        room = self.arenas.caps.room(arena)
+        need = kv_moves.need(pool, arena, tokens)
+        if room is None or need <= room:
+            return tokens
+        most = kv_moves.most_within(pool, arena, tokens, room)
+        if most <= pool.tokens:
+            self.arenas.caps.check([(arena, 0, need)], self.arenas.available_bytes)  # refuses, naming the cap
+        return most
+
+    def _available(self, pool: KvPoolRecord) -> int:
+        """Free for ``pool``'s grow: what other tenants are guaranteed and do not hold is not."""
+        caps = self.arenas.caps
+        held_back = caps.held_back(caps.tenants_of([(self.arenas.by_name[pool.name], 0, 0)]))
+        return max(0, self.arenas.available_bytes() - held_back)
 
     def report_demand(self, s: SessionRecord, m: p.KvDemand) -> Outcome:
         kv_moves.said(self._owned(s, m.pool, "report demand for"), m.in_use)
@@ -283,7 +303,7 @@ class KvBook:
         """Answer a waiting grow once its memory is free, or at its deadline with what
         fits then (OUT_OF_MEMORY if nothing), naming the pools that did not give back."""
         pool, arena, now = grow.pool, self.arenas.by_name[grow.pool.name], self.clock()
-        available = self.arenas.available_bytes()
+        available = self._available(pool)
         full = kv_moves.need(pool, arena, grow.tokens) <= available
         if not full and now < grow.deadline and any(d.shrink_request is not None and d.name in self.pools for d in grow.asked):
             return

@@ -232,7 +232,7 @@ class RoundDesk:
                 round_.members.remove(member)
                 round_.dropped.append(f"{member.client}/{member.pool.name}: did not report capture-done by the deadline")
             log.warning("round %d: deadline passed; committing without %s", round_.id, missing)
-        members = list(round_.members)
+        members = self._within_caps(round_)
         if not members:
             round_.state = p.RoundState.FAILED
             round_.error = "no member reported capture-done"
@@ -252,10 +252,12 @@ class RoundDesk:
             budget=budget,
             minimums=sum(m.pool.cost(m.report.min_tokens) for m in members),
         )
+        caps = self.arenas.caps
+        held_back = caps.held_back(caps.tenants_of((self.arenas.by_name[m.pool.name], 0, 0) for m in members))
         try:
-            tokens = kv_math.split(members, max(budget, 0))
+            tokens = self._split(members, max(budget - held_back, 0))
         except kv_math.BudgetShort as short:
-            if round_.state == p.RoundState.OPEN and not late and self._ask_shrinks(round_, short.needed - max(budget, 0)):
+            if round_.state == p.RoundState.OPEN and not late and self._ask_shrinks(round_, short.needed - max(budget - held_back, 0)):
                 round_.state = p.RoundState.AWAITING_SHRINK
                 return
             if round_.state == p.RoundState.AWAITING_SHRINK and not late:
@@ -263,7 +265,7 @@ class RoundDesk:
             self._fail(
                 round_,
                 f"round {round_.id}: the members' minimum KV needs {short.needed} bytes but the budget is {budget} "
-                f"(free {free} - reserve {reserve} - headroom {headroom})",
+                f"(free {free} - reserve {reserve} - headroom {headroom}; {held_back} more held back for other tenants' minimums)",
                 needed=short.needed,
                 budget=budget,
             )
@@ -307,6 +309,54 @@ class RoundDesk:
             created_ms,
             extra={"figures": {"round": round_.id, "chunks": handed, "created_ms": round(created_ms, 3), **_budget_figures(round_)}},
         )
+
+    def _by_tenant(self, members: list[MemberRecord]) -> dict[str, tuple[int, list[MemberRecord]]]:
+        """Capped tenants' members, with the bytes each tenant may hold for them: what
+        its cap leaves, plus what their staged minimums hold already."""
+        out: dict[str, tuple[int, list[MemberRecord]]] = {}
+        for member in members:
+            arena = self.arenas.by_name[member.pool.name]
+            found, room = self.arenas.caps.tenant_of(arena.name), self.arenas.caps.room(arena)
+            if found is not None and room is not None:
+                held, group = out.get(found[0], (room, []))
+                out[found[0]] = (held + sum(c.size for c in member.staged), [*group, member])
+        return out
+
+    def _within_caps(self, round_: RoundRecord) -> list[MemberRecord]:
+        """The members whose tenants' caps hold their minimums; the others leave the round,
+        refused with RESOURCE_EXHAUSTED (their tenant's bound is no other member's concern)."""
+        for tenant, (room, group) in self._by_tenant(list(round_.members)).items():
+            needed = sum(m.pool.cost(m.report.min_tokens) for m in group)
+            if needed <= room:
+                continue
+            message = (
+                f"round {round_.id}: {tenant}'s cap leaves {room} bytes for its members "
+                f"({', '.join(f'{m.client}/{m.pool.name}' for m in group)}) and their minimums need {needed}"
+            )
+            log.warning("%s; they leave the round", message)
+            for member in group:
+                round_.members.remove(member)
+                round_.dropped.append(f"{member.client}/{member.pool.name}: {tenant}'s cap")
+                self._unstage(member)
+                if member.reported:
+                    error = p.ProtocolError(p.ErrorCode.RESOURCE_EXHAUSTED, message, limit="device memory", tenant=tenant, room=room, needed=needed)
+                    self._completions.append(Completion(member.session_id, member.request_id, error))
+        return list(round_.members)
+
+    def _split(self, members: list[MemberRecord], budget: int) -> dict[MemberRecord, int]:
+        """kv_math.split within each tenant's cap: a capped tenant whose members' shares
+        pass it gets its cap, split among them alone (minimums first, then by weight),
+        and the rest of the budget is split again among the others."""
+        rooms = self._by_tenant(members)
+        fixed: dict[MemberRecord, int] = {}
+        while True:
+            rest = [m for m in members if m not in fixed]
+            tokens = kv_math.split(rest, budget - sum(m.pool.cost(t) for m, t in fixed.items())) if rest else {}
+            over = [(room, group) for room, group in rooms.values() if group[0] not in fixed and sum(m.pool.cost(tokens[m]) for m in group) > room]
+            if not over:
+                return {**fixed, **tokens}
+            for room, group in over:
+                fixed.update(kv_math.split(group, room))
 
     def _stage(self, member: MemberRecord) -> None:
         """Create and zero the reporting member's minimum while the round waits for the

@@ -238,6 +238,13 @@ class Metrics:
                 owned[arena.owner_name] += arena.committed
         f.add("gpumemd_client_committed_bytes", "gauge", "Committed bytes of the arenas (KV pools included) each live client owns.",
               ("client",), [((self._name(name),), n) for name, n in sorted(owned.items())])
+        caps = arenas.caps.status()  # tenants are uids and gids: not names to hide
+        f.add("gpumemd_tenant_cap_bytes", "gauge", "Each capped tenant's maximum of device memory (--tenant-policy, DRA claims); -1: none.",
+              ("tenant",), [((c.tenant,), c.max_bytes) for c in caps])
+        f.add("gpumemd_tenant_min_bytes", "gauge", "Each capped tenant's guaranteed minimum of device memory.",
+              ("tenant",), [((c.tenant,), c.min_bytes) for c in caps])
+        f.add("gpumemd_tenant_used_bytes", "gauge", "Device memory each capped tenant holds (above its cap after a lowering: nothing is taken away).",
+              ("tenant",), [((c.tenant,), c.used_bytes) for c in caps])
         by_arena = sorted(arenas.by_name.values(), key=lambda a: a.name)
         arena_labels = ("arena", "client")
         named = {a.name: (self._name(a.name), self._name(a.owner_name)) for a in by_arena}

@@ -81,6 +81,7 @@ class Server:
         self.tick_interval = tick_interval
         self._on_tick = on_tick  # after each tick's work, on this thread (the metrics snapshot)
         self._stop_requested = False
+        self._reload_requested = False  # SIGHUP: read the tenant caps again
         self._door = Admission(FdBudget.of(FD_HEADROOM_MIN * 4), hello_timeout)  # the real budget from bind()
         self._connections = self._door.connections  # by socket fd
         self._by_session: dict[int, Connection] = {}
@@ -145,6 +146,7 @@ class Server:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
         runtime.write_info(ep, self.state.device.uuid, self.state.driver.kind)
 
     # ------------------------------------------------------------------ loop
@@ -152,6 +154,9 @@ class Server:
     def request_stop(self, *_: Any) -> None:
         # Runs in a signal handler: set a flag only; the wake-up fd breaks the poll.
         self._stop_requested = True
+
+    def request_reload(self, *_: Any) -> None:
+        self._reload_requested = True  # as request_stop: the loop does the work
 
     def serve_forever(self) -> None:
         assert self._router is not None and self._listener is not None
@@ -210,6 +215,9 @@ class Server:
             pass
 
     def _tick(self) -> None:
+        if self._reload_requested:  # every turn, not on the tick: a lowered cap applies at once
+            self._reload_requested = False
+            self.state.arenas.caps.reload()
         now = time.monotonic()
         if now >= self._next_tick:  # the HELLO-deadline scan, not on every request
             self._next_tick = now + self.tick_interval

@@ -99,6 +99,7 @@ def assemble(
             )
             for pool in kv.pools.values()
         ],
+        tenants=arenas.caps.status(),
     )
 
 

@@ -72,12 +72,13 @@ class Tenants:
         # keep it after the owner's session ended. Not in the durable record (its arena
         # images stay as they were): after a restart, known from the owners' sessions.
         self.owners: dict[str, int] = {}
+        self.groups: dict[str, int] = {}  # and its owner's gid, for caps by group (caps.py)
 
     def adopt(self, arena: ArenaRecord) -> None:
         """An arena rebuilt after a restart: its tenant, if its owner's session came back too."""
         owner = self.sessions.get(arena.owner_id)
         if owner is not None:
-            self.owners[arena.name] = owner.uid
+            self.owners[arena.name], self.groups[arena.name] = owner.uid, owner.gid
 
     def owner_uid(self, arena: ArenaRecord) -> int:
         """The uid ``arena`` counts against; -1 where no session tells it any more."""

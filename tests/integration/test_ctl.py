@@ -46,7 +46,7 @@ def test_status_json_and_human_with_client_and_arena(daemon, run_client, runtime
 
     s = ctl_json(runtime_dir)
     # extents: the graph pools' deprecated name, kept until the next protocol major
-    assert list(s) == ["daemon", "device", "clients", "arenas", "extents", "leases", "rounds", "kv", "graph_pools", "sleepers", "retained"]
+    assert list(s) == ["daemon", "device", "clients", "arenas", "extents", "leases", "rounds", "kv", "graph_pools", "sleepers", "retained", "tenants"]
     info = read_info(Endpoints(runtime_dir, 0).info_path)
     assert info is not None
     assert s["daemon"]["pid"] == daemon.pid and s["daemon"]["backend"] == daemon.backend

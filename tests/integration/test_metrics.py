@@ -27,6 +27,9 @@ EXIT_CONFIG = 78
 # Every family the daemon exposes, with its Prometheus type (the README lists them).
 FAMILIES = {
     "gpumemd_info": "gauge",
+    "gpumemd_tenant_cap_bytes": "gauge",
+    "gpumemd_tenant_min_bytes": "gauge",
+    "gpumemd_tenant_used_bytes": "gauge",
     "gpumemd_daemon_generation": "gauge",
     "gpumemd_start_time_seconds": "gauge",
     "gpumemd_device_total_bytes": "gauge",
@@ -190,7 +193,7 @@ def test_a_scrape_says_what_status_says(daemon_factory, run_client, runtime_dir)
 def test_hidden_names_leave_no_tenant_name_in_a_scrape(daemon_factory, run_client) -> None:  # type: ignore[no-untyped-def]
     daemon = daemon_factory("host", args=["--metrics-port", "0", "--metrics-hide-names"])
     url = metrics_url(daemon)
-    a = run_client("shell", "tenant-alpha")
+    a = run_client("shell", "engine-alpha")
     a.expect("CONNECTED")
     do(a, f"create alpha-weights {GiB}")
     do(a, f"commit alpha-weights {64 * MiB}")
@@ -201,7 +204,7 @@ def test_hidden_names_leave_no_tenant_name_in_a_scrape(daemon_factory, run_clien
         time.sleep(0.1)
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    assert "gpumemd_arena_committed_bytes" in text and not re.search("tenant|alpha", text), text
+    assert "gpumemd_arena_committed_bytes" in text and not re.search("engine|alpha", text), text
     (owner,) = [s.labels["client"] for s in families["gpumemd_client_committed_bytes"].samples]
     assert sample(families, "gpumemd_client_committed_bytes", client=owner) == 64 * MiB
     assert sample(families, "gpumemd_arena_committed_bytes", client=owner) == 64 * MiB

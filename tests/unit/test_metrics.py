@@ -428,7 +428,7 @@ def test_every_family_is_named_for_prometheus(h: Harness) -> None:
         assert "bytes" not in family.name or family.name.endswith(("_bytes", "_bytes_total")), family.name
         assert family.labels[:2] == ("gpu", "UUID"), family.name  # DCGM exporter's names: series join on either
         assert set(family.labels) <= {"gpu", "UUID", "client", "arena", "pool", "pool_id", "kind", "type", "outcome", "reason",
-                                      "version", "backend", "modelName"}, family.name
+                                      "version", "backend", "modelName", "tenant"}, family.name
     assert len(names) == len(Metrics(h.state).snapshot.families), "a family appears twice"
 
 

@@ -82,6 +82,7 @@ from gpumem_shared.protocol.status import (
     GraphPoolStatus,
     LeaseStatus,
     SleeperStatus,
+    TenantCapStatus,
     StatusReply,
     Status,
 )
@@ -168,7 +169,7 @@ __all__ = [
     "ChunksUnmapped", "PlaceholderReply", "PlaceholderArena", "KvBuffer", "KvBufferView", "KvPoolView", "KvDeclareReply",
     "KvDeclare", "RoundView", "RoundJoin", "KvCommitReply", "CaptureDone", "KvGrow", "KvShrink", "KvDemand", "GraphPoolReply",
     "RegisterGraphPool", "UpdateGraphPool", "RetireGraphPool", "OpenGraphPool", "PublishLeaseEvent", "LeaseEventReply",
-    "LookupLeaseEvent", "ReportEscape", "SleeperStatus", "HostBufferView", "HostBufferReply", "SleepBuffer",
+    "LookupLeaseEvent", "ReportEscape", "SleeperStatus", "TenantCapStatus", "HostBufferView", "HostBufferReply", "SleepBuffer",
     "FreeSleepBuffer", "SleepArena", "WakeArena",
     "RetainState", "RetainGroupReply", "RetainGroup", "Retain", "AdoptedObject", "AdoptReply", "Adopt", "AdoptDone", "RetainedStatus",
     "REQUESTS", "EVENTS", "Request", "Reply", "check_version", "check_hello_version",

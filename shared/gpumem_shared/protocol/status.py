@@ -171,6 +171,16 @@ class SleeperStatus(Message):
     since: float  # unix time it fell asleep (0: awake)
 
 
+class TenantCapStatus(Message):
+    """A tenant's device-memory cap and what it holds (since 1.9; the daemon's caps.py)."""
+
+    tenant: str  # "uid N", "gid N"
+    max_bytes: int  # -1: no maximum
+    min_bytes: int  # guaranteed: no other tenant commits it
+    used_bytes: int  # may be above max_bytes after the cap was lowered: nothing is taken away
+    source: str  # the policy file or DRA claim that set it
+
+
 class StatusReply(Message):
     daemon: DaemonStatus
     device: DeviceStatus
@@ -185,6 +195,7 @@ class StatusReply(Message):
     graph_pools: list[GraphPoolStatus] = msgspec.field(default_factory=list)
     sleepers: list[SleeperStatus] = msgspec.field(default_factory=list)  # since 1.8
     retained: list[RetainedStatus] = msgspec.field(default_factory=list)  # since 1.9: retain groups, orphaned ones included
+    tenants: list[TenantCapStatus] = msgspec.field(default_factory=list)  # since 1.9
 
     def __post_init__(self) -> None:
         # Either name may be the one filled: a 1.1 daemon sends ``extents`` only, a

@@ -1,0 +1,331 @@
+"""Tenant memory caps: the most device bytes a tenant may hold, and the least it is
+guaranteed, from an operator's policy.
+
+A tenant here is what the policy names: a uid, a gid (every uid whose sessions say that
+group shares one cap), or, for a uid named by no rule, the policy's default (each uid on
+its own). Its use is counted from the arena book itself (the chunks of the arenas it
+owns, retiring ones included: a client still maps them), so nothing here can drift from
+what the device holds. Every chunk the daemon creates for a client (commit, KV grow, KV
+round, a round's staged minimum, a wake) passes ``check`` first, all of a request's chunks
+at once: a tenant's use never passes its maximum, and no commit of one tenant eats into
+what another tenant is guaranteed and does not hold yet. Refusals are RESOURCE_EXHAUSTED
+and name the cap, the tenant and its use.
+
+Caps change at run time (``reload``: SIGHUP). A lowered maximum refuses new chunks from
+then on; memory already held is not taken away: a tenant above its new maximum keeps what
+it holds (KV pools included: no shrink is asked for) and commits nothing until its use is
+under the maximum again.
+
+Where the rules come from: a policy file (``--tenant-policy``, TOML or JSON) and a
+directory of claims (``--tenant-claims``) that a Kubernetes DRA driver writes, one
+subdirectory per ResourceClaim with a ``tenant.json`` naming the tenant and the bytes
+the claim consumed (docs/architecture.md, "Tenant caps").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gpumem_shared import protocol as p
+from gpumem_shared.units import format_size, parse_size
+
+from gpumemd.records import ArenaRecord, ChunkRecord
+
+log = logging.getLogger("gpumemd.caps")
+
+CLAIM_FILE = "tenant.json"
+
+
+class PolicyError(Exception):
+    """A policy that cannot be applied; the message names the file and the entry."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    max_bytes: int | None  # None: no maximum
+    min_bytes: int
+    source: str  # the file (and entry) that said it
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    uids: Mapping[int, Rule] = dataclasses.field(default_factory=dict)
+    gids: Mapping[int, Rule] = dataclasses.field(default_factory=dict)
+    default: Rule | None = None
+
+    def tenant(self, uid: int, gid: int) -> tuple[str, Rule] | None:
+        """The tenant a session of ``uid``/``gid`` counts against, and its rule: its uid's
+        rule before its group's, the default last; None: no cap."""
+        rule = self.uids.get(uid)
+        if rule is not None:
+            return f"uid {uid}", rule
+        rule = self.gids.get(gid)
+        if rule is not None:
+            return f"gid {gid}", rule
+        if self.default is not None and uid >= 0:
+            return f"uid {uid}", self.default
+        return None
+
+
+def _size(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise PolicyError(f"{where}: a size is a number of bytes or a string such as '40GiB', not {value!r}")
+    try:
+        n = value if isinstance(value, int) else parse_size(value)
+    except ValueError as exc:
+        raise PolicyError(f"{where}: {exc}") from None
+    if n < 0:
+        raise PolicyError(f"{where}: a size cannot be negative ({value!r})")
+    return n
+
+
+def _rule(entry: Mapping[str, Any], where: str, max_key: str = "max", min_key: str = "min") -> Rule:
+    max_bytes = _size(entry[max_key], f"{where} '{max_key}'") if max_key in entry else None
+    min_bytes = _size(entry[min_key], f"{where} '{min_key}'") if min_key in entry else 0
+    if max_bytes is not None and min_bytes > max_bytes:
+        raise PolicyError(f"{where}: its minimum {format_size(min_bytes)} is above its maximum {format_size(max_bytes)}")
+    return Rule(max_bytes, min_bytes, where)
+
+
+def _who(entry: Mapping[str, Any], where: str) -> tuple[str, int]:
+    named = [key for key in ("uid", "gid") if key in entry]
+    if len(named) != 1 or isinstance(entry[named[0]], bool) or not isinstance(entry[named[0]], int) or entry[named[0]] < 0:
+        raise PolicyError(f"{where}: a tenant is named by exactly one of 'uid' or 'gid', a number")
+    return named[0], entry[named[0]]
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.rules: dict[str, dict[int, Rule]] = {"uid": {}, "gid": {}}
+        self.default: Rule | None = None
+
+    def add(self, kind: str, ident: int, rule: Rule) -> None:
+        held = self.rules[kind].get(ident)
+        if held is not None:
+            raise PolicyError(f"{kind} {ident} has a cap in {held.source} and again in {rule.source}; name each tenant once")
+        self.rules[kind][ident] = rule
+
+    def policy(self) -> Policy:
+        return Policy(self.rules["uid"], self.rules["gid"], self.default)
+
+
+def _read_file(path: Path, into: _Builder) -> None:
+    try:
+        text = path.read_text()
+        doc: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError) as exc:  # tomllib.TOMLDecodeError and json's are ValueErrors
+        raise PolicyError(f"cannot read the tenant policy {path}: {exc}") from None
+    if not isinstance(doc, dict) or set(doc) - {"tenant", "default"}:
+        raise PolicyError(f"{path}: the policy holds 'tenant' (a list of caps) and 'default' (one cap), nothing else")
+    entries = doc.get("tenant", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise PolicyError(f"{path}: 'tenant' is a list of tables ([[tenant]] in TOML)")
+    for i, entry in enumerate(entries):
+        where = f"{path} tenant #{i + 1}"
+        if set(entry) - {"uid", "gid", "max", "min"}:
+            raise PolicyError(f"{where}: unknown keys {sorted(set(entry) - {'uid', 'gid', 'max', 'min'})}")
+        kind, ident = _who(entry, where)
+        into.add(kind, ident, _rule(entry, where))
+    default = doc.get("default")
+    if default is not None:
+        if not isinstance(default, dict) or set(default) - {"max", "min"}:
+            raise PolicyError(f"{path} default: a table of 'max' and 'min'")
+        into.default = _rule(default, f"{path} default")
+
+
+def _read_claims(root: Path, into: _Builder) -> None:
+    """One subdirectory per DRA ResourceClaim; its tenant.json says
+    {"uid": N or "gid": N, "bytes": consumed, "min_bytes": guaranteed (default: bytes)}.
+    A subdirectory without the file is a claim the driver is still preparing."""
+    try:
+        claims = sorted(d for d in root.iterdir() if d.is_dir())
+    except OSError as exc:
+        raise PolicyError(f"cannot read the claims directory {root}: {exc}") from None
+    for claim in claims:
+        path = claim / CLAIM_FILE
+        try:
+            entry = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            raise PolicyError(f"cannot read the claim {path}: {exc}") from None
+        if not isinstance(entry, dict) or "bytes" not in entry or set(entry) - {"uid", "gid", "bytes", "min_bytes"}:
+            raise PolicyError(f"{path}: a claim holds 'uid' or 'gid', 'bytes' and optionally 'min_bytes'")
+        kind, ident = _who(entry, str(path))
+        rule = _rule(entry, f"claim {claim.name}", "bytes", "min_bytes" if "min_bytes" in entry else "bytes")
+        into.add(kind, ident, rule)
+
+
+def read_policy(policy_file: str, claims_dir: str) -> Policy:
+    """The caps the files say now (no file named: no caps). Raises PolicyError."""
+    builder = _Builder()
+    if policy_file:
+        _read_file(Path(policy_file), builder)
+    if claims_dir:
+        _read_claims(Path(claims_dir), builder)
+    return builder.policy()
+
+
+def _refuse(tenant: str, rule: Rule, detail: str, used: int, cap: int) -> p.ProtocolError:
+    return p.ProtocolError(
+        p.ErrorCode.RESOURCE_EXHAUSTED,
+        f"{tenant} {detail} (its cap from {rule.source}); release some first, or ask the operator to raise the cap",
+        limit="device memory",
+        tenant=tenant,
+        used=used,
+        cap=cap,
+    )
+
+
+class Caps:
+    """The policy in force and the checks against it. ``arenas`` and ``retiring`` are the
+    arena book's own dicts; ``owners``/``groups`` the uid and gid each arena counts
+    against (tenants.Tenants)."""
+
+    def __init__(
+        self,
+        policy_file: str,
+        claims_dir: str,
+        arenas: Mapping[str, ArenaRecord],
+        retiring: Mapping[int, ChunkRecord],
+        owners: Mapping[str, int],
+        groups: Mapping[str, int],
+    ) -> None:
+        self.policy_file, self.claims_dir = policy_file, claims_dir
+        self._arenas, self._retiring, self._owners, self._groups = arenas, retiring, owners, groups
+        self.policy = read_policy(policy_file, claims_dir)  # at start, an error stops the daemon
+
+    def reload(self) -> str | None:
+        """Read the files again; on an error the policy in force stays. Returns the error."""
+        try:
+            self.policy = read_policy(self.policy_file, self.claims_dir)
+        except PolicyError as exc:
+            log.error("tenant caps not reloaded, the previous ones stay in force: %s", exc)
+            return str(exc)
+        log.info("tenant caps reloaded: %s", "; ".join(self.describe()) or "none")
+        return None
+
+    def describe(self) -> list[str]:
+        out = []
+        for tenant, rule in self.rules():
+            top = "no maximum" if rule.max_bytes is None else f"max {format_size(rule.max_bytes)}"
+            out.append(f"{tenant}: {top}, min {format_size(rule.min_bytes)}")
+        return out
+
+    def rules(self) -> list[tuple[str, Rule]]:
+        pol = self.policy
+        named = [(f"uid {u}", r) for u, r in sorted(pol.uids.items())] + [(f"gid {g}", r) for g, r in sorted(pol.gids.items())]
+        return named + ([("default", pol.default)] if pol.default is not None else [])
+
+    def status(self) -> list[p.TenantCapStatus]:
+        """Every tenant the policy names, and each uid under the default that holds memory."""
+        used = self.usage()
+        rules = {t: r for t, r in self.rules() if t != "default"}
+        out = []
+        for tenant in {**rules, **used}:
+            rule = rules.get(tenant, self.policy.default)
+            if rule is not None:
+                out.append(
+                    p.TenantCapStatus(
+                        tenant=tenant,
+                        max_bytes=-1 if rule.max_bytes is None else rule.max_bytes,
+                        min_bytes=rule.min_bytes,
+                        used_bytes=used.get(tenant, 0),
+                        source=rule.source,
+                    )
+                )
+        return out
+
+    def tenant_of(self, arena: str) -> tuple[str, Rule] | None:
+        uid = self._owners.get(arena)
+        return None if uid is None else self.policy.tenant(uid, self._groups.get(arena, -1))
+
+    def usage(self) -> dict[str, int]:
+        """Device bytes each capped tenant holds now (every tenant the policy names, and
+        each uid under the default that holds any)."""
+        used = {f"{kind} {ident}": 0 for kind, rules in (("uid", self.policy.uids), ("gid", self.policy.gids)) for ident in rules}
+        found: tuple[str, Rule] | None
+        for arena in self._arenas.values():
+            found = self.tenant_of(arena.name)
+            if found is not None:
+                used[found[0]] = used.get(found[0], 0) + sum(c.size for c in arena.chunks)
+        for chunk in self._retiring.values():  # an arena is destroyed once no one maps any of it
+            found = self.tenant_of(chunk.arena)
+            if found is not None:
+                used[found[0]] = used.get(found[0], 0) + chunk.size
+        return used
+
+    def room(self, arena: ArenaRecord) -> int | None:
+        """What the tenant of ``arena`` may still commit under its maximum; None: no maximum."""
+        found = self.tenant_of(arena.name)
+        if found is None or found[1].max_bytes is None:
+            return None
+        return max(0, found[1].max_bytes - self.usage().get(found[0], 0))
+
+    def held_back(self, takers: Iterable[str] = ()) -> int:
+        """What tenants other than ``takers`` are guaranteed and do not hold yet: no one
+        else may commit it."""
+        skip = set(takers)
+        owed = [(t, r) for t, r in self._guaranteed() if t not in skip]
+        if not owed:  # no book walk on the common path: no minimums at all
+            return 0
+        used = self.usage()
+        return sum(max(0, rule.min_bytes - used.get(tenant, 0)) for tenant, rule in owed)
+
+    def _guaranteed(self) -> list[tuple[str, Rule]]:
+        # The default's minimum is each uid's that holds something under it; a uid with
+        # no session has nothing to keep memory back for.
+        named = [(t, r) for t, r in self.rules() if t != "default" and r.min_bytes]
+        default = self.policy.default
+        if default is not None and default.min_bytes:
+            seen = {t for t, _ in named}
+            for arena in self._arenas:
+                found = self.tenant_of(arena)
+                if found is not None and found[1] is default and found[0] not in seen:
+                    seen.add(found[0])
+                    named.append((found[0], default))
+        return named
+
+    def tenants_of(self, work: Iterable[tuple[ArenaRecord, int, int]]) -> dict[str, tuple[Rule, int]]:
+        """The bytes ``work`` (arena, offset, size) would add per capped tenant."""
+        out: dict[str, tuple[Rule, int]] = {}
+        for arena, _, size in work:
+            found = self.tenant_of(arena.name)
+            if found is not None:
+                tenant, rule = found
+                out[tenant] = (rule, out.get(tenant, (rule, 0))[1] + size)
+        return out
+
+    def check(self, work: list[tuple[ArenaRecord, int, int]], available: Callable[[], int]) -> None:
+        """Before chunks for ``work`` are created: no tenant past its maximum, and no
+        other tenant's guaranteed minimum taken (``available``: what the device has free
+        for commits now, the reserve taken off; measured only where a minimum is owed)."""
+        adding = self.tenants_of(work)
+        used = self.usage() if adding else {}
+        for tenant, (rule, size) in adding.items():
+            held = used.get(tenant, 0)
+            if rule.max_bytes is not None and held + size > rule.max_bytes:
+                detail = (
+                    f"holds {format_size(held)} of device memory; {format_size(size)} more would pass its cap of "
+                    f"{format_size(rule.max_bytes)}"
+                )
+                raise _refuse(tenant, rule, detail, held, rule.max_bytes)
+        held_back = self.held_back(adding)
+        need = sum(size for _, _, size in work)
+        free = available() if held_back else 0
+        if held_back and need + held_back > free:
+            raise p.ProtocolError(
+                p.ErrorCode.RESOURCE_EXHAUSTED,
+                f"{format_size(need)} more would take memory other tenants are guaranteed: {format_size(free)} is free "
+                f"for commits and {format_size(held_back)} of it is held back for their minimums (--tenant-policy)",
+                limit="guaranteed minimums",
+                requested=need,
+                available=free,
+                held_back=held_back,
+            )
