@@ -53,6 +53,7 @@ class NsClient(Client):
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(runtime_dir),
         )
         self._pid = 0
+        self.first = ""
 
     @property
     def pid(self) -> int:
@@ -76,10 +77,12 @@ def ns_client(runtime_dir: Path) -> Iterator[Any]:
     """``ns_client(name)``: a connected shell client in namespaces of its own."""
     started: list[NsClient] = []
 
-    def start(name: str, *args: str) -> NsClient:
+    def start(name: str, *args: str, first: str = "CONNECTED") -> NsClient:
+        """``first``: what its first line must start with (ERR: its connect was refused);
+        the rest of that line is ``first`` on the client."""
         c = NsClient(runtime_dir, name, list(args))
         started.append(c)
-        c.expect("CONNECTED", timeout=30)
+        c.first = c.expect(first, timeout=30)
         return c
 
     yield start
@@ -170,3 +173,89 @@ def test_kill_9_of_a_namespaced_client_reclaims_everything_it_held(daemon: Any, 
     wait_status(runtime_dir, lambda s: [c["name"] for c in s["clients"]] == ["ns-survivor"] and not s["graph_pools"], 10, "the victim reclaimed")
     do(other, "release a")
     wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0 and not s["arenas"], 10, "memory back")
+
+
+# ---------------------------------------------------------------------- gpumemd in a pid namespace
+
+
+class NsService(Restartable):
+    """gpumemd as PID 1 of a pid namespace of its own, under the fd store's stand-in: every
+    client is outside, and SO_PEERCRED gives it pid 0 for each."""
+
+    def __init__(self, runtime_dir: Path, backend: str) -> None:
+        super().__init__(
+            runtime_dir, backend, ["--restart-grace", str(GRACE_S)], child_env(runtime_dir),
+            wrap=("unshare", "--pid", "--mount-proc", "--fork", "--kill-child", "--"),
+        )
+
+    def kill(self) -> None:
+        """kill -9 of gpumemd itself; unshare(1) ends with it, and the store outlives both."""
+        proc = self.manager.proc
+        if proc is not None and proc.poll() is None:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            if children:
+                os.kill(int(children[0]), signal.SIGKILL)
+            proc.wait(10)
+
+
+GRACE_S = 3.0
+
+
+@pytest.fixture
+def ns_service(runtime_dir: Path, backend: str) -> Iterator[NsService]:
+    r = NsService(runtime_dir, backend)
+    r.start()
+    yield r
+    r.close()
+
+
+def test_a_daemon_that_sees_pid_0_reclaims_a_killed_client_by_its_connection(
+    ns_service: NsService, ns_client: Any, run_client: Any, runtime_dir: Path
+) -> None:
+    """Nothing in /proc can say the client died (gpumemd has no pid for it): its fd
+    channel's hang-up does, and everything it held comes back."""
+    host = run_client("shell", "host-client")
+    host.expect("CONNECTED")
+    victim = ns_client("ns-victim")
+    assert clients(runtime_dir) == {"host-client": (host.pid, 0), "ns-victim": (1, 0)}
+    do(victim, f"create a {64 * MiB}")
+    do(victim, f"commit a {16 * MiB}")
+    do(victim, "share a host-client")
+    pool = json.loads(do(victim, f"gpregister a g 0 {16 * MiB} shared"))["id"]
+    do(host, "attach a")
+    do(host, f"open {pool}")
+    do(victim, f"lease replay {pool} 5 dies-holding-it")
+    assert [(x["holder"], x["pid"]) for x in status(runtime_dir)["leases"]] == [("ns-victim", 1)]
+    victim.kill_9()
+    wait_status(runtime_dir, lambda s: list(clients(runtime_dir)) == ["host-client"] and not s["graph_pools"], 10, "the victim reclaimed")
+    do(host, "release a")
+    wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0 and not s["arenas"], 10, "memory back")
+
+
+def test_clients_gpumemd_sees_as_pid_0_resume_after_a_restart(ns_service: NsService, ns_client: Any, runtime_dir: Path) -> None:
+    """RESUME rests on the credential and the uid and gid that said HELLO: both clients
+    come back with their arena and its bytes. A kept session whose client died while
+    gpumemd was down cannot be proven gone without a pid: its name is refused, saying so,
+    until the grace period releases what it held."""
+    owner, sharer = ns_client("ns-owner"), ns_client("ns-sharer")
+    do(owner, f"create a {64 * MiB}")
+    do(owner, f"commit a {8 * MiB}")
+    do(owner, "share a ns-sharer")
+    do(sharer, "attach a")
+    do(owner, f"fill a 0 {MiB} 9")
+    ns_service.kill()
+    ns_service.start()
+    s = wait_status(runtime_dir, lambda s: s["daemon"]["waiting"] == 0, 10, "both sessions resumed")
+    assert s["daemon"]["generation"] == 1 and clients(runtime_dir) == {"ns-owner": (1, 0), "ns-sharer": (1, 0)}
+    assert do(sharer, f"check a 0 {MiB} 9") == "MATCH"
+    do(owner, f"commit a {16 * MiB}")  # and it goes on working
+    ns_service.kill()
+    sharer.kill_9()
+    ns_service.start()
+    wait_status(runtime_dir, lambda s: s["daemon"]["waiting"] == 1, 10, "the owner resumed, the sharer did not")
+    refused = ns_client("ns-sharer", first="ERR")
+    assert refused.first.startswith("AlreadyExists") and "outside gpumemd's pid namespace" in refused.first, refused.first
+    wait_status(runtime_dir, lambda s: list(clients(runtime_dir)) == ["ns-owner"], GRACE_S + 10, "the dead sharer released after the grace period")
+    successor = ns_client("ns-sharer")
+    do(successor, "attach a")
+    assert do(successor, f"check a 0 {MiB} 9") == "MATCH"
