@@ -41,8 +41,9 @@ class Hello(RequestMessage, kw_only=True):
     client_version: str = ""
     # Since 1.9: its own pid, as its pid namespace numbers it. SO_PEERCRED gives the
     # daemon's view of it instead (0 from outside the daemon's namespace): this one is
-    # shown beside it, and is the pid its lease words carry.
-    pid: int = 0
+    # shown beside it, and is the pid its lease words carry. Linux's pids stay below 2**22
+    # (PID_MAX_LIMIT): a larger one is no pid, and would not fit a lease word's field.
+    pid: Annotated[int, msgspec.Meta(ge=0, lt=1 << 22)] = 0
 
 
 class Holding(Message):
