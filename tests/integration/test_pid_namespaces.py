@@ -29,6 +29,7 @@ from conftest import CLIENTS, Client, child_env
 from fdstore_kit import Restartable
 from gpumemd_testkit import MiB, do, reply, status, wait_status
 
+OTHER_UID = 4242  # no account needed: the kernel reports whatever uid a process runs as
 NAMESPACES = ["unshare", "--pid", "--ipc", "--mount", "--mount-proc", "--fork", "--kill-child"]
 
 
@@ -178,6 +179,9 @@ def test_kill_9_of_a_namespaced_client_reclaims_everything_it_held(daemon: Any, 
 # ---------------------------------------------------------------------- gpumemd in a pid namespace
 
 
+GRACE_S = 3.0
+
+
 class NsService(Restartable):
     """gpumemd as PID 1 of a pid namespace of its own, under the fd store's stand-in: every
     client is outside, and SO_PEERCRED gives it pid 0 for each."""
@@ -196,9 +200,6 @@ class NsService(Restartable):
             if children:
                 os.kill(int(children[0]), signal.SIGKILL)
             proc.wait(10)
-
-
-GRACE_S = 3.0
 
 
 @pytest.fixture
@@ -259,3 +260,26 @@ def test_clients_gpumemd_sees_as_pid_0_resume_after_a_restart(ns_service: NsServ
     successor = ns_client("ns-sharer")
     do(successor, "attach a")
     assert do(successor, f"check a 0 {MiB} 9") == "MATCH"
+
+
+def test_grants_rest_on_uid_and_gid_when_every_pid_is_0(ns_service: NsService, ns_client: Any, runtime_dir: Path) -> None:
+    """A share by name admits that name under the owner's uid only, also where gpumemd has
+    no pid for anyone: a namespaced process of another uid under the name gets nothing
+    until it gives the grant's token; a grant naming its uid admits it without one."""
+    owner = ns_client("ns-owner")
+    do(owner, f"create a {64 * MiB}")
+    do(owner, f"commit a {8 * MiB}")
+    do(owner, f"fill a 0 {MiB} 5")
+    token = do(owner, "share a ns-b")
+    os.chmod(runtime_dir, 0o750)  # the other uid reaches the sockets through group root, as in test_grants.py
+    impostor = ns_client("ns-b", "--as", f"{OTHER_UID}:0")
+    assert clients(runtime_dir)["ns-b"] == (1, 0) and status(runtime_dir)["clients"][-1]["uid"] == OTHER_UID
+    arena = f"{os.geteuid()}/a"  # another uid's arena is named with its owner's uid
+    refused = reply(impostor, f"attach {arena}")
+    assert refused.startswith("ERR PermissionDenied") and f"uid {OTHER_UID}" in refused, refused
+    do(impostor, f"attach {arena} {token}")
+    assert do(impostor, f"check {arena} 0 {MiB} 5") == "MATCH"
+    do(owner, f"share a - uid={OTHER_UID}")
+    other = ns_client("ns-c", "--as", f"{OTHER_UID}:0")
+    do(other, f"attach {arena}")
+    assert do(other, f"check {arena} 0 {MiB} 5") == "MATCH"
