@@ -44,6 +44,22 @@ _UNAVAILABLE = _namespaces_unavailable()
 pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
 
 
+def child_of(pid: int, timeout: float = 10.0) -> int:
+    """The host pid of unshare(1)'s one child (``pid`` is unshare's), once it forked it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_bytes()
+                except OSError:
+                    continue  # it ended meanwhile
+                if int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
+                    return int(entry.name)
+        assert time.monotonic() < deadline, f"unshare (pid {pid}) forked no child within {timeout}s"
+        time.sleep(0.01)
+
+
 class NsClient(Client):
     """A shell client as PID 1 of namespaces of its own; ``pid`` is its host pid (what a
     gpumemd in the host's namespace sees), ``proc`` the unshare(1) above it."""
@@ -58,13 +74,8 @@ class NsClient(Client):
 
     @property
     def pid(self) -> int:
-        if not self._pid:  # unshare's one child, once it forked it
-            deadline = time.monotonic() + 10
-            while not self._pid:
-                assert time.monotonic() < deadline, "unshare forked no client within 10s"
-                children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-                self._pid = int(children[0]) if children else 0
-                time.sleep(0 if self._pid else 0.01)
+        if not self._pid:
+            self._pid = child_of(self.proc.pid)
         return self._pid
 
     def kill_9(self) -> None:
@@ -196,9 +207,7 @@ class NsService(Restartable):
         """kill -9 of gpumemd itself; unshare(1) ends with it, and the store outlives both."""
         proc = self.manager.proc
         if proc is not None and proc.poll() is None:
-            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-            if children:
-                os.kill(int(children[0]), signal.SIGKILL)
+            os.kill(child_of(proc.pid), signal.SIGKILL)
             proc.wait(10)
 
 
