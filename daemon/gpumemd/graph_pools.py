@@ -316,7 +316,7 @@ class GraphPoolBook:
         if kind not in lease_table.KIND_NAMES:
             return False
         return any(
-            lease_table.word_session(sid) == session and self.sessions[sid].own_pid & 0xFFFFFFFF == pid
+            lease_table.word_session(sid) == session and self.sessions[sid].own_pid == pid
             for sid in pool.users if sid in self.sessions
         )
 

@@ -233,7 +233,6 @@ class DaemonState:
                 # Its fd channel died with the old daemon, and its pid is none the daemon
                 # can read: only its RESUME or the grace period's end tells.
                 why = "its process is outside gpumemd's pid namespace, so nothing tells whether it still runs"
-
             raise p.ProtocolError(
                 p.ErrorCode.ALREADY_EXISTS,
                 f"client name '{name}' is held by a session kept across the daemon's restart ({who}), waiting up to "
