@@ -19,6 +19,7 @@ call at all) still comes back before the new daemon's grace period ends.
 from __future__ import annotations
 
 import collections
+import os
 import select
 import socket
 import threading
@@ -139,7 +140,7 @@ class SessionChannel:
         self._finalizer = weakref.finalize(self, self._sockets)
         ok = False
         try:
-            self.hello = self._say_hello(p.Hello(name=self.name, client_version=__version__), self.timeout)
+            self.hello = self._say_hello(p.Hello(name=self.name, client_version=__version__, pid=os.getpid()), self.timeout)
             self._control = self._sockets.control = ControlChannel(endpoints, routing_id=self.hello.token)
             ok = True
         finally:

@@ -11,6 +11,13 @@ from gpumem_shared import protocol as p
 from gpumem_shared.units import format_size
 
 
+def _client_pid(c: p.ClientStatus) -> str:
+    """Its own pid, and gpumemd's number for it where that differs: the client runs in a
+    pid namespace of its own (gpumemd sees 0 from outside its own: nothing to add)."""
+    own = c.own_pid or c.pid
+    return str(own) if c.pid in (0, own) else f"{own} ({c.pid})"
+
+
 def render_leases(s: p.StatusReply) -> list[str]:
     return _table(
         ["POOL", "KIND", "HOLDER", "PID", "LABEL", "SINCE"],
@@ -200,7 +207,7 @@ def render_status(s: p.StatusReply) -> str:
             [
                 str(c.session_id),
                 f"{c.name} (waiting)" if c.waiting else c.name,
-                str(c.pid),
+                _client_pid(c),
                 str(c.uid),
                 datetime.datetime.fromtimestamp(c.since).strftime("%Y-%m-%d %H:%M:%S"),
                 ",".join(c.arenas) or "-",
@@ -395,7 +402,7 @@ def render_top(s: p.StatusReply, before: p.StatusReply | None, now: float) -> li
     lines += _table(
         ["CLIENT", "PID", "SESSION", "COMMITTED", "CHANGE", "ARENAS"],
         [
-            [c.name, str(c.pid), str(c.session_id), format_size(owned[c.name]), _change(owned[c.name], owned_before.get(c.name) if before else None),
+            [c.name, _client_pid(c), str(c.session_id), format_size(owned[c.name]), _change(owned[c.name], owned_before.get(c.name) if before else None),
              ",".join(c.arenas) or "-"]
             for c in clients
         ],

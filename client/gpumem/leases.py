@@ -314,7 +314,7 @@ class SessionLeases:
     def _client_named(status: p.StatusReply, session: int) -> tuple[str, int]:
         """(name, pid) of the client whose 24-bit session is ``session``, from ``status``."""
         client = next((c for c in status.clients if lease_table.word_session(c.session_id) == session), None)
-        return (client.name, client.pid) if client else (f"session {session}", 0)
+        return (client.name, client.own_pid or client.pid) if client else (f"session {session}", 0)
 
     def close(self) -> None:
         """The session ends: drop the peers' events it opened; ours stay alive for the

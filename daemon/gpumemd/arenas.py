@@ -189,7 +189,7 @@ class ArenaBook:
         self.tenants.check_arena(s, self.by_name.values(), reserve_bytes + PLACEHOLDER_SCRATCH, self.device.granularity, plan)
         address = self._plan_window(reserve_bytes + PLACEHOLDER_SCRATCH)
         arena = ArenaRecord(
-            name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.pid, address=address, reserved=reserve_bytes, kv=kv
+            name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.own_pid, address=address, reserved=reserve_bytes, kv=kv
         )
         self.tenants.owners[name], self.tenants.groups[name] = s.uid, s.gid
         arena.attached.add(s.id)
@@ -205,7 +205,7 @@ class ArenaBook:
             raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"arena '{m.name}' was released by {arena.owner_label()}")
         refusal, read_only = grants.admit(arena, s, m.token)
         if refusal:
-            log.warning("arena %r: attach by client %r (pid %d, uid %d, gid %d) refused: %s", arena.name, s.name, s.pid, s.uid, s.gid, refusal)
+            log.warning("arena %r: attach by client %r (%s, uid %d, gid %d) refused: %s", arena.name, s.name, s.pids, s.uid, s.gid, refusal)
             raise p.ProtocolError(
                 p.ErrorCode.PERMISSION_DENIED,
                 f"arena '{m.name}' belongs to {arena.owner_label()} and {refusal}",

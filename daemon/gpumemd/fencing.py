@@ -36,8 +36,16 @@ _START_SLACK = 2.0
 def process_gone(pid: int, since: float) -> bool:
     """Whether the process that said HELLO as ``pid`` at ``since`` (unix time) is provably
     gone: no such process, a zombie (its descriptors are closed), or one that started
-    after that HELLO. Anything unreadable proves nothing."""
+    after that HELLO. Anything unreadable proves nothing, and pid 0 (a client outside the
+    daemon's pid namespace) has nothing to read. So does a /proc of another pid namespace
+    than the daemon's (one inherited by ``unshare --pid`` without a fresh proc mount, or a
+    container given the host's): the pid would name another process there."""
     if pid <= 0:
+        return False
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return False
+    except OSError:
         return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:

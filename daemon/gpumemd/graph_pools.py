@@ -310,11 +310,15 @@ class GraphPoolBook:
 
     def _rightful(self, pool: GraphPoolRecord, word: int) -> bool:
         """Whether ``word`` could be a lease a user holds: a kind that exists, a user's
-        session, and that session's own pid (the kernel's, from its socket)."""
+        session, and the pid that session's client writes there (its own, which HELLO said:
+        the kernel's may be 0 or another namespace's number)."""
         kind, session, pid = lease_table.decode(word)
         if kind not in lease_table.KIND_NAMES:
             return False
-        return any(lease_table.word_session(sid) == session and self.sessions[sid].pid == pid for sid in pool.users if sid in self.sessions)
+        return any(
+            lease_table.word_session(sid) == session and self.sessions[sid].own_pid == pid
+            for sid in pool.users if sid in self.sessions
+        )
 
     @staticmethod
     def _recorded(segment: LeaseSegment, found: int) -> int:
@@ -404,9 +408,9 @@ class GraphPoolBook:
         if client is None:
             return f"session {session}, which does not exist"
         if client.id in pool.users:
-            return f"session {session}, client '{client.name}' (pid {client.pid})"
+            return f"session {session}, client '{client.name}' ({client.pids})"
         return (
-            f"session {session}, client '{client.name}' (pid {client.pid}), which may not use the pool "
+            f"session {session}, client '{client.name}' ({client.pids}), which may not use the pool "
             "(it never opened it, or let go of its arena)"
         )
 

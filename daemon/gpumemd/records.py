@@ -41,11 +41,17 @@ class Answer:
 class SessionRecord:
     id: int
     name: str
+    # The kernel's (SO_PEERCRED), as the daemon's pid namespace numbers it: 0 for a client
+    # outside it, and the host's number for one in a namespace below. Nothing rests on
+    # it: the session lives as long as its fd channel, and is the uid and gid that opened it.
     pid: int
     uid: int
     gid: int
     since: float  # unix time
     token: bytes  # its ZeroMQ routing id
+    # Its pid as its own namespace numbers it (HELLO says it; before 1.9, the kernel's):
+    # what its lease words carry, and what its users know it by.
+    own_pid: int = 0
     # What RESUME proves the session with after a restart (empty: no fd store, no resume).
     credential: bytes = dataclasses.field(default=b"", repr=False)
     waiting: bool = False  # kept across a restart; its client has not resumed yet
@@ -59,6 +65,13 @@ class SessionRecord:
     # get it again, whether it was given before the restart or between the resume and the
     # resend (the new DEALER may not have been connected to take it).
     resending: set[int] = dataclasses.field(default_factory=set)
+
+    @property
+    def pids(self) -> str:
+        """Its pid for a message: its own, and the kernel's where that one differs and is known."""
+        if self.pid in (0, self.own_pid):
+            return f"pid {self.own_pid}"
+        return f"pid {self.own_pid} ({self.pid} in gpumemd's pid namespace)"
 
     def remember(self, request_id: int, reply: bytes, handout: list[ChunkRecord], grants: list[tuple[int, int]]) -> None:
         self.answers[request_id] = Answer(reply, [c.id for c in handout], [pool_id for pool_id, _ in grants])

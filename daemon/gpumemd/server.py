@@ -354,7 +354,7 @@ class Server:
         except OSError as exc:
             # A client that does not read its fd channel would block the daemon's only
             # thread; it loses its session instead.
-            log.warning("fd channel of client %r (pid %d) is not draining (%s); closing its session", session.name, session.pid, exc)
+            log.warning("fd channel of client %r (%s) is not draining (%s); closing its session", session.name, session.pids, exc)
             self._drop(conn)
             raise p.ProtocolError(p.ErrorCode.INTERNAL, "the fd channel is not accepting descriptors; session closed") from None
 

@@ -272,7 +272,7 @@ class SleeperBook:
 
     def _who(self, session_id: int) -> str:
         s = self.sessions.get(session_id)
-        return f"client '{s.name}' (pid {s.pid})" if s is not None else f"session {session_id}"
+        return f"client '{s.name}' ({s.pids})" if s is not None else f"session {session_id}"
 
     def _holders(self) -> str:
         """Who holds the device's memory, largest first: each owner's committed bytes."""

@@ -175,46 +175,51 @@ class DaemonState:
             gid=gid,
             since=self.wall_clock(),
             token=os.urandom(16),
+            own_pid=hello.pid or pid,  # a client before 1.9 says none: the kernel's is its own then
             credential=os.urandom(32) if self.resumable else b"",
         )
         self.next_session += 1
         self.sessions[session.id] = session
         self.tally.sessions_opened += 1
         self.dirty = True
-        log.info("session %d opened: client %r pid %d uid %d", session.id, session.name, pid, uid)
+        log.info("session %d opened: client %r %s uid %d", session.id, session.name, session.pids, uid)
         return session, self._hello_reply(session)
 
     def _take_name(self, holder: SessionRecord, pid: int, uid: int) -> None:
         """A session kept across a restart whose process is gone cannot resume: a process
         of its uid (its supervisor's restarted engine) takes the name over at once, and
         what the dead one held is released as a dead client's. Any other holder keeps it."""
-        name, who = holder.name, f"session {holder.id}, pid {holder.pid}, uid {holder.uid}"
+        name, who = holder.name, f"session {holder.id}, {holder.pids}, uid {holder.uid}"
         if not holder.waiting:
             raise p.ProtocolError(
                 p.ErrorCode.ALREADY_EXISTS,
                 f"client name '{name}' is held by a live session ({who}); connect under another name, or once that process "
                 "has closed its session",
-                holder_pid=holder.pid,
+                holder_pid=holder.own_pid,
                 holder_session=holder.id,
             )
         gone = uid == holder.uid and process_gone(holder.pid, holder.since)
         if not gone:
             left = 0.0 if self.grace_deadline is None else max(0.0, self.grace_deadline - self.clock())
-            why = (
-                f"pid {holder.pid} still runs" if uid == holder.uid
-                else f"only a process of uid {holder.uid} may take it over once pid {holder.pid} is gone"
-            )
+            if uid != holder.uid:
+                why = f"only a process of uid {holder.uid} may take it over once its process is gone"
+            elif holder.pid > 0:
+                why = f"pid {holder.pid} still runs"
+            else:
+                # Its fd channel died with the old daemon, and its pid is none the daemon
+                # can read: only its RESUME or the grace period's end tells.
+                why = "its process is outside gpumemd's pid namespace, so nothing tells whether it still runs"
             raise p.ProtocolError(
                 p.ErrorCode.ALREADY_EXISTS,
                 f"client name '{name}' is held by a session kept across the daemon's restart ({who}), waiting up to "
                 f"{left:.0f}s more for its client to resume; {why}. Connect under another name, or once it has resumed "
                 "and closed, or its time is up",
-                holder_pid=holder.pid,
+                holder_pid=holder.own_pid,
                 holder_session=holder.id,
             )
         log.warning(
-            "session %d (client %r, pid %d) waiting to resume: its process is gone; released like a dead client's, "
-            "its name goes to pid %d", holder.id, name, holder.pid, pid,
+            "session %d (client %r, %s) waiting to resume: its process is gone; released like a dead client's, "
+            "its name goes to pid %d", holder.id, name, holder.pids, pid,
         )
         self._notices += self.close_session(holder.id)
         if not any(s.waiting for s in self.sessions.values()):
@@ -235,7 +240,8 @@ class DaemonState:
 
     def resume(self, m: p.Resume, pid: int, uid: int, gid: int) -> tuple[SessionRecord, p.HelloReply]:
         """A client back after a restart: its session, if the credential is the one HELLO
-        issued and the connection comes from the process that said HELLO."""
+        issued and the connection comes from the uid and gid that said HELLO (and the same
+        pid, where the daemon saw one both times: a client outside its pid namespace shows 0)."""
         if self.stopping:
             raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; resume once it is back")
         session = self.sessions.get(m.session_id)
@@ -250,15 +256,16 @@ class DaemonState:
         if not hmac.compare_digest(m.credential, session.credential):
             log.warning("resume of session %d (client %r) refused: wrong credential from pid %d uid %d", session.id, session.name, pid, uid)
             raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"wrong resume credential for session {m.session_id}", session=m.session_id)
-        if (pid, uid) != (session.pid, session.uid):
+        other_pid = pid != session.pid and pid > 0 and session.pid > 0
+        if (uid, gid) != (session.uid, session.gid) or other_pid:
             log.warning(
-                "resume of session %d (client %r, pid %d uid %d) refused: its credential came from pid %d uid %d",
-                session.id, session.name, session.pid, session.uid, pid, uid,
+                "resume of session %d (client %r, pid %d uid %d gid %d) refused: its credential came from pid %d uid %d gid %d",
+                session.id, session.name, session.pid, session.uid, session.gid, pid, uid, gid,
             )
             raise p.ProtocolError(
                 p.ErrorCode.PERMISSION_DENIED,
-                f"session {session.id} belongs to pid {session.pid} (uid {session.uid}); this connection is pid {pid} "
-                f"(uid {uid}): only the process that opened a session may resume it",
+                f"session {session.id} belongs to pid {session.pid} (uid {session.uid}, gid {session.gid}); this connection "
+                f"is pid {pid} (uid {uid}, gid {gid}): only the process that opened a session may resume it",
                 session=session.id,
             )
         if not session.waiting:
@@ -304,7 +311,7 @@ class DaemonState:
             self.kv.try_finish(round_)
         self.kv.memory_freed()  # a grow waiting for its shrink (or its pool) may go ahead
         if not left:  # it released what it had: a clean close
-            log.info("session %d closed: client %r pid %d", session.id, session.name, session.pid)
+            log.info("session %d closed: client %r %s", session.id, session.name, session.pids)
             return notices
         # It ended still attached: it died (or closed without releasing), and the daemon
         # took back what it held. Bytes stay accounted while another client maps them.
@@ -314,9 +321,9 @@ class DaemonState:
         self.tally.reclaimed_bytes += reclaimed
         self.tally.reclaim_seconds.observe(seconds)
         log.info(
-            "session %d closed: client %r pid %d left %d arena(s) attached (%s); %d bytes reclaimed in %.0f µs",
-            session.id, session.name, session.pid, len(left), ", ".join(a.name for a in left), reclaimed, seconds * 1e6,
-            extra={"figures": {"session": session.id, "pid": session.pid, "arenas": len(left), "reclaimed": reclaimed, "micros": round(seconds * 1e6)}},
+            "session %d closed: client %r %s left %d arena(s) attached (%s); %d bytes reclaimed in %.0f µs",
+            session.id, session.name, session.pids, len(left), ", ".join(a.name for a in left), reclaimed, seconds * 1e6,
+            extra={"figures": {"session": session.id, "pid": session.own_pid, "arenas": len(left), "reclaimed": reclaimed, "micros": round(seconds * 1e6)}},
         )
         return notices
 
@@ -436,8 +443,8 @@ class DaemonState:
             self.grace_deadline = None
             for session in [s for s in self.sessions.values() if s.waiting]:
                 log.warning(
-                    "session %d (client %r, pid %d) did not resume within the %gs grace period; what it held is "
-                    "released like a dead client's", session.id, session.name, session.pid, self.config.restart_grace,
+                    "session %d (client %r, %s) did not resume within the %gs grace period; what it held is "
+                    "released like a dead client's", session.id, session.name, session.pids, self.config.restart_grace,
                 )
                 self._notices += self.close_session(session.id)
         for name in self.retained.expired():

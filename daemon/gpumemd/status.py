@@ -55,6 +55,7 @@ def assemble(
                 since=s.since,
                 arenas=sorted(a.name for a in arenas.by_name.values() if s.id in a.attached),
                 waiting=s.waiting,
+                own_pid=s.own_pid,
             )
             for s in sessions.values()
         ],

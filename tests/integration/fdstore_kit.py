@@ -142,8 +142,9 @@ class ServiceManager:
 
     # ------------------------------------------------------------------ the service
 
-    def start(self, args: list[str], env: dict[str, str], wait: bool = True) -> subprocess.Popen[bytes]:
-        """Start gpumemd (``args`` after the interpreter) with the store passed in."""
+    def start(self, args: list[str], env: dict[str, str], wait: bool = True, wrap: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+        """Start gpumemd (``args`` after the interpreter) with the store passed in;
+        ``wrap``: a command it runs under (unshare(1), say), which passes descriptors on."""
         assert self.proc is None or self.proc.poll() is not None, "the last gpumemd still runs"
         with self._lock:
             passed = list(self.store)
@@ -155,7 +156,7 @@ class ServiceManager:
         self._log.write(f"---- start {self.starts} with {len(passed)} stored descriptors\n".encode())
         self._log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCH, spec, sys.executable, "-m", "gpumemd", *args],
+            [*wrap, sys.executable, "-c", _LAUNCH, spec, sys.executable, "-m", "gpumemd", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, pass_fds=[fd for _, fd in passed],
         )
         if wait:
@@ -204,8 +205,11 @@ class Restartable:
     """gpumemd for one device under a ServiceManager: ``start``, ``kill`` (-9), ``restart``
     (kill and start again), every start with the store the last one left."""
 
-    def __init__(self, runtime_dir: Path, backend: str, args: list[str], env: dict[str, str], device: int = 0) -> None:
+    def __init__(
+        self, runtime_dir: Path, backend: str, args: list[str], env: dict[str, str], device: int = 0, wrap: tuple[str, ...] = ()
+    ) -> None:
         self.runtime_dir = runtime_dir
+        self.wrap = wrap
         self.manager = ServiceManager(runtime_dir)
         self.args = ["--device", str(device), "--backend", backend, "--runtime-dir", str(runtime_dir), *args]
         if backend == "host" and not any(a.startswith("--host-capacity") for a in args):
@@ -218,7 +222,7 @@ class Restartable:
         return self.manager.proc.pid
 
     def start(self, wait: bool = True) -> Restartable:
-        self.manager.start(self.args, self.env, wait)
+        self.manager.start(self.args, self.env, wait, self.wrap)
         return self
 
     def kill(self) -> None:

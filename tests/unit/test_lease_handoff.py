@@ -422,7 +422,7 @@ class _Daemon:
 
     def call(self, message: p.RequestMessage) -> tuple[Any, list[int]]:
         if isinstance(message, p.Status):
-            client = types.SimpleNamespace(session_id=1, name=RELEASER, pid=1001)
+            client = types.SimpleNamespace(session_id=1, name=RELEASER, pid=1001, own_pid=1001)
             return types.SimpleNamespace(clients=[client], leases=[]), []
         if isinstance(message, p.PublishLeaseEvent):
             return None, []

@@ -654,3 +654,10 @@ def test_event_refusals() -> None:
     with pytest.raises(p.ProtocolError) as info:
         p.decode_event(raw({"v": [1, 0], "id": 0, "t": int(MsgType.FD_BATCH), "b": {"request_id": 1, "chunk_ids": ["a"]}}))
     assert info.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("pid", [-1, 1 << 22, 1 << 40])
+def test_a_hello_pid_no_process_can_have_is_invalid_argument(pid: int) -> None:
+    assert p.decode_request(raw(envelope(MsgType.HELLO, b={"name": "eng", "pid": (1 << 22) - 1}))).message.pid == (1 << 22) - 1
+    error = refused(raw(envelope(MsgType.HELLO, b={"name": "eng", "pid": pid})), ErrorCode.INVALID_ARGUMENT)
+    assert error.message.startswith("Hello.pid: expected `int` "), error.message

@@ -1,7 +1,8 @@
 """RESUME after a restart, on the state alone: only the process that opened a session
-(its pid and its uid) with the credential HELLO issued gets it back, a session that was
-never given a credential cannot be resumed with an empty one, and the grace period ends
-only once every kept session has come back."""
+(its uid and gid, and its pid where the daemon saw one both times: a client outside its
+pid namespace is pid 0 to it) with the credential HELLO issued gets it back, a session
+that was never given a credential cannot be resumed with an empty one, and the grace
+period ends only once every kept session has come back."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gpumemd.records import SessionRecord
 from gpumemd.state import DaemonState
 
 from .harness import CAPACITY, Clock, Harness
+from .test_pid_namespaces import gone_pid
 from .store_kit import FakeStore
 
 Restarted = Callable[[list[str]], tuple[Harness, list[SessionRecord]]]
@@ -92,3 +94,43 @@ def test_the_grace_period_runs_on_when_a_successor_takes_a_dead_clients_name(res
     h.state.open_session(p.Hello(name="dead"), pid=9999, uid=dead.uid, gid=dead.gid)
     assert dead.id not in h.state.sessions
     assert h.state.grace_deadline == deadline, "taking over one name ended the grace period of a session still waiting"
+
+
+@pytest.mark.parametrize("differs", ["uid", "gid", "pid seen both times"])
+def test_a_resume_from_another_identity_is_refused(restarted: Restarted, differs: str) -> None:
+    h, (s,) = restarted(["eng"])
+    pid, uid, gid = s.pid, s.uid, s.gid
+    if differs == "uid":
+        uid += 1
+    elif differs == "gid":
+        gid += 1
+    else:
+        pid += 1
+    with pytest.raises(p.ProtocolError) as refused:
+        h.state.resume(resume(s), pid, uid, gid)
+    assert refused.value.code == p.ErrorCode.PERMISSION_DENIED
+    assert h.state.sessions[s.id].waiting
+
+
+@pytest.mark.parametrize("at_hello, at_resume", [(0, 0), (0, 4242), (4242, 0)])
+def test_a_client_the_daemon_saw_as_pid_0_once_resumes_by_its_credential_uid_and_gid(
+    restarted: Restarted, at_hello: int, at_resume: int
+) -> None:
+    h, (s,) = restarted(["eng"])
+    h.state.sessions[s.id].pid = at_hello
+    session, reply = h.state.resume(resume(s), at_resume, s.uid, s.gid)
+    assert reply.session_id == s.id and not session.waiting
+
+
+def test_a_kept_session_of_a_client_outside_the_namespace_keeps_its_name(restarted: Restarted) -> None:
+    """gpumemd saw it as pid 0, and it says it is pid N: no pid of it is one /proc can
+    answer for (N, in the daemon's namespace, is another process or none). Its name waits
+    for its RESUME or the grace period's end, and the refusal says why."""
+    h, (kept,) = restarted(["eng"])
+    record = h.state.sessions[kept.id]
+    record.pid, record.own_pid = 0, gone_pid()  # its own pid names nobody here: read as gone, it would lose its name
+    with pytest.raises(p.ProtocolError) as refused:
+        h.state.open_session(p.Hello(name="eng", pid=7), pid=0, uid=kept.uid, gid=kept.gid)
+    assert refused.value.code == p.ErrorCode.ALREADY_EXISTS
+    assert "outside gpumemd's pid namespace" in str(refused.value), refused.value
+    assert h.state.sessions[kept.id].waiting

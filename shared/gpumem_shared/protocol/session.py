@@ -39,6 +39,11 @@ class Hello(RequestMessage, kw_only=True):
     # Unique among live sessions (ALREADY_EXISTS names the holder): arena shares name it.
     name: str
     client_version: str = ""
+    # Since 1.9: its own pid, as its pid namespace numbers it. SO_PEERCRED gives the
+    # daemon's view of it instead (0 from outside the daemon's namespace): this one is
+    # shown beside it, and is the pid its lease words carry. Linux's pids stay below 2**22
+    # (PID_MAX_LIMIT): a larger one is no pid, and would not fit a lease word's field.
+    pid: Annotated[int, msgspec.Meta(ge=0, lt=1 << 22)] = 0
 
 
 class Holding(Message):
@@ -51,7 +56,8 @@ class Holding(Message):
 class Resume(RequestMessage, kw_only=True):
     """Since 1.4: first message on a new fd channel, instead of HELLO, from a client whose
     daemon restarted: the session comes back with its ids, token and objects. The
-    credential HELLO returned, checked with SO_PEERCRED (same pid and uid). ``holdings``
+    credential HELLO returned, from the uid and gid that opened the session (SO_PEERCRED;
+    and its pid, where the daemon saw one both times). ``holdings``
     say which chunks the client maps. Since 1.5, ``pending`` names the requests it sends
     again (no reply, or one whose descriptors were lost): those the daemon before had
     answered get that answer again, with the chunks of it the client does not map."""

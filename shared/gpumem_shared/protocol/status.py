@@ -42,13 +42,14 @@ class DeviceStatus(Message):
 class ClientStatus(Message):
     session_id: int
     name: str
-    pid: int
+    pid: int  # the kernel's, as the daemon's pid namespace numbers it (0: the client is outside it)
     uid: int
     gid: int
     since: float  # unix time
     arenas: list[str]
     waiting: bool = False  # since 1.4: kept across a restart, its client not back yet
     host_bytes: int = 0  # since 1.8: its arenas' sleep buffers in host memory
+    own_pid: int = 0  # since 1.9: its pid as its own pid namespace numbers it (HELLO says it)
 
 
 class GrantStatus(Message):
