@@ -224,6 +224,15 @@ class Client:
     def pid(self) -> int:
         return self.proc.pid
 
+    def end(self) -> None:
+        """Kill it if it still runs, and close its pipes: a test's teardown."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
     def expect(self, prefix: str, timeout: float = 30.0) -> str:
         """Read stdout until a line starting with ``prefix``; returns the rest of it."""
         import selectors
@@ -283,9 +292,4 @@ def run_client(runtime_dir: Path) -> Iterator[object]:
 
     yield start
     for c in clients:
-        if c.proc.poll() is None:
-            c.proc.kill()
-            c.proc.wait()
-        for stream in (c.proc.stdin, c.proc.stdout, c.proc.stderr):
-            if stream is not None:
-                stream.close()
+        c.end()

@@ -99,12 +99,7 @@ def ns_client(runtime_dir: Path) -> Iterator[Any]:
 
     yield start
     for c in started:
-        if c.proc.poll() is None:
-            c.proc.kill()
-            c.proc.wait()
-        for stream in (c.proc.stdin, c.proc.stdout, c.proc.stderr):
-            if stream is not None:
-                stream.close()
+        c.end()
 
 
 def clients(runtime_dir: Path) -> dict[str, tuple[int, int]]:

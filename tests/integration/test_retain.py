@@ -52,12 +52,7 @@ def spawn(runtime_dir: Path) -> Iterator[Spawn]:
 
     yield start
     for c in made:
-        if c.proc.poll() is None:
-            c.proc.kill()
-            c.proc.wait()
-        for stream in (c.proc.stdin, c.proc.stdout, c.proc.stderr):
-            if stream is not None:
-                stream.close()
+        c.end()
 
 
 def group_of(s: dict[str, Any], name: str = "g") -> dict[str, Any] | None:
