@@ -93,6 +93,7 @@ class KvPool:
         # back rows below it.
         self.rows_in_use: Callable[[], int] | None = None
         self.unanswered: list[str] = []  # the pools that did not give back for the last grow
+        self.gone: list[str] = []  # those that went away before answering it (died, closed, released)
         self._reported = -1  # the last use sent with report_demand
         self._growing: GrowWait | None = None
 
@@ -177,7 +178,8 @@ class KvPool:
         """Commit rows up to ``tokens``; returns the tokens the pool holds. When the device
         is full the daemon asks pools above their fair share to give back and answers when
         they did, or at its move deadline with what it got: fewer tokens than asked, and
-        ``unanswered`` names the pools that did not give back. OutOfMemory (with the
+        ``unanswered`` names the pools that did not give back (``gone``: those that went
+        away before they answered; what they held came back). OutOfMemory (with the
         figures) when it got nothing. ``in_use`` tells the daemon the rows in use now."""
         return self.send_grow(tokens, in_use=in_use).wait(timeout)
 
@@ -278,7 +280,7 @@ class GrowWait:
                 raise
             self._tokens = pool.tokens  # answered: never waited for again, even if applying it fails
             pool.apply(reply, fds)
-            pool.unanswered = reply.unanswered
+            pool.unanswered, pool.gone = reply.unanswered, reply.gone
             self._tokens = pool.tokens
         return self._tokens
 

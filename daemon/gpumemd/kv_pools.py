@@ -140,7 +140,7 @@ class KvBook:
         available = self.arenas.available_bytes()
         what = f"growing KV pool '{pool.name}' from {pool.tokens} to {m.tokens} tokens"
         if need <= available:
-            return Outcome(*self._grown(s, pool, m.tokens, m.tokens, []))
+            return Outcome(*self._grown(s, pool, m.tokens, m.tokens, [], []))
         claims = self._claims(pool, m.tokens)
         gives = kv_moves.donors(claims, sum(c.held for c in claims) + available, pool.name, need - available)
         if not gives:  # no pool holds more than its share: nothing to wait for
@@ -192,8 +192,14 @@ class KvBook:
         return self.desk.drop_session(session_id)
 
     def drop_pool(self, name: str) -> list[RoundRecord]:
-        """The pool's arena is gone: forget the pool; returns the rounds it left."""
-        self.pools.pop(name, None)
+        """The pool's arena is gone (its client died or closed, or released it): forget the
+        pool, naming it to the grows it had not answered yet; returns the rounds it left."""
+        pool = self.pools.pop(name, None)
+        if pool is not None and pool.shrink_request is not None:
+            label = f"{self.arenas.by_name[name].owner_name}/{name}"
+            for grow in self.grows:
+                if any(d is pool for d in grow.asked):
+                    grow.gone.append(label)
         for grow in [g for g in self.grows if g.pool.name == name]:
             self.grows.remove(grow)
             self._completions.append(
@@ -271,32 +277,41 @@ class KvBook:
         self._notices.append((pool.owner_id, p.Notice(kind=p.NoticeKind.KV_SHRINK, arena=pool.name, tokens=lo, message=message)))
         self.tally.kv_shrinks_asked += 1
 
-    def _grown(self, s: SessionRecord, pool: KvPoolRecord, tokens: int, asked: int, unanswered: list[str]) -> tuple[p.KvCommitReply, list[ChunkRecord]]:
+    def _grown(
+        self, s: SessionRecord, pool: KvPoolRecord, tokens: int, asked: int, unanswered: list[str], gone: list[str]
+    ) -> tuple[p.KvCommitReply, list[ChunkRecord]]:
         arena = self.arenas.by_name[pool.name]
         work = [(arena, offset, size) for offset, size in kv_moves.missing(pool, arena, tokens)]
         new = self.arenas.create_chunks(work, self.arenas.available_bytes(), ladder=False) if work else []
         pool.tokens = max(pool.tokens, tokens)
-        reply = msgspec.structs.replace(commit_reply(self.arenas, pool, new, []), asked_tokens=asked, unanswered=unanswered)
+        reply = msgspec.structs.replace(commit_reply(self.arenas, pool, new, []), asked_tokens=asked, unanswered=unanswered, gone=gone)
         return reply, self.arenas.hand(s, new)
 
     def _settle(self, grow: PendingGrow) -> None:
         """Answer a waiting grow once its memory is free, or at its deadline with what
-        fits then (OUT_OF_MEMORY if nothing), naming the pools that did not give back."""
+        fits then (OUT_OF_MEMORY if nothing), naming the pools that did not give back and
+        those that went away before they answered."""
         pool, arena, now = grow.pool, self.arenas.by_name[grow.pool.name], self.clock()
         available = self.arenas.available_bytes()
         full = kv_moves.need(pool, arena, grow.tokens) <= available
-        if not full and now < grow.deadline and any(d.shrink_request is not None and d.name in self.pools for d in grow.asked):
+        # A pool that went is not waited for, nor one of its name declared since.
+        waiting = [d for d in grow.asked if d.shrink_request is not None and self.pools.get(d.name) is d]
+        if not full and now < grow.deadline and waiting:
             return
         self.grows.remove(grow)
-        unanswered = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in grow.asked if d.shrink_request is not None and d.name in self.pools]
+        unanswered = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in waiting]
+        named = f"not answered: {', '.join(unanswered) or 'none'}; gone before answering: {', '.join(grow.gone) or 'none'}"
         tokens = grow.tokens if full else kv_moves.most_within(pool, arena, grow.tokens, available)
-        figures = {"pool": pool.name, "asked_tokens": grow.tokens, "tokens": tokens, "waited_ms": round((now - grow.created) * 1e3, 3)}
+        figures = {
+            "pool": pool.name, "asked_tokens": grow.tokens, "tokens": tokens, "waited_ms": round((now - grow.created) * 1e3, 3),
+            "unanswered": unanswered, "gone": grow.gone,
+        }
         before = self.arenas.accounted_bytes()
         try:
             if tokens == pool.tokens:
-                message = f"KV pool '{pool.name}': nothing came free within {self.config.move_timeout:g}s; not answered: {', '.join(unanswered) or 'none'}"
+                message = f"KV pool '{pool.name}': nothing came free within {self.config.move_timeout:g}s; {named}"
                 self.arenas.require_available(kv_moves.need(pool, arena, grow.tokens), message)  # refuses, with the figures
-            reply, handout = self._grown(self.sessions[grow.session_id], pool, tokens, grow.tokens, unanswered)
+            reply, handout = self._grown(self.sessions[grow.session_id], pool, tokens, grow.tokens, unanswered, grow.gone)
         except p.ProtocolError as exc:
             self.tally.kv_grows_refused += 1
             self._completions.append(Completion(grow.session_id, grow.request_id, exc))
@@ -304,8 +319,8 @@ class KvBook:
         moved = self.arenas.accounted_bytes() - before
         self.tally.kv_grew(full, moved, now - grow.created)
         log.info(
-            "KV pool %r grew to %d tokens (asked %d) after %.0f ms: %d bytes; not answered: %s",
-            pool.name, tokens, grow.tokens, (now - grow.created) * 1e3, moved, ", ".join(unanswered) or "none",
+            "KV pool %r grew to %d tokens (asked %d) after %.0f ms: %d bytes; %s",
+            pool.name, tokens, grow.tokens, (now - grow.created) * 1e3, moved, named,
             extra={"figures": {**figures, "bytes": moved}},
         )
         self._completions.append(Completion(grow.session_id, grow.request_id, reply, handout))

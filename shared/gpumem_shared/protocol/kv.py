@@ -84,6 +84,9 @@ class KvCommitReply(Message):
     # pools asked to give back that had not confirmed by then ("client/pool").
     asked_tokens: int = 0
     unanswered: list[str] = msgspec.field(default_factory=list)
+    # since 1.9: the pools asked that went away before they answered ("client/pool"):
+    # their client died (or closed) or released them, and what they held came back whole.
+    gone: list[str] = msgspec.field(default_factory=list)
 
 
 class CaptureDone(RequestMessage, kw_only=True):
@@ -104,7 +107,7 @@ class KvGrow(RequestMessage, kw_only=True):
     """Commit more rows (up to ``tokens``). When the device lacks the memory, the daemon
     asks pools above their fair share to give back (KV_SHRINK notices) and answers once
     they did, or at the move deadline with what it could get (``asked_tokens`` and
-    ``unanswered`` in the reply); OUT_OF_MEMORY when it could get nothing."""
+    ``unanswered`` and ``gone`` in the reply); OUT_OF_MEMORY when it could get nothing."""
 
     TYPE = MsgType.KV_GROW
     REPLY = KvCommitReply
