@@ -142,7 +142,13 @@ class SleeperBook:
             self.buffers[arena.name] = have
             log.info("arena %r: %s host buffer %d for client %r", arena.name, format_size(have.size), have.id, s.name)
         reply = p.HostBufferReply(arena=arena.name, buffer=p.HostBufferView(id=have.id, size=have.size), fd_batches=1)
-        return Outcome(reply, grants=[(have.id, have.fd)])
+        return Outcome(reply, host_buffers=[(have.id, have.fd)])
+
+    def granted(self, session_id: int, buffer_ids: list[int]) -> list[tuple[int, int]]:
+        """(id, memfd) of the host buffers of ``buffer_ids`` that ``session_id`` still owns:
+        a remembered SLEEP_BUFFER answer handed again after a restart."""
+        mine = {b.id: b for b in self.buffers.values() if b.owner_id == session_id}
+        return [(i, mine[i].fd) for i in buffer_ids if i in mine]
 
     def free(self, s: SessionRecord, m: p.FreeSleepBuffer) -> Outcome:
         self.arenas.owned(s, m.arena, "free the sleep buffer of", kv_ok=True)

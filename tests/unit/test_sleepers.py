@@ -26,7 +26,8 @@ def _buffer(h: Harness, s: object, arena: str, nbytes: int) -> tuple[int, int]:
     """SLEEP_BUFFER: (buffer id, the daemon's fd the reply grants; not the caller's to close)."""
     out = h.ok(s, p.SleepBuffer(arena=arena, nbytes=nbytes))
     assert isinstance(out.reply, p.HostBufferReply) and out.reply.fd_batches == 1
-    ((buffer_id, fd),) = out.grants
+    assert out.grants == []  # a lease segment's grant is a graph pool's: the buffer's is apart
+    ((buffer_id, fd),) = out.host_buffers
     assert buffer_id == out.reply.buffer.id and out.reply.buffer.size >= nbytes
     return buffer_id, fd
 
