@@ -230,14 +230,16 @@ class KvPool:
         keep = max(bound, used)
         return self.shrink(keep) if keep < self.tokens else self.tokens
 
-    def shrink(self, tokens: int) -> int:
+    def shrink(self, tokens: int, *, sleep: bool = False, kept_bytes: int = 0) -> int:
         """Confirm rows from ``tokens`` on are free and give them back. Whole chunks go,
-        so the pool may keep a few more rows; returns the tokens it keeps."""
+        so the pool may keep a few more rows; returns the tokens it keeps. ``sleep`` (with
+        ``tokens`` 0, ``kept_bytes`` copied to host memory first: ArenaSleep's): the daemon
+        shows the pool asleep and asks nothing of it until a grow wakes it."""
         if self.rows_in_use is not None and self.rows_in_use() > tokens:
             raise InvalidArgument(
                 f"KV pool '{self.name}' still uses rows up to {self.rows_in_use()}; it cannot give back rows from {tokens} on"
             )
-        reply, fds = self.core.channel.call(p.KvShrink(pool=self.name, tokens=tokens))
+        reply, fds = self.core.channel.call(p.KvShrink(pool=self.name, tokens=tokens, sleep=sleep, kept_bytes=kept_bytes))
         self.apply(reply, fds)
         return self.tokens
 

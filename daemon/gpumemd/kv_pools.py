@@ -22,7 +22,7 @@ from gpumemd.kv_rounds import RoundDesk, commit_reply
 from gpumemd.arenas import ArenaBook
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager
-from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, Notices, Outcome, RoundRecord, SessionRecord
+from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, Notices, Outcome, RoundRecord, SessionRecord, SleeperRecord
 from gpumemd.tally import Tally
 
 log = logging.getLogger("gpumemd.kv_pools")
@@ -43,14 +43,20 @@ class KvBook:
         sessions: Mapping[int, SessionRecord],
         config: StateConfig,
         clock: Callable[[], float],
+        wall_clock: Callable[[], float],
         tally: Tally,
     ) -> None:
         self.arenas = arenas
         self.sessions = sessions
         self.config = config
         self.clock = clock
+        self.wall_clock = wall_clock
         self.tally = tally
         self.pools: dict[str, KvPoolRecord] = {}
+        # Every arena asleep, by name: the sleeper book's (it images them), here because a
+        # KV pool sleeps by a shrink and wakes by a grow. A pool asleep holds nothing and
+        # wants nothing: no share, never asked to give back; its wake is a grow like any.
+        self.asleep: dict[str, SleeperRecord] = {}
         self._completions: list[Completion] = []
         self._notices: Notices = []
         self.grows: list[PendingGrow] = []
@@ -115,7 +121,10 @@ class KvBook:
         return Outcome(p.KvDeclareReply(pool=pool.view(self.arenas.view(arena))))
 
     def join(self, s: SessionRecord, m: p.RoundJoin) -> Outcome:
-        return self.desk.join(s, self._owned(s, m.pool, "join a round with"), m)
+        pool = self._owned(s, m.pool, "join a round with")
+        if pool.name in self.asleep:  # a round's rows would wake it behind the sleeper's back
+            raise p.ProtocolError(p.ErrorCode.ARENA_ASLEEP, f"KV pool '{pool.name}' sleeps: grow it back to wake it", arena=pool.name)
+        return self.desk.join(s, pool, m)
 
     def capture_done(self, s: SessionRecord, m: p.CaptureDone, request_id: int) -> Outcome:
         """Record the report; the reply is deferred until the round commits or fails."""
@@ -165,6 +174,16 @@ class KvBook:
         if not 0 <= m.tokens < pool.tokens:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' holds {pool.tokens} tokens; cannot shrink to {m.tokens}")
         arena = self.arenas.by_name[pool.name]
+        if m.sleep:
+            if m.tokens or not 0 <= m.kept_bytes <= arena.committed:
+                raise p.ProtocolError(
+                    p.ErrorCode.INVALID_ARGUMENT,
+                    f"KV pool '{pool.name}' sleeps by a shrink to 0 tokens (not {m.tokens}) keeping at most its committed "
+                    f"{arena.committed} bytes (not {m.kept_bytes})",
+                )
+            self.asleep[pool.name] = SleeperRecord(pool.name, s.id, arena.committed, m.kept_bytes, self.wall_clock())
+            log.info("KV pool %r of client %r asleep: %d bytes handed back, %d kept in host memory", pool.name, s.name, arena.committed,
+                     m.kept_bytes, extra={"figures": {"arena": pool.name, "committed": arena.committed, "kept": m.kept_bytes}})
         drop: list[ChunkRecord] = []
         kept_tokens = pool.tokens
         for buffer, mine in zip(pool.buffers, kv_moves.by_buffer(pool, arena)):
@@ -250,10 +269,15 @@ class KvBook:
     # ------------------------------------------------------------------ runtime moves
 
     def demand(self, pool: KvPoolRecord) -> int:
-        return kv_moves.demand(pool, next((g.tokens for g in self.grows if g.pool is pool), None))
+        waiting = next((g.tokens for g in self.grows if g.pool is pool), None)
+        if waiting is None and pool.name in self.asleep:
+            return 0  # whatever its engine used before its sleep
+        return kv_moves.demand(pool, waiting)
 
     def _claims(self, taker: KvPoolRecord | None = None, tokens: int = 0) -> list[kv_moves.Claim]:
-        """Every committed pool (and the taker) as the move policy sees it."""
+        """Every committed pool (and the taker) as the move policy sees it; not one in a
+        round, nor one asleep (it holds nothing: a sleep shrinks it to 0 tokens, and a
+        round cannot commit it) unless it is the taker, whose grow wakes it."""
         out = []
         for pool in self.pools.values():
             if not (pool.tokens or pool is taker) or self.desk.of(pool) is not None:
@@ -284,6 +308,8 @@ class KvBook:
         work = [(arena, offset, size) for offset, size in kv_moves.missing(pool, arena, tokens)]
         new = self.arenas.create_chunks(work, self.arenas.available_bytes(), ladder=False) if work else []
         pool.tokens = max(pool.tokens, tokens)
+        if pool.tokens and self.asleep.pop(pool.name, None) is not None:
+            log.info("KV pool %r of client %r awake: grown to %d tokens", pool.name, s.name, pool.tokens)
         reply = msgspec.structs.replace(commit_reply(self.arenas, pool, new, []), asked_tokens=asked, unanswered=unanswered, gone=gone)
         return reply, self.arenas.hand(s, new)
 

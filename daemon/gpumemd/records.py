@@ -193,6 +193,17 @@ def align_up(value: int, alignment: int) -> int:
 
 
 @dataclasses.dataclass(eq=False)
+class SleeperRecord:
+    """An arena asleep (sleepers.py), or a KV pool (kv_pools.py: shrunk to nothing to sleep)."""
+
+    arena: str
+    owner_id: int
+    committed: int  # what waking commits again
+    kept: int  # bytes the owner copied to its host buffer first
+    since: float  # unix time
+
+
+@dataclasses.dataclass(eq=False)
 class KvPoolRecord:
     """An arena laid out as buffers of token rows; committed N tokens at a time: the
     prefix of every buffer, rounded up to the granularity."""

@@ -126,6 +126,11 @@ class KvShrink(RequestMessage, kw_only=True):
     pool: str
     tokens: int
     in_use: int = -1  # rows the engine uses now (-1: not said); 0 marks the pool idle
+    # since 1.9: the pool falls asleep (``tokens`` 0): shown asleep (STATUS ``sleepers``),
+    # no share and never asked to give back until its owner's next grow, which wakes it;
+    # ``kept_bytes``: what the owner copied to its host buffer first.
+    sleep: bool = False
+    kept_bytes: int = 0
 
 
 class KvDemand(RequestMessage, kw_only=True):
