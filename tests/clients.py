@@ -157,6 +157,14 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
         return json.dumps(kept)
     if cmd == "shrinkreq":
         return json.dumps(POOLS[args[0]].shrink_requests())
+    if cmd in ("kvsleep", "kvwake"):  # POOL keep|drop, POOL [WAIT]
+        pool = POOLS[args[0]]
+        kv_sleeper = SLEEPERS.setdefault(args[0], ArenaSleep(pool.arena, pool))
+        if cmd == "kvsleep":
+            kv_sleeper.sleep(keep=args[1] == "keep")
+        else:
+            kv_sleeper.wake(**({"wait": float(args[1])} if len(args) > 1 else {}))
+        return json.dumps({"tokens": pool.tokens})
     if cmd == "kvcheck":
         # every buffer's committed prefix is mapped and writable, and bytes stay put
         pool = POOLS[args[0]]

@@ -93,6 +93,7 @@ class KvPool:
         # back rows below it.
         self.rows_in_use: Callable[[], int] | None = None
         self.unanswered: list[str] = []  # the pools that did not give back for the last grow
+        self.gone: list[str] = []  # those that went away before answering it (died, closed, released)
         self._reported = -1  # the last use sent with report_demand
         self._growing: GrowWait | None = None
 
@@ -177,7 +178,8 @@ class KvPool:
         """Commit rows up to ``tokens``; returns the tokens the pool holds. When the device
         is full the daemon asks pools above their fair share to give back and answers when
         they did, or at its move deadline with what it got: fewer tokens than asked, and
-        ``unanswered`` names the pools that did not give back. OutOfMemory (with the
+        ``unanswered`` names the pools that did not give back (``gone``: those that went
+        away before they answered; what they held came back). OutOfMemory (with the
         figures) when it got nothing. ``in_use`` tells the daemon the rows in use now."""
         return self.send_grow(tokens, in_use=in_use).wait(timeout)
 
@@ -228,14 +230,16 @@ class KvPool:
         keep = max(bound, used)
         return self.shrink(keep) if keep < self.tokens else self.tokens
 
-    def shrink(self, tokens: int) -> int:
+    def shrink(self, tokens: int, *, sleep: bool = False, kept_bytes: int = 0) -> int:
         """Confirm rows from ``tokens`` on are free and give them back. Whole chunks go,
-        so the pool may keep a few more rows; returns the tokens it keeps."""
+        so the pool may keep a few more rows; returns the tokens it keeps. ``sleep`` (with
+        ``tokens`` 0, ``kept_bytes`` copied to host memory first: ArenaSleep's): the daemon
+        shows the pool asleep and asks nothing of it until a grow wakes it."""
         if self.rows_in_use is not None and self.rows_in_use() > tokens:
             raise InvalidArgument(
                 f"KV pool '{self.name}' still uses rows up to {self.rows_in_use()}; it cannot give back rows from {tokens} on"
             )
-        reply, fds = self.core.channel.call(p.KvShrink(pool=self.name, tokens=tokens))
+        reply, fds = self.core.channel.call(p.KvShrink(pool=self.name, tokens=tokens, sleep=sleep, kept_bytes=kept_bytes))
         self.apply(reply, fds)
         return self.tokens
 
@@ -278,7 +282,7 @@ class GrowWait:
                 raise
             self._tokens = pool.tokens  # answered: never waited for again, even if applying it fails
             pool.apply(reply, fds)
-            pool.unanswered = reply.unanswered
+            pool.unanswered, pool.gone = reply.unanswered, reply.gone
             self._tokens = pool.tokens
         return self._tokens
 

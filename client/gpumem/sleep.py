@@ -13,8 +13,9 @@ it maps both sides, and on CUDA holds the context and the streams.
     ...another process commits the memory meanwhile...
     sleeper.wake()               # same addresses, contents back
 
-A KV pool sleeps by the KV book's own moves: shrunk to nothing, grown back to its rows
-on wake (a grow that does not fit asks pools above their fair share to give back).
+A KV pool sleeps by the KV book's own moves: shrunk to nothing (a shrink that says it
+sleeps: the daemon shows it asleep and asks nothing of it meanwhile), grown back to its
+rows on wake (a grow that does not fit asks pools above their fair share to give back).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class ArenaSleep:
         if self.kv is not None:
             self._tokens = self.kv.tokens
             if self._tokens:
-                self.kv.shrink(0)
+                self.kv.shrink(0, sleep=True, kept_bytes=nbytes)
         else:
             reply, fds = arena.core.channel.call(p.SleepArena(name=arena.name, kept_bytes=nbytes))
             arena.apply(reply, fds)

@@ -39,6 +39,7 @@ class PendingGrow:
     created: float
     deadline: float
     asked: list[KvPoolRecord]  # the pools asked to give back for it
+    gone: list[str] = dataclasses.field(default_factory=list)  # "client/pool" of those that went before answering
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from gpumemd.kv_rounds import RoundDesk, commit_reply
 from gpumemd.arenas import ArenaBook
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager
-from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, Notices, Outcome, RoundRecord, SessionRecord
+from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, Notices, Outcome, RoundRecord, SessionRecord, SleeperRecord
 from gpumemd.tally import Tally
 
 log = logging.getLogger("gpumemd.kv_pools")
@@ -43,14 +43,20 @@ class KvBook:
         sessions: Mapping[int, SessionRecord],
         config: StateConfig,
         clock: Callable[[], float],
+        wall_clock: Callable[[], float],
         tally: Tally,
     ) -> None:
         self.arenas = arenas
         self.sessions = sessions
         self.config = config
         self.clock = clock
+        self.wall_clock = wall_clock
         self.tally = tally
         self.pools: dict[str, KvPoolRecord] = {}
+        # Every arena asleep, by name: the sleeper book's (it images them), here because a
+        # KV pool sleeps by a shrink and wakes by a grow. A pool asleep holds nothing and
+        # wants nothing: no share, never asked to give back; its wake is a grow like any.
+        self.asleep: dict[str, SleeperRecord] = {}
         self._completions: list[Completion] = []
         self._notices: Notices = []
         self.grows: list[PendingGrow] = []
@@ -115,7 +121,10 @@ class KvBook:
         return Outcome(p.KvDeclareReply(pool=pool.view(self.arenas.view(arena))))
 
     def join(self, s: SessionRecord, m: p.RoundJoin) -> Outcome:
-        return self.desk.join(s, self._owned(s, m.pool, "join a round with"), m)
+        pool = self._owned(s, m.pool, "join a round with")
+        if pool.name in self.asleep:  # a round's rows would wake it behind the sleeper's back
+            raise p.ProtocolError(p.ErrorCode.ARENA_ASLEEP, f"KV pool '{pool.name}' sleeps: grow it back to wake it", arena=pool.name)
+        return self.desk.join(s, pool, m)
 
     def capture_done(self, s: SessionRecord, m: p.CaptureDone, request_id: int) -> Outcome:
         """Record the report; the reply is deferred until the round commits or fails."""
@@ -141,7 +150,7 @@ class KvBook:
         available = self._available(pool)
         what = f"growing KV pool '{pool.name}' from {pool.tokens} to {tokens} tokens"
         if need <= available:
-            return Outcome(*self._grown(s, pool, tokens, m.tokens, []))
+            return Outcome(*self._grown(s, pool, tokens, m.tokens, [], []))
         claims = self._claims(pool, tokens)
         gives = kv_moves.donors(claims, sum(c.held for c in claims) + available, pool.name, need - available)
         if not gives:  # no pool holds more than its share: nothing to wait for
@@ -185,6 +194,16 @@ class KvBook:
         if not 0 <= m.tokens < pool.tokens:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' holds {pool.tokens} tokens; cannot shrink to {m.tokens}")
         arena = self.arenas.by_name[pool.name]
+        if m.sleep:
+            if m.tokens or not 0 <= m.kept_bytes <= arena.committed:
+                raise p.ProtocolError(
+                    p.ErrorCode.INVALID_ARGUMENT,
+                    f"KV pool '{pool.name}' sleeps by a shrink to 0 tokens (not {m.tokens}) keeping at most its committed "
+                    f"{arena.committed} bytes (not {m.kept_bytes})",
+                )
+            self.asleep[pool.name] = SleeperRecord(pool.name, s.id, arena.committed, m.kept_bytes, self.wall_clock())
+            log.info("KV pool %r of client %r asleep: %d bytes handed back, %d kept in host memory", pool.name, s.name, arena.committed,
+                     m.kept_bytes, extra={"figures": {"arena": pool.name, "committed": arena.committed, "kept": m.kept_bytes}})
         drop: list[ChunkRecord] = []
         kept_tokens = pool.tokens
         for buffer, mine in zip(pool.buffers, kv_moves.by_buffer(pool, arena)):
@@ -212,8 +231,14 @@ class KvBook:
         return self.desk.drop_session(session_id)
 
     def drop_pool(self, name: str) -> list[RoundRecord]:
-        """The pool's arena is gone: forget the pool; returns the rounds it left."""
-        self.pools.pop(name, None)
+        """The pool's arena is gone (its client died or closed, or released it): forget the
+        pool, naming it to the grows it had not answered yet; returns the rounds it left."""
+        pool = self.pools.pop(name, None)
+        if pool is not None and pool.shrink_request is not None:
+            label = f"{self.arenas.by_name[name].owner_name}/{name}"
+            for grow in self.grows:
+                if any(d is pool for d in grow.asked):
+                    grow.gone.append(label)
         for grow in [g for g in self.grows if g.pool.name == name]:
             self.grows.remove(grow)
             self._completions.append(
@@ -264,10 +289,15 @@ class KvBook:
     # ------------------------------------------------------------------ runtime moves
 
     def demand(self, pool: KvPoolRecord) -> int:
-        return kv_moves.demand(pool, next((g.tokens for g in self.grows if g.pool is pool), None))
+        waiting = next((g.tokens for g in self.grows if g.pool is pool), None)
+        if waiting is None and pool.name in self.asleep:
+            return 0  # whatever its engine used before its sleep
+        return kv_moves.demand(pool, waiting)
 
     def _claims(self, taker: KvPoolRecord | None = None, tokens: int = 0) -> list[kv_moves.Claim]:
-        """Every committed pool (and the taker) as the move policy sees it."""
+        """Every committed pool (and the taker) as the move policy sees it; not one in a
+        round, nor one asleep (it holds nothing: a sleep shrinks it to 0 tokens, and a
+        round cannot commit it) unless it is the taker, whose grow wakes it."""
         out = []
         for pool in self.pools.values():
             if not (pool.tokens or pool is taker) or self.desk.of(pool) is not None:
@@ -291,32 +321,43 @@ class KvBook:
         self._notices.append((pool.owner_id, p.Notice(kind=p.NoticeKind.KV_SHRINK, arena=pool.name, tokens=lo, message=message)))
         self.tally.kv_shrinks_asked += 1
 
-    def _grown(self, s: SessionRecord, pool: KvPoolRecord, tokens: int, asked: int, unanswered: list[str]) -> tuple[p.KvCommitReply, list[ChunkRecord]]:
+    def _grown(
+        self, s: SessionRecord, pool: KvPoolRecord, tokens: int, asked: int, unanswered: list[str], gone: list[str]
+    ) -> tuple[p.KvCommitReply, list[ChunkRecord]]:
         arena = self.arenas.by_name[pool.name]
         work = [(arena, offset, size) for offset, size in kv_moves.missing(pool, arena, tokens)]
         new = self.arenas.create_chunks(work, self.arenas.available_bytes(), ladder=False) if work else []
         pool.tokens = max(pool.tokens, tokens)
-        reply = msgspec.structs.replace(commit_reply(self.arenas, pool, new, []), asked_tokens=asked, unanswered=unanswered)
+        if pool.tokens and self.asleep.pop(pool.name, None) is not None:
+            log.info("KV pool %r of client %r awake: grown to %d tokens", pool.name, s.name, pool.tokens)
+        reply = msgspec.structs.replace(commit_reply(self.arenas, pool, new, []), asked_tokens=asked, unanswered=unanswered, gone=gone)
         return reply, self.arenas.hand(s, new)
 
     def _settle(self, grow: PendingGrow) -> None:
         """Answer a waiting grow once its memory is free, or at its deadline with what
-        fits then (OUT_OF_MEMORY if nothing), naming the pools that did not give back."""
+        fits then (OUT_OF_MEMORY if nothing), naming the pools that did not give back and
+        those that went away before they answered."""
         pool, arena, now = grow.pool, self.arenas.by_name[grow.pool.name], self.clock()
         available = self._available(pool)
         full = kv_moves.need(pool, arena, grow.tokens) <= available
-        if not full and now < grow.deadline and any(d.shrink_request is not None and d.name in self.pools for d in grow.asked):
+        # A pool that went is not waited for, nor one of its name declared since.
+        waiting = [d for d in grow.asked if d.shrink_request is not None and self.pools.get(d.name) is d]
+        if not full and now < grow.deadline and waiting:
             return
         self.grows.remove(grow)
-        unanswered = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in grow.asked if d.shrink_request is not None and d.name in self.pools]
+        unanswered = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in waiting]
+        named = f"not answered: {', '.join(unanswered) or 'none'}; gone before answering: {', '.join(grow.gone) or 'none'}"
         tokens = grow.tokens if full else kv_moves.most_within(pool, arena, grow.tokens, available)
-        figures = {"pool": pool.name, "asked_tokens": grow.tokens, "tokens": tokens, "waited_ms": round((now - grow.created) * 1e3, 3)}
+        figures = {
+            "pool": pool.name, "asked_tokens": grow.tokens, "tokens": tokens, "waited_ms": round((now - grow.created) * 1e3, 3),
+            "unanswered": unanswered, "gone": grow.gone,
+        }
         before = self.arenas.accounted_bytes()
         try:
             if tokens == pool.tokens:
-                message = f"KV pool '{pool.name}': nothing came free within {self.config.move_timeout:g}s; not answered: {', '.join(unanswered) or 'none'}"
+                message = f"KV pool '{pool.name}': nothing came free within {self.config.move_timeout:g}s; {named}"
                 self.arenas.require_available(kv_moves.need(pool, arena, grow.tokens), message)  # refuses, with the figures
-            reply, handout = self._grown(self.sessions[grow.session_id], pool, tokens, grow.tokens, unanswered)
+            reply, handout = self._grown(self.sessions[grow.session_id], pool, tokens, grow.tokens, unanswered, grow.gone)
         except p.ProtocolError as exc:
             self.tally.kv_grows_refused += 1
             self._completions.append(Completion(grow.session_id, grow.request_id, exc))
@@ -324,8 +365,8 @@ class KvBook:
         moved = self.arenas.accounted_bytes() - before
         self.tally.kv_grew(full, moved, now - grow.created)
         log.info(
-            "KV pool %r grew to %d tokens (asked %d) after %.0f ms: %d bytes; not answered: %s",
-            pool.name, tokens, grow.tokens, (now - grow.created) * 1e3, moved, ", ".join(unanswered) or "none",
+            "KV pool %r grew to %d tokens (asked %d) after %.0f ms: %d bytes; %s",
+            pool.name, tokens, grow.tokens, (now - grow.created) * 1e3, moved, named,
             extra={"figures": {**figures, "bytes": moved}},
         )
         self._completions.append(Completion(grow.session_id, grow.request_id, reply, handout))

@@ -42,7 +42,7 @@ class Batch:
     """One FD_BATCH on a session's fd channel, sent before the reply it belongs to."""
 
     request_id: int
-    ids: list[int]  # chunk ids, or graph pool ids for lease segments
+    ids: list[int]  # chunk ids, or graph pool ids for lease segments and host buffer ids
     fds: list[int]
     owned: bool  # exported for this send (chunks): closed once sent; a lease segment's fd stays the daemon's
 
@@ -123,9 +123,7 @@ class Outbox:
                     return self._seal(Mail())
             elif request_id in session.resending:
                 session.resending.discard(request_id)
-                # A host buffer's grant is not a graph pool's, which is all a kept answer
-                # names: SLEEP_BUFFER is served again instead (it hands the same buffer).
-                if request_id in session.answers and not isinstance(message, p.SleepBuffer):
+                if request_id in session.answers:
                     mail = Mail()
                     mail.letters.append(self._replay(to, session, request_id, message, mail))
                     return self._seal(mail)
@@ -133,7 +131,7 @@ class Outbox:
             if outcome.reply is None:  # deferred, answered as a completion
                 return self._seal(Mail(outcome.notices))
             reply = p.encode_reply(request_id, outcome.reply)
-            if session is not None and (outcome.handout or outcome.grants):
+            if session is not None and (outcome.handout or outcome.grants or outcome.host_buffers):
                 return self._hand_out(to, session, request_id, reply, outcome)
             if session is not None and self.durable is not None and self.state.dirty:
                 session.remember(request_id, reply, [], [])
@@ -185,13 +183,14 @@ class Outbox:
         return mail
 
     def _hand_out(self, to: bytes, session: SessionRecord, request_id: int, reply: bytes, outcome: Outcome) -> Mail:
-        """A reply that hands out chunks or lease segments: they go first, on the session's
+        """A reply that hands out chunks, lease segments or host buffers: they go first, on the session's
         fd channel, and the session remembers the answer with them."""
         mail = Mail(outcome.notices)
         letter = Letter(to, reply, session.id)
         mail.letters.append(letter)
-        if self._pack(letter, session, request_id, outcome.handout, outcome.grants, mail) and self.durable is not None and self.state.dirty:
-            session.remember(request_id, reply, outcome.handout, outcome.grants)
+        granted = outcome.grants + outcome.host_buffers
+        if self._pack(letter, session, request_id, outcome.handout, granted, mail) and self.durable is not None and self.state.dirty:
+            session.remember(request_id, reply, outcome.handout, outcome.grants, outcome.host_buffers)
         return self._seal(mail)
 
     def _seal_reply(self, to: bytes, reply: bytes, notices: Sequence[tuple[int, p.Notice]] = ()) -> Mail | bytes:
@@ -231,8 +230,9 @@ class Outbox:
         self, letter: Letter, session: SessionRecord, request_id: int, chunks: list[ChunkRecord], grants: list[tuple[int, int]], mail: Mail
     ) -> bool:
         """The letter's batches: the chunks exported (and zeroed where fresh), then the
-        lease segments. False: an export failed; the letter is an error instead, and the
-        session's fd channel closes (its client cannot have what the reply names)."""
+        lease segments and host buffers (``grants``). False: an export failed; the letter
+        is an error instead, and the session's fd channel closes (its client cannot have
+        what the reply names)."""
         batches: list[Batch] = []
         for start in range(0, len(chunks), p.MAX_FDS_PER_MESSAGE):
             batch = chunks[start : start + p.MAX_FDS_PER_MESSAGE]
@@ -272,8 +272,8 @@ class Outbox:
 
     def _replay(self, to: bytes, session: SessionRecord, request_id: int, message: Any, mail: Mail) -> Letter:
         """A request resent after a restart that the daemon before had carried out: its
-        reply again, from the record, with the chunks and lease segments it handed out.
-        Chunks that went since (retired by their owner meanwhile) leave the reply."""
+        reply again, from the record, with the chunks, lease segments and host buffers it
+        handed out. Chunks that went since (retired by their owner meanwhile) leave the reply."""
         state = self.state
         kept = session.answers[request_id]
         live = {c.id: c for a in state.arenas.by_name.values() for c in a.chunks + a.placeholders}
@@ -285,6 +285,7 @@ class Outbox:
             frame = p.encode_reply(request_id, msgspec.structs.replace(body, chunks=views, fd_batches=map_batches(len(chunks))))
         pools = state.graph_pools.by_id
         grants = [(pid, pools[pid].segment_fd) for pid in kept.grants if pid in pools and session.id in pools[pid].users]
+        grants += state.sleepers.granted(session.id, kept.host_buffers)
         state.dirty = True  # the chunks' holders changed
         log.info("request %d of client %r answered again after the restart (%d chunk(s))", request_id, session.name, len(chunks))
         letter = Letter(to, frame, session.id)

@@ -35,6 +35,7 @@ class Answer:
     reply: bytes = dataclasses.field(repr=False)
     handout: list[int]  # chunk ids
     grants: list[int]  # graph pool ids
+    host_buffers: list[int] = dataclasses.field(default_factory=list)  # host buffer ids (a SLEEP_BUFFER's answer)
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,8 +74,12 @@ class SessionRecord:
             return f"pid {self.own_pid}"
         return f"pid {self.own_pid} ({self.pid} in gpumemd's pid namespace)"
 
-    def remember(self, request_id: int, reply: bytes, handout: list[ChunkRecord], grants: list[tuple[int, int]]) -> None:
-        self.answers[request_id] = Answer(reply, [c.id for c in handout], [pool_id for pool_id, _ in grants])
+    def remember(
+        self, request_id: int, reply: bytes, handout: list[ChunkRecord], grants: list[tuple[int, int]],
+        host_buffers: list[tuple[int, int]] | None = None,
+    ) -> None:
+        buffer_ids = [buffer_id for buffer_id, _ in host_buffers or []]
+        self.answers[request_id] = Answer(reply, [c.id for c in handout], [pool_id for pool_id, _ in grants], buffer_ids)
         while len(self.answers) > ANSWERS_KEPT:
             oldest = next(iter(self.answers))
             del self.answers[oldest]
@@ -201,6 +206,17 @@ def align_up(value: int, alignment: int) -> int:
 
 
 @dataclasses.dataclass(eq=False)
+class SleeperRecord:
+    """An arena asleep (sleepers.py), or a KV pool (kv_pools.py: shrunk to nothing to sleep)."""
+
+    arena: str
+    owner_id: int
+    committed: int  # what waking commits again
+    kept: int  # bytes the owner copied to its host buffer first
+    since: float  # unix time
+
+
+@dataclasses.dataclass(eq=False)
 class KvPoolRecord:
     """An arena laid out as buffers of token rows; committed N tokens at a time: the
     prefix of every buffer, rounded up to the granularity."""
@@ -303,13 +319,16 @@ class RoundRecord:
 class Outcome:
     """What a request produced: the reply (None: it comes later, as a Completion), the
     chunks whose fds go to the requester before it, the lease segments it grants
-    (graph pool id, the segment's memfd, which the daemon keeps) whose fds go the same
-    way, and notices for other sessions."""
+    (graph pool id, the segment's memfd, which the daemon keeps) and the host buffers
+    (buffer id, its memfd, the daemon's too) whose fds go the same way, and notices for
+    other sessions. Grants and host buffers are apart because their ids are not: a
+    remembered answer handed again after a restart must find the right one."""
 
     reply: p.Message | None
     handout: list[ChunkRecord] = dataclasses.field(default_factory=list)
     notices: Notices = dataclasses.field(default_factory=list)
     grants: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    host_buffers: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

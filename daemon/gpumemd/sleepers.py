@@ -16,6 +16,10 @@ size the arena had, at the same offsets: fresh chunks, zeroed before their first
 leaves like any. The window, the graph pools' registry and their lease segments are
 untouched. What this means for the other books (commit, decommit and attach refused
 while asleep, the buffer dropped with its arena) is decided in state.py.
+
+A KV pool sleeps by the KV book's own moves instead (kv_pools.py): a shrink to nothing
+that says so, and the grow back that wakes it; it is asleep here all the same (status,
+metrics, its host buffer kept while its contents are in it).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from gpumemd.checks import check_size
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager, Keep, Take
 from gpumemd.kv_pools import KvBook
-from gpumemd.records import Notices, Outcome, SessionRecord
+from gpumemd.records import Notices, Outcome, SessionRecord, SleeperRecord
 
 log = logging.getLogger("gpumemd.sleepers")
 
@@ -57,15 +61,6 @@ class HostBufferRecord:
     owner_id: int
     size: int
     fd: int = -1  # the daemon's memfd; the store keeps it across a restart
-
-
-@dataclasses.dataclass(eq=False)
-class SleeperRecord:
-    arena: str
-    owner_id: int
-    committed: int  # what waking commits again
-    kept: int  # bytes the owner copied to its host buffer first
-    since: float  # unix time
 
 
 class SleeperBookImage(msgspec.Struct):
@@ -99,7 +94,7 @@ class SleeperBook:
         self.config = config
         self.wall_clock = wall_clock
         self.buffers: dict[str, HostBufferRecord] = {}  # by arena
-        self.asleep: dict[str, SleeperRecord] = {}  # by arena
+        self.asleep = kv.asleep  # by arena, KV pools' too: the KV book's dict, as a KV pool's grow wakes it
         self.next_buffer = 1
         self.notices: Notices = []  # KV_SHRINK asks for a wake that did not fit, for the server to deliver
 
@@ -142,7 +137,13 @@ class SleeperBook:
             self.buffers[arena.name] = have
             log.info("arena %r: %s host buffer %d for client %r", arena.name, format_size(have.size), have.id, s.name)
         reply = p.HostBufferReply(arena=arena.name, buffer=p.HostBufferView(id=have.id, size=have.size), fd_batches=1)
-        return Outcome(reply, grants=[(have.id, have.fd)])
+        return Outcome(reply, host_buffers=[(have.id, have.fd)])
+
+    def granted(self, session_id: int, buffer_ids: list[int]) -> list[tuple[int, int]]:
+        """(id, memfd) of the host buffers of ``buffer_ids`` that ``session_id`` still owns:
+        a remembered SLEEP_BUFFER answer handed again after a restart."""
+        mine = {b.id: b for b in self.buffers.values() if b.owner_id == session_id}
+        return [(i, mine[i].fd) for i in buffer_ids if i in mine]
 
     def free(self, s: SessionRecord, m: p.FreeSleepBuffer) -> Outcome:
         self.arenas.owned(s, m.arena, "free the sleep buffer of", kv_ok=True)

@@ -111,7 +111,7 @@ class DaemonState:
         self.tenants = Tenants(config.tenants, self.sessions)
         self.arenas = ArenaBook(driver, config, self.device, self.tenants)
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device)
-        self.kv = KvBook(self.arenas, self.sessions, config, clock, self.tally)
+        self.kv = KvBook(self.arenas, self.sessions, config, clock, wall_clock, self.tally)
         self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, wall_clock)
         fence = fence or fence_for(driver.kind, self.device.uuid)
         self.retained = RetainBook(self.arenas, self.kv, self.sessions, config, clock, fence)

@@ -42,6 +42,9 @@ def test_an_engine_sleeps_by_tag_and_wakes_as_it_was(daemon: Any, runtime_dir: P
         placeholders = sum(a["placeholder_bytes"] for a in s["arenas"])
         assert s["device"]["accounted_bytes"] == placeholders  # every committed byte went back
         assert [c["host_bytes"] for c in s["clients"]] == [held["model"] + held["graphs"]]  # the KV cache kept nothing
+        asleep = {x["arena"]: (x["committed_bytes"], x["kept_bytes"]) for x in s["sleepers"] if x["asleep"]}
+        assert asleep == {mem.model.name: (held["model"], held["model"]), mem.graphs.name: (held["graphs"], held["graphs"]),
+                          kv.pool.name: (held["kv"], 0)}, "the KV cache sleeps, dropped, as the daemon sees it"
         with pytest.raises(gpumem.ArenaAsleep):
             mem.model.commit(held["model"] + 2 * MiB)
         assert mem.model.allocator().slot.alloc(1 * MiB) == 0  # nothing to allocate in while asleep
@@ -87,8 +90,14 @@ def test_a_kv_cache_kept_comes_back_whole_and_its_wake_waits_for_the_rows(daemon
         for first, last in ends:
             kv.pool.arena.write(first, b"first ro")
             kv.pool.arena.write(last, b"last row")
+        kv.pool.report_demand(250)  # busy before its sleep
         mem.sleep("kv")  # kept, not dropped
         assert mem.asleep == ["kv"] and kv.pool.tokens == 0
+        s = status(runtime_dir)
+        (x,) = [x for x in s["sleepers"] if x["arena"] == kv.pool.name]
+        assert x["asleep"] and x["kept_bytes"] > 0 and x["committed_bytes"] >= x["kept_bytes"], "the daemon knows the KV cache sleeps"
+        (k,) = [k for k in s["kv"] if k["name"] == kv.pool.name]
+        assert (k["tokens"], k["demand_tokens"], k["share_bytes"]) == (0, 0, 0), "asleep, it wants nothing and holds no share"
         with gpumem.connect(0, name="trainer", runtime_dir=runtime_dir, timeout=10.0) as trainer:
             device = status(runtime_dir)["device"]
             everything = (device["free_bytes"] - device["reserve_bytes"]) // device["granularity"] * device["granularity"]
@@ -100,5 +109,6 @@ def test_a_kv_cache_kept_comes_back_whole_and_its_wake_waits_for_the_rows(daemon
             hog.release()
         mem.wake()
         assert mem.asleep == [] and kv.blocks == 300
+        assert not any(x["asleep"] for x in status(runtime_dir)["sleepers"]), "its grow back woke it in the daemon too"
         for first, last in ends:
             assert kv.pool.arena.read(first, 8) == b"first ro" and kv.pool.arena.read(last, 8) == b"last row"

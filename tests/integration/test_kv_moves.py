@@ -132,3 +132,24 @@ def test_the_client_grows_ahead_and_answers_a_shrink_by_moving_live_rows_first(d
         s = status(runtime_dir)
         assert s["device"]["accounted_bytes"] == cost(ROWS, 3072) + cost(ROWS, kept)
         assert {k["name"]: k["in_use"] for k in s["kv"]} == {"kv-a": 1900, "kv-b": 100}  # the grow carried a's use
+
+
+def test_a_sleeping_pool_holds_no_share_is_asked_nothing_and_wakes_by_a_grow_like_any(daemon_factory, backend, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    a, b = _engines(daemon_factory, backend, run_client, runtime_dir, "10")
+    b.do("demand kv-b 2048")  # busy up to its sleep: its demand was all it holds
+    assert json.loads(b.do("kvsleep kv-b drop")) == {"tokens": 0}
+    s = status(runtime_dir)
+    kv = {k["name"]: k for k in s["kv"]}
+    assert (kv["kv-b"]["tokens"], kv["kv-b"]["demand_tokens"], kv["kv-b"]["share_bytes"]) == (0, 0, 0)
+    assert [(x["arena"], x["asleep"], x["committed_bytes"]) for x in s["sleepers"]] == [("kv-b", True, cost(ROWS, 2048))]
+    # The freed memory is free: a takes the whole device at once, and the sleeper is asked nothing.
+    assert json.loads(a.do("kvgrow kv-a 4096")) == {"tokens": 4096, "unanswered": []}
+    assert json.loads(b.do("shrinkreq kv-b")) == []
+    # b's wake is a grow like any: a holds more than its half of the two demands, and gives it back.
+    b.client.send("kvwake kv-b 20")
+    assert json.loads(a.do("answershrink kv-a 10")) == 2048
+    line = b.answer()
+    assert line.startswith("OK ") and json.loads(line[3:]) == {"tokens": 2048}, line
+    s = status(runtime_dir)
+    assert [x["asleep"] for x in s["sleepers"]] == [] and _pools(runtime_dir) == {"kv-a": 2048, "kv-b": 2048}
+    assert s["device"]["accounted_bytes"] == CAP

@@ -80,7 +80,7 @@ def test_the_idle_engine_moves_its_live_blocks_down_and_the_bursting_one_gets_th
         tokens, blocks, highest, verdict = _line(b, "SHRUNK").split()
         assert verdict == "intact" and int(highest) < LIVE  # moved to the bottom, bytes and all
         assert int(tokens) == int(blocks) and 256 <= int(tokens) < 2048  # the manager holds what the pool holds
-        assert grow.wait(20) == 3072 and pool.unanswered == []
+        assert grow.wait(20) == 3072 and pool.unanswered == pool.gone == []
         assert _holds(mine, 2048, 7)
         assert b.wait(10) == 0
         s = wait_status(runtime_dir, lambda s: len(s["clients"]) == 1, 10, "B gone")
@@ -103,10 +103,12 @@ def test_an_engine_killed_while_it_moves_blocks_for_a_shrink_costs_the_grow_noth
         killed = time.monotonic()
         assert grow.wait(20) == 3072 and pool.unanswered == []  # everything B held came back
         assert time.monotonic() - killed < 10, "answered by B's death, not by the 60 s move deadline"
+        assert pool.gone == ["engine-b/kv-b"], "the reply names the donor that died before it answered"
         s = status(runtime_dir)
         assert [k["name"] for k in s["kv"]] == ["kv-a"] and [c["name"] for c in s["clients"]] == ["engine-a"]
         assert s["device"]["accounted_bytes"] == cost(ROWS, 3072) <= 512 * MiB
         assert re.search(r"session \d+ closed: client 'engine-b' pid", daemon.log())  # the log names the engine that went away
+        assert re.search(r"KV pool 'kv-a' grew to 3072 tokens .*gone before answering: engine-b/kv-b", daemon.log())
         # A goes on: its rows held, its new ones are real memory.
         assert _holds(mine, 2048, 7)
         mine = _fill(pool, backend, 9)

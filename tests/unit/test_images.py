@@ -123,7 +123,8 @@ def populated(h: Harness) -> None:
     group = st.retained.groups["grp"]
     group.previous, group.previous_pid, group.previous_since = "the one before", 77, 1.5
     group.deadline, group.adopting = h.clock.now + 30, True
-    owner.remember(5, b"a reply", arena.chunks[:2], [(pool_id, st.graph_pools.by_id[pool_id].segment_fd)])
+    buffer = st.sleepers.buffers["c"]
+    owner.remember(5, b"a reply", arena.chunks[:2], [(pool_id, st.graph_pools.by_id[pool_id].segment_fd)], [(buffer.id, buffer.fd)])
 
 
 @pytest.fixture

@@ -4,7 +4,10 @@ liars and the dead), on the real host driver with a fake clock."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+
+import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
@@ -230,7 +233,20 @@ def test_a_donor_that_dies_mid_shrink_frees_its_memory_and_the_grow_is_answered(
     h.ok(b, p.KvShrink(pool="kvb", tokens=16384))  # confirmed, then killed before it unmapped
     h.state.close_session(b.id)
     got = commit_reply(done(h)[7])
-    assert (got.pool.tokens, got.unanswered) == (49152, [])
+    assert (got.pool.tokens, got.unanswered, got.gone) == (49152, [], [])  # it answered before it went
+
+
+def test_a_donor_that_dies_before_it_answers_is_named_gone_in_the_reply_and_the_log(make_harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture) -> None:
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 16384)]
+    with caplog.at_level(logging.INFO, logger="gpumemd.kv_pools"):
+        h.state.close_session(b.id)  # killed while it moved its blocks: its memory is reclaimed
+    got = commit_reply(done(h)[7])
+    assert (got.pool.tokens, got.unanswered, got.gone) == (49152, [], ["engine-b/kvb"])
+    assert "gone before answering: engine-b/kvb" in caplog.text
     assert "kvb" not in h.state.arenas.by_name and h.state.arenas.accounted_bytes() == 192 * MiB
 
 
@@ -284,5 +300,5 @@ def test_a_donor_that_releases_its_pool_instead_of_shrinking_answers_the_grow_at
     grow_waits(h, a, "kva", 49152, 7)
     h.ok(b, p.ReleaseArena(name="kvb"))
     got = commit_reply(done(h)[7])
-    assert (got.pool.tokens, got.unanswered) == (49152, [])
+    assert (got.pool.tokens, got.unanswered, got.gone) == (49152, [], ["engine-b/kvb"])
     assert h.state.arenas.accounted_bytes() == 192 * MiB

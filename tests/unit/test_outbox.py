@@ -86,7 +86,10 @@ class Door:
     def check(self, mail: Mail, *, remembered: bool = True) -> None:
         """What a restart would find right now holds everything the mail carries."""
         record = self.record()
-        answers = {s["token"]: {rid: (a["reply"], a["handout"], a["grants"]) for rid, a in s["answers"].items()} for s in sessions(record)}
+        answers = {
+            s["token"]: {rid: (a["reply"], a["handout"], a["grants"] + a["host_buffers"]) for rid, a in s["answers"].items()}
+            for s in sessions(record)
+        }
         fresh = {c["id"]: c["fresh"] for c in chunks(record)}
         for letter in mail.letters:
             reply = p.decode_reply(letter.frame)
@@ -198,8 +201,9 @@ def test_a_resent_request_gets_its_recorded_answer_again(door: Door) -> None:
 
 
 def test_a_resent_sleep_buffer_request_hands_the_buffer_not_a_pool_of_its_id(door: Door) -> None:
-    """A kept answer's grants are graph pools': SLEEP_BUFFER is served again instead, so
-    the buffer goes out, never the lease segment of the pool that shares its id."""
+    """A kept answer names its host buffer apart from graph pools: the buffer goes out
+    again, never the lease segment of the pool that shares its id, and the request is
+    not carried out twice (a resend under its id that asks for more gets no second buffer)."""
     owner = door.hello("owner")
     door.send(owner, p.CreateArena(name="a", reserve_bytes=256 * MiB))
     door.send(owner, p.CommitArena(name="a", nbytes=16 * MiB))
@@ -210,9 +214,10 @@ def test_a_resent_sleep_buffer_request_hands_the_buffer_not_a_pool_of_its_id(doo
     assert [(b.ids, b.fds) for b in first.letters[0].batches] == [([buffer.id], [buffer.fd])]
     owner.resending = {rid}
     door.durable.persist(door.h.state)
-    _, again = door.send(owner, p.SleepBuffer(arena="a", nbytes=8 * MiB), rid)
+    _, again = door.send(owner, p.SleepBuffer(arena="a", nbytes=16 * MiB), rid)
+    assert again.letters[0].frame == first.letters[0].frame, "answered from the record, byte for byte"
     assert [(b.ids, b.fds) for b in again.letters[0].batches] == [([buffer.id], [buffer.fd])]
-    assert door.h.state.sleepers.host_bytes() == 8 * MiB  # the same buffer, not a second one
+    assert door.h.state.sleepers.buffers["a"] is buffer and door.h.state.sleepers.host_bytes() == 8 * MiB, "a second buffer"
 
 
 class RecordingDriver(HostDriver):

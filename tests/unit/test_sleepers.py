@@ -15,18 +15,21 @@ import pytest
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
 from gpumemd.durable import Durable
+from gpumemd.metrics import Metrics
 from gpumemd.sleepers import host_buffer_name
 from gpumemd.state import DaemonState
 
 from .harness import CAPACITY, Clock, Harness, MiB
 from .store_kit import FakeStore
+from .test_metrics import number
 
 
 def _buffer(h: Harness, s: object, arena: str, nbytes: int) -> tuple[int, int]:
     """SLEEP_BUFFER: (buffer id, the daemon's fd the reply grants; not the caller's to close)."""
     out = h.ok(s, p.SleepBuffer(arena=arena, nbytes=nbytes))
     assert isinstance(out.reply, p.HostBufferReply) and out.reply.fd_batches == 1
-    ((buffer_id, fd),) = out.grants
+    assert out.grants == []  # a lease segment's grant is a graph pool's: the buffer's is apart
+    ((buffer_id, fd),) = out.host_buffers
     assert buffer_id == out.reply.buffer.id and out.reply.buffer.size >= nbytes
     return buffer_id, fd
 
@@ -246,3 +249,72 @@ def test_a_wake_that_does_not_fit_asks_kv_pools_above_their_share_to_give_back(h
     assert shrink_notices(h) == []  # asked once, not at every retry
     give_back(h, server, "kv", ask[2])
     assert h.ok(sleeper, p.WakeArena(name="weights")).reply.arena.committed == 64 * MiB
+
+
+def test_a_kv_pool_asleep_is_shown_asleep_asked_nothing_and_woken_by_its_grow(h: Harness) -> None:
+    from .test_kv_moves import give_back, grow_waits, shrink_notices, two_pools
+    from .test_kv_rounds import commit_reply, done
+
+    a, b = two_pools(h)  # 128 MiB each, the device full
+    h.ok(b, p.KvDemand(pool="kvb", in_use=30000))  # busy before its sleep
+    _buffer(h, b, "kvb", 8 * MiB)
+    h.refused(b, p.KvShrink(pool="kvb", tokens=1, sleep=True), p.ErrorCode.INVALID_ARGUMENT)
+    h.refused(b, p.KvShrink(pool="kvb", tokens=0, sleep=True, kept_bytes=129 * MiB), p.ErrorCode.INVALID_ARGUMENT)
+    reply = h.ok(b, p.KvShrink(pool="kvb", tokens=0, sleep=True, kept_bytes=8 * MiB)).reply
+    assert isinstance(reply, p.KvCommitReply) and reply.pool.tokens == 0
+    h.unmapped(b, "kvb", [c.id for c in reply.retired])
+    (x,) = h.state.status().sleepers
+    assert (x.arena, x.owner, x.asleep, x.committed_bytes, x.kept_bytes, x.host_bytes) == ("kvb", "engine-b", True, 128 * MiB, 8 * MiB, 8 * MiB)
+    assert x.since > 0
+    kv = {k.name: k for k in h.state.status().kv}
+    assert (kv["kvb"].demand_tokens, kv["kvb"].share_bytes) == (0, 0), "a sleeping pool wants nothing, whatever it used before"
+    assert number(Metrics(h.state).snapshot, "gpumemd_arenas_asleep") == 1
+    h.refused(b, p.FreeSleepBuffer(arena="kvb"), p.ErrorCode.ARENA_ASLEEP)  # its contents are there
+    h.refused(b, p.RoundJoin(pool="kvb"), p.ErrorCode.ARENA_ASLEEP)  # a round would wake it behind its back
+    # a takes the whole device: the memory is free, and the sleeper is asked nothing.
+    grown = h.ok(a, p.KvGrow(pool="kva", tokens=65536)).reply
+    assert isinstance(grown, p.KvCommitReply) and grown.pool.tokens == 65536
+    assert shrink_notices(h) == []
+    assert {k.name: k.share_bytes for k in h.state.status().kv} == {"kva": 256 * MiB, "kvb": 0}
+    # b's wake is a grow like any: a holds more than its share of the two demands, and is asked.
+    grow_waits(h, b, "kvb", 32768, 9)
+    assert {k.name: k.demand_tokens for k in h.state.status().kv}["kvb"] == 32768
+    assert shrink_notices(h) == [(a.id, "kva", 32768)]
+    give_back(h, a, "kva", 32768)
+    assert commit_reply(done(h)[9]).pool.tokens == 32768
+    (x,) = h.state.status().sleepers
+    assert (x.arena, x.asleep, x.host_bytes) == ("kvb", False, 8 * MiB)  # awake, its buffer kept for the next sleep
+    assert number(Metrics(h.state).snapshot, "gpumemd_arenas_asleep") == 0
+    h.ok(b, p.FreeSleepBuffer(arena="kvb"))
+
+
+def test_a_kv_pool_asleep_stays_asleep_across_a_restart_and_wakes_by_its_grow(make_harness: Callable[..., Harness]) -> None:
+    from .test_kv_moves import two_pools
+
+    h = make_harness()
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    _, b = two_pools(h)
+    reply = h.ok(b, p.KvShrink(pool="kvb", tokens=0, sleep=True)).reply
+    assert isinstance(reply, p.KvCommitReply)
+    h.unmapped(b, "kvb", [c.id for c in reply.retired])
+    first.persist(h.state)
+    h.state.arenas.close()
+
+    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
+    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again.state, store.passed())
+    try:
+        assert [(x.arena, x.asleep, x.committed_bytes) for x in again.state.status().sleepers] == [("kvb", True, 128 * MiB)]
+        session = again.state.sessions[b.id]
+        session.waiting = False  # as its RESUME does
+        grown = again.ok(session, p.KvGrow(pool="kvb", tokens=32768)).reply
+        assert isinstance(grown, p.KvCommitReply) and grown.pool.tokens == 32768
+        assert again.state.status().sleepers == [] and again.state.sleepers.asleep == {}
+    finally:
+        again.state.drop_all()
+        first.close()
+        second.close()
+        store.drop()

@@ -84,6 +84,9 @@ class KvCommitReply(Message):
     # pools asked to give back that had not confirmed by then ("client/pool").
     asked_tokens: int = 0
     unanswered: list[str] = msgspec.field(default_factory=list)
+    # since 1.9: the pools asked that went away before they answered ("client/pool"):
+    # their client died (or closed) or released them, and what they held came back whole.
+    gone: list[str] = msgspec.field(default_factory=list)
 
 
 class CaptureDone(RequestMessage, kw_only=True):
@@ -104,7 +107,7 @@ class KvGrow(RequestMessage, kw_only=True):
     """Commit more rows (up to ``tokens``). When the device lacks the memory, the daemon
     asks pools above their fair share to give back (KV_SHRINK notices) and answers once
     they did, or at the move deadline with what it could get (``asked_tokens`` and
-    ``unanswered`` in the reply); OUT_OF_MEMORY when it could get nothing."""
+    ``unanswered`` and ``gone`` in the reply); OUT_OF_MEMORY when it could get nothing."""
 
     TYPE = MsgType.KV_GROW
     REPLY = KvCommitReply
@@ -123,6 +126,11 @@ class KvShrink(RequestMessage, kw_only=True):
     pool: str
     tokens: int
     in_use: int = -1  # rows the engine uses now (-1: not said); 0 marks the pool idle
+    # since 1.9: the pool falls asleep (``tokens`` 0): shown asleep (STATUS ``sleepers``),
+    # no share and never asked to give back until its owner's next grow, which wakes it;
+    # ``kept_bytes``: what the owner copied to its host buffer first.
+    sleep: bool = False
+    kept_bytes: int = 0
 
 
 class KvDemand(RequestMessage, kw_only=True):
