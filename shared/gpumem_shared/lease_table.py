@@ -148,6 +148,19 @@ class _Slot(ctypes.Structure):
     ]
 
 
+class _Order(ctypes.Structure):
+    """After the slot, in the same page: where the last releaser's work ends under memops
+    ordering (lease_order.py), the sequence lane it writes and the value it writes there.
+    Written by the holder before the release frees the slot (whose release store orders
+    it), read by the next holder after its take."""
+
+    _fields_ = [("lane", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_uint64)]
+
+
+_ORDER_OFFSET = 64  # the slot's size rounded to its cache line: the slot stays alone on its line
+assert ctypes.sizeof(_Slot) <= _ORDER_OFFSET <= SEGMENT_BYTES - ctypes.sizeof(_Order)
+
+
 # mmap(2) and munmap(2) themselves: Python's mmap keeps a duplicate of the descriptor
 # open for the mapping's life, one more per segment in every process that maps one.
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -167,7 +180,7 @@ class LeaseSegment:
     mapping lives as long as this object, so whatever may still call them (a pool, a
     held lease) keeps a reference to it."""
 
-    __slots__ = ("_slot", "address", "inode")
+    __slots__ = ("_slot", "_order", "address", "inode")
 
     def __init__(self, fd: int) -> None:
         self.address: int = 0  # until mapped: what close() finds if this fails
@@ -182,6 +195,7 @@ class LeaseSegment:
             raise OSError(err, f"mapping a lease segment failed: {os.strerror(err)}")
         self.address = address
         self._slot = _Slot.from_address(address)
+        self._order = _Order.from_address(address + _ORDER_OFFSET)
 
     @classmethod
     def create(cls, pool_id: int) -> tuple[LeaseSegment, int]:
@@ -203,6 +217,7 @@ class LeaseSegment:
         slot, before = self._slot, old._slot
         slot.futex = before.futex
         slot.handoff = handoff
+        self._order.lane, self._order.value = old._order.lane, old._order.value
         if word:
             slot.since_ns, slot.label = before.since_ns, before.label
             slot.word = word
@@ -256,6 +271,15 @@ class LeaseSegment:
         with its handoff marked recording, ``event`` (the driver's ``native_event``) is
         recorded on ``stream`` and the mark ends. OK or NOT_HOLDER."""
         return _native.lease_release_ordered(self.address, word, context, event, stream)
+
+    def publish_order(self, lane: int, value: int) -> None:
+        """The holder, before it frees the slot: its stream writes ``value`` to sequence
+        lane ``lane`` once the lease's work is done (memops ordering)."""
+        self._order.lane, self._order.value = lane, value
+
+    def order(self) -> tuple[int, int]:
+        """(lane, value) the last memops releaser published; (0, 0) before any."""
+        return int(self._order.lane), int(self._order.value)
 
     def clear(self, word: int) -> int:
         """Free the slot if it holds ``word``, without ordering: the daemon's sweep."""
@@ -324,7 +348,7 @@ class LeaseSegment:
         Reads find zeros from then on, and native calls a refused address."""
         address, self.address = self.address, 0
         if address:
-            self._slot = _Slot()
+            self._slot, self._order = _Slot(), _Order()
             _munmap(address, SEGMENT_BYTES)
 
     def __del__(self) -> None:
