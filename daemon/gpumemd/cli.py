@@ -25,6 +25,7 @@ from click.core import ParameterSource
 from gpumem_shared import protocol as p
 from gpumem_shared.address_plan import VA_PLAN_SLICES, plan_range
 from gpumem_shared.driver import Driver, DriverUnavailable
+from gpumem_shared.lease_order import LeaseOrdering
 from gpumem_shared.paths import Endpoints, UnsafeRuntimeDir, resolve_runtime_dir
 from gpumem_shared.units import Size, format_size, parse
 
@@ -236,6 +237,15 @@ def _exporter(address: str, port: int) -> Exporter:
     help="Control requests one session may have waiting for service; more are refused at once (a client has one call out).",
 )
 @_option(
+    "--lease-ordering",
+    type=click.Choice([o.value for o in LeaseOrdering]),
+    default=LeaseOrdering.IPC_EVENTS.value,
+    show_default=True,
+    help="How a lease handoff on a shared graph pool orders the taker's GPU work after the releaser's: CUDA IPC events "
+    "(engine pods need hostIPC), or stream memory operations on a sequence chunk the daemon shares (no IPC namespace; "
+    "refused on a device without 64-bit stream memory operations). The default stays until memops is measured on the H200.",
+)
+@_option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
@@ -289,6 +299,7 @@ def command(
     tenant_address_share: float,
     tenant_graph_pool_share: float,
     tenant_requests: int,
+    lease_ordering: str,
     metrics_port: int | None,
     metrics_address: str | None,
     metrics_hide_names: bool,
@@ -308,6 +319,10 @@ def command(
     if not 0 <= device < VA_PLAN_SLICES:
         raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     driver = _driver(backend, device, host_capacity)
+    ordering = LeaseOrdering(lease_ordering)
+    problem = driver.memops_problem() if ordering is LeaseOrdering.MEMOPS else None
+    if problem:
+        raise ConfigError(f"--lease-ordering memops: {problem}")
     bulk = _granular("--chunk-size", chunk_size, driver.granularity)
     kv_chunk = _granular("--kv-chunk-size", kv_chunk_size, driver.granularity)
     reserve_bytes = reserve.bytes if reserve is not None else (1 << 30 if driver.kind == "cuda" else 0)
@@ -338,6 +353,7 @@ def command(
         restart_grace=restart_grace,
         retain_grace=retain_grace,
         tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
+        lease_ordering=ordering,
     )
     if sleep_host_limit is not None:
         config.sleep_host_limit = sleep_host_limit.bytes

@@ -10,6 +10,7 @@ import os
 
 from gpumem_shared import protocol as p
 from gpumem_shared.address_plan import VA_PLAN_BASE, VA_PLAN_SLICE
+from gpumem_shared.lease_order import LeaseOrdering
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -69,5 +70,8 @@ class StateConfig:
     # after their holder's session ended without releasing them.
     retain_grace: float = 60.0
     tenants: TenantLimits = dataclasses.field(default_factory=TenantLimits)
+    # How a handoff on a shared graph pool orders GPU work (lease_order.py): IPC events
+    # until the H200 measures memops, which needs no shared IPC namespace.
+    lease_ordering: LeaseOrdering = LeaseOrdering.IPC_EVENTS
     # The most host memory sleepers' buffers may take in all (sleepers.py).
     sleep_host_limit: int = dataclasses.field(default_factory=default_sleep_host_limit)

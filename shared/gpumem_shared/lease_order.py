@@ -46,6 +46,8 @@ from gpumem_shared.driver.base import Driver
 from gpumem_shared.lease_table import LeaseSegment, LeaseStatus
 
 WORD_BYTES: Final[int] = 8
+# The id the sequence chunk's fd carries in a graph pool grant's fd batch (pool ids start at 1).
+CHUNK_GRANT_ID: Final[int] = 0
 # Releases one session may make of one pool before its lane wraps into the next
 # generation: 2**40, a million releases a second for twelve days.
 SEQ_BITS: Final[int] = 40

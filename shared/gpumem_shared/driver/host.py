@@ -148,7 +148,8 @@ class HostDriver(Driver):
 
     def reserve(self, size: int, hint: int) -> int:
         try:
-            return _mmap(hint, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED_NOREPLACE)
+            if hint:  # 0: anywhere, as CUDA's cuMemAddressReserve takes it
+                return _mmap(hint, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED_NOREPLACE)
         except OSError as exc:
             if exc.errno != errno.EEXIST:
                 raise DriverError(f"cannot reserve {size} bytes of address space: {exc.strerror}") from None
