@@ -358,12 +358,17 @@ def command(
     if sleep_host_limit is not None:
         config.sleep_host_limit = sleep_host_limit.bytes
     exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None
+    notifier = SystemdNotifier()
+    if ordering is LeaseOrdering.MEMOPS and notifier.store_max > 0:
+        raise ConfigError(
+            "--lease-ordering memops does not survive a restart yet (its sequence chunk is not in the durable record): "
+            "run it without systemd's fd store (FileDescriptorStoreMax=0), or use --lease-ordering ipc-events"
+        )
     try:
         state = DaemonState(driver, config)
     except SliceUnavailable as exc:
         raise ConfigError(str(exc)) from None
     metrics = Metrics(state, hide_names=metrics_hide_names) if exporter is not None else None
-    notifier = SystemdNotifier()
     durable = Durable(notifier) if notifier.store_max > 0 else None
     if durable is None and inherited:
         logging.getLogger("gpumemd.cli").warning("descriptors passed (%s) but no fd store to keep them in ($FDSTORE unset): closed", ", ".join(sorted(inherited)))

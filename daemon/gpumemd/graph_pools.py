@@ -208,7 +208,7 @@ class GraphPoolBook:
         grants = [(pool.id, pool.segment_fd)]
         if self.order is not None and pool.shared:
             try:
-                reply.order_lane, reply.order_base = self.order.grant(pool.id, s.id)
+                reply.order_lane, reply.order_base = self.order.grant(pool.id, s)
             except LookupError as exc:
                 raise p.ProtocolError(p.ErrorCode.OUT_OF_MEMORY, f"graph pool {pool.id}: {exc}; retire graph pools first") from None
             reply.order_lanes = self.order.lanes.lanes
@@ -379,9 +379,12 @@ class GraphPoolBook:
         """Every pool's slot as the registry says it must be: the daemon's fields (epoch,
         flags, escape mark) rewritten where they differ, a handoff or a held word naming
         a session that is not one of the pool's users (or a kind that does not exist)
-        cleared. Each repair is logged and counted: the segment's users can write anything."""
+        cleared. Each repair is logged and counted: the segment's users can write anything.
+        Swept lease ordering lanes whose writer is fenced are topped off for good."""
         for pool in self.by_id.values():
             self._repair(pool)
+        if self.order is not None and self.order.draining:
+            self.order.settle()
 
     def _repair(self, pool: GraphPoolRecord) -> None:
         segment = pool.segment

@@ -6,7 +6,11 @@ memory on CUDA, which a stream can write and wait on; a memfd on the host backen
 granted with every shared graph pool's lease segment, so each user session maps it. The
 daemon maps a view of its own, through which it zeroes the chunk at start (a fresh CUDA
 chunk's bytes are not promised to be zero, and a stale word could reach a first value)
-and writes a swept lane's value when its session may no longer use the pool.
+and writes a swept lane's value when its session may no longer use the pool: at once,
+so a taker's stream goes on, and again once the session's process is fenced (it can no
+longer write what it mapped: fencing.py). A write its stream had queued may land between
+the two and lower the word; after the second, nothing of it can, and only then is the
+lane handed to a new session, whose values must never meet a late write of the last one.
 """
 
 from __future__ import annotations
@@ -16,12 +20,20 @@ import logging
 from gpumem_shared.driver import Driver, DriverError
 from gpumem_shared.lease_order import WORD_BYTES, LaneBook
 
+from gpumemd.fencing import Fence
+from gpumemd.records import SessionRecord
+
 log = logging.getLogger("gpumemd.lease_lanes")
 
 
 class SequenceChunk:
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: Driver, fence: Fence) -> None:
         self.driver = driver
+        self.fence = fence
+        # The process (pid, HELLO time) behind each lane held, for its fence; and the
+        # lanes swept whose process may still write, with their swept value.
+        self._writers: dict[int, tuple[int, float]] = {}
+        self.draining: dict[int, tuple[int, int, float]] = {}  # lane -> (value, pid, since)
         self.size = driver.granularity
         self.address = driver.reserve(self.size, 0)  # where create_chunks places it (CUDA maps it there)
         try:
@@ -47,9 +59,11 @@ class SequenceChunk:
             raise
         self.lanes = LaneBook(self.size // WORD_BYTES)
 
-    def grant(self, pool_id: int, session_id: int) -> tuple[int, int]:
-        """(lane, base) of ``session_id``'s releases of ``pool_id`` (lease_order.LaneBook)."""
-        return self.lanes.grant(pool_id, session_id)
+    def grant(self, pool_id: int, s: SessionRecord) -> tuple[int, int]:
+        """(lane, base) of session ``s``'s releases of ``pool_id`` (lease_order.LaneBook)."""
+        lane, base = self.lanes.grant(pool_id, s.id)
+        self._writers[lane] = (s.pid, s.since)
+        return lane, base
 
     def sweep(self, pool_id: int, session_id: int) -> None:
         """``session_id`` may no longer use ``pool_id``: its lane is topped off, so no taker's
@@ -59,13 +73,26 @@ class SequenceChunk:
         if freed is None:
             return
         lane, value = freed
+        pid, since = self._writers.pop(lane)
+        self.draining[lane] = (value, pid, since)
+        self._write(lane, value)
+
+    def settle(self) -> None:
+        """Each tick: the swept lanes whose process is fenced get their value again and go
+        back to the book."""
+        for lane, (value, pid, since) in list(self.draining.items()):
+            if not self.fence(pid, since) and self._write(lane, value):
+                del self.draining[lane]
+                self.lanes.settle(lane)
+
+    def _write(self, lane: int, value: int) -> bool:
         try:
             self.driver.write(self.view + lane * WORD_BYTES, value.to_bytes(WORD_BYTES, "little"))
+            return True
         except DriverError as exc:
-            # The lane stays free in the book: its next holder starts a generation up, so
-            # only takers already waiting on this lane are held (named in the log).
-            log.error("graph pool %d: topping off session %d's lease ordering lane %d failed (%s); streams that "
-                      "wait on it stay held", pool_id, session_id, lane, exc)
+            # The lane stays out of the book: the next tick tries again.
+            log.error("topping off lease ordering lane %d failed (%s); streams that wait on it stay held", lane, exc)
+            return False
 
     def close(self) -> None:
         if self.view:

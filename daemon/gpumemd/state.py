@@ -112,11 +112,11 @@ class DaemonState:
         self._served = self.tally.served  # counted on every request: one lookup fewer
         self.tenants = Tenants(config.tenants, self.sessions)
         self.arenas = ArenaBook(driver, config, self.device, self.tenants)
-        order = SequenceChunk(driver) if config.lease_ordering is LeaseOrdering.MEMOPS else None
+        fence = fence or fence_for(driver.kind, self.device.uuid)
+        order = SequenceChunk(driver, fence) if config.lease_ordering is LeaseOrdering.MEMOPS else None
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device, order)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, self.tally)
         self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, wall_clock)
-        fence = fence or fence_for(driver.kind, self.device.uuid)
         self.retained = RetainBook(self.arenas, self.kv, self.sessions, config, clock, fence)
         self._handlers: dict[type, Handler] = {
             p.Ping: lambda s, m: Outcome(p.Ack()),

@@ -166,12 +166,18 @@ class LaneBook:
     def release(self, pool_id: int, session_id: int) -> tuple[int, int] | None:
         """``session_id`` may no longer use ``pool_id`` (it ended, or lost its right):
         (lane, value) the daemon writes there so no taker's stream waits on the lane
-        past now, or None when it held none. The lane goes back to the free list."""
+        past now, or None when it held none. The lane is not handed out again until
+        ``settle``: a write the session queued may still land and lower the word below
+        the swept value, which the next holder's values must not meet."""
         lane = self._held.pop((pool_id, session_id), None)
         if lane is None:
             return None
-        self._free.append(lane)
         return lane, swept(self._generation[lane] << SEQ_BITS)
+
+    def settle(self, lane: int) -> None:
+        """Nothing of the lane's last holder can land any more (its process is fenced),
+        and the daemon wrote the swept value after that: the lane may go to a new holder."""
+        self._free.append(lane)
 
 
 def swept(base: int) -> int:

@@ -128,3 +128,33 @@ def test_a_releaser_that_died_before_its_write_holds_the_taker_only_until_the_sw
     assert waited < 10.0, f"the taker waited {waited:.1f}s"
     assert lease_order.reached(owner.word(lane), value + 1)
     assert owner.word(lane) & lease_order.SEQ_MASK == lease_order.SEQ_MASK, "the daemon wrote the swept value"
+
+
+def test_memops_is_refused_under_systemds_fd_store(runtime_dir: Path) -> None:
+    """Its sequence chunk is not in the durable record: a restart would leave clients
+    writing a chunk the new daemon never reads. Refused at start, saying what to do."""
+    from conftest import child_env
+    from fdstore_kit import Restartable
+
+    daemon = Restartable(runtime_dir, "host", ["--lease-ordering", "memops"], child_env(runtime_dir))
+    try:
+        daemon.start(wait=False)
+        proc = daemon.manager.proc
+        assert proc is not None and proc.wait(60) != 0
+        log = daemon.manager.log()
+        assert "--lease-ordering memops does not survive a restart yet" in log and "ipc-events" in log, log
+    finally:
+        daemon.manager.close()
+
+
+def test_a_handoff_ordered_by_memops_never_shows_the_releasers_unfinished_writes(backend: str, daemon_factory: Any, runtime_dir: Path) -> None:
+    """The borrow scenario of a cross-process handoff (tests/borrow_scenarios.py): the
+    releaser queues a fill behind ~200 ms of GPU work and releases without synchronizing;
+    the taker, from another process, reads the region after acquiring and must see the
+    fill. Under memops the order is the releaser's stream write and the taker's stream
+    wait (each counted in handoff_waits, as the scenario asserts); on the host backend
+    work is synchronous, so there it checks the protocol runs end to end."""
+    from test_borrow import run_scenario
+
+    daemon = daemon_factory(backend, args=["--lease-ordering", "memops"])
+    run_scenario(runtime_dir, daemon, ["handoff_orders_gpu_work"], 300)

@@ -70,6 +70,9 @@ def test_lane_book_keeps_a_sessions_lane_and_starts_the_next_holder_above_the_sw
     freed = book.release(1, 5)
     assert freed == (lane, swept(base))
     assert reached(swept(base), last_written)  # every value the dead holder could have published
+    with pytest.raises(LookupError):
+        book.grant(1, 6)  # a write of the holder's may still land: not handed out until settled
+    book.settle(lane)
     again, new_base = book.grant(1, 6)
     assert again == lane
     # A stale value never satisfies a wait of the new holder: the sweep's, nor any before.
@@ -83,6 +86,7 @@ def test_generations_wrap_without_a_stale_value_reaching_a_new_one() -> None:
     lane, base = book.grant(1, 5)
     assert base == (lease_order.GENERATIONS - 1) << SEQ_BITS
     _, top = book.release(1, 5) or (0, 0)
+    book.settle(lane)
     _, wrapped = book.grant(1, 6)
     assert wrapped == 0 and not reached(top, wrapped | 1)
 
