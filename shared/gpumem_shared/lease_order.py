@@ -39,11 +39,14 @@ attribute; nothing falls back silently.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import time
 from typing import Final
 
-from gpumem_shared.driver.base import Driver
-from gpumem_shared.lease_table import LeaseSegment, LeaseStatus
+from gpumem_shared import _native
+from gpumem_shared.driver.base import Driver, DriverError
+from gpumem_shared.lease_table import LeaseSegment
 
 WORD_BYTES: Final[int] = 8
 # The id the sequence chunk's fd carries in a graph pool grant's fd batch (pool ids start at 1).
@@ -54,6 +57,11 @@ SEQ_BITS: Final[int] = 40
 SEQ_MASK: Final[int] = (1 << SEQ_BITS) - 1
 GENERATIONS: Final[int] = 1 << (64 - SEQ_BITS)
 _U64: Final[int] = (1 << 64) - 1
+
+
+class LeaseOrderLate(DriverError):
+    """A taker's wait for its releaser's value did not end within its bound (where work
+    is synchronous, so the wait is the taker's own)."""
 
 
 class LeaseOrdering(enum.Enum):
@@ -104,35 +112,45 @@ class ReleaserLane:
 
 def release(driver: Driver, segment: LeaseSegment, word: int, lane: ReleaserLane, lanes_address: int, stream: int) -> int:
     """Give back the lease ``word`` holds on ``segment``'s pool, its work ordered by
-    ``lane`` of the sequence chunk mapped at ``lanes_address``: the write queued on
-    ``stream`` after that work, (lane, value) published, the slot freed. A private pool's
-    slot is freed at once. OK or NOT_HOLDER."""
-    status = segment.release(word)
-    if status != LeaseStatus.RECORD:
-        return status
-    address = lanes_address + lane.index * WORD_BYTES
+    ``lane`` of the sequence chunk mapped at ``lanes_address``: in one native call, the
+    write queued on ``stream`` after that work, (lane, value) published, the slot freed.
+    A private pool's slot is freed at once. OK or NOT_HOLDER; a driver failure raises
+    with the slot freed and nothing published."""
     value, before = lane.next(stream)
-    try:
-        if before is not None:
-            driver.stream_wait_value(address, before, stream, 0.0)
-        driver.stream_write_value(address, value, stream)
-    except BaseException:
-        segment.clear(word)  # nothing ordered: no taker may be told to wait for it
-        raise
-    lane.wrote(stream)
-    segment.publish_order(lane.index, value)
-    return segment.release_recorded(word)
+    status, written = _native.lease_release_memops(
+        segment.address, word, driver.native_context(), lanes_address + lane.index * WORD_BYTES, lane.index, value, before or 0, stream
+    )
+    if written:
+        lane.wrote(stream)
+    return int(status)
 
 
 def order_after(driver: Driver, segment: LeaseSegment, lanes_address: int, lanes: int, stream: int, timeout_s: float) -> int | None:
     """For a taker told OK_ORDER: ``stream`` waits for the last releaser's published value
     on its lane. Returns the value waited for (None: nothing published, or a lane outside
-    the chunk, which no daemon grants: a forged order names nothing to wait for)."""
-    lane, value = segment.order()
-    if not value or lane >= lanes:
+    the chunk, which no daemon grants: a forged order names nothing to wait for). Where
+    work is synchronous (the host backend) the wait is here: a bounded poll of the word."""
+    value, waited = _native.lease_order_wait(segment.address, driver.native_context(), lanes_address, lanes, stream)
+    if not value:
         return None
-    driver.stream_wait_value(lanes_address + lane * WORD_BYTES, value, stream, timeout_s)
-    return value
+    if not waited:
+        lane, _ = segment.order()
+        _poll(lanes_address + lane * WORD_BYTES, value, timeout_s)
+    return int(value)
+
+
+def _poll(address: int, value: int, timeout_s: float) -> None:
+    word = ctypes.c_uint64.from_address(address)
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not reached(word.value, value):
+        if time.monotonic() >= deadline:
+            raise LeaseOrderLate(
+                f"the sequence word at {address:#x} holds {word.value:#x}, not {value:#x}, after {timeout_s:g}s: its "
+                "releaser took the value and never wrote it (gpumemd writes a dead releaser's lane at its sweep)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
 
 
 class LaneBook:

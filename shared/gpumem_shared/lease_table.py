@@ -149,16 +149,15 @@ class _Slot(ctypes.Structure):
 
 
 class _Order(ctypes.Structure):
-    """After the slot, in the same page: where the last releaser's work ends under memops
-    ordering (lease_order.py), the sequence lane it writes and the value it writes there.
-    Written by the holder before the release frees the slot (whose release store orders
-    it), read by the next holder after its take."""
+    """After the slot (lease_table.h's lease_order_pair): under memops ordering
+    (lease_order.py) the last releaser's sequence lane and the value its stream writes
+    there. The native release writes it; this view reads it (and lets the daemon carry
+    it over to a moved segment)."""
 
     _fields_ = [("lane", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_uint64)]
 
 
-_ORDER_OFFSET = 64  # the slot's size rounded to its cache line: the slot stays alone on its line
-assert ctypes.sizeof(_Slot) <= _ORDER_OFFSET <= SEGMENT_BYTES - ctypes.sizeof(_Order)
+_ORDER_OFFSET: Final[int] = _native.LEASE_ORDER_OFFSET
 
 
 # mmap(2) and munmap(2) themselves: Python's mmap keeps a duplicate of the descriptor

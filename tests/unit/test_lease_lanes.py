@@ -56,7 +56,7 @@ def test_a_swept_lane_is_written_now_and_again_once_fenced_and_only_then_handed_
     top = word(c, lane)
     assert reached(top, base | 1000), "at once: every value the session could have published is reached"
     # A write its stream had queued lands after the sweep and lowers the word.
-    HostDriver(0).stream_write_value(c.view + lane * WORD_BYTES, base | 3, 0)
+    HostDriver(0).write(c.view + lane * WORD_BYTES, (base | 3).to_bytes(WORD_BYTES, "little"))
     c.settle()
     assert word(c, lane) == base | 3, "not fenced yet: nothing is written again"
     with pytest.raises(LookupError):

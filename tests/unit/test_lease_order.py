@@ -107,8 +107,8 @@ class Words:
         return ctypes.c_uint64.from_address(self.address + lane * lease_order.WORD_BYTES).value
 
     def sweep(self, lane: int, value: int) -> None:
-        """The daemon's write at a sweep (HostDriver.stream_write_value on its mapping)."""
-        HostDriver(0).stream_write_value(self.address + lane * lease_order.WORD_BYTES, value, 0)
+        """The daemon's write at a sweep (HostDriver.write on its mapping)."""
+        HostDriver(0).write(self.address + lane * lease_order.WORD_BYTES, value.to_bytes(8, "little"))
 
 
 @pytest.fixture
@@ -127,13 +127,6 @@ def words() -> Iterator[Words]:
     yield w
     w.map.close()
     os.close(w.fd)
-
-
-class StalledStreams(HostDriver):
-    """A releaser whose queued writes never run: its process died with them in its stream."""
-
-    def stream_write_value(self, address: int, value: int, stream: int) -> None:
-        pass
 
 
 def test_taker_waits_for_the_value_its_releaser_wrote(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
@@ -156,49 +149,54 @@ def test_a_dead_releasers_unwritten_value_holds_the_taker_until_the_daemon_sweep
     index, base = book.grant(1, 5)
     releaser = ReleaserLane(index, base)
     assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
-    assert lease_order.release(StalledStreams(0), segment, RELEASER, releaser, words.address, stream=0) == LeaseStatus.OK
+    assert lease_order.release(HostDriver(0), segment, RELEASER, releaser, words.address, stream=0) == LeaseStatus.OK
+    # Its next release, as a releaser killed with the write queued leaves it: published, never written.
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    segment.publish_order(index, base | 2)
+    assert segment.release_recorded(RELEASER) == LeaseStatus.OK
     assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK_ORDER
     with pytest.raises(DriverError, match="never wrote it"):
         lease_order.order_after(HostDriver(0), segment, words.address, LANES, 0, timeout_s=0.05)
     swept_lane = book.release(1, 5)
     assert swept_lane is not None
     words.sweep(*swept_lane)
-    assert lease_order.order_after(HostDriver(0), segment, words.address, LANES, 0, timeout_s=1.0) == base | 1
+    assert lease_order.order_after(HostDriver(0), segment, words.address, LANES, 0, timeout_s=1.0) == base | 2
 
 
-def test_a_release_from_a_second_stream_waits_on_the_lane_before_writing(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+def test_a_release_from_a_second_stream_waits_on_the_lane_before_writing(
+    shared_pool: tuple[LeaseSegment, int], words: Words, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the native release is told to do on the lane: the values, and the wait a second
+    stream makes first (on CUDA, cuStreamWaitValue64 before cuStreamWriteValue64)."""
     segment, _ = shared_pool
-    calls: list[tuple[str, int, int]] = []
+    calls: list[tuple[int, int, int]] = []
+    native = lease_order._native
 
-    class Recording(HostDriver):
-        def stream_write_value(self, address: int, value: int, stream: int) -> None:
-            calls.append(("write", value, stream))
-            super().stream_write_value(address, value, stream)
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(native, name)
 
-        def stream_wait_value(self, address: int, value: int, stream: int, timeout_s: float) -> None:
-            calls.append(("wait", value, stream))
-            super().stream_wait_value(address, value, stream, timeout_s)
+        @staticmethod
+        def lease_release_memops(*args: int) -> tuple[int, int]:
+            calls.append((args[5], args[6], args[7]))  # value, before, stream
+            return native.lease_release_memops(*args)
 
+    monkeypatch.setattr(lease_order, "_native", Recording())
     lane = ReleaserLane(1, base=1 << SEQ_BITS)
     for stream in (11, 11, 22):
         assert segment.try_acquire(RELEASER, EPOCH, b"r") in (LeaseStatus.OK, LeaseStatus.OK_ORDER)
-        assert lease_order.release(Recording(0), segment, RELEASER, lane, words.address, stream) == LeaseStatus.OK
+        assert lease_order.release(HostDriver(0), segment, RELEASER, lane, words.address, stream) == LeaseStatus.OK
     one, two, three = ((1 << SEQ_BITS) | n for n in (1, 2, 3))
-    assert calls == [("write", one, 11), ("write", two, 11), ("wait", two, 22), ("write", three, 22)]
+    assert calls == [(one, 0, 11), (two, 0, 11), (three, two, 22)]
+    assert words[1] == three and segment.order() == (1, three)
 
 
-def test_a_failed_write_frees_the_slot_and_publishes_nothing(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+def test_a_release_that_is_not_the_holders_writes_and_counts_nothing(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
     segment, _ = shared_pool
-
-    class Broken(HostDriver):
-        def stream_write_value(self, address: int, value: int, stream: int) -> None:
-            raise DriverError("cuStreamWriteValue64 failed: CUDA_ERROR_ILLEGAL_ADDRESS")
-
     lane = ReleaserLane(1, base=1 << SEQ_BITS)
-    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
-    with pytest.raises(DriverError):
-        lease_order.release(Broken(0), segment, RELEASER, lane, words.address, 0)
-    assert segment.peek() == 0 and segment.order() == (0, 0) and lane.count == 0
+    assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK
+    assert lease_order.release(HostDriver(0), segment, RELEASER, lane, words.address, 0) == LeaseStatus.NOT_HOLDER
+    assert lane.count == 0 and words[1] == 0 and segment.order() == (0, 0) and segment.peek() == TAKER
 
 
 def test_a_forged_lane_outside_the_chunk_is_not_waited_on(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
@@ -208,22 +206,20 @@ def test_a_forged_lane_outside_the_chunk_is_not_waited_on(shared_pool: tuple[Lea
 
 
 _RELEASER_PROCESS = """
-import os, sys
+import os, sys, mmap, ctypes
 from gpumem_shared import lease_order
 from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.lease_table import LeaseSegment, LeaseStatus
 seg_fd, words_fd, word, epoch, base, write = (int(a) for a in sys.argv[1:7])
-import mmap, ctypes
 words = mmap.mmap(words_fd, {size})
 address = ctypes.addressof(ctypes.c_char.from_buffer(words))
 segment = LeaseSegment(seg_fd)
 assert segment.try_acquire(word, epoch, b"releaser") == LeaseStatus.OK
-class Dies(HostDriver):
-    def stream_write_value(self, address, value, stream):
-        if write:
-            super().stream_write_value(address, value, stream)
-driver = Dies(0)
-status = lease_order.release(driver, segment, word, lease_order.ReleaserLane(4, base), address, 0)
+if write:
+    status = lease_order.release(HostDriver(0), segment, word, lease_order.ReleaserLane(4, base), address, 0)
+else:  # killed with its write queued: the value published, never written
+    segment.publish_order(4, base | 1)
+    status = segment.release_recorded(word)
 print(status, flush=True)
 os._exit(0)
 """

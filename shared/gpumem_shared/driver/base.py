@@ -152,22 +152,12 @@ class Driver(abc.ABC):
         own must outlive every importer, so it lives as long as the process)."""
 
     # --- ordering by stream memory operations (gpumemd --lease-ordering memops) --------
+    # The writes and waits themselves are the native lease calls' (lease_order.py), in
+    # native_context().
     @abc.abstractmethod
     def memops_problem(self) -> str | None:
         """None when streams can write and wait on 64-bit words in device memory; else
         why not, naming what to check (the daemon refuses memops ordering with it)."""
-
-    @abc.abstractmethod
-    def stream_write_value(self, address: int, value: int, stream: int) -> None:
-        """Once the work queued on ``stream`` so far is done (and its writes visible),
-        the 64-bit word at ``address`` becomes ``value``."""
-
-    @abc.abstractmethod
-    def stream_wait_value(self, address: int, value: int, stream: int, timeout_s: float) -> None:
-        """Work queued on ``stream`` from now on runs once the word at ``address``
-        reaches ``value`` (cyclic greater-or-equal: lease_order.reached). Where work is
-        synchronous the wait happens here, within ``timeout_s``; on a GPU it is queued,
-        and bounded by the daemon's sweep of a releaser that never writes."""
 
     # --- sleep and wake (client side): copies between the device and a host buffer --
     @abc.abstractmethod

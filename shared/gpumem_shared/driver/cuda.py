@@ -223,10 +223,8 @@ class CudaDriver(Driver):
     def native_event(self, event: Any) -> int:
         return int(event.value)
 
-    # Stream memory operations (the _v2 entry points: enabled by default, unlike the
-    # first ones, which needed NVreg_EnableStreamMemOPs=1). Flags 0: the write comes after
-    # a memory barrier (the stream's earlier writes are visible before the value), and
-    # the wait is the cyclic greater-or-equal.
+    # Stream memory operations: the native lease calls use the _v2 entry points (enabled
+    # by default, unlike the first ones, which needed NVreg_EnableStreamMemOPs=1).
     def memops_problem(self) -> str | None:
         cu = self._cu
         attribute = getattr(cu.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS", None)
@@ -244,25 +242,6 @@ class CudaDriver(Driver):
         if not hasattr(lib, "cuStreamWriteValue64_v2") or not hasattr(lib, "cuStreamWaitValue64_v2"):
             return "libcuda has no cuStreamWriteValue64_v2 / cuStreamWaitValue64_v2: the NVIDIA driver predates CUDA 11.7"
         return None
-
-    def _memops(self) -> ctypes.CDLL:
-        lib = self._libcuda()
-        if getattr(self, "_memops_ready", False):
-            return lib
-        for name in ("cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2"):
-            fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-        self._memops_ready = True
-        return lib
-
-    def stream_write_value(self, address: int, value: int, stream: int) -> None:
-        lib = self._memops()
-        self._event_call("cuStreamWriteValue64", lib.cuStreamWriteValue64_v2, stream or None, address, value, 0)
-
-    def stream_wait_value(self, address: int, value: int, stream: int, timeout_s: float) -> None:
-        lib = self._memops()
-        self._event_call("cuStreamWaitValue64", lib.cuStreamWaitValue64_v2, stream or None, address, value, 0)
 
     def _result_name(self, rc: int) -> str:
         return "libcuda could not be loaded" if rc < 0 else _error_name(self._cu, self._cu.CUresult(rc))

@@ -18,12 +18,10 @@ import os
 import resource
 import socket
 import stat
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from gpumem_shared.driver.base import COPY_STREAMS, Driver, DriverError, Handle, PeerAccessError, contiguous, pieces
-from gpumem_shared.lease_order import reached
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -109,26 +107,10 @@ class HostDriver(Driver):
     def event_destroy(self, event: Any) -> None:
         pass
 
-    # Host work is synchronous too: a write lands at once, and a wait is the taker's
-    # own bounded poll of the word (the protocol's values are what the tests check).
+    # Host work is synchronous: a memops release stores its value at once, and a taker
+    # polls the word itself (lease_order.py).
     def memops_problem(self) -> str | None:
         return None
-
-    def stream_write_value(self, address: int, value: int, stream: int) -> None:
-        ctypes.c_uint64.from_address(address).value = value
-
-    def stream_wait_value(self, address: int, value: int, stream: int, timeout_s: float) -> None:
-        word = ctypes.c_uint64.from_address(address)
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        while not reached(word.value, value):
-            if time.monotonic() >= deadline:
-                raise DriverError(
-                    f"the sequence word at {address:#x} holds {word.value:#x}, not {value:#x}, after {timeout_s:g}s: its "
-                    "releaser took the value and never wrote it (gpumemd writes a dead releaser's lane at its sweep)"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
 
     def device_uuid(self) -> str:
         # Stable per machine and index, shaped like a GPU UUID so tools treat both alike.
