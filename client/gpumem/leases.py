@@ -17,7 +17,9 @@ records the holder's IPC event on its stream, and a holder from another session 
 stream wait on that event before it touches the pool, each in the same native call as the
 compare-and-swap. The first release publishes the event's handle to the daemon and the
 first wait on a peer looks it up: one round trip each, once. A private pool records
-nothing. Within one session nothing is waited on: work on one stream is ordered by the
+nothing. Under ``gpumemd --lease-ordering memops`` the order is a stream write of the
+releaser's next sequence value and the taker's stream wait for it instead, on a lane of
+a chunk the daemon grants with the pool (gpumem_shared/lease_order.py): no IPC handles. Within one session nothing is waited on: work on one stream is ordered by the
 stream, and replaying on one stream while borrowing on another is the caller's to order
 (a borrow takes ``stream=``).
 
