@@ -19,9 +19,10 @@ compare-and-swap. The first release publishes the event's handle to the daemon a
 first wait on a peer looks it up: one round trip each, once. A private pool records
 nothing. Under ``gpumemd --lease-ordering memops`` the order is a stream write of the
 releaser's next sequence value and the taker's stream wait for it instead, on a lane of
-a chunk the daemon grants with the pool (gpumem_shared/lease_order.py): no IPC handles. Within one session nothing is waited on: work on one stream is ordered by the
-stream, and replaying on one stream while borrowing on another is the caller's to order
-(a borrow takes ``stream=``).
+a chunk the daemon grants with the pool (gpumem_shared/lease_order.py): no IPC handles.
+Within one session nothing is waited on: work on one stream is ordered by the stream,
+and replaying on one stream while borrowing on another is the caller's to order (a
+borrow takes ``stream=``).
 
 A release frees the slot before its event record lands (the next holder wakes while it
 records), so a taker may find the record still in flight. It waits for it within its own
