@@ -24,6 +24,11 @@
    ``lease_release_ordered``): the steps from the C floor to the full path. And what one
    ``cuStreamWaitEvent`` on the other process's event costs alone (CUDA).
 
+   Then the same turns (through ``Lease``) against a second daemon started with
+   ``--lease-ordering memops``: the release queues a stream write of the releaser's next
+   sequence value and the taker's stream waits for it (gpumem_shared/lease_order.py);
+   ``memops_handoff_*`` figures, its ratio to the same floor, and its stream waits.
+
 4. The floor under (3), in the same run: bench/futex_floor.c (compiled here with ``cc``),
    two C processes taking turns on a shared futex word with the same 1 ms hold, no
    Python and no CUDA. The handoff's target is a ratio to its p50. Then the same C turns
@@ -40,7 +45,8 @@ same figures come from either backend.
 
 Last line: {"bench": "lease", ...}; ok means uncontended p50 (private pool) <= 2 us, at
 least 40x faster than the control round trip, handoff p50 <= 2x the C futex handoff's
-p50, and the clients waited on an IPC event at every handoff.
+p50, and the clients waited on an IPC event at every handoff; and the same for memops
+ordering (its handoff p50 <= 2x the floor, a stream wait at every handoff).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import _common as c
 
@@ -88,9 +95,11 @@ def futex_floor(pause_us: int = 0) -> tuple[float, float, int]:
     return float(found.group(1)), float(found.group(2)), int(found.group(3))
 
 
-def handoff_client(name: str, rounds: int) -> int:
+def handoff_client(name: str, rounds: int, ordering: str) -> int:
     """Attach the owner's arena, open its shared pool, take the pool's replay lease
-    ``rounds`` times holding it ~1 ms each; print the event times and the handoff waits."""
+    ``rounds`` times holding it ~1 ms each; print the event times and the handoff waits.
+    Under memops ordering only the Lease path runs (the bare calls below are the IPC
+    event path's steps)."""
     import gpumem
 
     session = gpumem.connect(0, name=name)
@@ -108,6 +117,10 @@ def handoff_client(name: str, rounds: int) -> int:
         events.append((acquired, released, time.monotonic_ns() - released))
         time.sleep(PAUSE_S)  # the other side, asleep on the futex, takes it now
     waits = session.leasing.handoff_waits
+    if ordering == "memops":
+        print(json.dumps({"events": events, "bare": [], "native": [], "stream_waits": [], "handoff_waits": waits, "native_waits": 0}), flush=True)
+        session.close()
+        return 0
     # The same turns through the bare native calls on the same slot (no Lease object):
     # without events, what Python itself adds to the C floor; with them, what the event
     # record and the stream wait add inside the calls.
@@ -159,7 +172,7 @@ def handoff_client(name: str, rounds: int) -> int:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        return handoff_client(sys.argv[2], int(sys.argv[3]))
+        return handoff_client(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["cuda", "host"], default="host")
     parser.add_argument("--iterations", type=int, default=200000)
@@ -169,7 +182,9 @@ def main() -> int:
     c.ensure_importable()
 
     def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
-        result.targets = {"uncontended_p50_us_max": 2.0, "speedup_vs_rtt_min": 40.0, "handoff_ratio_p50_max": 2.0}
+        result.targets = {
+            "uncontended_p50_us_max": 2.0, "speedup_vs_rtt_min": 40.0, "handoff_ratio_p50_max": 2.0, "memops_handoff_ratio_p50_max": 2.0,
+        }
         import gpumem
         from gpumem_shared import lease_table
         from gpumem_shared.lease_table import LeaseFlag, LeaseKind
@@ -259,40 +274,57 @@ def main() -> int:
             f"(lease_try_ordered + lease_release_ordered, the event recorded inside) {native_shared_p50:.2f} us"
         )
 
-        for name in CLIENTS:
-            arena.share(name)
-        env = c.child_env(GPUMEMD_RUNTIME_DIR=str(rt))
-        procs = c.spawn_clients(__file__, CLIENTS, [str(args.handoffs)], env, cleanup)
-        for name, proc in zip(CLIENTS, procs):
-            line = proc.stdout.readline() if proc.stdout else ""
-            if not line.startswith("READY"):
-                proc.wait(10)
-                raise RuntimeError(
-                    f"handoff client {name} said {line!r} (exit status {proc.returncode}; its stderr is above); "
-                    f"daemon log:\n{daemon.log()}"
-                )
-        for proc in procs:
-            assert proc.stdin
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        events = []
-        bare_events = []
-        native_events = []
-        stream_waits = []
-        handoff_waits = native_waits = 0
-        for index, proc in enumerate(procs):
-            assert proc.stdout
-            line = proc.stdout.readline()
-            if not line.startswith("{"):
-                proc.wait(10)
-                raise RuntimeError(f"handoff client {CLIENTS[index]} said {line!r} (exit status {proc.returncode}; its stderr is above)")
-            report = json.loads(line)
-            for turns, key in ((events, "events"), (bare_events, "bare"), (native_events, "native")):
-                turns += [(acquired, released, index, call) for acquired, released, call in report[key]]
-            stream_waits += report["stream_waits"]
-            handoff_waits += report["handoff_waits"]
-            native_waits += report["native_waits"]
-            proc.wait(60)
+        def handoff_turns(rt: Path, daemon: c.Daemon, arena: gpumem.Arena, ordering: str) -> dict[str, Any]:
+            """The handoff clients' turns on ``arena``'s shared pool, under ``ordering``."""
+            for name in CLIENTS:
+                arena.share(name)
+            env = c.child_env(GPUMEMD_RUNTIME_DIR=str(rt))
+            procs = c.spawn_clients(__file__, CLIENTS, [str(args.handoffs), ordering], env, cleanup)
+            for name, proc in zip(CLIENTS, procs):
+                line = proc.stdout.readline() if proc.stdout else ""
+                if not line.startswith("READY"):
+                    proc.wait(10)
+                    raise RuntimeError(
+                        f"handoff client {name} said {line!r} (exit status {proc.returncode}; its stderr is above); "
+                        f"daemon log:\n{daemon.log()}"
+                    )
+            for proc in procs:
+                assert proc.stdin
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            out: dict[str, Any] = {"events": [], "bare": [], "native": [], "stream_waits": [], "handoff_waits": 0, "native_waits": 0}
+            for index, proc in enumerate(procs):
+                assert proc.stdout
+                line = proc.stdout.readline()
+                if not line.startswith("{"):
+                    proc.wait(10)
+                    raise RuntimeError(f"handoff client {CLIENTS[index]} said {line!r} (exit status {proc.returncode}; its stderr is above)")
+                report = json.loads(line)
+                for key in ("events", "bare", "native"):
+                    out[key] += [(acquired, released, index, call) for acquired, released, call in report[key]]
+                out["stream_waits"] += report["stream_waits"]
+                out["handoff_waits"] += report["handoff_waits"]
+                out["native_waits"] += report["native_waits"]
+                proc.wait(60)
+            return out
+
+        ipc = handoff_turns(rt, daemon, arena, "ipc-events")
+        events, bare_events, native_events = ipc["events"], ipc["bare"], ipc["native"]
+        stream_waits, handoff_waits, native_waits = ipc["stream_waits"], ipc["handoff_waits"], ipc["native_waits"]
+        # The same turns under memops ordering: a second daemon (the ordering is the
+        # daemon's choice), its own owner, arena and shared pool. The first owner's arenas
+        # go first: both daemons plan arenas in device 0's address slice.
+        session.close()
+        memops_rt = cleanup.enter_context(c.runtime_dir())
+        memops_daemon = c.Daemon(memops_rt, args.backend, args=["--lease-ordering", "memops"])
+        cleanup.callback(memops_daemon.stop)
+        memops_daemon.wait_ready(60)
+        memops_session = gpumem.connect(0, name=OWNER, runtime_dir=memops_rt)
+        cleanup.callback(memops_session.close)
+        memops_arena = memops_session.create_arena(ARENA, 1 << 30)
+        memops_arena.commit(64 * MiB)
+        memops_arena.register_graph_pool(SHARED_POOL, extents=[p.Extent(offset=32 * MiB, size=32 * MiB)], free_runs=[], shared=True)
+        memops = handoff_turns(memops_rt, memops_daemon, memops_arena, "memops")
         def handoff_times(turns: list[tuple[int, int, int, int]]) -> list[float]:
             turns.sort()
             return [(nxt[0] - cur[1]) / 1e3 for cur, nxt in itertools.pairwise(turns) if nxt[2] != cur[2] and nxt[0] >= cur[1]]
@@ -302,6 +334,13 @@ def main() -> int:
             return c.median([turn[3] for turn in turns]) / 1e3
 
         handoffs = handoff_times(events)
+        memops_handoffs = handoff_times(memops["events"])
+        memops_p50 = c.median(memops_handoffs)
+        c.say(
+            f"under memops ordering (a stream write at release, a stream wait at take): p50 {memops_p50:.1f} us, "
+            f"p99 {c.percentile(memops_handoffs, 99):.1f} us over {len(memops_handoffs)} handoffs, "
+            f"{memops['handoff_waits']} stream waits on the releaser's value"
+        )
         bare = handoff_times(bare_events)
         native = handoff_times(native_events)
         handoff_p50 = c.median(handoffs)
@@ -322,9 +361,10 @@ def main() -> int:
             c.say(f"one cuStreamWaitEvent on the other process's event, alone: p50 {c.median(stream_waits) / 1e3:.2f} us")
         floor_p50, floor_p99, floor_n = futex_floor()
         handoff_ratio = c.ratio(handoff_p50, floor_p50)
+        memops_ratio = c.ratio(memops_p50, floor_p50)
         c.say(
             f"C futex handoff (bench/futex_floor.c, same 1 ms hold): p50 {floor_p50:.1f} us, p99 {floor_p99:.1f} us over "
-            f"{floor_n}: the lease handoff is {handoff_ratio:.2f}x its p50"
+            f"{floor_n}: the lease handoff is {handoff_ratio:.2f}x its p50 with IPC events, {memops_ratio:.2f}x with memops"
         )
         paused_p50, paused_p99, _ = futex_floor(round(PAUSE_S * 1e6))
         paused_ratio = c.ratio(handoff_p50, paused_p50)
@@ -363,6 +403,11 @@ def main() -> int:
             "handoff_ratio_paused_p50": paused_ratio,
             "handoffs": len(handoffs),
             "handoff_waits": handoff_waits,
+            "memops_handoff_p50_us": memops_p50,
+            "memops_handoff_p99_us": c.percentile(memops_handoffs, 99),
+            "memops_handoff_ratio_p50": memops_ratio,
+            "memops_handoffs": len(memops_handoffs),
+            "memops_handoff_waits": memops["handoff_waits"],
         }
         if stream_waits:
             result.figures["stream_wait_p50_us"] = c.median(stream_waits) / 1e3
@@ -372,6 +417,9 @@ def main() -> int:
             and handoff_ratio <= 2.0
             and len(handoffs) > 0
             and handoff_waits >= len(handoffs)
+            and memops_ratio <= 2.0
+            and len(memops_handoffs) > 0
+            and memops["handoff_waits"] >= len(memops_handoffs)
         )
 
     return c.run(BENCH, args.backend, body)

@@ -140,6 +140,8 @@ class GraphPool:
         reply, fds = arena.core.channel.call(
             p.RegisterGraphPool(arena=arena.name, label=label, extents=list(extents), free_runs=list(free_runs or []), shared=shared)
         )
+        if reply.order_lane >= 0:  # memops ordering: the lane and the sequence chunk came too
+            arena.core.leasing.ordered_by(reply, fds)
         return cls(arena, reply.pool, granted_segment(reply, fds))
 
     @classmethod
@@ -147,6 +149,8 @@ class GraphPool:
         """``Session.open_graph_pool``: another client's shared pool, by id or by owner
         and label, in an arena attached in this session."""
         reply, fds = core.channel.call(p.OpenGraphPool(pool_id=pool_id, owner=owner, label=label))
+        if reply.order_lane >= 0:
+            core.leasing.ordered_by(reply, fds)
         segment = granted_segment(reply, fds)
         arena = core.arenas.get(reply.pool.arena)
         if arena is None:

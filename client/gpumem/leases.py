@@ -17,9 +17,12 @@ records the holder's IPC event on its stream, and a holder from another session 
 stream wait on that event before it touches the pool, each in the same native call as the
 compare-and-swap. The first release publishes the event's handle to the daemon and the
 first wait on a peer looks it up: one round trip each, once. A private pool records
-nothing. Within one session nothing is waited on: work on one stream is ordered by the
-stream, and replaying on one stream while borrowing on another is the caller's to order
-(a borrow takes ``stream=``).
+nothing. Under ``gpumemd --lease-ordering memops`` the order is a stream write of the
+releaser's next sequence value and the taker's stream wait for it instead, on a lane of
+a chunk the daemon grants with the pool (gpumem_shared/lease_order.py): no IPC handles.
+Within one session nothing is waited on: work on one stream is ordered by the stream,
+and replaying on one stream while borrowing on another is the caller's to order (a
+borrow takes ``stream=``).
 
 A release frees the slot before its event record lands (the next holder wakes while it
 records), so a taker may find the record still in flight. It waits for it within its own
@@ -38,11 +41,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gpumem_shared import _native, lease_table
+from gpumem_shared import _native, fdchannel, lease_order, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
 from gpumem_shared.lease_table import LeaseSegment, LeaseStatus
-from gpumem.errors import BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, PermissionDenied, StaleEpoch
+from gpumem.errors import BadMessage, BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, PermissionDenied, StaleEpoch
 from gpumem.graph_pools import granted_segment
 
 if TYPE_CHECKING:
@@ -144,6 +147,42 @@ class SessionLeases:
         # may still hold it (the slot is exclusive). A word of ours in a pool's slot while
         # that lease is not held was forged.
         self.holding: dict[int, Lease] = {}
+        # Under memops ordering (gpumemd --lease-ordering memops): this session's lane per
+        # shared pool, and the daemon's sequence chunk, mapped at the first grant. The
+        # mapping stays for the process's life: streams may still have writes and waits
+        # on it queued when the session ends.
+        self.lanes: dict[int, lease_order.ReleaserLane] = {}
+        self.lanes_address = 0
+        self.lanes_count = 0
+
+    def ordered_by(self, reply: p.GraphPoolReply, fds: dict[int, int]) -> None:
+        """Take a pool grant's memops ordering out of ``fds`` (its chunk fd closed): the
+        session's lane for the pool, and the sequence chunk, mapped once."""
+        fd = fds.pop(lease_order.CHUNK_GRANT_ID, None)
+        try:
+            if reply.order_lane < 0:
+                return
+            if fd is None or not 0 <= reply.order_lane < reply.order_lanes:
+                raise BadMessage(f"gpumemd granted graph pool {reply.pool.id} memops ordering without its sequence chunk")
+            if not self.lanes_address:
+                size = reply.order_lanes * lease_order.WORD_BYTES
+                address = self._driver.reserve(size, 0)
+                try:
+                    self._driver.map_fds(address, [(fd, 0, size)])
+                except BaseException:
+                    self._driver.free_reservation(address, size)
+                    raise
+                self.lanes_address, self.lanes_count = address, reply.order_lanes
+            lane = self.lanes.get(reply.pool.id)
+            if lane is None or (lane.index, lane.base) != (reply.order_lane, reply.order_base):
+                self.lanes[reply.pool.id] = lease_order.ReleaserLane(reply.order_lane, reply.order_base)
+        except BaseException:
+            fdchannel.close_all(list(fds.values()))  # the grant is unusable: its segment goes too
+            fds.clear()
+            raise
+        finally:
+            if fd is not None:
+                fdchannel.close_all([fd])
 
     def _call(self, message: p.RequestMessage) -> Any:
         return self._channel.call(message)[0]
@@ -163,10 +202,15 @@ class SessionLeases:
             events = self.waiting[pool_id] = {}
         return events
 
-    def release_shared(self, pool_id: int, address: int, word: int, stream: int) -> int:
+    def release_shared(self, pool_id: int, segment: LeaseSegment, word: int, stream: int) -> int:
         """Give back a lease on a shared pool: our stream's work so far marked with our
         event, then the slot freed, in one native call. The first release on the pool
-        creates the event and publishes it first. OK or NOT_HOLDER."""
+        creates the event and publishes it first. Under memops ordering, the stream
+        writes the lane's next value instead (lease_order.release). OK or NOT_HOLDER."""
+        lane = self.lanes.get(pool_id)
+        if lane is not None:
+            return lease_order.release(self._driver, segment, word, lane, self.lanes_address, stream)
+        address = segment.address
         event = self.recording.get(pool_id)
         if event is None:
             status = _native.lease_release(address, word)
@@ -187,7 +231,12 @@ class SessionLeases:
         event not known here yet: look it up, make our stream wait for its work, and keep
         it for the ordered acquires. The releaser's record is waited for ``left`` seconds
         at most (what is left of the acquire's ``wait``). The releaser may be another
-        session of this process: its event is used as is."""
+        session of this process: its event is used as is. Under memops ordering the stream
+        waits for the value the releaser published (lease_order.order_after)."""
+        if pool_id in self.lanes:
+            if lease_order.order_after(self._driver, segment, self.lanes_address, self.lanes_count, stream, left) is not None:
+                self.handoff_waits += 1
+            return
         status, peer = segment.await_record(left)
         if status == _RECORDING:
             raise self.record_late(pool_id, segment, lease, wait)
@@ -217,6 +266,7 @@ class SessionLeases:
             reply, fds = self._channel.call(p.OpenGraphPool(pool_id=pool_id))
         except NotFound:
             return None
+        self.ordered_by(reply, fds)
         return granted_segment(reply, fds)
 
     def follow(self, pool: Any) -> bool:
@@ -248,7 +298,7 @@ class SessionLeases:
         if segment is None:
             return False
         try:
-            return self.release_shared(lease.pool_id, segment.address, lease._word, lease._stream()) == LeaseStatus.OK
+            return self.release_shared(lease.pool_id, segment, lease._word, lease._stream()) == LeaseStatus.OK
         finally:
             segment.close()
 
@@ -505,7 +555,7 @@ class Lease:
             event = owner.recording.get(self.pool_id)
             stream = current_stream(owner.device_ordinal) if self.stream is None else self.stream
             if event is None:  # the first release on the pool: creates and publishes the event
-                status = owner.release_shared(self.pool_id, self.address, self._word, stream)
+                status = owner.release_shared(self.pool_id, self.segment, self._word, stream)
             else:
                 status = _native.lease_release_ordered(self.address, self._word, owner.context, event, stream)
             if status and self.segment.epoch() == 0 and owner.release_moved(self):
@@ -513,7 +563,7 @@ class Lease:
         else:
             status = owner.try_release(self.address, self._word)
             if status == _RECORD:  # a slot flagged shared behind a private view of the pool
-                status = owner.release_shared(self.pool_id, self.address, self._word, self._stream())
+                status = owner.release_shared(self.pool_id, self.segment, self._word, self._stream())
         if status != LeaseStatus.OK:
             raise LeaseNotHeld(
                 f"{lease_table.KIND_NAMES[self.kind]} lease on graph pool {self.pool_id} was no longer held at release: "

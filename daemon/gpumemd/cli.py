@@ -25,6 +25,7 @@ from click.core import ParameterSource
 from gpumem_shared import protocol as p
 from gpumem_shared.address_plan import VA_PLAN_SLICES, plan_range
 from gpumem_shared.driver import Driver, DriverUnavailable
+from gpumem_shared.lease_order import LeaseOrdering
 from gpumem_shared.paths import Endpoints, UnsafeRuntimeDir, resolve_runtime_dir
 from gpumem_shared.units import Size, format_size, parse
 
@@ -251,6 +252,15 @@ def _exporter(address: str, port: int) -> Exporter:
     "(the tenant and the bytes it consumed): each is a cap, read again on SIGHUP.",
 )
 @_option(
+    "--lease-ordering",
+    type=click.Choice([o.value for o in LeaseOrdering]),
+    default=LeaseOrdering.IPC_EVENTS.value,
+    show_default=True,
+    help="How a lease handoff on a shared graph pool orders the taker's GPU work after the releaser's: CUDA IPC events "
+    "(engine pods need hostIPC), or stream memory operations on a sequence chunk the daemon shares (no IPC namespace; "
+    "refused on a device without 64-bit stream memory operations). The default stays until memops is measured on the H200.",
+)
+@_option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
@@ -306,6 +316,7 @@ def command(
     tenant_requests: int,
     tenant_policy: str,
     tenant_claims: str,
+    lease_ordering: str,
     metrics_port: int | None,
     metrics_address: str | None,
     metrics_hide_names: bool,
@@ -325,6 +336,10 @@ def command(
     if not 0 <= device < VA_PLAN_SLICES:
         raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     driver = _driver(backend, device, host_capacity)
+    ordering = LeaseOrdering(lease_ordering)
+    problem = driver.memops_problem() if ordering is LeaseOrdering.MEMOPS else None
+    if problem:
+        raise ConfigError(f"--lease-ordering memops: {problem}")
     bulk = _granular("--chunk-size", chunk_size, driver.granularity)
     kv_chunk = _granular("--kv-chunk-size", kv_chunk_size, driver.granularity)
     reserve_bytes = reserve.bytes if reserve is not None else (1 << 30 if driver.kind == "cuda" else 0)
@@ -361,16 +376,22 @@ def command(
         tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
         tenant_policy=tenant_policy,
         tenant_claims=tenant_claims,
+        lease_ordering=ordering,
     )
     if sleep_host_limit is not None:
         config.sleep_host_limit = sleep_host_limit.bytes
     exporter = _exporter(metrics_address or "127.0.0.1", metrics_port) if metrics_port is not None else None
+    notifier = SystemdNotifier()
+    if ordering is LeaseOrdering.MEMOPS and notifier.store_max > 0:
+        raise ConfigError(
+            "--lease-ordering memops does not survive a restart yet (its sequence chunk is not in the durable record): "
+            "run it without systemd's fd store (FileDescriptorStoreMax=0), or use --lease-ordering ipc-events"
+        )
     try:
         state = DaemonState(driver, config)
     except SliceUnavailable as exc:
         raise ConfigError(str(exc)) from None
     metrics = Metrics(state, hide_names=metrics_hide_names) if exporter is not None else None
-    notifier = SystemdNotifier()
     durable = Durable(notifier) if notifier.store_max > 0 else None
     if durable is None and inherited:
         logging.getLogger("gpumemd.cli").warning("descriptors passed (%s) but no fd store to keep them in ($FDSTORE unset): closed", ", ".join(sorted(inherited)))

@@ -10,6 +10,7 @@ import os
 
 from gpumem_shared import protocol as p
 from gpumem_shared.address_plan import VA_PLAN_BASE, VA_PLAN_SLICE
+from gpumem_shared.lease_order import LeaseOrdering
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -73,5 +74,8 @@ class StateConfig:
     # directory, read at start and again on SIGHUP; neither: no caps.
     tenant_policy: str = ""
     tenant_claims: str = ""
+    # How a handoff on a shared graph pool orders GPU work (lease_order.py): IPC events
+    # until the H200 measures memops, which needs no shared IPC namespace.
+    lease_ordering: LeaseOrdering = LeaseOrdering.IPC_EVENTS
     # The most host memory sleepers' buffers may take in all (sleepers.py).
     sleep_host_limit: int = dataclasses.field(default_factory=default_sleep_host_limit)

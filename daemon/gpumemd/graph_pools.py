@@ -29,12 +29,13 @@ from collections.abc import Mapping
 
 import msgspec
 
-from gpumem_shared import lease_table
+from gpumem_shared import lease_order, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import LeaseSegment
 
 from gpumemd.arenas import ArenaBook
 from gpumemd.image import Image, Imager, Keep, Take, lease_name
+from gpumemd.lease_lanes import SequenceChunk
 from gpumemd.records import ArenaRecord, GraphPoolRecord, Outcome, SessionRecord
 
 log = logging.getLogger("gpumemd.graph_pools")
@@ -71,8 +72,11 @@ class GraphPoolBookImage(msgspec.Struct):
 
 
 class GraphPoolBook:
-    def __init__(self, arenas: ArenaBook, sessions: Mapping[int, SessionRecord], device: p.DeviceInfo) -> None:
+    def __init__(
+        self, arenas: ArenaBook, sessions: Mapping[int, SessionRecord], device: p.DeviceInfo, order: SequenceChunk | None = None
+    ) -> None:
         self.arenas = arenas
+        self.order = order  # memops lease ordering: the sequence chunk (None: IPC events)
         self.sessions = sessions
         self.device = device
         self.by_id: dict[int, GraphPoolRecord] = {}
@@ -147,7 +151,7 @@ class GraphPoolBook:
         self.by_id[pool.id] = pool
         segment.set_epoch(lease_table.lease_epoch(pool.id, pool.epoch))
         segment.set_flags(self._flags(pool))
-        return self._granted(pool)
+        return self._granted(pool, s)
 
     def update(self, s: SessionRecord, m: p.UpdateGraphPool) -> Outcome:
         pool = self._owned(s, m.pool_id)
@@ -193,14 +197,23 @@ class GraphPoolBook:
                     f"attached: '{pool.owner_name}' shares the arena with it, then it attaches",
                 )
         pool.users.add(s.id)
-        return self._granted(pool)
+        return self._granted(pool, s)
 
-    @staticmethod
-    def _granted(pool: GraphPoolRecord) -> Outcome:
+    def _granted(self, pool: GraphPoolRecord, s: SessionRecord) -> Outcome:
         """The pool, its lease segment going with the reply: to its owner at registration,
         to a session that opens it (every time: a client that dropped its mapping needs it
-        again)."""
-        return Outcome(p.GraphPoolReply(pool=pool.status(), fd_batches=1), grants=[(pool.id, pool.segment_fd)])
+        again). Under memops ordering a shared pool's grant adds the session's lane and the
+        sequence chunk."""
+        reply = p.GraphPoolReply(pool=pool.status(), fd_batches=1)
+        grants = [(pool.id, pool.segment_fd)]
+        if self.order is not None and pool.shared:
+            try:
+                reply.order_lane, reply.order_base = self.order.grant(pool.id, s)
+            except LookupError as exc:
+                raise p.ProtocolError(p.ErrorCode.OUT_OF_MEMORY, f"graph pool {pool.id}: {exc}; retire graph pools first") from None
+            reply.order_lanes = self.order.lanes.lanes
+            grants.append((lease_order.CHUNK_GRANT_ID, self.order.fd))
+        return Outcome(reply, grants=grants)
 
     def publish_event(self, s: SessionRecord, m: p.PublishLeaseEvent) -> Outcome:
         pool = self._used_by(s, m.pool_id)
@@ -252,6 +265,8 @@ class GraphPoolBook:
             return
         pool.users.discard(session_id)
         pool.events.pop(session_id, None)
+        if self.order is not None:
+            self.order.sweep(pool.id, session_id)
         segment = pool.segment
         if session_id in pool.escapers:
             pool.escapers.discard(session_id)
@@ -335,6 +350,9 @@ class GraphPoolBook:
         """Forget the pool and its segment: a holder is swept, and waiters wake to find
         the epoch 0. Clients keep their mappings of the segment; no other pool ever gets it."""
         del self.by_id[pool.id]
+        if self.order is not None:
+            for user in pool.users:
+                self.order.sweep(pool.id, user)
         segment = pool.segment
         segment.set_epoch(0)  # before the clear: a waiter woken by it finds the pool retired
         word = segment.peek()
@@ -365,9 +383,12 @@ class GraphPoolBook:
         """Every pool's slot as the registry says it must be: the daemon's fields (epoch,
         flags, escape mark) rewritten where they differ, a handoff or a held word naming
         a session that is not one of the pool's users (or a kind that does not exist)
-        cleared. Each repair is logged and counted: the segment's users can write anything."""
+        cleared. Each repair is logged and counted: the segment's users can write anything.
+        Swept lease ordering lanes whose writer is fenced are topped off for good."""
         for pool in self.by_id.values():
             self._repair(pool)
+        if self.order is not None and self.order.draining:
+            self.order.settle()
 
     def _repair(self, pool: GraphPoolRecord) -> None:
         segment = pool.segment
@@ -425,6 +446,8 @@ class GraphPoolBook:
         """At exit: every pool left goes, with its segment."""
         for pool in list(self.by_id.values()):
             self.drop(pool)
+        if self.order is not None:
+            self.order.close()
 
     # ------------------------------------------------------------------ the durable record
 

@@ -27,6 +27,7 @@ import msgspec
 from gpumem_shared import __version__, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver
+from gpumem_shared.lease_order import LeaseOrdering
 
 from gpumemd import status
 from gpumemd.arenas import ArenaBook
@@ -34,6 +35,7 @@ from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
 from gpumemd.fencing import Fence, fence_for, process_gone
 from gpumemd.graph_pools import GraphPoolBook
+from gpumemd.lease_lanes import SequenceChunk
 from gpumemd.image import IMAGE_VERSION, Image, Imager, Keep, StateImage, Take
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
@@ -110,10 +112,11 @@ class DaemonState:
         self._served = self.tally.served  # counted on every request: one lookup fewer
         self.tenants = Tenants(config.tenants, self.sessions)
         self.arenas = ArenaBook(driver, config, self.device, self.tenants)
-        self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device)
+        fence = fence or fence_for(driver.kind, self.device.uuid)
+        order = SequenceChunk(driver, fence) if config.lease_ordering is LeaseOrdering.MEMOPS else None
+        self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device, order)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, wall_clock, self.tally)
         self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, wall_clock)
-        fence = fence or fence_for(driver.kind, self.device.uuid)
         self.retained = RetainBook(self.arenas, self.kv, self.sessions, config, clock, fence)
         self._handlers: dict[type, Handler] = {
             p.Ping: lambda s, m: Outcome(p.Ack()),

@@ -148,6 +148,18 @@ class _Slot(ctypes.Structure):
     ]
 
 
+class _Order(ctypes.Structure):
+    """After the slot (lease_table.h's lease_order_pair): under memops ordering
+    (lease_order.py) the last releaser's sequence lane and the value its stream writes
+    there. The native release writes it; this view reads it (and lets the daemon carry
+    it over to a moved segment)."""
+
+    _fields_ = [("lane", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_uint64)]
+
+
+_ORDER_OFFSET: Final[int] = _native.LEASE_ORDER_OFFSET
+
+
 # mmap(2) and munmap(2) themselves: Python's mmap keeps a duplicate of the descriptor
 # open for the mapping's life, one more per segment in every process that maps one.
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -167,7 +179,7 @@ class LeaseSegment:
     mapping lives as long as this object, so whatever may still call them (a pool, a
     held lease) keeps a reference to it."""
 
-    __slots__ = ("_slot", "address", "inode")
+    __slots__ = ("_slot", "_order", "address", "inode")
 
     def __init__(self, fd: int) -> None:
         self.address: int = 0  # until mapped: what close() finds if this fails
@@ -182,6 +194,7 @@ class LeaseSegment:
             raise OSError(err, f"mapping a lease segment failed: {os.strerror(err)}")
         self.address = address
         self._slot = _Slot.from_address(address)
+        self._order = _Order.from_address(address + _ORDER_OFFSET)
 
     @classmethod
     def create(cls, pool_id: int) -> tuple[LeaseSegment, int]:
@@ -203,6 +216,7 @@ class LeaseSegment:
         slot, before = self._slot, old._slot
         slot.futex = before.futex
         slot.handoff = handoff
+        self._order.lane, self._order.value = old._order.lane, old._order.value
         if word:
             slot.since_ns, slot.label = before.since_ns, before.label
             slot.word = word
@@ -256,6 +270,15 @@ class LeaseSegment:
         with its handoff marked recording, ``event`` (the driver's ``native_event``) is
         recorded on ``stream`` and the mark ends. OK or NOT_HOLDER."""
         return _native.lease_release_ordered(self.address, word, context, event, stream)
+
+    def publish_order(self, lane: int, value: int) -> None:
+        """The holder, before it frees the slot: its stream writes ``value`` to sequence
+        lane ``lane`` once the lease's work is done (memops ordering)."""
+        self._order.lane, self._order.value = lane, value
+
+    def order(self) -> tuple[int, int]:
+        """(lane, value) the last memops releaser published; (0, 0) before any."""
+        return int(self._order.lane), int(self._order.value)
 
     def clear(self, word: int) -> int:
         """Free the slot if it holds ``word``, without ordering: the daemon's sweep."""
@@ -324,7 +347,7 @@ class LeaseSegment:
         Reads find zeros from then on, and native calls a refused address."""
         address, self.address = self.address, 0
         if address:
-            self._slot = _Slot()
+            self._slot, self._order = _Slot(), _Order()
             _munmap(address, SEGMENT_BYTES)
 
     def __del__(self) -> None:

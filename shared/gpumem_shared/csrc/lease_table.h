@@ -35,6 +35,18 @@ typedef struct {
 _Static_assert(sizeof(lease_slot) == 64, "a lease slot is one cache line");
 _Static_assert(sizeof(lease_slot) <= LEASE_SEGMENT_BYTES, "a lease slot fits its segment");
 
+/* On the cache line after the slot: under memops ordering (gpumem_shared/lease_order.py)
+ * the last releaser's sequence lane and the value its stream writes there, written by
+ * the holder before its release frees the slot (whose release store orders them). */
+typedef struct {
+    uint32_t lane;
+    uint32_t pad;
+    uint64_t value;
+} lease_order_pair;
+#define LEASE_ORDER_OFFSET 64
+_Static_assert(LEASE_ORDER_OFFSET >= sizeof(lease_slot), "the pair does not overlap the slot");
+_Static_assert(LEASE_ORDER_OFFSET + sizeof(lease_order_pair) <= LEASE_SEGMENT_BYTES, "the pair fits the segment");
+
 #define LEASE_KIND_OF(word) ((uint32_t)((word) >> 56))
 #define LEASE_SESSION_OF(word) ((uint32_t)(((word) >> 32) & 0xFFFFFFu))
 

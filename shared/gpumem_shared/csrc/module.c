@@ -682,6 +682,122 @@ static PyObject *lease_release_ordered(PyObject *module, PyObject *const *args, 
     return PyLong_FromLong(status);
 }
 
+/* ================================================== memops ordering (lease_order.py) */
+
+/* The 64-bit stream memory operations, resolved apart from load_cuda's calls: a driver
+ * without them still serves IPC events (and gpumemd refuses memops on it at start). */
+typedef int (*value_op_fn)(void *, uint64_t, uint64_t, unsigned int);
+static struct {
+    int loaded;
+    value_op_fn write;
+    value_op_fn wait;
+} memops;
+
+static int load_memops(void) {
+    if (memops.loaded) return memops.loaded > 0 ? 0 : -1;
+    void *lib = load_cuda() == 0 ? dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD) : NULL;
+    if (lib) {
+        memops.write = (value_op_fn)dlsym(lib, "cuStreamWriteValue64_v2");
+        memops.wait = (value_op_fn)dlsym(lib, "cuStreamWaitValue64_v2");
+    }
+    memops.loaded = lib && memops.write && memops.wait ? 1 : -1;
+    return memops.loaded > 0 ? 0 : -1;
+}
+
+/* In the context: the stream waits for ``before`` on the lane (0: nothing), then writes
+ * ``value`` there (``write``) or waits for it. Flags 0: the write follows a memory
+ * barrier (the stream's earlier writes are visible first); the wait is the cyclic >=. */
+static int memops_in_context(void *ctx, void *stream, uint64_t lane, uint64_t before, uint64_t value, int write) {
+    if (load_memops() < 0) return -1;
+    void *current = NULL;
+    cu.get(&current);
+    int pushed = current != ctx;
+    if (pushed) {
+        int rc = cu.push(ctx);
+        if (rc) return rc;
+    }
+    int rc = before ? memops.wait(stream, lane, before, 0) : 0;
+    if (!rc) rc = write ? memops.write(stream, lane, value, 0) : memops.wait(stream, lane, value, 0);
+    if (pushed) cu.pop(&current);
+    return rc;
+}
+
+static int lane_arg(PyObject *arg, uint64_t *out) {
+    if (u64_arg(arg, out) < 0) return -1;
+    if (*out == 0 || *out % sizeof(uint64_t)) {
+        PyErr_Format(PyExc_ValueError, "%llu is not a sequence lane's address", (unsigned long long)*out);
+        return -1;
+    }
+    return 0;
+}
+
+/* lease_release_memops(segment_address, word, context, lane_address, lane, value, before,
+ * stream) -> (status, written): a holder's release under memops ordering. On a shared
+ * pool the stream waits for ``before`` on the lane (0: none), writes ``value`` there, the
+ * (lane, value) pair is published after the slot, and the slot freed naming the holder
+ * (written 1). Context 0 (work is synchronous): the value is stored at once. A private
+ * slot is freed as lease_release frees it; another's is left (written 0). A driver
+ * failure frees the slot naming nobody, publishes nothing, and raises. */
+static PyObject *lease_release_memops(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    lease_slot *slot;
+    uint64_t word, lane_address, value, before;
+    uint32_t lane;
+    gpu_order order;
+    if (lease_args(args, nargs, 8, "lease_release_memops(segment_address, word, context, lane_address, lane, value, before, stream)",
+                   &slot) < 0 ||
+        u64_arg(args[1], &word) < 0 || order_args(args[2], args[7], &order) < 0 || lane_arg(args[3], &lane_address) < 0 ||
+        u32_arg(args[4], &lane) < 0 || u64_arg(args[5], &value) < 0 || u64_arg(args[6], &before) < 0)
+        return NULL;
+    int status = gpumem_lease_release(slot, word);
+    if (status != LEASE_RECORD) return Py_BuildValue("(ii)", status, 0);
+    int rc = 0;
+    if (order.ctx)
+        rc = memops_in_context(order.ctx, order.stream, lane_address, before, value, 1);
+    else
+        __atomic_store_n((uint64_t *)(uintptr_t)lane_address, value, __ATOMIC_RELEASE);
+    if (rc) {
+        gpumem_lease_clear(slot, word);
+        raise_driver_error("cuStreamWriteValue64", rc);
+        return NULL;
+    }
+    lease_order_pair *pair = (lease_order_pair *)((char *)slot + LEASE_ORDER_OFFSET);
+    pair->lane = lane;
+    pair->value = value;
+    return Py_BuildValue("(ii)", gpumem_lease_release_recorded(slot, word), 1);
+}
+
+/* lease_order_wait(segment_address, context, lanes_address, lanes, stream) -> (value,
+ * waited): for a taker told LEASE_OK_ORDER, the stream waits for the value the last
+ * releaser published on its lane. Value 0: nothing to wait for (none published, or a lane
+ * outside the chunk's ``lanes``, which no daemon grants). Context 0: waited is whether the
+ * word has reached it already (0: the caller polls it, within its bound). */
+static PyObject *lease_order_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    lease_slot *slot;
+    uint64_t lanes_address;
+    uint32_t lanes;
+    gpu_order order;
+    if (lease_args(args, nargs, 5, "lease_order_wait(segment_address, context, lanes_address, lanes, stream)", &slot) < 0 ||
+        order_args(args[1], args[4], &order) < 0 || lane_arg(args[2], &lanes_address) < 0 || u32_arg(args[3], &lanes) < 0)
+        return NULL;
+    lease_order_pair *pair = (lease_order_pair *)((char *)slot + LEASE_ORDER_OFFSET);
+    uint32_t lane = __atomic_load_n(&pair->lane, __ATOMIC_ACQUIRE);
+    uint64_t value = __atomic_load_n(&pair->value, __ATOMIC_ACQUIRE);
+    if (!value || lane >= lanes) return Py_BuildValue("(Ki)", 0ULL, 0);
+    uint64_t address = lanes_address + (uint64_t)lane * sizeof(uint64_t);
+    if (!order.ctx) {
+        uint64_t now = __atomic_load_n((uint64_t *)(uintptr_t)address, __ATOMIC_ACQUIRE);
+        return Py_BuildValue("(Ki)", (unsigned long long)value, (int64_t)(now - value) >= 0);
+    }
+    int rc = memops_in_context(order.ctx, order.stream, address, 0, value, 0);
+    if (rc) {
+        raise_driver_error("cuStreamWaitValue64", rc);
+        return NULL;
+    }
+    return Py_BuildValue("(Ki)", (unsigned long long)value, 1);
+}
+
 /* ==================================================================== the module */
 
 #define FASTCALL(name, doc) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, doc}
@@ -715,6 +831,8 @@ static PyMethodDef native_methods[] = {
     FASTCALL(lease_acquire_ordered, "lease_acquire, and the stream's wait on the last releaser's event."),
     FASTCALL(lease_release_ordered, "A holder's release, its event recorded first on a shared pool."),
     FASTCALL(cuda_stream_wait, "cuStreamWaitEvent in a context."),
+    FASTCALL(lease_release_memops, "A holder's release under memops ordering (lease_order.py)."),
+    FASTCALL(lease_order_wait, "A taker's stream waits for the last memops releaser's value."),
     {NULL, NULL, 0, NULL},
 };
 
@@ -782,6 +900,7 @@ static int add_slot_fields(PyObject *module) {
 static int add_constants(PyObject *m) {
     if (PyModule_AddIntMacro(m, LEASE_SEGMENT_BYTES) < 0 || PyModule_AddIntMacro(m, LEASE_LABEL_BYTES) < 0 ||
         PyModule_AddIntMacro(m, LEASE_HANDOFF_RECORDING) < 0 || PyModule_AddIntMacro(m, LEASE_HANDOFF_SESSION) < 0 ||
+        PyModule_AddIntMacro(m, LEASE_ORDER_OFFSET) < 0 ||
         PyModule_AddIntConstant(m, "LEASE_SLOT_BYTES", (long)sizeof(lease_slot)) < 0 ||
         add_named(m, "LEASE_STATUSES", lease_statuses, COUNT(lease_statuses)) < 0 ||
         add_named(m, "LEASE_KINDS", lease_kinds, COUNT(lease_kinds)) < 0 ||

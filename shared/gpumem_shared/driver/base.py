@@ -151,6 +151,14 @@ class Driver(abc.ABC):
         """Let go of an event (one opened from another process's handle: the exporter's
         own must outlive every importer, so it lives as long as the process)."""
 
+    # --- ordering by stream memory operations (gpumemd --lease-ordering memops) --------
+    # The writes and waits themselves are the native lease calls' (lease_order.py), in
+    # native_context().
+    @abc.abstractmethod
+    def memops_problem(self) -> str | None:
+        """None when streams can write and wait on 64-bit words in device memory; else
+        why not, naming what to check (the daemon refuses memops ordering with it)."""
+
     # --- sleep and wake (client side): copies between the device and a host buffer --
     @abc.abstractmethod
     def host_register(self, address: int, size: int) -> None:

@@ -223,6 +223,26 @@ class CudaDriver(Driver):
     def native_event(self, event: Any) -> int:
         return int(event.value)
 
+    # Stream memory operations: the native lease calls use the _v2 entry points (enabled
+    # by default, unlike the first ones, which needed NVreg_EnableStreamMemOPs=1).
+    def memops_problem(self) -> str | None:
+        cu = self._cu
+        attribute = getattr(cu.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS", None)
+        if attribute is None:
+            return "this cuda-bindings has no CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: upgrade cuda-bindings (12 or later)"
+        err, supported = cu.cuDeviceGetAttribute(attribute, self._dev)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return f"cuDeviceGetAttribute(CAN_USE_64_BIT_STREAM_MEM_OPS) failed: {_error_name(cu, err)}"
+        if not supported:
+            return (
+                f"CUDA device {self.ordinal} reports CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 0: its streams "
+                "cannot wait on 64-bit words (check the driver version; use --lease-ordering ipc-events)"
+            )
+        lib = self._libcuda()
+        if not hasattr(lib, "cuStreamWriteValue64_v2") or not hasattr(lib, "cuStreamWaitValue64_v2"):
+            return "libcuda has no cuStreamWriteValue64_v2 / cuStreamWaitValue64_v2: the NVIDIA driver predates CUDA 11.7"
+        return None
+
     def _result_name(self, rc: int) -> str:
         return "libcuda could not be loaded" if rc < 0 else _error_name(self._cu, self._cu.CUresult(rc))
 

@@ -107,6 +107,11 @@ class HostDriver(Driver):
     def event_destroy(self, event: Any) -> None:
         pass
 
+    # Host work is synchronous: a memops release stores its value at once, and a taker
+    # polls the word itself (lease_order.py).
+    def memops_problem(self) -> str | None:
+        return None
+
     def device_uuid(self) -> str:
         # Stable per machine and index, shaped like a GPU UUID so tools treat both alike.
         try:
@@ -125,7 +130,8 @@ class HostDriver(Driver):
 
     def reserve(self, size: int, hint: int) -> int:
         try:
-            return _mmap(hint, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED_NOREPLACE)
+            if hint:  # 0: anywhere, as CUDA's cuMemAddressReserve takes it
+                return _mmap(hint, size, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED_NOREPLACE)
         except OSError as exc:
             if exc.errno != errno.EEXIST:
                 raise DriverError(f"cannot reserve {size} bytes of address space: {exc.strerror}") from None

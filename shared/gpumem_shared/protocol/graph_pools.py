@@ -14,6 +14,13 @@ class GraphPoolReply(Message):
 
     pool: GraphPoolStatus
     fd_batches: int = 0
+    # Under memops lease ordering (gpumemd --lease-ordering memops), on a shared pool:
+    # this session's sequence lane for the pool and its generation's base, and the lanes
+    # of the daemon's sequence chunk, whose fd comes in the same batch under id 0
+    # (lease_order.CHUNK_GRANT_ID). order_lane -1: the pool is ordered by IPC events.
+    order_lane: int = -1
+    order_base: int = 0
+    order_lanes: int = 0
 
 
 class RegisterGraphPool(RequestMessage, kw_only=True):

@@ -1,0 +1,254 @@
+"""Ordering by stream memory operations (lease_order.py): the sequence values of a lane,
+the daemon's lane book, and the handoff protocol on real lease segments with the host
+backend's words (plain shared memory), a releaser in another process included.
+
+On the host backend work is synchronous: a write lands at once and a taker's wait is a
+bounded poll of the word, so what these tests check is the protocol of values (which
+value a release publishes, which value satisfies a wait). The same scenario with GPU
+work in flight is tests/integration/test_lease_memops_gpu.py."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gpumem_shared import lease_order, lease_table
+from gpumem_shared.driver import DriverError
+from gpumem_shared.driver.host import HostDriver
+from gpumem_shared.lease_order import SEQ_BITS, SEQ_MASK, LaneBook, ReleaserLane, reached, swept
+from gpumem_shared.lease_table import LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus
+
+EPOCH = lease_table.lease_epoch(1, 1)
+LANES = 16
+RELEASER = lease_table.encode(LeaseKind.REPLAY, 5, 1000)
+TAKER = lease_table.encode(LeaseKind.REPLAY, 6, 1001)
+
+
+# ---------------------------------------------------------------------- values
+
+
+def test_reached_is_the_cyclic_greater_or_equal() -> None:
+    assert reached(5, 5) and reached(6, 5) and not reached(4, 5)
+    # Across the wrap, as cuStreamWaitValue64's default compare: (int64)(word - value) >= 0.
+    assert reached(2, (1 << 64) - 3) and not reached((1 << 64) - 3, 2)
+
+
+def test_a_lane_counts_up_from_its_generation_and_commits_only_written_values() -> None:
+    lane = ReleaserLane(3, base=7 << SEQ_BITS)
+    assert lane.last() == 7 << SEQ_BITS
+    value, before = lane.next(stream=11)
+    assert (value, before) == ((7 << SEQ_BITS) | 1, None)
+    assert lane.next(stream=11)[0] == value  # not written: the same value again
+    lane.wrote(11)
+    assert lane.next(stream=11) == ((7 << SEQ_BITS) | 2, None)  # same stream: ordered by the stream
+
+
+def test_a_release_from_another_stream_first_waits_for_the_lanes_last_value() -> None:
+    lane = ReleaserLane(0, base=1 << SEQ_BITS)
+    lane.wrote(11)
+    value, before = lane.next(stream=22)
+    assert before == lane.last() == (1 << SEQ_BITS) | 1
+    assert value == (1 << SEQ_BITS) | 2
+
+
+def test_lane_book_keeps_a_sessions_lane_and_starts_the_next_holder_above_the_sweep() -> None:
+    book = LaneBook(2)
+    lane, base = book.grant(pool_id=1, session_id=5)
+    assert book.grant(1, 5) == (lane, base)
+    other, _ = book.grant(2, 5)  # another pool of the same session: its own lane
+    assert other != lane
+    with pytest.raises(LookupError, match="all 2 lease ordering lanes"):
+        book.grant(3, 5)
+    last_written = base | 1000
+    freed = book.release(1, 5)
+    assert freed == (lane, swept(base))
+    assert reached(swept(base), last_written)  # every value the dead holder could have published
+    with pytest.raises(LookupError):
+        book.grant(1, 6)  # a write of the holder's may still land: not handed out until settled
+    book.settle(lane)
+    again, new_base = book.grant(1, 6)
+    assert again == lane
+    # A stale value never satisfies a wait of the new holder: the sweep's, nor any before.
+    assert not reached(swept(base), new_base | 1)
+    assert book.release(1, 5) is None
+
+
+def test_generations_wrap_without_a_stale_value_reaching_a_new_one() -> None:
+    book = LaneBook(1)
+    book._generation[0] = lease_order.GENERATIONS - 2  # the grant moves it to the last generation
+    lane, base = book.grant(1, 5)
+    assert base == (lease_order.GENERATIONS - 1) << SEQ_BITS
+    _, top = book.release(1, 5) or (0, 0)
+    book.settle(lane)
+    _, wrapped = book.grant(1, 6)
+    assert wrapped == 0 and not reached(top, wrapped | 1)
+
+
+# ---------------------------------------------------------------------- the handoff on segments
+
+
+class Words:
+    """A sequence chunk as the host backend has it: a memfd page of lanes, mapped."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("gpumemd-test-lanes", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, LANES * lease_order.WORD_BYTES)
+        self.map = mmap.mmap(self.fd, LANES * lease_order.WORD_BYTES)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+
+    def __getitem__(self, lane: int) -> int:
+        return ctypes.c_uint64.from_address(self.address + lane * lease_order.WORD_BYTES).value
+
+    def sweep(self, lane: int, value: int) -> None:
+        """The daemon's write at a sweep (HostDriver.write on its mapping)."""
+        HostDriver(0).write(self.address + lane * lease_order.WORD_BYTES, value.to_bytes(8, "little"))
+
+
+@pytest.fixture
+def shared_pool() -> Iterator[tuple[LeaseSegment, int]]:
+    segment, fd = LeaseSegment.create(1)
+    segment.set_epoch(EPOCH)
+    segment.set_flags(LeaseFlag.SHARED)
+    yield segment, fd
+    segment.close()
+    os.close(fd)
+
+
+@pytest.fixture
+def words() -> Iterator[Words]:
+    w = Words()
+    yield w
+    w.map.close()
+    os.close(w.fd)
+
+
+def test_taker_waits_for_the_value_its_releaser_wrote(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    segment, _ = shared_pool
+    driver = HostDriver(0)
+    lane = ReleaserLane(2, base=1 << SEQ_BITS)
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    assert lease_order.release(driver, segment, RELEASER, lane, words.address, stream=0) == LeaseStatus.OK
+    assert segment.order() == (2, (1 << SEQ_BITS) | 1)
+    assert words[2] == (1 << SEQ_BITS) | 1
+    assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK_ORDER
+    assert lease_order.order_after(driver, segment, words.address, LANES, 0, timeout_s=1.0) == (1 << SEQ_BITS) | 1
+
+
+def test_a_dead_releasers_unwritten_value_holds_the_taker_until_the_daemon_sweeps_its_lane(
+    shared_pool: tuple[LeaseSegment, int], words: Words
+) -> None:
+    segment, _ = shared_pool
+    book = LaneBook(LANES)
+    index, base = book.grant(1, 5)
+    releaser = ReleaserLane(index, base)
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    assert lease_order.release(HostDriver(0), segment, RELEASER, releaser, words.address, stream=0) == LeaseStatus.OK
+    # Its next release, as a releaser killed with the write queued leaves it: published, never written.
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    segment.publish_order(index, base | 2)
+    assert segment.release_recorded(RELEASER) == LeaseStatus.OK
+    assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK_ORDER
+    with pytest.raises(DriverError, match="never wrote it"):
+        lease_order.order_after(HostDriver(0), segment, words.address, LANES, 0, timeout_s=0.05)
+    swept_lane = book.release(1, 5)
+    assert swept_lane is not None
+    words.sweep(*swept_lane)
+    assert lease_order.order_after(HostDriver(0), segment, words.address, LANES, 0, timeout_s=1.0) == base | 2
+
+
+def test_a_release_from_a_second_stream_waits_on_the_lane_before_writing(
+    shared_pool: tuple[LeaseSegment, int], words: Words, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the native release is told to do on the lane: the values, and the wait a second
+    stream makes first (on CUDA, cuStreamWaitValue64 before cuStreamWriteValue64)."""
+    segment, _ = shared_pool
+    calls: list[tuple[int, int, int]] = []
+    native = lease_order._native
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(native, name)
+
+        @staticmethod
+        def lease_release_memops(*args: int) -> tuple[int, int]:
+            calls.append((args[5], args[6], args[7]))  # value, before, stream
+            return native.lease_release_memops(*args)
+
+    monkeypatch.setattr(lease_order, "_native", Recording())
+    lane = ReleaserLane(1, base=1 << SEQ_BITS)
+    for stream in (11, 11, 22):
+        assert segment.try_acquire(RELEASER, EPOCH, b"r") in (LeaseStatus.OK, LeaseStatus.OK_ORDER)
+        assert lease_order.release(HostDriver(0), segment, RELEASER, lane, words.address, stream) == LeaseStatus.OK
+    one, two, three = ((1 << SEQ_BITS) | n for n in (1, 2, 3))
+    assert calls == [(one, 0, 11), (two, 0, 11), (three, two, 22)]
+    assert words[1] == three and segment.order() == (1, three)
+
+
+def test_a_release_that_is_not_the_holders_writes_and_counts_nothing(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    segment, _ = shared_pool
+    lane = ReleaserLane(1, base=1 << SEQ_BITS)
+    assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK
+    assert lease_order.release(HostDriver(0), segment, RELEASER, lane, words.address, 0) == LeaseStatus.NOT_HOLDER
+    assert lane.count == 0 and words[1] == 0 and segment.order() == (0, 0) and segment.peek() == TAKER
+
+
+def test_a_forged_lane_outside_the_chunk_is_not_waited_on(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    segment, _ = shared_pool
+    segment.publish_order(LANES + 100, 1)
+    assert lease_order.order_after(HostDriver(0), segment, words.address, LANES, 0, timeout_s=0.0) is None
+
+
+_RELEASER_PROCESS = """
+import os, sys, mmap, ctypes
+from gpumem_shared import lease_order
+from gpumem_shared.driver.host import HostDriver
+from gpumem_shared.lease_table import LeaseSegment, LeaseStatus
+seg_fd, words_fd, word, epoch, base, write = (int(a) for a in sys.argv[1:7])
+words = mmap.mmap(words_fd, {size})
+address = ctypes.addressof(ctypes.c_char.from_buffer(words))
+segment = LeaseSegment(seg_fd)
+assert segment.try_acquire(word, epoch, b"releaser") == LeaseStatus.OK
+if write:
+    status = lease_order.release(HostDriver(0), segment, word, lease_order.ReleaserLane(4, base), address, 0)
+else:  # killed with its write queued: the value published, never written
+    segment.publish_order(4, base | 1)
+    status = segment.release_recorded(word)
+print(status, flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("write", [True, False], ids=["writes", "dies-before-its-write"])
+def test_a_releaser_in_another_process(shared_pool: tuple[LeaseSegment, int], words: Words, write: bool) -> None:
+    segment, fd = shared_pool
+    book = LaneBook(LANES)
+    book._free.remove(4), book._free.append(4)  # the lane the child writes
+    lane, base = book.grant(1, 5)
+    assert lane == 4
+    code = _RELEASER_PROCESS.format(size=LANES * lease_order.WORD_BYTES)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(fd), str(words.fd), str(RELEASER), str(EPOCH), str(base), str(int(write))],
+        pass_fds=(fd, words.fd), capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(int(LeaseStatus.OK))
+    assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK_ORDER
+    driver = HostDriver(0)
+    if write:
+        assert words[4] == base | 1
+        assert lease_order.order_after(driver, segment, words.address, LANES, 0, timeout_s=5.0) == base | 1
+        return
+    assert words[4] == 0
+    with pytest.raises(DriverError):
+        lease_order.order_after(driver, segment, words.address, LANES, 0, timeout_s=0.05)
+    swept_lane: Any = book.release(1, 5)
+    words.sweep(*swept_lane)
+    assert lease_order.order_after(driver, segment, words.address, LANES, 0, timeout_s=5.0) == base | 1
+    assert SEQ_MASK & swept_lane[1] == SEQ_MASK
