@@ -108,15 +108,18 @@ def adopt(core: SessionCore, group: str, secret: str, *, wait: float = 0.0, conf
     deadline = time.monotonic() + wait
     pause = _FIRST_RETRY_S
     holder: int | str | None = None  # the session holding the group when this began to wait
+    orphaned = False  # seen orphaned (NOT_FENCED): whoever holds it later adopted it first
     while True:
         try:
             reply, fds = core.channel.call(p.Adopt(group=group, secret=secret))
             break
         except (GroupHeld, NotFenced) as exc:
-            if isinstance(exc, GroupHeld):
+            if isinstance(exc, NotFenced):
+                orphaned = True
+            else:
                 # Held by an adopter, or by another session than the one waited for: an
                 # adopter came first, and waiting longer would not change that.
-                if exc.detail.get("adopting") or holder not in (None, exc.detail.get("holder_session")):
+                if exc.detail.get("adopting") or orphaned or holder not in (None, exc.detail.get("holder_session")):
                     raise
                 holder = exc.detail.get("holder_session")
             left = deadline - time.monotonic()
