@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
-from gpumem.errors import InvalidArgument, MappingError, PermissionDenied, SessionClosed
+from gpumem.errors import InvalidArgument, MappingError, PermissionDenied, SessionClosed, VaCollision
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -142,6 +142,14 @@ class Arena:
                 f"address slice of its daemon [{held.base:#x}, {held.end:#x}): the daemon and this client disagree on "
                 "the address plan (check that both are the same gpumemd version)"
             )
+        for reservation in self.core.reservations.values():
+            window = reservation.overlapping(self.address, self.address + self.reserved)
+            if window is not None:
+                raise VaCollision(
+                    f"arena '{self.name}' is planned at [{self.address:#x}, {self.address + self.reserved:#x}), over the "
+                    f"window of '{window}' that this process reserved for retain group '{reservation.group}' (the group "
+                    "was released meanwhile and its window planned again): close the reservation first"
+                )
 
     def apply(self, reply: p.MapReply | p.KvCommitReply, fds: dict[int, int]) -> None:
         """Carry out a reply that changed the arena's backing (the session's and the KV
@@ -394,6 +402,12 @@ class Arena:
     def mapped_bytes(self) -> int:
         """Committed bytes mapped in this process (placeholders not counted)."""
         return sum(c.size for c in self._chunks.values())
+
+    @property
+    def placeholder_fds(self) -> dict[int, int]:
+        """This arena's placeholder chunks as fds by size (still its own: a reservation
+        aliases them over a retained group's windows, gpumem.standby)."""
+        return dict(self._placeholder_fds)
 
     @property
     def placeholder_bytes(self) -> int:

@@ -29,6 +29,7 @@ from gpumem.leases import SessionLeases
 if TYPE_CHECKING:
     from gpumem.arena import Arena
     from gpumem.borrow import BorrowPool
+    from gpumem.standby import Reservation
 
 
 class SessionCore:
@@ -53,6 +54,8 @@ class SessionCore:
         self._borrow_pools: dict[int, BorrowPool] = {}
         # Read-only views, made once: the borrow path reads them on every scope.
         self.arenas: Mapping[str, Arena] = MappingProxyType(self._arenas)
+        # Retained groups' windows this process backs with its placeholder (gpumem.standby), by group.
+        self.reservations: dict[str, Reservation] = {}
         self.borrow_pools: Mapping[int, BorrowPool] = MappingProxyType(self._borrow_pools)
         arenas = self._arenas  # not self: the channel must not keep the core alive
         channel.holdings = lambda: [arena.holding() for arena in list(arenas.values())]
@@ -125,6 +128,11 @@ class SessionCore:
         """Release the arenas (unmapping them) and close both channels; a call another
         thread has in progress ends first (SessionClosed), not at its deadline."""
         self.channel.interrupt()
+        for reservation in list(self.reservations.values()):
+            try:
+                reservation.close()  # its placeholder off the windows: the slice can go
+            except (GpuMemError, DriverError):
+                pass
         for arena in list(self._arenas.values()):
             try:
                 arena.release()
