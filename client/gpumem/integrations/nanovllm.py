@@ -25,6 +25,12 @@ block manager's prefix cache, whose blocks no longer hold what it says:
 
     nanovllm.sleep(llm)                       # the GPU's memory is others' meanwhile
     nanovllm.wake(llm)                        # same addresses: the graphs replay as captured
+
+``enable(name, retain="group")`` keeps the KV cache and a prefix directory for a
+successor (gpumem.retain; ``retain_secret(llm)`` is the secret to hand over): the
+scheduler publishes each full block after the step that wrote it and invalidates a block
+before it is written anew (gpumem.integrations.nanovllm_prefix). The standby side
+(adopting the pool into a reservation, docs/engines.md) is not built for nano-vllm yet.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 from gpumem.engine import EngineMemory
 from gpumem.errors import InvalidArgument
 from gpumem.integrations.nanovllm_blocks import BlockFollower
+from gpumem.integrations.nanovllm_prefix import DirectoryKeeper
 from gpumem.sleep import DEFAULT_WAKE_WAIT_S
 
 
@@ -52,6 +59,7 @@ class Settings:
     follow: bool = True  # the block manager follows the pool at run time
     watermark_blocks: int = 16  # grow once fewer would stay free
     grow_step_blocks: int = 64  # grows in multiples of this
+    retain: str = ""  # a retain group for the KV cache and its prefix directory (retain_secret(llm) gives the secret)
 
 
 _settings: list[Settings] = []
@@ -97,6 +105,9 @@ def enable(name: str, **options: Any) -> None:
         every = [t for layer in layers for t in layer]
         self.config.gpumem_copy = lambda src, dst: _copy_blocks(every, src, dst)
         self.config.gpumem_pool = kv.pool
+        s = _settings[0]
+        self.config.gpumem_group = self._gpumem.retain(s.retain) if s.retain else None
+        self.config.gpumem_prefix = self._gpumem.prefix if s.retain else None
 
     def capture_cudagraph(self: Any) -> None:
         capture(self)
@@ -119,11 +130,21 @@ def enable(name: str, **options: Any) -> None:
                 config.gpumem_pool, self.block_manager, new_block=block_manager.Block, copy_blocks=config.gpumem_copy,
                 sequences=lambda: [*self.running, *self.waiting], watermark=s.watermark_blocks, step=s.grow_step_blocks,
             )
+            prefix = config.gpumem_prefix
+            self.gpumem_prefix = None if prefix is None else DirectoryKeeper(self.block_manager, prefix)
 
         def schedule(self) -> Any:
             if self.gpumem is not None:
                 self.gpumem.before_step(self.waiting, self.running)
-            return super().schedule()
+            scheduled = super().schedule()
+            if self.gpumem_prefix is not None:
+                self.gpumem_prefix.before_step()  # before the step writes a block the directory vouches for
+            return scheduled
+
+        def postprocess(self, seqs: Any, token_ids: Any) -> Any:
+            if self.gpumem_prefix is not None:
+                self.gpumem_prefix.after_step()  # the step's tokens reached the host: its KV writes are done
+            return super().postprocess(seqs, token_ids)
 
         def preempt(self, seq: Any) -> None:
             if self.gpumem is not None:
@@ -143,6 +164,15 @@ def idle(llm: Any) -> None:
     follower = llm.scheduler.gpumem
     if follower is not None:
         follower.idle()
+
+
+def retain_secret(llm: Any) -> str:
+    """The secret of the retain group ``enable(retain=...)`` named, for the standby."""
+    group = llm.model_runner.config.gpumem_group
+    if group is None:
+        raise InvalidArgument("this engine retains nothing: enable(name, retain='group') before building it")
+    secret: str = group.secret
+    return secret
 
 
 def _copy_blocks(caches: list[Any], src: list[int], dst: list[int]) -> None:
@@ -173,6 +203,8 @@ def sleep(llm: Any, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
                 "cache sleeps"
             )
         blocks.hash_to_block_id.clear()  # what a block held is gone: no prefix may match it
+        if llm.scheduler.gpumem_prefix is not None:
+            llm.scheduler.gpumem_prefix.forget_all()  # nor may the retained directory vouch for it
         for block in blocks.blocks:
             block.hash, block.token_ids = -1, []
     mem.sleep(*tags, drop=dropped)
