@@ -27,6 +27,8 @@ from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumem.arena import DEFAULT_PLACEHOLDER_SLOT, Arena
 from gpumem.errors import InvalidArgument, MappingError
+from gpumem.kv_pool import KvPool
+from gpumem.paged_kv import PagedKvCache
 from gpumem.views import RawView
 
 if TYPE_CHECKING:
@@ -79,6 +81,13 @@ class Reservation:
         if self.core.backend == "cuda":
             return RawView(window.address + offset, nbytes, "cuda", self.core.device_ordinal or 0, owner=self)
         return RawView(window.address + offset, nbytes, "cpu", owner=self)
+
+    def paged_kv(self, layers: int, block_shape: tuple[int, ...], itemsize: int, combined: bool = False) -> PagedKvCache:
+        """The group's KV pool as a paged KV cache (gpumem.paged_kv), for its layout and
+        ``tensors`` only: its memory is this reservation's placeholder, and it is no pool
+        of this session (nothing may be asked of the daemon through it) until adopted."""
+        (view,) = self.kv_pools.values()
+        return PagedKvCache(KvPool(self.core, view), layers, block_shape, itemsize, combined)
 
     def _cover_all(self) -> None:
         fds = self._scratch.placeholder_fds
