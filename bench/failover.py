@@ -17,12 +17,15 @@ before promotion (what it owns: committed and placeholder bytes; the weights it 
 the primary's); whether its token ids equal the primary's phase-1 ids for the same
 prompts; and the accounting once the standby closed (nothing left, no retain group).
 
-Engines: ``--backend host`` runs stand-ins (bench/failover_engines.py: nano-vllm's
+Engines (bench/failover_engines.py): ``--backend host`` runs stand-ins (nano-vllm's
 scheduler, block manager and prefix cache in miniature over real host memory, compute
-as sleeps). ``--backend cuda`` needs the nano-vllm standby mode, which does not exist
-yet: it stops with an error saying so.
+as sleeps); ``--backend cuda`` runs nano-vllm (bench/nanovllm_kit.py's random-weight
+Qwen3, greedy; gpumem.integrations.nanovllm with ``retain=`` and ``standby=``), whose
+standby loads its own weights: the read-only sharing of nano-vllm's weights is not built,
+so its own memory counts them.
 
     python bench/failover.py --backend host
+    python bench/failover.py --backend cuda
 
 Last line: {"bench": "failover", ...}; ok when kill -> first token <= 1.0 s, >= 99% of the
 prompt tokens hit, the standby's own memory <= 1 GiB, the tokens identical and the
@@ -37,6 +40,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,16 +51,23 @@ import _common as c
 BENCH = "failover"
 GiB = 1 << 30
 ENGINES = str(Path(__file__).resolve().parent / "failover_engines.py")
+KIT = str(Path(__file__).resolve().parent / "nanovllm_kit.py")
+# Per backend: tokens a KV block (the stand-in's, nano-vllm's) and the defaults of the
+# prompt shape; on CUDA a prompt and its new tokens stay within the kit's max_model_len.
+SHAPES = {
+    "host": {"block": 16, "prefixes": 8, "prefix_blocks": 8, "per_prefix": 4, "suffix_blocks": 8, "new_tokens": 24},
+    "cuda": {"block": 256, "prefixes": 4, "prefix_blocks": 2, "per_prefix": 4, "suffix_blocks": 1, "new_tokens": 16},
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = c.ArgumentParser(BENCH, description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["host", "cuda"], default="host", help="daemon backend (default: host)")
-    ap.add_argument("--prefixes", type=int, default=8, help="distinct shared prefixes (default: 8)")
-    ap.add_argument("--prefix-blocks", type=int, default=8, help="blocks each shared prefix fills (default: 8)")
-    ap.add_argument("--per-prefix", type=int, default=4, help="prompts per prefix (default: 4)")
-    ap.add_argument("--suffix-blocks", type=int, default=8, help="blocks of each prompt's own tokens, plus one token (default: 8)")
-    ap.add_argument("--new-tokens", type=int, default=24, help="tokens each request generates (default: 24)")
+    ap.add_argument("--prefixes", type=int, default=None, help="distinct shared prefixes (default: 8 host, 4 cuda)")
+    ap.add_argument("--prefix-blocks", type=int, default=None, help="blocks each shared prefix fills (default: 8 host, 2 cuda)")
+    ap.add_argument("--per-prefix", type=int, default=None, help="prompts per prefix (default: 4)")
+    ap.add_argument("--suffix-blocks", type=int, default=None, help="blocks of each prompt's own tokens, plus one token (default: 8 host, 1 cuda)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens each request generates (default: 24 host, 16 cuda)")
     ap.add_argument("--blocks", type=int, default=4096, help="the KV pool's blocks (default: 4096)")
     ap.add_argument("--seed", type=int, default=26, help="prompt seed (default: 26)")
     ap.add_argument("--target-first-token-s", type=float, default=1.0, help="ok when kill -> first token <= this (default: 1.0)")
@@ -65,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--start-timeout", type=float, default=120.0, help="seconds the daemon and the engines get to start")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds each phase may take")
     args = ap.parse_args(argv)
+    for name, value in SHAPES[args.backend].items():
+        if getattr(args, name, 0) is None:
+            setattr(args, name, value)
     if min(args.prefixes, args.prefix_blocks, args.per_prefix, args.new_tokens) < 1 or args.suffix_blocks < 0:
         ap.error("--prefixes, --prefix-blocks, --per-prefix and --new-tokens must be >= 1, --suffix-blocks >= 0")
     return args
@@ -92,8 +106,6 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         "first_token_s_max": args.target_first_token_s, "prompt_hit_min": args.target_hit,
         "standby_own_bytes_max": args.target_standby_bytes, "tokens_identical": True, "accounting_exact": True,
     }
-    if args.backend == "cuda":
-        raise RuntimeError("--backend cuda needs the nano-vllm standby mode (gpumem.integrations), which is not built yet (issue 26)")
     import failover_engines as fe
 
     rdir = cleanup.enter_context(c.runtime_dir("gmb-failover-"))
@@ -106,18 +118,22 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     import gpumem
 
     env = c.child_env(GPUMEMD_RUNTIME_DIR=str(rdir))
-    reqs = requests(args, fe.BLOCK, fe.VOCAB)
+    block = SHAPES[args.backend]["block"]
+    reqs = requests(args, block, fe.VOCAB)
     prompt_tokens = sum(len(r["prompt"]) for r in reqs)
     c.say(f"{BENCH}: {len(reqs)} prompts of {len(reqs[0]['prompt'])} tokens ({args.prefixes} shared prefixes of "
-          f"{args.prefix_blocks * fe.BLOCK}), {args.new_tokens} new tokens each; runtime dir {rdir}")
-    spec = {"runtime_dir": str(rdir), "group": "fo", "dir": str(work), "blocks": args.blocks, "requests": reqs}
-    for role in ("primary", "standby"):
-        (work / f"{role}.spec.json").write_text(json.dumps(spec | {"role": role}))
+          f"{args.prefix_blocks * block}), {args.new_tokens} new tokens each; runtime dir {rdir}")
+    spec: dict[str, Any] = {"backend": args.backend, "runtime_dir": str(rdir), "group": "fo", "dir": str(work), "blocks": args.blocks, "requests": reqs}
+    if args.backend == "cuda":
+        spec["model"] = str(rdir / "model")
+        subprocess.run([sys.executable, KIT, "build", spec["model"]], check=True, timeout=args.start_timeout, env=env)
+    for port, role in ((29621, "primary"), (29622, "standby")):  # nano-vllm's process group, one each
+        (work / f"{role}.spec.json").write_text(json.dumps(spec | {"role": role, "port": port}))
     engines = {}
     for role in ("primary", "standby"):
         engines[role] = c.Child(f"{role} engine", [ENGINES, str(work / f"{role}.spec.json")], rdir / f"{role}.log", env)
         cleanup.callback(engines[role].stop)
-    wait_file(work / "standby-ready.json", engines["standby"], args.start_timeout, "its reservation")
+    wait_file(work / "standby-ready.json", engines["standby"], args.run_timeout, "its reservation")
 
     session = gpumem.connect(0, name="bench-failover", runtime_dir=rdir)
     cleanup.callback(session.close)

@@ -271,9 +271,87 @@ def standby(spec: dict[str, Any], out: Path) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- nano-vllm (CUDA)
+
+
+def nano_primary(spec: dict[str, Any], out: Path) -> int:
+    """nano-vllm retaining its KV cache and prefix directory (its own weights: the
+    read-only sharing of nano-vllm's weights is not built)."""
+    import nanovllm_kit as kit
+
+    kit.install_standins(spec["port"])
+    from nanovllm import LLM, SamplingParams
+
+    from gpumem.integrations import nanovllm as integration
+
+    integration.enable("fo-primary", retain=spec["group"])
+    llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
+    _write_json(out / "secret.json", {"secret": integration.retain_secret(llm)})
+    batch = [r["prompt"] for r in spec["requests"]]
+    tokens = kit.generate(llm, batch, spec["requests"][0]["max_tokens"]).tokens
+    _write_json(out / "phase1.json", {str(r["id"]): t for r, t in zip(spec["requests"], tokens)})
+    params = SamplingParams(temperature=1.0, max_tokens=spec["requests"][0]["max_tokens"], ignore_eos=True)
+    for prompt in batch:
+        llm.add_request(prompt, params)
+    llm.step()
+    _write_json(out / "phase2.json", {"at": time.monotonic()})
+    while not llm.is_finished():
+        llm.step()
+    _write_json(out / "primary-done.json", {})  # the benchmark kills it before this
+    return 0
+
+
+def nano_standby(spec: dict[str, Any], out: Path) -> int:
+    import nanovllm_kit as kit
+
+    kit.install_standins(spec["port"])
+    from nanovllm import LLM, SamplingParams
+
+    from gpumem.integrations import nanovllm as integration
+
+    while not (out / "secret.json").exists():
+        time.sleep(0.01)
+    secret = json.loads((out / "secret.json").read_text())["secret"]
+    integration.enable("fo-standby", standby=(spec["group"], secret))
+    llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
+    _write_json(out / "standby-ready.json", {"pid": os.getpid()})
+    seeded = integration.take_over(llm, wait=ADOPT_WAIT_S)
+    adopted_at = time.monotonic()
+    mem = llm.model_runner._gpumem
+    corrupt = mem.prefix.scan(mem.kv.blocks).corrupt  # seeded: the trusted entries the block manager took
+    manager = llm.scheduler.block_manager
+    allocate, cached = manager.allocate, []
+
+    def counted(seq: Any) -> None:
+        allocate(seq)
+        cached.append(seq.num_cached_tokens)
+
+    manager.allocate = counted
+    params = SamplingParams(temperature=1.0, max_tokens=spec["requests"][0]["max_tokens"], ignore_eos=True)
+    for r in spec["requests"]:
+        llm.add_request(r["prompt"], params)
+    first: list[float] = []
+    outputs: dict[int, list[int]] = {}
+    while not llm.is_finished():
+        finished, _ = llm.step()
+        first = first or [time.monotonic()]
+        outputs.update(dict(finished))
+    order = sorted(outputs)  # seq ids in the order the requests were added
+    _write_json(out / "standby.json", {
+        "adopted_at": adopted_at, "first_token_at": first[0], "trusted": seeded, "corrupt": corrupt, "cached": sum(cached),
+        "prompt_tokens": sum(len(r["prompt"]) for r in spec["requests"]),
+        "tokens": {str(r["id"]): outputs[seq_id] for r, seq_id in zip(spec["requests"], order)},
+    })
+    while not (out / "close.json").exists():
+        time.sleep(0.01)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     out = Path(spec["dir"])
+    if spec["backend"] == "cuda":
+        return nano_primary(spec, out) if spec["role"] == "primary" else nano_standby(spec, out)
     return primary(spec, out) if spec["role"] == "primary" else standby(spec, out)
 
 
