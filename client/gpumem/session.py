@@ -228,7 +228,9 @@ class Session:
         mapped at their addresses (``gpumem.retain.adopt``: ``wait`` bounds the wait for
         the holder's end and its fence; ``reservation``, from ``reserve_retained``: the
         adopted chunks replace its placeholder, and it is closed once they did; kept where the
-        adoption fails, to try again)."""
+        adoption fails, to try again; this session's reservation of ``group`` by default)."""
+        # The process's own reservation of the group, if any: its windows are not free here otherwise.
+        reservation = reservation or self.core.reservations.get(group)
         adopted = adopt(self.core, group, secret, wait=wait, confirm=confirm, reservation=reservation)
         if reservation is not None:
             reservation.close()

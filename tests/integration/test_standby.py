@@ -101,3 +101,16 @@ def test_a_window_planned_again_over_a_reservation_is_refused_in_the_standby(dae
     assert again.startswith("ERR VaCollision") and "retain group 'g'" in again, again
     do(standby, "unreserve g")
     assert int(do(standby, f"create mine {GiB}")) == addresses["weights"]
+
+
+def test_an_adoption_goes_through_the_sessions_reservation_without_being_told(daemon: Any, spawn: kit.Spawn, runtime_dir: Path) -> None:
+    eng, secret, addresses = kit.primary(spawn)
+    standby = spawn("standby")
+    do(standby, f"reserve g {secret}")
+    do(standby, f"rview kv g kv 0 {MiB}")
+    eng.kill()
+    kit.orphaned(runtime_dir)
+    got = json.loads(do(standby, f"adopt g {secret} 5"))  # no reservation named: the session's own is used
+    assert got["kv"] == {"kv": [addresses["kv"], 4096]}
+    assert json.loads(do(standby, "vread kv")) == [90]
+    assert [a["name"] for a in status(runtime_dir)["arenas"]] == ["weights", "kv"]
