@@ -5,7 +5,13 @@ GPU tests of retain groups (tests/integration/test_retain.py).
 
 Commands, besides every one of tests/clients.py:
   group GROUP                  (the secret)               retain GROUP NAME     unretain GROUP NAME
-  adopt GROUP SECRET WAIT [noconfirm]   (JSON: arenas {name: address}, kv {name: [address, tokens]}, previous)
+  adopt GROUP SECRET WAIT [noconfirm] [reserved]   (JSON: arenas {name: address}, kv {name: [address, tokens]}, previous;
+                               reserved: into the reservation of GROUP)
+  reserve GROUP SECRET         (JSON {name: address} of the windows reserved)    unreserve GROUP
+  rview KEY GROUP NAME OFFSET N  (a tensor over the reserved window, built now: NumPy, or torch via DLPack with a
+                               CUDA graph of a copy out of it captured now)
+  vread KEY                    (the distinct byte values read through KEY's tensor, or on CUDA its graph replayed)
+  vfill KEY BYTE               (written through KEY's tensor)
   confirm GROUP                cut  (shut the fd channel down, the process lives on: its session ends)
   dircreate NAME BLOCKS        dirpublish NAME BLOCK HASH     dirinvalidate NAME BLOCK
   dirtear NAME BLOCK HASH      (a publish cut short: the first half of the entry written)
@@ -36,6 +42,8 @@ from gpumem_shared import protocol as p
 from gpumem.prefix_directory import ENTRY_BYTES, HEADER_BYTES, PrefixDirectory
 
 GROUPS: dict[str, gpumem.RetainGroup] = {}
+RESERVED: dict[str, gpumem.Reservation] = {}
+VIEWS: dict[str, tuple[object, object, object]] = {}  # key: the tensor, a graph and its output (CUDA)
 ADOPTED: dict[str, gpumem.Adopted] = {}
 DIRECTORIES: dict[str, PrefixDirectory] = {}
 
@@ -50,7 +58,8 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
         (group.retain if cmd == "retain" else group.unretain)(target)
         return None
     if cmd == "adopt":
-        adopted = session.adopt(args[0], args[1], wait=float(args[2]), confirm="noconfirm" not in args[3:])
+        reservation = RESERVED.get(args[0]) if "reserved" in args[3:] else None
+        adopted = session.adopt(args[0], args[1], wait=float(args[2]), confirm="noconfirm" not in args[3:], reservation=reservation)
         ADOPTED[args[0]] = adopted
         arenas.update(adopted.arenas)
         for name, pool in adopted.kv_pools.items():
@@ -61,6 +70,22 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
             "kv": {n: [pool.arena.address, pool.tokens] for n, pool in adopted.kv_pools.items()},
             "previous": adopted.previous,
         })
+    if cmd == "reserve":
+        RESERVED[args[0]] = session.reserve_retained(args[0], args[1])
+        return json.dumps({n: o.arena.address for n, o in RESERVED[args[0]].objects.items()})
+    if cmd == "unreserve":
+        RESERVED.pop(args[0]).close()
+        return None
+    if cmd == "rview":
+        view = RESERVED[args[1]].view(args[2], int(args[3]), int(args[4]))
+        VIEWS[args[0]] = _tensor(session, view)
+        return None
+    if cmd == "vread":
+        return json.dumps(_read(session, VIEWS[args[0]]))
+    if cmd == "vfill":
+        tensor = VIEWS[args[0]][0]
+        tensor[:] = int(args[1])  # type: ignore[index]
+        return None
     if cmd == "confirm":
         ADOPTED[args[0]].confirm()
         return None
@@ -97,6 +122,39 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
     if cmd == "rofds":
         return json.dumps(_try_fds(session, args[0], args[1] if len(args) > 1 else ""))
     return clients.run(session, arenas, cmd, args)
+
+
+def _tensor(session: gpumem.Session, view: gpumem.RawView) -> tuple[object, object, object]:
+    """A tensor over ``view``; on CUDA also a graph, captured now, copying it out."""
+    if session.backend != "cuda":
+        import numpy
+
+        return numpy.asarray(view), None, None
+    import torch
+
+    src = torch.from_dlpack(view)
+    dst = torch.empty_like(src)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        dst.copy_(src)  # warm-up outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            dst.copy_(src)
+    torch.cuda.synchronize()
+    return src, graph, dst
+
+
+def _read(session: gpumem.Session, held: tuple[object, object, object]) -> list[int]:
+    tensor, graph, out = held
+    if graph is None:
+        import numpy
+
+        return [int(x) for x in numpy.unique(tensor)]  # type: ignore[call-overload]
+    import torch
+
+    graph.replay()  # type: ignore[attr-defined]
+    torch.cuda.synchronize()
+    return [int(x) for x in torch.unique(out).tolist()]  # type: ignore[call-overload]
 
 
 def _access(session: gpumem.Session, address: int) -> str:

@@ -51,6 +51,7 @@ from gpumem.views import RawView
 from gpumem.kv_pool import KvBuffer, KvPool, RoundWait
 from gpumem.prefix_directory import PrefixDirectory
 from gpumem.retain import Adopted, RetainGroup
+from gpumem.standby import Reservation
 from gpumem.session import Session, connect
 from gpumem.sleep import ArenaSleep
 from gpumem_shared import __version__
@@ -101,6 +102,7 @@ __all__ = [
     "StaleEpoch",
     "TorchFeatureMissing",
     "RawView",
+    "Reservation",
     "RetainGroup",
     "VaCollision",
     "__version__",

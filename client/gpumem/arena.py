@@ -151,6 +151,7 @@ class Arena:
                 f"address slice of its daemon [{held.base:#x}, {held.end:#x}): the daemon and this client disagree on "
                 "the address plan (check that both are the same gpumemd version)"
             )
+        self.core.refuse_reserved(f"arena '{self.name}'", self.address, self.address + self.reserved)
 
     def apply(self, reply: p.MapReply | p.KvCommitReply, fds: dict[int, int]) -> None:
         """Carry out a reply that changed the arena's backing (the session's and the KV
@@ -441,6 +442,12 @@ class Arena:
     def mapped_bytes(self) -> int:
         """Committed bytes mapped in this process (placeholders not counted)."""
         return sum(c.size for c in self._chunks.values())
+
+    @property
+    def placeholder_fds(self) -> dict[int, int]:
+        """This arena's placeholder chunks as fds by size (still its own: a reservation
+        aliases them over a retained group's windows, gpumem.standby)."""
+        return dict(self._placeholder_fds)
 
     @property
     def placeholder_bytes(self) -> int:

@@ -23,12 +23,13 @@ from gpumem_shared.paths import Endpoints
 from gpumem import address_slices
 from gpumem.address_slices import AddressSlice
 from gpumem.channel import SessionChannel
-from gpumem.errors import DaemonUnavailable, GpuMemError, InvalidArgument
+from gpumem.errors import DaemonUnavailable, GpuMemError, InvalidArgument, VaCollision
 from gpumem.leases import SessionLeases
 
 if TYPE_CHECKING:
     from gpumem.arena import Arena
     from gpumem.borrow import BorrowPool
+    from gpumem.standby import Reservation
 
 
 class SessionCore:
@@ -53,6 +54,8 @@ class SessionCore:
         self._borrow_pools: dict[int, BorrowPool] = {}
         # Read-only views, made once: the borrow path reads them on every scope.
         self.arenas: Mapping[str, Arena] = MappingProxyType(self._arenas)
+        # Retained groups' windows this process backs with its placeholder (gpumem.standby), by group.
+        self.reservations: dict[str, Reservation] = {}
         self.borrow_pools: Mapping[int, BorrowPool] = MappingProxyType(self._borrow_pools)
         arenas = self._arenas  # not self: the channel must not keep the core alive
         channel.holdings = lambda: [arena.holding() for arena in list(arenas.values())]
@@ -118,12 +121,30 @@ class SessionCore:
         if borrowed is not None:
             borrowed.close()
 
+    def refuse_reserved(self, what: str, start: int, end: int) -> None:
+        """VaCollision if [start, end) overlaps a window this process reserved for a
+        standby (gpumem.standby): the retain group was released meanwhile and the daemon
+        planned its window again, for ``what``."""
+        for reservation in self.reservations.values():
+            window = reservation.overlapping(start, end)
+            if window is not None:
+                raise VaCollision(
+                    f"{what} is planned at [{start:#x}, {end:#x}), over the window of '{window}' that this process "
+                    f"reserved for retain group '{reservation.group}' (the group was released meanwhile and its window "
+                    "planned again): close the reservation first"
+                )
+
     def close(self) -> None:
         """Release the arenas (unmapping them) and close both channels; a call another
         thread has in progress ends first (SessionClosed), not at its deadline. That
         call may still be putting its placeholder back: each arena's release waits for
         it (the arena's mappings change under one lock), then nothing is mapped."""
         self.channel.interrupt()
+        for reservation in list(self.reservations.values()):
+            try:
+                reservation.close()  # its placeholder off the windows: the slice can go
+            except (GpuMemError, DriverError):
+                pass
         for arena in list(self._arenas.values()):
             try:
                 arena.release()

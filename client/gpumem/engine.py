@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from gpumem.kv_pool import RoundWait
     from gpumem.retain import Adopted, RetainGroup
     from gpumem.session import Session
+    from gpumem.standby import Reservation
 
 K = TypeVar("K")
 R = TypeVar("R")
@@ -227,14 +228,14 @@ class EngineMemory:
 
     def adopt_kv(
         self, group: str, secret: str, *, layers: int, block_shape: tuple[int, ...], itemsize: int, combined: bool = False,
-        wait: float = 0.0,
+        wait: float = 0.0, reservation: Reservation | None = None,
     ) -> Adopted:
         """Take over a dead engine's retained KV cache (laid out as ``kv_cache`` describes
         it) and its prefix directory, if it kept one: they become this engine's ``kv`` and
-        ``prefix``, at the same addresses. ``wait``: as ``Session.adopt``."""
+        ``prefix``, at the same addresses. ``wait``, ``reservation``: as ``Session.adopt``."""
         if self.kv is not None:
             raise InvalidArgument(f"engine '{self.name}' has a KV cache already")
-        adopted = self.session.adopt(group, secret, wait=wait)
+        adopted = self.session.adopt(group, secret, wait=wait, reservation=reservation)
         if len(adopted.kv_pools) != 1:
             raise InvalidArgument(f"retain group '{group}' holds {len(adopted.kv_pools)} KV pools, not one: {sorted(adopted.kv_pools)}")
         (pool,) = adopted.kv_pools.values()

@@ -32,6 +32,7 @@ from gpumem.prefix_directory import PrefixDirectory
 
 if TYPE_CHECKING:
     from gpumem.core import SessionCore
+    from gpumem.standby import Reservation
 
 Retainable = Arena | KvPool | PagedKvCache | PrefixDirectory
 
@@ -99,12 +100,18 @@ class Adopted:
         return f"<gpumem.Adopted '{self.group.name}' from {self.previous}: {sorted(self.arenas)} {sorted(self.kv_pools)}>"
 
 
-def adopt(core: SessionCore, group: str, secret: str, *, wait: float = 0.0, confirm: bool = True) -> Adopted:
+def adopt(
+    core: SessionCore, group: str, secret: str, *, wait: float = 0.0, confirm: bool = True, reservation: Reservation | None = None
+) -> Adopted:
     """``Session.adopt``: take over retain group ``group`` with its ``secret``. While
     its holder still lives (``GroupHeld``) or may still write (``NotFenced``), tries again
     for up to ``wait`` seconds, then raises that error (which names the holder or the
     pid); at once where another adopter took it first (``GroupHeld`` naming it). Maps every object at its addresses; ``confirm`` (the default) then tells the
-    daemon, or call ``Adopted.confirm()`` once the engine checked what it got."""
+    daemon, or call ``Adopted.confirm()`` once the engine checked what it got.
+    ``reservation`` (gpumem.standby): the windows this process backed with its
+    placeholder; each is swapped for the adopted chunks at the same addresses, and a KV
+    pool's uncommitted rows get the placeholder again (its own now), so what was captured
+    against the reservation replays on the adopted memory."""
     deadline = time.monotonic() + wait
     pause = _FIRST_RETRY_S
     holder: int | str | None = None  # the session holding the group when this began to wait
@@ -133,7 +140,7 @@ def adopt(core: SessionCore, group: str, secret: str, *, wait: float = 0.0, conf
     try:
         while waiting:
             obj, mine = waiting.pop(0)
-            _map(core, adopted, obj, mine)
+            _map(core, adopted, obj, mine, reservation)
     finally:
         for _, rest in waiting:  # a failed mapping stops the others: their fds go
             fdchannel.close_all(list(rest.values()))
@@ -142,18 +149,21 @@ def adopt(core: SessionCore, group: str, secret: str, *, wait: float = 0.0, conf
     return adopted
 
 
-def _map(core: SessionCore, adopted: Adopted, obj: p.AdoptedObject, fds: dict[int, int]) -> None:
+def _map(core: SessionCore, adopted: Adopted, obj: p.AdoptedObject, fds: dict[int, int], reservation: Reservation | None) -> None:
     """One adopted object mapped here at its window, its chunks handed in ``fds`` (this
-    function owns them)."""
+    function owns them), in place of the reservation's placeholder there."""
     pool = KvPool(core, obj.kv) if obj.kv is not None else None
     arena = pool.arena if pool is not None else Arena(core, obj.arena, owner=True)
     try:
+        reserved = reservation is not None and reservation.vacate(arena.name)
         arena.reserve_window()
     except BaseException:
         fdchannel.close_all(list(fds.values()))
         raise
     core.add_arena(arena)
     arena.apply(p.MapReply(arena=obj.arena, chunks=obj.chunks, retired=[], fd_batches=0), fds)
+    if pool is not None and reserved and reservation is not None:
+        pool.placeholder(reservation.slot_bytes)
     if pool is not None:
         adopted.kv_pools[pool.name] = pool
     else:

@@ -34,6 +34,7 @@ from gpumem.leases import Lease, LeasePool
 from gpumem.paged_kv import PagedKvCache
 from gpumem.prefix_directory import PrefixDirectory
 from gpumem.retain import Adopted, RetainGroup, adopt
+from gpumem.standby import Reservation
 
 DEFAULT_TIMEOUT = 10.0
 # replay() runs on every step: a module global, because before Python 3.12 reading an enum
@@ -222,11 +223,24 @@ class Session:
         this uid that gives ``secret`` to adopt (see gpumem.retain)."""
         return RetainGroup.open(self.core, name)
 
-    def adopt(self, group: str, secret: str, *, wait: float = 0.0, confirm: bool = True) -> Adopted:
+    def adopt(self, group: str, secret: str, *, wait: float = 0.0, confirm: bool = True, reservation: Reservation | None = None) -> Adopted:
         """Take over the retained arenas and KV pools of ``group``, whose holder ended,
         mapped at their addresses (``gpumem.retain.adopt``: ``wait`` bounds the wait for
-        the holder's end and its fence)."""
-        return adopt(self.core, group, secret, wait=wait, confirm=confirm)
+        the holder's end and its fence; ``reservation``, from ``reserve_retained``: the
+        adopted chunks replace its placeholder, and it is closed once they did; kept where the
+        adoption fails, to try again; this session's reservation of ``group`` by default)."""
+        # The process's own reservation of the group, if any: its windows are not free here otherwise.
+        reservation = reservation or self.core.reservations.get(group)
+        adopted = adopt(self.core, group, secret, wait=wait, confirm=confirm, reservation=reservation)
+        if reservation is not None:
+            reservation.close()
+        return adopted
+
+    def reserve_retained(self, group: str, secret: str) -> Reservation:
+        """Back the windows of retain group ``group``'s objects with this process's
+        placeholder, for a standby to build tensors and capture graphs at the addresses
+        it adopts later (gpumem.standby). No byte of the group's memory is mapped."""
+        return Reservation.open(self.core, group, secret)
 
     def create_prefix_directory(self, name: str, *, blocks: int) -> PrefixDirectory:
         """A prefix directory for ``blocks`` KV blocks in a new arena ``name``, to retain

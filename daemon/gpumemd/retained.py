@@ -188,24 +188,43 @@ class RetainBook:
             log.info("retain group %r: %r retained (%d bytes committed)", group.name, arena.name, arena.committed)
         return Outcome(p.Ack())
 
-    def adopt(self, s: SessionRecord, m: p.Adopt) -> Outcome:
-        group = self._get(m.group)
+    def _admit(self, s: SessionRecord, group: GroupRecord, secret: str, what: str) -> str:
+        """PERMISSION_DENIED unless ``s`` is of the group's uid and gives its secret;
+        returns how the log names ``s``."""
         who = f"client '{s.name}' (pid {s.pid}, uid {s.uid})"
         # The secret is compared whatever else refuses: how long a refusal takes says
         # nothing about how close a guess came.
-        right = hmac.compare_digest(group.secret, m.secret.encode())
+        right = hmac.compare_digest(group.secret, secret.encode())
         if group.uid != s.uid:
-            log.warning("retain group %r: adoption by %s refused: the group belongs to uid %d", group.name, who, group.uid)
+            log.warning("retain group %r: %s by %s refused: the group belongs to uid %d", group.name, what, who, group.uid)
             raise p.ProtocolError(
                 p.ErrorCode.PERMISSION_DENIED,
                 f"retain group '{group.name}' belongs to uid {group.uid}; this session is uid {s.uid}: only a process of "
-                "the group's uid may adopt it, secret or not",
+                f"the group's uid may {what} it, secret or not",
                 group=group.name,
                 uid=s.uid,
             )
         if not right:
-            log.warning("retain group %r: adoption by %s refused: wrong secret", group.name, who)
+            log.warning("retain group %r: %s by %s refused: wrong secret", group.name, what, who)
             raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"wrong secret for retain group '{group.name}'", group=group.name)
+        return who
+
+    def reserve(self, s: SessionRecord, m: p.RetainReserve) -> Outcome:
+        """Where the group's objects lie, for a standby's placeholder: their windows stay
+        planned while the group lives (held or orphaned), so the standby's own arenas
+        never land there."""
+        group = self._get(m.group)
+        self._admit(s, group, m.secret, "reserve")
+        objects = []
+        for name in group.objects:
+            view = self.arenas.view(self.arenas.by_name[name])
+            pool = self.kv.pools.get(name)
+            objects.append(p.AdoptedObject(arena=view, chunks=[], kv=pool.view(view) if pool else None))
+        return Outcome(p.ReserveReply(group=group.name, objects=objects))
+
+    def adopt(self, s: SessionRecord, m: p.Adopt) -> Outcome:
+        group = self._get(m.group)
+        who = self._admit(s, group, m.secret, "adopt")
         if group.holder == s.id:
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"this session holds retain group '{group.name}' already", group=group.name)
         if group.holder:

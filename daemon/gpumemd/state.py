@@ -49,7 +49,7 @@ log = logging.getLogger("gpumemd.state")
 Handler = Callable[[Any, Any], Outcome]
 
 # Requests that change nothing a restart must find: no durable record is written for them.
-_READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent})
+_READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent, p.RetainReserve})
 
 # The field of each request that names an arena (a KV pool is one): the daemon reads it
 # as a name of the sender's uid (Tenants.resolve) before any book sees it.
@@ -150,6 +150,7 @@ class DaemonState:
             p.Retain: self.retained.mark,
             p.Adopt: self.retained.adopt,
             p.AdoptDone: self.retained.adopt_done,
+            p.RetainReserve: self.retained.reserve,
         }
         # Answered later, when their round commits or fails: they need the request id.
         self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow}

@@ -208,7 +208,7 @@ def test_the_patched_scheduler_follows_its_pool_before_every_step_and_counts_pre
     monkeypatch.setitem(sys.modules, "nanovllm.engine", engine)
     nanovllm.enable("engine-a", watermark_blocks=2, grow_step_blocks=8)
     pool = Pool(8)
-    config = types.SimpleNamespace(gpumem_round=types.SimpleNamespace(wait=lambda: 8), gpumem_pool=pool, gpumem_copy=None)
+    config = types.SimpleNamespace(gpumem_round=types.SimpleNamespace(wait=lambda: 8), gpumem_pool=pool, gpumem_copy=None, gpumem_prefix=None)
     scheduler = engine.llm_engine.Scheduler(config)  # type: ignore[attr-defined]
     assert config.num_kvcache_blocks == 8 and pool.rows_in_use() == 0
     scheduler.waiting.append(Seq(4 * 7))  # 7 blocks of 8: 1 would stay free, under the watermark

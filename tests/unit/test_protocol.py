@@ -59,6 +59,7 @@ SAMPLES: list[Any] = [
     p.Retain(group="engine-a", name="kv", retained=False),
     p.Adopt(group="engine-a", secret="ef" * 32),
     p.AdoptDone(group="engine-a"),
+    p.RetainReserve(group="engine-a", secret="ab" * 32),
 ]
 
 
@@ -146,6 +147,7 @@ def test_message_type_numbers_never_change() -> None:
         "RETAIN": 51,
         "ADOPT": 52,
         "ADOPT_DONE": 53,
+        "RETAIN_RESERVE": 54,
         "FD_BATCH": 100,
         "NOTICE": 101,
     }

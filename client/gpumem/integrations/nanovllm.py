@@ -25,6 +25,16 @@ block manager's prefix cache, whose blocks no longer hold what it says:
 
     nanovllm.sleep(llm)                       # the GPU's memory is others' meanwhile
     nanovllm.wake(llm)                        # same addresses: the graphs replay as captured
+
+``enable(name, retain="group")`` keeps the KV cache and a prefix directory for a
+successor (gpumem.retain; ``retain_secret(llm)`` is the secret to hand over): the
+scheduler publishes each full block after the step that wrote it and invalidates a block
+before it is written anew (gpumem.integrations.nanovllm_prefix). The standby side
+is ``enable(name, standby=(group, secret))``: the engine builds as usual (its own
+weights) but reserves the primary's KV windows instead of declaring a cache (no round),
+builds its KV tensors there and captures its graphs on them; ``take_over(llm, wait=)``
+then adopts the pool and the directory into the reservation, sizes the block manager to
+the adopted blocks and seeds its prefix cache. Run no step before ``take_over``.
 """
 
 from __future__ import annotations
@@ -35,7 +45,8 @@ from typing import Any
 
 from gpumem.engine import EngineMemory
 from gpumem.errors import InvalidArgument
-from gpumem.integrations.nanovllm_blocks import BlockFollower
+from gpumem.integrations.nanovllm_blocks import BlockFollower, resize
+from gpumem.integrations.nanovllm_prefix import DirectoryKeeper
 from gpumem.sleep import DEFAULT_WAKE_WAIT_S
 
 
@@ -52,6 +63,8 @@ class Settings:
     follow: bool = True  # the block manager follows the pool at run time
     watermark_blocks: int = 16  # grow once fewer would stay free
     grow_step_blocks: int = 64  # grows in multiples of this
+    retain: str = ""  # a retain group for the KV cache and its prefix directory (retain_secret(llm) gives the secret)
+    standby: tuple[str, str] | None = None  # (group, secret): build as the standby of the engine retaining that group
 
 
 _settings: list[Settings] = []
@@ -75,7 +88,7 @@ def enable(name: str, **options: Any) -> None:
         self._gpumem = mem = EngineMemory(s.name, s.device, runtime_dir=s.runtime_dir)
         with mem.running():
             init(self, config, rank, event)
-        config.gpumem_round = mem.start_kv_commit(headroom_bytes=s.headroom_bytes, min_blocks=s.min_blocks, weight=s.weight)
+        config.gpumem_round = None if s.standby else mem.start_kv_commit(headroom_bytes=s.headroom_bytes, min_blocks=s.min_blocks, weight=s.weight)
         if s.borrow_sampler:
             sampler = self.sampler
             self.sampler = lambda logits, *a, **k: mem.borrowed(sampler, logits, *a, need_bytes=4 * logits.numel(), **k)
@@ -83,12 +96,17 @@ def enable(name: str, **options: Any) -> None:
     def allocate_kv_cache(self: Any) -> None:
         hf = self.config.hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        kv = self._gpumem.kv_cache(
-            layers=hf.num_hidden_layers,
-            block_shape=(self.block_size, hf.num_key_value_heads, head_dim),
-            itemsize=self.dtype.itemsize,
-            expect=_settings[0].expect,
-        )
+        s = _settings[0]
+        layout = {"layers": hf.num_hidden_layers, "block_shape": (self.block_size, hf.num_key_value_heads, head_dim), "itemsize": self.dtype.itemsize}
+        self.config.gpumem_layout = layout
+        if s.standby:
+            # The primary's KV windows, this process's placeholder under them: the tensors
+            # and the graphs captured on them are at the addresses take_over adopts.
+            reservation = self._gpumem.session.reserve_retained(*s.standby)
+            kv = reservation.paged_kv(**layout)
+            self.config.gpumem_reservation, self.config.gpumem_standby_blocks = reservation, kv.blocks
+        else:
+            kv = self._gpumem.kv_cache(**layout, expect=s.expect)
         layers = kv.tensors(self.dtype)
         caches = iter(layers)
         for module in self.model.modules():
@@ -96,7 +114,9 @@ def enable(name: str, **options: Any) -> None:
                 module.k_cache, module.v_cache = next(caches)
         every = [t for layer in layers for t in layer]
         self.config.gpumem_copy = lambda src, dst: _copy_blocks(every, src, dst)
-        self.config.gpumem_pool = kv.pool
+        self.config.gpumem_pool = None if s.standby else kv.pool
+        self.config.gpumem_group = self._gpumem.retain(s.retain) if s.retain else None
+        self.config.gpumem_prefix = self._gpumem.prefix if s.retain else None
 
     def capture_cudagraph(self: Any) -> None:
         capture(self)
@@ -112,18 +132,28 @@ def enable(name: str, **options: Any) -> None:
 
     class Scheduler(llm_engine.Scheduler):  # type: ignore[misc]
         def __init__(self, config: Any) -> None:
-            config.num_kvcache_blocks = config.gpumem_round.wait()
-            super().__init__(config)
             s = _settings[0]
-            self.gpumem = None if not s.follow else BlockFollower(
+            config.num_kvcache_blocks = config.gpumem_standby_blocks if s.standby else config.gpumem_round.wait()
+            super().__init__(config)
+            self.gpumem = None if not s.follow or s.standby else BlockFollower(
                 config.gpumem_pool, self.block_manager, new_block=block_manager.Block, copy_blocks=config.gpumem_copy,
                 sequences=lambda: [*self.running, *self.waiting], watermark=s.watermark_blocks, step=s.grow_step_blocks,
             )
+            prefix = config.gpumem_prefix
+            self.gpumem_prefix = None if prefix is None else DirectoryKeeper(self.block_manager, prefix)
 
         def schedule(self) -> Any:
             if self.gpumem is not None:
                 self.gpumem.before_step(self.waiting, self.running)
-            return super().schedule()
+            scheduled = super().schedule()
+            if self.gpumem_prefix is not None:
+                self.gpumem_prefix.before_step()  # before the step writes a block the directory vouches for
+            return scheduled
+
+        def postprocess(self, seqs: Any, token_ids: Any) -> Any:
+            if self.gpumem_prefix is not None:
+                self.gpumem_prefix.after_step()  # the step's tokens reached the host: its KV writes are done
+            return super().postprocess(seqs, token_ids)
 
         def preempt(self, seq: Any) -> None:
             if self.gpumem is not None:
@@ -143,6 +173,49 @@ def idle(llm: Any) -> None:
     follower = llm.scheduler.gpumem
     if follower is not None:
         follower.idle()
+
+
+def retain_secret(llm: Any) -> str:
+    """The secret of the retain group ``enable(retain=...)`` named, for the standby."""
+    group = llm.model_runner.config.gpumem_group
+    if group is None:
+        raise InvalidArgument("this engine retains nothing: enable(name, retain='group') before building it")
+    secret: str = group.secret
+    return secret
+
+
+def take_over(llm: Any, *, wait: float) -> int:
+    """A standby (``enable(..., standby=(group, secret))``): wait up to ``wait`` seconds for
+    the primary's death and its fence, adopt its KV cache and prefix directory into the
+    reservation (the graphs captured on it replay on the adopted rows), size the block
+    manager to the adopted blocks and seed its prefix cache from the directory's trusted
+    entries; returns how many were seeded. The engine serves from then on."""
+    s = _settings[0]
+    if s.standby is None:
+        raise InvalidArgument("this engine is no standby: enable(name, standby=(group, secret)) before building it")
+    mem: EngineMemory = llm.model_runner._gpumem
+    config = llm.model_runner.config
+    mem.adopt_kv(*s.standby, **config.gpumem_layout, wait=wait, reservation=config.gpumem_reservation)
+    kv, prefix = mem.kv, mem.prefix
+    if kv is None or prefix is None:
+        raise InvalidArgument(f"retain group '{s.standby[0]}' kept no prefix directory: the primary must enable(retain=...)")
+    scheduler = llm.scheduler
+    resize(scheduler.block_manager, kv.blocks, _block_class())
+    scheduler.gpumem_prefix = keeper = DirectoryKeeper(scheduler.block_manager, prefix)
+    seeded = keeper.seed(prefix.scan(kv.blocks).blocks)
+    if s.follow:
+        scheduler.gpumem = BlockFollower(
+            kv.pool, scheduler.block_manager, new_block=_block_class(), copy_blocks=config.gpumem_copy,
+            sequences=lambda: [*scheduler.running, *scheduler.waiting], watermark=s.watermark_blocks, step=s.grow_step_blocks,
+        )
+    return seeded
+
+
+def _block_class() -> type:
+    from nanovllm.engine import block_manager
+
+    block: type = block_manager.Block
+    return block
 
 
 def _copy_blocks(caches: list[Any], src: list[int], dst: list[int]) -> None:
@@ -173,6 +246,8 @@ def sleep(llm: Any, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
                 "cache sleeps"
             )
         blocks.hash_to_block_id.clear()  # what a block held is gone: no prefix may match it
+        if llm.scheduler.gpumem_prefix is not None:
+            llm.scheduler.gpumem_prefix.forget_all()  # nor may the retained directory vouch for it
         for block in blocks.blocks:
             block.hash, block.token_ids = -1, []
     mem.sleep(*tags, drop=dropped)

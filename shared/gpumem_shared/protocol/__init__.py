@@ -137,6 +137,8 @@ from gpumem_shared.protocol.retain import (
     AdoptReply,
     Adopt,
     AdoptDone,
+    ReserveReply,
+    RetainReserve,
     RetainedStatus,
 )
 from gpumem_shared.protocol.catalog import REQUESTS, EVENTS
@@ -171,7 +173,7 @@ __all__ = [
     "RegisterGraphPool", "UpdateGraphPool", "RetireGraphPool", "OpenGraphPool", "PublishLeaseEvent", "LeaseEventReply",
     "LookupLeaseEvent", "ReportEscape", "SleeperStatus", "TenantCapStatus", "HostBufferView", "HostBufferReply", "SleepBuffer",
     "FreeSleepBuffer", "SleepArena", "WakeArena",
-    "RetainState", "RetainGroupReply", "RetainGroup", "Retain", "AdoptedObject", "AdoptReply", "Adopt", "AdoptDone", "RetainedStatus",
+    "RetainState", "RetainGroupReply", "RetainGroup", "Retain", "AdoptedObject", "AdoptReply", "Adopt", "AdoptDone", "ReserveReply", "RetainReserve", "RetainedStatus",
     "REQUESTS", "EVENTS", "Request", "Reply", "check_version", "check_hello_version",
     "encode_request", "decode_request", "request_id_of", "encode_reply", "encode_error", "decode_reply", "decode_body",
     "encode_event", "decode_event", "to_wire", "from_wire",

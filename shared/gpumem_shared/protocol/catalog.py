@@ -28,7 +28,7 @@ from gpumem_shared.protocol.graph_pools import (
     UpdateGraphPool,
 )
 from gpumem_shared.protocol.kv import CaptureDone, KvDeclare, KvDemand, KvGrow, KvShrink, RoundJoin
-from gpumem_shared.protocol.retain import Adopt, AdoptDone, Retain, RetainGroup
+from gpumem_shared.protocol.retain import Adopt, AdoptDone, Retain, RetainGroup, RetainReserve
 from gpumem_shared.protocol.session import FdBatch, Hello, Notice, Ping, Resume
 from gpumem_shared.protocol.sleep import FreeSleepBuffer, SleepArena, SleepBuffer, WakeArena
 from gpumem_shared.protocol.status import Status
@@ -72,6 +72,7 @@ REQUESTS: dict[int, type[RequestMessage]] = {
         Retain,
         Adopt,
         AdoptDone,
+        RetainReserve,
     )
 }
 

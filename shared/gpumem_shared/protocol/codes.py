@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 9)
+PROTOCOL_VERSION: tuple[int, int] = (1, 10)
 
 # The oldest protocol HELLO accepts, on either side (see the package doc, __init__.py).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
@@ -93,6 +93,7 @@ class MsgType(enum.IntEnum):
     RETAIN = 51
     ADOPT = 52
     ADOPT_DONE = 53
+    RETAIN_RESERVE = 54
     # fd channel, daemon -> client
     FD_BATCH = 100
     NOTICE = 101

@@ -90,6 +90,26 @@ class AdoptDone(RequestMessage, kw_only=True):
     group: str
 
 
+class ReserveReply(Message):
+    """Where the group's objects lie: each arena's window and the KV pool's layout
+    (``chunks`` empty: a reservation maps no byte of them)."""
+
+    group: str
+    objects: list[AdoptedObject]
+
+
+class RetainReserve(RequestMessage, kw_only=True):
+    """The windows of a group's objects, for a standby that will adopt it: it backs them
+    with its own placeholder and captures its graphs there before the holder dies.
+    Any state of the group; the same checks of uid and secret as ADOPT. No fds, no
+    contents, nothing changes in the daemon."""
+
+    TYPE = MsgType.RETAIN_RESERVE
+    REPLY = ReserveReply
+    group: str
+    secret: str
+
+
 class RetainedStatus(Message):
     """A retain group as status shows it (never its secret)."""
 

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Failover: kill -9 of a serving engine, and its standby's first token (issue 26).
+
+A primary engine serves prompts with shared prefixes (``--prefixes`` prefixes of
+``--prefix-blocks`` blocks, ``--per-prefix`` prompts each, every prompt one token past a
+block boundary), keeping its KV cache and a prefix directory for a retain group; a
+standby on the same device maps the primary's weights through a read-only grant,
+reserves the group's windows and builds its KV arrays there (gpumem.standby), and waits.
+The primary serves every prompt (phase 1), then starts on the same prompts again (phase
+2) and is killed with -9 after its first phase-2 step. The standby adopts the KV pool and
+the directory, seeds its prefix cache from the directory's trusted entries and serves
+phase 2.
+
+Figures: kill -> the standby's first token; the share of phase 2's prompt tokens (every
+prompt served before) whose KV came from the adopted cache; the standby's own memory
+before promotion (what it owns: committed and placeholder bytes; the weights it maps are
+the primary's); whether its token ids equal the primary's phase-1 ids for the same
+prompts; and the accounting once the standby closed (nothing left, no retain group).
+
+Engines (bench/failover_engines.py): ``--backend host`` runs stand-ins (nano-vllm's
+scheduler, block manager and prefix cache in miniature over real host memory, compute
+as sleeps); ``--backend cuda`` runs nano-vllm (bench/nanovllm_kit.py's random-weight
+Qwen3, greedy; gpumem.integrations.nanovllm with ``retain=`` and ``standby=``), whose
+standby loads its own weights: the read-only sharing of nano-vllm's weights is not built,
+so its own memory counts them.
+
+    python bench/failover.py --backend host
+    python bench/failover.py --backend cuda
+
+Last line: {"bench": "failover", ...}; ok when kill -> first token <= 1.0 s, >= 99% of the
+prompt tokens hit, the standby's own memory <= 1 GiB, the tokens identical and the
+accounting exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _common as c
+
+BENCH = "failover"
+GiB = 1 << 30
+ENGINES = str(Path(__file__).resolve().parent / "failover_engines.py")
+KIT = str(Path(__file__).resolve().parent / "nanovllm_kit.py")
+# Per backend: tokens a KV block (the stand-in's, nano-vllm's) and the defaults of the
+# prompt shape; on CUDA a prompt and its new tokens stay within the kit's max_model_len.
+SHAPES = {
+    "host": {"block": 16, "prefixes": 8, "prefix_blocks": 8, "per_prefix": 4, "suffix_blocks": 8, "new_tokens": 24},
+    "cuda": {"block": 256, "prefixes": 4, "prefix_blocks": 2, "per_prefix": 4, "suffix_blocks": 1, "new_tokens": 16},
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = c.ArgumentParser(BENCH, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=["host", "cuda"], default="host", help="daemon backend (default: host)")
+    ap.add_argument("--prefixes", type=int, default=None, help="distinct shared prefixes (default: 8 host, 4 cuda)")
+    ap.add_argument("--prefix-blocks", type=int, default=None, help="blocks each shared prefix fills (default: 8 host, 2 cuda)")
+    ap.add_argument("--per-prefix", type=int, default=None, help="prompts per prefix (default: 4)")
+    ap.add_argument("--suffix-blocks", type=int, default=None, help="blocks of each prompt's own tokens, plus one token (default: 8 host, 1 cuda)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens each request generates (default: 24 host, 16 cuda)")
+    ap.add_argument("--blocks", type=int, default=4096, help="the KV pool's blocks (default: 4096)")
+    ap.add_argument("--seed", type=int, default=26, help="prompt seed (default: 26)")
+    ap.add_argument("--target-first-token-s", type=float, default=1.0, help="ok when kill -> first token <= this (default: 1.0)")
+    ap.add_argument("--target-hit", type=float, default=0.99, help="ok when this share of prompt tokens hit (default: 0.99)")
+    ap.add_argument("--target-standby-bytes", type=int, default=GiB, help="ok when the standby owns <= this before promotion (default: 1 GiB)")
+    ap.add_argument("--start-timeout", type=float, default=120.0, help="seconds the daemon and the engines get to start")
+    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds each phase may take")
+    args = ap.parse_args(argv)
+    for name, value in SHAPES[args.backend].items():
+        if getattr(args, name, 0) is None:
+            setattr(args, name, value)
+    if min(args.prefixes, args.prefix_blocks, args.per_prefix, args.new_tokens) < 1 or args.suffix_blocks < 0:
+        ap.error("--prefixes, --prefix-blocks, --per-prefix and --new-tokens must be >= 1, --suffix-blocks >= 0")
+    return args
+
+
+def requests(args: argparse.Namespace, block: int, vocab: int) -> list[dict[str, Any]]:
+    rng = random.Random(args.seed)
+    out = []
+    for p in range(args.prefixes):
+        prefix = [rng.randrange(vocab) for _ in range(args.prefix_blocks * block)]
+        for i in range(args.per_prefix):
+            own = [rng.randrange(vocab) for _ in range(args.suffix_blocks * block + 1)]
+            out.append({"id": p * args.per_prefix + i, "prompt": prefix + own, "max_tokens": args.new_tokens})
+    return out
+
+
+def wait_file(path: Path, child: c.Child, timeout: float, what: str) -> dict[str, Any]:
+    child.wait_for(path.exists, timeout, what)
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack) -> None:
+    result.targets = {
+        "first_token_s_max": args.target_first_token_s, "prompt_hit_min": args.target_hit,
+        "standby_own_bytes_max": args.target_standby_bytes, "tokens_identical": True, "accounting_exact": True,
+    }
+    import failover_engines as fe
+
+    rdir = cleanup.enter_context(c.runtime_dir("gmb-failover-"))
+    work = rdir / "engines"
+    work.mkdir(mode=0o700)
+    daemon = c.Daemon(rdir, args.backend, 0, ["--host-capacity", str(8 * GiB)])
+    cleanup.callback(daemon.stop)
+    daemon.wait_ready(args.start_timeout)
+
+    import gpumem
+
+    env = c.child_env(GPUMEMD_RUNTIME_DIR=str(rdir))
+    block = SHAPES[args.backend]["block"]
+    reqs = requests(args, block, fe.VOCAB)
+    prompt_tokens = sum(len(r["prompt"]) for r in reqs)
+    c.say(f"{BENCH}: {len(reqs)} prompts of {len(reqs[0]['prompt'])} tokens ({args.prefixes} shared prefixes of "
+          f"{args.prefix_blocks * block}), {args.new_tokens} new tokens each; runtime dir {rdir}")
+    spec: dict[str, Any] = {"backend": args.backend, "runtime_dir": str(rdir), "group": "fo", "dir": str(work), "blocks": args.blocks, "requests": reqs}
+    if args.backend == "cuda":
+        spec["model"] = str(rdir / "model")
+        subprocess.run([sys.executable, KIT, "build", spec["model"]], check=True, timeout=args.start_timeout, env=env)
+    for port, role in ((29621, "primary"), (29622, "standby")):  # nano-vllm's process group, one each
+        (work / f"{role}.spec.json").write_text(json.dumps(spec | {"role": role, "port": port}))
+    engines = {}
+    for role in ("primary", "standby"):
+        engines[role] = c.Child(f"{role} engine", [ENGINES, str(work / f"{role}.spec.json")], rdir / f"{role}.log", env)
+        cleanup.callback(engines[role].stop)
+    wait_file(work / "standby-ready.json", engines["standby"], args.run_timeout, "its reservation")
+
+    session = gpumem.connect(0, name="bench-failover", runtime_dir=rdir)
+    cleanup.callback(session.close)
+    s = session.status()
+    own = sum(a.committed + a.placeholder_bytes for a in s.arenas if a.owner == "fo-standby")
+    shared = sum(a.committed for a in s.arenas if a.owner == "fo-primary" and "fo-standby" in a.attached)
+    c.say(f"standby before promotion: owns {own / 2**20:.0f} MiB (its placeholder), maps {shared / 2**20:.0f} MiB of the primary's weights")
+
+    phase1 = wait_file(work / "phase1.json", engines["primary"], args.run_timeout, "serving phase 1")
+    started = wait_file(work / "phase2.json", engines["primary"], args.run_timeout, "its first phase-2 step")
+    os.kill(engines["primary"].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    engines["primary"].proc.wait(10)
+    c.say(f"primary killed -9 {1e3 * (killed - started['at']):.1f} ms after its first phase-2 step")
+    got = wait_file(work / "standby.json", engines["standby"], args.run_timeout, "serving phase 2")
+    first_s = got["first_token_at"] - killed
+    hit = got["cached"] / prompt_tokens
+    identical = got["tokens"] == phase1
+    c.say(f"kill -> adopted {1e3 * (got['adopted_at'] - killed):.1f} ms, -> first token {1e3 * first_s:.1f} ms; "
+          f"{got['trusted']} directory entries trusted ({got['corrupt']} corrupt); prompt tokens from the adopted KV "
+          f"{got['cached']}/{prompt_tokens} ({100 * hit:.2f}%); tokens {'identical' if identical else 'DIFFER'} to the primary's")
+
+    (work / "close.json").write_text("{}")
+    engines["standby"].proc.wait(args.run_timeout)
+    deadline = time.monotonic() + 10
+    while True:
+        s = session.status()
+        exact = s.device.accounted_bytes == 0 and not s.arenas and not s.retained
+        if exact or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    c.say(f"after the standby closed: accounted {s.device.accounted_bytes} bytes, {len(s.arenas)} arenas, {len(s.retained)} retain groups")
+    result.figures = {
+        "kill_to_adopted_s": got["adopted_at"] - killed, "kill_to_first_token_s": first_s, "prompt_hit": hit,
+        "prompt_tokens": prompt_tokens, "prompt_tokens_hit": got["cached"], "directory_trusted": got["trusted"],
+        "directory_corrupt": got["corrupt"], "standby_own_bytes": own, "standby_shared_weights_bytes": shared,
+        "tokens_identical": identical, "accounting_exact": exact,
+    }
+    result.ok = (first_s <= args.target_first_token_s and hit >= args.target_hit and own <= args.target_standby_bytes
+                 and identical and exact)
+
+
+def main(argv: list[str] | None = None) -> int:
+    c.ensure_importable()
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The engines of bench/failover.py on the host backend, one per process: a primary that
+serves and keeps its KV cache for a successor, and a standby that waits and takes over.
+
+    python bench/failover_engines.py SPEC.json          # run by bench/failover.py
+
+SPEC (JSON): role (primary | standby), runtime_dir, group, dir (where the files below
+live), blocks (the KV pool's), and for the primary the prompts of both phases.
+
+The primary maps its "weights" (an arena it fills and shares read-only with the
+standby), declares a KV pool of two buffers (K and V, a block a row), makes a prefix
+directory, retains both for ``group`` and writes the group's secret and the weights'
+grant token (files only this uid reads). It serves phase 1 (every prompt), writes the
+token ids, then serves phase 2 (the same prompts again: its prefix cache hits) and
+writes ``phase2`` after its first phase-2 step: bench/failover.py kills it with -9 there.
+
+The standby attaches the weights through the read-only grant, reserves the group's
+windows (gpumem.standby) and builds its K and V arrays there, then writes ``ready`` with
+what it maps, and waits in ``adopt`` with the reservation. Once it holds the group, the
+arrays it built before read the adopted rows; it seeds its prefix cache from the
+directory's trusted entries and serves phase 2, writing the time of its first token, the
+prompt tokens that hit, and the token ids.
+
+The engine is nano-vllm's scheduler and block manager in miniature, with its prefix
+cache (chained block hashes; freed blocks keep theirs until reused), over real host
+memory. Its "model" writes into each token's K and V slot a running hash of the
+sequence up to that token (and a byte of the weights) and derives the next token from
+every slot of the sequence read back through the block table: a block adopted wrong, or
+trusted while the dead engine was rewriting it, changes the tokens. The primary
+invalidates a block's directory entry before the block is written anew and publishes it
+after the step that filled it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy
+
+import gpumem
+from gpumem.prefix_directory import PrefixDirectory
+
+BLOCK = 16  # tokens a block
+SLOT = 8  # bytes of a token's slot in K and in V (an int64)
+VOCAB = 32000
+WEIGHTS_BYTES = 32 << 20
+MAX_NUM_SEQS = 64
+DECODE_S = 0.004  # a decode step's compute, as a sleep: the figures measure memory, not this machine
+ADOPT_WAIT_S = 600.0
+
+
+def chain(prefix: int, tokens: list[int]) -> int:
+    """A full block's content hash: its tokens and the hash of the blocks before it."""
+    digest = hashlib.blake2b(prefix.to_bytes(8, "little") + numpy.asarray(tokens, dtype=numpy.int64).tobytes(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1  # below 2**63: it travels as a signed 64-bit too
+
+
+class Seq:
+    def __init__(self, rid: int, prompt: list[int], max_tokens: int) -> None:
+        self.rid = rid
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.max_tokens = max_tokens
+        self.table: list[int] = []
+        self.cached = 0  # prompt tokens whose KV came from the prefix cache
+
+    @property
+    def completion(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+class Engine:
+    """The block manager, the scheduler's bookkeeping and the model over K and V."""
+
+    def __init__(self, k: numpy.ndarray, v: numpy.ndarray, weights: numpy.ndarray, blocks: int, directory: PrefixDirectory) -> None:
+        self.k, self.v, self.weights = k, v, weights
+        self.directory = directory
+        self.free = collections.deque(range(blocks))
+        self.refs = [0] * blocks
+        self.block_hash = [-1] * blocks
+        self.by_hash: dict[int, int] = {}
+
+    def seed(self, trusted: dict[int, int]) -> None:
+        """The dead engine's published blocks: cached, free until a prompt hits them."""
+        for h, block in trusted.items():
+            self.block_hash[block] = h
+            self.by_hash[h] = block
+
+    def _take(self) -> int:
+        block = self.free.popleft()
+        if self.block_hash[block] != -1:
+            # Its rows are written anew from here on: the directory must not vouch for it.
+            self.by_hash.pop(self.block_hash[block], None)
+            self.block_hash[block] = -1
+            self.directory.invalidate(block)
+        self.refs[block] = 1
+        return block
+
+    def admit(self, seq: Seq) -> None:
+        """Allocate the prompt's blocks, full blocks from the cache where they hit."""
+        h = 0
+        missed = False
+        for i in range(0, len(seq.tokens), BLOCK):
+            part = seq.tokens[i : i + BLOCK]
+            full = len(part) == BLOCK and i + BLOCK < len(seq.tokens)  # the last token is always computed
+            h = chain(h, part) if full else -1
+            hit = self.by_hash.get(h, -1) if full and not missed else -1
+            if hit >= 0:
+                if self.refs[hit] == 0:
+                    self.free.remove(hit)
+                self.refs[hit] += 1
+                seq.table.append(hit)
+                seq.cached += BLOCK
+                continue
+            missed = True
+            seq.table.append(self._take())
+        self._write(seq, seq.cached, len(seq.tokens))
+
+    def release(self, seq: Seq) -> None:
+        for block in reversed(seq.table):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free.append(block)
+
+    def _slot_value(self, running: int, token: int) -> int:
+        return (running * 1_000_003 + token + int(self.weights[token % WEIGHTS_BYTES])) % (1 << 61)
+
+    def _write(self, seq: Seq, start: int, end: int) -> None:
+        """Write the K and V slots of tokens [start, end); publish each block it filled."""
+        running = int(self.k[seq.table[(start - 1) // BLOCK], (start - 1) % BLOCK]) if start else 0
+        for pos in range(start, end):
+            running = self._slot_value(running, seq.tokens[pos])
+            block, slot = seq.table[pos // BLOCK], pos % BLOCK
+            self.k[block, slot] = running
+            self.v[block, slot] = running ^ 0x5A5A
+        for pos in range(start, end):
+            if pos % BLOCK == BLOCK - 1:
+                self._publish(seq, pos // BLOCK)
+
+    def _publish(self, seq: Seq, index: int) -> None:
+        h = 0
+        for i in range(index + 1):
+            h = chain(h, seq.tokens[i * BLOCK : (i + 1) * BLOCK])
+        block = seq.table[index]
+        if self.block_hash[block] == -1 and h not in self.by_hash:
+            self.block_hash[block] = h
+            self.by_hash[h] = block
+            self.directory.publish(block, h)
+
+    def next_token(self, seq: Seq) -> int:
+        """From every K and V slot of the sequence, read back through its block table."""
+        n = len(seq.tokens)
+        rows = numpy.asarray(seq.table[: (n + BLOCK - 1) // BLOCK])
+        k = self.k[rows].reshape(-1)[:n]
+        v = self.v[rows].reshape(-1)[:n]
+        return int((int(k.sum() % (1 << 61)) * 31 + int((v ^ 0x5A5A).sum() % (1 << 61)) + n) % VOCAB)
+
+    def decode(self, seq: Seq) -> None:
+        token = self.next_token(seq)
+        seq.tokens.append(token)
+        pos = len(seq.tokens) - 1
+        if pos % BLOCK == 0:
+            seq.table.append(self._take())
+        self._write(seq, pos, pos + 1)
+
+
+def serve(engine: Engine, requests: list[dict[str, Any]], on_token: Any = None) -> dict[int, Seq]:
+    """Every request to its end, up to MAX_NUM_SEQS at a time: each admitted (its
+    prefill) and then decoded a token a step."""
+    waiting = collections.deque(requests)
+    running: list[Seq] = []
+    done: dict[int, Seq] = {}
+    while waiting or running:
+        while waiting and len(running) < MAX_NUM_SEQS:
+            r = waiting.popleft()
+            seq = Seq(r["id"], r["prompt"], r["max_tokens"])
+            engine.admit(seq)
+            running.append(seq)
+        time.sleep(DECODE_S)
+        for seq in running:
+            engine.decode(seq)
+        if on_token is not None:
+            on_token()
+        for seq in [s for s in running if len(s.completion) >= s.max_tokens]:
+            running.remove(seq)
+            engine.release(seq)
+            done[seq.rid] = seq
+    return done
+
+
+def _write_json(path: Path, data: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.chmod(tmp, 0o600)
+    tmp.replace(path)
+
+
+def _kv_arrays(view: Any, buffers: list[Any], blocks: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """K and V as blocks x BLOCK int64 arrays over the pool's two buffers, through ``view``."""
+    k, v = (numpy.asarray(view(b.offset, blocks * b.row_bytes)).view(numpy.int64).reshape(blocks, BLOCK) for b in buffers)
+    return k, v
+
+
+def primary(spec: dict[str, Any], out: Path) -> int:
+    session = gpumem.connect(0, name="fo-primary")
+    weights = session.create_arena("fo-weights", WEIGHTS_BYTES)
+    weights.commit(WEIGHTS_BYTES)
+    weights.write(0, numpy.random.default_rng(7).integers(0, 256, WEIGHTS_BYTES, dtype=numpy.uint8).tobytes())
+    token = weights.share("fo-standby", read_only=True)
+    blocks = spec["blocks"]
+    pool = session.declare_kv_pool("fo-kv", [gpumem.KvBuffer("k", BLOCK * SLOT), gpumem.KvBuffer("v", BLOCK * SLOT)], max_tokens=blocks)
+    pool.grow(blocks)
+    directory = session.create_prefix_directory("fo-prefix", blocks=blocks)
+    group = session.retain_group(spec["group"])
+    group.retain(pool, directory)
+    _write_json(out / "secret.json", {"secret": group.secret, "weights_token": token})
+    k, v = _kv_arrays(pool.arena.view, list(pool.buffers.values()), blocks)
+    engine = Engine(k, v, numpy.asarray(weights.view()), blocks, directory)
+    done = serve(engine, spec["requests"])
+    _write_json(out / "phase1.json", {str(rid): s.completion for rid, s in done.items()})
+    started = []
+
+    def mark() -> None:
+        if not started:
+            started.append(True)
+            _write_json(out / "phase2.json", {"at": time.monotonic()})
+
+    serve(engine, spec["requests"], mark)
+    _write_json(out / "primary-done.json", {})  # the benchmark kills it before this
+    session.close()
+    return 0
+
+
+def standby(spec: dict[str, Any], out: Path) -> int:
+    session = gpumem.connect(0, name="fo-standby")
+    while not (out / "secret.json").exists():
+        time.sleep(0.01)
+    given = json.loads((out / "secret.json").read_text())
+    weights = session.attach_arena("fo-weights", token=given["weights_token"])
+    reservation = session.reserve_retained(spec["group"], given["secret"])
+    (kv_view,) = reservation.kv_pools.values()
+    blocks = spec["blocks"]
+    k, v = _kv_arrays(lambda offset, nbytes: reservation.view(kv_view.name, offset, nbytes), kv_view.buffers, blocks)
+    _write_json(out / "standby-ready.json", {"pid": os.getpid()})
+    adopted = session.adopt(spec["group"], given["secret"], wait=ADOPT_WAIT_S, reservation=reservation)
+    adopted_at = time.monotonic()
+    directory = PrefixDirectory.open(next(iter(adopted.arenas.values())))
+    scan = directory.scan(blocks)
+    engine = Engine(k, v, numpy.asarray(weights.view()), blocks, directory)
+    engine.seed(scan.blocks)
+    first: list[float] = []
+    done = serve(engine, spec["requests"], lambda: first or first.append(time.monotonic()))
+    _write_json(out / "standby.json", {
+        "adopted_at": adopted_at,
+        "first_token_at": first[0],
+        "trusted": len(scan.blocks),
+        "corrupt": scan.corrupt,
+        "cached": sum(s.cached for s in done.values()),
+        "prompt_tokens": sum(s.prompt_len for s in done.values()),
+        "tokens": {str(rid): s.completion for rid, s in done.items()},
+    })
+    while not (out / "close.json").exists():
+        time.sleep(0.01)
+    session.close()
+    return 0
+
+
+# ---------------------------------------------------------------------- nano-vllm (CUDA)
+
+
+def nano_primary(spec: dict[str, Any], out: Path) -> int:
+    """nano-vllm retaining its KV cache and prefix directory (its own weights: the
+    read-only sharing of nano-vllm's weights is not built)."""
+    import nanovllm_kit as kit
+
+    kit.install_standins(spec["port"])
+    from nanovllm import LLM, SamplingParams
+
+    from gpumem.integrations import nanovllm as integration
+
+    integration.enable("fo-primary", retain=spec["group"])
+    llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
+    _write_json(out / "secret.json", {"secret": integration.retain_secret(llm)})
+    batch = [r["prompt"] for r in spec["requests"]]
+    tokens = kit.generate(llm, batch, spec["requests"][0]["max_tokens"]).tokens
+    _write_json(out / "phase1.json", {str(r["id"]): t for r, t in zip(spec["requests"], tokens)})
+    params = SamplingParams(temperature=1.0, max_tokens=spec["requests"][0]["max_tokens"], ignore_eos=True)
+    for prompt in batch:
+        llm.add_request(prompt, params)
+    llm.step()
+    _write_json(out / "phase2.json", {"at": time.monotonic()})
+    while not llm.is_finished():
+        llm.step()
+    _write_json(out / "primary-done.json", {})  # the benchmark kills it before this
+    return 0
+
+
+def nano_standby(spec: dict[str, Any], out: Path) -> int:
+    import nanovllm_kit as kit
+
+    kit.install_standins(spec["port"])
+    from nanovllm import LLM, SamplingParams
+
+    from gpumem.integrations import nanovllm as integration
+
+    while not (out / "secret.json").exists():
+        time.sleep(0.01)
+    secret = json.loads((out / "secret.json").read_text())["secret"]
+    integration.enable("fo-standby", standby=(spec["group"], secret))
+    llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
+    _write_json(out / "standby-ready.json", {"pid": os.getpid()})
+    seeded = integration.take_over(llm, wait=ADOPT_WAIT_S)
+    adopted_at = time.monotonic()
+    mem = llm.model_runner._gpumem
+    corrupt = mem.prefix.scan(mem.kv.blocks).corrupt  # seeded: the trusted entries the block manager took
+    manager = llm.scheduler.block_manager
+    allocate, cached = manager.allocate, []
+
+    def counted(seq: Any) -> None:
+        allocate(seq)
+        cached.append(seq.num_cached_tokens)
+
+    manager.allocate = counted
+    params = SamplingParams(temperature=1.0, max_tokens=spec["requests"][0]["max_tokens"], ignore_eos=True)
+    for r in spec["requests"]:
+        llm.add_request(r["prompt"], params)
+    first: list[float] = []
+    outputs: dict[int, list[int]] = {}
+    while not llm.is_finished():
+        finished, _ = llm.step()
+        first = first or [time.monotonic()]
+        outputs.update(dict(finished))
+    order = sorted(outputs)  # seq ids in the order the requests were added
+    _write_json(out / "standby.json", {
+        "adopted_at": adopted_at, "first_token_at": first[0], "trusted": seeded, "corrupt": corrupt, "cached": sum(cached),
+        "prompt_tokens": sum(len(r["prompt"]) for r in spec["requests"]),
+        "tokens": {str(r["id"]): outputs[seq_id] for r, seq_id in zip(spec["requests"], order)},
+    })
+    while not (out / "close.json").exists():
+        time.sleep(0.01)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[1]).read_text())
+    out = Path(spec["dir"])
+    if spec["backend"] == "cuda":
+        return nano_primary(spec, out) if spec["role"] == "primary" else nano_standby(spec, out)
+    return primary(spec, out) if spec["role"] == "primary" else standby(spec, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
