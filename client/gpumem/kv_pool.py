@@ -258,14 +258,31 @@ class KvPool:
         return f"<gpumem.KvPool '{self.name}' {len(self.buffers)} buffers, {self.tokens}/{self.max_tokens} tokens>"
 
 
-class GrowWait:
+class _PoolWait:
+    """A request of ``pool`` sent and not yet answered: ``wait()`` collects it once."""
+
+    def __init__(self, pool: KvPool, request_id: int, what: str) -> None:
+        self.pool = pool
+        self._request_id = request_id
+        self._what = what
+        self._tokens: int | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether ``wait()`` returned already."""
+        return self._tokens is not None
+
+    def __repr__(self) -> str:
+        state = f"{self._tokens} tokens" if self._tokens is not None else "pending"
+        return f"<gpumem.{type(self).__name__} KV pool '{self.pool.name}'{self._what} ({state})>"
+
+
+class GrowWait(_PoolWait):
     """A KV_GROW sent and not yet answered (``KvPool.send_grow``)."""
 
     def __init__(self, pool: KvPool, message: p.KvGrow, request_id: int) -> None:
-        self.pool = pool
+        super().__init__(pool, request_id, f" to {message.tokens} tokens")
         self._message = message
-        self._request_id = request_id
-        self._tokens: int | None = None
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the answer (``timeout``: the session's); returns the tokens the pool
@@ -286,24 +303,14 @@ class GrowWait:
             self._tokens = pool.tokens
         return self._tokens
 
-    @property
-    def done(self) -> bool:
-        return self._tokens is not None
 
-    def __repr__(self) -> str:
-        state = f"{self._tokens} tokens" if self._tokens is not None else "pending"
-        return f"<gpumem.GrowWait KV pool '{self.pool.name}' to {self._message.tokens} tokens ({state})>"
-
-
-class RoundWait:
+class RoundWait(_PoolWait):
     """A CAPTURE_DONE sent and not yet answered (``KvPool.send_capture_done``)."""
 
     def __init__(self, pool: KvPool, message: p.CaptureDone, request_id: int, timeout: float) -> None:
-        self.pool = pool
+        super().__init__(pool, request_id, "")
         self._message = message
-        self._request_id = request_id
         self._deadline = time.monotonic() + timeout
-        self._tokens: int | None = None
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the round to commit (until the deadline ``send_capture_done`` set, or
@@ -326,12 +333,3 @@ class RoundWait:
             pool.apply(reply, fds)
             self._tokens = pool.tokens
         return self._tokens
-
-    @property
-    def done(self) -> bool:
-        """Whether ``wait()`` returned already."""
-        return self._tokens is not None
-
-    def __repr__(self) -> str:
-        state = f"{self._tokens} tokens" if self._tokens is not None else "pending"
-        return f"<gpumem.RoundWait KV pool '{self.pool.name}' ({state})>"
