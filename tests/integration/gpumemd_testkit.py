@@ -12,6 +12,7 @@ Every wait is bounded; every socket and descriptor is closed by ``close``.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import selectors
@@ -289,3 +290,15 @@ def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 30.0) -
                 raise AssertionError(f"{proc.args!r} exited ({proc.wait()}) before {prefix!r}:\n{proc.stderr.read() if proc.stderr else ''}")
             if line.startswith(prefix):
                 return line[len(prefix):].strip()
+
+
+def wait_json(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict[str, object]:
+    """The JSON a process writes to ``path`` once it gets there (an engine's milestone),
+    waited for up to ``timeout`` seconds; fails early, with its log, if it exits first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the engine exited ({proc.returncode}) before {path.name}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {path.name} within {timeout}s:\n{log.read_text()}"
+        time.sleep(0.05)
+    data: dict[str, object] = json.loads(path.read_text())
+    return data

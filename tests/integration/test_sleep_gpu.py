@@ -7,28 +7,17 @@ to the first token after it are printed. Skipped where nano-vllm is not installe
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, child_env
+from gpumemd_testkit import wait_json
 
 KIT = ROOT / "bench" / "nanovllm_kit.py"
 GRANULARITY = 2 << 20
-
-
-def _wait(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict[str, object]:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"the engine exited ({proc.returncode}) before {path.name}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"no {path.name} within {timeout}s:\n{log.read_text()}"
-        time.sleep(0.05)
-    data: dict[str, object] = json.loads(path.read_text())
-    return data
 
 
 @pytest.mark.gpu
@@ -47,7 +36,7 @@ def test_an_engine_sleeps_a_trainer_uses_its_memory_and_it_wakes_generating_the_
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )
     try:
-        asleep = _wait(folder / "asleep.json", engine, log, 300)
+        asleep = wait_json(folder / "asleep.json", engine, log, 300)
         freed = int(asleep["freed_bytes"])  # type: ignore[call-overload]
         assert freed > 0, asleep
         take = int(freed * 0.9) // GRANULARITY * GRANULARITY + GRANULARITY  # at least 90%
@@ -65,7 +54,7 @@ def test_an_engine_sleeps_a_trainer_uses_its_memory_and_it_wakes_generating_the_
         trainer.send("release train")
         trainer.expect("OK")
         (folder / "wake").touch()
-        woke = _wait(folder / "woke.json", engine, log, 300)
+        woke = wait_json(folder / "woke.json", engine, log, 300)
         print(f"\ncolocation: slept {asleep['sleep_s']:.3f} s freeing {freed / (1 << 30):.1f} GiB (trainer used {take / freed:.0%}); "
               f"wake {woke['wake_s']:.3f} s; first token after wake {woke['ttft_s']:.3f} s")
         assert woke["same_tokens"], f"{woke['differ']} sequence(s) differ after the wake:\n{log.read_text()}\n{daemon.log()}"

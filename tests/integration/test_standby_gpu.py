@@ -9,7 +9,6 @@ nano-vllm is not installed. Never ran yet (no GPU time in the session that wrote
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, child_env
-from gpumemd_testkit import status, wait_status
+from gpumemd_testkit import status, wait_json, wait_status
 
 KIT = ROOT / "bench" / "nanovllm_kit.py"
 
@@ -72,16 +71,6 @@ else:
 """
 
 
-def _wait(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict[str, object]:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"the engine exited ({proc.returncode}) before {path.name}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"no {path.name} within {timeout}s:\n{log.read_text()}"
-        time.sleep(0.05)
-    data: dict[str, object] = json.loads(path.read_text())
-    return data
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("nanovllm") is None, reason="needs nano-vllm (pip install 'gpumemd[nanovllm]')")
 def test_a_standby_takes_over_a_killed_engine_and_serves_its_prompts_from_the_adopted_kv(daemon_factory, runtime_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -99,12 +88,12 @@ def test_a_standby_takes_over_a_killed_engine_and_serves_its_prompts_from_the_ad
                     [sys.executable, "-c", _ENGINE, role, str(model), str(folder), str(port), str(ROOT / "bench")],
                     stdout=out, stderr=subprocess.STDOUT, env=env,
                 )
-        served = _wait(folder / "primary.json", procs["primary"], logs["primary"], 300)
-        _wait(folder / "standby-ready.json", procs["standby"], logs["standby"], 300)
+        served = wait_json(folder / "primary.json", procs["primary"], logs["primary"], 300)
+        wait_json(folder / "standby-ready.json", procs["standby"], logs["standby"], 300)
         procs["primary"].kill()
         killed = time.monotonic()
         procs["primary"].wait(30)
-        took = _wait(folder / "standby.json", procs["standby"], logs["standby"], 300)
+        took = wait_json(folder / "standby.json", procs["standby"], logs["standby"], 300)
         print(f"kill -> adopted {float(took['adopted_at']) - killed:.3f} s; {took['seeded']} blocks seeded")  # type: ignore[arg-type]
         assert took["tokens"] == served["tokens"]
         cached = took["cached"]
