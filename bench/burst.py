@@ -34,9 +34,12 @@ random-weight Qwen3, built in a temp dir, greedy; 1,100-token prompts and 120 ne
 queues rather than hitting the fork's preemption assert). On CUDA a burst is at most 64
 requests (the kit's max_num_seqs): when the round's blocks are more than such bursts
 press on, the round runs again under the capacity that makes them (said in the output).
+The capacity must first hold both engines' model arenas: weights and the warm-up's and
+graph capture's temporaries, which stay committed in the arena (about 5 GiB an engine on
+the H200, where 6 GiB for both refused the second engine's warm-up); the cut comes after.
 
     python bench/burst.py --backend host
-    python bench/burst.py --backend cuda --capacity 6GiB
+    python bench/burst.py --backend cuda --capacity 24GiB
 
 Last line: {"bench": "burst", ...}; ok when elastic p99 <= 0.25x static, p50 and p99
 <= 1.3x alone, no preemption in elastic, its decode >= 0.98x static, the grows within
@@ -297,7 +300,7 @@ def main() -> int:
         return burst_engines.main(sys.argv[2:])
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
-    parser.add_argument("--capacity", default=None, help="the daemons' --capacity (default: 256MiB host, 6GiB cuda)")
+    parser.add_argument("--capacity", default=None, help="the daemons' --capacity (default: 256MiB host, 24GiB cuda)")
     parser.add_argument("--kv-chunk-size", default=None, help="default: 8MiB host, 64MiB cuda")
     parser.add_argument("--move-timeout", type=float, default=2.0)
     parser.add_argument("--cycles", type=int, default=3)
@@ -312,7 +315,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=24)
     args = parser.parse_args()
     host = args.backend == "host"
-    args.capacity = args.capacity or ("256MiB" if host else "6GiB")
+    args.capacity = args.capacity or ("256MiB" if host else "24GiB")
     args.kv_chunk_size = args.kv_chunk_size or ("8MiB" if host else "64MiB")
     args.phase_s = args.phase_s or (4.0 if host else 8.0)
     c.ensure_importable()

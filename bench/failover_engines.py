@@ -284,7 +284,7 @@ def nano_primary(spec: dict[str, Any], out: Path) -> int:
 
     from gpumem.integrations import nanovllm as integration
 
-    integration.enable("fo-primary", retain=spec["group"])
+    integration.enable("fo-primary", retain=spec["group"], headroom_bytes=kit.STANDBY_HEADROOM)
     llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
     _write_json(out / "secret.json", {"secret": integration.retain_secret(llm)})
     batch = [r["prompt"] for r in spec["requests"]]

@@ -28,6 +28,15 @@ def test_an_engine_sleeps_a_trainer_uses_its_memory_and_it_wakes_generating_the_
     model, folder = tmp_path / "model", tmp_path / "cycle"
     folder.mkdir()
     subprocess.run([sys.executable, str(KIT), "build", str(model)], check=True, timeout=100, env=env)
+    # The trainer lives beside the engine from the start, as in RL colocation: its CUDA
+    # context and torch's kernels (about 0.5 GiB outside any arena) exist when the engine
+    # sizes its KV cache from measured free memory. A process that first appears while
+    # the engine sleeps holds memory the wake then lacks (the H200 showed it: 0.52 GiB short).
+    trainer = run_client("shell", "trainer")
+    trainer.expect("CONNECTED")
+    for line in (f"create warm {GRANULARITY}", f"commit warm {GRANULARITY}", f"viewfill warm 0 {GRANULARITY} 1", "release warm"):
+        trainer.send(line)
+        trainer.expect("OK", timeout=60)
     log = tmp_path / "engine.log"
     with open(log, "w") as out:
         engine = subprocess.Popen(
@@ -40,8 +49,6 @@ def test_an_engine_sleeps_a_trainer_uses_its_memory_and_it_wakes_generating_the_
         freed = int(asleep["freed_bytes"])  # type: ignore[call-overload]
         assert freed > 0, asleep
         take = int(freed * 0.9) // GRANULARITY * GRANULARITY + GRANULARITY  # at least 90%
-        trainer = run_client("shell", "trainer")
-        trainer.expect("CONNECTED")
         trainer.send(f"create train {2 * take}")
         trainer.expect("OK")
         trainer.send(f"commit train {take}")

@@ -4,7 +4,7 @@ KV windows, captures its graphs there and waits; the primary is killed with -9; 
 standby takes over (no recapture), its prefix cache seeded from the directory, and serves
 the same prompts: every full block of every prompt comes from the adopted KV, the token
 ids are the primary's, and nothing is left accounted once it closes. Skipped where
-nano-vllm is not installed. Never ran yet (no GPU time in the session that wrote it)."""
+nano-vllm is not installed."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def write(name, data):
     os.replace(folder / (name + ".tmp"), folder / name)
 
 if role == "primary":
-    integration.enable("fo-primary", retain="fo")
+    integration.enable("fo-primary", retain="fo", headroom_bytes=kit.STANDBY_HEADROOM)  # room for the standby's weights
     llm = LLM(model, **build)
     secret = folder / "secret"
     secret.touch(mode=0o600)
