@@ -107,6 +107,8 @@ class Arena:
         # a request: a request's ``meanwhile`` takes it under the channel's lock.
         self._lock = threading.RLock()
         self._holder = ""  # the thread holding it, for the error of a wait that ran out
+        # placeholder() one at a time, across its request: the daemon hands a session each chunk once.
+        self._placeholder_lock = threading.Lock()
         self._allocator: ArenaAllocator | None = None
         self._torch: ArenaPool | None = None
 
@@ -320,11 +322,10 @@ class Arena:
         return self.committed
 
     def placeholder(self, offset: int = 0, nbytes: int | None = None, slot_bytes: int = DEFAULT_PLACEHOLDER_SLOT) -> None:
-        """Back ``[offset, offset + nbytes)`` (default: the rest of the window) with a
-        placeholder: one ``slot_bytes`` chunk aliased over every slot, granule-sized
-        chunks at the edges. Graph capture of copies and memsets then works there;
-        commit later swaps in real memory at the same addresses. Writes to placeholder
-        space land in shared scratch bytes: nothing there is kept."""
+        """Back ``[offset, offset + nbytes)`` (default: the rest of the window) with a placeholder:
+        one ``slot_bytes`` chunk aliased over every slot, granule-sized chunks at the edges. Graph
+        capture then works there; commit later swaps in real memory at the same addresses.
+        Writes to placeholder space land in shared scratch bytes: nothing there is kept."""
         self._check_open()
         nbytes = self.reserved - offset if nbytes is None else nbytes
         g = self.granularity
@@ -333,22 +334,27 @@ class Arena:
                 f"placeholder range [{offset}, {offset + nbytes}) must be granularity-aligned ({g}) and inside "
                 f"arena '{self.name}' ({self.reserved} bytes)"
             )
-        if self._placeholder_fds and slot_bytes not in self._placeholder_fds:
-            raise InvalidArgument(f"arena '{self.name}' already uses {max(self._placeholder_fds)}-byte placeholder slots")
-        chunks: list[p.ChunkView] = []
-        fds: dict[int, int] = {}
-        if not self._placeholder_fds:
-            reply, fds = self.core.channel.call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
-            chunks = reply.chunks
-        with self._mapping():
-            if self._released:
-                fdchannel.close_all(list(fds.values()))
-                raise SessionClosed(f"arena '{self.name}' was released by this process while the daemon answered")
-            if chunks:
-                self._placeholder_fds = {c.size: fds[c.id] for c in chunks}
-                self._placeholder_ids = [c.id for c in chunks]
-            self._cover = merge(self._cover + [(offset, offset + nbytes)])
-            self._restore_placeholder()
+        if not self._placeholder_lock.acquire(timeout=self.core.timeout):
+            raise MappingError(f"arena '{self.name}': another thread's placeholder() waited on gpumemd over {self.core.timeout:g}s")
+        try:
+            if self._placeholder_fds and slot_bytes not in self._placeholder_fds:
+                raise InvalidArgument(f"arena '{self.name}' already uses {max(self._placeholder_fds)}-byte placeholder slots")
+            chunks: list[p.ChunkView] = []
+            fds: dict[int, int] = {}
+            if not self._placeholder_fds:
+                reply, fds = self.core.channel.call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
+                chunks = reply.chunks
+            with self._mapping():
+                if self._released:
+                    fdchannel.close_all(list(fds.values()))
+                    raise SessionClosed(f"arena '{self.name}' was released by this process while the daemon answered")
+                if chunks:
+                    self._placeholder_fds = {c.size: fds[c.id] for c in chunks}
+                    self._placeholder_ids = [c.id for c in chunks]
+                self._cover = merge(self._cover + [(offset, offset + nbytes)])
+                self._restore_placeholder()
+        finally:
+            self._placeholder_lock.release()
         self._backing_changed()
 
     def share(self, client: str | None = None, *, uid: int | None = None, gid: int | None = None, read_only: bool = False) -> str:

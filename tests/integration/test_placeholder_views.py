@@ -105,3 +105,48 @@ def test_view_written_in_one_process_is_read_in_another(daemon, run_client) -> N
     assert b.expect("OK") == "MATCH"
     b.send(f"check buf {2 * MiB} {MiB} 0")  # and nothing beyond the view was touched
     assert b.expect("OK") == "MATCH"
+
+
+def _back_at_once(arena: object, ranges: list[tuple[int, int]]) -> list[BaseException]:
+    """``arena.placeholder`` over each range, from one thread per range released together;
+    what the threads raised."""
+    import threading
+
+    gate, errors = threading.Barrier(len(ranges)), []
+
+    def back(offset: int, nbytes: int) -> None:
+        gate.wait()
+        try:
+            arena.placeholder(offset, nbytes)  # type: ignore[attr-defined]
+        except BaseException as exc:  # the test reports whatever a thread hit
+            errors.append(exc)
+
+    threads = [threading.Thread(target=back, args=r) for r in ranges]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
+def test_first_placeholder_calls_racing_in_two_threads_both_land(daemon, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """Two threads back different ranges of a fresh arena with placeholders at once. The
+    daemon hands a session each placeholder chunk once: the reply that came second has no
+    descriptors, and the thread holding it must not map (or lose) what the first brought."""
+    import os
+
+    import gpumem
+
+    s = gpumem.connect(0, name="placeholder-race", runtime_dir=runtime_dir, timeout=30.0)
+    try:
+        g = s.device.granularity
+        before = len(os.listdir("/proc/self/fd"))
+        for round_ in range(20):
+            arena = s.create_arena(f"race-{round_}", 8 * g)
+            errors = _back_at_once(arena, [(0, 4 * g), (4 * g, 4 * g)])
+            assert not errors, errors
+            assert arena.placeholder_bytes == 8 * g, f"round {round_}: {arena.placeholder_bytes} of {8 * g} bytes backed"
+            arena.release()
+        assert len(os.listdir("/proc/self/fd")) <= before + 2, "placeholder descriptors leaked"
+    finally:
+        s.close()
