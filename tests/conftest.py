@@ -11,6 +11,7 @@ The test process itself never initialises CUDA: every CUDA user is a child.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import shutil
@@ -241,16 +242,29 @@ class Client:
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
+        # What it printed instead (an ERR line, say) is usually the real failure.
+        skipped: collections.deque[str] = collections.deque(maxlen=20)
+
+        def seen() -> str:
+            return "".join(f"  {x}" for x in skipped) or "  (nothing)\n"
+
         try:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not sel.select(remaining):
-                    raise AssertionError(f"client did not print {prefix!r} within {timeout}s; stderr:\n{self.stderr()}")
+                    raise AssertionError(
+                        f"client did not print {prefix!r} within {timeout}s; stdout it printed instead (last {skipped.maxlen}):\n"
+                        f"{seen()}stderr:\n{self.stderr()}"
+                    )
                 line = self.proc.stdout.readline()
                 if not line:
-                    raise AssertionError(f"client exited ({self.proc.wait()}) before {prefix!r}; stderr:\n{self.stderr()}")
+                    raise AssertionError(
+                        f"client exited ({self.proc.wait()}) before {prefix!r}; stdout it printed instead (last {skipped.maxlen}):\n"
+                        f"{seen()}stderr:\n{self.stderr()}"
+                    )
                 if line.startswith(prefix):
                     return line[len(prefix) :].strip()
+                skipped.append(line if line.endswith("\n") else line + "\n")
         finally:
             sel.close()
 

@@ -45,7 +45,7 @@ from gpumem_shared import _native, fdchannel, lease_order, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
 from gpumem_shared.lease_table import LeaseSegment, LeaseStatus
-from gpumem.errors import BadMessage, BorrowEscaped, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, PermissionDenied, StaleEpoch
+from gpumem.errors import BadMessage, BorrowEscaped, DeviceDriverError, InvalidArgument, LeaseConflict, LeaseNotHeld, NotFound, PermissionDenied, StaleEpoch
 from gpumem.graph_pools import granted_segment
 
 if TYPE_CHECKING:
@@ -245,13 +245,16 @@ class SessionLeases:
         event = _PROCESS_EVENTS.get((self._daemon_key, pool_id, peer))
         if event is None:
             event = self._peer_events.get((pool_id, peer))
-        if event is None:
-            try:
-                reply: p.LeaseEventReply = self._call(p.LookupLeaseEvent(pool_id=pool_id, session=peer))
-            except NotFound:
-                return  # the releaser ended: its context, and its queued work, went with it
-            event = self._peer_events[(pool_id, peer)] = self._driver.event_open(reply.handle)
-        self._driver.stream_wait(event, stream)
+        try:
+            if event is None:
+                try:
+                    reply: p.LeaseEventReply = self._call(p.LookupLeaseEvent(pool_id=pool_id, session=peer))
+                except NotFound:
+                    return  # the releaser ended: its context, and its queued work, went with it
+                event = self._peer_events[(pool_id, peer)] = self._driver.event_open(reply.handle)
+            self._driver.stream_wait(event, stream)
+        except DriverError as exc:
+            raise self.order_failed(pool_id, peer, lease, exc) from None
         self.waits_on(pool_id)[peer] = self._driver.native_event(event)
         self.handoff_waits += 1
 
@@ -358,6 +361,18 @@ class SessionLeases:
             f"the event that orders its GPU work before the next holder's yet; a record takes microseconds: {then} "
             "(gpumemd clears the mark when it exits)",
             {"holder": name, "pid": pid},
+        )
+
+    def order_failed(self, pool_id: int, peer: int, lease: str, exc: DriverError) -> DeviceDriverError:
+        """``lease`` was taken after session ``peer``'s release, and its IPC event could not
+        be opened or waited on here (the caller gives the slot back)."""
+        name, pid = self._client_named(self.status(), peer)
+        return DeviceDriverError(
+            f"{lease} on graph pool {pool_id} refused, nothing taken: it must order after client '{name}' (pid {pid}), "
+            f"which released it last, and that client's IPC event failed here: {exc}. CUDA IPC events do not cross pid "
+            "namespaces (engines in pods without hostPID): run gpumemd with --lease-ordering memops, which orders "
+            "handoffs through shared memory instead",
+            {"releaser": name, "pid": pid, "pool": pool_id},
         )
 
     @staticmethod

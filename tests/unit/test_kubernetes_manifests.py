@@ -137,6 +137,8 @@ def test_the_daemon_containers_hold_together() -> None:
         assert mounts["/run/gpumemd-devices"]["hostPath"]["path"] == "/run/gpumemd-devices"  # the node's device locks
         assert "emptyDir" in mounts["/tmp"]  # scratch under the read-only root
         assert [p["containerPort"] for p in container["ports"]] == [int(_arg(container, "--metrics-port"))]
+        # No hostPID for engines: a namespaced taker cannot open its releaser's CUDA IPC event.
+        assert _arg(container, "--lease-ordering") == "memops", container["name"]
         for probe in ("startupProbe", "livenessProbe"):
             command = container[probe]["exec"]["command"]
             assert command[command.index("--device") + 1] == device, f"{container['name']}'s {probe} asks another GPU"

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import gpumem
+from gpumem.errors import DeviceDriverError
 from gpumem.leases import Lease, SessionLeases
 from gpumem_shared import _native, lease_table
 from gpumem_shared import protocol as p
@@ -430,9 +431,9 @@ class _Daemon:
         return p.LeaseEventReply(handle=HostDriver(0).event_create()[1]), []
 
 
-def taker_session() -> SessionLeases:
+def taker_session(driver: HostDriver | None = None, session_id: int = 2) -> SessionLeases:
     """Session 2's side of its leases (host backend: no driver call at a handoff)."""
-    return SessionLeases(_Daemon(), HostDriver(0), session_id=2, device_ordinal=None, daemon_key="unit")  # type: ignore[arg-type]
+    return SessionLeases(_Daemon(), driver or HostDriver(0), session_id=session_id, device_ordinal=None, daemon_key="unit")  # type: ignore[arg-type]
 
 
 # How a session sees the pool: as a shared pool (the ordered calls), or through a view
@@ -518,6 +519,63 @@ def test_an_acquire_that_waited_for_the_holder_has_only_the_rest_of_its_wait_for
     [(error, waited)] = outcome
     assert isinstance(error, gpumem.LeaseConflict) and RELEASER in error.message, error
     assert BOUND_S <= waited < BOUND_S + SLACK_S, f"refused after {waited:.2f}s with wait={BOUND_S}"
+
+
+class _EventOpenFails(HostDriver):
+    """CUDA between engines in pid namespaces of their own: both are pid 1, and a legacy
+    IPC handle names its creator by pid."""
+
+    def event_open(self, handle: bytes) -> Any:
+        raise DriverError("cuIpcOpenEventHandle failed: CUDA_ERROR_INVALID_CONTEXT")
+
+
+class _StreamWaitFails(HostDriver):
+    def stream_wait(self, event: Any, stream: int) -> None:
+        raise DriverError("cuStreamWaitEvent failed: CUDA_ERROR_INVALID_HANDLE")
+
+
+FAILING_DRIVERS = {"event_open": (_EventOpenFails, "cuIpcOpenEventHandle"), "stream_wait": (_StreamWaitFails, "cuStreamWaitEvent")}
+
+
+@pytest.mark.parametrize("contended", [False, True], ids=["free", "waited-for"])
+@pytest.mark.parametrize("view", VIEWS.values(), ids=VIEWS.keys())
+@pytest.mark.parametrize("failing", FAILING_DRIVERS.values(), ids=FAILING_DRIVERS.keys())
+def test_a_handoff_whose_event_fails_here_refuses_the_take_saying_why_and_holds_nothing(
+    shared: LeaseSegment, failing: tuple[type[HostDriver], str], view: bool, contended: bool
+) -> None:
+    """The H200's namespaced handoff: a taker that cannot order after the releaser's event
+    gets a typed error naming the pool, the releaser, the driver's error and the fix, and
+    gives the slot back: a later taker (any session) takes it and still orders after the
+    releaser."""
+    driver, call = failing
+    released = word(LeaseKind.CAPTURE, session=1)
+    assert shared.acquire(released, EPOCH, 0) == (LeaseStatus.OK, 0)
+    releaser = None
+    if contended:  # the taker sleeps on the held slot, and wakes taking it with OK_ORDER
+        releaser = threading.Thread(target=lambda: (wait_until_sleeping(shared), ordered_release(shared, released)), daemon=True)
+        releaser.start()
+    else:
+        assert ordered_release(shared, released) == LeaseStatus.OK
+    session = taker_session(driver(0))
+    with pytest.raises(DeviceDriverError) as refused:
+        Lease.acquire(session, pool_view(shared, view), LeaseKind.REPLAY, "decode", 10.0)
+    if releaser is not None:
+        releaser.join(10)
+    message = refused.value.message
+    assert f"replay lease 'decode' on graph pool {POOL_ID} refused, nothing taken" in message, message
+    assert f"client '{RELEASER}' (pid 1001)" in message and f"{call} failed" in message, message
+    assert "pid namespaces" in message and "--lease-ordering memops" in message, message
+    assert refused.value.detail == {"releaser": RELEASER, "pid": 1001, "pool": POOL_ID}
+    assert shared.peek() == 0, "the refused take was given back"
+    assert shared.handoff() == 1, "the next taker still orders after the releaser"
+    with pytest.raises(DeviceDriverError):  # the refused session again: refused the same way, not stuck
+        Lease.acquire(session, pool_view(shared, view), LeaseKind.REPLAY, "decode", 0)
+    assert shared.peek() == 0
+    later = taker_session(session_id=3)
+    lease = Lease.acquire(later, pool_view(shared, view), LeaseKind.REPLAY, "next", 0)
+    assert lease.held and shared.peek() == later.words[LeaseKind.REPLAY] and later.handoff_waits == 1
+    lease.release()
+    later.close()  # its event leaves the process's table: no other test orders after it
 
 
 # Handoffs with bits outside a 24-bit session and the recording mark: what a user that
