@@ -493,6 +493,10 @@ class DaemonState:
         daemon.sleep_host_bytes, daemon.sleep_host_limit = sum(host.values()), self.config.sleep_host_limit
         reply.sleepers = self.sleepers.status()
         reply.retained = self.retained.status()
+        daemon.lease_ordering = self.config.lease_ordering.value
+        order = self.graph_pools.order
+        if order is not None:
+            daemon.lease_lanes, daemon.lease_lanes_in_use = order.lanes.lanes, order.lanes.in_use()
         return reply
 
     # ------------------------------------------------------------------ the durable record
