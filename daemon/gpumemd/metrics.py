@@ -245,7 +245,7 @@ class Metrics:
                 owned[arena.owner_name] += arena.committed
         f.add("gpumemd_client_committed_bytes", "gauge", "Committed bytes of the arenas (KV pools included) each live client owns.",
               ("client",), [((self._name(name),), n) for name, n in sorted(owned.items())])
-        caps = arenas.caps.status()  # tenants are uids and gids: not names to hide
+        caps = arenas.caps.status()  # tenants are uids, gids and the operator's names for tokens: no client's names to hide
         f.add("gpumemd_tenant_cap_bytes", "gauge", "Each capped tenant's maximum of device memory (--tenant-policy, DRA claims); -1: none.",
               ("tenant",), [((c.tenant,), c.max_bytes) for c in caps])
         f.add("gpumemd_tenant_min_bytes", "gauge", "Each capped tenant's guaranteed minimum of device memory.",
