@@ -1,11 +1,12 @@
 """A scriptable gpumem client process for integration and GPU tests.
 
-    python tests/clients.py shell NAME [DEVICE] [--as UID:GID]
+    python tests/clients.py shell NAME [DEVICE] [--as UID:GID] [--tenant-token-file PATH]
 
 connects as client NAME and then runs one command per stdin line, answering each
 with one stdout line: ``OK [result]`` or ``ERR <ExceptionClass> <message>``. With
 ``--as``, the process drops to that uid and gid (no supplementary groups) once its
-modules are loaded and before it connects: the daemon sees another user.
+modules are loaded and before it connects: the daemon sees another user. With
+``--tenant-token-file``, it presents the tenant token in that file at HELLO.
 
 Commands:
   create ARENA RESERVE         commit ARENA NBYTES        decommit ARENA TO
@@ -70,9 +71,14 @@ def main() -> int:
         uid, gid = (int(x) for x in rest[at + 1].split(":"))
         del rest[at : at + 2]
         become(uid, gid)
+    token_file = None
+    if "--tenant-token-file" in rest:
+        at = rest.index("--tenant-token-file")
+        token_file = rest[at + 1]
+        del rest[at : at + 2]
     device: int | str = int(rest[0]) if rest and rest[0].isdigit() else (rest[0] if rest else 0)
     try:
-        session = gpumem.connect(device, name=name)
+        session = gpumem.connect(device, name=name, tenant_token_file=token_file)
     except gpumem.GpuMemError as exc:
         print(f"ERR {type(exc).__name__} {exc}", flush=True)
         return 0

@@ -40,6 +40,7 @@ from gpumem.errors import (
     DaemonUnavailable,
     GpuMemError,
     PermissionDenied,
+    ProtocolMismatch,
     SessionClosed,
     SessionLost,
     ShuttingDown,
@@ -51,6 +52,9 @@ from gpumem.errors import (
 # doubling, until the call's timeout: a restart takes the new daemon some 100 ms.
 _RESUME_RETRY_FIRST = 0.005
 _RESUME_RETRY_MOST = 0.05
+
+# The protocol that knows Hello.tenant_token.
+_TENANT_TOKENS = (1, 11)
 
 # Notices nobody took yet; the oldest go first.
 _NOTICES_KEPT = 1024
@@ -120,7 +124,7 @@ class SessionChannel:
     """Both sockets of one session (see the module doc). Opening it says HELLO:
     ``hello`` is the daemon's answer."""
 
-    def __init__(self, endpoints: Endpoints, name: str, timeout: float) -> None:
+    def __init__(self, endpoints: Endpoints, name: str, timeout: float, tenant_token: str = "") -> None:
         self.endpoints = endpoints
         self.name = name
         self.timeout = timeout
@@ -140,7 +144,15 @@ class SessionChannel:
         self._finalizer = weakref.finalize(self, self._sockets)
         ok = False
         try:
-            self.hello = self._say_hello(p.Hello(name=self.name, client_version=__version__, pid=os.getpid()), self.timeout)
+            hello = p.Hello(name=self.name, client_version=__version__, pid=os.getpid(), tenant_token=tenant_token)
+            self.hello = self._say_hello(hello, self.timeout)
+            if tenant_token and tuple(self.hello.protocol) < _TENANT_TOKENS:
+                # That daemon ignored the token: the session would count against the uid's cap.
+                raise ProtocolMismatch(
+                    f"gpumemd for device {endpoints.index} speaks protocol {self.hello.protocol[0]}.{self.hello.protocol[1]}, "
+                    f"which knows no tenant tokens (since {_TENANT_TOKENS[0]}.{_TENANT_TOKENS[1]}); upgrade gpumemd, or "
+                    "connect without one"
+                )
             self._control = self._sockets.control = ControlChannel(endpoints, routing_id=self.hello.token)
             ok = True
         finally:

@@ -65,10 +65,10 @@ class SessionCore:
         self.leasing = SessionLeases(channel, driver, hello.session_id, device_ordinal, daemon_key)
 
     @classmethod
-    def open(cls, endpoints: Endpoints, name: str, timeout: float, peers: Sequence[int]) -> SessionCore:
-        """Say HELLO to the daemon at ``endpoints`` and open the driver for its device,
-        with peer access to the CUDA ordinals ``peers``."""
-        channel = SessionChannel(endpoints, name, timeout)  # closes its own sockets if HELLO fails
+    def open(cls, endpoints: Endpoints, name: str, timeout: float, peers: Sequence[int], tenant_token: str = "") -> SessionCore:
+        """Say HELLO to the daemon at ``endpoints`` (presenting ``tenant_token``, if any)
+        and open the driver for its device, with peer access to the CUDA ordinals ``peers``."""
+        channel = SessionChannel(endpoints, name, timeout, tenant_token)  # closes its own sockets if HELLO fails
         try:
             driver, ordinal = _driver_for(channel.hello, peers)
             return cls(channel, driver, ordinal)

@@ -192,6 +192,10 @@ def render_status(s: p.StatusReply) -> str:
             f"arena(s) and graph pool(s) not resumed yet" + (f", released in {_duration(d.grace_left_s)}" if d.waiting else "")
         )
     lines += [f"  NOT REBUILT at its start: {problem}" for problem in d.restore_problems]
+    if d.lease_ordering == "memops":
+        lines.append(f"  lease ordering memops: {d.lease_lanes_in_use} of {d.lease_lanes} lanes in use")
+    elif d.lease_ordering:  # "": a daemon before 1.11 does not say
+        lines.append(f"  lease ordering {d.lease_ordering}")
     lines += [
         f"device {dev.index}: {dev.name}  {dev.uuid}",
         f"  total {format_size(dev.total_bytes)}  free {format_size(dev.free_bytes)}  gpumemd holds "
@@ -201,8 +205,9 @@ def render_status(s: p.StatusReply) -> str:
         lines.append(f"  sleepers' host buffers {format_size(d.sleep_host_bytes)} of {format_size(d.sleep_host_limit)} (--sleep-host-limit)")
     lines += ["", "CLIENTS"]
     host = any(c.host_bytes for c in s.clients)  # a column of its own once something slept
+    tenant = any(c.tenant for c in s.clients)  # and once a cap policy names their tenants
     lines += _table(
-        ["ID", "NAME", "PID", "UID", "SINCE", "ARENAS"] + (["HOST"] if host else []),
+        ["ID", "NAME", "PID", "UID", "SINCE", "ARENAS"] + (["HOST"] if host else []) + (["TENANT"] if tenant else []),
         [
             [
                 str(c.session_id),
@@ -213,6 +218,7 @@ def render_status(s: p.StatusReply) -> str:
                 ",".join(c.arenas) or "-",
             ]
             + ([format_size(c.host_bytes)] if host else [])
+            + ([c.tenant or "-"] if tenant else [])
             for c in s.clients
         ],
     )

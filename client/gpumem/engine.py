@@ -69,6 +69,7 @@ class EngineMemory:
         device: int | str = 0,
         *,
         runtime_dir: str | None = None,
+        tenant_token_file: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         model_reserve: int = DEFAULT_MODEL_RESERVE,
         graph_reserve: int = DEFAULT_GRAPH_RESERVE,
@@ -76,7 +77,7 @@ class EngineMemory:
         graph_step: int = DEFAULT_GRAPH_STEP,
     ) -> None:
         self.name = name
-        self.session: Session = connect(device, name, runtime_dir=runtime_dir, timeout=timeout)
+        self.session: Session = connect(device, name, runtime_dir=runtime_dir, timeout=timeout, tenant_token_file=tenant_token_file)
         try:
             self.model: Arena = self.session.create_arena(f"{name}-model", model_reserve).set_elastic(model_step)
             self.graphs: Arena = self.session.create_arena(f"{name}-graphs", graph_reserve).set_elastic(graph_step)

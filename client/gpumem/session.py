@@ -27,7 +27,7 @@ from gpumem.arena import Arena
 from gpumem.borrow import Borrow
 from gpumem.core import SessionCore
 from gpumem.discovery import resolve_device
-from gpumem.errors import AlreadyExists
+from gpumem.errors import AlreadyExists, InvalidArgument
 from gpumem.graph_pools import GraphPool
 from gpumem.kv_pool import KvPool
 from gpumem.leases import Lease, LeasePool
@@ -49,6 +49,8 @@ def connect(
     runtime_dir: str | os.PathLike[str] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     peers: Sequence[int] = (),
+    tenant_token: str | None = None,
+    tenant_token_file: str | os.PathLike[str] | None = None,
 ) -> Session:
     """Open a session with the daemon of ``device``: this process's CUDA ordinal
     (matched to its daemon by UUID, so CUDA_VISIBLE_DEVICES remapping is honoured), or a
@@ -63,16 +65,41 @@ def connect(
     ``timeout`` bounds every call of this session unless a call gives its own.
     ``peers``: this process's CUDA ordinals of other GPUs whose kernels must reach the
     memory this session maps (peer access; refused where the hardware has no path).
+    ``tenant_token``, or ``tenant_token_file`` (a file holding it, such as the one a DRA
+    claim's directory gives the pod; read now, surrounding whitespace dropped): the secret
+    that makes this session count against that token's tenant in the daemon's caps
+    rather than its uid's (docs/architecture.md, "Tenant caps"). A token the daemon's
+    policy does not name is refused (``PermissionDenied``).
     """
+    token = _tenant_token(tenant_token, tenant_token_file)
     endpoints = resolve_device(device, runtime_dir)
     if name:
-        return Session(endpoints, name, timeout, peers)
+        return Session(endpoints, name, timeout, peers, tenant_token=token)
     for _ in range(_DEFAULT_NAME_TRIES - 1):
         try:
-            return Session(endpoints, _default_name(), timeout, peers)
+            return Session(endpoints, _default_name(), timeout, peers, tenant_token=token)
         except AlreadyExists:
             continue  # another process holds it (another pid namespace, or its own choice)
-    return Session(endpoints, _default_name(), timeout, peers)
+    return Session(endpoints, _default_name(), timeout, peers, tenant_token=token)
+
+
+def _tenant_token(token: str | None, path: str | os.PathLike[str] | None) -> str:
+    """The token connect() presents ("": none). No message here quotes it."""
+    if token is not None and path is not None:
+        raise InvalidArgument("give connect() a tenant_token or a tenant_token_file, not both")
+    if path is not None:
+        try:
+            token = Path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "it is not text"
+            raise InvalidArgument(f"cannot read the tenant token file {os.fspath(path)}: {why}") from None
+        if not token:
+            raise InvalidArgument(f"the tenant token file {os.fspath(path)} is empty")
+    if token is None:
+        return ""
+    if not token or len(token) > p.MAX_TENANT_TOKEN or not token.isprintable():
+        raise InvalidArgument(f"a tenant token is 1 to {p.MAX_TENANT_TOKEN} printable characters")
+    return token
 
 
 # A default name held elsewhere is tried again with the next count, this many times.
@@ -95,8 +122,10 @@ class Session:
     """The public facade over a session's core (gpumem.core): what engines call. The
     objects it hands out hold the core, not the session."""
 
-    def __init__(self, endpoints: Endpoints, name: str, timeout: float, peers: Sequence[int] = ()) -> None:
-        self.core = core = SessionCore.open(endpoints, name, timeout, peers)
+    def __init__(
+        self, endpoints: Endpoints, name: str, timeout: float, peers: Sequence[int] = (), *, tenant_token: str = ""
+    ) -> None:
+        self.core = core = SessionCore.open(endpoints, name, timeout, peers, tenant_token)
         self.endpoints = endpoints
         self.peers = list(peers)
         self.name = name

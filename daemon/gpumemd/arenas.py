@@ -90,7 +90,9 @@ class ArenaBook:
         self.tenants = tenants
         self.by_name: dict[str, ArenaRecord] = {}
         self.retiring: dict[int, ChunkRecord] = {}
-        self.caps = Caps(config.tenant_policy, config.tenant_claims, self.by_name, self.retiring, tenants.owners, tenants.groups)
+        self.caps = Caps(
+            config.tenant_policy, config.tenant_claims, self.by_name, self.retiring, tenants.owners, tenants.groups, tenants.tokens
+        )
         self.next_chunk = 1
         self.next_grant = 1
         self._slice: tuple[int, int] | None = self._reserve_slice()
@@ -191,7 +193,7 @@ class ArenaBook:
         arena = ArenaRecord(
             name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.own_pid, address=address, reserved=reserve_bytes, kv=kv
         )
-        self.tenants.owners[name], self.tenants.groups[name] = s.uid, s.gid
+        self.tenants.own(name, s)
         arena.attached.add(s.id)
         self.by_name[name] = arena
         log.info("arena %r created by %r: %d bytes at %#x", name, s.name, reserve_bytes, address)
@@ -396,8 +398,7 @@ class ArenaBook:
         arena.chunks = []
         arena.placeholders = []
         del self.by_name[arena.name]
-        self.tenants.owners.pop(arena.name, None)
-        self.tenants.groups.pop(arena.name, None)
+        self.tenants.forget(arena.name)
         log.info("arena %r destroyed", arena.name)
 
     # ------------------------------------------------------------------ chunks

@@ -1,9 +1,14 @@
 """Tenant memory caps: the most device bytes a tenant may hold, and the least it is
 guaranteed, from an operator's policy.
 
-A tenant here is what the policy names: a uid, a gid (every uid whose sessions say that
-group shares one cap), or, for a uid named by no rule, the policy's default (each uid on
-its own). Its use is counted from the arena book itself (the chunks of the arenas it
+A tenant here is what the policy names: a tenant token (every session that presented it
+at HELLO, whatever its uid: pods that all run as one uid are tenants apart), a uid, a gid
+(every uid whose sessions say that group shares one cap), or, for a uid named by no
+rule, the policy's default (each uid on its own). The policy names a token by its
+SHA-256 and a name of its own, and the daemon keeps no more than that: a session's
+token is hashed at HELLO, compared in constant time against the policy's, and refused
+(PERMISSION_DENIED, naming no secret) when no rule names it; the session then keeps
+only the hash. Its use is counted from the arena book itself (the chunks of the arenas it
 owns, retiring ones included: a client still maps them), so nothing here can drift from
 what the device holds. Every chunk the daemon creates for a client (commit, KV grow, KV
 round, a round's staged minimum, a wake) passes ``check`` first, all of a request's chunks
@@ -25,8 +30,11 @@ the claim consumed (docs/architecture.md, "Tenant caps").
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
+import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -40,6 +48,15 @@ from gpumemd.records import ArenaRecord, ChunkRecord
 log = logging.getLogger("gpumemd.caps")
 
 CLAIM_FILE = "tenant.json"
+# A token rule's name: what status, metrics and refusals call the tenant ("token NAME").
+_TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}", re.ASCII)
+
+
+def token_digest(token: str) -> bytes:
+    """What the daemon keeps of a tenant token: its SHA-256 (a token is a random secret,
+    so its hash names it and cannot be turned back into it)."""
+    return hashlib.sha256(token.encode()).digest()
 
 
 class PolicyError(Exception):
@@ -58,10 +75,24 @@ class Policy:
     uids: Mapping[int, Rule] = dataclasses.field(default_factory=dict)
     gids: Mapping[int, Rule] = dataclasses.field(default_factory=dict)
     default: Rule | None = None
+    tokens: Mapping[bytes, tuple[str, Rule]] = dataclasses.field(default_factory=dict)  # digest -> (name, rule)
 
-    def tenant(self, uid: int, gid: int) -> tuple[str, Rule] | None:
-        """The tenant a session of ``uid``/``gid`` counts against, and its rule: its uid's
-        rule before its group's, the default last; None: no cap."""
+    def knows(self, digest: bytes) -> bool:
+        """Whether a rule names the token of ``digest``: every digest compared, each in
+        constant time, so the time taken tells nothing of how near a guess came."""
+        found = False
+        for known in self.tokens:
+            found |= hmac.compare_digest(known, digest)
+        return found
+
+    def tenant(self, uid: int, gid: int, token: bytes = b"") -> tuple[str, Rule] | None:
+        """The tenant a session of ``uid``/``gid`` (and the tenant token of digest
+        ``token``) counts against, and its rule: its token's rule first, then its uid's,
+        its group's, the default last; None: no cap. A token no rule names any more (a
+        reload took it out) counts as no token."""
+        named = self.tokens.get(token) if token else None
+        if named is not None:
+            return f"token {named[0]}", named[1]
         rule = self.uids.get(uid)
         if rule is not None:
             return f"uid {uid}", rule
@@ -93,26 +124,56 @@ def _rule(entry: Mapping[str, Any], where: str, max_key: str = "max", min_key: s
     return Rule(max_bytes, min_bytes, where)
 
 
-def _who(entry: Mapping[str, Any], where: str) -> tuple[str, int]:
-    named = [key for key in ("uid", "gid") if key in entry]
-    if len(named) != 1 or isinstance(entry[named[0]], bool) or not isinstance(entry[named[0]], int) or entry[named[0]] < 0:
-        raise PolicyError(f"{where}: a tenant is named by exactly one of 'uid' or 'gid', a number")
+def _who(entry: Mapping[str, Any], where: str, default_name: str = "") -> tuple[str, int | tuple[bytes, str]]:
+    """Whom ``entry`` caps: ("uid" or "gid", the number), or ("token", (digest, name))."""
+    named = [key for key in ("uid", "gid", "token_sha256") if key in entry]
+    if len(named) != 1:
+        raise PolicyError(f"{where}: a tenant is named by exactly one of 'uid' or 'gid' (a number) or 'token_sha256'")
+    if named == ["token_sha256"]:
+        # The value is never echoed: an operator who put the token itself here must not
+        # find it in the daemon's log.
+        digest = entry["token_sha256"]
+        if not isinstance(digest, str) or _SHA256_HEX.fullmatch(digest) is None:
+            raise PolicyError(f"{where}: 'token_sha256' is the token's SHA-256, 64 lowercase hex digits (printf %s TOKEN | sha256sum)")
+        name = entry.get("name", default_name)
+        if not isinstance(name, str) or _TOKEN_NAME.fullmatch(name) is None:
+            raise PolicyError(f"{where}: a token's tenant has a 'name' (letters, digits, '.', '_', '-'; at most 63), what status shows")
+        return "token", (bytes.fromhex(digest), name)
+    if "name" in entry:
+        raise PolicyError(f"{where}: 'name' names a token's tenant; a uid or gid is its own name")
+    if isinstance(entry[named[0]], bool) or not isinstance(entry[named[0]], int) or entry[named[0]] < 0:
+        raise PolicyError(f"{where}: a tenant is named by exactly one of 'uid' or 'gid' (a number) or 'token_sha256'")
     return named[0], entry[named[0]]
 
 
 class _Builder:
     def __init__(self) -> None:
         self.rules: dict[str, dict[int, Rule]] = {"uid": {}, "gid": {}}
+        self.tokens: dict[bytes, tuple[str, Rule]] = {}
         self.default: Rule | None = None
 
-    def add(self, kind: str, ident: int, rule: Rule) -> None:
+    def add(self, kind: str, ident: int | tuple[bytes, str], rule: Rule) -> None:
+        if isinstance(ident, tuple):
+            self._add_token(*ident, rule)
+            return
         held = self.rules[kind].get(ident)
         if held is not None:
             raise PolicyError(f"{kind} {ident} has a cap in {held.source} and again in {rule.source}; name each tenant once")
         self.rules[kind][ident] = rule
 
+    def _add_token(self, digest: bytes, name: str, rule: Rule) -> None:
+        held = self.tokens.get(digest)
+        if held is not None:
+            raise PolicyError(
+                f"token {name} ({rule.source}) has the same token as token {held[0]} ({held[1].source}); give each tenant its own token"
+            )
+        same = next((r for n, r in self.tokens.values() if n == name), None)
+        if same is not None:
+            raise PolicyError(f"token {name} has a cap in {same.source} and again in {rule.source}; name each tenant once")
+        self.tokens[digest] = (name, rule)
+
     def policy(self) -> Policy:
-        return Policy(self.rules["uid"], self.rules["gid"], self.default)
+        return Policy(self.rules["uid"], self.rules["gid"], self.default, self.tokens)
 
 
 def _read_file(path: Path, into: _Builder) -> None:
@@ -128,8 +189,9 @@ def _read_file(path: Path, into: _Builder) -> None:
         raise PolicyError(f"{path}: 'tenant' is a list of tables ([[tenant]] in TOML)")
     for i, entry in enumerate(entries):
         where = f"{path} tenant #{i + 1}"
-        if set(entry) - {"uid", "gid", "max", "min"}:
-            raise PolicyError(f"{where}: unknown keys {sorted(set(entry) - {'uid', 'gid', 'max', 'min'})}")
+        keys = {"uid", "gid", "token_sha256", "name", "max", "min"}
+        if set(entry) - keys:
+            raise PolicyError(f"{where}: unknown keys {sorted(set(entry) - keys)}")
         kind, ident = _who(entry, where)
         into.add(kind, ident, _rule(entry, where))
     default = doc.get("default")
@@ -141,7 +203,8 @@ def _read_file(path: Path, into: _Builder) -> None:
 
 def _read_claims(root: Path, into: _Builder) -> None:
     """One subdirectory per DRA ResourceClaim; its tenant.json says
-    {"uid": N or "gid": N, "bytes": consumed, "min_bytes": guaranteed (default: bytes)}.
+    {"uid": N or "gid": N or "token_sha256": HEX (and "name", default: the claim's),
+    "bytes": consumed, "min_bytes": guaranteed (default: bytes)}.
     A subdirectory without the file is a claim the driver is still preparing."""
     try:
         claims = sorted(d for d in root.iterdir() if d.is_dir())
@@ -155,9 +218,9 @@ def _read_claims(root: Path, into: _Builder) -> None:
             continue
         except (OSError, ValueError) as exc:
             raise PolicyError(f"cannot read the claim {path}: {exc}") from None
-        if not isinstance(entry, dict) or "bytes" not in entry or set(entry) - {"uid", "gid", "bytes", "min_bytes"}:
-            raise PolicyError(f"{path}: a claim holds 'uid' or 'gid', 'bytes' and optionally 'min_bytes'")
-        kind, ident = _who(entry, str(path))
+        if not isinstance(entry, dict) or "bytes" not in entry or set(entry) - {"uid", "gid", "token_sha256", "name", "bytes", "min_bytes"}:
+            raise PolicyError(f"{path}: a claim holds 'uid', 'gid' or 'token_sha256' (and 'name'), 'bytes' and optionally 'min_bytes'")
+        kind, ident = _who(entry, str(path), claim.name)
         rule = _rule(entry, f"claim {claim.name}", "bytes", "min_bytes" if "min_bytes" in entry else "bytes")
         into.add(kind, ident, rule)
 
@@ -185,8 +248,8 @@ def _refuse(tenant: str, rule: Rule, detail: str, used: int, cap: int) -> p.Prot
 
 class Caps:
     """The policy in force and the checks against it. ``arenas`` and ``retiring`` are the
-    arena book's own dicts; ``owners``/``groups`` the uid and gid each arena counts
-    against (tenants.Tenants)."""
+    arena book's own dicts; ``owners``/``groups``/``tokens`` the uid, gid and tenant
+    token digest each arena counts against (tenants.Tenants)."""
 
     def __init__(
         self,
@@ -196,10 +259,34 @@ class Caps:
         retiring: Mapping[int, ChunkRecord],
         owners: Mapping[str, int],
         groups: Mapping[str, int],
+        tokens: Mapping[str, bytes],
     ) -> None:
         self.policy_file, self.claims_dir = policy_file, claims_dir
         self._arenas, self._retiring, self._owners, self._groups = arenas, retiring, owners, groups
+        self._tokens = tokens
         self.policy = read_policy(policy_file, claims_dir)  # at start, an error stops the daemon
+
+    def admit(self, token: str, who: str) -> bytes:
+        """The digest a session that presented ``token`` at HELLO keeps (b"": none), or
+        PERMISSION_DENIED when no rule names it (logged, naming ``who``: a stream of them is
+        someone guessing). The refusal names neither the token nor its digest: whoever
+        holds a wrong one learns nothing from it."""
+        if not token:
+            return b""
+        digest = token_digest(token)
+        if not self.policy.knows(digest):
+            log.warning("HELLO of %s refused: its tenant token names no tenant in the caps", who)
+            raise p.ProtocolError(
+                p.ErrorCode.PERMISSION_DENIED,
+                "the tenant token this client presented names no tenant in gpumemd's caps (--tenant-policy, "
+                "--tenant-claims); check the token file the engine reads, and that its claim is prepared on this GPU's daemon",
+            )
+        return digest
+
+    def session_tenant(self, uid: int, gid: int, token: bytes) -> str:
+        """The capped tenant a session counts against, as status names it ("": none)."""
+        found = self.policy.tenant(uid, gid, token)
+        return "" if found is None else found[0]
 
     def reload(self) -> str | None:
         """Read the files again; on an error the policy in force stays. Returns the error."""
@@ -220,7 +307,8 @@ class Caps:
 
     def rules(self) -> list[tuple[str, Rule]]:
         pol = self.policy
-        named = [(f"uid {u}", r) for u, r in sorted(pol.uids.items())] + [(f"gid {g}", r) for g, r in sorted(pol.gids.items())]
+        named = [(f"token {n}", r) for n, r in sorted(pol.tokens.values(), key=lambda t: t[0])]
+        named += [(f"uid {u}", r) for u, r in sorted(pol.uids.items())] + [(f"gid {g}", r) for g, r in sorted(pol.gids.items())]
         return named + ([("default", pol.default)] if pol.default is not None else [])
 
     def status(self) -> list[p.TenantCapStatus]:
@@ -244,12 +332,12 @@ class Caps:
 
     def tenant_of(self, arena: str) -> tuple[str, Rule] | None:
         uid = self._owners.get(arena)
-        return None if uid is None else self.policy.tenant(uid, self._groups.get(arena, -1))
+        return None if uid is None else self.policy.tenant(uid, self._groups.get(arena, -1), self._tokens.get(arena, b""))
 
     def usage(self) -> dict[str, int]:
         """Device bytes each capped tenant holds now (every tenant the policy names, and
         each uid under the default that holds any)."""
-        used = {f"{kind} {ident}": 0 for kind, rules in (("uid", self.policy.uids), ("gid", self.policy.gids)) for ident in rules}
+        used = {tenant: 0 for tenant, _ in self.rules() if tenant != "default"}
         found: tuple[str, Rule] | None
         for arena in self._arenas.values():
             found = self.tenant_of(arena.name)

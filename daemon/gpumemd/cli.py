@@ -241,7 +241,7 @@ def _exporter(address: str, port: int) -> Exporter:
     "--tenant-policy",
     type=click.Path(dir_okay=False),
     default="",
-    help="A TOML or JSON file of device-memory caps per tenant (uid or gid: a maximum and a guaranteed minimum); "
+    help="A TOML or JSON file of device-memory caps per tenant (uid, gid or tenant token: a maximum and a guaranteed minimum); "
     "read again on SIGHUP. See docs/architecture.md, Tenant caps.",
 )
 @_option(

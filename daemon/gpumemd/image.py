@@ -25,8 +25,8 @@ import msgspec
 
 # Records are imaged in their classes' field order: adding, removing or reordering a
 # record's fields changes the format. 3: each book's own part; a round member keeps its
-# capture-done report. 4: a session keeps its client's own pid.
-IMAGE_VERSION = 4
+# capture-done report. 4: a session keeps its client's own pid. 5: and its tenant token's digest.
+IMAGE_VERSION = 5
 
 # A record's image: its fields' values, in the order ``Imager.names`` gives.
 Image = tuple[Any, ...]

@@ -36,6 +36,7 @@ from typing import Literal
 
 from gpumem_shared import __version__
 from gpumem_shared import protocol as p
+from gpumem_shared.lease_order import LeaseOrdering
 from gpumem_shared.lease_table import LeaseKind
 
 from gpumemd.state import DaemonState
@@ -146,6 +147,7 @@ class Metrics:
             tally.kv_shrinks_asked + tally.kv_grows_refused + tally.kv_move_seconds.count,  # moves answered at a tick
             free,
             self.state.stopping,
+            self._lanes(),  # a tick settles swept lanes: no request tells of it
         )
         if leases_moved or seen != self._seen:
             self._seen = seen
@@ -190,6 +192,11 @@ class Metrics:
             del self._watch[gone]
             moved = True
         return moved
+
+    def _lanes(self) -> tuple[int, int] | None:
+        """Memops ordering's lanes and those in use; None under IPC events."""
+        order = self.state.graph_pools.order
+        return None if order is None else (order.lanes.lanes, order.lanes.in_use())
 
     # ------------------------------------------------------------------ the snapshot
 
@@ -238,7 +245,7 @@ class Metrics:
                 owned[arena.owner_name] += arena.committed
         f.add("gpumemd_client_committed_bytes", "gauge", "Committed bytes of the arenas (KV pools included) each live client owns.",
               ("client",), [((self._name(name),), n) for name, n in sorted(owned.items())])
-        caps = arenas.caps.status()  # tenants are uids and gids: not names to hide
+        caps = arenas.caps.status()  # tenants are uids, gids and the operator's names for tokens: no client's names to hide
         f.add("gpumemd_tenant_cap_bytes", "gauge", "Each capped tenant's maximum of device memory (--tenant-policy, DRA claims); -1: none.",
               ("tenant",), [((c.tenant,), c.max_bytes) for c in caps])
         f.add("gpumemd_tenant_min_bytes", "gauge", "Each capped tenant's guaranteed minimum of device memory.",
@@ -317,6 +324,15 @@ class Metrics:
               pool_labels, [(labels, HistogramValue.of(w.waits)) for _, labels, w in watches])
         f.add("gpumemd_lease_escapes_total", "counter", "Borrow scopes reported to have ended with tensors still alive.", pool_labels,
               [(labels, tally.escapes.get(g.id, 0)) for g, labels, _ in watches])
+        ordering = state.config.lease_ordering
+        f.add("gpumemd_lease_ordering", "gauge", "How lease handoffs order GPU work (--lease-ordering): 1 on the mode in force.",
+              ("mode",), [((mode.value,), int(mode is ordering)) for mode in LeaseOrdering])
+        lanes = self._lanes()
+        f.add("gpumemd_lease_ordering_lanes", "gauge", "Lanes of memops ordering's sequence chunk (none under ipc-events).",
+              (), [] if lanes is None else [((), lanes[0])])
+        f.add("gpumemd_lease_ordering_lanes_in_use", "gauge",
+              "Lanes held by a session's use of a shared pool, or swept and not yet free (their writer not yet fenced).",
+              (), [] if lanes is None else [((), lanes[1])])
         f.add("gpumemd_lease_escaped_clients", "gauge", "Clients whose borrowed tensors are out past their scope now: replays refused.",
               pool_labels, [(labels, len(g.escapers)) for g, labels, _ in watches])
         return Snapshot(tuple(f.out))

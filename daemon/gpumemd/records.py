@@ -55,6 +55,9 @@ class SessionRecord:
     own_pid: int = 0
     # What RESUME proves the session with after a restart (empty: no fd store, no resume).
     credential: bytes = dataclasses.field(default=b"", repr=False)
+    # The SHA-256 of the tenant token it presented at HELLO (caps.py; b"": none). Never
+    # the token: the daemon keeps nothing a client could present again.
+    tenant_key: bytes = dataclasses.field(default=b"", repr=False)
     waiting: bool = False  # kept across a restart; its client has not resumed yet
     # The last replies sent (or due) to this session, by request id, oldest first: a
     # request resent after a restart under its id gets its reply again instead of running

@@ -252,7 +252,7 @@ class RetainBook:
             arena = self.arenas.by_name[name]
             arena.owner_id, arena.owner_name, arena.owner_pid, arena.owner_alive = s.id, s.name, s.pid, True
             arena.attached.add(s.id)
-            self.arenas.tenants.owners[name] = s.uid
+            self.arenas.tenants.own(name, s)  # its adopter's tenant from now on (a pod of its own, its token)
             chunks = self.arenas.hand(s, list(arena.chunks))
             handout += chunks
             view = self.arenas.view(arena)

@@ -161,6 +161,8 @@ class DaemonState:
         if self.stopping:
             raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; connect again once it is back")
         check_name(hello.name, "client name")
+        # A token no cap names is refused before anything changes.
+        tenant_key = self.arenas.caps.admit(hello.tenant_token, f"client {hello.name!r} (pid {pid}, uid {uid})")
         # Shares name clients: a name a session holds cannot be said again, so no second
         # process can pass for the first one.
         holder = next((x for x in self.sessions.values() if x.name == hello.name), None)
@@ -181,12 +183,14 @@ class DaemonState:
             token=os.urandom(16),
             own_pid=hello.pid or pid,  # a client before 1.9 says none: the kernel's is its own then
             credential=os.urandom(32) if self.resumable else b"",
+            tenant_key=tenant_key,
         )
         self.next_session += 1
         self.sessions[session.id] = session
         self.tally.sessions_opened += 1
         self.dirty = True
-        log.info("session %d opened: client %r %s uid %d", session.id, session.name, session.pids, uid)
+        tenant = self.arenas.caps.session_tenant(uid, gid, tenant_key)
+        log.info("session %d opened: client %r %s uid %d%s", session.id, session.name, session.pids, uid, f", tenant {tenant}" if tenant else "")
         return session, self._hello_reply(session)
 
     def _take_name(self, holder: SessionRecord, pid: int, uid: int) -> None:
@@ -493,6 +497,10 @@ class DaemonState:
         daemon.sleep_host_bytes, daemon.sleep_host_limit = sum(host.values()), self.config.sleep_host_limit
         reply.sleepers = self.sleepers.status()
         reply.retained = self.retained.status()
+        daemon.lease_ordering = self.config.lease_ordering.value
+        order = self.graph_pools.order
+        if order is not None:
+            daemon.lease_lanes, daemon.lease_lanes_in_use = order.lanes.lanes, order.lanes.in_use()
         return reply
 
     # ------------------------------------------------------------------ the durable record

@@ -73,12 +73,26 @@ class Tenants:
         # images stay as they were): after a restart, known from the owners' sessions.
         self.owners: dict[str, int] = {}
         self.groups: dict[str, int] = {}  # and its owner's gid, for caps by group (caps.py)
+        self.tokens: dict[str, bytes] = {}  # and its owner's tenant token digest, where it presented one
+
+    def own(self, key: str, s: SessionRecord) -> None:
+        """The arena ``key`` counts against ``s``'s tenant from now on."""
+        self.owners[key], self.groups[key] = s.uid, s.gid
+        if s.tenant_key:
+            self.tokens[key] = s.tenant_key
+        else:
+            self.tokens.pop(key, None)
+
+    def forget(self, key: str) -> None:
+        self.owners.pop(key, None)
+        self.groups.pop(key, None)
+        self.tokens.pop(key, None)
 
     def adopt(self, arena: ArenaRecord) -> None:
         """An arena rebuilt after a restart: its tenant, if its owner's session came back too."""
         owner = self.sessions.get(arena.owner_id)
         if owner is not None:
-            self.owners[arena.name], self.groups[arena.name] = owner.uid, owner.gid
+            self.own(arena.name, owner)
 
     def owner_uid(self, arena: ArenaRecord) -> int:
         """The uid ``arena`` counts against; -1 where no session tells it any more."""

@@ -181,6 +181,10 @@ class LaneBook:
     def lane(self, pool_id: int, session_id: int) -> int | None:
         return self._held.get((pool_id, session_id))
 
+    def in_use(self) -> int:
+        """Lanes not free for a new holder: held, or released and not settled yet."""
+        return self.lanes - len(self._free)
+
     def release(self, pool_id: int, session_id: int) -> tuple[int, int] | None:
         """``session_id`` may no longer use ``pool_id`` (it ended, or lost its right):
         (lane, value) the daemon writes there so no taker's stream waits on the lane

@@ -221,3 +221,37 @@ def test_a_client_refuses_a_daemon_older_than_lease_segments(runtime_dir) -> Non
     finally:
         listener.close()
         os.close(table)
+
+
+def test_a_client_with_a_tenant_token_refuses_a_daemon_that_would_ignore_it(runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """A 1.10 daemon decodes HELLO without its tenant token: the session would count
+    against the uid's cap, not the token's. The client hangs up and says so."""
+    from gpumem.channel import SessionChannel
+    from gpumem.errors import ProtocolMismatch
+    from gpumem_shared.paths import Endpoints
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(runtime_dir / "gpu0.fd"))
+    listener.listen(1)
+    device = p.DeviceInfo(index=0, uuid="HOST-old", name="old", total_bytes=1 << 30, granularity=2 << 20)
+    hello = p.HelloReply(protocol=[1, 10], daemon_version="old", daemon_pid=1, session_id=1, token=b"t" * 16, backend=p.Backend.HOST, device=device)
+    got: list[bytes] = []
+
+    def old_daemon() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            got.append(conn.recv(1 << 16))
+            conn.send(msgpack.packb({"v": [1, 10], "id": 1, "ok": True, "code": 0, "msg": "", "detail": {}, "b": p.to_wire(hello)}))
+            conn.recv(1)  # until the client hangs up
+
+    server = threading.Thread(target=old_daemon, daemon=True)
+    server.start()
+    try:
+        with pytest.raises(ProtocolMismatch, match=r"speaks protocol 1\.10, which knows no tenant tokens") as info:
+            SessionChannel(Endpoints(runtime_dir, 0), "pod-a", 5.0, tenant_token="s3cret-token-of-pod-a")
+        assert "s3cret" not in str(info.value)
+        server.join(5.0)
+        assert not server.is_alive(), "the client did not hang up"
+        assert b"s3cret-token-of-pod-a" in got[0], "the token went in HELLO"
+    finally:
+        listener.close()

@@ -70,6 +70,9 @@ FAMILIES = {
     "gpumemd_lease_wait_seconds": "histogram",
     "gpumemd_lease_escapes": "counter",
     "gpumemd_lease_escaped_clients": "gauge",
+    "gpumemd_lease_ordering": "gauge",
+    "gpumemd_lease_ordering_lanes": "gauge",
+    "gpumemd_lease_ordering_lanes_in_use": "gauge",
 }
 
 
@@ -188,6 +191,33 @@ def test_a_scrape_says_what_status_says(daemon_factory, run_client, runtime_dir)
     assert sample(families, "gpumemd_reclaimed_bytes", "gpumemd_reclaimed_bytes_total") == 6 * MiB
     assert sample(families, "gpumemd_reclaim_seconds", "gpumemd_reclaim_seconds_count") == 1
     assert sample(families, "gpumemd_device_held_bytes") == status["device"]["accounted_bytes"] == 64 * MiB
+
+
+def test_memops_ordering_and_its_lanes_in_use_in_a_scrape_and_in_gpumemctl_status(daemon_factory, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory("host", args=["--metrics-port", "0", "--lease-ordering", "memops"])
+    url = metrics_url(daemon)
+    a = run_client("shell", "engine-a")
+    a.expect("CONNECTED")
+    do(a, f"create graphs {GiB}")
+    do(a, f"commit graphs {16 * MiB}")
+    do(a, f"gpregister graphs decode 0 {4 * MiB} shared")
+    do(a, f"gpregister graphs prefill {4 * MiB} {4 * MiB} shared")
+
+    def ready(families: dict[str, Any], status: dict[str, Any]) -> bool:
+        return bool(families["gpumemd_lease_ordering_lanes_in_use"].samples) and sample(families, "gpumemd_lease_ordering_lanes_in_use") == 2
+
+    families, status = settled(url, runtime_dir, ready)
+    d = status["daemon"]
+    assert (d["lease_ordering"], d["lease_lanes_in_use"]) == ("memops", 2) and d["lease_lanes"] > 2
+    assert sample(families, "gpumemd_lease_ordering_lanes") == d["lease_lanes"]
+    assert sample(families, "gpumemd_lease_ordering", mode="memops") == 1
+    assert sample(families, "gpumemd_lease_ordering", mode="ipc-events") == 0
+    text = subprocess.run(
+        [sys.executable, "-m", "gpumem.ctl", "status"], capture_output=True, text=True, timeout=30, env=child_env(runtime_dir)
+    ).stdout
+    assert f"  lease ordering memops: 2 of {d['lease_lanes']} lanes in use" in text.splitlines(), text
+    a.send("exit")
+    a.finish()
 
 
 def test_hidden_names_leave_no_tenant_name_in_a_scrape(daemon_factory, run_client) -> None:  # type: ignore[no-untyped-def]

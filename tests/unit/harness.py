@@ -99,13 +99,17 @@ class Harness:
     def config(self) -> StateConfig:
         return self.state.config
 
-    def connect(self, name: str, uid: int = 1000, gid: int = 1000, *, pid: int | None = None, own_pid: int = 0) -> Session:
+    def connect(
+        self, name: str, uid: int = 1000, gid: int = 1000, *, pid: int | None = None, own_pid: int = 0, tenant_token: str = ""
+    ) -> Session:
         """A session as SO_PEERCRED would describe it: a fresh pid (or ``pid``: 0 for a
         client outside the daemon's pid namespace), ``uid`` and ``gid``; ``own_pid``: the
-        pid its HELLO says (0: none, as before 1.9)."""
+        pid its HELLO says (0: none, as before 1.9); ``tenant_token``: the one its HELLO
+        presents (since 1.11)."""
         self._pid += 1
         kernel = self._pid if pid is None else pid
-        session, _ = self.state.open_session(p.Hello(name=name, pid=own_pid), pid=kernel, uid=uid, gid=gid)
+        hello = p.Hello(name=name, pid=own_pid, tenant_token=tenant_token)
+        session, _ = self.state.open_session(hello, pid=kernel, uid=uid, gid=gid)
         return session
 
     def ok(self, session: Session | None, message: Any) -> Outcome:

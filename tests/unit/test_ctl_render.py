@@ -132,6 +132,22 @@ def test_a_restarted_daemon_names_what_waits_for_its_clients() -> None:
     assert "restarted" not in render_status(reply())
 
 
+def test_the_lease_ordering_shows_under_the_daemon_with_memops_lanes_in_use() -> None:
+    memops = render_status(reply(daemon=daemon(lease_ordering="memops", lease_lanes=256, lease_lanes_in_use=3))).splitlines()
+    assert memops[2] == "  lease ordering memops: 3 of 256 lanes in use"
+    assert render_status(reply(daemon=daemon(lease_ordering="ipc-events"))).splitlines()[2] == "  lease ordering ipc-events"
+    assert "lease ordering" not in render_status(reply()), "a daemon before 1.11 says nothing of it"
+
+
+def test_clients_show_their_capped_tenant_once_a_policy_names_one() -> None:
+    clients = [client(1, "engine-a", ["kv"], tenant="token team-a"), client(2, "engine-b", []), client(3, "ctl", [])]
+    lines = render_status(reply(clients=clients)).splitlines()
+    table = lines[lines.index("CLIENTS") + 1 : lines.index("ARENAS") - 1]
+    assert table[0].split() == ["ID", "NAME", "PID", "UID", "SINCE", "ARENAS", "TENANT"]
+    assert [r[-1] for r in rows(table)] == ["token team-a", "-", "-"]
+    assert "TENANT" not in render_status(reply(clients=[client(2, "engine-b", [])]))
+
+
 def test_the_status_page_holds_every_list_view() -> None:
     full = reply(
         clients=[client(1, "engine-a", ["kv"])],

@@ -14,6 +14,7 @@ import pytest
 
 from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
+from gpumem_shared.lease_order import LeaseOrdering
 from gpumem_shared.lease_table import LeaseKind, LeaseSegment, LeaseStatus
 from gpumemd.metrics import DEVICE_LABELS, HistogramValue, Metrics, Snapshot
 from gpumemd.records import SessionRecord as Session
@@ -428,7 +429,7 @@ def test_every_family_is_named_for_prometheus(h: Harness) -> None:
         assert "bytes" not in family.name or family.name.endswith(("_bytes", "_bytes_total")), family.name
         assert family.labels[:2] == ("gpu", "UUID"), family.name  # DCGM exporter's names: series join on either
         assert set(family.labels) <= {"gpu", "UUID", "client", "arena", "pool", "pool_id", "kind", "type", "outcome", "reason",
-                                      "version", "backend", "modelName", "tenant"}, family.name
+                                      "version", "backend", "modelName", "tenant", "mode"}, family.name
     assert len(names) == len(Metrics(h.state).snapshot.families), "a family appears twice"
 
 
@@ -438,3 +439,30 @@ def test_the_readme_lists_every_family_with_its_type(h: Harness) -> None:
     section = readme.split("\n## Monitoring\n", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `(gpumemd_\w+)` \| (\w+) \|", section, re.M))
     assert listed == {(f.name, f.kind) for f in Metrics(h.state).snapshot.families}
+
+
+def test_the_lease_ordering_and_memops_lanes_in_use_are_in_status_and_metrics(make_harness) -> None:  # type: ignore[no-untyped-def]
+    h = make_harness(lease_ordering=LeaseOrdering.MEMOPS)
+    m = Metrics(h.state)
+    lanes = h.state.graph_pools.order.lanes.lanes
+    s = h.connect("engine")
+    h.create(s, "graphs", GiB)
+    h.commit(s, "graphs", BULK)
+    for n, offset in enumerate((0, 4 * MiB), start=1):  # each shared pool its owner uses takes a lane
+        h.ok(s, p.RegisterGraphPool(arena="graphs", label=f"decode-{n}", extents=[p.Extent(offset=offset, size=4 * MiB)], free_runs=[], shared=True))
+        daemon = h.state.status().daemon
+        assert (daemon.lease_ordering, daemon.lease_lanes, daemon.lease_lanes_in_use) == ("memops", lanes, n)
+        snap = fresh(m)
+        assert number(snap, "gpumemd_lease_ordering_lanes_in_use") == n
+    assert number(snap, "gpumemd_lease_ordering_lanes") == lanes
+    assert labelled(snap, "gpumemd_lease_ordering") == {("memops",): 1, ("ipc-events",): 0}
+    h.ok(s, p.RegisterGraphPool(arena="graphs", label="private", extents=[p.Extent(offset=8 * MiB, size=4 * MiB)], free_runs=[]))
+    assert h.state.status().daemon.lease_lanes_in_use == 2, "a private pool orders nothing: no lane"
+
+
+def test_under_ipc_events_there_are_no_lanes_to_show(h: Harness) -> None:
+    daemon = h.state.status().daemon
+    assert (daemon.lease_ordering, daemon.lease_lanes, daemon.lease_lanes_in_use) == ("ipc-events", 0, 0)
+    snap = Metrics(h.state).snapshot
+    assert labelled(snap, "gpumemd_lease_ordering") == {("memops",): 0, ("ipc-events",): 1}
+    assert labelled(snap, "gpumemd_lease_ordering_lanes") == {} and labelled(snap, "gpumemd_lease_ordering_lanes_in_use") == {}

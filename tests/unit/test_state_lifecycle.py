@@ -131,6 +131,9 @@ def test_status_of_an_idle_daemon(make_harness: Callable[..., Harness]) -> None:
         "restore_problems": [],
         "sleep_host_bytes": 0,
         "sleep_host_limit": 64 * MiB,
+        "lease_ordering": "ipc-events",
+        "lease_lanes": 0,
+        "lease_lanes_in_use": 0,
     }
     device = status.device
     assert (device.index, device.total_bytes, device.free_bytes, device.granularity) == (0, CAPACITY, CAPACITY, G)

@@ -60,6 +60,7 @@ class Settings:
     weight: float = 1.0
     borrow_sampler: bool = True
     runtime_dir: str | None = None
+    tenant_token_file: str | None = None  # the engine pod's tenant token (its DRA claim's directory gives it)
     follow: bool = True  # the block manager follows the pool at run time
     watermark_blocks: int = 16  # grow once fewer would stay free
     grow_step_blocks: int = 64  # grows in multiples of this
@@ -85,7 +86,7 @@ def enable(name: str, **options: Any) -> None:
         if config.tensor_parallel_size != 1:
             raise InvalidArgument("gpumem's nano-vllm integration runs one engine per process (tensor_parallel_size 1)")
         s = _settings[0]
-        self._gpumem = mem = EngineMemory(s.name, s.device, runtime_dir=s.runtime_dir)
+        self._gpumem = mem = EngineMemory(s.name, s.device, runtime_dir=s.runtime_dir, tenant_token_file=s.tenant_token_file)
         with mem.running():
             init(self, config, rank, event)
         config.gpumem_round = None if s.standby else mem.start_kv_commit(headroom_bytes=s.headroom_bytes, min_blocks=s.min_blocks, weight=s.weight)

@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from gpumem_shared.protocol.base import Ack, DeviceInfo, Message, RequestMessage
-from gpumem_shared.protocol.codes import MAX_HELD_CHUNKS, MAX_HOLDINGS, MAX_PENDING, Backend, MsgType, NoticeKind
+from gpumem_shared.protocol.codes import MAX_HELD_CHUNKS, MAX_HOLDINGS, MAX_PENDING, MAX_TENANT_TOKEN, Backend, MsgType, NoticeKind
 
 
 class HelloReply(Message):
@@ -44,6 +44,10 @@ class Hello(RequestMessage, kw_only=True):
     # shown beside it, and is the pid its lease words carry. Linux's pids stay below 2**22
     # (PID_MAX_LIMIT): a larger one is no pid, and would not fit a lease word's field.
     pid: Annotated[int, msgspec.Meta(ge=0, lt=1 << 22)] = 0
+    # Since 1.11: the secret that names this session's tenant in the daemon's cap policy
+    # ("" : none; the tenant is its uid's or gid's). A daemon before 1.11 ignores it, so
+    # the client refuses such a daemon when it has a token to present.
+    tenant_token: Annotated[str, msgspec.Meta(max_length=MAX_TENANT_TOKEN)] = ""
 
 
 class Holding(Message):

@@ -26,6 +26,12 @@ class DaemonStatus(Message):
     # since 1.8: sleepers' host buffers, and the most they may take (--sleep-host-limit)
     sleep_host_bytes: int = 0
     sleep_host_limit: int = 0
+    # since 1.11: how lease handoffs are ordered (--lease-ordering: "ipc-events" or
+    # "memops"; "" from an older daemon) and, under memops, the sequence chunk's lanes:
+    # how many there are and how many are held or still draining (not free for a new user)
+    lease_ordering: str = ""
+    lease_lanes: int = 0
+    lease_lanes_in_use: int = 0
 
 
 class DeviceStatus(Message):
@@ -50,6 +56,8 @@ class ClientStatus(Message):
     waiting: bool = False  # since 1.4: kept across a restart, its client not back yet
     host_bytes: int = 0  # since 1.8: its arenas' sleep buffers in host memory
     own_pid: int = 0  # since 1.9: its pid as its own pid namespace numbers it (HELLO says it)
+    # since 1.11: the capped tenant it counts against, as TenantCapStatus names it ("": none)
+    tenant: str = ""
 
 
 class GrantStatus(Message):
@@ -175,7 +183,7 @@ class SleeperStatus(Message):
 class TenantCapStatus(Message):
     """A tenant's device-memory cap and what it holds (since 1.9; the daemon's caps.py)."""
 
-    tenant: str  # "uid N", "gid N"
+    tenant: str  # "uid N", "gid N", since 1.11 "token NAME" (the policy's name for a tenant token)
     max_bytes: int  # -1: no maximum
     min_bytes: int  # guaranteed: no other tenant commits it
     used_bytes: int  # may be above max_bytes after the cap was lowered: nothing is taken away
