@@ -237,8 +237,11 @@ def grow_latency(args: Any, cleanup: contextlib.ExitStack) -> dict[str, list[flo
     rt = cleanup.enter_context(c.runtime_dir())
     capacity = f"{5 * args.grow_mib // 2}MiB"
     least = max(1, grow // 8)  # each pool's minimum, in tokens
-    extra = ["--capacity", capacity, "--kv-chunk-size", f"{max(2, args.grow_mib // 16)}MiB", "--move-timeout", "2"]
-    extra += ["--host-capacity", f"{3 * args.grow_mib}MiB", "--reserve", "0"] if args.backend == "host" else []
+    # No reserve on either backend: the capacity is what makes the neighbour give back (on
+    # CUDA a capacity this small under the default 1 GiB reserve serves nothing: the H200
+    # refused it), and it leaves the device's free memory untouched.
+    extra = ["--capacity", capacity, "--kv-chunk-size", f"{max(2, args.grow_mib // 16)}MiB", "--move-timeout", "2", "--reserve", "0"]
+    extra += ["--host-capacity", f"{3 * args.grow_mib}MiB"] if args.backend == "host" else []
     daemon = c.Daemon(rt, args.backend, args=extra)
     cleanup.callback(daemon.stop)
     daemon.wait_ready(60)

@@ -260,8 +260,13 @@ class Nano:
         if spec["config"] in ("round", "elastic"):
             from gpumem.integrations import nanovllm as integration
 
+            # A small headroom: under --capacity the round's default 512 MiB an engine stays
+            # free, and on the H200 the bursts' grows took it all (0 shrinks, 0 blocks moved):
+            # memory never moved between the engines. What an engine allocates outside its
+            # arenas after the round is not the daemon's capacity (the device has plenty).
             integration.enable(spec["name"], expect=2, runtime_dir=spec["runtime_dir"], min_blocks=spec["min_blocks"],
-                               follow=spec["config"] == "elastic", watermark_blocks=spec["watermark"], grow_step_blocks=spec["step"])
+                               follow=spec["config"] == "elastic", watermark_blocks=spec["watermark"], grow_step_blocks=spec["step"],
+                               headroom_bytes=64 << 20)
             self.integration = integration
         else:
             blocks, allocate = spec["blocks"], model_runner.ModelRunner.allocate_kv_cache

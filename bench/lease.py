@@ -312,9 +312,11 @@ def main() -> int:
         events, bare_events, native_events = ipc["events"], ipc["bare"], ipc["native"]
         stream_waits, handoff_waits, native_waits = ipc["stream_waits"], ipc["handoff_waits"], ipc["native_waits"]
         # The same turns under memops ordering: a second daemon (the ordering is the
-        # daemon's choice), its own owner, arena and shared pool. The first owner's arenas
-        # go first: both daemons plan arenas in device 0's address slice.
+        # daemon's choice), its own owner, arena and shared pool. The first daemon goes
+        # first: on CUDA one gpumemd serves a device (the H200 refused the second while the
+        # first ran), and both plan arenas in device 0's address slice.
         session.close()
+        daemon.stop()
         memops_rt = cleanup.enter_context(c.runtime_dir())
         memops_daemon = c.Daemon(memops_rt, args.backend, args=["--lease-ordering", "memops"])
         cleanup.callback(memops_daemon.stop)
