@@ -1,8 +1,17 @@
-"""A stand-in for the service manager's fd store, for the unit tier."""
+"""A stand-in for the service manager's fd store, for the unit tier, and a restart of a
+harness's state through it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+
+from gpumem_shared.driver.host import HostDriver
+from gpumemd.durable import Durable
+from gpumemd.state import DaemonState
+
+from .harness import CAPACITY, Clock, Harness
 
 
 class FakeStore:
@@ -33,3 +42,25 @@ class FakeStore:
         for fd in self.held.values():
             os.close(fd)
         self.held.clear()
+
+
+@contextlib.contextmanager
+def restarted(h: Harness) -> Iterator[DaemonState]:
+    """``h``'s state persisted to a store of its own, the daemon gone (its address slice
+    freed), and a fresh state rebuilt from what the store passes on, as a restart does;
+    all of it closed afterwards."""
+    store = FakeStore()
+    first = Durable(store)  # type: ignore[arg-type]
+    first.start(h.state, {})
+    first.persist(h.state)
+    h.state.arenas.close()
+    again = DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, Clock(h.clock.now), Clock(h.wall_clock.now))
+    second = Durable(store)  # type: ignore[arg-type]
+    second.start(again, store.passed())
+    try:
+        yield again
+    finally:
+        again.drop_all()
+        first.close()
+        second.close()
+        store.drop()

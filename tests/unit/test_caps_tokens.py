@@ -15,15 +15,12 @@ import msgspec
 import pytest
 
 from gpumem_shared import protocol as p
-from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.protocol import ErrorCode
 from gpumemd.caps import PolicyError, read_policy, token_digest
-from gpumemd.durable import Durable
 from gpumemd.metrics import Metrics
-from gpumemd.state import DaemonState
 
-from .harness import CAPACITY, Clock, Harness, MiB
-from .store_kit import FakeStore
+from .harness import Harness, MiB
+from .store_kit import restarted
 from .test_caps import policy, refusal
 from .test_metrics import fresh, labelled, number
 
@@ -181,20 +178,7 @@ def test_a_session_kept_across_a_restart_counts_against_its_token_tenant_still(h
     a = h.connect("a", uid=UID, tenant_token=ALPHA)
     h.create(a, "x", 128 * MiB)
     h.commit(a, "x", 48 * MiB)
-    store = FakeStore()
-    first = Durable(store)  # type: ignore[arg-type]
-    first.start(h.state, {})
-    first.persist(h.state)
-    h.state.arenas.close()
-    again = DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, Clock(h.clock.now), Clock(h.wall_clock.now))
-    second = Durable(store)  # type: ignore[arg-type]
-    second.start(again, store.passed())
-    try:
+    with restarted(h) as again:
         assert again.sessions[a.id].tenant_key == token_digest(ALPHA)
         assert again.arenas.caps.usage()["token team-a"] == 48 * MiB
         assert {c.name: c.tenant for c in again.status().clients} == {"a": "token team-a"}
-    finally:
-        again.drop_all()
-        first.close()
-        second.close()
-        store.drop()

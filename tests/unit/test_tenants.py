@@ -19,7 +19,7 @@ from gpumemd.state import DaemonState
 from gpumemd.tenants import ANONYMOUS, ANONYMOUS_QUEUED, QUEUED_BYTES, FairQueue
 
 from .harness import BULK, CAPACITY, Clock, G, GiB, Harness, MiB
-from .store_kit import FakeStore
+from .store_kit import FakeStore, restarted
 
 A, B = 1000, 2000  # two tenants' uids
 
@@ -229,15 +229,7 @@ def test_each_uids_name_is_its_own_after_a_restart(make_harness: Callable[..., H
     squatter, engine = h.connect("squatter", uid=B), h.connect("engine", uid=A)
     h.create(squatter, "kv", GiB)
     h.create(engine, "kv", GiB)
-    store = FakeStore()
-    first = Durable(store)  # type: ignore[arg-type]
-    first.start(h.state, {})
-    first.persist(h.state)
-    h.state.arenas.close()
-    again = DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, Clock(h.clock.now), Clock(h.wall_clock.now))
-    second = Durable(store)  # type: ignore[arg-type]
-    second.start(again, store.passed())
-    try:
+    with restarted(h) as again:
         for session, owner in ((again.sessions[engine.id], "engine"), (again.sessions[squatter.id], "squatter")):
             reply = again.handle(session, p.SyncArena(name="kv")).reply
             assert isinstance(reply, p.MapReply) and reply.arena.owner == owner
@@ -245,8 +237,3 @@ def test_each_uids_name_is_its_own_after_a_restart(make_harness: Callable[..., H
         with pytest.raises(p.ProtocolError) as info:  # its engine's, not the squatter's: no grant admits it
             again.handle(late, p.AttachArena(name="kv"))
         assert info.value.code is p.ErrorCode.PERMISSION_DENIED and "client 'engine'" in info.value.message
-    finally:
-        again.drop_all()
-        first.close()
-        second.close()
-        store.drop()
