@@ -36,6 +36,9 @@ def main() -> int:
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     parser.add_argument("--cases", type=int, default=100_000)
     parser.add_argument("--host-capacity", default="1GiB", help="host backend: memory the daemon offers (small: running out is reachable)")
+    parser.add_argument("--capacity", default="8GiB",
+                        help="CUDA: the daemon's --capacity (small: running out is reachable, and a KV round, sized from what is "
+                             "free, does not commit and zero the whole device at every round)")
     args = parser.parse_args()
     c.ensure_importable()
     sys.path.insert(0, str(c.REPO / "tests" / "integration"))
@@ -47,8 +50,7 @@ def main() -> int:
         result.targets = {"daemon_alive": True, "rss_growth_bytes_max": bounds.rss_growth, "fds_growth_max": bounds.fds_growth}
         rt = cleanup.enter_context(c.runtime_dir("gmb-fuzz-"))
         extra = ["--round-timeout", str(ROUND_TIMEOUT), "--hello-timeout", "2", "--retain-grace", str(ROUND_TIMEOUT)]
-        if args.backend == "host":
-            extra += ["--host-capacity", args.host_capacity]
+        extra += ["--host-capacity", args.host_capacity] if args.backend == "host" else ["--capacity", args.capacity]
         daemon = c.Daemon(rt, args.backend, args=extra)
         cleanup.callback(daemon.stop)
         daemon.wait_ready(60)
