@@ -337,16 +337,16 @@ def timed_parts(session: Any, arena: Any) -> Iterator[dict[str, float]]:
             try:
                 return real(*args, **kwargs)
             finally:
-                part = label(args)
+                part = label(args, kwargs)
                 spent[part] = spent.get(part, 0.0) + time.perf_counter() - t0
 
         setattr(obj, name, timed)
         wrapped.append((obj, name))
 
     try:
-        wrap(session.channel, "call", lambda args: type(args[0]).__name__)
-        wrap(arena, "apply", lambda _: "apply")
-        wrap(session.driver, "map_fds", lambda _: "map_fds")
+        wrap(session.channel, "call", lambda args, kwargs: type(args[0] if args else kwargs.get("message")).__name__)
+        wrap(arena, "apply", lambda *_: "apply")
+        wrap(session.driver, "map_fds", lambda *_: "map_fds")
         yield spent
     finally:
         for obj, name in wrapped:
@@ -548,7 +548,8 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         say(f"{format_size(size):>9}: sleep {row['gpumemd_sleep_gib_s']:.1f} GiB/s ({row['sleep_ratio']:.2f}x pinned "
             f"{row['pinned_to_host_gib_s']:.1f}), wake {row['gpumemd_wake_gib_s']:.1f} GiB/s ({row['wake_ratio']:.2f}x pinned "
             f"{row['pinned_to_device_gib_s']:.1f}); first cycle {first_sleep:.3f} s / {first_wake:.3f} s; contents "
-            f"{'identical' if intact else 'DIFFER'} after each of {1 + args.repeats} wakes (filled in {fill_s:.2f} s, "
+            f"{'identical after each' if intact else f'DIFFER after {sum(not x.intact for x in (first, *timed))}'} of "
+            f"{1 + args.repeats} wakes (filled in {fill_s:.2f} s, "
             f"checked in {check_s:.2f} s); {tms_text}")
 
     if args.drop:
