@@ -320,16 +320,17 @@ def graph_replays_after_wake(rdir: Any, device: int, timeout: float) -> dict[str
 
 
 @contextlib.contextmanager
-def timed_parts(session: Any, arena: Any) -> Iterator[dict[str, float]]:
-    """Seconds spent, while inside, in the calls one wake or commit of ``arena`` makes: the
-    daemon's answer (``channel.call``, from the request out until its reply and fds are
-    in; by the request's type), the client's ``arena.apply`` and, inside it, the driver's
-    import + map (``map_fds``). Wrapped on the instances, as bench/commit.py times
-    map_fds, and put back on the way out."""
+def timed_parts(arena: Any, driver_calls: tuple[str, ...] = ("map_fds",)) -> Iterator[dict[str, float]]:
+    """Seconds spent, while inside, in the calls an operation on ``arena`` makes, by part:
+    the daemon's answers (``channel.call``, from the request out until its reply and fds
+    are in; by the request's type, e.g. "WakeArena"), the client's ``arena.apply`` and the
+    session driver's ``driver_calls`` (by name: map_fds is the import + map inside apply).
+    Wrapped on the instances, as bench/commit.py times map_fds, and put back on the way
+    out."""
     spent: dict[str, float] = {}
     wrapped: list[tuple[Any, str]] = []
 
-    def wrap(obj: Any, name: str, label: Any) -> None:
+    def wrap(obj: Any, name: str, label: Callable[[tuple[Any, ...], dict[str, Any]], str] | None = None) -> None:
         real = getattr(obj, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -337,16 +338,17 @@ def timed_parts(session: Any, arena: Any) -> Iterator[dict[str, float]]:
             try:
                 return real(*args, **kwargs)
             finally:
-                part = label(args, kwargs)
+                part = label(args, kwargs) if label else name
                 spent[part] = spent.get(part, 0.0) + time.perf_counter() - t0
 
         setattr(obj, name, timed)
         wrapped.append((obj, name))
 
     try:
-        wrap(session.channel, "call", lambda args, kwargs: type(args[0] if args else kwargs.get("message")).__name__)
-        wrap(arena, "apply", lambda *_: "apply")
-        wrap(session.driver, "map_fds", lambda *_: "map_fds")
+        wrap(arena.core.channel, "call", lambda args, kwargs: type(args[0] if args else kwargs.get("message")).__name__)
+        wrap(arena, "apply")
+        for name in driver_calls:
+            wrap(arena.core.driver, name)
         yield spent
     finally:
         for obj, name in wrapped:
@@ -377,12 +379,12 @@ def dropped_wake(session: Any, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.repeats):
         a.commit(drop)
         sleeper.sleep(keep=False)
-        with timed_parts(session, a) as spent:
+        with timed_parts(a) as spent:
             t0 = time.perf_counter()
             sleeper.wake()
             wakes.append(parts_ms(spent, "WakeArena", time.perf_counter() - t0))
         a.decommit(0)
-        with timed_parts(session, b) as spent:
+        with timed_parts(b) as spent:
             t0 = time.perf_counter()
             b.commit(drop)
             commits.append(parts_ms(spent, "CommitArena", time.perf_counter() - t0))
@@ -451,23 +453,28 @@ class Cycle(NamedTuple):
     wake_s: float
     check_s: float
     intact: bool
+    sleep_parts: dict[str, float]  # seconds: the host buffer's answer, its registration, the copy, the hand-back, the rest
 
 
 def cycle(sleeper: Any, size: int, contents: Contents, say: Callable[[str], None]) -> Cycle:
-    """One sleep and wake of the arena of ``size`` with its contents kept, timed each;
-    then the contents checked whole."""
+    """One sleep and wake of the arena of ``size`` with its contents kept, timed each (the
+    sleep part by part); then the contents checked whole."""
     from gpumem_shared.units import format_size
 
     arena = sleeper.arena
-    t0 = time.perf_counter()
-    sleeper.sleep(keep=True)
-    t1 = time.perf_counter()
+    with timed_parts(arena, ("host_register", "copy_to_host")) as spent:
+        t0 = time.perf_counter()
+        sleeper.sleep(keep=True)
+        t1 = time.perf_counter()
+    parts = {"buffer": spent.get("SleepBuffer", 0.0), "register": spent.get("host_register", 0.0),
+             "copy": spent.get("copy_to_host", 0.0), "hand_back": spent.get("SleepArena", 0.0) + spent.get("apply", 0.0)}
+    parts["rest"] = t1 - t0 - sum(parts.values())
     sleeper.wake()
     t2 = time.perf_counter()
     where = contents.check(arena.address, size)
     if where is not None:
         say(f"MISMATCH after a wake: the MiB at offset {where} of arena '{arena.name}' ({format_size(size)}) differs")
-    return Cycle(t1 - t0, t2 - t1, time.perf_counter() - t2, where is None)
+    return Cycle(t1 - t0, t2 - t1, time.perf_counter() - t2, where is None, parts)
 
 
 def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack) -> None:
@@ -526,6 +533,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         row: dict[str, Any] = {
             "gpumemd_sleep_gib_s": gib / c.median(sleeps), "gpumemd_wake_gib_s": gib / c.median(wakes),
             "gpumemd_first_sleep_s": first_sleep, "gpumemd_first_wake_s": first_wake,
+            **{f"gpumemd_first_sleep_{k}_s": v for k, v in first.sleep_parts.items()},
             "pinned_to_host_gib_s": gib / c.median(outs), "pinned_to_device_gib_s": gib / c.median(ins),
             "contents_identical": intact, "contents_checked": 1 + args.repeats, "fill_s": fill_s, "check_s": check_s,
         }
@@ -547,7 +555,9 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
                     if "tms_pause_gib_s" in row else f"tms {row['torch_memory_saver']}")
         say(f"{format_size(size):>9}: sleep {row['gpumemd_sleep_gib_s']:.1f} GiB/s ({row['sleep_ratio']:.2f}x pinned "
             f"{row['pinned_to_host_gib_s']:.1f}), wake {row['gpumemd_wake_gib_s']:.1f} GiB/s ({row['wake_ratio']:.2f}x pinned "
-            f"{row['pinned_to_device_gib_s']:.1f}); first cycle {first_sleep:.3f} s / {first_wake:.3f} s; contents "
+            f"{row['pinned_to_device_gib_s']:.1f}); first cycle {first_sleep:.3f} s (host buffer: the daemon's answer "
+            f"{first.sleep_parts['buffer']:.3f} s, registration {first.sleep_parts['register']:.3f} s; copy "
+            f"{first.sleep_parts['copy']:.3f} s; hand-back {first.sleep_parts['hand_back']:.3f} s) / {first_wake:.3f} s; contents "
             f"{'identical after each' if intact else f'DIFFER after {sum(not x.intact for x in (first, *timed))}'} of "
             f"{1 + args.repeats} wakes (filled in {fill_s:.2f} s, "
             f"checked in {check_s:.2f} s); {tms_text}")
