@@ -198,7 +198,8 @@ class PinnedCopy:
             self._ck(cu.cuCtxSetCurrent(self._ck(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")), "cuCtxSetCurrent")
             self.device = int(self._ck(cu.cuMemAlloc(size), "cuMemAlloc"))
             self.host = int(self._ck(cu.cuMemHostAlloc(size, 0), "cuMemHostAlloc"))
-            self._ck(cu.cuMemsetD8(self.device, 0x5A, size), "cuMemsetD8")  # page-locked host memory is resident already
+            # The host side needs no first touch: page-locked memory is resident from its allocation.
+            self._ck(cu.cuMemsetD8(self.device, 0x5A, size), "cuMemsetD8")
         else:
             self._maps = [mmap.mmap(-1, size) for _ in range(2)]
             for m in self._maps:
@@ -431,10 +432,10 @@ def say_dropped(say: Callable[[str], None], fig: dict[str, Any]) -> None:
                 f"+ the rest {fig[f'drop_{kind}_rest_ms']:.1f}")
 
     say(f"wake of {size} whose contents were dropped, {fig['drop_chunks']} chunks (median of {len(fig['drop_wake_ms_runs'])}; "
-          f"runs {', '.join(f'{ms:.1f}' for ms in fig['drop_wake_ms_runs'])} ms): {split('wake')}")
+        f"runs {', '.join(f'{ms:.1f}' for ms in fig['drop_wake_ms_runs'])} ms): {split('wake')}")
     say(f"plain commit of {size} into a fresh arena, right after handing {size} back (median; runs "
-          f"{', '.join(f'{ms:.1f}' for ms in fig['drop_commit_ms_runs'])} ms): {split('commit')}; "
-          f"wake / commit {fig['drop_wake_vs_commit']:.2f}")
+        f"{', '.join(f'{ms:.1f}' for ms in fig['drop_commit_ms_runs'])} ms): {split('commit')}; "
+        f"wake / commit {fig['drop_wake_vs_commit']:.2f}")
     share = fig["drop_wake_answer_ms"] if fig["drop_wake_dominant"] == "daemon_answer" else fig["drop_wake_apply_ms"]
     say("the dropped wake's largest part: "
         + ("the daemon's answer (create, zero and export the chunks, pass the fds)" if fig["drop_wake_dominant"] == "daemon_answer"
