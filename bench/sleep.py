@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Sleep and wake of an arena through gpumemd, against a pinned copy and torch_memory_saver.
 
-For each size S (random contents), in one run and process:
-- gpumemd: an arena of S committed and filled; ``ArenaSleep.sleep(keep=True)`` (the
-  copy to the daemon's host buffer, then every chunk handed back) and ``wake()`` (the
-  chunks committed again at the same offsets, zeroed, mapped, the copy back), timed
-  each; the first cycle (which maps and registers the host buffer) is reported apart,
-  the rest are the figures. The contents are checked after the last wake, whole.
+For each size S, in one run and process:
+- gpumemd: an arena of S committed and filled with random contents (a random 64 MiB
+  block repeated, every MiB stamped with its offset, so a MiB in the wrong place fails;
+  written and read back through two page-locked staging buffers in 1 GiB copies,
+  compared with memcmp); ``ArenaSleep.sleep(keep=True)`` (the copy to the daemon's host
+  buffer, then every chunk handed back) and ``wake()`` (the chunks committed again at
+  the same offsets, zeroed, mapped, the copy back), timed each; the contents checked
+  whole after every wake. The first cycle (which maps and registers the host buffer:
+  its pages are faulted in there) is reported apart, the rest are the figures.
 - pinned copy: one ``cuMemcpyDtoH`` and one ``cuMemcpyHtoD`` of S between device memory
   and page-locked host memory (cuMemHostAlloc); on the host backend one memmove each way
   between two pre-faulted mappings. The bandwidth any offload is held to.
@@ -14,16 +17,21 @@ For each size S (random contents), in one run and process:
   in a region with CPU backup, ``pause`` and ``resume`` timed (torch hook mode). Skipped,
   and the JSON says why, where it is not installed or fails.
 Then: waking D bytes whose contents were dropped (commit, zeroing for tenant isolation
-and mapping included; D = 100 GiB on CUDA), and on CUDA with torch a graph captured
-before a sleep of its memory (weights and graph pool kept) replayed after the wake,
-checked bit for bit against its output before, with no recapture.
+and mapping included; D = 100 GiB on CUDA), split into the daemon's answer (ARENA_WAKE
+until its reply and fds are in) and the client's import + map (``arena.apply``), beside
+a plain commit of the same D into a fresh arena right after handing D back (the driver
+state the wake meets; ``drop_wake_vs_commit``) and the same commit after a pause
+(``--settle-s``); each ``--repeats`` times, medians. On CUDA with torch, a graph
+captured before a sleep of its memory (weights and graph pool kept) replayed after the
+wake, checked bit for bit against its output before, with no recapture. Each line says
+the seconds since the start.
 
     python bench/sleep.py --backend host                # 64 MiB, 256 MiB, 1 GiB; drop 2 GiB
     python bench/sleep.py --backend cuda                # 1, 8, 32 GiB; drop 100 GiB
 
 Last line: {"bench": "sleep", "backend", "figures", "targets", "ok"}; ok means the contents
-came back identical and, on CUDA, at every size sleep and wake each >= 0.8x the pinned
-copy's bandwidth that way, the dropped wake <= 100 ms and the graph's outputs
+came back identical after every wake and, on CUDA, at every size sleep and wake each
+>= 0.8x the pinned copy's bandwidth that way, the dropped wake's median <= 100 ms and the graph's outputs
 bit-identical. The bandwidth targets are CUDA's: on the host backend the "device" is
 host memory that a chunk handed back gives to the kernel, so a wake's copy pays the page
 faults of fresh pages, which the baseline's pre-faulted mappings do not.
@@ -32,13 +40,17 @@ faults of fresh pages, which the baseline's pre-faulted mappings do not.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import ctypes
+import ctypes.util
 import mmap
 import os
+import struct
 import sys
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import _common as c
 
@@ -47,7 +59,9 @@ MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_SIZES = {"cuda": "1GiB,8GiB,32GiB", "host": "64MiB,256MiB,1GiB"}
 DEFAULT_DROP = {"cuda": "100GiB", "host": "2GiB"}
-PIECE = 64 * MiB
+PIECE = 64 * MiB  # the random block's size
+STAMP = MiB  # every MiB of the contents starts with its offset
+STAGE = GiB  # the staging buffers' size, a multiple of PIECE
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,6 +70,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--device", type=int, default=0, help="device index the daemon serves (default: 0)")
     ap.add_argument("--sizes", default=None, help="comma-separated sizes (default: 1GiB,8GiB,32GiB on cuda, 64MiB,256MiB,1GiB on host)")
     ap.add_argument("--drop-size", default=None, help="the dropped wake's size (default: 100GiB on cuda, 2GiB on host; 0 skips it)")
+    ap.add_argument("--settle-s", type=float, default=3.0,
+                    help="pause before one more commit of the dropped wake's bytes, once the driver reclaimed what was released "
+                    "(default: 3; 0 skips it)")
     ap.add_argument("--repeats", type=int, default=3, help="timed cycles per size after the first (default: 3)")
     ap.add_argument("--target-ratio", type=float, default=0.8, help="ok when sleep and wake >= this x the pinned copy (default: 0.8)")
     ap.add_argument("--target-drop-ms", type=float, default=100.0, help="ok when the dropped wake takes <= this on cuda (default: 100)")
@@ -79,25 +96,86 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # Contents: random, checked whole
 # ---------------------------------------------------------------------------
 
-
-def piece_bytes(block: bytes, index: int) -> bytes:
-    """The contents of piece ``index``: the random block, its first 8 bytes the index, so
-    that a piece copied to the wrong place does not pass."""
-    return index.to_bytes(8, "little") + block[8:]
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+_libc.memcmp.restype = ctypes.c_int
+_libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
 
-def fill(driver: Any, address: int, size: int, block: bytes) -> None:
-    for i, at in enumerate(range(0, size, PIECE)):
-        driver.write(address + at, piece_bytes(block, i)[: min(PIECE, size - at)])
+class Contents:
+    """An arena's contents: a random block of PIECE bytes repeated, the first 8 bytes of
+    every MiB its offset in the arena (little-endian), so that any MiB copied to the
+    wrong place does not pass.
 
+    Written and checked through two staging buffers of STAGE bytes, registered once with
+    the session's driver (page-locked on CUDA, so every copy runs at pinned bandwidth):
+    ``expected`` holds the contents of one stage of the arena (the block repeated, the
+    stage's stamps written before each use) and is the source of ``fill``; ``check``
+    copies each stage of the arena back into ``came`` and compares the two with memcmp
+    in a few threads. A stage starts at a multiple of STAGE, itself a multiple of PIECE,
+    so the block repeats at the same places in the arena and in the buffer."""
 
-def same(driver: Any, address: int, size: int, block: bytes) -> bool:
-    for i, at in enumerate(range(0, size, PIECE)):
-        n = min(PIECE, size - at)
-        if driver.read(address + at, n) != piece_bytes(block, i)[:n]:
-            c.say(f"MISMATCH in the piece at offset {at}")
-            return False
-    return True
+    def __init__(self, driver: Any, size_max: int) -> None:
+        self.driver = driver
+        self.stage = min(STAGE, -(-size_max // PIECE) * PIECE)
+        self._maps: list[mmap.mmap] = []
+        self._anchors: list[ctypes.c_char] = []
+        self._registered: list[int] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1))
+        try:
+            self.expected, self.came = self._buffer(), self._buffer()
+            block = os.urandom(PIECE)
+            for at in range(0, self.stage, PIECE):
+                ctypes.memmove(self.expected + at, block, PIECE)
+            for address in (self.expected, self.came):
+                driver.host_register(address, self.stage)
+                self._registered.append(address)
+        except BaseException:
+            self.close()
+            raise
+
+    def _buffer(self) -> int:
+        m = mmap.mmap(-1, self.stage)
+        with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages, only slower to fault in
+            m.madvise(mmap.MADV_HUGEPAGE)
+        self._maps.append(m)
+        self._anchors.append(ctypes.c_char.from_buffer(m))
+        return ctypes.addressof(self._anchors[-1])
+
+    def _stamp(self, at: int, n: int) -> None:
+        """``expected`` as the arena's bytes [at, at + n)."""
+        for offset in range(0, n - 7, STAMP):
+            struct.pack_into("<Q", self._maps[0], offset, at + offset)
+
+    def fill(self, address: int, size: int) -> None:
+        for at in range(0, size, self.stage):
+            n = min(self.stage, size - at)
+            self._stamp(at, n)
+            self.driver.copy_to_device([(address + at, self.expected, n)])
+
+    def check(self, address: int, size: int) -> int | None:
+        """None when the ``size`` bytes at ``address`` are the contents, else the offset of
+        the first MiB that differs."""
+        for at in range(0, size, self.stage):
+            n = min(self.stage, size - at)
+            self._stamp(at, n)
+            self.driver.copy_to_host([(address + at, self.came, n)])
+            slices = [(offset, min(PIECE, n - offset)) for offset in range(0, n, PIECE)]
+            if any(self._pool.map(lambda s: self._differ(*s), slices)):
+                return at + next(o for o in range(0, n, STAMP) if self._differ(o, min(STAMP, n - o)))
+        return None
+
+    def _differ(self, offset: int, n: int) -> bool:
+        return bool(_libc.memcmp(self.came + offset, self.expected + offset, n))
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        for address in self._registered:
+            self.driver.host_unregister(address)
+        self._registered.clear()
+        self._anchors.clear()
+        for m in self._maps:
+            m.close()
+        self._maps.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -120,8 +198,8 @@ class PinnedCopy:
             self._ck(cu.cuCtxSetCurrent(self._ck(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")), "cuCtxSetCurrent")
             self.device = int(self._ck(cu.cuMemAlloc(size), "cuMemAlloc"))
             self.host = int(self._ck(cu.cuMemHostAlloc(size, 0), "cuMemHostAlloc"))
+            # The host side needs no first touch: page-locked memory is resident from its allocation.
             self._ck(cu.cuMemsetD8(self.device, 0x5A, size), "cuMemsetD8")
-            ctypes.memset(self.host, 0xA5, size)
         else:
             self._maps = [mmap.mmap(-1, size) for _ in range(2)]
             for m in self._maps:
@@ -238,20 +316,183 @@ def graph_replays_after_wake(rdir: Any, device: int, timeout: float) -> dict[str
 
 
 # ---------------------------------------------------------------------------
+# The dropped wake, part by part, beside a plain commit
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def timed_parts(arena: Any, driver_calls: tuple[str, ...] = ("map_fds",)) -> Iterator[dict[str, float]]:
+    """Seconds spent, while inside, in the calls an operation on ``arena`` makes, by part:
+    the daemon's answers (``channel.call``, from the request out until its reply and fds
+    are in; by the request's type, e.g. "WakeArena"), the client's ``arena.apply`` and the
+    session driver's ``driver_calls`` (by name: map_fds is the import + map inside apply).
+    Wrapped on the instances, as bench/commit.py times map_fds, and put back on the way
+    out."""
+    spent: dict[str, float] = {}
+    wrapped: list[tuple[Any, str]] = []
+
+    def wrap(obj: Any, name: str, label: Callable[[tuple[Any, ...], dict[str, Any]], str] | None = None) -> None:
+        real = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                part = label(args, kwargs) if label else name
+                spent[part] = spent.get(part, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+        wrapped.append((obj, name))
+
+    try:
+        wrap(arena.core.channel, "call", lambda args, kwargs: type(args[0] if args else kwargs.get("message")).__name__)
+        wrap(arena, "apply")
+        for name in driver_calls:
+            wrap(arena.core.driver, name)
+        yield spent
+    finally:
+        for obj, name in wrapped:
+            delattr(obj, name)  # the class's method again
+
+
+def parts_ms(spent: dict[str, float], request: str, total_s: float) -> dict[str, float]:
+    answer, apply = spent.get(request, 0.0), spent.get("apply", 0.0)
+    return {"ms": total_s * 1e3, "answer_ms": answer * 1e3, "apply_ms": apply * 1e3,
+            "import_map_ms": spent.get("map_fds", 0.0) * 1e3, "rest_ms": (total_s - answer - apply) * 1e3}
+
+
+def dropped_wake(session: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Rounds of: arena A committed and put to sleep with its contents dropped (its
+    ``drop`` bytes handed back), woken (timed, part by part), decommitted (the same bytes
+    handed back), then a plain commit of the same bytes into a second arena B (timed,
+    part by part), decommitted; so each timed call meets the driver right after it took
+    back ``drop`` bytes. Then, after ``--settle-s``, one more commit of B: the same
+    bytes once the driver has had time to reclaim what was released."""
+    import gpumem
+
+    drop = args.drop
+    a = session.create_arena("sleep-drop", drop)
+    b = session.create_arena("sleep-drop-commit", drop)
+    sleeper = gpumem.ArenaSleep(a)
+    wakes: list[dict[str, float]] = []
+    commits: list[dict[str, float]] = []
+    for _ in range(args.repeats):
+        a.commit(drop)
+        sleeper.sleep(keep=False)
+        with timed_parts(a) as spent:
+            t0 = time.perf_counter()
+            sleeper.wake()
+            wakes.append(parts_ms(spent, "WakeArena", time.perf_counter() - t0))
+        a.decommit(0)
+        with timed_parts(b) as spent:
+            t0 = time.perf_counter()
+            b.commit(drop)
+            commits.append(parts_ms(spent, "CommitArena", time.perf_counter() - t0))
+        chunks = next((x.chunks for x in session.status().arenas if x.name == b.name), 0)
+        b.decommit(0)
+    settled = None
+    if args.settle_s > 0:
+        time.sleep(args.settle_s)
+        t0 = time.perf_counter()
+        b.commit(drop)
+        settled = (time.perf_counter() - t0) * 1e3
+        b.decommit(0)
+    a.release()
+    b.release()
+
+    wake = {k: c.median([w[k] for w in wakes]) for k in wakes[0]}
+    commit = {k: c.median([m[k] for m in commits]) for k in commits[0]}
+    dominant = "daemon_answer" if wake["answer_ms"] >= wake["apply_ms"] else "client_import_map"
+    out: dict[str, Any] = {
+        "drop_wake_bytes": drop,
+        "drop_chunks": chunks,
+        "drop_wake_ms": wake["ms"],
+        "drop_wake_ms_runs": [w["ms"] for w in wakes],
+        **{f"drop_wake_{k}": v for k, v in wake.items() if k != "ms"},
+        "drop_wake_dominant": dominant,
+        "drop_commit_ms": commit["ms"],
+        "drop_commit_ms_runs": [m["ms"] for m in commits],
+        **{f"drop_commit_{k}": v for k, v in commit.items() if k != "ms"},
+        "drop_wake_vs_commit": c.ratio(wake["ms"], commit["ms"]),
+    }
+    if settled is not None:
+        out |= {"drop_commit_settled_ms": settled, "settle_s": args.settle_s}
+    return out
+
+
+def say_dropped(say: Callable[[str], None], fig: dict[str, Any]) -> None:
+    from gpumem_shared.units import format_size
+
+    size = format_size(fig["drop_wake_bytes"])
+
+    def split(kind: str) -> str:
+        return (f"{fig[f'drop_{kind}_ms']:.1f} ms = the daemon's answer {fig[f'drop_{kind}_answer_ms']:.1f} "
+                f"+ the client's apply {fig[f'drop_{kind}_apply_ms']:.1f} (import + map {fig[f'drop_{kind}_import_map_ms']:.1f}) "
+                f"+ the rest {fig[f'drop_{kind}_rest_ms']:.1f}")
+
+    say(f"wake of {size} whose contents were dropped, {fig['drop_chunks']} chunks (median of {len(fig['drop_wake_ms_runs'])}; "
+        f"runs {', '.join(f'{ms:.1f}' for ms in fig['drop_wake_ms_runs'])} ms): {split('wake')}")
+    say(f"plain commit of {size} into a fresh arena, right after handing {size} back (median; runs "
+        f"{', '.join(f'{ms:.1f}' for ms in fig['drop_commit_ms_runs'])} ms): {split('commit')}; "
+        f"wake / commit {fig['drop_wake_vs_commit']:.2f}")
+    share = fig["drop_wake_answer_ms"] if fig["drop_wake_dominant"] == "daemon_answer" else fig["drop_wake_apply_ms"]
+    say("the dropped wake's largest part: "
+        + ("the daemon's answer (create, zero and export the chunks, pass the fds)" if fig["drop_wake_dominant"] == "daemon_answer"
+           else "the client's apply (import and map the chunks)")
+        + f", {share / fig['drop_wake_ms']:.0%} of it"
+        + (f"; the same commit after a {fig['settle_s']:g} s pause: {fig['drop_commit_settled_ms']:.1f} ms" if "drop_commit_settled_ms" in fig else ""))
+
+
+# ---------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------
 
 
+class Cycle(NamedTuple):
+    sleep_s: float
+    wake_s: float
+    check_s: float
+    intact: bool
+    sleep_parts: dict[str, float]  # seconds: the host buffer's answer, its registration, the copy, the hand-back, the rest
+
+
+def cycle(sleeper: Any, size: int, contents: Contents, say: Callable[[str], None]) -> Cycle:
+    """One sleep and wake of the arena of ``size`` with its contents kept, timed each (the
+    sleep part by part); then the contents checked whole."""
+    from gpumem_shared.units import format_size
+
+    arena = sleeper.arena
+    with timed_parts(arena, ("host_register", "copy_to_host")) as spent:
+        t0 = time.perf_counter()
+        sleeper.sleep(keep=True)
+        t1 = time.perf_counter()
+    parts = {"buffer": spent.get("SleepBuffer", 0.0), "register": spent.get("host_register", 0.0),
+             "copy": spent.get("copy_to_host", 0.0), "hand_back": spent.get("SleepArena", 0.0) + spent.get("apply", 0.0)}
+    parts["rest"] = t1 - t0 - sum(parts.values())
+    sleeper.wake()
+    t2 = time.perf_counter()
+    where = contents.check(arena.address, size)
+    if where is not None:
+        say(f"MISMATCH after a wake: the MiB at offset {where} of arena '{arena.name}' ({format_size(size)}) differs")
+    return Cycle(t1 - t0, t2 - t1, time.perf_counter() - t2, where is None, parts)
+
+
 def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack) -> None:
     from gpumem_shared.units import format_size
+
+    started = time.monotonic()
+
+    def say(line: str) -> None:
+        c.say(f"[{time.monotonic() - started:6.1f} s] {line}")
 
     result.targets = {"contents_identical": True}
     if args.backend == "cuda":
         result.targets |= {"ratio_vs_pinned_min": args.target_ratio, "drop_wake_ms_max": args.target_drop_ms, "graph_identical": True}
     rdir = cleanup.enter_context(c.runtime_dir("gmb-sleep-"))
     top = max(args.size_list)
-    c.say(f"{BENCH}: backend={args.backend} sizes={[format_size(s) for s in args.size_list]} drop={format_size(args.drop)} "
-          f"repeats={args.repeats} runtime dir {rdir}")
+    say(f"{BENCH}: backend={args.backend} sizes={[format_size(s) for s in args.size_list]} drop={format_size(args.drop)} "
+        f"repeats={args.repeats} runtime dir {rdir}")
     daemon_args = ["--sleep-host-limit", str(2 * top)]
     if args.backend == "host":
         daemon_args += ["--host-capacity", str(max(8 * GiB, 2 * top, args.drop + GiB))]
@@ -263,32 +504,23 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
 
     session = gpumem.connect(args.device, name="bench-sleep", runtime_dir=rdir, timeout=args.call_timeout)
     cleanup.callback(session.close)
-    driver = session.driver
     ordinal = session.device_ordinal or 0
-    block = os.urandom(PIECE)
+    contents = Contents(session.driver, top)
+    cleanup.callback(contents.close)
     figures: dict[str, Any] = {"sizes": {}}
     ok = True
     for size in args.size_list:
-        name = f"sleep-{size}"
-        arena = session.create_arena(name, size)
+        arena = session.create_arena(f"sleep-{size}", size)
         arena.commit(size)
-        fill(driver, arena.address, size, block)
+        t0 = time.perf_counter()
+        contents.fill(arena.address, size)
+        fill_s = time.perf_counter() - t0
         sleeper = gpumem.ArenaSleep(arena)
-        t0 = time.perf_counter()
-        sleeper.sleep(keep=True)
-        first_sleep = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        sleeper.wake()
-        first_wake = time.perf_counter() - t0
-        sleeps, wakes = [], []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            sleeper.sleep(keep=True)
-            sleeps.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            sleeper.wake()
-            wakes.append(time.perf_counter() - t0)
-        intact = same(driver, arena.address, size, block)
+        first, *timed = [cycle(sleeper, size, contents, say) for _ in range(1 + args.repeats)]
+        first_sleep, first_wake = first.sleep_s, first.wake_s
+        sleeps, wakes = [x.sleep_s for x in timed], [x.wake_s for x in timed]
+        check_s = sum(x.check_s for x in (first, *timed))
+        intact = all(x.intact for x in (first, *timed))
         sleeper.free_host()
         arena.release()
 
@@ -302,8 +534,9 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         row: dict[str, Any] = {
             "gpumemd_sleep_gib_s": gib / c.median(sleeps), "gpumemd_wake_gib_s": gib / c.median(wakes),
             "gpumemd_first_sleep_s": first_sleep, "gpumemd_first_wake_s": first_wake,
+            **{f"gpumemd_first_sleep_{k}_s": v for k, v in first.sleep_parts.items()},
             "pinned_to_host_gib_s": gib / c.median(outs), "pinned_to_device_gib_s": gib / c.median(ins),
-            "contents_identical": intact,
+            "contents_identical": intact, "contents_checked": 1 + args.repeats, "fill_s": fill_s, "check_s": check_s,
         }
         row["sleep_ratio"] = row["gpumemd_sleep_gib_s"] / row["pinned_to_host_gib_s"]
         row["wake_ratio"] = row["gpumemd_wake_gib_s"] / row["pinned_to_device_gib_s"]
@@ -321,25 +554,21 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
             ok &= row["sleep_ratio"] >= args.target_ratio and row["wake_ratio"] >= args.target_ratio
         tms_text = (f"tms pause {row['tms_pause_gib_s']:.1f} resume {row['tms_resume_gib_s']:.1f} GiB/s"
                     if "tms_pause_gib_s" in row else f"tms {row['torch_memory_saver']}")
-        c.say(f"{format_size(size):>9}: sleep {row['gpumemd_sleep_gib_s']:.1f} GiB/s ({row['sleep_ratio']:.2f}x pinned "
-              f"{row['pinned_to_host_gib_s']:.1f}), wake {row['gpumemd_wake_gib_s']:.1f} GiB/s ({row['wake_ratio']:.2f}x pinned "
-              f"{row['pinned_to_device_gib_s']:.1f}); first cycle {first_sleep:.3f} s / {first_wake:.3f} s; "
-              f"contents {'identical' if intact else 'DIFFER'}; {tms_text}")
+        say(f"{format_size(size):>9}: sleep {row['gpumemd_sleep_gib_s']:.1f} GiB/s ({row['sleep_ratio']:.2f}x pinned "
+            f"{row['pinned_to_host_gib_s']:.1f}), wake {row['gpumemd_wake_gib_s']:.1f} GiB/s ({row['wake_ratio']:.2f}x pinned "
+            f"{row['pinned_to_device_gib_s']:.1f}); first cycle {first_sleep:.3f} s (host buffer: the daemon's answer "
+            f"{first.sleep_parts['buffer']:.3f} s, registration {first.sleep_parts['register']:.3f} s; copy "
+            f"{first.sleep_parts['copy']:.3f} s; hand-back {first.sleep_parts['hand_back']:.3f} s) / {first_wake:.3f} s; contents "
+            f"{'identical after each' if intact else f'DIFFER after {sum(not x.intact for x in (first, *timed))}'} of "
+            f"{1 + args.repeats} wakes (filled in {fill_s:.2f} s, "
+            f"checked in {check_s:.2f} s); {tms_text}")
 
     if args.drop:
-        arena = session.create_arena("sleep-drop", args.drop)
-        arena.commit(args.drop)
-        sleeper = gpumem.ArenaSleep(arena)
-        sleeper.sleep(keep=False)
-        t0 = time.perf_counter()
-        sleeper.wake()
-        drop_ms = (time.perf_counter() - t0) * 1e3
-        arena.release()
-        figures["drop_wake_ms"] = drop_ms
-        figures["drop_wake_bytes"] = args.drop
+        fig = dropped_wake(session, args)
+        figures |= fig
         if args.backend == "cuda":
-            ok &= drop_ms <= args.target_drop_ms
-        c.say(f"wake of {format_size(args.drop)} whose contents were dropped (commit, zeroing, mapping): {drop_ms:.1f} ms")
+            ok &= fig["drop_wake_ms"] <= args.target_drop_ms
+        say_dropped(say, fig)
 
     if args.backend == "cuda":
         try:
@@ -350,10 +579,11 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
             graph = graph_replays_after_wake(rdir, args.device, args.call_timeout)
             figures["graph"] = graph
             ok &= graph["identical"]
-            c.say(f"captured graph after sleep ({graph['sleep_s']:.3f} s) and wake ({graph['wake_s']:.3f} s): outputs "
-                  f"{'bit-identical' if graph['identical'] else 'DIFFER'}, no recapture")
+            say(f"captured graph after sleep ({graph['sleep_s']:.3f} s) and wake ({graph['wake_s']:.3f} s): outputs "
+                f"{'bit-identical' if graph['identical'] else 'DIFFER'}, no recapture")
     else:
         figures["graph"] = "skipped: needs CUDA and torch"
+    figures["elapsed_s"] = time.monotonic() - started
     result.figures = figures
     result.ok = bool(ok)
 
