@@ -15,7 +15,7 @@ import secrets
 from pathlib import Path
 
 from conftest import child_env
-from dra_kit import TOKEN_FILE, FakeDraDriver
+from dra_kit import ENV_TOKEN_FILE, TOKEN_FILE, FakeDraDriver
 from gpumemd_testkit import GiB, MiB, do, status, wait_status
 from test_grants import ctl
 from test_tenant_caps import refused, tenants
@@ -87,14 +87,17 @@ def test_a_dra_claim_names_its_tenant_by_token_and_its_pod_presents_it(  # type:
 ) -> None:
     claims = tmp_path / "claims"
     claims.mkdir()
-    d = daemon_factory(backend, args=["--tenant-claims", str(claims)])
-    driver = FakeDraDriver(claims, runtime_dir, d.pid)
+    daemon_factory(backend, args=["--tenant-claims", str(claims)])
+    driver = FakeDraDriver(claims, runtime_dir)
     first, second = driver.prepare_token("5b1e-claim", 48 * MiB), driver.prepare_token("9c2f-claim", 24 * MiB)
     wait_status(runtime_dir, lambda s: len(s["tenants"]) == 2, 5.0, "both claims' caps")
-    # Two pods of one uid, each knowing only its claim's directory.
+    # Two pods of one uid, each knowing only what its claim's CDI edits give it: the
+    # daemon's runtime directory and the token file, passed to connect() as an engine does.
     pods = []
     for name, claim in (("pod-1", first), ("pod-2", second)):
-        pod = run_client("shell", name, "--tenant-token-file", str(claim / TOKEN_FILE), env=child_env(runtime_dir, **driver.pod_env(claim)))
+        env = driver.pod_env(claim)
+        assert Path(env[ENV_TOKEN_FILE]) == claim / TOKEN_FILE
+        pod = run_client("shell", name, "--tenant-token-file", env[ENV_TOKEN_FILE], env=child_env(runtime_dir, **env))
         pod.expect("CONNECTED")
         do(pod, f"create kv-{name} {GiB}")
         pods.append(pod)

@@ -5,6 +5,7 @@ other tenants' guaranteed minimums, on the real host driver (256 MiB)."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.caps import PolicyError, read_policy
+from gpumemd.caps import Caps, PolicyError, read_policy
 from gpumemd.metrics import Metrics
 from gpumemd.records import SessionRecord as Session
 
@@ -96,6 +97,40 @@ def test_dra_claims_are_caps_and_a_claim_being_prepared_is_skipped(tmp_path: Pat
     (claims / "claim-c" / "tenant.json").write_text("{not json")
     with pytest.raises(PolicyError, match="claim-c/tenant.json"):
         read_policy("", str(claims))
+
+
+def test_the_claims_are_read_again_when_a_claim_comes_changes_or_goes(tmp_path: Path) -> None:
+    """No signal from the driver (its pod cannot reach the daemon's pid): the loop asks
+    claims_changed on its tick and reloads. A tenant.json replaced by one of the same
+    size is a change (a new inode); a bad one is logged once, not read again every tick."""
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    caps = Caps("", str(claims), {}, {}, {}, {}, {})
+    assert not caps.claims_changed() and not caps.policy.uids
+
+    def put(claim: str, entry: object) -> None:
+        (claims / claim).mkdir(exist_ok=True)
+        tmp = claims / claim / ".tenant.json.tmp"
+        tmp.write_text(json.dumps(entry) if not isinstance(entry, str) else entry)
+        tmp.rename(claims / claim / "tenant.json")
+
+    (claims / "claim-a").mkdir()  # being prepared: a change, with no cap yet
+    assert caps.claims_changed()
+    assert caps.reload() is None and not caps.policy.uids and not caps.claims_changed()
+    put("claim-a", {"uid": A, "bytes": 32 * MiB})
+    assert caps.claims_changed()
+    assert caps.reload() is None and caps.policy.uids[A].max_bytes == 32 * MiB and not caps.claims_changed()
+    put("claim-a", {"uid": A, "bytes": 16 * MiB})  # the same size of file
+    assert caps.claims_changed()
+    assert caps.reload() is None and caps.policy.uids[A].max_bytes == 16 * MiB
+    put("claim-b", "{not json")
+    assert caps.claims_changed() and caps.reload() is not None
+    assert not caps.claims_changed() and caps.policy.uids[A].max_bytes == 16 * MiB  # the caps in force stay
+    shutil.rmtree(claims / "claim-b")
+    shutil.rmtree(claims / "claim-a")
+    assert caps.claims_changed()
+    assert caps.reload() is None and not caps.policy.uids
+    assert not Caps("", "", {}, {}, {}, {}, {}).claims_changed()  # no claims directory: nothing to watch
 
 
 # --------------------------------------------------------------------------- commits
