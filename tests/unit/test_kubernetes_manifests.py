@@ -8,8 +8,10 @@ it too strict, and this fails. The DRA engine pod must need no more than "restri
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import kubernetes_validate
@@ -173,6 +175,32 @@ def test_the_dra_engine_pod_is_restricted() -> None:
     assert not any(pod.get(key) for key in HOST_NAMESPACES)
     assert not any("hostPath" in v for v in pod.get("volumes", []))
     assert _namespace_of("Pod/gpumem-dra-smoke") == DRA_NAMESPACE
+
+
+def _dra_kit() -> ModuleType:
+    """tests/integration/dra_kit.py, the driver's part as the integration tests play it."""
+    spec = importlib.util.spec_from_file_location("dra_kit", TESTS / "integration" / "dra_kit.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_dra_engine_pod_reads_what_the_fixtures_driver_gives_it() -> None:
+    """The manifest and dra_kit agree on the contract: the engine takes the runtime
+    directory and the token file from the environment the claim's CDI edits set (not from
+    its own env or volumes), and the header says where the claim's directory appears."""
+    kit = _dra_kit()
+    (container,) = _dra_pod()["containers"]
+    assert {e["name"] for e in container.get("env", [])} & {kit.ENV_RUNTIME_DIR, kit.ENV_TOKEN_FILE} == set(), "the driver sets them"
+    assert not container.get("volumeMounts")
+    script = " ".join(container["command"])
+    assert f'runtime_dir=os.environ["{kit.ENV_RUNTIME_DIR}"]' in script
+    assert f'tenant_token_file=os.environ["{kit.ENV_TOKEN_FILE}"]' in script
+    assert [c["name"] for c in container["resources"]["claims"]] == [c["name"] for c in _dra_pod()["resourceClaims"]]
+    header = (DEPLOY / "engine-pod-dra.yaml").read_text()
+    assert f"{kit.ENV_TOKEN_FILE}={kit.CLAIM_MOUNT}/{kit.TOKEN_FILE}" in header
+    assert f"{kit.ENV_RUNTIME_DIR}={kit.RUNTIME_MOUNT}" in header
 
 
 @pytest.mark.parametrize(
