@@ -4,6 +4,7 @@ other tenants' guaranteed minimums, on the real host driver (256 MiB)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -131,6 +132,23 @@ def test_the_claims_are_read_again_when_a_claim_comes_changes_or_goes(tmp_path: 
     assert caps.claims_changed()
     assert caps.reload() is None and not caps.policy.uids
     assert not Caps("", "", {}, {}, {}, {}, {}).claims_changed()  # no claims directory: nothing to watch
+
+
+def test_a_default_of_nothing_leaves_memory_to_claims_alone(make_harness: Callable[..., Harness], tmp_path: Path) -> None:
+    """The operator's choice docs/architecture.md offers (Kubernetes DRA): with
+    ``[default] max = 0``, a session of the same uid that presents no claim's token gets
+    no memory; the claim's token gets what the claim consumed."""
+    claims = tmp_path / "claims"
+    (claims / "claim-a").mkdir(parents=True)
+    token = "f" * 64
+    (claims / "claim-a" / "tenant.json").write_text(json.dumps({"token_sha256": hashlib.sha256(token.encode()).hexdigest(), "bytes": 32 * MiB}))
+    h = make_harness(tenant_policy=policy(tmp_path, "[default]\nmax = 0\n"), tenant_claims=str(claims))
+    pod, stray = h.connect("pod", uid=A, tenant_token=token), h.connect("stray", uid=A)
+    h.create(pod, "x", 64 * MiB)
+    h.create(stray, "y", 64 * MiB)
+    h.commit(pod, "x", 32 * MiB)
+    assert "uid 1000" in refusal(h, stray, p.CommitArena(name="y", nbytes=2 * MiB)).message
+    assert "token claim-a" in refusal(h, pod, p.CommitArena(name="x", nbytes=34 * MiB)).message
 
 
 # --------------------------------------------------------------------------- commits
