@@ -24,7 +24,9 @@ under the maximum again.
 Where the rules come from: a policy file (``--tenant-policy``, TOML or JSON) and a
 directory of claims (``--tenant-claims``) that a Kubernetes DRA driver writes, one
 subdirectory per ResourceClaim with a ``tenant.json`` naming the tenant and the bytes
-the claim consumed (docs/architecture.md, "Tenant caps").
+the claim consumed (docs/architecture.md, "Kubernetes DRA"). The claims are read again
+when the directory's listing changes (``claims_changed``, asked on the loop's tick): a
+driver in another pod has no way to signal the daemon.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -225,6 +228,28 @@ def _read_claims(root: Path, into: _Builder) -> None:
         into.add(kind, ident, rule)
 
 
+def _claims_listing(claims_dir: str) -> tuple[tuple[str, int, int, int], ...]:
+    """What the claims directory holds, cheap enough to take every tick: each claim's
+    name and its tenant.json's inode, change time and size (-1: not written yet). A driver
+    puts the file in place by rename, so a new one is a new inode, even within one tick of
+    the file system's clock. An unreadable directory lists as empty (the read says why)."""
+    if not claims_dir:
+        return ()
+    out = []
+    try:
+        with os.scandir(claims_dir) as entries:
+            claims = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return ()
+    for name in sorted(claims):
+        try:
+            st = os.stat(os.path.join(claims_dir, name, CLAIM_FILE))
+            out.append((name, st.st_ino, st.st_ctime_ns, st.st_size))
+        except OSError:
+            out.append((name, -1, -1, -1))
+    return tuple(out)
+
+
 def read_policy(policy_file: str, claims_dir: str) -> Policy:
     """The caps the files say now (no file named: no caps). Raises PolicyError."""
     builder = _Builder()
@@ -264,6 +289,7 @@ class Caps:
         self.policy_file, self.claims_dir = policy_file, claims_dir
         self._arenas, self._retiring, self._owners, self._groups = arenas, retiring, owners, groups
         self._tokens = tokens
+        self._claims_seen = _claims_listing(claims_dir)  # before the read: a change during it is seen next time
         self.policy = read_policy(policy_file, claims_dir)  # at start, an error stops the daemon
 
     def admit(self, token: str, who: str) -> bytes:
@@ -288,8 +314,16 @@ class Caps:
         found = self.policy.tenant(uid, gid, token)
         return "" if found is None else found[0]
 
+    def claims_changed(self) -> bool:
+        """Whether a claim came, went or had its tenant.json replaced since the caps were
+        last read (the loop then reloads): a DRA driver's node plugin runs in a pod of its
+        own, in a pid namespace that cannot signal the daemon."""
+        return bool(self.claims_dir) and _claims_listing(self.claims_dir) != self._claims_seen
+
     def reload(self) -> str | None:
-        """Read the files again; on an error the policy in force stays. Returns the error."""
+        """Read the files again; on an error the policy in force stays (and is not read
+        again for the claims until they change). Returns the error."""
+        self._claims_seen = _claims_listing(self.claims_dir)
         try:
             self.policy = read_policy(self.policy_file, self.claims_dir)
         except PolicyError as exc:

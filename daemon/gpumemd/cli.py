@@ -249,7 +249,8 @@ def _exporter(address: str, port: int) -> Exporter:
     type=click.Path(file_okay=False),
     default="",
     help="A directory a Kubernetes DRA driver writes, one subdirectory per ResourceClaim with a tenant.json "
-    "(the tenant and the bytes it consumed): each is a cap, read again on SIGHUP.",
+    "(the tenant and the bytes it consumed): each is a cap, read again when a claim comes, changes or goes (and on SIGHUP). "
+    "See docs/architecture.md, Kubernetes DRA.",
 )
 @_option(
     "--lease-ordering",

@@ -221,6 +221,8 @@ class Server:
         now = time.monotonic()
         if now >= self._next_tick:  # the HELLO-deadline scan, not on every request
             self._next_tick = now + self.tick_interval
+            if self.state.arenas.caps.claims_changed():  # a DRA claim prepared or unprepared
+                self.state.arenas.caps.reload()
             for conn in self._door.silent(now):
                 self._drop(conn)
             self._door.log_flood(now)

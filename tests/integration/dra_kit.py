@@ -1,13 +1,18 @@
-"""A stand-in for a Kubernetes DRA driver's node plugin, as gpumemd's tenant caps expect
-one (docs/architecture.md, "Tenant caps"): on NodePrepareResources it writes the claim's
-directory under the daemon's --tenant-claims root, with ``tenant.json`` naming the
-tenant and the device bytes the claim consumed, and hands the pod the daemon's runtime
-directory there (a real driver does it with a CDI mount of that directory at the path
-in ``GPUMEMD_RUNTIME_DIR``; here a symlink in the claim's directory); on
-NodeUnprepareResources it removes the directory. Then it tells the daemon (SIGHUP).
-A claim may name its tenant by a token instead of a uid (``prepare_token``): the driver
-makes a random token, hands the pod the token in its claim's directory and the daemon
-its SHA-256 in ``tenant.json``, so pods that all run as one uid are tenants apart.
+"""A stand-in for a Kubernetes DRA driver's node plugin, playing the contract gpumemd's
+tenant caps expect of one (docs/architecture.md, "Kubernetes DRA") and nothing more.
+
+NodePrepareResources, for a claim that consumed memory of the GPU whose daemon reads
+``claims_root`` (its --tenant-claims): the claim's directory ``claims_root/<claim uid>``,
+with the claim's tenant token in TOKEN_FILE (mode 0400, the pod's uid) if it names its
+tenant by token, then ``tenant.json`` naming the tenant and the bytes consumed, written
+whole and renamed into place; and the CDI edits for the claim's container (``cdi_edits``):
+the claim's directory at CLAIM_MOUNT and the daemons' runtime directory at RUNTIME_MOUNT,
+both read-only, and the environment that names them. NodeUnprepareResources removes the
+directory. The daemon notices both on its own (it watches the directory's listing): no
+signal, which a plugin in a pod of its own could not send.
+
+No container runs here: ``pod_env`` is the environment the CDI edits give the container,
+each path in it turned into the host path its mount shows there.
 """
 
 from __future__ import annotations
@@ -17,24 +22,25 @@ import json
 import os
 import secrets
 import shutil
-import signal
 from pathlib import Path
 from typing import Any
 
 CLAIM_FILE = "tenant.json"  # gpumemd.caps.CLAIM_FILE
-RUNTIME_LINK = "gpumemd"  # where the pod finds the daemon's sockets
 TOKEN_FILE = "tenant-token"  # the pod's tenant token, readable by its uid alone
+CLAIM_MOUNT = "/run/gpumemd-claim"  # where the container sees its claim's directory
+RUNTIME_MOUNT = "/run/gpumemd"  # where the container sees the daemons' sockets
+ENV_RUNTIME_DIR = "GPUMEMD_RUNTIME_DIR"  # gpumem.connect(runtime_dir=...); read by connect() itself too
+ENV_TOKEN_FILE = "GPUMEMD_TENANT_TOKEN_FILE"  # gpumem.connect(tenant_token_file=...)
 
 
 class FakeDraDriver:
-    def __init__(self, claims_root: Path, runtime_dir: Path, daemon_pid: int) -> None:
+    def __init__(self, claims_root: Path, runtime_dir: Path) -> None:
         self.claims_root = claims_root
         self.runtime_dir = runtime_dir
-        self.daemon_pid = daemon_pid
         claims_root.mkdir(parents=True, exist_ok=True)
 
     def prepare(self, claim_uid: str, uid: int, consumed: int) -> Path:
-        """The claim's directory; the daemon has been told to read it."""
+        """A claim whose tenant is the pod's uid: its directory on the node."""
         return self._prepare(claim_uid, {"uid": uid, "bytes": consumed})
 
     def prepare_token(self, claim_uid: str, consumed: int, pod_uid: int | None = None) -> Path:
@@ -47,7 +53,6 @@ class FakeDraDriver:
     def _prepare(self, claim_uid: str, tenant: dict[str, Any], token: str = "", pod_uid: int | None = None) -> Path:
         claim = self.claims_root / claim_uid
         claim.mkdir()
-        (claim / RUNTIME_LINK).symlink_to(self.runtime_dir)
         if token:  # before the daemon learns of the claim: the pod may start at once
             fd = os.open(claim / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
             with os.fdopen(fd, "w") as f:
@@ -58,13 +63,32 @@ class FakeDraDriver:
         tmp = claim / f".{CLAIM_FILE}.tmp"
         tmp.write_text(json.dumps(tenant))
         os.rename(tmp, claim / CLAIM_FILE)
-        os.kill(self.daemon_pid, signal.SIGHUP)
         return claim
 
     def unprepare(self, claim_uid: str) -> None:
         shutil.rmtree(self.claims_root / claim_uid)
-        os.kill(self.daemon_pid, signal.SIGHUP)
+
+    def cdi_edits(self, claim: Path) -> dict[str, Any]:
+        """The containerEdits of the CDI spec the driver writes for the claim's device."""
+        env = [f"{ENV_RUNTIME_DIR}={RUNTIME_MOUNT}"]
+        if (claim / TOKEN_FILE).exists():
+            env.append(f"{ENV_TOKEN_FILE}={CLAIM_MOUNT}/{TOKEN_FILE}")
+        ro = ["ro", "nosuid", "nodev", "noexec", "rbind"]
+        return {
+            "env": env,
+            "mounts": [
+                {"hostPath": str(claim), "containerPath": CLAIM_MOUNT, "options": ro},
+                {"hostPath": str(self.runtime_dir), "containerPath": RUNTIME_MOUNT, "options": ro},
+            ],
+        }
 
     def pod_env(self, claim: Path) -> dict[str, str]:
-        """What the CDI spec sets in the engine's container."""
-        return {"GPUMEMD_RUNTIME_DIR": str(claim / RUNTIME_LINK)}
+        """The environment the CDI edits give the engine's container, its paths as the
+        host sees them (the container's mounts, undone)."""
+        edits = self.cdi_edits(claim)
+        env = {}
+        for entry in edits["env"]:
+            key, value = entry.split("=", 1)
+            mount = next(m for m in edits["mounts"] if value == m["containerPath"] or value.startswith(m["containerPath"] + "/"))
+            env[key] = mount["hostPath"] + value[len(mount["containerPath"]) :]
+        return env

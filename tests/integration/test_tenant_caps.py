@@ -191,12 +191,12 @@ def test_a_bad_policy_stops_the_daemon_at_start_naming_the_entry(daemon_factory,
 
 @needs_root
 def test_a_dra_claim_becomes_its_tenants_cap_and_its_pod_finds_the_daemon(daemon_factory, backend, run_client, runtime_dir, claims) -> None:  # type: ignore[no-untyped-def]
-    d = daemon_factory(backend, args=["--tenant-claims", str(claims)])
+    daemon_factory(backend, args=["--tenant-claims", str(claims)])
     open_sockets(runtime_dir)
-    driver = FakeDraDriver(claims, runtime_dir, d.pid)
-    claim = driver.prepare("0f6c3b1e-claim", A, 48 * MiB)
+    driver = FakeDraDriver(claims, runtime_dir)
+    claim = driver.prepare("0f6c3b1e-claim", A, 48 * MiB)  # no signal: the daemon sees the claim come
     wait_status(runtime_dir, lambda s: any(t["tenant"] == f"uid {A}" for t in s["tenants"]), 5.0, "the claim's cap")
-    # The engine pod knows only its claim's directory.
+    # The engine pod knows only what its claim's CDI edits give it.
     env = child_env(runtime_dir, **driver.pod_env(claim))
     engine = run_client("shell", "engine", "--as", f"{A}:0", env=env)
     engine.expect("CONNECTED")
@@ -205,7 +205,7 @@ def test_a_dra_claim_becomes_its_tenants_cap_and_its_pod_finds_the_daemon(daemon
     refused(engine, f"commit kv {50 * MiB}", "cap of 48 MiB", "claim 0f6c3b1e-claim")
     row = tenants(runtime_dir)[f"uid {A}"]
     assert (row["max_bytes"], row["min_bytes"], row["source"]) == (48 * MiB, 48 * MiB, "claim 0f6c3b1e-claim")
-    # The claim goes (the pod was deleted): no cap any more.
+    # The claim goes (the pod was deleted): no cap any more, again with no signal.
     driver.unprepare("0f6c3b1e-claim")
     wait_status(runtime_dir, lambda s: not s["tenants"], 5.0, "the claim's cap gone")
     do(engine, f"commit kv {64 * MiB}")

@@ -12,10 +12,14 @@ import hashlib
 import json
 import os
 import secrets
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import child_env
-from dra_kit import TOKEN_FILE, FakeDraDriver
+from dra_kit import ENV_TOKEN_FILE, TOKEN_FILE, FakeDraDriver
 from gpumemd_testkit import GiB, MiB, do, status, wait_status
 from test_grants import ctl
 from test_tenant_caps import refused, tenants
@@ -87,14 +91,17 @@ def test_a_dra_claim_names_its_tenant_by_token_and_its_pod_presents_it(  # type:
 ) -> None:
     claims = tmp_path / "claims"
     claims.mkdir()
-    d = daemon_factory(backend, args=["--tenant-claims", str(claims)])
-    driver = FakeDraDriver(claims, runtime_dir, d.pid)
+    daemon_factory(backend, args=["--tenant-claims", str(claims)])
+    driver = FakeDraDriver(claims, runtime_dir)
     first, second = driver.prepare_token("5b1e-claim", 48 * MiB), driver.prepare_token("9c2f-claim", 24 * MiB)
     wait_status(runtime_dir, lambda s: len(s["tenants"]) == 2, 5.0, "both claims' caps")
-    # Two pods of one uid, each knowing only its claim's directory.
+    # Two pods of one uid, each knowing only what its claim's CDI edits give it: the
+    # daemon's runtime directory and the token file, passed to connect() as an engine does.
     pods = []
     for name, claim in (("pod-1", first), ("pod-2", second)):
-        pod = run_client("shell", name, "--tenant-token-file", str(claim / TOKEN_FILE), env=child_env(runtime_dir, **driver.pod_env(claim)))
+        env = driver.pod_env(claim)
+        assert Path(env[ENV_TOKEN_FILE]) == claim / TOKEN_FILE
+        pod = run_client("shell", name, "--tenant-token-file", env[ENV_TOKEN_FILE], env=child_env(runtime_dir, **env))
         pod.expect("CONNECTED")
         do(pod, f"create kv-{name} {GiB}")
         pods.append(pod)
@@ -116,3 +123,24 @@ def test_a_dra_claim_names_its_tenant_by_token_and_its_pod_presents_it(  # type:
     late.expect("CONNECTED")
     late.send("exit")
     late.finish()
+
+
+def test_the_dra_manifests_engine_runs_with_what_its_claim_gives_it(daemon_factory, runtime_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """deploy/kubernetes/engine-pod-dra.yaml's own command, in the environment the claim's
+    CDI edits give it (dra_kit): it connects through the runtime directory named there and
+    counts against the claim's tenant by the token file named there."""
+    yaml = pytest.importorskip("yaml")
+    manifest = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "engine-pod-dra.yaml"
+    (pod,) = [doc for doc in yaml.safe_load_all(manifest.read_text()) if doc["kind"] == "Pod"]
+    (container,) = pod["spec"]["containers"]
+    assert container["command"][:2] == ["python", "-c"]
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    daemon_factory("host", args=["--tenant-claims", str(claims)])
+    driver = FakeDraDriver(claims, runtime_dir)
+    claim = driver.prepare_token("7d3a-claim", 40 * MiB)
+    wait_status(runtime_dir, lambda s: len(s["tenants"]) == 1, 5.0, "the claim's cap")
+    env = child_env(runtime_dir, **driver.pod_env(claim))  # GPUMEMD_RUNTIME_DIR: the claim's
+    done = subprocess.run([sys.executable, "-c", container["command"][2]], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("token 7d3a-claim [TenantCapStatus(tenant='token 7d3a-claim', max_bytes=41943040"), done.stdout

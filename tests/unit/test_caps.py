@@ -4,7 +4,9 @@ other tenants' guaranteed minimums, on the real host driver (256 MiB)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.caps import PolicyError, read_policy
+from gpumemd.caps import Caps, PolicyError, read_policy
 from gpumemd.metrics import Metrics
 from gpumemd.records import SessionRecord as Session
 
@@ -96,6 +98,57 @@ def test_dra_claims_are_caps_and_a_claim_being_prepared_is_skipped(tmp_path: Pat
     (claims / "claim-c" / "tenant.json").write_text("{not json")
     with pytest.raises(PolicyError, match="claim-c/tenant.json"):
         read_policy("", str(claims))
+
+
+def test_the_claims_are_read_again_when_a_claim_comes_changes_or_goes(tmp_path: Path) -> None:
+    """No signal from the driver (its pod cannot reach the daemon's pid): the loop asks
+    claims_changed on its tick and reloads. A tenant.json replaced by one of the same
+    size is a change (a new inode); a bad one is logged once, not read again every tick."""
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    caps = Caps("", str(claims), {}, {}, {}, {}, {})
+    assert not caps.claims_changed() and not caps.policy.uids
+
+    def put(claim: str, entry: object) -> None:
+        (claims / claim).mkdir(exist_ok=True)
+        tmp = claims / claim / ".tenant.json.tmp"
+        tmp.write_text(json.dumps(entry) if not isinstance(entry, str) else entry)
+        tmp.rename(claims / claim / "tenant.json")
+
+    (claims / "claim-a").mkdir()  # being prepared: a change, with no cap yet
+    assert caps.claims_changed()
+    assert caps.reload() is None and not caps.policy.uids and not caps.claims_changed()
+    put("claim-a", {"uid": A, "bytes": 32 * MiB})
+    assert caps.claims_changed()
+    assert caps.reload() is None and caps.policy.uids[A].max_bytes == 32 * MiB and not caps.claims_changed()
+    put("claim-a", {"uid": A, "bytes": 16 * MiB})  # the same size of file
+    assert caps.claims_changed()
+    assert caps.reload() is None and caps.policy.uids[A].max_bytes == 16 * MiB
+    put("claim-b", "{not json")
+    assert caps.claims_changed() and caps.reload() is not None
+    assert not caps.claims_changed() and caps.policy.uids[A].max_bytes == 16 * MiB  # the caps in force stay
+    shutil.rmtree(claims / "claim-b")
+    shutil.rmtree(claims / "claim-a")
+    assert caps.claims_changed()
+    assert caps.reload() is None and not caps.policy.uids
+    assert not Caps("", "", {}, {}, {}, {}, {}).claims_changed()  # no claims directory: nothing to watch
+
+
+def test_a_default_of_nothing_leaves_memory_to_claims_alone(make_harness: Callable[..., Harness], tmp_path: Path) -> None:
+    """The operator's choice docs/architecture.md offers (Kubernetes DRA): with
+    ``[default] max = 0``, a session of the same uid that presents no claim's token gets
+    no memory; the claim's token gets what the claim consumed."""
+    claims = tmp_path / "claims"
+    (claims / "claim-a").mkdir(parents=True)
+    token = "f" * 64
+    (claims / "claim-a" / "tenant.json").write_text(json.dumps({"token_sha256": hashlib.sha256(token.encode()).hexdigest(), "bytes": 32 * MiB}))
+    h = make_harness(tenant_policy=policy(tmp_path, "[default]\nmax = 0\n"), tenant_claims=str(claims))
+    pod, stray = h.connect("pod", uid=A, tenant_token=token), h.connect("stray", uid=A)
+    h.create(pod, "x", 64 * MiB)
+    h.create(stray, "y", 64 * MiB)
+    h.commit(pod, "x", 32 * MiB)
+    assert "uid 1000" in refusal(h, stray, p.CommitArena(name="y", nbytes=2 * MiB)).message
+    assert "token claim-a" in refusal(h, pod, p.CommitArena(name="x", nbytes=34 * MiB)).message
 
 
 # --------------------------------------------------------------------------- commits
