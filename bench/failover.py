@@ -29,9 +29,11 @@ daemon's READY=1 and its generation.
 Engines (bench/failover_engines.py): ``--backend host`` runs stand-ins (nano-vllm's
 scheduler, block manager and prefix cache in miniature over real host memory, compute
 as sleeps); ``--backend cuda`` runs nano-vllm (bench/nanovllm_kit.py's random-weight
-Qwen3, greedy; gpumem.integrations.nanovllm with ``retain=`` and ``standby=``), whose
-standby loads its own weights: the read-only sharing of nano-vllm's weights is not built,
-so its own memory counts them.
+Qwen3, greedy; gpumem.integrations.nanovllm with ``retain=`` and ``weights_to=`` on the
+primary, ``standby=`` and ``share_weights=True`` on the standby), whose standby maps the
+primary's model arena read-only and builds its model on it (no weights of its own).
+``standby_shared_weights_bytes`` is what the standby maps of the primary's (its weights
+arena; nano-vllm: its parameters and buffers).
 
     python bench/failover.py --backend host [--kill-daemon]
     python bench/failover.py --backend cuda [--kill-daemon]
@@ -154,14 +156,16 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     for role in ("primary", "standby"):
         engines[role] = c.Child(f"{role} engine", [ENGINES, str(work / f"{role}.spec.json")], rdir / f"{role}.log", env)
         cleanup.callback(engines[role].stop)
-    wait_file(work / "standby-ready.json", engines["standby"], args.run_timeout, "its reservation")
+    ready = wait_file(work / "standby-ready.json", engines["standby"], args.run_timeout, "its reservation")
 
     session = gpumem.connect(0, name="bench-failover", runtime_dir=rdir)
     cleanup.callback(session.close)
     s = session.status()
     own = sum(a.committed + a.placeholder_bytes for a in s.arenas if a.owner == "fo-standby")
-    shared = sum(a.committed for a in s.arenas if a.owner == "fo-primary" and "fo-standby" in a.attached)
-    c.say(f"standby before promotion: owns {own / 2**20:.0f} MiB (its placeholder), maps {shared / 2**20:.0f} MiB of the primary's weights")
+    attached = sum(a.committed for a in s.arenas if a.owner == "fo-primary" and "fo-standby" in a.attached)
+    shared = ready["shared_weights_bytes"]
+    c.say(f"standby before promotion: owns {own / 2**20:.0f} MiB ({', '.join(f'{a.name} {(a.committed + a.placeholder_bytes) / 2**20:.0f}' for a in s.arenas if a.owner == 'fo-standby')} MiB), "
+          f"maps {shared / 2**20:.0f} MiB of the primary's weights (attached to {attached / 2**20:.0f} MiB of its arenas)")
 
     phase1 = wait_file(work / "phase1.json", engines["primary"], args.run_timeout, "serving phase 1")
     started = wait_file(work / "phase2.json", engines["primary"], args.run_timeout, "its first phase-2 step")
