@@ -253,7 +253,7 @@ def build(cls: Any, hf_config: Any, shared: SharedWeights) -> Any:
     named = [("parameter", n, t) for n, t in model.named_parameters(remove_duplicate=False)]
     named += [("buffer", n, t) for n, t in model.named_buffers(remove_duplicate=False)]
     check(shared.map, {n: (kind, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for kind, n, t in named}, shared.arena.reserved)
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = _device(torch, shared.arena)
     for e in shared.map.entries:
         owner_name, _, leaf = e.name.rpartition(".")
         owner = model.get_submodule(owner_name)
@@ -269,6 +269,12 @@ def build(cls: Any, hf_config: Any, shared: SharedWeights) -> Any:
                     )
                 setattr(module, attr, torch.empty(value.shape, dtype=value.dtype, device=device))
     return model
+
+
+def _device(torch: Any, arena: Arena) -> Any:
+    """Where the arena's tensors are (``Arena.view``'s rule): its GPU, or host memory on
+    the host backend."""
+    return torch.device("cuda", arena.core.device_ordinal or 0) if arena.core.backend == "cuda" else torch.device("cpu")
 
 
 def _mapped(torch: Any, arena: Arena, e: Entry, device: Any) -> Any:
