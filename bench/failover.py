@@ -131,7 +131,8 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
 
         service = Restartable(rdir, args.backend, daemon_args, c.child_env())
         cleanup.callback(service.close)
-        service.start()
+        service.start(wait=False)
+        service.manager.wait_ready(args.start_timeout)
         c.say(f"gpumemd pid {service.pid} under the fd-store stand-in; its log: {service.manager.log_path}")
     else:
         daemon = c.Daemon(rdir, args.backend, 0, daemon_args)
@@ -164,8 +165,9 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     own = sum(a.committed + a.placeholder_bytes for a in s.arenas if a.owner == "fo-standby")
     attached = sum(a.committed for a in s.arenas if a.owner == "fo-primary" and "fo-standby" in a.attached)
     shared = ready["shared_weights_bytes"]
-    c.say(f"standby before promotion: owns {own / 2**20:.0f} MiB ({', '.join(f'{a.name} {(a.committed + a.placeholder_bytes) / 2**20:.0f}' for a in s.arenas if a.owner == 'fo-standby')} MiB), "
-          f"maps {shared / 2**20:.0f} MiB of the primary's weights (attached to {attached / 2**20:.0f} MiB of its arenas)")
+    parts = ", ".join(f"{a.name} {(a.committed + a.placeholder_bytes) / 2**20:.0f} MiB" for a in s.arenas if a.owner == "fo-standby")
+    c.say(f"standby before promotion: owns {own / 2**20:.0f} MiB ({parts}), maps {shared / 2**20:.0f} MiB of the primary's "
+          f"weights (attached to {attached / 2**20:.0f} MiB of its arenas)")
 
     phase1 = wait_file(work / "phase1.json", engines["primary"], args.run_timeout, "serving phase 1")
     started = wait_file(work / "phase2.json", engines["primary"], args.run_timeout, "its first phase-2 step")
@@ -177,7 +179,9 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     c.say(f"primary killed -9 {1e3 * (killed - started['at']):.1f} ms after its first phase-2 step")
     restarted: dict[str, Any] = {}
     if service is not None:
-        service.restart()  # kill -9 (a stopped process dies too) and start again with what the store kept
+        service.kill()  # -9: a stopped process dies too
+        service.start(wait=False)  # with what the store kept
+        service.manager.wait_ready(args.start_timeout)
         restarted = {"kill_to_daemon_ready_s": time.monotonic() - killed}
         c.say(f"gpumemd killed -9 and restarted from its fd store: ready {1e3 * restarted['kill_to_daemon_ready_s']:.1f} ms after the primary's kill")
     got = wait_file(work / "standby.json", engines["standby"], args.run_timeout, "serving phase 2")
