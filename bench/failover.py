@@ -17,15 +17,26 @@ before promotion (what it owns: committed and placeholder bytes; the weights it 
 the primary's); whether its token ids equal the primary's phase-1 ids for the same
 prompts; and the accounting once the standby closed (nothing left, no retain group).
 
+``--kill-daemon``: the same failover with gpumemd killed once during it. gpumemd runs
+under tests/integration/fdstore_kit.py's stand-in for systemd's fd store (as
+bench/restart.py does); it is frozen (SIGSTOP) before the primary's kill -9 and killed
+-9 right after it, so it never sees the primary end, and started again from the store.
+The restarted daemon finds the primary's session in its record, sees its process gone
+and orphans the group; the standby, which waited in ``adopt`` across the restart,
+adopts. The first token's time includes the restart; figures add kill -> the new
+daemon's READY=1 and its generation.
+
 Engines (bench/failover_engines.py): ``--backend host`` runs stand-ins (nano-vllm's
 scheduler, block manager and prefix cache in miniature over real host memory, compute
 as sleeps); ``--backend cuda`` runs nano-vllm (bench/nanovllm_kit.py's random-weight
-Qwen3, greedy; gpumem.integrations.nanovllm with ``retain=`` and ``standby=``), whose
-standby loads its own weights: the read-only sharing of nano-vllm's weights is not built,
-so its own memory counts them.
+Qwen3, greedy; gpumem.integrations.nanovllm with ``retain=`` and ``weights_to=`` on the
+primary, ``standby=`` and ``share_weights=True`` on the standby), whose standby maps the
+primary's model arena read-only and builds its model on it (no weights of its own).
+``standby_shared_weights_bytes`` is what the standby maps of the primary's (its weights
+arena; nano-vllm: its parameters and buffers).
 
-    python bench/failover.py --backend host
-    python bench/failover.py --backend cuda
+    python bench/failover.py --backend host [--kill-daemon]
+    python bench/failover.py --backend cuda [--kill-daemon]
 
 Last line: {"bench": "failover", ...}; ok when kill -> first token <= 1.0 s, >= 99% of the
 prompt tokens hit, the standby's own memory <= 1 GiB, the tokens identical and the
@@ -68,6 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--per-prefix", type=int, default=None, help="prompts per prefix (default: 4)")
     ap.add_argument("--suffix-blocks", type=int, default=None, help="blocks of each prompt's own tokens, plus one token (default: 8 host, 1 cuda)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens each request generates (default: 24 host, 16 cuda)")
+    ap.add_argument("--kill-daemon", action="store_true", help="kill gpumemd -9 during the failover and restart it from its fd store")
     ap.add_argument("--blocks", type=int, default=4096, help="the KV pool's blocks (default: 4096)")
     ap.add_argument("--seed", type=int, default=26, help="prompt seed (default: 26)")
     ap.add_argument("--target-first-token-s", type=float, default=1.0, help="ok when kill -> first token <= this (default: 1.0)")
@@ -111,9 +123,21 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     rdir = cleanup.enter_context(c.runtime_dir("gmb-failover-"))
     work = rdir / "engines"
     work.mkdir(mode=0o700)
-    daemon = c.Daemon(rdir, args.backend, 0, ["--host-capacity", str(8 * GiB)])
-    cleanup.callback(daemon.stop)
-    daemon.wait_ready(args.start_timeout)
+    daemon_args = ["--host-capacity", str(8 * GiB)]
+    service: Any = None
+    if args.kill_daemon:
+        sys.path.insert(0, str(c.REPO / "tests" / "integration"))
+        from fdstore_kit import Restartable
+
+        service = Restartable(rdir, args.backend, daemon_args, c.child_env())
+        cleanup.callback(service.close)
+        service.start(wait=False)
+        service.manager.wait_ready(args.start_timeout)
+        c.say(f"gpumemd pid {service.pid} under the fd-store stand-in; its log: {service.manager.log_path}")
+    else:
+        daemon = c.Daemon(rdir, args.backend, 0, daemon_args)
+        cleanup.callback(daemon.stop)
+        daemon.wait_ready(args.start_timeout)
 
     import gpumem
 
@@ -133,21 +157,33 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     for role in ("primary", "standby"):
         engines[role] = c.Child(f"{role} engine", [ENGINES, str(work / f"{role}.spec.json")], rdir / f"{role}.log", env)
         cleanup.callback(engines[role].stop)
-    wait_file(work / "standby-ready.json", engines["standby"], args.run_timeout, "its reservation")
+    ready = wait_file(work / "standby-ready.json", engines["standby"], args.run_timeout, "its reservation")
 
     session = gpumem.connect(0, name="bench-failover", runtime_dir=rdir)
     cleanup.callback(session.close)
     s = session.status()
     own = sum(a.committed + a.placeholder_bytes for a in s.arenas if a.owner == "fo-standby")
-    shared = sum(a.committed for a in s.arenas if a.owner == "fo-primary" and "fo-standby" in a.attached)
-    c.say(f"standby before promotion: owns {own / 2**20:.0f} MiB (its placeholder), maps {shared / 2**20:.0f} MiB of the primary's weights")
+    attached = sum(a.committed for a in s.arenas if a.owner == "fo-primary" and "fo-standby" in a.attached)
+    shared = ready["shared_weights_bytes"]
+    parts = ", ".join(f"{a.name} {(a.committed + a.placeholder_bytes) / 2**20:.0f} MiB" for a in s.arenas if a.owner == "fo-standby")
+    c.say(f"standby before promotion: owns {own / 2**20:.0f} MiB ({parts}), maps {shared / 2**20:.0f} MiB of the primary's "
+          f"weights (attached to {attached / 2**20:.0f} MiB of its arenas)")
 
     phase1 = wait_file(work / "phase1.json", engines["primary"], args.run_timeout, "serving phase 1")
     started = wait_file(work / "phase2.json", engines["primary"], args.run_timeout, "its first phase-2 step")
+    if service is not None:
+        os.kill(service.pid, signal.SIGSTOP)  # it must not see the primary end before it dies
     os.kill(engines["primary"].pid, signal.SIGKILL)
     killed = time.monotonic()
     engines["primary"].proc.wait(10)
     c.say(f"primary killed -9 {1e3 * (killed - started['at']):.1f} ms after its first phase-2 step")
+    restarted: dict[str, Any] = {}
+    if service is not None:
+        service.kill()  # -9: a stopped process dies too
+        service.start(wait=False)  # with what the store kept
+        service.manager.wait_ready(args.start_timeout)
+        restarted = {"kill_to_daemon_ready_s": time.monotonic() - killed}
+        c.say(f"gpumemd killed -9 and restarted from its fd store: ready {1e3 * restarted['kill_to_daemon_ready_s']:.1f} ms after the primary's kill")
     got = wait_file(work / "standby.json", engines["standby"], args.run_timeout, "serving phase 2")
     first_s = got["first_token_at"] - killed
     hit = got["cached"] / prompt_tokens
@@ -166,11 +202,14 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
             break
         time.sleep(0.02)
     c.say(f"after the standby closed: accounted {s.device.accounted_bytes} bytes, {len(s.arenas)} arenas, {len(s.retained)} retain groups")
+    if service is not None:
+        restarted["daemon_generation"] = s.daemon.generation
+        exact = exact and s.daemon.generation == 1  # the daemon that ends it is the restarted one, with its state
     result.figures = {
         "kill_to_adopted_s": got["adopted_at"] - killed, "kill_to_first_token_s": first_s, "prompt_hit": hit,
         "prompt_tokens": prompt_tokens, "prompt_tokens_hit": got["cached"], "directory_trusted": got["trusted"],
         "directory_corrupt": got["corrupt"], "standby_own_bytes": own, "standby_shared_weights_bytes": shared,
-        "tokens_identical": identical, "accounting_exact": exact,
+        "tokens_identical": identical, "accounting_exact": exact, "daemon_killed": args.kill_daemon, **restarted,
     }
     result.ok = (first_s <= args.target_first_token_s and hit >= args.target_hit and own <= args.target_standby_bytes
                  and identical and exact)

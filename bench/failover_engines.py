@@ -247,7 +247,7 @@ def standby(spec: dict[str, Any], out: Path) -> int:
     (kv_view,) = reservation.kv_pools.values()
     blocks = spec["blocks"]
     k, v = _kv_arrays(lambda offset, nbytes: reservation.view(kv_view.name, offset, nbytes), kv_view.buffers, blocks)
-    _write_json(out / "standby-ready.json", {"pid": os.getpid()})
+    _write_json(out / "standby-ready.json", {"pid": os.getpid(), "shared_weights_bytes": weights.committed})
     adopted = session.adopt(spec["group"], given["secret"], wait=ADOPT_WAIT_S, reservation=reservation)
     adopted_at = time.monotonic()
     directory = PrefixDirectory.open(next(iter(adopted.arenas.values())))
@@ -275,8 +275,8 @@ def standby(spec: dict[str, Any], out: Path) -> int:
 
 
 def nano_primary(spec: dict[str, Any], out: Path) -> int:
-    """nano-vllm retaining its KV cache and prefix directory (its own weights: the
-    read-only sharing of nano-vllm's weights is not built)."""
+    """nano-vllm retaining its KV cache and prefix directory, its weights granted
+    read-only to the standby (gpumem.integrations.nanovllm_weights)."""
     import nanovllm_kit as kit
 
     kit.install_standins(spec["port"])
@@ -284,7 +284,7 @@ def nano_primary(spec: dict[str, Any], out: Path) -> int:
 
     from gpumem.integrations import nanovllm as integration
 
-    integration.enable("fo-primary", retain=spec["group"], headroom_bytes=kit.STANDBY_HEADROOM)
+    integration.enable("fo-primary", retain=spec["group"], weights_to="fo-standby", headroom_bytes=kit.STANDBY_HEADROOM)
     llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
     _write_json(out / "secret.json", {"secret": integration.retain_secret(llm)})
     batch = [r["prompt"] for r in spec["requests"]]
@@ -312,9 +312,9 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
     while not (out / "secret.json").exists():
         time.sleep(0.01)
     secret = json.loads((out / "secret.json").read_text())["secret"]
-    integration.enable("fo-standby", standby=(spec["group"], secret))
+    integration.enable("fo-standby", standby=(spec["group"], secret), share_weights=True)
     llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
-    _write_json(out / "standby-ready.json", {"pid": os.getpid()})
+    _write_json(out / "standby-ready.json", {"pid": os.getpid(), "shared_weights_bytes": integration.shared_weights_bytes(llm)})
     seeded = integration.take_over(llm, wait=ADOPT_WAIT_S)
     adopted_at = time.monotonic()
     mem = llm.model_runner._gpumem

@@ -44,7 +44,7 @@ from typing import Any
 LAYERS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 2048, 8192, 16, 4, 128, 32768
 MAX_NUM_SEQS, MAX_MODEL_LEN, MAX_BATCHED = 64, 1024, 8192
 # What a standby of this model takes beside its primary before it adopts: its own weights
-# (their read-only sharing is not built for nano-vllm), its warm-up's and graph capture's
+# (unless it maps the primary's: share_weights=True), its warm-up's and graph capture's
 # temporaries and its CUDA context. The primary's round must leave it free: on the H200 a
 # primary with the default headroom took all but 1 GiB, and the standby's weights failed.
 STANDBY_HEADROOM = 8 << 30

@@ -33,6 +33,7 @@ from gpumemd import logs
 from gpumemd.arenas import SliceUnavailable
 from gpumemd.caps import PolicyError, read_policy
 from gpumemd.config import StateConfig, TenantLimits
+from gpumemd.fencing import process_gone
 from gpumemd.metrics import Metrics
 from gpumemd.durable import Durable
 from gpumemd.outbox import Outbox
@@ -389,7 +390,7 @@ def command(
             "run it without systemd's fd store (FileDescriptorStoreMax=0), or use --lease-ordering ipc-events"
         )
     try:
-        state = DaemonState(driver, config)
+        state = DaemonState(driver, config, gone=process_gone)
     except SliceUnavailable as exc:
         raise ConfigError(str(exc)) from None
     metrics = Metrics(state, hide_names=metrics_hide_names) if exporter is not None else None

@@ -81,11 +81,15 @@ class DaemonState:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         fence: Fence | None = None,
+        gone: Callable[[int, float], bool] | None = None,
     ) -> None:
         self.driver = driver
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
+        # Whether a session's process (pid, HELLO's unix time) is provably gone, for
+        # sessions kept across a restart (fencing.process_gone); None: the grace decides.
+        self.gone = gone
         self.started = clock()
         self.stopping = False
         # Restarts survived with the state kept; whether sessions get a resume credential
@@ -447,6 +451,8 @@ class DaemonState:
         if self.kv.active_rounds() or self.kv.grows:  # deadlines may end a round or a grow: what it commits must be kept
             self.dirty = True
         self.kv.tick()
+        if self.grace_deadline is not None:
+            self._release_gone()  # a client that died before it resumed
         if self.grace_deadline is not None and self.clock() >= self.grace_deadline:
             self.grace_deadline = None
             for session in [s for s in self.sessions.values() if s.waiting]:
@@ -464,6 +470,24 @@ class DaemonState:
         if len(escapes) > len(self.graph_pools.by_id):  # pools went: their counts go too
             for gone in escapes.keys() - self.graph_pools.by_id.keys():
                 del escapes[gone]
+
+    def _release_gone(self) -> None:
+        """Sessions kept across a restart whose process is provably gone (it died while
+        the daemon was down, or before the daemon saw its end) cannot resume: what they
+        held goes at once as a dead client's, and what they retained is orphaned for an
+        adopter, instead of after the grace period (a standby waiting to adopt would wait
+        it out). A process the daemon cannot read waits for the grace as before."""
+        gone = self.gone
+        if gone is None:
+            return
+        for session in [s for s in self.sessions.values() if s.waiting and gone(s.pid, s.since)]:
+            log.warning(
+                "session %d (client %r, %s) waiting to resume: its process is gone; released like a dead client's",
+                session.id, session.name, session.pids,
+            )
+            self._notices += self.close_session(session.id)
+        if not any(s.waiting for s in self.sessions.values()):
+            self.grace_deadline = None
 
     def take_completions(self) -> list[Completion]:
         return self.kv.take_completions()
@@ -533,6 +557,7 @@ class DaemonState:
         self.generation = image.generation + 1
         if self.sessions:
             self.grace_deadline = self.clock() + self.config.restart_grace
+            self._release_gone()
         arenas = self.arenas
         log.info(
             "rebuilt from the fd store (generation %d): %d session(s) waiting up to %gs for their clients, %d arena(s), "

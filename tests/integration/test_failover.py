@@ -3,7 +3,10 @@ which reserved the KV windows and built its arrays there before, adopting the KV
 the prefix directory. Whatever the timings: the standby's tokens are the primary's for
 the same prompts (its arrays, built before the adoption, read the adopted rows), the
 prompt tokens served before come from the adopted cache, and nothing is left accounted
-once it closed. On the host, stand-in engines; on CUDA, nano-vllm (never ran yet)."""
+once it closed. And the same with gpumemd killed -9 during the failover (before it saw
+the primary end) and restarted from its fd store: the restarted daemon orphans the dead
+primary's group at once, not after the restart grace (30 s). On the host, stand-in
+engines; on CUDA, nano-vllm (never ran yet)."""
 
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ NEEDS_NANOVLLM = pytest.mark.skipif(importlib.util.find_spec("nanovllm") is None
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("kill_daemon", [False, True], ids=["gpumemd-up", "gpumemd-killed"])
 @pytest.mark.parametrize("backend", ["host", pytest.param("cuda", marks=[pytest.mark.gpu, NEEDS_NANOVLLM])])
-def test_the_standby_serves_the_primarys_tokens_from_the_adopted_cache(backend: str) -> None:
-    args = ["--prefixes", "4", "--per-prefix", "3", "--new-tokens", "12"]
+def test_the_standby_serves_the_primarys_tokens_from_the_adopted_cache(backend: str, kill_daemon: bool) -> None:
+    args = ["--prefixes", "4", "--per-prefix", "3", "--new-tokens", "12", *(["--kill-daemon"] if kill_daemon else [])]
     out = subprocess.run([sys.executable, str(BENCH), "--backend", backend, *args], capture_output=True, text=True, timeout=880)
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0 and last.startswith("{"), f"bench failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
@@ -31,5 +35,7 @@ def test_the_standby_serves_the_primarys_tokens_from_the_adopted_cache(backend: 
     assert f["tokens_identical"] and f["accounting_exact"], f
     assert f["prompt_tokens_hit"] == f["prompt_tokens"] - 12, f  # every full block of every prompt: all but its last token
     assert f["directory_corrupt"] == 0 and f["directory_trusted"] > 0
+    if kill_daemon:  # the restarted daemon held the accounting at the end, and nobody waited out its grace
+        assert f["daemon_killed"] and f["daemon_generation"] == 1 and f["kill_to_first_token_s"] < 10.0, f
     if backend == "host":
         assert 0 < f["standby_own_bytes"] <= 66 << 20  # its placeholder; the weights it maps are the primary's

@@ -238,23 +238,24 @@ def test_a_retained_kv_pool_keeps_its_rows_and_its_adopter_grows_it(h: Harness) 
     assert isinstance(grown, p.KvCommitReply) and grown.pool.tokens == 12288
 
 
-Restarted = Callable[[Harness], Harness]
+Restarted = Callable[..., Harness]
 
 
 @pytest.fixture
 def restart(fence: Fence) -> Iterator[Restarted]:
-    """``restart(h)``: the state a restart rebuilds from ``h``'s durable record."""
+    """``restart(h)``: the state a restart rebuilds from ``h``'s durable record;
+    ``gone``: how it tells a kept session's process is gone (the daemon's is /proc's)."""
     made: list[tuple[Harness, Durable]] = []
     store = FakeStore()
 
-    def run(h: Harness) -> Harness:
+    def run(h: Harness, gone: Callable[[int, float], bool] | None = None) -> Harness:
         first = Durable(store)  # type: ignore[arg-type]
         first.start(h.state, {})
         first.persist(h.state)
         h.state.drop_all()
         first.close()
         clock, wall = Clock(h.clock.now + 5), Clock(h.wall_clock.now + 5)
-        again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall, fence), clock, wall)
+        again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall, fence, gone), clock, wall)
         second = Durable(store)  # type: ignore[arg-type]
         second.start(again.state, store.passed())
         made.append((again, second))
@@ -279,6 +280,27 @@ def test_an_orphan_survives_a_restart_and_is_adopted_after_it(h: Harness, restar
     again.refused(standby, p.Adopt(group="g", secret="f" * 64), p.ErrorCode.PERMISSION_DENIED)
     reply, handed = adopt(again, standby, secret)
     assert reply.objects[0].arena.address == view.address and len(handed) == 1
+
+
+def test_a_holder_that_died_while_the_daemon_was_down_is_orphaned_by_the_restart_at_once(
+    h: Harness, fence: Fence, restart: Restarted
+) -> None:
+    """gpumemd killed during a failover before it saw the primary's end: its session comes
+    back waiting to resume, and without a look at its process a standby would wait out the
+    whole grace period for the group."""
+    s, secret, view = primary_with_arena(h)
+    bystander = h.connect("bystander")
+    fence.running = {s.pid, bystander.pid}
+    fence.running.discard(s.pid)  # killed -9 while the daemon was down: no EOF was ever seen
+    again = restart(h, lambda pid, since: pid not in fence.running)
+    g = retained(again)["g"]
+    assert (g.state, g.previous, g.previous_pid, g.deadline_in_s) == (p.RetainState.ORPHANED, "primary", s.pid, GRACE)
+    assert s.id not in again.state.sessions and again.state.sessions[bystander.id].waiting
+    reply, _ = adopt(again, again.connect("standby"), secret)
+    assert reply.objects[0].arena.address == view.address
+    fence.running.clear()  # the bystander dies before it resumed: released at the next tick, not the grace's end
+    again.state.tick()
+    assert bystander.id not in again.state.sessions and again.state.grace_deadline is None
 
 
 @pytest.mark.parametrize("last", ["releases", "dies"])

@@ -35,6 +35,10 @@ weights) but reserves the primary's KV windows instead of declaring a cache (no 
 builds its KV tensors there and captures its graphs on them; ``take_over(llm, wait=)``
 then adopts the pool and the directory into the reservation, sizes the block manager to
 the adopted blocks and seeds its prefix cache. Run no step before ``take_over``.
+With ``weights_to=<the standby's name>`` on the primary and ``share_weights=True`` on the
+standby, the standby maps the primary's weights read-only instead of loading its own
+copy (gpumem.integrations.nanovllm_weights): before it takes over it holds only its
+activations, its graphs and its placeholder.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 
 from gpumem.engine import EngineMemory
 from gpumem.errors import InvalidArgument
+from gpumem.integrations import nanovllm_weights
 from gpumem.integrations.nanovllm_blocks import BlockFollower, resize
 from gpumem.integrations.nanovllm_prefix import DirectoryKeeper
 from gpumem.sleep import DEFAULT_WAKE_WAIT_S
@@ -66,6 +71,8 @@ class Settings:
     grow_step_blocks: int = 64  # grows in multiples of this
     retain: str = ""  # a retain group for the KV cache and its prefix directory (retain_secret(llm) gives the secret)
     standby: tuple[str, str] | None = None  # (group, secret): build as the standby of the engine retaining that group
+    weights_to: str = ""  # with retain: grant the model's weights read-only to this standby (its client name)
+    share_weights: bool = False  # with standby: map the primary's weights (its weights_to names this engine), load none
 
 
 _settings: list[Settings] = []
@@ -76,7 +83,10 @@ def enable(name: str, **options: Any) -> None:
     """Put the nano-vllm engines this process builds from now on on gpumemd."""
     from nanovllm.engine import block_manager, llm_engine, model_runner
 
-    _settings[:] = [Settings(name, **options)]
+    settings = Settings(name, **options)
+    if settings.weights_to and not settings.retain or settings.share_weights and not settings.standby:
+        raise InvalidArgument("weights_to= goes with retain= (a primary), share_weights=True with standby= (its standby)")
+    _settings[:] = [settings]
     runner = model_runner.ModelRunner
     if getattr(runner, "_gpumem_patched", False):
         return
@@ -88,7 +98,14 @@ def enable(name: str, **options: Any) -> None:
         s = _settings[0]
         self._gpumem = mem = EngineMemory(s.name, s.device, runtime_dir=s.runtime_dir, tenant_token_file=s.tenant_token_file)
         with mem.running():
-            init(self, config, rank, event)
+            if s.standby and s.share_weights:
+                with nanovllm_weights.standby_model(model_runner, mem.session, s.standby[0]) as shared:
+                    init(self, config, rank, event)
+                config.gpumem_shared_weights = shared
+            else:
+                init(self, config, rank, event)
+        if s.weights_to:  # built and loaded: every parameter lies where it will stay
+            config.gpumem_weights_map = nanovllm_weights.publish(mem.session, s.retain, self.model, mem.model, s.weights_to)
         config.gpumem_round = None if s.standby else mem.start_kv_commit(headroom_bytes=s.headroom_bytes, min_blocks=s.min_blocks, weight=s.weight)
         if s.borrow_sampler:
             sampler = self.sampler
@@ -183,6 +200,13 @@ def retain_secret(llm: Any) -> str:
         raise InvalidArgument("this engine retains nothing: enable(name, retain='group') before building it")
     secret: str = group.secret
     return secret
+
+
+def shared_weights_bytes(llm: Any) -> int:
+    """What a standby built with ``share_weights=True`` maps of its primary's model arena
+    (its weights and buffers); 0 for an engine that loaded its own."""
+    shared = getattr(llm.model_runner.config, "gpumem_shared_weights", None)
+    return 0 if shared is None else shared.map.shared_bytes()
 
 
 def take_over(llm: Any, *, wait: float) -> int:
