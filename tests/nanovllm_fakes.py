@@ -1,10 +1,12 @@
 """nano-vllm's block manager, blocks and sequences as far as
 gpumem.integrations.nanovllm_blocks reads and writes them (their fields, nano-vllm's
-names), for tests without nano-vllm."""
+names), and a model's tensors as far as gpumem.integrations.nanovllm_weights describes
+them, for tests without nano-vllm or torch."""
 
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass, field
 
 BLOCK = 4  # tokens a block
 
@@ -45,3 +47,35 @@ class Seq:
     @property
     def num_blocks(self) -> int:
         return -(-self.tokens // BLOCK)
+
+
+@dataclass
+class FakeTensor:
+    """What ``nanovllm_weights.describe`` reads of a torch tensor."""
+
+    ptr: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+
+@dataclass
+class FakeModel:
+    """A module's named parameters and buffers, every name of a shared tensor included."""
+
+    params: dict[str, FakeTensor]
+    buffers: dict[str, FakeTensor] = field(default_factory=dict)
+
+    def named_parameters(self, remove_duplicate: bool = True) -> list[tuple[str, FakeTensor]]:
+        assert not remove_duplicate  # a tied weight's every name must be in the map
+        return list(self.params.items())
+
+    def named_buffers(self, remove_duplicate: bool = True) -> list[tuple[str, FakeTensor]]:
+        assert not remove_duplicate
+        return list(self.buffers.items())

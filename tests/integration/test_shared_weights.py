@@ -7,7 +7,6 @@ for, is told what to do."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,33 +16,7 @@ import gpumem
 from gpumem.errors import NotFound, PermissionDenied
 from gpumem.integrations.nanovllm_weights import attach, describe, map_arena_name, publish
 from gpumemd_testkit import MiB, status
-
-
-@dataclass
-class FakeTensor:
-    """What ``describe`` reads of a torch tensor."""
-
-    ptr: int
-    dtype: str
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def stride(self) -> tuple[int, ...]:
-        return self.strides
-
-
-class FakeModel:
-    def __init__(self, params: dict[str, FakeTensor]) -> None:
-        self.params = params
-
-    def named_parameters(self, remove_duplicate: bool = True) -> list[tuple[str, FakeTensor]]:
-        return list(self.params.items())
-
-    def named_buffers(self, remove_duplicate: bool = True) -> list[tuple[str, FakeTensor]]:
-        return []
+from nanovllm_fakes import FakeModel, FakeTensor
 
 
 def test_the_standby_maps_the_primarys_model_arena_read_only_through_the_published_map(daemon: Any, runtime_dir: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gpumem.errors import InvalidArgument
+from nanovllm_fakes import FakeModel, FakeTensor
 from gpumem.integrations.nanovllm_weights import (
     HEADER_BYTES,
     MAGIC,
@@ -114,33 +115,6 @@ def test_a_map_of_another_model_is_refused(change: Any, says: str) -> None:
     with pytest.raises(WeightMapError, match=says) as refused:
         check(change(good), expected_of(good), ARENA)
     assert isinstance(refused.value, InvalidArgument) and "must build the same model" in str(refused.value)
-
-
-@dataclass
-class FakeTensor:
-    ptr: int
-    dtype: str
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def stride(self) -> tuple[int, ...]:
-        return self.strides
-
-
-class FakeModel:
-    def __init__(self, params: dict[str, FakeTensor], buffers: dict[str, FakeTensor]) -> None:
-        self.params, self.buffers = params, buffers
-
-    def named_parameters(self, remove_duplicate: bool = True) -> list[tuple[str, FakeTensor]]:
-        assert not remove_duplicate  # a tied weight's every name must be in the map
-        return list(self.params.items())
-
-    def named_buffers(self, remove_duplicate: bool = True) -> list[tuple[str, FakeTensor]]:
-        assert not remove_duplicate
-        return list(self.buffers.items())
 
 
 @dataclass
