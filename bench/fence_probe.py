@@ -220,8 +220,11 @@ def trial(index: int, runtime_dir: Path, observer: Any, nvml: Any, seconds: floa
                 next_slow = now + 1_000_000
                 if nvml is not None and "nvml_gone" not in seen and w.pid not in nvml.pids():
                     seen["nvml_gone"] = now
+                # Stamped when the answer is in, not when the loop turned: the daemon answers
+                # after it took the EOF, and the first poll, sent 0.04 ms after the kill, came
+                # back orphaned on the H200 (an upper bound, like the others' stamps).
                 if "orphaned" not in seen and any(g.group == group and g.state == "orphaned" for g in observer.status().retained):
-                    seen["orphaned"] = now
+                    seen["orphaned"] = time.monotonic_ns()
                 if "adopted" not in seen and al.ready():
                     seen["adopted"] = int(al.expect("ADOPTED", 5))
             wanted = {"socket_eof", "leader_zombie", "exited", "orphaned", "adopted"} | ({"nvml_gone"} if nvml is not None else set())
