@@ -56,6 +56,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 import gpumem
 from gpumem_shared import protocol as p
@@ -64,6 +65,16 @@ from gpumem_shared.lease_table import SEGMENT_NAME, LeaseKind
 
 
 def main() -> int:
+    return shell(run)
+
+
+Run = Callable[[gpumem.Session, dict[str, gpumem.Arena], str, list[str]], object]
+
+
+def shell(run: Run, *, with_detail: bool = False) -> int:
+    """``shell NAME [DEVICE] [--as UID:GID] [--tenant-token-file F]``: connect, then run
+    each stdin line through ``run`` and answer ``OK [result]`` or ``ERR Type [detail] message``
+    (``with_detail``: the error's detail as JSON before its message)."""
     _, scenario, name, *rest = sys.argv
     assert scenario == "shell", scenario
     if "--as" in rest:
@@ -88,13 +99,13 @@ def main() -> int:
         words = line.split()
         if not words:
             continue
-        cmd, args = words[0], words[1:]
         try:
-            result = run(session, arenas, cmd, args)
+            result = run(session, arenas, words[0], words[1:])
         except SystemExit:
             return 0
         except gpumem.GpuMemError as exc:
-            print(f"ERR {type(exc).__name__} {exc}", flush=True)
+            detail = f"{json.dumps(exc.detail)} " if with_detail else ""
+            print(f"ERR {type(exc).__name__} {detail}{exc}", flush=True)
             continue
         except Exception as exc:  # a bug in the library: show it to the test
             traceback.print_exc()

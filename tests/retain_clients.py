@@ -202,40 +202,7 @@ def _try_fds(session: gpumem.Session, arena: str, token: str) -> dict[str, objec
 
 
 def main() -> int:
-    _, scenario, name, *rest = sys.argv
-    assert scenario == "shell", scenario
-    if "--as" in rest:
-        at = rest.index("--as")
-        uid, gid = (int(x) for x in rest[at + 1].split(":"))
-        del rest[at : at + 2]
-        clients.become(uid, gid)
-    device: int | str = int(rest[0]) if rest and rest[0].isdigit() else (rest[0] if rest else 0)
-    try:
-        session = gpumem.connect(device, name=name)
-    except gpumem.GpuMemError as exc:
-        print(f"ERR {type(exc).__name__} {exc}", flush=True)
-        return 0
-    print(f"CONNECTED {session.session_id} {session.backend}", flush=True)
-    arenas: dict[str, gpumem.Arena] = {}
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        try:
-            result = run(session, arenas, words[0], words[1:])
-        except SystemExit:
-            return 0
-        except gpumem.GpuMemError as exc:
-            print(f"ERR {type(exc).__name__} {json.dumps(exc.detail)} {exc}", flush=True)
-            continue
-        except Exception as exc:  # a bug in the library: show it to the test
-            import traceback
-
-            traceback.print_exc()
-            print(f"ERR {type(exc).__name__} {exc}", flush=True)
-            continue
-        print(f"OK {result}" if result is not None else "OK", flush=True)
-    return 0
+    return clients.shell(run, with_detail=True)
 
 
 if __name__ == "__main__":
