@@ -298,6 +298,7 @@ class Nano:
         self.rids: dict[int, int] = {}
         self.seen: set[int] = set()
         kit.generate(self.llm, kit.prompts(4), 4)  # warm: every configuration times steady state
+        self.margins = kit.Margins(self.llm)  # every configuration pays the probe alike
 
     @property
     def blocks(self) -> int:
@@ -321,6 +322,7 @@ class Nano:
 
     def step(self) -> tuple[list[int], dict[int, list[int]], int]:
         finished, tokens = self.llm.step()
+        self.margins.after_step()
         first = []
         for seq in [*self.llm.scheduler.running, *self.llm.scheduler.waiting]:
             if seq.num_completion_tokens >= 1 and seq.seq_id not in self.seen:
@@ -337,7 +339,8 @@ class Nano:
     def figures(self) -> dict[str, Any]:
         follower = getattr(self.llm.scheduler, "gpumem", None)
         follow = dataclasses.asdict(follower.figures) if follower is not None else {}
-        return {"blocks_end": self.blocks, "preempted": self.preempted, "follow": follow}
+        margins = {str(rid): self.margins.by_seq.get(seq_id, []) for seq_id, rid in self.rids.items()}
+        return {"blocks_end": self.blocks, "preempted": self.preempted, "follow": follow, "margins": margins}
 
     def close(self) -> None:
         pass  # nano-vllm exits itself at exit (atexit), which closes the session on gpumemd

@@ -9,9 +9,12 @@ live), blocks (the KV pool's), and for the primary the prompts of both phases.
 The primary maps its "weights" (an arena it fills and shares read-only with the
 standby), declares a KV pool of two buffers (K and V, a block a row), makes a prefix
 directory, retains both for ``group`` and writes the group's secret and the weights'
-grant token (files only this uid reads). It serves phase 1 (every prompt), writes the
-token ids, then serves phase 2 (the same prompts again: its prefix cache hits) and
-writes ``phase2`` after its first phase-2 step: bench/failover.py kills it with -9 there.
+grant token (files only this uid reads). Once the standby is ready (it maps the
+primary's weights, which live only while the primary does) it serves phase 1 (every
+prompt), writes the token ids, then serves phase 2 (the same prompts again: its prefix
+cache hits) and writes ``phase2`` after its first phase-2 step: bench/failover.py kills
+it with -9 there. A primary that finishes phase 2 first waits to be killed: a clean exit
+would close its session, and with it the group it retains.
 
 The standby attaches the weights through the read-only grant, reserves the group's
 windows (gpumem.standby) and builds its K and V arrays there, then writes ``ready`` with
@@ -53,6 +56,7 @@ WEIGHTS_BYTES = 32 << 20
 MAX_NUM_SEQS = 64
 DECODE_S = 0.004  # a decode step's compute, as a sleep: the figures measure memory, not this machine
 ADOPT_WAIT_S = 600.0
+WAIT_S = 600.0  # for a file the other side writes: bench/failover.py's run timeout ends the run first
 
 
 def chain(prefix: int, tokens: list[int]) -> int:
@@ -194,6 +198,14 @@ def serve(engine: Engine, requests: list[dict[str, Any]], on_token: Any = None) 
     return done
 
 
+def _wait_file(path: Path, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} ({what}) did not appear within {WAIT_S:g}s: see the other engine's log")
+        time.sleep(0.01)
+
+
 def _write_json(path: Path, data: object) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
@@ -220,6 +232,7 @@ def primary(spec: dict[str, Any], out: Path) -> int:
     group = session.retain_group(spec["group"])
     group.retain(pool, directory)
     _write_json(out / "secret.json", {"secret": group.secret, "weights_token": token})
+    _wait_file(out / "standby-ready.json", "the standby ready")
     k, v = _kv_arrays(pool.arena.view, list(pool.buffers.values()), blocks)
     engine = Engine(k, v, numpy.asarray(weights.view()), blocks, directory)
     done = serve(engine, spec["requests"])
@@ -232,15 +245,15 @@ def primary(spec: dict[str, Any], out: Path) -> int:
             _write_json(out / "phase2.json", {"at": time.monotonic()})
 
     serve(engine, spec["requests"], mark)
-    _write_json(out / "primary-done.json", {})  # the benchmark kills it before this
+    _write_json(out / "primary-done.json", {})
+    _wait_file(out / "close.json", "the end of the run")  # killed before this
     session.close()
     return 0
 
 
 def standby(spec: dict[str, Any], out: Path) -> int:
     session = gpumem.connect(0, name="fo-standby")
-    while not (out / "secret.json").exists():
-        time.sleep(0.01)
+    _wait_file(out / "secret.json", "the primary's secret")
     given = json.loads((out / "secret.json").read_text())
     weights = session.attach_arena("fo-weights", token=given["weights_token"])
     reservation = session.reserve_retained(spec["group"], given["secret"])
@@ -265,8 +278,7 @@ def standby(spec: dict[str, Any], out: Path) -> int:
         "prompt_tokens": sum(s.prompt_len for s in done.values()),
         "tokens": {str(rid): s.completion for rid, s in done.items()},
     })
-    while not (out / "close.json").exists():
-        time.sleep(0.01)
+    _wait_file(out / "close.json", "the end of the run")
     session.close()
     return 0
 
@@ -287,6 +299,7 @@ def nano_primary(spec: dict[str, Any], out: Path) -> int:
     integration.enable("fo-primary", retain=spec["group"], weights_to="fo-standby", headroom_bytes=kit.STANDBY_HEADROOM)
     llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
     _write_json(out / "secret.json", {"secret": integration.retain_secret(llm)})
+    _wait_file(out / "standby-ready.json", "the standby ready")
     batch = [r["prompt"] for r in spec["requests"]]
     tokens = kit.generate(llm, batch, spec["requests"][0]["max_tokens"]).tokens
     _write_json(out / "phase1.json", {str(r["id"]): t for r, t in zip(spec["requests"], tokens)})
@@ -297,7 +310,8 @@ def nano_primary(spec: dict[str, Any], out: Path) -> int:
     _write_json(out / "phase2.json", {"at": time.monotonic()})
     while not llm.is_finished():
         llm.step()
-    _write_json(out / "primary-done.json", {})  # the benchmark kills it before this
+    _write_json(out / "primary-done.json", {})
+    _wait_file(out / "close.json", "the end of the run")  # killed before this
     return 0
 
 
@@ -309,8 +323,7 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
 
     from gpumem.integrations import nanovllm as integration
 
-    while not (out / "secret.json").exists():
-        time.sleep(0.01)
+    _wait_file(out / "secret.json", "the primary's secret")
     secret = json.loads((out / "secret.json").read_text())["secret"]
     integration.enable("fo-standby", standby=(spec["group"], secret), share_weights=True)
     llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
@@ -342,8 +355,7 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
         "prompt_tokens": sum(len(r["prompt"]) for r in spec["requests"]),
         "tokens": {str(r["id"]): outputs[seq_id] for r, seq_id in zip(spec["requests"], order)},
     })
-    while not (out / "close.json").exists():
-        time.sleep(0.01)
+    _wait_file(out / "close.json", "the end of the run")
     return 0
 
 

@@ -304,6 +304,35 @@ def generate(llm: Any, batch: list[list[int]], max_tokens: int, probe: bool = Fa
     return result
 
 
+class Margins:
+    """From now on, at every step of ``llm``: per sequence id, the gap between the best
+    and the second-best logit of each token it generates (the greedy sampler's probe;
+    ``after_step`` pairs the step's rows with the sequences its schedule gave). Where two
+    runs of one request part, the gap there says whether a near-tie decided it: bf16
+    logits of a batch of another size differ in their last bits."""
+
+    def __init__(self, llm: Any) -> None:
+        self.by_seq: dict[int, list[float]] = {}
+        self._scheduled: list[list[Any]] = []
+        self._calls: list[tuple[list[float], int, int, int]] = []
+        schedule = llm.scheduler.schedule
+
+        def recording() -> Any:
+            seqs, is_prefill = schedule()
+            self._scheduled.append(seqs)
+            return seqs, is_prefill
+
+        llm.scheduler.schedule = recording  # this instance only
+        _SAMPLER[0].probe = self._calls
+
+    def after_step(self) -> None:
+        for (gaps, *_), seqs in zip(self._calls, self._scheduled, strict=True):
+            for seq, gap in zip(seqs, gaps):
+                self.by_seq.setdefault(seq.seq_id, []).append(round(gap, 5))
+        self._calls.clear()
+        self._scheduled.clear()
+
+
 def differing(a: list[list[int]], b: list[list[int]]) -> int:
     """How many sequences differ between two runs' completions."""
     return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))

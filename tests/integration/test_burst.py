@@ -2,7 +2,8 @@
 configurations of issue 24. Whatever the timings, the elastic run must have moved memory
 (grows answered by the other's shrinks) without a preemption, and every request's token
 ids must be those of the static split: on the host, stand-in engines whose tokens read
-every KV slot back; on CUDA, two nano-vllm engines (skipped without nano-vllm)."""
+every KV slot back; on CUDA, two nano-vllm engines (skipped without nano-vllm), up to
+near-ties where the batches differ (the round's, the same batches, exactly)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,11 @@ def test_memory_moves_to_the_bursting_engine_and_the_tokens_are_those_of_a_stati
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0 and last.startswith("{"), f"bench failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
     f = json.loads(last)["figures"]
-    assert f["sequences_differing_from_static"] == {"round": 0, "static": 0, "elastic": 0, "alone": 0}, f
+    if backend == "host":  # stand-ins: exact arithmetic
+        assert f["sequences_differing_from_static"] == {"round": 0, "static": 0, "elastic": 0, "alone": 0}, f
+    else:  # bf16: a batch of another size may flip a near-tie, never a clear lead (bench/burst.py, TIE_GAP)
+        assert f["sequences_differing_from_static"]["round"] == 0, f  # the same batches as static
+    assert f["sequences_parting_at_a_clear_margin"] == {"round": 0, "static": 0, "elastic": 0, "alone": 0}, f
     assert f["requests"] > 0 and f["elastic_requests"] == f["static_requests"]
     moves = f["elastic_moves"]
     assert moves["grows"] >= 2 and moves["shrinks"] >= 1, moves  # each engine grew; a neighbour gave back
