@@ -74,8 +74,8 @@ def claim(held: AddressSlice, arena: str, session_id: int, client: str) -> None:
     if mapper[0] != session_id:
         raise VaCollision(
             f"arena '{arena}' is mapped in this process already, by session '{mapper[1]}' (session {mapper[0]} of "
-            f"{held.daemon}), at the same address '{client}' would map it: a process maps an arena once; use the "
-            f"Arena of '{mapper[1]}' in this process, or attach from another process"
+            f"{held.daemon}): '{client}' would map it at the same address, over that mapping; a process maps an "
+            f"arena once: use the Arena of '{mapper[1]}' in this process, or attach from another process"
         )
 
 
