@@ -9,6 +9,12 @@ once, when one of its sessions with that daemon needs its first arena, and maps 
 arena of that daemon inside it. The sessions of one daemon in a process share the
 reservation; the last of them to close frees it. A peer daemon's slice is another
 range, reserved beside it.
+
+An arena's address is the same for every session, so a process maps each arena once:
+a second session's mapping would land on the first one's (CUDA refuses it with
+CUDA_ERROR_INVALID_VALUE; the host backend's mmap silently replaces it, read-only
+even, and either session's release unmaps the other's). The slice records which
+session maps each arena; another session of the process asking for it is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class AddressSlice:
     daemon: str  # the daemon whose arenas live here, as collisions name it
     driver: Driver  # the one that reserved it, and frees it
     holders: int = 0  # sessions of this process that map arenas here
+    # Arena name -> (session id, client name) of the one session of this process mapping it.
+    mapped: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def end(self) -> int:
@@ -56,6 +64,26 @@ def hold(driver: Driver, index: int, daemon: str) -> AddressSlice:
             )
         held.holders += 1
         return held
+
+
+def claim(held: AddressSlice, arena: str, session_id: int, client: str) -> None:
+    """Session ``client`` (``session_id``) maps ``arena`` here from now on; VaCollision
+    if another session of this process maps it (the same session may claim it again)."""
+    with _lock:
+        mapper = held.mapped.setdefault(arena, (session_id, client))
+    if mapper[0] != session_id:
+        raise VaCollision(
+            f"arena '{arena}' is mapped in this process already, by session '{mapper[1]}' (session {mapper[0]} of "
+            f"{held.daemon}): '{client}' would map it at the same address, over that mapping; a process maps an "
+            f"arena once: use the Arena of '{mapper[1]}' in this process, or attach from another process"
+        )
+
+
+def unclaim(held: AddressSlice, arena: str, session_id: int) -> None:
+    """Session ``session_id`` no longer maps ``arena`` (released or never mapped)."""
+    with _lock:
+        if held.mapped.get(arena, (None, ""))[0] == session_id:
+            del held.mapped[arena]
 
 
 def let_go(held: AddressSlice) -> None:

@@ -145,7 +145,7 @@ class Arena:
     def reserve_window(self) -> None:
         """Make sure the arena's window is reserved in this process, at the daemon's
         planned address: it lies in the daemon's address slice, which the session holds
-        from its first arena on (called once the daemon created or shared the arena)."""
+        from its first arena on, and no other session here maps it (called once the daemon created or shared it)."""
         held = self.core.address_slice()
         if not held.base <= self.address <= self.address + self.reserved <= held.end:
             raise MappingError(
@@ -153,7 +153,7 @@ class Arena:
                 f"address slice of its daemon [{held.base:#x}, {held.end:#x}): the daemon and this client disagree on "
                 "the address plan (check that both are the same gpumemd version)"
             )
-        self.core.refuse_reserved(f"arena '{self.name}'", self.address, self.address + self.reserved)
+        self.core.claim_window(self)
 
     def apply(self, reply: p.MapReply | p.KvCommitReply, fds: dict[int, int]) -> None:
         """Carry out a reply that changed the arena's backing (the session's and the KV

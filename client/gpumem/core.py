@@ -108,8 +108,10 @@ class SessionCore:
         self._arenas[arena.name] = arena
 
     def drop_arena(self, name: str) -> None:
-        """Arena ``name`` was released (unmapped here)."""
+        """Arena ``name`` was released (unmapped here): another session of this process may map it now."""
         self._arenas.pop(name, None)
+        if self._slice is not None:
+            address_slices.unclaim(self._slice, name, self.session_id)
 
     def add_borrow_pool(self, borrowed: BorrowPool) -> None:
         self._borrow_pools[borrowed.pool_id] = borrowed
@@ -121,7 +123,16 @@ class SessionCore:
         if borrowed is not None:
             borrowed.close()
 
-    def refuse_reserved(self, what: str, start: int, end: int) -> None:
+    def claim_window(self, arena: Arena) -> None:
+        """``arena``'s window (in the slice this session holds) is this session's to map:
+        VaCollision if another session of this process maps the arena (the daemon plans
+        it at one address for all; gpumem.address_slices) or if the window overlaps one
+        this session reserved for a standby. Last in reserve_window: a claim made is kept
+        until drop_arena."""
+        self._refuse_reserved(f"arena '{arena.name}'", arena.address, arena.address + arena.reserved)
+        address_slices.claim(self.address_slice(), arena.name, self.session_id, self.name)
+
+    def _refuse_reserved(self, what: str, start: int, end: int) -> None:
         """VaCollision if [start, end) overlaps a window this process reserved for a
         standby (gpumem.standby): the retain group was released meanwhile and the daemon
         planned its window again, for ``what``."""

@@ -22,7 +22,7 @@ import gpumem
 from gpumem.allocator import FAIL_UNBACKED
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import LeaseKind
-from gpumemd_testkit import MiB
+from gpumemd_testkit import MiB, do
 
 GiB = 1 << 30
 
@@ -109,16 +109,18 @@ def test_usage_of_an_arena_that_is_not_elastic(session: gpumem.Session) -> None:
     assert (usage.committed, usage.peak, usage.free, usage.cap, usage.grows) == (16 * MiB, 4 * MiB, 12 * MiB, 256 * MiB, 0)
 
 
-def test_elastic_settings_are_checked(session: gpumem.Session, runtime_dir: Path) -> None:
+def test_elastic_settings_are_checked(session: gpumem.Session, run_client: Any) -> None:
     arena = session.create_arena("model", 256 * MiB)
     with pytest.raises(gpumem.InvalidArgument, match="multiple of"):
         arena.set_elastic(step=3 * MiB)
     with pytest.raises(gpumem.InvalidArgument, match="within its reservation"):
         arena.set_elastic(cap=512 * MiB)
-    arena.share("engine-b")
-    with _other(runtime_dir) as other:
-        with pytest.raises(gpumem.InvalidArgument, match="only its owner"):
-            other.attach_arena("model").set_elastic()
+    owner = run_client("shell", "engine-b")  # another process: a process maps an arena once
+    owner.expect("CONNECTED")
+    do(owner, f"create theirs {256 * MiB}")
+    do(owner, "share theirs engine-a")
+    with pytest.raises(gpumem.InvalidArgument, match="only its owner"):
+        session.attach_arena("theirs").set_elastic()
 
 
 def test_a_released_arena_stops_growing(session: gpumem.Session) -> None:
@@ -235,33 +237,31 @@ def test_leased_graph_replays_under_the_replay_lease(session: gpumem.Session) ->
     assert isinstance(leased[16], gpumem.LeasedGraph)
 
 
-def test_leased_replay_waits_for_a_borrower_then_names_it(session: gpumem.Session, runtime_dir: Path) -> None:
-    from gpumem.leases import Lease
-
+def test_leased_replay_waits_for_a_borrower_then_names_it(session: gpumem.Session, run_client: Any) -> None:
     _, pool = _shared_pool(session)
     graph = _Graph(lambda: 0)
-    with _other(runtime_dir) as other:
-        other.attach_arena("graphs")
-        theirs = other.open_graph_pool(pool.id)
-        borrow = Lease.acquire(other.leasing, theirs, LeaseKind.BORROW, "sampler", 0.0)
+    other = run_client("shell", "engine-b")  # another process: a process maps an arena once
+    other.expect("CONNECTED")
+    do(other, "attach graphs")
+    do(other, f"open {pool.id}")
+    do(other, f"lease borrow {pool.id} 0 sampler")
+    started = time.monotonic()
+    with pytest.raises(gpumem.LeaseConflict, match="engine-b") as refused:
+        gpumem.LeasedGraph(graph, session, pool, wait=0.2).replay()
+    assert time.monotonic() - started >= 0.2
+    assert "sampler" in str(refused.value)
+    assert graph.replays == 0
 
+    releaser = threading.Timer(0.2, do, (other, f"unlease {pool.id}"))
+    releaser.start()
+    try:
         started = time.monotonic()
-        with pytest.raises(gpumem.LeaseConflict, match="engine-b") as refused:
-            gpumem.LeasedGraph(graph, session, pool, wait=0.2).replay()
-        assert time.monotonic() - started >= 0.2
-        assert "sampler" in str(refused.value)
-        assert graph.replays == 0
-
-        releaser = threading.Timer(0.2, borrow.release)
-        releaser.start()
-        try:
-            started = time.monotonic()
-            gpumem.LeasedGraph(graph, session, pool, wait=5.0).replay()
-            waited = time.monotonic() - started
-        finally:
-            releaser.join()
-        assert graph.replays == 1
-        assert 0.1 <= waited < 5.0
+        gpumem.LeasedGraph(graph, session, pool, wait=5.0).replay()
+        waited = time.monotonic() - started
+    finally:
+        releaser.join()
+    assert graph.replays == 1
+    assert 0.1 <= waited < 5.0
 
 
 # ---------------------------------------------------------------------- EngineMemory

@@ -124,17 +124,18 @@ def test_an_empty_store_is_a_fresh_start(service: Service, runtime_dir: Path) ->
     assert r.manager.settled_names(["record-0", "record-1"]) == ["record-0", "record-1"]
 
 
-def test_kill_9_keeps_arenas_shares_pools_leases_and_kv_pools(service: Service, connect: Connect, runtime_dir: Path) -> None:
+def test_kill_9_keeps_arenas_shares_pools_leases_and_kv_pools(service: Service, connect: Connect, run_client: Any, runtime_dir: Path) -> None:
     r = service()
     owner = connect("owner")
-    peer = connect("peer")
+    peer = run_client("shell", "peer")  # another process: a process maps an arena once
+    peer.expect("CONNECTED")
     arena = owner.create_arena("a", 256 * MiB)
     arena.commit(24 * MiB)
     arena.write(0, b"owner's bytes")
     arena.share("peer")
-    seen = peer.attach_arena("a")
+    do(peer, "attach a")
     graph = arena.register_graph_pool("g", extents=[p.Extent(offset=0, size=16 * MiB)], free_runs=[p.Extent(offset=8 * MiB, size=8 * MiB)], shared=True)
-    opened = peer.open_graph_pool(graph.id)
+    do(peer, f"open {graph.id}")
     kv = owner.declare_kv_pool("kv", [gpumem.KvBuffer("k", 4096), gpumem.KvBuffer("v", 4096)], max_tokens=8192)
     kv.placeholder()
     kv.join_round(expect=1)
@@ -146,22 +147,22 @@ def test_kill_9_keeps_arenas_shares_pools_leases_and_kv_pools(service: Service, 
     waiting = status(runtime_dir)  # the sessions' watchers may have resumed them already
     assert waiting["daemon"]["generation"] == 1 and same_state(waiting) == same_state(before)
 
-    with pytest.raises(gpumem.LeaseConflict):  # the replay lease is still the owner's
-        peer.replay(opened)
-    seen.sync()
-    assert seen.read(0, 13) == b"owner's bytes" and arena.read(0, 13) == b"owner's bytes"
+    assert reply(peer, f"lease replay {graph.id} 0 replay").startswith("ERR LeaseConflict")  # the replay lease is still the owner's
+    do(peer, "sync a")
+    assert bytes.fromhex(do(peer, "read a 0 13")) == b"owner's bytes" and arena.read(0, 13) == b"owner's bytes"
     owner.ping()
     after = status(runtime_dir)
     assert after["daemon"]["waiting"] == 0 and same_state(after) == same_state(before)
     lease.release()
-    peer.replay(opened).release()
+    do(peer, f"lease replay {graph.id} 0 replay")
+    do(peer, f"unlease {graph.id}")
     assert kv.tokens == tokens
-    assert (owner.session_id, peer.session_id) == (before["clients"][0]["session_id"], before["clients"][1]["session_id"])
+    assert [(c["name"], c["session_id"]) for c in after["clients"]] == [("owner", owner.session_id), ("peer", client(before, "peer")["session_id"])]
+    assert owner.session_id == client(before, "owner")["session_id"]
 
     arena.commit(64 * MiB)  # new work after the restart
-    seen.sync()
-    assert seen.mapped_bytes == 64 * MiB
-    peer.close()
+    assert int(do(peer, "sync a")) == 64 * MiB
+    do(peer, "close")
     owner.close()
     wait_status(runtime_dir, lambda s: s["device"]["accounted_bytes"] == 0 and not s["clients"], 5, "memory back after both left")
     assert r.manager.settled_names(["record-0", "record-1"]) == ["record-0", "record-1"]
