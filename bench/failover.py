@@ -15,7 +15,10 @@ Figures: kill -> the standby's first token; the share of phase 2's prompt tokens
 prompt served before) whose KV came from the adopted cache; the standby's own memory
 before promotion (what it owns: committed and placeholder bytes; the weights it maps are
 the primary's); whether its token ids equal the primary's phase-1 ids for the same
-prompts; and the accounting once the standby closed (nothing left, no retain group).
+prompts (on CUDA the ids of the primary's second pass over them, their full blocks from
+its prefix cache as the standby's are: a whole prefill runs other kernels, and bf16
+near-ties may part); and the accounting once the standby closed (nothing left, no
+retain group).
 
 ``--kill-daemon``: the same failover with gpumemd killed once during it. gpumemd runs
 under tests/integration/fdstore_kit.py's stand-in for systemd's fd store (as

@@ -6,7 +6,8 @@ prompt tokens served before come from the adopted cache, and nothing is left acc
 once it closed. And the same with gpumemd killed -9 during the failover (before it saw
 the primary end) and restarted from its fd store: the restarted daemon orphans the dead
 primary's group at once, not after the restart grace (30 s). On the host, stand-in
-engines; on CUDA, nano-vllm (never ran yet)."""
+engines; on CUDA, nano-vllm, whose reference tokens are the primary's second pass over
+the prompts (their full blocks from its prefix cache, as the standby's are)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_the_standby_serves_the_primarys_tokens_from_the_adopted_cache(backend: 
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0 and last.startswith("{"), f"bench failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
     f = json.loads(last)["figures"]
-    assert f["tokens_identical"] and f["accounting_exact"], f
+    assert f["tokens_identical"] and f["accounting_exact"], f"{json.dumps(f)}\n{out.stdout[-3000:]}"
     assert f["prompt_tokens_hit"] == f["prompt_tokens"] - 12, f  # every full block of every prompt: all but its last token
     assert f["directory_corrupt"] == 0 and f["directory_trusted"] > 0
     if kill_daemon:  # the restarted daemon held the accounting at the end, and nobody waited out its grace
