@@ -90,13 +90,13 @@ def prefix_ranges(buffers: dict[str, list[int]], tokens: int) -> list[list[int]]
 
 
 class Engine:
-    """One client process holding one KV pool."""
+    """One client process holding one KV pool, on the daemon of ``device``."""
 
-    def __init__(self, run_client: Any, name: str, pool: str, rows: list[int], max_tokens: int) -> None:
+    def __init__(self, run_client: Any, name: str, pool: str, rows: list[int], max_tokens: int, device: int = 0) -> None:
         self.name = name
         self.pool = pool
         self.rows = rows
-        self.client = run_client("shell", name)
+        self.client = run_client("shell", name, str(device))
         self.client.expect("CONNECTED", timeout=CAPTURE_WAIT)
         self.layout = self.declare(max_tokens)
         self.min = 0
