@@ -24,6 +24,7 @@ Commands:
   answershrink POOL TIMEOUT    (waits up to TIMEOUT s for a KV_SHRINK notice, answers it; JSON tokens kept, null if none came)
   sleep ARENA keep|drop        wake ARENA [WAIT]          freehost ARENA
   sleepstage ARENA             (the host buffer taken and the copy made, the chunks not handed back yet: a sleep cut short)
+  sleepprep ARENA              (its host buffer made and registered ahead, ArenaSleep.prepare; JSON as sleep)
   address ARENA                free                       ping
   notices                      status                     close
   exit
@@ -270,7 +271,7 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
 
             numpy.asarray(view)[:] = int(args[3])
         return None
-    if cmd in ("sleep", "wake", "freehost", "sleepstage"):
+    if cmd in ("sleep", "wake", "freehost", "sleepstage", "sleepprep"):
         sleeper = SLEEPERS.setdefault(args[0], ArenaSleep(arenas[args[0]]))
         if cmd == "sleep":
             sleeper.sleep(keep=args[1] == "keep")
@@ -278,10 +279,13 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
             sleeper.wake(**({"wait": float(args[1])} if len(args) > 1 else {}))
         elif cmd == "freehost":
             sleeper.free_host()
+        elif cmd == "sleepprep":
+            sleeper.prepare()
         else:
             arena = arenas[args[0]]
-            host = sleeper._buffer(arena.committed)
-            session.driver.copy_to_host([(arena.address, host.address, arena.committed)])
+            sleeper.prepare(arena.committed)
+            assert sleeper.host is not None
+            session.driver.copy_to_host([(arena.address, sleeper.host.address, arena.committed)])
         return json.dumps({"committed": arenas[args[0]].committed, "host": sleeper.host.size if sleeper.host else 0})
     if cmd == "address":
         return arenas[args[0]].address

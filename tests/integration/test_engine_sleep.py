@@ -35,9 +35,15 @@ def test_an_engine_sleeps_by_tag_and_wakes_as_it_was(daemon: Any, runtime_dir: P
         held = {a: getattr(mem, a).committed for a in ("model", "graphs")} | {"kv": kv.pool.arena.committed}
         with pytest.raises(gpumem.InvalidArgument, match="the tags are weights, graphs, kv"):
             mem.sleep("optimizer")
+        mem.prepare_sleep(drop=["kv"])  # the host buffers made ahead: the sleep below only copies into them
+        prepared = {tag: s.host for tag, s in mem._sleepers.items()}
+        assert list(prepared) == ["weights", "graphs"] and all(prepared.values())
+        assert [c["host_bytes"] for c in status(runtime_dir)["clients"]] == [held["model"] + held["graphs"]]
+        assert mem.asleep == []
 
         mem.sleep(drop=["kv"])
         assert mem.asleep == ["weights", "graphs", "kv"]
+        assert {tag: mem._sleepers[tag].host for tag in prepared} == prepared
         s = status(runtime_dir)
         placeholders = sum(a["placeholder_bytes"] for a in s["arenas"])
         assert s["device"]["accounted_bytes"] == placeholders  # every committed byte went back

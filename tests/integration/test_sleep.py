@@ -118,6 +118,34 @@ def test_contents_come_back_at_the_same_addresses_and_a_cotenant_uses_the_memory
     assert s["daemon"]["sleep_host_bytes"] == 0 and s["sleepers"] == []
 
 
+def test_a_host_buffer_made_ahead_is_the_one_the_first_sleep_fills(daemon_factory, backend, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """ArenaSleep.prepare: the buffer exists and is accounted before any sleep (its
+    registration paid then), the first sleep copies into it rather than into a second
+    one, and the wake brings the contents back."""
+    daemon_factory(backend, args=CAPPED)
+    engine, _ = _engine(run_client)
+    engine.send("sleepprep weights")
+    assert json.loads(engine.expect("OK")) == {"committed": WEIGHTS, "host": WEIGHTS}
+    s = status(runtime_dir)
+    assert s["daemon"]["sleep_host_bytes"] == WEIGHTS and [c["host_bytes"] for c in s["clients"]] == [WEIGHTS]
+    assert s["device"]["accounted_bytes"] == WEIGHTS  # awake: on the device still
+    assert {x["arena"]: x["asleep"] for x in s["sleepers"]} == {"weights": False}
+    engine.send("sleep weights keep")
+    assert json.loads(engine.expect("OK")) == {"committed": 0, "host": WEIGHTS}
+    s = status(runtime_dir)
+    assert s["daemon"]["sleep_host_bytes"] == WEIGHTS and s["device"]["accounted_bytes"] == 0  # the same buffer, not a second
+    engine.send("wake weights")
+    engine.expect("OK")
+    engine.send(f"check weights 0 {WEIGHTS - 4} 171")
+    assert engine.expect("OK") == "MATCH"
+    engine.send(f"read weights {WEIGHTS - 4} 4")
+    assert engine.expect("OK") == "0badf00d"
+    engine.send("sleep weights keep")
+    engine.expect("OK")
+    engine.send("sleepprep weights")  # asleep: its buffer holds the contents
+    assert engine.expect("ERR").startswith("InvalidArgument")
+
+
 def test_a_wake_waits_for_memory_others_give_back(daemon_factory, backend, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
     daemon = daemon_factory(backend, args=CAPPED)
     engine, _ = _engine(run_client)

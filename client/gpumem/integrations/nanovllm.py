@@ -23,6 +23,7 @@ Between batches an idle engine sleeps and wakes (``EngineMemory.sleep``): by def
 its weights and graph pool go to host memory and its KV cache is dropped, with the
 block manager's prefix cache, whose blocks no longer hold what it says:
 
+    nanovllm.prepare_sleep(llm)               # optional, once: host buffers registered ahead
     nanovllm.sleep(llm)                       # the GPU's memory is others' meanwhile
     nanovllm.wake(llm)                        # same addresses: the graphs replay as captured
 
@@ -276,6 +277,12 @@ def sleep(llm: Any, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
         for block in blocks.blocks:
             block.hash, block.token_ids = -1, []
     mem.sleep(*tags, drop=dropped)
+
+
+def prepare_sleep(llm: Any, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
+    """Make the host buffers ``sleep(llm, *tags, drop=drop)`` copies into, ahead
+    (``EngineMemory.prepare_sleep``): its first call then costs the copies only."""
+    llm.model_runner._gpumem.prepare_sleep(*tags, drop=drop)
 
 
 def wake(llm: Any, *, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
