@@ -58,4 +58,19 @@ def cuda_stream_wait(context: int, event: int, stream: int, /) -> int: ...
 def lease_release_memops(
     segment_address: int, word: int, context: int, lane_address: int, lane: int, value: int, before: int, stream: int, /
 ) -> tuple[int, int]: ...
+def lease_try_memops(
+    segment_address: int, word: int, epoch: int, label: bytes, context: int, stream: int, lanes_address: int, lanes: int, /
+) -> int: ...
+def lease_acquire_memops(
+    segment_address: int,
+    word: int,
+    epoch: int,
+    timeout_ns: int,
+    label: bytes | None,
+    context: int,
+    stream: int,
+    lanes_address: int,
+    lanes: int,
+    /,
+) -> tuple[int, int]: ...
 def lease_order_wait(segment_address: int, context: int, lanes_address: int, lanes: int, stream: int, /) -> tuple[int, int]: ...
