@@ -565,13 +565,13 @@ class Lease:
         owner = self.owner
         if self.shared:
             # The next holder may be another process, asleep until the native call below
-            # wakes it: this path is kept to one frame (memops: two, the lane's values).
+            # wakes it: this path is kept to one frame, with the event (or lane) looked up inline.
             event = owner.recording.get(self.pool_id)
             stream = current_stream(owner.device_ordinal) if self.stream is None else self.stream
             if event is not None:
                 status = _native.lease_release_ordered(self.address, self._word, owner.context, event, stream)
             elif (lane := owner.lanes.get(self.pool_id)) is not None:  # memops ordering: the lane's next value written
-                status = lane.release(owner.context, self.address, self._word, stream)
+                status = _native.lease_release_memops(self.address, self._word, owner.context, lane.address, stream)
             else:  # the first release on the pool: creates and publishes the event
                 status = owner.release_shared(self.pool_id, self.segment, self._word, stream)
             if status and self.segment.epoch() == 0 and owner.release_moved(self):

@@ -56,7 +56,7 @@ WORD_BYTES: Final[int] = 8
 CHUNK_GRANT_ID: Final[int] = 0
 # Releases one session may make of one pool before its lane wraps into the next
 # generation: 2**40, a million releases a second for twelve days.
-SEQ_BITS: Final[int] = 40
+SEQ_BITS: Final[int] = _native.LEASE_SEQ_BITS
 SEQ_MASK: Final[int] = (1 << SEQ_BITS) - 1
 GENERATIONS: Final[int] = 1 << (64 - SEQ_BITS)
 _U64: Final[int] = (1 << 64) - 1
@@ -81,40 +81,45 @@ def reached(word: int, target: int) -> bool:
     return ((word - target) & _U64) < (1 << 63)
 
 
-class ReleaserLane:
-    """A session's side of one lane: the values its releases of the pool publish."""
+class _LaneState(ctypes.Structure):
+    """lease_table.h's lease_lane: what the native release reads and updates."""
 
-    __slots__ = ("index", "base", "address", "count", "last_stream")
+    _fields_ = [
+        ("word", ctypes.c_uint64),
+        ("last", ctypes.c_uint64),
+        ("stream", ctypes.c_uint64),
+        ("lane", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class ReleaserLane:
+    """A session's side of one lane: the values its releases of the pool publish. The
+    count lives in memory the native release updates (``address``), so that a release is
+    one native call, as under IPC events."""
+
+    __slots__ = ("index", "base", "state", "address")
 
     def __init__(self, index: int, base: int, lanes_address: int) -> None:
         self.index = index
         self.base = base  # this session's generation on the lane, shifted: the daemon's grant
-        self.address = lanes_address + index * WORD_BYTES  # the lane's word, in the chunk mapped at lanes_address
-        self.count = 0
-        self.last_stream: int | None = None
+        self.state = _LaneState(word=lanes_address + index * WORD_BYTES, last=base, lane=index)
+        self.address = ctypes.addressof(self.state)
+
+    @property
+    def count(self) -> int:
+        """The releases whose writes were queued."""
+        return int(self.state.last) - self.base
 
     def release(self, context: int, segment_address: int, word: int, stream: int) -> int:
         """Give back the lease ``word`` holds on the pool whose lease segment is mapped at
-        ``segment_address``, its work ordered by this lane: in one native call, (lane, value) published, the slot freed
-        and the lane's next value written on ``stream`` after that work; first, on a
-        stream other than the last release's, the stream waits for the lane's last value
-        (a lane's writes must land in the order of its values). A private pool's slot is
-        freed at once. OK or NOT_HOLDER; a driver failure raises with the slot freed and
-        no taker ordered after the write that failed, which is not counted: no later
-        release waits for a value nobody writes. ``context`` is the driver's
-        ``native_context()``. Inline on the handoff's path: the releaser's Python runs
-        before the waiter wakes."""
-        count = self.count
-        if count >= SEQ_MASK:
-            raise OverflowError(f"lease ordering lane {self.index} used all {SEQ_MASK} values of its generation")
-        before = self.base | count if count and stream != self.last_stream else 0
-        status, written = _native.lease_release_memops(
-            segment_address, word, context, self.address, self.index, self.base | (count + 1), before, stream
-        )
-        if written:
-            self.count = count + 1
-            self.last_stream = stream
-        return status
+        ``segment_address``, its work ordered by this lane, in one native call
+        (``lease_release_memops``: the value written after that work on ``stream``; the
+        taker is woken first). OK or NOT_HOLDER; a driver failure raises with the slot
+        freed and no taker ordered after the write that failed, which is not counted: no
+        later release waits for a value nobody writes. ``context`` is the driver's
+        ``native_context()``; ``Lease.release`` makes the same call inline."""
+        return _native.lease_release_memops(segment_address, word, context, self.address, stream)
 
 
 def order_after(context: int, segment: LeaseSegment, lanes_address: int, lanes: int, stream: int, timeout_s: float) -> int | None:

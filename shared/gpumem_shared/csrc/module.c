@@ -761,44 +761,60 @@ static int lane_arg(PyObject *arg, uint64_t *out) {
     return 0;
 }
 
-/* lease_release_memops(segment_address, word, context, lane_address, lane, value, before,
- * stream) -> (status, written): a holder's release under memops ordering, shaped as
- * lease_release_ordered is. On a shared pool the (lane, value) pair is published, the
- * slot freed naming the holder marked recording (a waiter wakes meanwhile), the stream
- * waits for ``before`` on the lane (0: none) and writes ``value`` there, and the mark
- * ends (written 1). Context 0 (work is synchronous): the value is stored at once. A
- * private slot is freed as lease_release frees it; another's is left (written 0). A
- * driver failure ends the mark naming nobody (no taker waits for a value nobody writes)
- * and raises, the slot freed. */
+/* lease_release_memops(segment_address, word, context, lane, stream) -> status: a
+ * holder's release under memops ordering, shaped as lease_release_ordered is; ``lane``
+ * is the address of the session's lease_lane for the pool. On a shared pool the lane's
+ * next (lane, value) pair is published, the slot freed naming the holder marked
+ * recording (a waiter wakes meanwhile), the stream writes the value on the lane, and
+ * the mark ends. First, on a stream other than the one that wrote the lane's last value,
+ * the stream waits for that value: a lane's writes land in the order of its values.
+ * Context 0 (work is synchronous): the value is stored at once. The lane counts a value
+ * once its write is queued. A private slot is freed as lease_release frees it; another's
+ * is left. A driver failure, or a lane out of values, ends the mark naming nobody (no
+ * taker waits for a value nobody writes) and raises, the slot freed, nothing counted. */
 static PyObject *lease_release_memops(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     lease_slot *slot;
-    uint64_t word, lane_address, value, before;
-    uint32_t lane;
+    uint64_t word;
     gpu_order order;
-    if (lease_args(args, nargs, 8, "lease_release_memops(segment_address, word, context, lane_address, lane, value, before, stream)",
-                   &slot) < 0 ||
-        u64_arg(args[1], &word) < 0 || order_args(args[2], args[7], &order) < 0 || lane_arg(args[3], &lane_address) < 0 ||
-        u32_arg(args[4], &lane) < 0 || u64_arg(args[5], &value) < 0 || u64_arg(args[6], &before) < 0)
+    if (lease_args(args, nargs, 5, "lease_release_memops(segment_address, word, context, lane, stream)", &slot) < 0 ||
+        u64_arg(args[1], &word) < 0 || order_args(args[2], args[4], &order) < 0)
         return NULL;
+    lease_lane *lane = PyLong_AsVoidPtr(args[3]);
+    if (lane == NULL || (uintptr_t)lane % sizeof(uint64_t)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "lease_release_memops: not a lane's address");
+        return NULL;
+    }
     int status = gpumem_lease_release(slot, word);
-    if (status != LEASE_RECORD) return Py_BuildValue("(ii)", status, 0);
+    if (status != LEASE_RECORD) return PyLong_FromLong(status);
+    uint64_t count = lane->last & LEASE_SEQ_MASK;
+    uint64_t value = lane->last + 1;
+    uint64_t before = count && (uint64_t)(uintptr_t)order.stream != lane->stream ? lane->last : 0;
     /* Written while the slot is ours; the free's store orders it before a taker reads it. */
     lease_order_pair *pair = (lease_order_pair *)((char *)slot + LEASE_ORDER_OFFSET);
-    pair->lane = lane;
+    pair->lane = lane->lane;
     pair->value = value;
-    if ((status = gpumem_lease_release_recording(slot, word)) != LEASE_OK) return Py_BuildValue("(ii)", status, 0);
+    if ((status = gpumem_lease_release_recording(slot, word)) != LEASE_OK) return PyLong_FromLong(status);
     int rc = 0;
-    if (order.ctx)
-        rc = memops_in_context(order.ctx, order.stream, lane_address, before, value, 1);
+    if (count == LEASE_SEQ_MASK)
+        rc = -2;
+    else if (order.ctx)
+        rc = memops_in_context(order.ctx, order.stream, lane->word, before, value, 1);
     else
-        __atomic_store_n((uint64_t *)(uintptr_t)lane_address, value, __ATOMIC_RELEASE);
+        __atomic_store_n((uint64_t *)(uintptr_t)lane->word, value, __ATOMIC_RELEASE);
     gpumem_lease_recorded(slot, LEASE_SESSION_OF(word), rc == 0);
+    if (rc == -2) {
+        PyErr_Format(PyExc_OverflowError, "lease ordering lane %u used all %llu values of its generation", lane->lane,
+                     (unsigned long long)LEASE_SEQ_MASK);
+        return NULL;
+    }
     if (rc) {
         raise_driver_error("cuStreamWriteValue64", rc);
         return NULL;
     }
-    return Py_BuildValue("(ii)", LEASE_OK, 1);
+    lane->last = value;
+    lane->stream = (uint64_t)(uintptr_t)order.stream;
+    return PyLong_FromLong(LEASE_OK);
 }
 
 /* The sequence chunk as a taker names it: its address in this process, and its lanes. */
@@ -979,12 +995,15 @@ static const named_value lease_flags[] = {LEASE_FLAGS(NAMED)};
 #undef NAMED
 
 /* Only the names are listed here; a unit test checks that the fields exported tile the
- * whole slot, so one added to lease_slot and not here fails it. */
+ * whole struct, so one added to lease_slot or lease_lane and not here fails it. */
 #define FIELD(name) {#name, offsetof(lease_slot, name), sizeof(((lease_slot *)0)->name)}
 static const slot_field lease_slot_fields[] = {
     FIELD(word), FIELD(futex), FIELD(waiters), FIELD(since_ns), FIELD(epoch),
     FIELD(flags), FIELD(handoff), FIELD(escaped), FIELD(label),
 };
+#undef FIELD
+#define FIELD(name) {#name, offsetof(lease_lane, name), sizeof(((lease_lane *)0)->name)}
+static const slot_field lease_lane_fields[] = {FIELD(word), FIELD(last), FIELD(stream), FIELD(lane), FIELD(pad)};
 #undef FIELD
 
 #define COUNT(array) (sizeof(array) / sizeof(*(array)))
@@ -1005,20 +1024,20 @@ static int add_named(PyObject *module, const char *attr, const named_value *valu
     return rc;
 }
 
-/* LEASE_SLOT_FIELDS: ((name, offset, size), ...) in the struct's order. */
-static int add_slot_fields(PyObject *module) {
-    size_t n = COUNT(lease_slot_fields);
+/* ((name, offset, size), ...) in the struct's order, as the module attribute ``attr``:
+ * LEASE_SLOT_FIELDS, LEASE_LANE_FIELDS. */
+static int add_fields(PyObject *module, const char *attr, const slot_field *list, size_t n) {
     PyObject *fields = PyTuple_New((Py_ssize_t)n);
     if (!fields) return -1;
     for (size_t i = 0; i < n; i++) {
-        const slot_field *f = &lease_slot_fields[i];
+        const slot_field *f = &list[i];
         PyObject *entry = Py_BuildValue("(snn)", f->name, (Py_ssize_t)f->offset, (Py_ssize_t)f->size);
         if (!entry || PyTuple_SetItem(fields, (Py_ssize_t)i, entry) < 0) {
             Py_DECREF(fields);
             return -1;
         }
     }
-    int rc = PyModule_AddObjectRef(module, "LEASE_SLOT_FIELDS", fields);
+    int rc = PyModule_AddObjectRef(module, attr, fields);
     Py_DECREF(fields);
     return rc;
 }
@@ -1030,7 +1049,10 @@ static int add_constants(PyObject *m) {
         PyModule_AddIntConstant(m, "LEASE_SLOT_BYTES", (long)sizeof(lease_slot)) < 0 ||
         add_named(m, "LEASE_STATUSES", lease_statuses, COUNT(lease_statuses)) < 0 ||
         add_named(m, "LEASE_KINDS", lease_kinds, COUNT(lease_kinds)) < 0 ||
-        add_named(m, "LEASE_FLAGS", lease_flags, COUNT(lease_flags)) < 0 || add_slot_fields(m) < 0)
+        add_named(m, "LEASE_FLAGS", lease_flags, COUNT(lease_flags)) < 0 ||
+        add_fields(m, "LEASE_SLOT_FIELDS", lease_slot_fields, COUNT(lease_slot_fields)) < 0 ||
+        add_fields(m, "LEASE_LANE_FIELDS", lease_lane_fields, COUNT(lease_lane_fields)) < 0 ||
+        PyModule_AddIntConstant(m, "LEASE_LANE_BYTES", (long)sizeof(lease_lane)) < 0 || PyModule_AddIntMacro(m, LEASE_SEQ_BITS) < 0)
         return -1;
     if (PyModule_AddIntMacro(m, GPUMEM_MAX_SLOTS) < 0 || PyModule_AddIntMacro(m, GPUMEM_MAX_EXTENTS) < 0 ||
         PyModule_AddIntMacro(m, GPUMEM_FAIL_NONE) < 0 ||
