@@ -27,7 +27,8 @@
    Then the same turns (through ``Lease``) against a second daemon started with
    ``--lease-ordering memops``: the release queues a stream write of the releaser's next
    sequence value and the taker's stream waits for it (gpumem_shared/lease_order.py);
-   ``memops_handoff_*`` figures, its ratio to the same floor, and its stream waits.
+   ``memops_handoff_*`` figures, its ratio to the same floor, its stream waits, and its
+   release call alone (``memops_release_call_p50_us``).
 
 4. The floor under (3), in the same run: bench/futex_floor.c (compiled here with ``cc``),
    two C processes taking turns on a shared futex word with the same 1 ms hold, no
