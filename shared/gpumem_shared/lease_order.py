@@ -106,11 +106,6 @@ class ReleaserLane:
         self.state = _LaneState(word=lanes_address + index * WORD_BYTES, last=base, lane=index)
         self.address = ctypes.addressof(self.state)
 
-    @property
-    def count(self) -> int:
-        """The releases whose writes were queued."""
-        return int(self.state.last) - self.base
-
     def release(self, context: int, segment_address: int, word: int, stream: int) -> int:
         """Give back the lease ``word`` holds on the pool whose lease segment is mapped at
         ``segment_address``, its work ordered by this lane, in one native call

@@ -122,7 +122,7 @@ def test_a_lane_counts_up_from_its_generation_and_commits_only_written_values(sh
         assert words[3] == (7 << SEQ_BITS) | n and segment.order() == (3, (7 << SEQ_BITS) | n)
         # Not the holder's release (the slot is free): nothing written, nothing counted.
         assert lane.release(0, segment.address, RELEASER, stream=11) == LeaseStatus.NOT_HOLDER
-        assert lane.count == n and words[3] == (7 << SEQ_BITS) | n
+        assert lane.state.last == (7 << SEQ_BITS) | n and words[3] == (7 << SEQ_BITS) | n
 
 
 def test_taker_waits_for_the_value_its_releaser_wrote(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
@@ -168,7 +168,7 @@ def test_releases_from_two_streams_write_the_lanes_values_in_order(shared_pool: 
     for n, stream in enumerate((11, 11, 22), start=1):
         assert segment.try_acquire(RELEASER, EPOCH, b"r") in (LeaseStatus.OK, LeaseStatus.OK_ORDER)
         assert lane.release(0, segment.address, RELEASER, stream) == LeaseStatus.OK
-        assert (lane.count, lane.state.stream) == (n, stream)
+        assert (lane.state.last, lane.state.stream) == ((1 << SEQ_BITS) | n, stream)
         assert words[1] == (1 << SEQ_BITS) | n and segment.order() == (1, (1 << SEQ_BITS) | n)
 
 
@@ -180,7 +180,7 @@ def test_a_lane_out_of_values_frees_the_slot_and_orders_nobody_after_it(shared_p
     with pytest.raises(OverflowError, match="used all"):
         lane.release(0, segment.address, RELEASER, 0)
     assert segment.peek() == 0 and segment.handoff() == 0, "freed, naming nobody: no taker waits for that value"
-    assert lane.count == SEQ_MASK and words[1] == 0
+    assert lane.state.last == (1 << SEQ_BITS) | SEQ_MASK and words[1] == 0, "nothing counted"
 
 
 def test_a_release_that_is_not_the_holders_writes_and_counts_nothing(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
@@ -188,7 +188,7 @@ def test_a_release_that_is_not_the_holders_writes_and_counts_nothing(shared_pool
     lane = ReleaserLane(1, base=1 << SEQ_BITS, lanes_address=words.address)
     assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK
     assert lane.release(0, segment.address, RELEASER, 0) == LeaseStatus.NOT_HOLDER
-    assert lane.count == 0 and words[1] == 0 and segment.order() == (0, 0) and segment.peek() == TAKER
+    assert lane.state.last == 1 << SEQ_BITS and words[1] == 0 and segment.order() == (0, 0) and segment.peek() == TAKER
 
 
 def test_a_forged_lane_outside_the_chunk_is_not_waited_on(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
