@@ -27,7 +27,8 @@
    Then the same turns (through ``Lease``) against a second daemon started with
    ``--lease-ordering memops``: the release queues a stream write of the releaser's next
    sequence value and the taker's stream waits for it (gpumem_shared/lease_order.py);
-   ``memops_handoff_*`` figures, its ratio to the same floor, and its stream waits.
+   ``memops_handoff_*`` figures, its ratio to the same floor, its stream waits, and its
+   release call alone (``memops_release_call_p50_us``).
 
 4. The floor under (3), in the same run: bench/futex_floor.c (compiled here with ``cc``),
    two C processes taking turns on a shared futex word with the same 1 ms hold, no
@@ -341,7 +342,8 @@ def main() -> int:
         c.say(
             f"under memops ordering (a stream write at release, a stream wait at take): p50 {memops_p50:.1f} us, "
             f"p99 {c.percentile(memops_handoffs, 99):.1f} us over {len(memops_handoffs)} handoffs, "
-            f"{memops['handoff_waits']} stream waits on the releaser's value"
+            f"{memops['handoff_waits']} stream waits on the releaser's value; the release call alone p50 "
+            f"{release_calls(memops['events']):.1f} us"
         )
         bare = handoff_times(bare_events)
         native = handoff_times(native_events)
@@ -410,6 +412,7 @@ def main() -> int:
             "memops_handoff_ratio_p50": memops_ratio,
             "memops_handoffs": len(memops_handoffs),
             "memops_handoff_waits": memops["handoff_waits"],
+            "memops_release_call_p50_us": release_calls(memops["events"]),
         }
         if stream_waits:
             result.figures["stream_wait_p50_us"] = c.median(stream_waits) / 1e3

@@ -17,20 +17,19 @@ records the holder's IPC event on its stream, and a holder from another session 
 stream wait on that event before it touches the pool, each in the same native call as the
 compare-and-swap. The first release publishes the event's handle to the daemon and the
 first wait on a peer looks it up: one round trip each, once. A private pool records
-nothing. Under ``gpumemd --lease-ordering memops`` the order is a stream write of the
-releaser's next sequence value and the taker's stream wait for it instead, on a lane of
-a chunk the daemon grants with the pool (gpumem_shared/lease_order.py): no IPC handles.
+nothing. Under ``gpumemd --lease-ordering memops`` a stream write of the releaser's next
+sequence value, and the taker's stream wait for it, take their place, on a lane of a
+chunk the daemon grants with the pool (gpumem_shared/lease_order.py): no IPC handles.
 Within one session nothing is waited on: work on one stream is ordered by the stream,
 and replaying on one stream while borrowing on another is the caller's to order (a
 borrow takes ``stream=``).
 
-A release frees the slot before its event record lands (the next holder wakes while it
-records), so a taker may find the record still in flight. It waits for it within its own
-``wait``: every wait inside one acquire, for the holder and for the record, comes out of
-that bound. With ``wait=0`` a record in flight refuses the take at once, as a slot held
-a moment longer would, with a LeaseConflict naming the releaser; a record takes
-microseconds, so one that does not land within a wait means a releaser stopped or stuck
-in the CUDA driver.
+A release frees the slot before its record (or write) is made, so the next holder wakes
+meanwhile and may find it in flight: it waits for it within its own ``wait``, which
+bounds every wait inside one acquire. With ``wait=0`` a record in flight refuses the
+take at once, as a slot held a moment longer would, with a LeaseConflict naming the
+releaser; a record takes microseconds, so one that does not land within a wait means a
+releaser stopped or stuck in the CUDA driver.
 """
 
 from __future__ import annotations
@@ -147,10 +146,9 @@ class SessionLeases:
         # may still hold it (the slot is exclusive). A word of ours in a pool's slot while
         # that lease is not held was forged.
         self.holding: dict[int, Lease] = {}
-        # Under memops ordering (gpumemd --lease-ordering memops): this session's lane per
-        # shared pool, and the daemon's sequence chunk, mapped at the first grant. The
-        # mapping stays for the process's life: streams may still have writes and waits
-        # on it queued when the session ends.
+        # Under memops ordering: this session's lane per shared pool, and the daemon's
+        # sequence chunk, mapped at the first grant for the process's life (streams may
+        # still have writes and waits on it queued when the session ends).
         self.lanes: dict[int, lease_order.ReleaserLane] = {}
         self.lanes_address = 0
         self.lanes_count = 0
@@ -173,9 +171,8 @@ class SessionLeases:
                     self._driver.free_reservation(address, size)
                     raise
                 self.lanes_address, self.lanes_count = address, reply.order_lanes
-            lane = self.lanes.get(reply.pool.id)
-            if lane is None or (lane.index, lane.base) != (reply.order_lane, reply.order_base):
-                self.lanes[reply.pool.id] = lease_order.ReleaserLane(reply.order_lane, reply.order_base)
+            if (lane := self.lanes.get(reply.pool.id)) is None or (lane.index, lane.base) != (reply.order_lane, reply.order_base):
+                self.lanes[reply.pool.id] = lease_order.ReleaserLane(reply.order_lane, reply.order_base, self.lanes_address)
         except BaseException:
             fdchannel.close_all(list(fds.values()))  # the grant is unusable: its segment goes too
             fds.clear()
@@ -204,12 +201,10 @@ class SessionLeases:
 
     def release_shared(self, pool_id: int, segment: LeaseSegment, word: int, stream: int) -> int:
         """Give back a lease on a shared pool: our stream's work so far marked with our
-        event, then the slot freed, in one native call. The first release on the pool
-        creates the event and publishes it first. Under memops ordering, the stream
-        writes the lane's next value instead (lease_order.release). OK or NOT_HOLDER."""
-        lane = self.lanes.get(pool_id)
-        if lane is not None:
-            return lease_order.release(self._driver, segment, word, lane, self.lanes_address, stream)
+        event (memops: the lane's next value written), then the slot freed, in one native
+        call. The first release on the pool creates the event and publishes it first."""
+        if (lane := self.lanes.get(pool_id)) is not None:
+            return lane.release(self.context, segment.address, word, stream)
         address = segment.address
         event = self.recording.get(pool_id)
         if event is None:
@@ -231,11 +226,10 @@ class SessionLeases:
         event not known here yet: look it up, make our stream wait for its work, and keep
         it for the ordered acquires. The releaser's record is waited for ``left`` seconds
         at most (what is left of the acquire's ``wait``). The releaser may be another
-        session of this process: its event is used as is. Under memops ordering the stream
-        waits for the value the releaser published (lease_order.order_after)."""
+        session of this process: its event is used as is. Under memops the take waited
+        already, unless work is synchronous and the value not reached yet: polled here."""
         if pool_id in self.lanes:
-            if lease_order.order_after(self._driver, segment, self.lanes_address, self.lanes_count, stream, left) is not None:
-                self.handoff_waits += 1
+            self.handoff_waits += lease_order.order_after(self.context, segment, self.lanes_address, self.lanes_count, stream, left) is not None
             return
         status, peer = segment.await_record(left)
         if status == _RECORDING:
@@ -348,8 +342,8 @@ class SessionLeases:
         )
 
     def record_late(self, pool_id: int, segment: LeaseSegment, lease: str, wait: float) -> LeaseConflict:
-        """The last releaser freed the pool but its event record did not land within the
-        acquire's ``wait``; ``lease`` names the refused one ("replay lease 'decode'")."""
+        """The last releaser freed the pool but its event record (memops: its stream write)
+        did not land within the acquire's ``wait``; ``lease`` names the refused one."""
         releaser = segment.handoff() & ~lease_table.HANDOFF_RECORDING
         name, pid = self._client_named(self.status(), releaser)
         if wait:
@@ -357,8 +351,9 @@ class SessionLeases:
         else:
             waited, then = " at once (wait=0)", "retry with wait > 0; one that never lands means that process is stopped or stuck in the CUDA driver"
         return LeaseConflict(
-            f"{lease} on graph pool {pool_id} refused{waited}: client '{name}' (pid {pid}) released it and has not recorded "
-            f"the event that orders its GPU work before the next holder's yet; a record takes microseconds: {then} "
+            f"{lease} on graph pool {pool_id} refused{waited}: client '{name}' (pid {pid}) released it and has not "
+            f"{'queued the stream write' if pool_id in self.lanes else 'recorded the event'} "
+            f"that orders its GPU work before the next holder's yet; that takes microseconds: {then} "
             "(gpumemd clears the mark when it exits)",
             {"holder": name, "pid": pid},
         )
@@ -431,13 +426,18 @@ class Lease:
         epoch = ((pool.id & 0xFFFF) << 16 | (pool.epoch & 0xFFFF)) or 1  # lease_table.lease_epoch, inlined
         if owner.escapes:
             owner.clear_escape(pool.id)
+        order: tuple[Any, ...] | None = None
         if pool.shared:
             # The stream waits on the last releaser's event in the same native call as the
-            # take, once that event is known here.
-            order = (owner.context, current_stream(owner.device_ordinal) if stream is None else stream, owner.waits_on(pool.id))
-            status = _native.lease_try_ordered(segment.address, word, epoch, label.encode(), *order)
+            # take, once that event is known here (memops: on the value it published).
+            current = current_stream(owner.device_ordinal) if stream is None else stream
+            if owner.lanes_count:
+                order = (owner.context, current, owner.lanes_address, owner.lanes_count)
+                status = _native.lease_try_memops(segment.address, word, epoch, label.encode(), *order)
+            else:
+                order = (owner.context, current, owner.waits_on(pool.id))
+                status = _native.lease_try_ordered(segment.address, word, epoch, label.encode(), *order)
         else:
-            order = None
             status = owner.try_acquire(segment.address, word, epoch, label.encode())
         if not status:  # OK
             return cls(owner, pool, segment, kind, word, stream)
@@ -457,7 +457,7 @@ class Lease:
         label: str,
         wait: float,
         stream: int | None,
-        order: tuple[int, int, dict[int, int]] | None,
+        order: tuple[Any, ...] | None,
         status: int,
     ) -> Lease:
         """``acquire`` past a refused first try (``status``): wait up to ``wait`` seconds
@@ -472,6 +472,8 @@ class Lease:
         # between the wake and the return is on the handoff's path.
         lease = cls(owner, pool, segment, kind, word, stream, held=False)
         address = segment.address
+        # ``order``: (context, stream, events), or under memops (context, stream, lanes address, lanes).
+        take = _native.lease_acquire if order is None else _native.lease_acquire_ordered if len(order) == 3 else _native.lease_acquire_memops
         follows = 0
         while True:
             if status == _RECORDING and time.monotonic() >= deadline:  # else wait what is left for the record
@@ -484,10 +486,7 @@ class Lease:
                 status = LeaseStatus.HELD  # the mark went meanwhile: try again
                 continue
             timeout_ns = max(0, int((deadline - time.monotonic()) * 1e9))
-            if order is None:
-                status, found = _native.lease_acquire(address, word, epoch, timeout_ns, encoded)
-            else:
-                status, found = _native.lease_acquire_ordered(address, word, epoch, timeout_ns, encoded, *order)
+            status, found = take(address, word, epoch, timeout_ns, encoded, *(order or ()))
             if status in _TAKEN:
                 lease.held = True
                 if lease.shared:
@@ -566,13 +565,15 @@ class Lease:
         owner = self.owner
         if self.shared:
             # The next holder may be another process, asleep until the native call below
-            # wakes it: this path is kept to one frame, with the event looked up inline.
+            # wakes it: this path is kept to one frame, with the event (or lane) looked up inline.
             event = owner.recording.get(self.pool_id)
             stream = current_stream(owner.device_ordinal) if self.stream is None else self.stream
-            if event is None:  # the first release on the pool: creates and publishes the event
-                status = owner.release_shared(self.pool_id, self.segment, self._word, stream)
-            else:
+            if event is not None:
                 status = _native.lease_release_ordered(self.address, self._word, owner.context, event, stream)
+            elif (lane := owner.lanes.get(self.pool_id)) is not None:  # memops ordering: the lane's next value written
+                status = _native.lease_release_memops(self.address, self._word, owner.context, lane.address, stream)
+            else:  # the first release on the pool: creates and publishes the event
+                status = owner.release_shared(self.pool_id, self.segment, self._word, stream)
             if status and self.segment.epoch() == 0 and owner.release_moved(self):
                 status = 0  # the pool moved while held: given back where it went
         else:

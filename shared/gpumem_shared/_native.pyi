@@ -9,11 +9,14 @@ LEASE_LABEL_BYTES: int
 LEASE_HANDOFF_RECORDING: int
 LEASE_HANDOFF_SESSION: int
 LEASE_ORDER_OFFSET: int
-# (name, value) pairs of lease_table.h's lists; the slot's fields as (name, offset, size)
+# (name, value) pairs of lease_table.h's lists; the slot's and a memops lane's fields as (name, offset, size)
 LEASE_STATUSES: tuple[tuple[str, int], ...]
 LEASE_KINDS: tuple[tuple[str, int], ...]
 LEASE_FLAGS: tuple[tuple[str, int], ...]
 LEASE_SLOT_FIELDS: tuple[tuple[str, int, int], ...]
+LEASE_LANE_FIELDS: tuple[tuple[str, int, int], ...]
+LEASE_LANE_BYTES: int
+LEASE_SEQ_BITS: int
 
 GPUMEM_MAX_SLOTS: int
 GPUMEM_MAX_EXTENTS: int
@@ -55,7 +58,20 @@ def slot_counters(slot: int, /) -> tuple[int, int, int] | None: ...
 def slot_rounded(slot: int, nbytes: int, /) -> int: ...
 def slot_set_grow(slot: int, callback: Callable[[int], bool] | None, /) -> int: ...
 def cuda_stream_wait(context: int, event: int, stream: int, /) -> int: ...
-def lease_release_memops(
-    segment_address: int, word: int, context: int, lane_address: int, lane: int, value: int, before: int, stream: int, /
+def lease_release_memops(segment_address: int, word: int, context: int, lane: int, stream: int, /) -> int: ...
+def lease_try_memops(
+    segment_address: int, word: int, epoch: int, label: bytes, context: int, stream: int, lanes_address: int, lanes: int, /
+) -> int: ...
+def lease_acquire_memops(
+    segment_address: int,
+    word: int,
+    epoch: int,
+    timeout_ns: int,
+    label: bytes | None,
+    context: int,
+    stream: int,
+    lanes_address: int,
+    lanes: int,
+    /,
 ) -> tuple[int, int]: ...
 def lease_order_wait(segment_address: int, context: int, lanes_address: int, lanes: int, stream: int, /) -> tuple[int, int]: ...

@@ -8,12 +8,15 @@ memory on the host backend. It holds 64-bit words, one lane per (graph pool, use
 session): only that session's streams write it (``cuStreamWriteValue64`` at each of its
 releases of that pool), and the daemon writes it once more when the session goes.
 
-A release on a shared pool takes the next value of the releaser's lane, enqueues the
-write of that value on its stream (after the work the lease covered), publishes the
-(lane, value) pair in the lease segment and frees the slot. A taker from another session
-reads the pair and makes its stream wait until the lane reaches the value
-(``cuStreamWaitValue64``, cyclic greater-or-equal). A value is never written twice on a
-lane, and values only grow, so an old value never satisfies a newer wait:
+A release on a shared pool takes the next value of the releaser's lane, publishes the
+(lane, value) pair in the lease segment, frees the slot marked recording (as an IPC-event
+release does: the waiter wakes meanwhile), enqueues the write of that value on its stream
+(after the work the lease covered) and ends the mark. A taker from another session waits
+for the mark to go, reads the pair and makes its stream wait until the lane reaches the
+value (``cuStreamWaitValue64``, cyclic greater-or-equal), in the same native call as its
+take. A write that fails to queue ends the mark naming nobody: no taker waits for it. A
+value is never written twice on a lane, and values only grow, so an old value never
+satisfies a newer wait:
 
 - a lane's values are ``generation << SEQ_BITS | n``, n counting the releases from 1;
   the daemon bumps the generation each time it hands the lane to a new session, so a
@@ -45,7 +48,7 @@ import time
 from typing import Final
 
 from gpumem_shared import _native
-from gpumem_shared.driver.base import Driver, DriverError
+from gpumem_shared.driver.base import DriverError
 from gpumem_shared.lease_table import LeaseSegment
 
 WORD_BYTES: Final[int] = 8
@@ -53,7 +56,7 @@ WORD_BYTES: Final[int] = 8
 CHUNK_GRANT_ID: Final[int] = 0
 # Releases one session may make of one pool before its lane wraps into the next
 # generation: 2**40, a million releases a second for twelve days.
-SEQ_BITS: Final[int] = 40
+SEQ_BITS: Final[int] = _native.LEASE_SEQ_BITS
 SEQ_MASK: Final[int] = (1 << SEQ_BITS) - 1
 GENERATIONS: Final[int] = 1 << (64 - SEQ_BITS)
 _U64: Final[int] = (1 << 64) - 1
@@ -78,65 +81,57 @@ def reached(word: int, target: int) -> bool:
     return ((word - target) & _U64) < (1 << 63)
 
 
+class _LaneState(ctypes.Structure):
+    """lease_table.h's lease_lane: what the native release reads and updates."""
+
+    _fields_ = [
+        ("word", ctypes.c_uint64),
+        ("last", ctypes.c_uint64),
+        ("stream", ctypes.c_uint64),
+        ("lane", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
 class ReleaserLane:
-    """A session's side of one lane: the values its releases of the pool publish."""
+    """A session's side of one lane: the values its releases of the pool publish. The
+    count lives in memory the native release updates (``address``), so that a release is
+    one native call, as under IPC events."""
 
-    __slots__ = ("index", "base", "count", "last_stream")
+    __slots__ = ("index", "base", "state", "address")
 
-    def __init__(self, index: int, base: int) -> None:
+    def __init__(self, index: int, base: int, lanes_address: int) -> None:
         self.index = index
         self.base = base  # this session's generation on the lane, shifted: the daemon's grant
-        self.count = 0
-        self.last_stream: int | None = None
+        self.state = _LaneState(word=lanes_address + index * WORD_BYTES, last=base, lane=index)
+        self.address = ctypes.addressof(self.state)
 
-    def last(self) -> int:
-        """The value the lane reaches once every release so far is written (``base``, which
-        the lane already holds or passed, before the first)."""
-        return self.base | self.count
-
-    def next(self, stream: int) -> tuple[int, int | None]:
-        """The value the next release on ``stream`` writes, and the value that stream must
-        wait for first (None: it wrote the last one itself, or there was none): a lane's
-        writes must land in the order of its values. Nothing changes until ``wrote``."""
-        if self.count >= SEQ_MASK:
-            raise OverflowError(f"lease ordering lane {self.index} used all {SEQ_MASK} values of its generation")
-        before = self.last() if self.count and stream != self.last_stream else None
-        return self.base | (self.count + 1), before
-
-    def wrote(self, stream: int) -> None:
-        """The write ``next`` named is queued on ``stream``: a failed one is not counted,
-        so no later release waits for a value nobody writes."""
-        self.count += 1
-        self.last_stream = stream
+    def release(self, context: int, segment_address: int, word: int, stream: int) -> int:
+        """Give back the lease ``word`` holds on the pool whose lease segment is mapped at
+        ``segment_address``, its work ordered by this lane, in one native call
+        (``lease_release_memops``: the value written after that work on ``stream``; the
+        taker is woken first). OK or NOT_HOLDER; a driver failure raises with the slot
+        freed and no taker ordered after the write that failed, which is not counted: no
+        later release waits for a value nobody writes. ``context`` is the driver's
+        ``native_context()``; ``Lease.release`` makes the same call inline."""
+        return _native.lease_release_memops(segment_address, word, context, self.address, stream)
 
 
-def release(driver: Driver, segment: LeaseSegment, word: int, lane: ReleaserLane, lanes_address: int, stream: int) -> int:
-    """Give back the lease ``word`` holds on ``segment``'s pool, its work ordered by
-    ``lane`` of the sequence chunk mapped at ``lanes_address``: in one native call, the
-    write queued on ``stream`` after that work, (lane, value) published, the slot freed.
-    A private pool's slot is freed at once. OK or NOT_HOLDER; a driver failure raises
-    with the slot freed and nothing published."""
-    value, before = lane.next(stream)
-    status, written = _native.lease_release_memops(
-        segment.address, word, driver.native_context(), lanes_address + lane.index * WORD_BYTES, lane.index, value, before or 0, stream
-    )
-    if written:
-        lane.wrote(stream)
-    return int(status)
-
-
-def order_after(driver: Driver, segment: LeaseSegment, lanes_address: int, lanes: int, stream: int, timeout_s: float) -> int | None:
-    """For a taker told OK_ORDER: ``stream`` waits for the last releaser's published value
-    on its lane. Returns the value waited for (None: nothing published, or a lane outside
-    the chunk, which no daemon grants: a forged order names nothing to wait for). Where
-    work is synchronous (the host backend) the wait is here: a bounded poll of the word."""
-    value, waited = _native.lease_order_wait(segment.address, driver.native_context(), lanes_address, lanes, stream)
+def order_after(context: int, segment: LeaseSegment, lanes_address: int, lanes: int, stream: int, timeout_s: float) -> int | None:
+    """For a taker told OK_ORDER by a take that did not wait (the memops takes, which wait
+    in the same native call, answer OK_WAITED instead, except where work is synchronous
+    and the word has not reached the value yet): ``stream`` waits for the last releaser's
+    published value on its lane. Returns the value waited for (None: nothing published,
+    or a lane outside the chunk, which no daemon grants: a forged order names nothing to
+    wait for). Where work is synchronous (the host backend, ``context`` 0) the wait is
+    here: a bounded poll of the word."""
+    value, waited = _native.lease_order_wait(segment.address, context, lanes_address, lanes, stream)
     if not value:
         return None
     if not waited:
         lane, _ = segment.order()
         _poll(lanes_address + lane * WORD_BYTES, value, timeout_s)
-    return int(value)
+    return value
 
 
 def _poll(address: int, value: int, timeout_s: float) -> None:

@@ -251,6 +251,20 @@ class LeaseSegment:
         did not land within what the take left)."""
         return _native.lease_acquire_ordered(self.address, word, epoch, int(timeout_s * 1e9), label, context, stream, events)
 
+    def try_acquire_memops(self, word: int, epoch: int, label: bytes, context: int, stream: int, lanes_address: int, lanes: int) -> int:
+        """``try_acquire_ordered`` under memops ordering: told OK_ORDER, ``stream`` waits for
+        the value the last releaser published on its lane of the sequence chunk mapped at
+        ``lanes_address`` (OK_WAITED). With ``context`` 0 (work is synchronous) OK_WAITED
+        says the word reached it already, OK_ORDER that it has not (the caller polls);
+        OK when nothing was published, or on a lane outside the chunk's ``lanes``."""
+        return _native.lease_try_memops(self.address, word, epoch, label, context, stream, lanes_address, lanes)
+
+    def acquire_memops(
+        self, word: int, epoch: int, timeout_s: float, label: bytes | None, context: int, stream: int, lanes_address: int, lanes: int
+    ) -> tuple[int, int]:
+        """``acquire_ordered`` under memops ordering, ordered as ``try_acquire_memops`` is."""
+        return _native.lease_acquire_memops(self.address, word, epoch, int(timeout_s * 1e9), label, context, stream, lanes_address, lanes)
+
     def await_record(self, timeout_s: float = 0.0) -> tuple[int, int]:
         """(status, releaser) for a taker told OK_ORDER: the session to order after (0:
         none), once its record landed (OK); RECORDING if it did not within ``timeout_s``

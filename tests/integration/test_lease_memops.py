@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 import gpumem
-from gpumem_shared import lease_order
+from gpumem.errors import LeaseConflict
+from gpumem_shared import lease_order, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import DriverError
 from gpumemd_testkit import MiB
@@ -100,6 +101,29 @@ def test_the_taker_waits_for_the_value_its_releaser_wrote(owner: Owner, releaser
     # Our own releases publish our lane: the releaser, taking after us, waits on it.
     lane, value = pool.segment.order()
     assert lane == owner.session.leasing.lanes[pool.id].index and owner.word(lane) == value
+
+
+def test_a_take_while_the_releasers_write_is_in_flight_waits_for_it_within_its_bound(owner: Owner, releaser: Any) -> None:
+    """A release frees the slot before it queues its write (the waiter wakes meanwhile),
+    marked until the write is queued: a taker finding the mark waits for it within its
+    ``wait``, and one that runs out names the releaser and what it has not done."""
+    pool = owner.register()
+    a = releaser("stuck-releaser")
+    assert ask(a, f"lease replay {pool.id} 0 turn") == "replay"
+    assert ask(a, f"unlease {pool.id}") == ""
+    done = pool.segment.handoff()
+    pool.segment._slot.handoff = done | lease_table.HANDOFF_RECORDING  # a's state between freeing and queuing its write
+    with pytest.raises(LeaseConflict, match="has not queued the stream write") as refused:
+        owner.session.replay(pool, wait=0)
+    assert "'stuck-releaser'" in str(refused.value) and pool.segment.peek() == 0, "refused at once, the take given back"
+    queued = threading.Timer(0.1, setattr, (pool.segment._slot, "handoff", done))
+    queued.start()
+    try:
+        before = owner.session.leasing.handoff_waits
+        with owner.session.replay(pool, wait=10.0):
+            assert owner.session.leasing.handoff_waits == before + 1, "ordered after the write, once queued"
+    finally:
+        queued.cancel()
 
 
 def test_a_releaser_that_died_before_its_write_holds_the_taker_only_until_the_sweep(

@@ -14,6 +14,8 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,24 +40,6 @@ def test_reached_is_the_cyclic_greater_or_equal() -> None:
     assert reached(5, 5) and reached(6, 5) and not reached(4, 5)
     # Across the wrap, as cuStreamWaitValue64's default compare: (int64)(word - value) >= 0.
     assert reached(2, (1 << 64) - 3) and not reached((1 << 64) - 3, 2)
-
-
-def test_a_lane_counts_up_from_its_generation_and_commits_only_written_values() -> None:
-    lane = ReleaserLane(3, base=7 << SEQ_BITS)
-    assert lane.last() == 7 << SEQ_BITS
-    value, before = lane.next(stream=11)
-    assert (value, before) == ((7 << SEQ_BITS) | 1, None)
-    assert lane.next(stream=11)[0] == value  # not written: the same value again
-    lane.wrote(11)
-    assert lane.next(stream=11) == ((7 << SEQ_BITS) | 2, None)  # same stream: ordered by the stream
-
-
-def test_a_release_from_another_stream_first_waits_for_the_lanes_last_value() -> None:
-    lane = ReleaserLane(0, base=1 << SEQ_BITS)
-    lane.wrote(11)
-    value, before = lane.next(stream=22)
-    assert before == lane.last() == (1 << SEQ_BITS) | 1
-    assert value == (1 << SEQ_BITS) | 2
 
 
 def test_lane_book_keeps_a_sessions_lane_and_starts_the_next_holder_above_the_sweep() -> None:
@@ -129,16 +113,27 @@ def words() -> Iterator[Words]:
     os.close(w.fd)
 
 
+def test_a_lane_counts_up_from_its_generation_and_commits_only_written_values(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    segment, _ = shared_pool
+    lane = ReleaserLane(3, base=7 << SEQ_BITS, lanes_address=words.address)
+    for n in (1, 2):
+        assert segment.try_acquire(RELEASER, EPOCH, b"r") in (LeaseStatus.OK, LeaseStatus.OK_ORDER)
+        assert lane.release(0, segment.address, RELEASER, stream=11) == LeaseStatus.OK
+        assert words[3] == (7 << SEQ_BITS) | n and segment.order() == (3, (7 << SEQ_BITS) | n)
+        # Not the holder's release (the slot is free): nothing written, nothing counted.
+        assert lane.release(0, segment.address, RELEASER, stream=11) == LeaseStatus.NOT_HOLDER
+        assert lane.state.last == (7 << SEQ_BITS) | n and words[3] == (7 << SEQ_BITS) | n
+
+
 def test_taker_waits_for_the_value_its_releaser_wrote(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
     segment, _ = shared_pool
-    driver = HostDriver(0)
-    lane = ReleaserLane(2, base=1 << SEQ_BITS)
+    lane = ReleaserLane(2, base=1 << SEQ_BITS, lanes_address=words.address)
     assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
-    assert lease_order.release(driver, segment, RELEASER, lane, words.address, stream=0) == LeaseStatus.OK
+    assert lane.release(0, segment.address, RELEASER, stream=0) == LeaseStatus.OK
     assert segment.order() == (2, (1 << SEQ_BITS) | 1)
     assert words[2] == (1 << SEQ_BITS) | 1
     assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK_ORDER
-    assert lease_order.order_after(driver, segment, words.address, LANES, 0, timeout_s=1.0) == (1 << SEQ_BITS) | 1
+    assert lease_order.order_after(0, segment, words.address, LANES, 0, timeout_s=1.0) == (1 << SEQ_BITS) | 1
 
 
 def test_a_dead_releasers_unwritten_value_holds_the_taker_until_the_daemon_sweeps_its_lane(
@@ -147,62 +142,131 @@ def test_a_dead_releasers_unwritten_value_holds_the_taker_until_the_daemon_sweep
     segment, _ = shared_pool
     book = LaneBook(LANES)
     index, base = book.grant(1, 5)
-    releaser = ReleaserLane(index, base)
+    releaser = ReleaserLane(index, base, words.address)
     assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
-    assert lease_order.release(HostDriver(0), segment, RELEASER, releaser, words.address, stream=0) == LeaseStatus.OK
+    assert releaser.release(0, segment.address, RELEASER, stream=0) == LeaseStatus.OK
     # Its next release, as a releaser killed with the write queued leaves it: published, never written.
     assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
     segment.publish_order(index, base | 2)
     assert segment.release_recorded(RELEASER) == LeaseStatus.OK
     assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK_ORDER
     with pytest.raises(DriverError, match="never wrote it"):
-        lease_order.order_after(HostDriver(0), segment, words.address, LANES, 0, timeout_s=0.05)
+        lease_order.order_after(0, segment, words.address, LANES, 0, timeout_s=0.05)
     swept_lane = book.release(1, 5)
     assert swept_lane is not None
     words.sweep(*swept_lane)
-    assert lease_order.order_after(HostDriver(0), segment, words.address, LANES, 0, timeout_s=1.0) == base | 2
+    assert lease_order.order_after(0, segment, words.address, LANES, 0, timeout_s=1.0) == base | 2
 
 
-def test_a_release_from_a_second_stream_waits_on_the_lane_before_writing(
-    shared_pool: tuple[LeaseSegment, int], words: Words, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What the native release is told to do on the lane: the values, and the wait a second
-    stream makes first (on CUDA, cuStreamWaitValue64 before cuStreamWriteValue64)."""
+def test_releases_from_two_streams_write_the_lanes_values_in_order(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    """The lane's state in native memory (lease_table.h's lease_lane): each release
+    writes the next value and notes its stream, which the next release compares with its
+    own (on CUDA a release from another stream first waits for the lane's last value;
+    here every write lands at once)."""
     segment, _ = shared_pool
-    calls: list[tuple[int, int, int]] = []
-    native = lease_order._native
-
-    class Recording:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(native, name)
-
-        @staticmethod
-        def lease_release_memops(*args: int) -> tuple[int, int]:
-            calls.append((args[5], args[6], args[7]))  # value, before, stream
-            return native.lease_release_memops(*args)
-
-    monkeypatch.setattr(lease_order, "_native", Recording())
-    lane = ReleaserLane(1, base=1 << SEQ_BITS)
-    for stream in (11, 11, 22):
+    lane = ReleaserLane(1, base=1 << SEQ_BITS, lanes_address=words.address)
+    for n, stream in enumerate((11, 11, 22), start=1):
         assert segment.try_acquire(RELEASER, EPOCH, b"r") in (LeaseStatus.OK, LeaseStatus.OK_ORDER)
-        assert lease_order.release(HostDriver(0), segment, RELEASER, lane, words.address, stream) == LeaseStatus.OK
-    one, two, three = ((1 << SEQ_BITS) | n for n in (1, 2, 3))
-    assert calls == [(one, 0, 11), (two, 0, 11), (three, two, 22)]
-    assert words[1] == three and segment.order() == (1, three)
+        assert lane.release(0, segment.address, RELEASER, stream) == LeaseStatus.OK
+        assert (lane.state.last, lane.state.stream) == ((1 << SEQ_BITS) | n, stream)
+        assert words[1] == (1 << SEQ_BITS) | n and segment.order() == (1, (1 << SEQ_BITS) | n)
+
+
+def test_a_lane_out_of_values_frees_the_slot_and_orders_nobody_after_it(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    segment, _ = shared_pool
+    lane = ReleaserLane(1, base=1 << SEQ_BITS, lanes_address=words.address)
+    lane.state.last = (1 << SEQ_BITS) | SEQ_MASK  # every value of its generation written
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    with pytest.raises(OverflowError, match="used all"):
+        lane.release(0, segment.address, RELEASER, 0)
+    assert segment.peek() == 0 and segment.handoff() == 0, "freed, naming nobody: no taker waits for that value"
+    assert lane.state.last == (1 << SEQ_BITS) | SEQ_MASK and words[1] == 0, "nothing counted"
 
 
 def test_a_release_that_is_not_the_holders_writes_and_counts_nothing(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
     segment, _ = shared_pool
-    lane = ReleaserLane(1, base=1 << SEQ_BITS)
+    lane = ReleaserLane(1, base=1 << SEQ_BITS, lanes_address=words.address)
     assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK
-    assert lease_order.release(HostDriver(0), segment, RELEASER, lane, words.address, 0) == LeaseStatus.NOT_HOLDER
-    assert lane.count == 0 and words[1] == 0 and segment.order() == (0, 0) and segment.peek() == TAKER
+    assert lane.release(0, segment.address, RELEASER, 0) == LeaseStatus.NOT_HOLDER
+    assert lane.state.last == 1 << SEQ_BITS and words[1] == 0 and segment.order() == (0, 0) and segment.peek() == TAKER
 
 
 def test_a_forged_lane_outside_the_chunk_is_not_waited_on(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
     segment, _ = shared_pool
     segment.publish_order(LANES + 100, 1)
-    assert lease_order.order_after(HostDriver(0), segment, words.address, LANES, 0, timeout_s=0.0) is None
+    assert lease_order.order_after(0, segment, words.address, LANES, 0, timeout_s=0.0) is None
+
+
+# ---------------------------------------------------------------------- the take and its order in one call
+
+
+def take(segment: LeaseSegment, words: Words, word: int = TAKER) -> int:
+    """The fused memops try on context 0 (the host backend's), as Lease.acquire makes it."""
+    return segment.try_acquire_memops(word, EPOCH, b"t", 0, 0, words.address, LANES)
+
+
+def test_the_take_orders_after_the_releasers_value_in_the_same_call(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    segment, _ = shared_pool
+    lane = ReleaserLane(2, base=1 << SEQ_BITS, lanes_address=words.address)
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    assert lane.release(0, segment.address, RELEASER, 0) == LeaseStatus.OK
+    assert segment.handoff() == lease_table.word_session(5), "the release ended its mark, naming itself"
+    assert take(segment, words) == LeaseStatus.OK_WAITED, "the value was written: waited for in the take"
+    assert segment.clear(TAKER) == LeaseStatus.OK
+    # Its next release published and never written (killed with the write queued).
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    segment.publish_order(2, (1 << SEQ_BITS) | 2)
+    assert segment.release_recorded(RELEASER) == LeaseStatus.OK
+    assert take(segment, words) == LeaseStatus.OK_ORDER, "not reached: the caller polls the word"
+    assert segment.peek() == TAKER, "taken: the caller polls within its bound, and gives it back if it is late"
+    with pytest.raises(DriverError, match="never wrote it"):
+        lease_order.order_after(0, segment, words.address, LANES, 0, timeout_s=0.05)
+    segment.clear(TAKER)
+    words.sweep(2, swept(1 << SEQ_BITS))
+    assert take(segment, words) == LeaseStatus.OK_WAITED
+
+
+def test_the_take_waits_on_nothing_for_a_forged_lane(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    segment, _ = shared_pool
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    segment.publish_order(LANES + 100, 1)  # a lane outside the chunk, with a value nobody writes
+    assert segment.release_recorded(RELEASER) == LeaseStatus.OK
+    assert take(segment, words) == LeaseStatus.OK and segment.peek() == TAKER
+
+
+def test_the_take_waits_for_a_release_in_flight_within_its_bound(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    """A releaser between freeing the slot and queuing its write (the slot marked
+    recording): a try gives the slot back at once, an acquire waits for the mark within
+    its timeout, then for the value."""
+    segment, _ = shared_pool
+    lane = ReleaserLane(2, base=1 << SEQ_BITS, lanes_address=words.address)
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    assert lane.release(0, segment.address, RELEASER, 0) == LeaseStatus.OK
+    segment._slot.handoff = lease_table.word_session(5) | lease_table.HANDOFF_RECORDING
+    assert take(segment, words) == LeaseStatus.RECORDING and segment.peek() == 0
+    late = segment.acquire_memops(TAKER, EPOCH, 0.05, None, 0, 0, words.address, LANES)
+    assert late[0] == LeaseStatus.RECORDING and segment.peek() == 0
+    ended = threading.Timer(0.05, setattr, (segment._slot, "handoff", lease_table.word_session(5)))
+    ended.start()
+    try:
+        assert segment.acquire_memops(TAKER, EPOCH, 10.0, None, 0, 0, words.address, LANES)[0] == LeaseStatus.OK_WAITED
+    finally:
+        ended.cancel()
+
+
+def test_a_waiting_take_is_woken_by_the_release_and_orders_in_the_same_call(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+    segment, _ = shared_pool
+    lane = ReleaserLane(2, base=1 << SEQ_BITS, lanes_address=words.address)
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    results: list[tuple[int, int]] = []
+    taker = threading.Thread(target=lambda: results.append(segment.acquire_memops(TAKER, EPOCH, 10.0, b"t", 0, 0, words.address, LANES)))
+    taker.start()
+    while not segment._slot.waiters and taker.is_alive():  # asleep on the futex, or about to be
+        time.sleep(0.001)
+    assert lane.release(0, segment.address, RELEASER, 0) == LeaseStatus.OK
+    taker.join(10)
+    assert results == [(LeaseStatus.OK_WAITED, RELEASER)]
+    assert segment.peek() == TAKER and words[2] == (1 << SEQ_BITS) | 1
 
 
 _RELEASER_PROCESS = """
@@ -216,7 +280,7 @@ address = ctypes.addressof(ctypes.c_char.from_buffer(words))
 segment = LeaseSegment(seg_fd)
 assert segment.try_acquire(word, epoch, b"releaser") == LeaseStatus.OK
 if write:
-    status = lease_order.release(HostDriver(0), segment, word, lease_order.ReleaserLane(4, base), address, 0)
+    status = lease_order.ReleaserLane(4, base, address).release(0, segment.address, word, 0)
 else:  # killed with its write queued: the value published, never written
     segment.publish_order(4, base | 1)
     status = segment.release_recorded(word)
@@ -240,15 +304,14 @@ def test_a_releaser_in_another_process(shared_pool: tuple[LeaseSegment, int], wo
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(int(LeaseStatus.OK))
     assert segment.try_acquire(TAKER, EPOCH, b"t") == LeaseStatus.OK_ORDER
-    driver = HostDriver(0)
     if write:
         assert words[4] == base | 1
-        assert lease_order.order_after(driver, segment, words.address, LANES, 0, timeout_s=5.0) == base | 1
+        assert lease_order.order_after(0, segment, words.address, LANES, 0, timeout_s=5.0) == base | 1
         return
     assert words[4] == 0
     with pytest.raises(DriverError):
-        lease_order.order_after(driver, segment, words.address, LANES, 0, timeout_s=0.05)
+        lease_order.order_after(0, segment, words.address, LANES, 0, timeout_s=0.05)
     swept_lane: Any = book.release(1, 5)
     words.sweep(*swept_lane)
-    assert lease_order.order_after(driver, segment, words.address, LANES, 0, timeout_s=5.0) == base | 1
+    assert lease_order.order_after(0, segment, words.address, LANES, 0, timeout_s=5.0) == base | 1
     assert SEQ_MASK & swept_lane[1] == SEQ_MASK

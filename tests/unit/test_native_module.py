@@ -18,6 +18,7 @@ import pytest
 
 from gpumem.allocator import Slot
 from gpumem_shared import _native, lease_table
+from gpumem_shared.lease_order import _LaneState
 from gpumem_shared.lease_table import LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus, _Slot
 
 
@@ -35,6 +36,14 @@ def test_the_exported_fields_cover_the_whole_slot() -> None:
         assert offset == end, f"lease slot field {name} starts at {offset}, after a field that ends at {end}"
         end = offset + size
     assert end == _native.LEASE_SLOT_BYTES
+
+
+def test_the_ctypes_memops_lane_matches_the_exported_layout() -> None:
+    """lease_order's view of lease_table.h's lease_lane, which the native release updates;
+    the exported fields tile it (one added to lease_lane alone leaves a hole)."""
+    ours = [(name, getattr(_LaneState, name).offset, getattr(_LaneState, name).size) for name, *_ in _LaneState._fields_]
+    assert ours == list(_native.LEASE_LANE_FIELDS)
+    assert ctypes.sizeof(_LaneState) == _native.LEASE_LANE_BYTES == sum(size for _, _, size in _native.LEASE_LANE_FIELDS)
 
 
 def test_the_label_size_is_the_label_fields() -> None:

@@ -47,6 +47,19 @@ typedef struct {
 _Static_assert(LEASE_ORDER_OFFSET >= sizeof(lease_slot), "the pair does not overlap the slot");
 _Static_assert(LEASE_ORDER_OFFSET + sizeof(lease_order_pair) <= LEASE_SEGMENT_BYTES, "the pair fits the segment");
 
+/* A session's side of one memops lane (lease_order.py's ReleaserLane), in that process's
+ * memory: read by Python, written only by the session's native releases (the GIL held).
+ * A lane's values are generation << LEASE_SEQ_BITS | n, n counting its releases from 1. */
+#define LEASE_SEQ_BITS 40
+#define LEASE_SEQ_MASK ((UINT64_C(1) << LEASE_SEQ_BITS) - 1)
+typedef struct {
+    uint64_t word;   /* the lane's word in the sequence chunk, as mapped in this process */
+    uint64_t last;   /* the value the lane reaches once every release so far is written */
+    uint64_t stream; /* the stream that wrote ``last`` (none while n is 0) */
+    uint32_t lane;   /* the lane's index in the chunk, published with each value */
+    uint32_t pad;
+} lease_lane;
+
 #define LEASE_KIND_OF(word) ((uint32_t)((word) >> 56))
 #define LEASE_SESSION_OF(word) ((uint32_t)(((word) >> 32) & 0xFFFFFFu))
 

@@ -483,17 +483,26 @@ static int load_cuda(void) {
     return cu.loaded > 0 ? 0 : -1;
 }
 
-static int in_context(void *ctx, int wait, void *event, void *stream) {
-    if (load_cuda() < 0) return -1;
+/* Every driver call below runs between these two: ``ctx`` made current, pushed only
+ * when the thread's current context differs (*pushed: whether leave_context pops it). */
+static int enter_context(void *ctx, int *pushed) {
     void *current = NULL;
     cu.get(&current);
-    int pushed = current != ctx;
-    if (pushed) {
-        int rc = cu.push(ctx);
-        if (rc) return rc;
-    }
-    int rc = wait ? cu.wait(stream, event, 0) : cu.record(event, stream);
-    if (pushed) cu.pop(&current);
+    *pushed = current != ctx;
+    return *pushed ? cu.push(ctx) : 0;
+}
+
+static void leave_context(int pushed) {
+    void *popped;
+    if (pushed) cu.pop(&popped);
+}
+
+static int in_context(void *ctx, int wait, void *event, void *stream) {
+    int pushed, rc;
+    if (load_cuda() < 0) return -1;
+    if ((rc = enter_context(ctx, &pushed))) return rc;
+    rc = wait ? cu.wait(stream, event, 0) : cu.record(event, stream);
+    leave_context(pushed);
     return rc;
 }
 
@@ -602,24 +611,64 @@ undo:
     return -1;
 }
 
+/* The arguments the ordered takes share. */
+typedef struct {
+    lease_slot *slot;
+    uint64_t word;
+    uint32_t epoch;
+    int64_t timeout_ns; /* an acquire's */
+    char *label;
+    Py_ssize_t len;
+    gpu_order order;
+} ordered_take;
+
+/* A try's (segment_address, word, epoch, label: bytes, context, stream, ...). */
+static int try_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, ordered_take *t) {
+    return lease_args(args, nargs, want, usage, &t->slot) < 0 || u64_arg(args[1], &t->word) < 0 ||
+                   u32_arg(args[2], &t->epoch) < 0 || PyBytes_AsStringAndSize(args[3], &t->label, &t->len) < 0 ||
+                   order_args(args[4], args[5], &t->order) < 0
+               ? -1
+               : 0;
+}
+
+/* An acquire's (segment_address, word, epoch, timeout_ns, label or None, context, stream, ...). */
+static int acquire_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, ordered_take *t) {
+    if (lease_args(args, nargs, want, usage, &t->slot) < 0 || u64_arg(args[1], &t->word) < 0 || u32_arg(args[2], &t->epoch) < 0)
+        return -1;
+    long long timeout_ns = PyLong_AsLongLong(args[3]);
+    if (timeout_ns == -1 && PyErr_Occurred()) return -1;
+    t->timeout_ns = (int64_t)timeout_ns;
+    t->label = NULL;
+    t->len = 0;
+    if (args[4] != Py_None && PyBytes_AsStringAndSize(args[4], &t->label, &t->len) < 0) return -1;
+    return order_args(args[5], args[6], &t->order);
+}
+
+/* lease_acquire's take (the wait without the GIL): its status, and in *left what remains
+ * of timeout_ns for the order's wait after it, so both waits together stay within it. */
+static int take_within(const ordered_take *t, uint64_t *found, int64_t *left) {
+    int64_t start = monotonic_ns();
+    int64_t deadline = t->timeout_ns > INT64_MAX - start ? INT64_MAX : start + t->timeout_ns;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = gpumem_lease_acquire(t->slot, t->word, t->epoch, t->timeout_ns, found, t->label, (uint32_t)t->len);
+    Py_END_ALLOW_THREADS
+    *left = status == LEASE_OK_ORDER ? deadline - monotonic_ns() : 0;
+    return status;
+}
+
 /* lease_try_ordered(segment_address, word, epoch, label: bytes, context, stream, events)
  * -> status: lease_try, then the wait on the releaser's event when told to order. A try
  * waits for nothing: a record still in flight gives the slot back (LEASE_RECORDING), and
  * a caller with time to wait goes on with lease_acquire_ordered. */
 static PyObject *lease_try_ordered(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    lease_slot *slot;
-    uint32_t epoch;
-    uint64_t word;
-    char *label;
-    Py_ssize_t len;
-    gpu_order order;
-    if (lease_args(args, nargs, 7, "lease_try_ordered(segment_address, word, epoch, label, context, stream, events)", &slot) < 0 ||
-        u64_arg(args[1], &word) < 0 || u32_arg(args[2], &epoch) < 0 || PyBytes_AsStringAndSize(args[3], &label, &len) < 0 ||
-        order_args(args[4], args[5], &order) < 0 || events_arg(args[6]) < 0)
+    ordered_take t;
+    if (try_args(args, nargs, 7, "lease_try_ordered(segment_address, word, epoch, label, context, stream, events)", &t) < 0 ||
+        events_arg(args[6]) < 0)
         return NULL;
-    int status = gpumem_lease_try(slot, word, epoch, label, (uint32_t)len);
-    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(slot, word, &order, args[6], 0)) < 0) return NULL;
+    int status = gpumem_lease_try(t.slot, t.word, t.epoch, t.label, (uint32_t)t.len);
+    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(t.slot, t.word, &t.order, args[6], 0)) < 0) return NULL;
     return PyLong_FromLong(status);
 }
 
@@ -629,30 +678,16 @@ static PyObject *lease_try_ordered(PyObject *module, PyObject *const *args, Py_s
  * timeout_ns: the record is waited for what the take left of it. */
 static PyObject *lease_acquire_ordered(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    lease_slot *slot;
-    uint32_t epoch;
-    uint64_t word;
-    char *label = NULL;
-    Py_ssize_t len = 0;
-    gpu_order order;
-    if (lease_args(args, nargs, 8,
-                   "lease_acquire_ordered(segment_address, word, epoch, timeout_ns, label or None, context, stream, events)",
-                   &slot) < 0 ||
-        u64_arg(args[1], &word) < 0 || u32_arg(args[2], &epoch) < 0)
+    ordered_take t;
+    if (acquire_args(args, nargs, 8,
+                     "lease_acquire_ordered(segment_address, word, epoch, timeout_ns, label or None, context, stream, events)",
+                     &t) < 0 ||
+        events_arg(args[7]) < 0)
         return NULL;
-    long long timeout_ns = PyLong_AsLongLong(args[3]);
-    if (timeout_ns == -1 && PyErr_Occurred()) return NULL;
-    if (args[4] != Py_None && PyBytes_AsStringAndSize(args[4], &label, &len) < 0) return NULL;
-    if (order_args(args[5], args[6], &order) < 0 || events_arg(args[7]) < 0) return NULL;
     uint64_t found = 0;
-    int status;
-    int64_t start = monotonic_ns();
-    int64_t deadline = timeout_ns > INT64_MAX - start ? INT64_MAX : start + (int64_t)timeout_ns;
-    Py_BEGIN_ALLOW_THREADS
-    status = gpumem_lease_acquire(slot, word, epoch, (int64_t)timeout_ns, &found, label, (uint32_t)len);
-    Py_END_ALLOW_THREADS
-    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(slot, word, &order, args[7], deadline - monotonic_ns())) < 0)
-        return NULL;
+    int64_t left;
+    int status = take_within(&t, &found, &left);
+    if (status == LEASE_OK_ORDER && (status = wait_for_releaser(t.slot, t.word, &t.order, args[7], left)) < 0) return NULL;
     return Py_BuildValue("(iK)", status, (unsigned long long)found);
 }
 
@@ -708,17 +743,12 @@ static int load_memops(void) {
  * ``value`` there (``write``) or waits for it. Flags 0: the write follows a memory
  * barrier (the stream's earlier writes are visible first); the wait is the cyclic >=. */
 static int memops_in_context(void *ctx, void *stream, uint64_t lane, uint64_t before, uint64_t value, int write) {
+    int pushed, rc;
     if (load_memops() < 0) return -1;
-    void *current = NULL;
-    cu.get(&current);
-    int pushed = current != ctx;
-    if (pushed) {
-        int rc = cu.push(ctx);
-        if (rc) return rc;
-    }
-    int rc = before ? memops.wait(stream, lane, before, 0) : 0;
+    if ((rc = enter_context(ctx, &pushed))) return rc;
+    rc = before ? memops.wait(stream, lane, before, 0) : 0;
     if (!rc) rc = write ? memops.write(stream, lane, value, 0) : memops.wait(stream, lane, value, 0);
-    if (pushed) cu.pop(&current);
+    leave_context(pushed);
     return rc;
 }
 
@@ -731,71 +761,181 @@ static int lane_arg(PyObject *arg, uint64_t *out) {
     return 0;
 }
 
-/* lease_release_memops(segment_address, word, context, lane_address, lane, value, before,
- * stream) -> (status, written): a holder's release under memops ordering. On a shared
- * pool the stream waits for ``before`` on the lane (0: none), writes ``value`` there, the
- * (lane, value) pair is published after the slot, and the slot freed naming the holder
- * (written 1). Context 0 (work is synchronous): the value is stored at once. A private
- * slot is freed as lease_release frees it; another's is left (written 0). A driver
- * failure frees the slot naming nobody, publishes nothing, and raises. */
+/* lease_release_memops(segment_address, word, context, lane, stream) -> status: a
+ * holder's release under memops ordering, shaped as lease_release_ordered is; ``lane``
+ * is the address of the session's lease_lane for the pool. On a shared pool the lane's
+ * next (lane, value) pair is published, the slot freed naming the holder marked
+ * recording (a waiter wakes meanwhile), the stream writes the value on the lane, and
+ * the mark ends. First, on a stream other than the one that wrote the lane's last value,
+ * the stream waits for that value: a lane's writes land in the order of its values.
+ * Context 0 (work is synchronous): the value is stored at once. The lane counts a value
+ * once its write is queued. A private slot is freed as lease_release frees it; another's
+ * is left. A driver failure, or a lane out of values, ends the mark naming nobody (no
+ * taker waits for a value nobody writes) and raises, the slot freed, nothing counted. */
 static PyObject *lease_release_memops(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     lease_slot *slot;
-    uint64_t word, lane_address, value, before;
-    uint32_t lane;
+    uint64_t word;
     gpu_order order;
-    if (lease_args(args, nargs, 8, "lease_release_memops(segment_address, word, context, lane_address, lane, value, before, stream)",
-                   &slot) < 0 ||
-        u64_arg(args[1], &word) < 0 || order_args(args[2], args[7], &order) < 0 || lane_arg(args[3], &lane_address) < 0 ||
-        u32_arg(args[4], &lane) < 0 || u64_arg(args[5], &value) < 0 || u64_arg(args[6], &before) < 0)
+    if (lease_args(args, nargs, 5, "lease_release_memops(segment_address, word, context, lane, stream)", &slot) < 0 ||
+        u64_arg(args[1], &word) < 0 || order_args(args[2], args[4], &order) < 0)
         return NULL;
+    lease_lane *lane = PyLong_AsVoidPtr(args[3]);
+    if (lane == NULL || (uintptr_t)lane % sizeof(uint64_t)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "lease_release_memops: not a lane's address");
+        return NULL;
+    }
     int status = gpumem_lease_release(slot, word);
-    if (status != LEASE_RECORD) return Py_BuildValue("(ii)", status, 0);
+    if (status != LEASE_RECORD) return PyLong_FromLong(status);
+    uint64_t count = lane->last & LEASE_SEQ_MASK;
+    uint64_t value = lane->last + 1;
+    uint64_t before = count && (uint64_t)(uintptr_t)order.stream != lane->stream ? lane->last : 0;
+    /* Written while the slot is ours; the free's store orders it before a taker reads it. */
+    lease_order_pair *pair = (lease_order_pair *)((char *)slot + LEASE_ORDER_OFFSET);
+    pair->lane = lane->lane;
+    pair->value = value;
+    if ((status = gpumem_lease_release_recording(slot, word)) != LEASE_OK) return PyLong_FromLong(status);
     int rc = 0;
-    if (order.ctx)
-        rc = memops_in_context(order.ctx, order.stream, lane_address, before, value, 1);
+    if (count == LEASE_SEQ_MASK)
+        rc = -2;
+    else if (order.ctx)
+        rc = memops_in_context(order.ctx, order.stream, lane->word, before, value, 1);
     else
-        __atomic_store_n((uint64_t *)(uintptr_t)lane_address, value, __ATOMIC_RELEASE);
+        __atomic_store_n((uint64_t *)(uintptr_t)lane->word, value, __ATOMIC_RELEASE);
+    gpumem_lease_recorded(slot, LEASE_SESSION_OF(word), rc == 0);
+    if (rc == -2) {
+        PyErr_Format(PyExc_OverflowError, "lease ordering lane %u used all %llu values of its generation", lane->lane,
+                     (unsigned long long)LEASE_SEQ_MASK);
+        return NULL;
+    }
     if (rc) {
-        gpumem_lease_clear(slot, word);
         raise_driver_error("cuStreamWriteValue64", rc);
         return NULL;
     }
-    lease_order_pair *pair = (lease_order_pair *)((char *)slot + LEASE_ORDER_OFFSET);
-    pair->lane = lane;
-    pair->value = value;
-    return Py_BuildValue("(ii)", gpumem_lease_release_recorded(slot, word), 1);
+    lane->last = value;
+    lane->stream = (uint64_t)(uintptr_t)order.stream;
+    return PyLong_FromLong(LEASE_OK);
 }
 
-/* lease_order_wait(segment_address, context, lanes_address, lanes, stream) -> (value,
- * waited): for a taker told LEASE_OK_ORDER, the stream waits for the value the last
- * releaser published on its lane. Value 0: nothing to wait for (none published, or a lane
- * outside the chunk's ``lanes``, which no daemon grants). Context 0: waited is whether the
- * word has reached it already (0: the caller polls it, within its bound). */
-static PyObject *lease_order_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    lease_slot *slot;
-    uint64_t lanes_address;
+/* The sequence chunk as a taker names it: its address in this process, and its lanes. */
+typedef struct {
+    uint64_t address;
     uint32_t lanes;
-    gpu_order order;
-    if (lease_args(args, nargs, 5, "lease_order_wait(segment_address, context, lanes_address, lanes, stream)", &slot) < 0 ||
-        order_args(args[1], args[4], &order) < 0 || lane_arg(args[2], &lanes_address) < 0 || u32_arg(args[3], &lanes) < 0)
-        return NULL;
+} lane_chunk;
+
+static int chunk_args(PyObject *address, PyObject *lanes, lane_chunk *out) {
+    return lane_arg(address, &out->address) < 0 || u32_arg(lanes, &out->lanes) < 0 ? -1 : 0;
+}
+
+/* The value the last memops releaser published on ``slot``, and its lane's word in
+ * ``chunk`` (*address). 0: nothing to wait for (none published, or a lane outside the
+ * chunk, which no daemon grants: a forged pair names nothing). */
+static uint64_t published(lease_slot *slot, const lane_chunk *chunk, uint64_t *address) {
     lease_order_pair *pair = (lease_order_pair *)((char *)slot + LEASE_ORDER_OFFSET);
     uint32_t lane = __atomic_load_n(&pair->lane, __ATOMIC_ACQUIRE);
     uint64_t value = __atomic_load_n(&pair->value, __ATOMIC_ACQUIRE);
-    if (!value || lane >= lanes) return Py_BuildValue("(Ki)", 0ULL, 0);
-    uint64_t address = lanes_address + (uint64_t)lane * sizeof(uint64_t);
-    if (!order.ctx) {
+    if (lane >= chunk->lanes) return 0;
+    *address = chunk->address + (uint64_t)lane * sizeof(uint64_t);
+    return value;
+}
+
+/* The stream waits until the word at ``address`` reaches ``value`` (*waited 1, once
+ * queued). Context 0 (work is synchronous): *waited says whether the word has reached it
+ * already (0: the caller polls it, within its bound). Returns the CUresult. */
+static int wait_value(const gpu_order *order, uint64_t address, uint64_t value, int *waited) {
+    if (!order->ctx) {
         uint64_t now = __atomic_load_n((uint64_t *)(uintptr_t)address, __ATOMIC_ACQUIRE);
-        return Py_BuildValue("(Ki)", (unsigned long long)value, (int64_t)(now - value) >= 0);
+        *waited = (int64_t)(now - value) >= 0;
+        return 0;
     }
-    int rc = memops_in_context(order.ctx, order.stream, address, 0, value, 0);
+    *waited = 1;
+    return memops_in_context(order->ctx, order->stream, address, 0, value, 0);
+}
+
+/* wait_for_releaser under memops ordering: once the last releaser's release is done (its
+ * mark gone), the stream waits for the value it published (LEASE_OK_WAITED). Context 0:
+ * LEASE_OK_WAITED when the word reached it already, LEASE_OK_ORDER when not (the caller
+ * polls it within its bound). LEASE_OK when there is nothing to wait for: no releaser
+ * named (the daemon forgot it, its write failed, or it was this session), or nothing
+ * published. LEASE_RECORDING and -1 (an exception set), the take undone, as there. */
+static int wait_for_lane(lease_slot *slot, uint64_t word, const gpu_order *order, const lane_chunk *chunk, int64_t timeout_ns) {
+    uint32_t releaser;
+    if (await_record(slot, timeout_ns, &releaser) != LEASE_OK) {
+        gpumem_lease_clear(slot, word);
+        return LEASE_RECORDING;
+    }
+    if (!releaser || releaser == LEASE_SESSION_OF(word)) return LEASE_OK;
+    uint64_t address = 0;
+    uint64_t value = published(slot, chunk, &address);
+    if (!value) return LEASE_OK;
+    int waited;
+    int rc = wait_value(order, address, value, &waited);
+    if (rc) {
+        raise_driver_error("cuStreamWaitValue64", rc);
+        gpumem_lease_clear(slot, word);
+        return -1;
+    }
+    return waited ? LEASE_OK_WAITED : LEASE_OK_ORDER;
+}
+
+/* lease_try_memops(segment_address, word, epoch, label: bytes, context, stream,
+ * lanes_address, lanes) -> status: lease_try_ordered under memops ordering, the chunk
+ * mapped at lanes_address (its lanes counted) in place of the events. */
+static PyObject *lease_try_memops(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    ordered_take t;
+    lane_chunk chunk;
+    if (try_args(args, nargs, 8, "lease_try_memops(segment_address, word, epoch, label, context, stream, lanes_address, lanes)",
+                 &t) < 0 ||
+        chunk_args(args[6], args[7], &chunk) < 0)
+        return NULL;
+    int status = gpumem_lease_try(t.slot, t.word, t.epoch, t.label, (uint32_t)t.len);
+    if (status == LEASE_OK_ORDER && (status = wait_for_lane(t.slot, t.word, &t.order, &chunk, 0)) < 0) return NULL;
+    return PyLong_FromLong(status);
+}
+
+/* lease_acquire_memops(segment_address, word, epoch, timeout_ns, label or None, context,
+ * stream, lanes_address, lanes) -> (status, word found): lease_acquire_ordered under
+ * memops ordering. */
+static PyObject *lease_acquire_memops(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    ordered_take t;
+    lane_chunk chunk;
+    if (acquire_args(args, nargs, 9,
+                     "lease_acquire_memops(segment_address, word, epoch, timeout_ns, label or None, context, stream, "
+                     "lanes_address, lanes)",
+                     &t) < 0 ||
+        chunk_args(args[7], args[8], &chunk) < 0)
+        return NULL;
+    uint64_t found = 0;
+    int64_t left;
+    int status = take_within(&t, &found, &left);
+    if (status == LEASE_OK_ORDER && (status = wait_for_lane(t.slot, t.word, &t.order, &chunk, left)) < 0) return NULL;
+    return Py_BuildValue("(iK)", status, (unsigned long long)found);
+}
+
+/* lease_order_wait(segment_address, context, lanes_address, lanes, stream) -> (value,
+ * waited): for a taker told LEASE_OK_ORDER by a take that did not wait (a plain one, or
+ * a memops one on context 0), the stream waits for the value the last releaser
+ * published on its lane. Value 0: nothing to wait for (see ``published``). Context 0:
+ * waited is whether the word has reached it already (0: the caller polls it). */
+static PyObject *lease_order_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    lease_slot *slot;
+    lane_chunk chunk;
+    gpu_order order;
+    if (lease_args(args, nargs, 5, "lease_order_wait(segment_address, context, lanes_address, lanes, stream)", &slot) < 0 ||
+        order_args(args[1], args[4], &order) < 0 || chunk_args(args[2], args[3], &chunk) < 0)
+        return NULL;
+    uint64_t address = 0;
+    uint64_t value = published(slot, &chunk, &address);
+    int waited = 0;
+    int rc = value ? wait_value(&order, address, value, &waited) : 0;
     if (rc) {
         raise_driver_error("cuStreamWaitValue64", rc);
         return NULL;
     }
-    return Py_BuildValue("(Ki)", (unsigned long long)value, 1);
+    return Py_BuildValue("(Ki)", (unsigned long long)value, waited);
 }
 
 /* ==================================================================== the module */
@@ -832,6 +972,8 @@ static PyMethodDef native_methods[] = {
     FASTCALL(lease_release_ordered, "A holder's release, its event recorded first on a shared pool."),
     FASTCALL(cuda_stream_wait, "cuStreamWaitEvent in a context."),
     FASTCALL(lease_release_memops, "A holder's release under memops ordering (lease_order.py)."),
+    FASTCALL(lease_try_memops, "lease_try, and the stream's wait on the last memops releaser's value."),
+    FASTCALL(lease_acquire_memops, "lease_acquire, and the stream's wait on the last memops releaser's value."),
     FASTCALL(lease_order_wait, "A taker's stream waits for the last memops releaser's value."),
     {NULL, NULL, 0, NULL},
 };
@@ -853,12 +995,15 @@ static const named_value lease_flags[] = {LEASE_FLAGS(NAMED)};
 #undef NAMED
 
 /* Only the names are listed here; a unit test checks that the fields exported tile the
- * whole slot, so one added to lease_slot and not here fails it. */
+ * whole struct, so one added to lease_slot or lease_lane and not here fails it. */
 #define FIELD(name) {#name, offsetof(lease_slot, name), sizeof(((lease_slot *)0)->name)}
 static const slot_field lease_slot_fields[] = {
     FIELD(word), FIELD(futex), FIELD(waiters), FIELD(since_ns), FIELD(epoch),
     FIELD(flags), FIELD(handoff), FIELD(escaped), FIELD(label),
 };
+#undef FIELD
+#define FIELD(name) {#name, offsetof(lease_lane, name), sizeof(((lease_lane *)0)->name)}
+static const slot_field lease_lane_fields[] = {FIELD(word), FIELD(last), FIELD(stream), FIELD(lane), FIELD(pad)};
 #undef FIELD
 
 #define COUNT(array) (sizeof(array) / sizeof(*(array)))
@@ -879,20 +1024,20 @@ static int add_named(PyObject *module, const char *attr, const named_value *valu
     return rc;
 }
 
-/* LEASE_SLOT_FIELDS: ((name, offset, size), ...) in the struct's order. */
-static int add_slot_fields(PyObject *module) {
-    size_t n = COUNT(lease_slot_fields);
+/* ((name, offset, size), ...) in the struct's order, as the module attribute ``attr``:
+ * LEASE_SLOT_FIELDS, LEASE_LANE_FIELDS. */
+static int add_fields(PyObject *module, const char *attr, const slot_field *list, size_t n) {
     PyObject *fields = PyTuple_New((Py_ssize_t)n);
     if (!fields) return -1;
     for (size_t i = 0; i < n; i++) {
-        const slot_field *f = &lease_slot_fields[i];
+        const slot_field *f = &list[i];
         PyObject *entry = Py_BuildValue("(snn)", f->name, (Py_ssize_t)f->offset, (Py_ssize_t)f->size);
         if (!entry || PyTuple_SetItem(fields, (Py_ssize_t)i, entry) < 0) {
             Py_DECREF(fields);
             return -1;
         }
     }
-    int rc = PyModule_AddObjectRef(module, "LEASE_SLOT_FIELDS", fields);
+    int rc = PyModule_AddObjectRef(module, attr, fields);
     Py_DECREF(fields);
     return rc;
 }
@@ -904,7 +1049,10 @@ static int add_constants(PyObject *m) {
         PyModule_AddIntConstant(m, "LEASE_SLOT_BYTES", (long)sizeof(lease_slot)) < 0 ||
         add_named(m, "LEASE_STATUSES", lease_statuses, COUNT(lease_statuses)) < 0 ||
         add_named(m, "LEASE_KINDS", lease_kinds, COUNT(lease_kinds)) < 0 ||
-        add_named(m, "LEASE_FLAGS", lease_flags, COUNT(lease_flags)) < 0 || add_slot_fields(m) < 0)
+        add_named(m, "LEASE_FLAGS", lease_flags, COUNT(lease_flags)) < 0 ||
+        add_fields(m, "LEASE_SLOT_FIELDS", lease_slot_fields, COUNT(lease_slot_fields)) < 0 ||
+        add_fields(m, "LEASE_LANE_FIELDS", lease_lane_fields, COUNT(lease_lane_fields)) < 0 ||
+        PyModule_AddIntConstant(m, "LEASE_LANE_BYTES", (long)sizeof(lease_lane)) < 0 || PyModule_AddIntMacro(m, LEASE_SEQ_BITS) < 0)
         return -1;
     if (PyModule_AddIntMacro(m, GPUMEM_MAX_SLOTS) < 0 || PyModule_AddIntMacro(m, GPUMEM_MAX_EXTENTS) < 0 ||
         PyModule_AddIntMacro(m, GPUMEM_FAIL_NONE) < 0 ||
