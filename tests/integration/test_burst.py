@@ -27,6 +27,7 @@ def test_memory_moves_to_the_bursting_engine_and_the_tokens_are_those_of_a_stati
     out = subprocess.run([sys.executable, str(BENCH), "--backend", backend, *args], capture_output=True, text=True, timeout=880)
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0 and last.startswith("{"), f"bench failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
+    print(last)  # the figures, for -rP
     f = json.loads(last)["figures"]
     if backend == "host":  # stand-ins: exact arithmetic
         assert f["sequences_differing_from_static"] == {"round": 0, "static": 0, "elastic": 0, "alone": 0}, f

@@ -32,6 +32,7 @@ def test_the_standby_serves_the_primarys_tokens_from_the_adopted_cache(backend: 
     out = subprocess.run([sys.executable, str(BENCH), "--backend", backend, *args], capture_output=True, text=True, timeout=880)
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0 and last.startswith("{"), f"bench failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
+    print(last)  # the figures, for -rP
     f = json.loads(last)["figures"]
     assert f["tokens_identical"] and f["accounting_exact"], f"{json.dumps(f)}\n{out.stdout[-3000:]}"
     assert f["prompt_tokens_hit"] == f["prompt_tokens"] - 12, f  # every full block of every prompt: all but its last token

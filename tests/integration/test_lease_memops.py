@@ -7,7 +7,7 @@ sweep tops off so the taker is not held past it.
 The test process owns the arena and the pool and takes the leases after the releasers
 (``tests/clients.py shell`` processes the arena is shared with). On the host backend a
 write lands at once and a wait is a bounded poll of the word: these tests check the
-protocol of values; tests/integration/test_lease_memops_gpu.py has GPU work in flight."""
+protocol of values; the last test, on every backend, has GPU work in flight on CUDA."""
 
 from __future__ import annotations
 
