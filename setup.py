@@ -36,9 +36,9 @@ setup(
     ext_modules=[
         Extension(
             "gpumem_shared._native",
-            sources=["shared/gpumem_shared/csrc/module.c", "shared/gpumem_shared/csrc/allocator.c", "shared/gpumem_shared/csrc/leases.c"],
+            sources=[f"shared/gpumem_shared/csrc/{name}.c" for name in ("module", "ordering", "allocator", "leases")],
             # Rebuild when a header changes; setuptools also ships these in the sdist.
-            depends=["shared/gpumem_shared/csrc/allocator.h", "shared/gpumem_shared/csrc/lease_table.h"],
+            depends=[f"shared/gpumem_shared/csrc/{name}.h" for name in ("args", "ordering", "allocator", "lease_table")],
             define_macros=[("Py_LIMITED_API", LIMITED_API)],
             py_limited_api=True,
             # A call outside the limited API is undeclared there: an error, not a warning.

@@ -1,7 +1,7 @@
 """The native module against the Python that reads it: lease_table.h's slot layout and
 lists as the module exports them, against gpumem_shared.lease_table's ctypes view of a
 slot and its enums; the type stub against the module's names; and the argument checks
-that every native call shares (module.c).
+that every native call shares (args.h).
 
 A field, status, kind or flag changed on either side alone fails here."""
 

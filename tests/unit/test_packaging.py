@@ -58,7 +58,7 @@ def test_the_license_is_declared_as_spdx_and_shipped() -> None:
 
 def test_the_native_module_is_built_for_the_stable_abi() -> None:
     # The abi3 suffix is what setuptools gives an extension built with py_limited_api;
-    # module.c compiled with Py_LIMITED_API fails on any call outside it (setup.py).
+    # csrc/*.c compiled with Py_LIMITED_API fails on any call outside it (setup.py).
     assert _native.__file__ is not None and _native.__file__.endswith(".abi3.so"), _native.__file__
     floor = _project_field("requires-python").removeprefix(">=")
     major, minor = (int(x) for x in floor.split("."))
