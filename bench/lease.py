@@ -96,6 +96,22 @@ def futex_floor(pause_us: int = 0) -> tuple[float, float, int]:
     return float(found.group(1)), float(found.group(2)), int(found.group(3))
 
 
+def turns(session: Any, pool: Any, rounds: int) -> list[tuple[int, int, int]]:
+    """``rounds`` turns of a client in a handoff: take the pool (acquired at), hold it a
+    millisecond, release it (released at, and the release call's ns), pause so that the
+    other side, asleep on the futex, takes it next."""
+    out = []
+    for _ in range(rounds):
+        lease = session.replay(pool, wait=5.0)
+        acquired = time.monotonic_ns()
+        time.sleep(0.001)
+        released = time.monotonic_ns()
+        lease.release()
+        out.append((acquired, released, time.monotonic_ns() - released))
+        time.sleep(PAUSE_S)
+    return out
+
+
 def handoff_client(name: str, rounds: int, ordering: str) -> int:
     """Attach the owner's arena, open its shared pool, take the pool's replay lease
     ``rounds`` times holding it ~1 ms each; print the event times and the handoff waits.
@@ -108,15 +124,7 @@ def handoff_client(name: str, rounds: int, ordering: str) -> int:
     pool = session.open_graph_pool(owner=OWNER, label=SHARED_POOL)
     print("READY", flush=True)
     sys.stdin.readline()
-    events = []
-    for _ in range(rounds):
-        lease = session.replay(pool, wait=5.0)
-        acquired = time.monotonic_ns()
-        time.sleep(0.001)
-        released = time.monotonic_ns()
-        lease.release()
-        events.append((acquired, released, time.monotonic_ns() - released))
-        time.sleep(PAUSE_S)  # the other side, asleep on the futex, takes it now
+    events = turns(session, pool, rounds)
     waits = session.leasing.handoff_waits
     if ordering == "memops":
         print(json.dumps({"events": events, "bare": [], "native": [], "stream_waits": [], "handoff_waits": waits, "native_waits": 0}), flush=True)

@@ -24,17 +24,16 @@ import contextlib
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import _common as c
+import lease as lease_bench
 
 BENCH = "lease_orderings"
 MiB = 1 << 20
 ORDERINGS = ("ipc-events", "memops")
 CLIENTS = ("turn-a", "turn-b")
-PAUSE_S = 0.0003  # as bench/lease.py's clients: the waiter, not the releaser, takes the lease next
 
 
 def owner(runtime_dir: str) -> int:
@@ -65,16 +64,7 @@ def client(name: str, runtime_dir: str) -> int:
     pool = session.open_graph_pool(owner="owner", label="pool")
     print("READY", flush=True)
     for line in sys.stdin:
-        turns = []
-        for _ in range(int(line)):
-            lease = session.replay(pool, wait=5.0)
-            acquired = time.monotonic_ns()
-            time.sleep(0.001)
-            released = time.monotonic_ns()
-            lease.release()
-            turns.append((acquired, released, time.monotonic_ns() - released))
-            time.sleep(PAUSE_S)
-        print(json.dumps({"turns": turns, "waits": session.leasing.handoff_waits}), flush=True)
+        print(json.dumps({"turns": lease_bench.turns(session, pool, int(line)), "waits": session.leasing.handoff_waits}), flush=True)
     session.close()
     return 0
 
@@ -85,6 +75,7 @@ def main() -> int:
     if len(sys.argv) > 3 and sys.argv[1] == "--client":
         return client(sys.argv[2], sys.argv[3])
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["host", "cuda"], default="host", help="host only (cuda is refused: one gpumemd serves a GPU)")
     parser.add_argument("--blocks", type=int, default=16, help="blocks per ordering")
     parser.add_argument("--per-block", type=int, default=50, help="turns per process in a block")
     args = parser.parse_args()
@@ -98,6 +89,9 @@ def main() -> int:
 
     def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
         result.targets = {"memops_to_events_p50_max": 1.0}
+        if args.backend == "cuda":
+            raise RuntimeError("host backend only: on CUDA one gpumemd serves a GPU, so both orderings cannot run at once; "
+                               "bench/lease.py --backend cuda measures them one after the other")
         procs: dict[str, list[Any]] = {}
         for ordering in ORDERINGS:
             rt: Path = cleanup.enter_context(c.runtime_dir())
@@ -148,7 +142,7 @@ def main() -> int:
             result.figures[f"{key}_handoff_waits"] >= result.figures[f"{key}_handoffs"] > 0 for key in ("events", "memops")
         )
 
-    return c.run(BENCH, "host", body)
+    return c.run(BENCH, args.backend, body)
 
 
 if __name__ == "__main__":
