@@ -153,6 +153,9 @@ class KvBook:
             return Outcome(*self._grown(s, pool, tokens, m.tokens, [], []))
         claims = self._claims(pool, tokens)
         gives = kv_moves.donors(claims, sum(c.held for c in claims) + available, pool.name, need - available)
+        # A pool whose own grow waits is not asked: its engine's view of its rows is
+        # about to change, and it would give back what it is waiting for.
+        gives = [(name, give) for name, give in gives if not any(g.pool.name == name for g in self.grows)]
         if not gives:  # no pool holds more than its share: nothing to wait for
             self.tally.kv_grows_refused += 1
             self.arenas.require_available(need, what)  # refuses, with the figures
@@ -191,7 +194,10 @@ class KvBook:
     def shrink(self, s: SessionRecord, m: p.KvShrink) -> Outcome:
         pool = self._owned(s, m.pool, "shrink")
         kv_moves.said(pool, m.in_use)
-        if not 0 <= m.tokens < pool.tokens:
+        # A shrink to the tokens held answers a request with nothing to give (every row
+        # asked for is live): the grow waiting for it is answered now, not at the deadline.
+        answer = m.tokens == pool.tokens and pool.shrink_request is not None and not m.sleep
+        if not (0 <= m.tokens < pool.tokens or answer):
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' holds {pool.tokens} tokens; cannot shrink to {m.tokens}")
         arena = self.arenas.by_name[pool.name]
         if m.sleep:
@@ -220,7 +226,12 @@ class KvBook:
             self.tally.kv_shrinks_confirmed += 1
         pool.shrink_request = None
         log.info("KV pool %r shrank to %d tokens (asked %d), %d bytes retired", pool.name, kept_tokens, m.tokens, sum(c.size for c in drop))
-        return Outcome(commit_reply(self.arenas, pool, [], [c.view() for c in drop if s.id in c.holders]), notices=notices)
+        outcome = Outcome(commit_reply(self.arenas, pool, [], [c.view() for c in drop if s.id in c.holders]), notices=notices)
+        if not any(c.id in self.arenas.retiring for c in drop):
+            # Nothing left to unmap, so no CHUNKS_UNMAPPED will come: a grow or round that
+            # waited for this answer goes ahead now with what is free.
+            self.memory_freed()
+        return outcome
 
     # ------------------------------------------------------------------ what others change
 
