@@ -125,13 +125,16 @@ class BlockFollower:
         self._asked = 0  # the blocks the grow on its way asks for
         self._retry_at = 0.0
         self._busy: bool | None = None
+        self._said = 0  # the demand last reported
         pool.rows_in_use = lambda: top(self.manager)
         resize(manager, pool.tokens, new_block)
 
     def move_live(self, bound: int) -> int:
         """``answer_shrinks``'s hook: copy the live blocks at or past ``bound`` into free
-        blocks below it; returns the blocks still in use up to the highest."""
-        moves = plan(self.manager, bound)
+        blocks below it; returns the blocks still in use up to the highest. Asked below
+        what is live, the live blocks are packed under their count instead: the pool then
+        keeps the fewest rows it can (a moved block is cheap, a kept chunk is not)."""
+        moves = plan(self.manager, max(bound, len(self.manager.used_block_ids)))
         if moves:
             started = time.perf_counter()
             self.copy_blocks([s for s, _ in moves], [d for _, d in moves])
@@ -143,19 +146,18 @@ class BlockFollower:
     def idle(self) -> None:
         """While the engine has nothing to do: say so once, and answer shrinks."""
         self._say_busy(False, 0)
-        self._answer_shrinks()
         self._collect(0.001)
+        self._answer_shrinks()
 
     def before_step(self, waiting: Sequence[Any], running: Sequence[Any]) -> None:
-        """At a step boundary: answer shrinks, take an answered grow, grow ahead of need,
+        """At a step boundary: take an answered grow, answer shrinks, grow ahead of need,
         and wait for the grow only when the step cannot run without it."""
+        self._collect(0.001)  # first: a shrink starts from the rows the pool holds
         self._answer_shrinks()
         manager = self.manager
         need = self._need(waiting, running)
         used = len(manager.used_block_ids)
         self._say_busy(bool(waiting or running), used + need)
-        if self.growing is not None:
-            self._collect(0.001)
         deadline = time.monotonic() + self.wait_s
         while True:
             free = len(manager.free_block_ids)
@@ -224,7 +226,11 @@ class BlockFollower:
             resize(self.manager, kept, self.new_block)
 
     def _say_busy(self, busy: bool, demand: int) -> None:
-        """Report demand on a change between idle and busy only (not per step)."""
-        if busy != self._busy:
-            self.pool.report_demand(demand if busy else 0)
-            self._busy = busy
+        """Report demand on a change between idle and busy, and while busy once it moved
+        by ``step`` blocks from what was said (a burst's queue fills, its requests end):
+        the daemon's fair share follows the engine's real need, not the figure of the
+        step a burst began with. Steady decode moves it by a block now and then: no call."""
+        demand = demand if busy else 0
+        if busy != self._busy or abs(demand - self._said) >= self.step:
+            self.pool.report_demand(demand)
+            self._busy, self._said = busy, demand
