@@ -329,7 +329,7 @@ def main() -> int:
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     parser.add_argument("--capacity", default=None, help="the daemons' --capacity (default: 256MiB host, 24GiB cuda)")
-    parser.add_argument("--kv-chunk-size", default=None, help="default: 8MiB host, 64MiB cuda")
+    parser.add_argument("--kv-chunk-size", default=None, help="default: 8MiB host, 16MiB cuda (a grow step of blocks a buffer)")
     parser.add_argument("--move-timeout", type=float, default=2.0)
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--phase-s", type=float, default=None, help="seconds between bursts (default: 4 host, 8 cuda)")
@@ -344,7 +344,11 @@ def main() -> int:
     args = parser.parse_args()
     host = args.backend == "host"
     args.capacity = args.capacity or ("256MiB" if host else "24GiB")
-    args.kv_chunk_size = args.kv_chunk_size or ("8MiB" if host else "64MiB")
+    # A shrink gives back whole chunks: a chunk must be a small part of a pool. On CUDA a
+    # buffer's row is 256 KiB (a block of one layer's K or V), and at 64 MiB a chunk held
+    # 256 blocks, more than the round's 216: the engine that reported last held its pool
+    # in one chunk a buffer and could give back nothing.
+    args.kv_chunk_size = args.kv_chunk_size or ("8MiB" if host else "16MiB")
     args.phase_s = args.phase_s or (4.0 if host else 8.0)
     c.ensure_importable()
 
