@@ -11,7 +11,8 @@ requests arriving over ``--spread-s``. Four configurations in the same run, in t
   static   the engine as shipped, no daemon, each with the blocks the round gave it
            (the same memory, split once)
   elastic  gpumemd, the block manager following its pool: the bursting engine grows
-           ahead of need, the idle one gives back (live blocks moved down)
+           ahead of need, the idle one gives back (live blocks moved down) down to
+           what it needs, not only the grow in hand
   alone    the bound of any elastic scheme: one engine, no daemon, all the blocks both
            had, serving both engines' bursts (they never overlap)
 
@@ -26,6 +27,13 @@ must be identical across the four, up to near-ties on CUDA (``TIE_GAP``: where t
 part, the best logit led by next to nothing in both). Then, with a daemon of its own, a ``--grow-mib`` grow
 timed ``--repeats`` times when the memory is free and when an idle neighbour must give
 it back first.
+
+Memory reaches the bursting engine when its neighbour's demand (said when it turns busy
+or idle and when it moves by a grow step) leaves it above its fair share, its live blocks
+can be packed low, and the pool's chunks are small enough for a shrink to free them
+(``--kv-chunk-size``: whole chunks go; at 64 MiB on CUDA a chunk held more blocks than
+the round gave an engine, and nothing moved). A neighbour whose asked rows are all live
+answers with nothing, and the grow gets what is free then, not at ``--move-timeout``.
 
 Engines: ``--backend host`` runs stand-ins (bench/burst_engines.py: nano-vllm's scheduler
 and block manager in miniature over real host memory, a token rule that reads every KV

@@ -213,14 +213,17 @@ class KvPool:
         """Bounds the daemon asked this pool to shrink to, oldest first."""
         return [n.tokens for n in self.core.channel.notices(kind=p.NoticeKind.KV_SHRINK, arena=self.name)]
 
-    def answer_shrinks(self, move_live: Callable[[int], int] | None = None) -> int | None:
+    def answer_shrinks(self, move_live: Callable[[int], int] | None = None, *, down_to: int | None = None) -> int | None:
         """Answer the daemon's KV_SHRINK notices (None when there were none): give back
         the rows from the latest bound asked on. Rows still in use there (``rows_in_use``)
         are the engine's to move first: ``move_live(bound)`` copies the live blocks at or
         past ``bound`` into free rows below it (device to device, updating the engine's
         block tables) and returns the rows it still uses; rows it could not move are kept
         and the rest given back (nothing, when every row asked for is live: the answer
-        still goes). Returns the tokens the pool keeps."""
+        still goes). ``down_to``: the rows the engine needs, when it gives back down to
+        them rather than to the bound asked (the daemon asks for the grow in hand; what
+        more comes free serves the neighbour's next grows at once, without another ask).
+        Returns the tokens the pool keeps."""
         if self._growing is not None and not self._growing.done:
             # Its answer may hold rows this process does not map yet: a shrink now would
             # give back rows it never saw. The notices wait for the grow's answer.
@@ -229,6 +232,8 @@ class KvPool:
         if not bounds:
             return None
         bound = bounds[-1]  # the daemon's latest ask replaces the earlier ones
+        if down_to is not None:
+            bound = max(0, min(bound, down_to))
         used = self.rows_in_use() if self.rows_in_use is not None else 0
         if used > bound and move_live is not None:
             used = move_live(bound)
