@@ -60,6 +60,11 @@ class KvBook:
         self._completions: list[Completion] = []
         self._notices: Notices = []
         self.grows: list[PendingGrow] = []
+        # Pools that answered a request keeping more than asked (their live rows stood in
+        # the way), by name: (tokens kept, use said). While both stay so, asking again is
+        # futile and would cost the next grow a step of that engine: what it kept is its
+        # minimum to the move policy. Not in the durable record: after a restart it is asked afresh.
+        self.kept_live: dict[str, tuple[int, int]] = {}
         self.desk = RoundDesk(arenas, sessions, config, clock, tally, self.pools, self._completions, self._ask)
 
     # ------------------------------------------------------------------ lookups
@@ -224,6 +229,10 @@ class KvBook:
         pool.tokens = kept_tokens
         if pool.shrink_request is not None:
             self.tally.kv_shrinks_confirmed += 1
+            if kept_tokens > pool.shrink_request:
+                self.kept_live[pool.name] = (kept_tokens, pool.in_use)
+            else:
+                self.kept_live.pop(pool.name, None)
         pool.shrink_request = None
         log.info("KV pool %r shrank to %d tokens (asked %d), %d bytes retired", pool.name, kept_tokens, m.tokens, sum(c.size for c in drop))
         outcome = Outcome(commit_reply(self.arenas, pool, [], [c.view() for c in drop if s.id in c.holders]), notices=notices)
@@ -245,6 +254,7 @@ class KvBook:
         """The pool's arena is gone (its client died or closed, or released it): forget the
         pool, naming it to the grows it had not answered yet; returns the rounds it left."""
         pool = self.pools.pop(name, None)
+        self.kept_live.pop(name, None)
         if pool is not None and pool.shrink_request is not None:
             label = f"{self.arenas.by_name[name].owner_name}/{name}"
             for grow in self.grows:
@@ -314,6 +324,8 @@ class KvBook:
             if not (pool.tokens or pool is taker) or self.desk.of(pool) is not None:
                 continue
             floor = kv_moves.floor(pool)
+            if pool is not taker and self.kept_live.get(pool.name) == (pool.tokens, pool.in_use):
+                floor = max(floor, pool.tokens)  # it answered so a moment ago, and nothing changed since
             demand = max(tokens, floor) if pool is taker else self.demand(pool)
             held = sum(c.size for c in self.arenas.by_name[pool.name].chunks)
             out.append(kv_moves.Claim(pool.name, held, pool.cost(floor), pool.cost(demand), pool.weight, idle=pool.in_use == 0))

@@ -321,6 +321,13 @@ def test_a_donor_whose_asked_rows_are_all_live_answers_with_its_tokens_and_the_g
     assert h.state.kv.pools["kvb"].shrink_request is None and h.state.arenas.accounted_bytes() == 256 * MiB
     # Asked nothing, a shrink to the tokens held is what it always was: refused.
     h.refused(b, p.KvShrink(pool="kvb", tokens=32768), ErrorCode.INVALID_ARGUMENT)
+    # Its answer stands while it holds the same and says nothing new: a's next grow is
+    # refused at once, not sent to b (whose step it would wait for) for nothing.
+    h.refused(a, p.KvGrow(pool="kva", tokens=49152), ErrorCode.OUT_OF_MEMORY)
+    assert shrink_notices(h) == []
+    h.ok(b, p.KvDemand(pool="kvb", in_use=1024))  # its requests ended: it is asked again
+    grow_waits(h, a, "kva", 49152, 8)
+    assert [sid for sid, _, _ in shrink_notices(h)] == [b.id]
 
 
 def test_a_pool_whose_own_grow_waits_is_not_asked_to_give_back(make_harness: Callable[..., Harness]) -> None:
