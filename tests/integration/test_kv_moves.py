@@ -186,6 +186,7 @@ def test_a_neighbour_whose_asked_rows_are_all_live_answers_and_the_grow_does_not
         # a asks again; b sends a grow of its own before it looks at its notices: until
         # that grow's answer is in, b leaves the notice (the answer may bring chunks).
         pb.rows_in_use = lambda: 1000
+        pb.report_demand(1000)  # its use changed: its earlier answer no longer stands
         wait = pa.send_grow(3072)
         wait_status(runtime_dir, lambda st: {k["name"]: k["shrink_request"] for k in st["kv"]}["kv-b"] >= 0, 5, "b asked to give back")
         grow_b = pb.send_grow(2560)
