@@ -11,7 +11,8 @@ requests arriving over ``--spread-s``. Four configurations in the same run, in t
   static   the engine as shipped, no daemon, each with the blocks the round gave it
            (the same memory, split once)
   elastic  gpumemd, the block manager following its pool: the bursting engine grows
-           ahead of need, the idle one gives back (live blocks moved down)
+           ahead of need, the idle one gives back (live blocks moved down) down to
+           what it needs, not only the grow in hand
   alone    the bound of any elastic scheme: one engine, no daemon, all the blocks both
            had, serving both engines' bursts (they never overlap)
 
@@ -26,6 +27,13 @@ must be identical across the four, up to near-ties on CUDA (``TIE_GAP``: where t
 part, the best logit led by next to nothing in both). Then, with a daemon of its own, a ``--grow-mib`` grow
 timed ``--repeats`` times when the memory is free and when an idle neighbour must give
 it back first.
+
+Memory reaches the bursting engine when its neighbour's demand (said when it turns busy
+or idle and when it moves by a grow step) leaves it above its fair share, its live blocks
+can be packed low, and the pool's chunks are small enough for a shrink to free them
+(``--kv-chunk-size``: whole chunks go; at 64 MiB on CUDA a chunk held more blocks than
+the round gave an engine, and nothing moved). A neighbour whose asked rows are all live
+answers with nothing, and the grow gets what is free then, not at ``--move-timeout``.
 
 Engines: ``--backend host`` runs stand-ins (bench/burst_engines.py: nano-vllm's scheduler
 and block manager in miniature over real host memory, a token rule that reads every KV
@@ -329,7 +337,7 @@ def main() -> int:
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     parser.add_argument("--capacity", default=None, help="the daemons' --capacity (default: 256MiB host, 24GiB cuda)")
-    parser.add_argument("--kv-chunk-size", default=None, help="default: 8MiB host, 64MiB cuda")
+    parser.add_argument("--kv-chunk-size", default=None, help="default: 8MiB host, 16MiB cuda (a grow step of blocks a buffer)")
     parser.add_argument("--move-timeout", type=float, default=2.0)
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--phase-s", type=float, default=None, help="seconds between bursts (default: 4 host, 8 cuda)")
@@ -344,7 +352,11 @@ def main() -> int:
     args = parser.parse_args()
     host = args.backend == "host"
     args.capacity = args.capacity or ("256MiB" if host else "24GiB")
-    args.kv_chunk_size = args.kv_chunk_size or ("8MiB" if host else "64MiB")
+    # A shrink gives back whole chunks: a chunk must be a small part of a pool. On CUDA a
+    # buffer's row is 256 KiB (a block of one layer's K or V), and at 64 MiB a chunk held
+    # 256 blocks, more than the round's 216: the engine that reported last held its pool
+    # in one chunk a buffer and could give back nothing.
+    args.kv_chunk_size = args.kv_chunk_size or ("8MiB" if host else "16MiB")
     args.phase_s = args.phase_s or (4.0 if host else 8.0)
     c.ensure_importable()
 

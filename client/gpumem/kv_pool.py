@@ -187,7 +187,8 @@ class KvPool:
         """``grow`` without waiting: the engine goes on with its steps and collects the
         answer with ``wait()`` (``ready()`` says whether it came)."""
         message = p.KvGrow(pool=self.name, tokens=tokens, in_use=in_use)
-        return GrowWait(self, message, self.core.channel.start(message))
+        self._growing = GrowWait(self, message, self.core.channel.start(message))
+        return self._growing
 
     def grow_ahead(self, in_use: int, *, watermark: int, step: int) -> GrowWait | None:
         """Grow before the rows run out, off the step's critical path: once fewer than
@@ -197,8 +198,7 @@ class KvPool:
             return None
         if self.tokens - in_use >= watermark or self.tokens >= self.max_tokens:
             return None
-        self._growing = self.send_grow(min(self.max_tokens, self.tokens + step), in_use=in_use)
-        return self._growing
+        return self.send_grow(min(self.max_tokens, self.tokens + step), in_use=in_use)
 
     def report_demand(self, in_use: int) -> None:
         """Tell the daemon how many rows the engine uses (0: idle), which decides whether
@@ -213,22 +213,40 @@ class KvPool:
         """Bounds the daemon asked this pool to shrink to, oldest first."""
         return [n.tokens for n in self.core.channel.notices(kind=p.NoticeKind.KV_SHRINK, arena=self.name)]
 
-    def answer_shrinks(self, move_live: Callable[[int], int] | None = None) -> int | None:
+    def answer_shrinks(self, move_live: Callable[[int], int] | None = None, *, down_to: int | None = None) -> int | None:
         """Answer the daemon's KV_SHRINK notices (None when there were none): give back
         the rows from the latest bound asked on. Rows still in use there (``rows_in_use``)
         are the engine's to move first: ``move_live(bound)`` copies the live blocks at or
         past ``bound`` into free rows below it (device to device, updating the engine's
         block tables) and returns the rows it still uses; rows it could not move are kept
-        and the rest given back. Returns the tokens the pool keeps."""
+        and the rest given back (nothing, when every row asked for is live: the answer
+        still goes). ``down_to``: the rows the engine needs, when it gives back down to
+        them rather than to the bound asked (the daemon asks for the grow in hand; what
+        more comes free serves the neighbour's next grows at once, without another ask).
+        Returns the tokens the pool keeps."""
+        if self._growing is not None and not self._growing.done:
+            # Its answer may hold rows this process does not map yet: a shrink now would
+            # give back rows it never saw. The notices wait for the grow's answer.
+            return None
         bounds = self.shrink_requests()
         if not bounds:
             return None
         bound = bounds[-1]  # the daemon's latest ask replaces the earlier ones
+        if down_to is not None:
+            bound = max(0, min(bound, down_to))
         used = self.rows_in_use() if self.rows_in_use is not None else 0
         if used > bound and move_live is not None:
             used = move_live(bound)
         keep = max(bound, used)
-        return self.shrink(keep) if keep < self.tokens else self.tokens
+        # Answered even when every row asked for is live (a shrink to the tokens held):
+        # the neighbour's grow then goes ahead with what is free instead of waiting for
+        # the daemon's move deadline.
+        if keep < self.tokens:
+            return self.shrink(keep)
+        try:
+            return self.shrink(self.tokens)
+        except InvalidArgument:  # no request pending any more (a notice the daemon has since had answered)
+            return self.tokens
 
     def shrink(self, tokens: int, *, sleep: bool = False, kept_bytes: int = 0) -> int:
         """Confirm rows from ``tokens`` on are free and give them back. Whole chunks go,

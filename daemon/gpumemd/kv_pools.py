@@ -60,6 +60,11 @@ class KvBook:
         self._completions: list[Completion] = []
         self._notices: Notices = []
         self.grows: list[PendingGrow] = []
+        # Pools that answered a request keeping more than asked (their live rows stood in
+        # the way), by name: (tokens kept, use said). While both stay so, asking again is
+        # futile and would cost the next grow a step of that engine: what it kept is its
+        # minimum to the move policy. Not in the durable record: after a restart it is asked afresh.
+        self.kept_live: dict[str, tuple[int, int]] = {}
         self.desk = RoundDesk(arenas, sessions, config, clock, tally, self.pools, self._completions, self._ask)
 
     # ------------------------------------------------------------------ lookups
@@ -153,6 +158,9 @@ class KvBook:
             return Outcome(*self._grown(s, pool, tokens, m.tokens, [], []))
         claims = self._claims(pool, tokens)
         gives = kv_moves.donors(claims, sum(c.held for c in claims) + available, pool.name, need - available)
+        # A pool whose own grow waits is not asked: its engine's view of its rows is
+        # about to change, and it would give back what it is waiting for.
+        gives = [(name, give) for name, give in gives if not any(g.pool.name == name for g in self.grows)]
         if not gives:  # no pool holds more than its share: nothing to wait for
             self.tally.kv_grows_refused += 1
             self.arenas.require_available(need, what)  # refuses, with the figures
@@ -191,7 +199,10 @@ class KvBook:
     def shrink(self, s: SessionRecord, m: p.KvShrink) -> Outcome:
         pool = self._owned(s, m.pool, "shrink")
         kv_moves.said(pool, m.in_use)
-        if not 0 <= m.tokens < pool.tokens:
+        # A shrink to the tokens held answers a request with nothing to give (every row
+        # asked for is live): the grow waiting for it is answered now, not at the deadline.
+        answer = m.tokens == pool.tokens and pool.shrink_request is not None and not m.sleep
+        if not (0 <= m.tokens < pool.tokens or answer):
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"KV pool '{pool.name}' holds {pool.tokens} tokens; cannot shrink to {m.tokens}")
         arena = self.arenas.by_name[pool.name]
         if m.sleep:
@@ -218,9 +229,18 @@ class KvBook:
         pool.tokens = kept_tokens
         if pool.shrink_request is not None:
             self.tally.kv_shrinks_confirmed += 1
+            if kept_tokens > pool.shrink_request:
+                self.kept_live[pool.name] = (kept_tokens, pool.in_use)
+            else:
+                self.kept_live.pop(pool.name, None)
         pool.shrink_request = None
         log.info("KV pool %r shrank to %d tokens (asked %d), %d bytes retired", pool.name, kept_tokens, m.tokens, sum(c.size for c in drop))
-        return Outcome(commit_reply(self.arenas, pool, [], [c.view() for c in drop if s.id in c.holders]), notices=notices)
+        outcome = Outcome(commit_reply(self.arenas, pool, [], [c.view() for c in drop if s.id in c.holders]), notices=notices)
+        if not any(c.id in self.arenas.retiring for c in drop):
+            # Nothing left to unmap, so no CHUNKS_UNMAPPED will come: a grow or round that
+            # waited for this answer goes ahead now with what is free.
+            self.memory_freed()
+        return outcome
 
     # ------------------------------------------------------------------ what others change
 
@@ -234,6 +254,7 @@ class KvBook:
         """The pool's arena is gone (its client died or closed, or released it): forget the
         pool, naming it to the grows it had not answered yet; returns the rounds it left."""
         pool = self.pools.pop(name, None)
+        self.kept_live.pop(name, None)
         if pool is not None and pool.shrink_request is not None:
             label = f"{self.arenas.by_name[name].owner_name}/{name}"
             for grow in self.grows:
@@ -303,6 +324,8 @@ class KvBook:
             if not (pool.tokens or pool is taker) or self.desk.of(pool) is not None:
                 continue
             floor = kv_moves.floor(pool)
+            if pool is not taker and self.kept_live.get(pool.name) == (pool.tokens, pool.in_use):
+                floor = max(floor, pool.tokens)  # it answered so a moment ago, and nothing changed since
             demand = max(tokens, floor) if pool is taker else self.demand(pool)
             held = sum(c.size for c in self.arenas.by_name[pool.name].chunks)
             out.append(kv_moves.Claim(pool.name, held, pool.cost(floor), pool.cost(demand), pool.weight, idle=pool.in_use == 0))

@@ -153,3 +153,49 @@ def test_a_sleeping_pool_holds_no_share_is_asked_nothing_and_wakes_by_a_grow_lik
     s = status(runtime_dir)
     assert [x["asleep"] for x in s["sleepers"]] == [] and _pools(runtime_dir) == {"kv-a": 2048, "kv-b": 2048}
     assert s["device"]["accounted_bytes"] == CAP
+
+
+def test_a_neighbour_whose_asked_rows_are_all_live_answers_and_the_grow_does_not_wait_the_deadline(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """b's every row is live and cannot move: its answer gives nothing back, and a's grow
+    is answered then (refused: nothing came free), not at the 10 s move deadline. While
+    b's own grow is unanswered, b leaves its notices for later."""
+    daemon_factory("host", args=["--host-capacity", "1GiB", "--capacity", "512MiB", "--kv-chunk-size", "32MiB", "--move-timeout", "10"])
+    buffers = [gpumem.KvBuffer(f"b{i}", row) for i, row in enumerate(ROWS)]
+    with gpumem.connect(0, name="engine-a", runtime_dir=runtime_dir, timeout=20.0) as sa, \
+            gpumem.connect(0, name="engine-b", runtime_dir=runtime_dir, timeout=20.0) as sb:
+        pa, pb = sa.declare_kv_pool("kv-a", buffers, max_tokens=4096), sb.declare_kv_pool("kv-b", buffers, max_tokens=4096)
+        pa.join_round()
+        pb.join_round()
+        waits = [pa.send_capture_done(min_tokens=256), pb.send_capture_done(min_tokens=256)]
+        assert [w.wait() for w in waits] == [2048, 2048]
+        pb.rows_in_use = lambda: 2048  # full of live blocks
+        pb.report_demand(100)  # it says less: it is asked
+        started = time.monotonic()
+        wait = pa.send_grow(3072)
+        kept = None
+        while kept is None and time.monotonic() < started + 5:
+            kept = pb.answer_shrinks(lambda bound: 2048)  # nothing moved
+            time.sleep(0.01)
+        assert kept == 2048 and pb.tokens == 2048
+        try:
+            wait.wait(5)
+            raise AssertionError("a's grow got rows nobody gave back")
+        except gpumem.OutOfMemory as exc:
+            assert "10s" in str(exc) or "nothing came free" in str(exc)
+        assert time.monotonic() - started < 5, "the grow waited for the deadline"
+        # a asks again; b sends a grow of its own before it looks at its notices: until
+        # that grow's answer is in, b leaves the notice (the answer may bring chunks).
+        pb.rows_in_use = lambda: 1000
+        pb.report_demand(1000)  # its use changed: its earlier answer no longer stands
+        wait = pa.send_grow(3072)
+        wait_status(runtime_dir, lambda st: {k["name"]: k["shrink_request"] for k in st["kv"]}["kv-b"] >= 0, 5, "b asked to give back")
+        grow_b = pb.send_grow(2560)
+        assert pb.answer_shrinks(lambda bound: 1000) is None
+        try:
+            grow_b.wait(5)
+            raise AssertionError("b's grow got rows while its own neighbour waited for b")
+        except gpumem.OutOfMemory:
+            pass  # a's grow waits: a is not asked
+        kept = pb.answer_shrinks(lambda bound: 1000)
+        assert kept is not None and 1000 <= kept < 2048
+        assert wait.wait(5) > 2048 and pa.unanswered == []

@@ -302,3 +302,46 @@ def test_a_donor_that_releases_its_pool_instead_of_shrinking_answers_the_grow_at
     got = commit_reply(done(h)[7])
     assert (got.pool.tokens, got.unanswered, got.gone) == (49152, [], ["engine-b/kvb"])
     assert h.state.arenas.accounted_bytes() == 192 * MiB
+
+
+def test_a_donor_whose_asked_rows_are_all_live_answers_with_its_tokens_and_the_grow_goes_on_at_once(make_harness: Callable[..., Harness]) -> None:
+    """A shrink that gives back nothing (the engine could not move its live blocks below
+    the bound) is still an answer: the grow is answered then with what is free, not at
+    the move deadline (on the H200 such grows waited the whole 2 s)."""
+    h = make_harness(move_timeout=2.0)
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 16384)]
+    reply = h.ok(b, p.KvShrink(pool="kvb", tokens=32768)).reply  # every row asked for is live
+    assert isinstance(reply, p.KvCommitReply) and reply.pool.tokens == 32768 and reply.retired == []
+    error = done(h)[7].reply  # now, the clock has not moved
+    assert isinstance(error, p.ProtocolError) and error.code is ErrorCode.OUT_OF_MEMORY
+    assert "none" in error.message  # nobody left unanswered
+    assert h.state.kv.pools["kvb"].shrink_request is None and h.state.arenas.accounted_bytes() == 256 * MiB
+    # Asked nothing, a shrink to the tokens held is what it always was: refused.
+    h.refused(b, p.KvShrink(pool="kvb", tokens=32768), ErrorCode.INVALID_ARGUMENT)
+    # Its answer stands while it holds the same and says nothing new: a's next grow is
+    # refused at once, not sent to b (whose step it would wait for) for nothing.
+    h.refused(a, p.KvGrow(pool="kva", tokens=49152), ErrorCode.OUT_OF_MEMORY)
+    assert shrink_notices(h) == []
+    h.ok(b, p.KvDemand(pool="kvb", in_use=1024))  # its requests ended: it is asked again
+    grow_waits(h, a, "kva", 49152, 8)
+    assert [sid for sid, _, _ in shrink_notices(h)] == [b.id]
+
+
+def test_a_pool_whose_own_grow_waits_is_not_asked_to_give_back(make_harness: Callable[..., Harness]) -> None:
+    """Its engine has not seen the rows its grow will bring: asked now, it would give back
+    rows it never mapped (the host bench's engine then mapped chunks the daemon had retired)."""
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    grow_waits(h, b, "kvb", 49152, 7)
+    [(_, _, bound)] = shrink_notices(h)
+    give_back(h, a, "kva", bound)
+    assert commit_reply(done(h)[7]).pool.tokens == 49152
+    grow_waits(h, b, "kvb", 60000, 8)  # b wants more, a is asked again and has not answered yet
+    assert [sid for sid, _, _ in shrink_notices(h)] == [a.id]
+    # a bursts: with equal weights b holds 64 MiB above its share, but b waits for its own grow.
+    refused = h.refused(a, p.KvGrow(pool="kva", tokens=40000), ErrorCode.OUT_OF_MEMORY)
+    assert refused.detail["requested"] > refused.detail["available"] and shrink_notices(h) == []

@@ -81,10 +81,11 @@ class Pool:
         self.calls: list[str] = []
         self.waits: list[Wait] = []
 
-    def answer_shrinks(self, move_live: Any) -> int | None:  # KvPool.answer_shrinks, without a daemon
+    def answer_shrinks(self, move_live: Any, down_to: int | None = None) -> int | None:  # KvPool.answer_shrinks, without a daemon
         if not self.bounds:
             return None
         bound = self.bounds.pop()
+        bound = bound if down_to is None else min(bound, down_to)
         used = self.rows_in_use()
         if used > bound:
             used = move_live(bound)
@@ -171,6 +172,49 @@ def test_a_shrink_moves_live_blocks_down_copies_them_first_and_drops_the_top() -
     assert seqs[0].block_table == [1, 0] and seqs[1].block_table == [2]
     assert pool.tokens == 8 and len(m.blocks) == 8 and sorted(m.free_block_ids) == list(range(3, 8))
     assert pool.calls == ["demand 0", "shrink 8"] and f.figures.blocks_moved == 2
+
+
+def test_asked_below_what_is_live_the_live_blocks_are_packed_under_their_count() -> None:
+    """Four live blocks, asked down to 2: they go to 0, 1 and 3 and the pool keeps 4 rows
+    (moving only into the free blocks below the bound left block 9 where it was: 10 rows)."""
+    pool, m = Pool(16), Manager(16)
+    seqs = [Seq(16, [m.take(2), m.take(9), m.take(12), m.take(14)])]
+    copied: list[tuple[list[int], list[int]]] = []
+    f = follower(pool, m, seqs, copied)
+    pool.bounds.append(2)
+    f.idle()
+    assert copied == [([14, 12, 9], [0, 1, 3])] and seqs[0].block_table == [2, 3, 1, 0]
+    assert pool.tokens == 4 and top(m) == 4 and f.figures.blocks_moved == 3
+
+
+def test_asked_for_a_few_blocks_the_engine_gives_back_down_to_what_it_needs() -> None:
+    """The daemon asks for the neighbour's grow in hand (rows from 56 on); the engine
+    gives back down to its use and watermark in grow steps (8): the neighbour's next
+    grows then find the memory free, without another ask and another step of this one."""
+    pool, m = Pool(64), Manager(64)
+    seqs = [Seq(12, [m.take(40), m.take(50), m.take(60)])]
+    copied: list[tuple[list[int], list[int]]] = []
+    f = follower(pool, m, seqs, copied)
+    pool.bounds.append(56)
+    f.idle()
+    assert copied == [([60, 50, 40], [0, 1, 2])] and seqs[0].block_table == [2, 1, 0]
+    assert pool.tokens == 8 and len(m.blocks) == 8
+
+
+def test_demand_is_said_again_once_it_moved_by_a_grow_step_and_not_for_less() -> None:
+    pool, m = Pool(64), Manager(64)
+    running = [Seq(6, [m.take(0), m.take(1)])]
+    f = follower(pool, m, running, [])
+    f.before_step([], running)
+    assert pool.calls == ["demand 2"]
+    waiting = [Seq(12), Seq(8)]  # 5 blocks more: under a step (8) from what was said
+    f.before_step(waiting, running)
+    assert [c for c in pool.calls if c.startswith("demand")] == ["demand 2"]
+    waiting.append(Seq(16))  # 4 more: 11 from 2
+    f.before_step(waiting, running)
+    assert [c for c in pool.calls if c.startswith("demand")] == ["demand 2", "demand 11"]
+    f.before_step([], running)  # the queue went: back by 9
+    assert [c for c in pool.calls if c.startswith("demand")] == ["demand 2", "demand 11", "demand 2"]
 
 
 def test_the_patched_scheduler_follows_its_pool_before_every_step_and_counts_preemptions(monkeypatch: pytest.MonkeyPatch) -> None:

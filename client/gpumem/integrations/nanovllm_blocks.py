@@ -14,11 +14,15 @@ the blocks' bytes is the caller's (device to device on CUDA, a NumPy copy on the
 Block ids stay below the pool's committed rows (a block is one row of every buffer), so
 the manager's block count is the pool's ``tokens``. A step that neither grows nor shrinks
 makes no daemon call: ``before_step`` looks at the notices the session already holds and
-compares counts. Growth runs ahead of need: once fewer than ``watermark`` blocks would
+compares counts (demand is said when the engine turns busy or idle, and when it moved by
+a grow step since it was last said). Growth runs ahead of need: once fewer than ``watermark`` blocks would
 stay free after what the waiting and running sequences need next, a grow is sent without
 waiting, for what they need plus the watermark in ``step`` blocks; the step waits for it
 only when it cannot run otherwise (nothing could be scheduled, or a running sequence
-would be preempted for want of a block).
+would be preempted for want of a block). Asked for blocks back, the follower packs its
+live blocks low (device-to-device copies) and gives back down to what it needs, in grow
+steps, not only the rows asked for: a burst's grows come one after another as its
+requests arrive, and each further ask would wait for a step of this engine.
 """
 
 from __future__ import annotations
@@ -125,13 +129,16 @@ class BlockFollower:
         self._asked = 0  # the blocks the grow on its way asks for
         self._retry_at = 0.0
         self._busy: bool | None = None
+        self._said = 0  # the demand last reported
         pool.rows_in_use = lambda: top(self.manager)
         resize(manager, pool.tokens, new_block)
 
     def move_live(self, bound: int) -> int:
         """``answer_shrinks``'s hook: copy the live blocks at or past ``bound`` into free
-        blocks below it; returns the blocks still in use up to the highest."""
-        moves = plan(self.manager, bound)
+        blocks below it; returns the blocks still in use up to the highest. Asked below
+        what is live, the live blocks are packed under their count instead: the pool then
+        keeps the fewest rows it can (a moved block is cheap, a kept chunk is not)."""
+        moves = plan(self.manager, max(bound, len(self.manager.used_block_ids)))
         if moves:
             started = time.perf_counter()
             self.copy_blocks([s for s, _ in moves], [d for _, d in moves])
@@ -143,19 +150,18 @@ class BlockFollower:
     def idle(self) -> None:
         """While the engine has nothing to do: say so once, and answer shrinks."""
         self._say_busy(False, 0)
-        self._answer_shrinks()
         self._collect(0.001)
+        self._answer_shrinks(0)
 
     def before_step(self, waiting: Sequence[Any], running: Sequence[Any]) -> None:
-        """At a step boundary: answer shrinks, take an answered grow, grow ahead of need,
+        """At a step boundary: take an answered grow, answer shrinks, grow ahead of need,
         and wait for the grow only when the step cannot run without it."""
-        self._answer_shrinks()
+        self._collect(0.001)  # first: a shrink starts from the rows the pool holds
         manager = self.manager
         need = self._need(waiting, running)
+        self._answer_shrinks(need)
         used = len(manager.used_block_ids)
         self._say_busy(bool(waiting or running), used + need)
-        if self.growing is not None:
-            self._collect(0.001)
         deadline = time.monotonic() + self.wait_s
         while True:
             free = len(manager.free_block_ids)
@@ -217,14 +223,24 @@ class BlockFollower:
             self._retry_at = time.monotonic() + RETRY_S
         resize(self.manager, self.pool.tokens, self.new_block)
 
-    def _answer_shrinks(self) -> None:
-        kept = self.pool.answer_shrinks(self.move_live)
+    def _answer_shrinks(self, need: int) -> None:
+        """Asked for blocks back, give back down to what the engine needs (in use, the
+        next steps' ``need`` and the watermark, in grow steps), not only what was asked:
+        the daemon asks for the neighbour's grow in hand, and a burst's grows come one
+        after another as its requests arrive; each further ask would wait for a step of
+        this engine."""
+        wanted = len(self.manager.used_block_ids) + need + self.watermark
+        kept = self.pool.answer_shrinks(self.move_live, down_to=-(-wanted // self.step) * self.step)
         if kept is not None:
             self.figures.shrinks += 1
             resize(self.manager, kept, self.new_block)
 
     def _say_busy(self, busy: bool, demand: int) -> None:
-        """Report demand on a change between idle and busy only (not per step)."""
-        if busy != self._busy:
-            self.pool.report_demand(demand if busy else 0)
-            self._busy = busy
+        """Report demand on a change between idle and busy, and while busy once it moved
+        by ``step`` blocks from what was said (a burst's queue fills, its requests end):
+        the daemon's fair share follows the engine's real need, not the figure of the
+        step a burst began with. Steady decode moves it by a block now and then: no call."""
+        demand = demand if busy else 0
+        if busy != self._busy or abs(demand - self._said) >= self.step:
+            self.pool.report_demand(demand)
+            self._busy, self._said = busy, demand
