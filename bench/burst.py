@@ -46,6 +46,10 @@ press on, the round runs again under the capacity that makes them (said in the o
 The capacity must first hold both engines' model arenas: weights and the warm-up's and
 graph capture's temporaries, which stay committed in the arena (about 5 GiB an engine on
 the H200, where 6 GiB for both refused the second engine's warm-up); the cut comes after.
+Once both engines are ready (their temporaries trimmed), what the capacity has beyond
+what they hold is held by the bench (``_ballast``): the round counted the temporaries as
+used, so without it the bursting engine grows into that instead of the neighbour's
+blocks (on the H200 both engines grew 216 -> 384 blocks and no block moved).
 
     python bench/burst.py --backend host
     python bench/burst.py --backend cuda --capacity 24GiB
@@ -59,6 +63,7 @@ Last line: {"bench": "burst", ...}; ok when elastic p99 <= 0.25x static, p50 and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -137,6 +142,7 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
         (folder / f"{name}.spec").write_text(json.dumps(spec))
         engines[name] = c.Child(f"engine {name} ({config})", [__file__, "--engine", str(folder / f"{name}.spec")], folder / f"{name}.log")
     served = False
+    ballast: Ballast | None = None
     try:
         ready = {}
         for name, child in engines.items():
@@ -150,6 +156,9 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
             plan["blocks"] = blocks
         ready = {name: r["blocks"] for name, r in ready.items()}
         c.say(f"{config}: blocks {ready}")
+        if daemon is not None:
+            ballast = _ballast(daemon, plan.get("capacity", args.capacity))
+            c.say(f"{config}: {ballast.held // MiB} MiB the round left unassigned held by the bench (gpumem.Session 'burst-ballast')")
         requests = plan.setdefault("requests", _requests(args, plan["blocks"]))
         for name in names:
             mine = requests["a"] + requests["b"] if name == "alone" else requests[name]
@@ -172,11 +181,43 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
                     child.proc.wait(60)  # it closes its session and exits on the stop file
             if child.stop(10) not in (0, None):
                 c.say(f"warning: {child.name} ended with a failure; its log:\n{child.log()}")
+        if ballast is not None:
+            ballast.session.close()
         if daemon is not None:
             moves = [line.split(": ", 1)[-1] for line in daemon.log_path.read_text().splitlines() if "grew to" in line]
             daemon.stop()
             c.say(f"{config}: {len(moves)} grows that waited for a neighbour" + "".join(f"\n  daemon: {m}" for m in moves[:6]))
-    return _summary(config, results)
+    out = _summary(config, results)
+    out["ballast_bytes"] = ballast.held if ballast is not None else 0
+    return out
+
+
+@dataclasses.dataclass
+class Ballast:
+    session: Any
+    held: int
+
+
+def _ballast(daemon: c.Daemon, capacity: str) -> Ballast:
+    """Hold what the capacity has beyond what the engines hold once both are ready. The
+    round sizes KV from the memory free at capture, when warm-up temporaries still sit in
+    the model arenas; the engines trim them after, and on the H200 that left GiBs free
+    for grows (both elastic engines grew 216 -> 384 blocks, no neighbour asked: no
+    memory moved). Held by a session of the bench's, a burst's blocks beyond the split
+    must come from the neighbour, as under the combined demand the capacity stands for."""
+    import gpumem
+
+    session = gpumem.connect(0, name="burst-ballast", runtime_dir=daemon.runtime_dir)
+    try:
+        s = session.status()
+        spare = (_bytes(capacity) - s.device.accounted_bytes) // s.device.granularity * s.device.granularity
+        if spare > 0:
+            arena = session.create_arena("burst-ballast", spare)
+            arena.commit(spare)
+    except BaseException:
+        session.close()
+        raise
+    return Ballast(session, max(spare, 0))
 
 
 def _per_request(backend: str) -> int:
