@@ -23,7 +23,7 @@ over the run (decode steps only; steady decode compares a decode step's time at
 the batch of static's median decoded token, from a line fitted to each configuration's
 steps), and the moves (grows, shrinks answered,
 blocks moved and the time spent copying them, steps that waited for a grow). Token ids
-must be identical across the four, up to near-ties on CUDA (``TIE_GAP``: where two runs
+must be identical across the four, up to near-ties on CUDA (``nanovllm_kit.TIE_GAP``: where two runs
 part, the best logit led by next to nothing in both). Then, with a daemon of its own, a ``--grow-mib`` grow
 timed ``--repeats`` times when the memory is free and when an idle neighbour must give
 it back first.
@@ -57,7 +57,7 @@ blocks (on the H200 both engines grew 216 -> 384 blocks and no block moved).
 Last line: {"bench": "burst", ...}; ok when elastic p99 <= 0.25x static, p50 and p99
 <= 1.3x alone, no preemption in elastic, its decode >= 0.98x static, the grows within
 50 ms (free) and 200 ms (given back) at p99, and the tokens identical up to near-ties
-(``TIE_GAP``; on the host exactly identical).
+(``nanovllm_kit.TIE_GAP``; on the host exactly identical).
 """
 
 from __future__ import annotations
@@ -76,17 +76,11 @@ from pathlib import Path
 from typing import Any
 
 import _common as c
+import nanovllm_kit as kit
 
 BENCH = "burst"
 MiB = 1 << 20
 CONFIGS = ["round", "static", "elastic", "alone"]
-# Greedy tokens are identical across the configurations up to near-ties: a batch of
-# another size runs other kernels, and bf16 logits then differ in their last bits (on the
-# H200 38 of 128 requests parted between elastic and static, 39 between alone, which
-# runs no daemon at all, and static). A run parts where the best logit led by at most
-# this (4 bf16 steps at these logits' magnitude, about 2 to 4) in both runs, or it is
-# counted: KV read back wrong changes a token where the lead is clear.
-TIE_GAP = 1 / 16
 TAIL = 2  # long requests after each burst
 MAX_BATCH = {"host": 256, "cuda": 64}  # the engines' max_num_seqs (bench/burst_engines.py, bench/nanovllm_kit.py)
 SIZES = {  # per backend: tokens a block, prompt tokens (plus up to extra), new tokens; the long ones' new tokens and arrival in their phase
@@ -279,21 +273,6 @@ def _summary(config: str, results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parting_gaps(tokens: dict[str, dict[str, list[int]]], margins: dict[str, dict[str, list[float]]], config: str) -> list[float]:
-    """Per request whose tokens under ``config`` differ from static's: the larger of the
-    two runs' best-to-second-best logit gaps at the first token where they part (inf
-    where a run recorded none: the host's stand-ins, whose tokens must not part at all)."""
-    gaps = []
-    for rid, want in tokens["static"].items():
-        got = tokens[config].get(rid)
-        if got == want:
-            continue
-        at = next((i for i, (x, y) in enumerate(zip(want, got or [])) if x != y), min(len(want), len(got or [])))
-        both = [m[rid][at] if at < len(m.get(rid, [])) else math.inf for m in (margins["static"], margins[config])]
-        gaps.append(max(both))
-    return gaps
-
-
 def _step_at(steps: list[list[float]], batch: float) -> float:
     """The least-squares line through (batch, seconds) of the decode steps, at ``batch``."""
     n = len(steps)
@@ -423,8 +402,8 @@ def main() -> int:
         batch = c.median([b for b, _ in steps["static"] for _ in range(int(b))])  # weighted by tokens: the bursts', not the long ones' steps
         at = {config: _step_at(steps[config], batch) for config in ("static", "elastic")}
         differ = {config: sum(tokens[config].get(k) != v for k, v in tokens["static"].items()) for config in CONFIGS}
-        parted = {config: _parting_gaps(tokens, margins, config) for config in CONFIGS}
-        clear = {config: sum(gap > TIE_GAP for gap in gaps) for config, gaps in parted.items()}
+        parted = {config: kit.parting_gaps(tokens["static"], tokens[config], margins["static"], margins[config]) for config in CONFIGS}
+        clear = {config: sum(gap > kit.TIE_GAP for gap in gaps) for config, gaps in parted.items()}
         el, st, al = runs["elastic"], runs["static"], runs["alone"]
         result.figures = {
             **{f"{config}_{key}": value for config, run in runs.items() for key, value in run.items()},
@@ -444,7 +423,7 @@ def main() -> int:
         f = result.figures
         c.say(f"elastic TTFT p99 {f['elastic_p99_vs_static']:.2f}x static; p50 {f['elastic_p50_vs_alone']:.2f}x and p99 "
               f"{f['elastic_p99_vs_alone']:.2f}x alone; decode {f['decode_vs_static']:.3f}x static; sequences differing {differ}, "
-              f"of which parting where the best logit led by more than {TIE_GAP:g}: {clear}")
+              f"of which parting where the best logit led by more than {kit.TIE_GAP:g}: {clear}")
         result.ok = (f["elastic_p99_vs_static"] <= 0.25 and max(f["elastic_p50_vs_alone"], f["elastic_p99_vs_alone"]) <= 1.3
                      and el["preempted"] == 0 and f["decode_vs_static"] >= 0.98 and f["grow_free_p99_ms"] <= 50
                      and f["grow_given_back_p99_ms"] <= 200 and not any(clear.values()))

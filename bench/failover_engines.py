@@ -305,7 +305,11 @@ def nano_primary(spec: dict[str, Any], out: Path) -> int:
     # The reference is the same prompts again, their full blocks from the prefix cache:
     # the standby computes exactly that. Against the whole prefill, bf16 near-ties may
     # part (other kernels), which says nothing about the adopted bytes.
+    margins = kit.Margins(llm)  # per token, the lead of the best logit: where the standby parts, was it a near-tie?
     tokens = kit.generate(llm, batch, spec["requests"][0]["max_tokens"]).tokens
+    margins.after_step()
+    by_seq = [margins.by_seq[k] for k in sorted(margins.by_seq)]  # the pass's sequences, in the order added
+    _write_json(out / "phase1-margins.json", {str(r["id"]): m for r, m in zip(spec["requests"], by_seq)})
     _write_json(out / "phase1.json", {str(r["id"]): t for r, t in zip(spec["requests"], tokens)})
     params = SamplingParams(temperature=1.0, max_tokens=spec["requests"][0]["max_tokens"], ignore_eos=True)
     for prompt in batch:
@@ -349,15 +353,18 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
         llm.add_request(r["prompt"], params)
     first: list[float] = []
     outputs: dict[int, list[int]] = {}
+    margins = kit.Margins(llm)
     while not llm.is_finished():
         finished, _ = llm.step()
         first = first or [time.monotonic()]
+        margins.after_step()
         outputs.update(dict(finished))
     order = sorted(outputs)  # seq ids in the order the requests were added
     _write_json(out / "standby.json", {
         "adopted_at": adopted_at, "first_token_at": first[0], "trusted": seeded, "corrupt": corrupt, "cached": sum(cached),
         "prompt_tokens": sum(len(r["prompt"]) for r in spec["requests"]),
         "tokens": {str(r["id"]): outputs[seq_id] for r, seq_id in zip(spec["requests"], order)},
+        "margins": {str(r["id"]): margins.by_seq.get(seq_id, []) for r, seq_id in zip(spec["requests"], order)},
     })
     _wait_file(out / "close.json", "the end of the run")
     return 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import statistics
@@ -302,6 +303,33 @@ def generate(llm: Any, batch: list[list[int]], max_tokens: int, probe: bool = Fa
     if probe:
         result.margins = [margins[k] for k in sorted(outputs)]
     return result
+
+
+# Greedy tokens of two runs of one request are identical up to near-ties: a batch of
+# another size (or a prefill of another length) runs other kernels, and bf16 logits then
+# differ in their last bits (on the H200 38 of 128 requests parted between burst.py's
+# elastic and static runs, 39 between alone, which runs no daemon at all, and static). A
+# run parts where the best logit led by at most this (4 bf16 steps at these logits'
+# magnitude, about 2 to 4) in both runs, or it is counted: KV read back wrong changes a
+# token where the lead is clear.
+TIE_GAP = 1 / 16
+
+
+def parting_gaps(
+    want: dict[str, list[int]], got: dict[str, list[int]], want_margins: dict[str, list[float]], got_margins: dict[str, list[float]],
+) -> list[float]:
+    """Per request whose tokens in ``got`` differ from ``want``: the larger of the two
+    runs' best-to-second-best logit gaps at the first token where they part (inf where a
+    run recorded none, e.g. host stand-ins, whose tokens must not part at all)."""
+    gaps = []
+    for rid, tokens in want.items():
+        other = got.get(rid) or []
+        if other == tokens:
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(tokens, other)) if x != y), min(len(tokens), len(other)))
+        both = [m[rid][at] if at < len(m.get(rid, [])) else math.inf for m in (want_margins, got_margins)]
+        gaps.append(max(both))
+    return gaps
 
 
 class Margins:

@@ -34,7 +34,9 @@ def test_the_standby_serves_the_primarys_tokens_from_the_adopted_cache(backend: 
     assert out.returncode == 0 and last.startswith("{"), f"bench failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
     print(last)  # the figures, for -rP
     f = json.loads(last)["figures"]
-    assert f["tokens_identical"] and f["accounting_exact"], f"{json.dumps(f)}\n{out.stdout[-3000:]}"
+    # bf16 on CUDA: a near-tie may part, never a clear lead (nanovllm_kit.TIE_GAP); stand-ins: exact
+    assert (f["tokens_identical"] or backend == "cuda") and f["sequences_parting_at_a_clear_margin"] == 0, f"{json.dumps(f)}\n{out.stdout[-3000:]}"
+    assert f["accounting_exact"], f"{json.dumps(f)}\n{out.stdout[-3000:]}"
     assert f["prompt_tokens_hit"] == f["prompt_tokens"] - 12, f  # every full block of every prompt: all but its last token
     assert f["directory_corrupt"] == 0 and f["directory_trusted"] > 0
     if kill_daemon:  # the restarted daemon held the accounting at the end, and nobody waited out its grace
