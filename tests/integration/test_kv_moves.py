@@ -5,8 +5,10 @@ everything back at once. Under ``--capacity`` the device is 512 MiB on every bac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 
 import gpumem
 from gpumemd_testkit import MiB, status, wait_status
@@ -95,9 +97,10 @@ def test_a_neighbour_killed_mid_shrink_gives_everything_back_at_once(daemon_fact
     assert a.kvcheck() == "MATCH"
 
 
-def test_the_client_grows_ahead_and_answers_a_shrink_by_moving_live_rows_first(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
-    """In-process, two sessions: a grows ahead of need without waiting; b's live rows sit
-    past the bound asked, so its move_live hook runs first, and b gives back the rest."""
+@contextlib.contextmanager
+def _in_process_pair(daemon_factory, runtime_dir) -> Iterator[tuple[gpumem.KvPool, gpumem.KvPool]]:  # type: ignore[no-untyped-def]
+    """Two sessions of this process, a KV pool each, through a round of 2048 rows each
+    under a 512 MiB capacity (4096 rows in all) with a 10 s move deadline."""
     daemon_factory("host", args=["--host-capacity", "1GiB", "--capacity", "512MiB", "--kv-chunk-size", "32MiB", "--move-timeout", "10"])
     buffers = [gpumem.KvBuffer(f"b{i}", row) for i, row in enumerate(ROWS)]
     with gpumem.connect(0, name="engine-a", runtime_dir=runtime_dir, timeout=20.0) as sa, \
@@ -107,6 +110,13 @@ def test_the_client_grows_ahead_and_answers_a_shrink_by_moving_live_rows_first(d
         pb.join_round()
         waits = [pa.send_capture_done(min_tokens=256), pb.send_capture_done(min_tokens=256)]
         assert [w.wait() for w in waits] == [2048, 2048]
+        yield pa, pb
+
+
+def test_the_client_grows_ahead_and_answers_a_shrink_by_moving_live_rows_first(daemon_factory, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """In-process, two sessions: a grows ahead of need without waiting; b's live rows sit
+    past the bound asked, so its move_live hook runs first, and b gives back the rest."""
+    with _in_process_pair(daemon_factory, runtime_dir) as (pa, pb):
 
         live = {"top": 1300}  # b's highest live row, in a block past any bound the daemon asks
         moved: list[int] = []
@@ -159,15 +169,7 @@ def test_a_neighbour_whose_asked_rows_are_all_live_answers_and_the_grow_does_not
     """b's every row is live and cannot move: its answer gives nothing back, and a's grow
     is answered then (refused: nothing came free), not at the 10 s move deadline. While
     b's own grow is unanswered, b leaves its notices for later."""
-    daemon_factory("host", args=["--host-capacity", "1GiB", "--capacity", "512MiB", "--kv-chunk-size", "32MiB", "--move-timeout", "10"])
-    buffers = [gpumem.KvBuffer(f"b{i}", row) for i, row in enumerate(ROWS)]
-    with gpumem.connect(0, name="engine-a", runtime_dir=runtime_dir, timeout=20.0) as sa, \
-            gpumem.connect(0, name="engine-b", runtime_dir=runtime_dir, timeout=20.0) as sb:
-        pa, pb = sa.declare_kv_pool("kv-a", buffers, max_tokens=4096), sb.declare_kv_pool("kv-b", buffers, max_tokens=4096)
-        pa.join_round()
-        pb.join_round()
-        waits = [pa.send_capture_done(min_tokens=256), pb.send_capture_done(min_tokens=256)]
-        assert [w.wait() for w in waits] == [2048, 2048]
+    with _in_process_pair(daemon_factory, runtime_dir) as (pa, pb):
         pb.rows_in_use = lambda: 2048  # full of live blocks
         pb.report_demand(100)  # it says less: it is asked
         started = time.monotonic()
