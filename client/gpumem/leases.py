@@ -472,8 +472,8 @@ class Lease:
         # between the wake and the return is on the handoff's path.
         lease = cls(owner, pool, segment, kind, word, stream, held=False)
         address = segment.address
-        # ``order``: (context, stream, events), or under memops (context, stream, lanes address, lanes).
-        take = _native.lease_acquire if order is None else _native.lease_acquire_ordered if len(order) == 3 else _native.lease_acquire_memops
+        # The first try's kind of take: order is (context, stream, events), memops' (context, stream, lanes address, lanes).
+        take = _native.lease_acquire if order is None else _native.lease_acquire_memops if owner.lanes_count else _native.lease_acquire_ordered
         follows = 0
         while True:
             if status == _RECORDING and time.monotonic() >= deadline:  # else wait what is left for the record
