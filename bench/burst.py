@@ -151,7 +151,7 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
         ready = {name: r["blocks"] for name, r in ready.items()}
         c.say(f"{config}: blocks {ready}")
         if daemon is not None:
-            ballast = _ballast(daemon, plan.get("capacity", args.capacity))
+            ballast = _ballast(daemon)
             c.say(f"{config}: {ballast.held // MiB} MiB the round left unassigned held by the bench (gpumem.Session 'burst-ballast')")
         requests = plan.setdefault("requests", _requests(args, plan["blocks"]))
         for name in names:
@@ -192,7 +192,7 @@ class Ballast:
     held: int
 
 
-def _ballast(daemon: c.Daemon, capacity: str) -> Ballast:
+def _ballast(daemon: c.Daemon) -> Ballast:
     """Hold what the capacity has beyond what the engines hold once both are ready. The
     round sizes KV from the memory free at capture, when warm-up temporaries still sit in
     the model arenas; the engines trim them after, and on the H200 that left GiBs free
@@ -204,7 +204,8 @@ def _ballast(daemon: c.Daemon, capacity: str) -> Ballast:
     session = gpumem.connect(0, name="burst-ballast", runtime_dir=daemon.runtime_dir)
     try:
         s = session.status()
-        spare = (_bytes(capacity) - s.device.accounted_bytes) // s.device.granularity * s.device.granularity
+        # free_bytes is under --capacity already; the reserve (1 GiB on CUDA) is never committed.
+        spare = (s.device.free_bytes - s.device.reserve_bytes) // s.device.granularity * s.device.granularity
         if spare > 0:
             arena = session.create_arena("burst-ballast", spare)
             arena.commit(spare)
