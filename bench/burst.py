@@ -137,6 +137,7 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
         engines[name] = c.Child(f"engine {name} ({config})", [__file__, "--engine", str(folder / f"{name}.spec")], folder / f"{name}.log")
     served = False
     ballast: Ballast | None = None
+    moves: list[str] = []
     try:
         ready = {}
         for name, child in engines.items():
@@ -183,6 +184,7 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
             c.say(f"{config}: {len(moves)} grows that waited for a neighbour" + "".join(f"\n  daemon: {m}" for m in moves[:6]))
     out = _summary(config, results)
     out["ballast_bytes"] = ballast.held if ballast is not None else 0
+    out["neighbour_grows"] = len(moves)  # grows the daemon answered once a neighbour gave back
     return out
 
 

@@ -37,10 +37,14 @@ def test_memory_moves_to_the_bursting_engine_and_the_tokens_are_those_of_a_stati
     assert f["requests"] > 0 and f["elastic_requests"] == f["static_requests"]
     moves = f["elastic_moves"]
     assert moves["grows"] >= 2 and moves["shrinks"] >= 1, moves  # each engine grew; a neighbour gave back
-    # The long requests after a burst still run when the neighbour bursts, in blocks the
-    # burst left anywhere: some sit past the bound asked and are moved down.
-    assert moves["blocks_moved"] > 0, moves
+    assert f["elastic_neighbour_grows"] >= 1, f  # a grow the daemon answered with what a neighbour gave back
     assert f["elastic_preempted"] == 0
-    # The bursting engine ended above the round's split, the other below it.
-    ends = sorted(end for _, end in f["elastic_blocks"].values())
-    assert ends[0] < f["blocks_per_engine"] < ends[1], f["elastic_blocks"]
+    if backend == "host":
+        # The stand-ins' long requests after a burst still run when the neighbour bursts, in
+        # blocks the burst left anywhere: some sit past the bound asked and are moved down.
+        # (nano-vllm's idle engine holds no live block when asked: on the H200 it gave back
+        # free blocks only; test_nanovllm_follow moves live blocks on CUDA.)
+        assert moves["blocks_moved"] > 0, moves
+        # Both end at once: the bursting engine above the round's split, the other below it.
+        ends = sorted(end for _, end in f["elastic_blocks"].values())
+        assert ends[0] < f["blocks_per_engine"] < ends[1], f["elastic_blocks"]
