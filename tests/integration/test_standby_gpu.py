@@ -58,7 +58,7 @@ else:
     integration.enable("fo-standby", standby=("fo", (folder / "secret").read_text()), share_weights=True)
     llm = LLM(model, **build)
     write("standby-ready.json", {"pid": os.getpid(), "shared": integration.shared_weights_bytes(llm)})
-    seeded = integration.take_over(llm, wait=120)
+    seeded = integration.take_over(llm, wait=120).seeded
     adopted_at = time.monotonic()
     cached = []
     manager = llm.scheduler.block_manager
