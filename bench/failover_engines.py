@@ -267,10 +267,14 @@ def standby(spec: dict[str, Any], out: Path) -> int:
     scan = directory.scan(blocks)
     engine = Engine(k, v, numpy.asarray(weights.view()), blocks, directory)
     engine.seed(scan.blocks)
+    seeded_at = time.monotonic()
     first: list[float] = []
     done = serve(engine, spec["requests"], lambda: first or first.append(time.monotonic()))
     _write_json(out / "standby.json", {
         "adopted_at": adopted_at,
+        "woke_at": adopted_at,  # nothing of its own slept
+        "seeded_at": seeded_at,
+        "first_step_at": seeded_at,  # serve() steps at once
         "first_token_at": first[0],
         "trusted": len(scan.blocks),
         "corrupt": scan.corrupt,
@@ -324,6 +328,9 @@ def nano_primary(spec: dict[str, Any], out: Path) -> int:
 
 
 def nano_standby(spec: dict[str, Any], out: Path) -> int:
+    """nano-vllm on the primary's weights, which rehearses serving and puts its own
+    memory to sleep once built (gpumem.integrations.nanovllm_standby), then waits in
+    ``take_over``; ``standby.json`` has the take-over's timeline."""
     import nanovllm_kit as kit
 
     kit.install_standins(spec["port"])
@@ -334,12 +341,13 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
     _wait_file(out / "secret.json", "the primary's secret")
     secret = json.loads((out / "secret.json").read_text())["secret"]
     integration.enable("fo-standby", standby=(spec["group"], secret), share_weights=True)
-    llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
-    _write_json(out / "standby-ready.json", {"pid": os.getpid(), "shared_weights_bytes": integration.shared_weights_bytes(llm)})
-    seeded = integration.take_over(llm, wait=ADOPT_WAIT_S)
-    adopted_at = time.monotonic()
-    mem = llm.model_runner._gpumem
-    corrupt = mem.prefix.scan(mem.kv.blocks).corrupt  # seeded: the trusted entries the block manager took
+    with kit.probes_discarded():  # its rehearsal warms the probe that Margins times below
+        llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
+    _write_json(out / "standby-ready.json", {
+        "pid": os.getpid(), "shared_weights_bytes": integration.shared_weights_bytes(llm),
+        "asleep": llm.model_runner._gpumem.asleep, "model_arena_live": kit.model_arena_live(llm.model_runner),
+    })
+    took = integration.take_over(llm, wait=ADOPT_WAIT_S)
     manager = llm.scheduler.block_manager
     allocate, cached = manager.allocate, []
 
@@ -354,6 +362,7 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
     first: list[float] = []
     outputs: dict[int, list[int]] = {}
     margins = kit.Margins(llm)
+    first_step_at = time.monotonic()
     while not llm.is_finished():
         finished, _ = llm.step()
         first = first or [time.monotonic()]
@@ -361,7 +370,8 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
         outputs.update(dict(finished))
     order = sorted(outputs)  # seq ids in the order the requests were added
     _write_json(out / "standby.json", {
-        "adopted_at": adopted_at, "first_token_at": first[0], "trusted": seeded, "corrupt": corrupt, "cached": sum(cached),
+        "adopted_at": took.adopted_at, "woke_at": took.woke_at, "seeded_at": took.seeded_at, "first_step_at": first_step_at,
+        "first_token_at": first[0], "trusted": took.seeded, "corrupt": took.corrupt, "cached": sum(cached),
         "prompt_tokens": sum(len(r["prompt"]) for r in spec["requests"]),
         "tokens": {str(r["id"]): outputs[seq_id] for r, seq_id in zip(spec["requests"], order)},
         "margins": {str(r["id"]): margins.by_seq.get(seq_id, []) for r, seq_id in zip(spec["requests"], order)},
