@@ -189,7 +189,7 @@ def test_no_rehearsal_block_is_a_prefix_hit_after_the_take_over() -> None:
     llm.model_runner._gpumem = mem = Memory(log, blocks=16, trusted={})
     llm.model_runner.config.gpumem_layout, llm.model_runner.config.gpumem_reservation = {}, None
     standby.settle(llm, SETTINGS, params=lambda n: n, synchronize=lambda: log.append("sync"))
-    standby.take_over(llm, SETTINGS, wait=1.0, new_block=Block)
+    standby.take_over(llm, SETTINGS, wait=1.0, new_block=Block, restore_inputs=lambda: None)
     assert mem.kv is not None
     again = Seq(standby.rehearsal_prompts(BS, 1000)[0], 1)
     llm.scheduler.block_manager.allocate(again)
@@ -203,14 +203,6 @@ def test_a_reset_refuses_a_scheduler_holding_sequences() -> None:
         standby.reset(llm.scheduler)
     with pytest.raises(InvalidArgument, match="rehearses before it serves"):
         standby.rehearse(llm, lambda n: n)
-
-
-class Buffer:
-    def __init__(self, name: str, log: list[Any]) -> None:
-        self.name, self.log = name, log
-
-    def zero_(self) -> None:
-        self.log.append(f"zero {self.name}")
 
 
 class Directory:
@@ -257,7 +249,6 @@ def standby_engine(log: list[Any], *, blocks: int = 12, trusted: dict[int, int] 
     runner = llm.model_runner
     runner._gpumem = Memory(log, blocks, trusted or {})
     runner.config.gpumem_layout, runner.config.gpumem_reservation = {"layers": 2}, "reservation"
-    runner.graph_vars = {name: Buffer(name, log) for name in ("input_ids", "positions", "block_tables")}
     return llm
 
 
@@ -270,8 +261,8 @@ def test_a_standby_sleeps_after_its_rehearsal_and_wakes_after_the_adoption_befor
     # the device's work done before memory goes; the model arena dropped only when it holds no weights
     assert log[-5:] == ["step"] * 3 + ["sync", ("sleep", ("weights", "graphs"), ("weights",) if share_weights else ())]
     log.clear()
-    took = standby.take_over(llm, s, wait=1.0, new_block=Block)
-    assert log == [("adopt", "g", "secret"), "wake", "zero input_ids", "zero positions", "zero block_tables", "scan"]
+    took = standby.take_over(llm, s, wait=1.0, new_block=Block, restore_inputs=lambda: log.append("restore inputs"))
+    assert log == [("adopt", "g", "secret"), "wake", "restore inputs", "scan"]
     assert (took.seeded, took.trusted, took.corrupt) == (2, 2, 1)
     assert took.adopted_at <= took.woke_at <= took.seeded_at
     m = llm.scheduler.block_manager
@@ -284,10 +275,10 @@ def test_a_standby_that_did_not_sleep_wakes_nothing() -> None:
     s = Settings("sb", standby=("g", "secret"), standby_rehearses=False, standby_sleeps=False, follow=False)
     standby.settle(llm, s, params=lambda n: n, synchronize=no_sync)
     assert log == []
-    took = standby.take_over(llm, s, wait=1.0, new_block=Block)
+    took = standby.take_over(llm, s, wait=1.0, new_block=Block, restore_inputs=lambda: log.append("restore inputs"))
     assert log == [("adopt", "g", "secret"), "scan"] and took.woke_at == took.adopted_at
 
 
 def test_only_a_standby_takes_over() -> None:
     with pytest.raises(InvalidArgument, match="no standby"):
-        standby.take_over(standby_engine([]), Settings("primary"), wait=1.0, new_block=Block)
+        standby.take_over(standby_engine([]), Settings("primary"), wait=1.0, new_block=Block, restore_inputs=lambda: None)

@@ -238,7 +238,21 @@ def take_over(llm: Any, *, wait: float) -> nanovllm_standby.TakeOver:
     standby put to sleep, size the block manager to the adopted blocks and seed its
     prefix cache from the directory's trusted entries; returns what was seeded and when
     each part was done (``nanovllm_standby.TakeOver``). The engine serves from then on."""
-    return nanovllm_standby.take_over(llm, _settings[0], wait=wait, new_block=_block_class())
+    runner = llm.model_runner
+    return nanovllm_standby.take_over(
+        llm, _settings[0], wait=wait, new_block=_block_class(), restore_inputs=lambda: _zero_graph_inputs(runner),
+    )
+
+
+def _zero_graph_inputs(runner: Any) -> None:
+    """The decode graphs' static inputs and output as capture left them (zeros): after a
+    dropped model arena woke, the rows a replay does not rewrite must hold token ids,
+    positions and block ids in range (gpumem.integrations.nanovllm_standby)."""
+    import torch
+
+    with torch.inference_mode():  # made in it (capture_cudagraph): written only in it
+        for buffer in getattr(runner, "graph_vars", {}).values():
+            buffer.zero_()
 
 
 def _block_class() -> type:

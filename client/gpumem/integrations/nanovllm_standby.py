@@ -37,8 +37,8 @@ Once built, its decode graphs captured on the reservation's placeholder
   weights and the rotary cache are the primary's arena, the KV cache the reservation.
   The rows past a batch that a larger graph reads (token ids, positions, block tables)
   keep what was last written there, which must be in range (an embedding index, a
-  rotary position, a block id): ``take_over`` zeroes the static inputs after the wake,
-  their state at capture (woken chunks are zeroed by the daemon too). A standby with
+  rotary position, a block id): ``take_over`` has the static inputs zeroed after the
+  wake, their state at capture (woken chunks are zeroed by the daemon too). A standby with
   weights of its own keeps the model arena in host memory instead.
 
 ``take_over`` adopts the pool and the directory into the reservation, wakes what slept
@@ -129,9 +129,10 @@ class TakeOver:
     seeded_at: float  # the block manager sized and seeded: the engine may step
 
 
-def take_over(llm: Any, s: Settings, *, wait: float, new_block: Callable[[int], Any]) -> TakeOver:
+def take_over(llm: Any, s: Settings, *, wait: float, new_block: Callable[[int], Any], restore_inputs: Callable[[], None]) -> TakeOver:
     """``gpumem.integrations.nanovllm.take_over`` (its doc); ``new_block``: nano-vllm's
-    ``Block``."""
+    ``Block``; ``restore_inputs``: zero the graphs' static inputs, called once what slept
+    is awake (see the module doc)."""
     if s.standby is None:
         raise InvalidArgument("this engine is no standby: enable(name, standby=(group, secret)) before building it")
     runner = llm.model_runner
@@ -145,8 +146,7 @@ def take_over(llm: Any, s: Settings, *, wait: float, new_block: Callable[[int], 
     woke_at = adopted_at
     if mem.asleep:
         mem.wake(wait=DEFAULT_WAKE_WAIT_S)
-        for buffer in getattr(runner, "graph_vars", {}).values():
-            buffer.zero_()  # the graphs' static inputs as captured (module doc)
+        restore_inputs()
         woke_at = time.monotonic()
     scheduler = llm.scheduler
     resize(scheduler.block_manager, kv.blocks, new_block)
