@@ -188,7 +188,9 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
           f"buffers; asleep: {slept}; maps {shared / 2**20:.0f} MiB of the primary's weights (attached to "
           f"{attached / 2**20:.0f} MiB of its arenas)")
     live = ready.get("model_arena_live")
-    if live is not None:
+    if live is not None and "error" in live:
+        c.say(f"standby's model arena: no figures ({live['error']})")
+    elif live is not None:
         c.say(f"standby's model arena (dropped while asleep): {live['blocks']} blocks in use, {live['bytes'] / 2**20:.1f} MiB; "
               f"{live['graph_vars']} of the {live['graph_vars_expected']} graph inputs/outputs; others "
               f"{live['other_bytes'] / 2**20:.1f} MiB, sizes {live['other_sizes']}")

@@ -343,10 +343,9 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
     integration.enable("fo-standby", standby=(spec["group"], secret), share_weights=True)
     with kit.probes_discarded():  # its rehearsal warms the probe that Margins times below
         llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
-    _write_json(out / "standby-ready.json", {
-        "pid": os.getpid(), "shared_weights_bytes": integration.shared_weights_bytes(llm),
-        "asleep": llm.model_runner._gpumem.asleep, "model_arena_live": kit.model_arena_live(llm.model_runner),
-    })
+    ready = {"pid": os.getpid(), "shared_weights_bytes": integration.shared_weights_bytes(llm), "asleep": llm.model_runner._gpumem.asleep}
+    kit._diagnose(ready, "model_arena_live", lambda: kit.model_arena_live(llm.model_runner))
+    _write_json(out / "standby-ready.json", ready)
     took = integration.take_over(llm, wait=ADOPT_WAIT_S)
     manager = llm.scheduler.block_manager
     allocate, cached = manager.allocate, []
