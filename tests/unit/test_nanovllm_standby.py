@@ -127,7 +127,8 @@ class Engine:
 
     def __init__(self, manager: Manager, log: list[Any] | None = None) -> None:
         self.scheduler = types.SimpleNamespace(block_manager=manager, waiting=collections.deque(), running=[], gpumem=None, gpumem_prefix=None)
-        self.model_runner = types.SimpleNamespace(config=types.SimpleNamespace(hf_config=types.SimpleNamespace(vocab_size=1000)))
+        config = types.SimpleNamespace(hf_config=types.SimpleNamespace(vocab_size=1000), max_model_len=64, max_num_batched_tokens=64)
+        self.model_runner = types.SimpleNamespace(config=config)
         self.steps: list[tuple[str, Any]] = []
         self.log = [] if log is None else log
 
@@ -191,9 +192,20 @@ def test_no_rehearsal_block_is_a_prefix_hit_after_the_take_over() -> None:
     standby.settle(llm, SETTINGS, params=lambda n: n, synchronize=lambda: log.append("sync"))
     standby.take_over(llm, SETTINGS, wait=1.0, new_block=Block, restore_inputs=lambda: None)
     assert mem.kv is not None
-    again = Seq(standby.rehearsal_prompts(BS, 1000)[0], 1)
+    again = Seq(standby.rehearsal_prompts(BS, 1000, 64)[0], 1)
     llm.scheduler.block_manager.allocate(again)
     assert again.num_cached_tokens == 0
+
+
+def test_the_rehearsals_prompts_fit_the_engine() -> None:
+    first, *sharing = standby.rehearsal_prompts(256, 32768, 1024)
+    assert len(first) == 257 and [len(p) for p in sharing] == [513, 514]  # a full block of their own: a prefill of some length
+    assert all(p[:256] == first[:256] and p[256] != first[256] for p in sharing)
+    assert [len(p) for p in standby.rehearsal_prompts(256, 32768, 512)[1:]] == [257, 258]  # short of room: a token or two
+    llm = Engine(Manager(16))
+    llm.model_runner.config.max_num_batched_tokens = 2 * BS
+    with pytest.raises(InvalidArgument, match="past max_num_batched_tokens"):
+        standby.rehearse(llm, lambda n: n)
 
 
 def test_a_reset_refuses_a_scheduler_holding_sequences() -> None:
@@ -245,7 +257,7 @@ class Memory:
 
 
 def standby_engine(log: list[Any], *, blocks: int = 12, trusted: dict[int, int] | None = None) -> Engine:
-    llm = Engine(Manager(4), log)
+    llm = Engine(Manager(8), log)
     runner = llm.model_runner
     runner._gpumem = Memory(log, blocks, trusted or {})
     runner.config.gpumem_layout, runner.config.gpumem_reservation = {"layers": 2}, "reservation"

@@ -18,7 +18,7 @@ Once built, its decode graphs captured on the reservation's placeholder
   H200 about 150 ms from the adoption to the first token, 9 ms with the host stand-ins.
   So the standby serves a few requests itself first: a plain prefill, then a prefill of
   two prompts that share the first one's full block (the prefix-cache path), then
-  decode steps (graph replays), the sampler at each. The KV cache is the reservation's
+  decode steps (graph replays), the sampler at each (``rehearsal_prompts``). The KV cache is the reservation's
   placeholder: writes land in the standby's own scratch and reads see scratch, nothing
   of the primary's KV is read or written; the tokens mean nothing and are dropped.
 - It resets the scheduler and the block manager: a new block manager, every block free
@@ -67,11 +67,14 @@ if TYPE_CHECKING:
 REHEARSAL_TOKENS = 3
 
 
-def rehearsal_prompts(block_size: int, vocab: int) -> list[list[int]]:
+def rehearsal_prompts(block_size: int, vocab: int, max_len: int) -> list[list[int]]:
     """A prompt of one full block and a token, then two that share its full block and
-    differ after it (token ids below ``vocab``)."""
+    differ after it (token ids below ``vocab``): each a full block of its own and a token
+    or two (a prefill of some length, as serving's are) where that fits in ``max_len``
+    (nano-vllm's ``max_model_len``) with the tokens generated, a token or two otherwise."""
     first = [i % vocab for i in range(block_size + 1)]
-    return [first, first[:block_size] + [(block_size + 1) % vocab], first[:block_size] + [(block_size + 2) % vocab] * 2]
+    own = block_size if 2 * block_size + 2 + REHEARSAL_TOKENS <= max_len else 0
+    return [first] + [first[:block_size] + [(block_size + 1 + k + i) % vocab for i in range(own + 1 + k)] for k in range(2)]
 
 
 def rehearse(llm: Any, params: Callable[[int], Any]) -> None:
@@ -79,7 +82,13 @@ def rehearse(llm: Any, params: Callable[[int], Any]) -> None:
     for ``n`` tokens, the end of sequence ignored)."""
     if not llm.is_finished():
         raise InvalidArgument("the standby has requests of its own: it rehearses before it serves, never between")
-    first, *sharing = rehearsal_prompts(llm.scheduler.block_manager.block_size, llm.model_runner.config.hf_config.vocab_size)
+    config = llm.model_runner.config
+    first, *sharing = rehearsal_prompts(llm.scheduler.block_manager.block_size, config.hf_config.vocab_size, config.max_model_len)
+    if len(sharing[-1]) > config.max_num_batched_tokens:
+        raise InvalidArgument(
+            f"the standby's rehearsal prefills {len(sharing[-1])} tokens at once, past max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}): raise it, or enable(..., standby_rehearses=False)"
+        )
     llm.add_request(first, params(REHEARSAL_TOKENS))
     llm.step()  # a plain prefill; its full block is hashed (a prefix-cache entry)
     for prompt in sharing:
