@@ -18,9 +18,10 @@ Once built, its decode graphs captured on the reservation's placeholder
   H200 about 150 ms from the adoption to the first token, 9 ms with the host stand-ins.
   So the standby serves a few requests itself first: a plain prefill, then a prefill of
   two prompts that share the first one's full block (the prefix-cache path), then
-  decode steps (graph replays), the sampler at each (``rehearsal_prompts``). The KV cache is the reservation's
-  placeholder: writes land in the standby's own scratch and reads see scratch, nothing
-  of the primary's KV is read or written; the tokens mean nothing and are dropped.
+  decode steps (graph replays), the sampler at each (``rehearsal_prompts``). The KV
+  cache is the reservation's placeholder: writes land in the standby's own scratch and
+  reads see scratch, nothing of the primary's KV is read or written; the tokens mean
+  nothing and are dropped.
 - It resets the scheduler and the block manager: a new block manager, every block free
   and unhashed. A hash a rehearsal block kept (an entry of ``hash_to_block_id``, or a
   freed block's own hash) would be a prefix hit on adopted rows that hold other tokens,
@@ -38,8 +39,10 @@ Once built, its decode graphs captured on the reservation's placeholder
   The rows past a batch that a larger graph reads (token ids, positions, block tables)
   keep what was last written there, which must be in range (an embedding index, a
   rotary position, a block id): ``take_over`` has the static inputs zeroed after the
-  wake, their state at capture (woken chunks are zeroed by the daemon too). A standby with
-  weights of its own keeps the model arena in host memory instead.
+  wake, their state at capture (woken chunks are zeroed by the daemon too). What lives
+  there is checked per run: bench/failover.py prints the blocks in use from torch's
+  snapshot of the arena's pool, graph inputs apart. A standby with weights of its own
+  keeps the model arena in host memory instead.
 
 ``take_over`` adopts the pool and the directory into the reservation, wakes what slept
 (same addresses: the graphs replay as captured) before anything runs, sizes the block
