@@ -18,9 +18,9 @@ token (``first_step_s``: the first step alone); the share of phase 2's prompt to
 (every prompt served before) whose KV came from the adopted cache; the standby's own
 memory before promotion (what it owns on the device: committed and placeholder bytes;
 the weights it maps are the primary's; ``standby_host_bytes``: the host buffers of what
-it put to sleep, nano-vllm's graph pool; ``standby_model_arena_live``: what lived in the
-model arena it dropped, from torch's snapshot); whether its token ids equal the primary's phase-1 ids for the same
-prompts (on CUDA the ids of the primary's second pass over them, their full blocks from
+it put to sleep, its graphs arena; ``standby_model_arena_live``, nano-vllm: what lived
+in the model arena it dropped, from torch's snapshot); whether its token ids equal the
+primary's phase-1 ids for the same prompts (on CUDA the ids of the primary's second pass over them, their full blocks from
 its prefix cache as the standby's are), up to near-ties on CUDA: where the two part, the
 best logit must have led by at most ``nanovllm_kit.TIE_GAP`` in both (on the H200 the
 standby's ids differed from the primary's second pass; whether at near-ties was not
