@@ -57,7 +57,7 @@ else:
         time.sleep(0.05)
     integration.enable("fo-standby", standby=("fo", (folder / "secret").read_text()), share_weights=True)
     llm = LLM(model, **build)
-    write("standby-ready.json", {"pid": os.getpid(), "shared": integration.shared_weights_bytes(llm)})
+    write("standby-ready.json", {"pid": os.getpid(), "shared": integration.shared_weights_bytes(llm), "asleep": llm.model_runner._gpumem.asleep})
     seeded = integration.take_over(llm, wait=120).seeded
     adopted_at = time.monotonic()
     cached = []
@@ -113,6 +113,9 @@ def test_a_standby_takes_over_a_killed_engine_and_serves_its_prompts_from_the_ad
         # without the weights below them: 256 MiB of slack, below the weights' size, so a
         # standby holding a copy of its own still fails.
         assert own <= primary - weights + (256 << 20), model_bytes
+        # Settled once built (nanovllm_standby): rehearsed, then asleep until take_over, its
+        # model arena dropped (it holds no weights), its graph pool kept in host memory
+        assert ready["asleep"] == ["weights", "graphs"] and own == 0, (ready, model_bytes)
         procs["primary"].kill()
         killed = time.monotonic()
         procs["primary"].wait(30)
