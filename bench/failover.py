@@ -11,11 +11,16 @@ The primary serves every prompt (phase 1), then starts on the same prompts again
 the directory, seeds its prefix cache from the directory's trusted entries and serves
 phase 2.
 
-Figures: kill -> the standby's first token; the share of phase 2's prompt tokens (every
-prompt served before) whose KV came from the adopted cache; the standby's own memory
-before promotion (what it owns: committed and placeholder bytes; the weights it maps are
-the primary's); whether its token ids equal the primary's phase-1 ids for the same
-prompts (on CUDA the ids of the primary's second pass over them, their full blocks from
+Figures: kill -> the standby's first token, and on the way (``kill_to_*_s``): adopt
+returned, woke (what the standby put to sleep is back; ``wake_s`` from the adoption),
+seeded (the block manager sized and seeded: it may step), first step started, first
+token (``first_step_s``: the first step alone); the share of phase 2's prompt tokens
+(every prompt served before) whose KV came from the adopted cache; the standby's own
+memory before promotion (what it owns on the device: committed and placeholder bytes;
+the weights it maps are the primary's; ``standby_host_bytes``: the host buffers of what
+it put to sleep, its graphs arena; ``standby_model_arena_live``, nano-vllm: what lived
+in the model arena it dropped, from torch's snapshot); whether its token ids equal the
+primary's phase-1 ids for the same prompts (on CUDA the ids of the primary's second pass over them, their full blocks from
 its prefix cache as the standby's are), up to near-ties on CUDA: where the two part, the
 best logit must have led by at most ``nanovllm_kit.TIE_GAP`` in both (on the H200 the
 standby's ids differed from the primary's second pass; whether at near-ties was not
@@ -36,7 +41,9 @@ scheduler, block manager and prefix cache in miniature over real host memory, co
 as sleeps); ``--backend cuda`` runs nano-vllm (bench/nanovllm_kit.py's random-weight
 Qwen3, greedy; gpumem.integrations.nanovllm with ``retain=`` and ``weights_to=`` on the
 primary, ``standby=`` and ``share_weights=True`` on the standby), whose standby maps the
-primary's model arena read-only and builds its model on it (no weights of its own).
+primary's model arena read-only and builds its model on it (no weights of its own),
+rehearses serving on its placeholder and puts its own memory to sleep before it waits
+(gpumem.integrations.nanovllm_standby).
 ``standby_shared_weights_bytes`` is what the standby maps of the primary's (its weights
 arena; nano-vllm: its parameters and buffers).
 
@@ -172,8 +179,21 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     attached = sum(a.committed for a in s.arenas if a.owner == "fo-primary" and "fo-standby" in a.attached)
     shared = ready["shared_weights_bytes"]
     parts = ", ".join(f"{a.name} {(a.committed + a.placeholder_bytes) / 2**20:.0f} MiB" for a in s.arenas if a.owner == "fo-standby")
-    c.say(f"standby before promotion: owns {own / 2**20:.0f} MiB ({parts}), maps {shared / 2**20:.0f} MiB of the primary's "
-          f"weights (attached to {attached / 2**20:.0f} MiB of its arenas)")
+    # What it put to sleep (nano-vllm: its graph pool kept in host memory, its model arena dropped)
+    sleepers = [z for z in s.sleepers if z.owner == "fo-standby"]
+    host = sum(z.host_bytes for z in sleepers)
+    wakes = sum(z.committed_bytes for z in sleepers if z.asleep)
+    slept = ", ".join(f"{z.arena} {z.committed_bytes / 2**20:.0f} MiB ({z.kept_bytes / 2**20:.0f} kept)" for z in sleepers if z.asleep) or "nothing"
+    c.say(f"standby before promotion: owns {own / 2**20:.0f} MiB on the device ({parts}), {host / 2**20:.0f} MiB of host "
+          f"buffers; asleep: {slept}; maps {shared / 2**20:.0f} MiB of the primary's weights (attached to "
+          f"{attached / 2**20:.0f} MiB of its arenas)")
+    live = ready.get("model_arena_live")
+    if live is not None and "error" in live:
+        c.say(f"standby's model arena: no figures ({live['error']})")
+    elif live is not None:
+        c.say(f"standby's model arena (dropped while asleep): {live['blocks']} blocks in use, {live['bytes'] / 2**20:.1f} MiB; "
+              f"{live['graph_vars']} of the {live['graph_vars_expected']} graph inputs/outputs; others "
+              f"{live['other_bytes'] / 2**20:.1f} MiB, sizes {live['other_sizes']}")
 
     phase1 = wait_file(work / "phase1.json", engines["primary"], args.run_timeout, "serving phase 1")
     started = wait_file(work / "phase2.json", engines["primary"], args.run_timeout, "its first phase-2 step")
@@ -200,8 +220,10 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     parted = kit.parting_gaps(phase1, got["tokens"], primary_margins, got.get("margins", {}))
     clear = sum(gap > kit.TIE_GAP for gap in parted)
     identical = got["tokens"] == phase1
-    c.say(f"kill -> adopted {1e3 * (got['adopted_at'] - killed):.1f} ms, -> first token {1e3 * first_s:.1f} ms; "
-          f"{got['trusted']} directory entries trusted ({got['corrupt']} corrupt); prompt tokens from the adopted KV "
+    timeline = {key: got[f"{key}_at"] - killed for key in ("adopted", "woke", "seeded", "first_step", "first_token")}
+    c.say("kill -> " + ", ".join(f"{key.replace('_', ' ')} {1e3 * at:.1f} ms" for key, at in timeline.items())
+          + f" (wake {1e3 * (got['woke_at'] - got['adopted_at']):.1f} ms, first step {1e3 * (got['first_token_at'] - got['first_step_at']):.1f} ms)")
+    c.say(f"{got['trusted']} directory entries trusted ({got['corrupt']} corrupt); prompt tokens from the adopted KV "
           f"{got['cached']}/{prompt_tokens} ({100 * hit:.2f}%); tokens {'identical' if identical else 'DIFFER'} to the primary's"
           + ("" if identical else f" in {len(parted)} of {len(phase1)} requests, {clear} where the best logit led by more than "
              f"{kit.TIE_GAP:g} (largest lead where one parted: {max(parted):.4g})"))
@@ -220,9 +242,11 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         restarted["daemon_generation"] = s.daemon.generation
         exact = exact and s.daemon.generation == 1  # the daemon that ends it is the restarted one, with its state
     result.figures = {
-        "kill_to_adopted_s": got["adopted_at"] - killed, "kill_to_first_token_s": first_s, "prompt_hit": hit,
+        **{f"kill_to_{key}_s": at for key, at in timeline.items()}, "wake_s": got["woke_at"] - got["adopted_at"],
+        "first_step_s": got["first_token_at"] - got["first_step_at"], "prompt_hit": hit,
         "prompt_tokens": prompt_tokens, "prompt_tokens_hit": got["cached"], "directory_trusted": got["trusted"],
-        "directory_corrupt": got["corrupt"], "standby_own_bytes": own, "standby_shared_weights_bytes": shared,
+        "directory_corrupt": got["corrupt"], "standby_own_bytes": own, "standby_host_bytes": host, "standby_wake_bytes": wakes,
+        "standby_asleep": ready.get("asleep", []), "standby_model_arena_live": live, "standby_shared_weights_bytes": shared,
         "tokens_identical": identical, "sequences_differing": len(parted), "sequences_parting_at_a_clear_margin": clear,
         "accounting_exact": exact, "daemon_killed": args.kill_daemon, **restarted,
     }

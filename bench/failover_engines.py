@@ -17,11 +17,14 @@ it with -9 there. A primary that finishes phase 2 first waits to be killed: a cl
 would close its session, and with it the group it retains.
 
 The standby attaches the weights through the read-only grant, reserves the group's
-windows (gpumem.standby) and builds its K and V arrays there, then writes ``ready`` with
-what it maps, and waits in ``adopt`` with the reservation. Once it holds the group, the
-arrays it built before read the adopted rows; it seeds its prefix cache from the
-directory's trusted entries and serves phase 2, writing the time of its first token, the
-prompt tokens that hit, and the token ids.
+windows (gpumem.standby) and builds its K and V arrays there. Its own model and graphs
+arenas (EngineMemory, 16 MiB each) sleep as nano-vllm's standby's do (the graphs kept in
+host memory, the model arena dropped); then it writes ``ready`` with what it maps, and
+waits in ``adopt`` with the reservation. Once it holds the group it wakes its arenas, and
+the arrays it built before read the adopted rows; it seeds its prefix cache from the
+directory's trusted entries and serves phase 2, writing the take-over's timeline (adopted,
+woke, seeded, first step, first token), the prompt tokens that hit, and the token ids;
+the graphs arena's kept bytes are checked after serving.
 
 The engine is nano-vllm's scheduler and block manager in miniature, with its prefix
 cache (chained block hashes; freed blocks keep theirs until reused), over real host
@@ -47,12 +50,14 @@ from typing import Any
 import numpy
 
 import gpumem
+from gpumem.engine import EngineMemory
 from gpumem.prefix_directory import PrefixDirectory
 
 BLOCK = 16  # tokens a block
 SLOT = 8  # bytes of a token's slot in K and in V (an int64)
 VOCAB = 32000
 WEIGHTS_BYTES = 32 << 20
+OWN_BYTES = 16 << 20  # the standby's model arena and graphs arena, each
 MAX_NUM_SEQS = 64
 DECODE_S = 0.004  # a decode step's compute, as a sleep: the figures measure memory, not this machine
 ADOPT_WAIT_S = 600.0
@@ -252,7 +257,10 @@ def primary(spec: dict[str, Any], out: Path) -> int:
 
 
 def standby(spec: dict[str, Any], out: Path) -> int:
-    session = gpumem.connect(0, name="fo-standby")
+    # A model arena and a graphs arena of its own, as nano-vllm's standby has (its
+    # activations and graph inputs; its graph pool), put to sleep as that one's are.
+    mem = EngineMemory("fo-standby", model_reserve=OWN_BYTES, graph_reserve=OWN_BYTES)
+    session = mem.session
     _wait_file(out / "secret.json", "the primary's secret")
     given = json.loads((out / "secret.json").read_text())
     weights = session.attach_arena("fo-weights", token=given["weights_token"])
@@ -260,17 +268,30 @@ def standby(spec: dict[str, Any], out: Path) -> int:
     (kv_view,) = reservation.kv_pools.values()
     blocks = spec["blocks"]
     k, v = _kv_arrays(lambda offset, nbytes: reservation.view(kv_view.name, offset, nbytes), kv_view.buffers, blocks)
-    _write_json(out / "standby-ready.json", {"pid": os.getpid(), "shared_weights_bytes": weights.committed})
+    captured = numpy.random.default_rng(11).integers(0, 256, OWN_BYTES, dtype=numpy.uint8).tobytes()
+    for arena in (mem.model, mem.graphs):
+        arena.commit(OWN_BYTES)
+    mem.graphs.write(0, captured)  # what a capture leaves in its graph pool: kept across the sleep
+    mem.sleep("weights", "graphs", drop=["weights"])
+    _write_json(out / "standby-ready.json", {"pid": os.getpid(), "shared_weights_bytes": weights.committed, "asleep": mem.asleep})
     adopted = session.adopt(spec["group"], given["secret"], wait=ADOPT_WAIT_S, reservation=reservation)
     adopted_at = time.monotonic()
+    mem.wake()
+    woke_at = time.monotonic()
     directory = PrefixDirectory.open(next(iter(adopted.arenas.values())))
     scan = directory.scan(blocks)
     engine = Engine(k, v, numpy.asarray(weights.view()), blocks, directory)
     engine.seed(scan.blocks)
+    seeded_at = time.monotonic()
     first: list[float] = []
     done = serve(engine, spec["requests"], lambda: first or first.append(time.monotonic()))
+    if mem.graphs.read(0, OWN_BYTES) != captured:  # checked off the timed path: serving does not touch it
+        raise RuntimeError("the standby's graphs arena woke without what it kept in host memory")
     _write_json(out / "standby.json", {
         "adopted_at": adopted_at,
+        "woke_at": woke_at,
+        "seeded_at": seeded_at,
+        "first_step_at": seeded_at,  # serve() steps at once
         "first_token_at": first[0],
         "trusted": len(scan.blocks),
         "corrupt": scan.corrupt,
@@ -279,7 +300,7 @@ def standby(spec: dict[str, Any], out: Path) -> int:
         "tokens": {str(rid): s.completion for rid, s in done.items()},
     })
     _wait_file(out / "close.json", "the end of the run")
-    session.close()
+    mem.close()
     return 0
 
 
@@ -324,6 +345,9 @@ def nano_primary(spec: dict[str, Any], out: Path) -> int:
 
 
 def nano_standby(spec: dict[str, Any], out: Path) -> int:
+    """nano-vllm on the primary's weights, which rehearses serving and puts its own
+    memory to sleep once built (gpumem.integrations.nanovllm_standby), then waits in
+    ``take_over``; ``standby.json`` has the take-over's timeline."""
     import nanovllm_kit as kit
 
     kit.install_standins(spec["port"])
@@ -334,12 +358,12 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
     _wait_file(out / "secret.json", "the primary's secret")
     secret = json.loads((out / "secret.json").read_text())["secret"]
     integration.enable("fo-standby", standby=(spec["group"], secret), share_weights=True)
-    llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
-    _write_json(out / "standby-ready.json", {"pid": os.getpid(), "shared_weights_bytes": integration.shared_weights_bytes(llm)})
-    seeded = integration.take_over(llm, wait=ADOPT_WAIT_S)
-    adopted_at = time.monotonic()
-    mem = llm.model_runner._gpumem
-    corrupt = mem.prefix.scan(mem.kv.blocks).corrupt  # seeded: the trusted entries the block manager took
+    with kit.probes_discarded():  # its rehearsal warms the probe that Margins times below
+        llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
+    ready = {"pid": os.getpid(), "shared_weights_bytes": integration.shared_weights_bytes(llm), "asleep": llm.model_runner._gpumem.asleep}
+    kit._diagnose(ready, "model_arena_live", lambda: kit.model_arena_live(llm.model_runner))
+    _write_json(out / "standby-ready.json", ready)
+    took = integration.take_over(llm, wait=ADOPT_WAIT_S)
     manager = llm.scheduler.block_manager
     allocate, cached = manager.allocate, []
 
@@ -354,6 +378,7 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
     first: list[float] = []
     outputs: dict[int, list[int]] = {}
     margins = kit.Margins(llm)
+    first_step_at = time.monotonic()
     while not llm.is_finished():
         finished, _ = llm.step()
         first = first or [time.monotonic()]
@@ -361,7 +386,8 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
         outputs.update(dict(finished))
     order = sorted(outputs)  # seq ids in the order the requests were added
     _write_json(out / "standby.json", {
-        "adopted_at": adopted_at, "first_token_at": first[0], "trusted": seeded, "corrupt": corrupt, "cached": sum(cached),
+        "adopted_at": took.adopted_at, "woke_at": took.woke_at, "seeded_at": took.seeded_at, "first_step_at": first_step_at,
+        "first_token_at": first[0], "trusted": took.seeded, "corrupt": took.corrupt, "cached": sum(cached),
         "prompt_tokens": sum(len(r["prompt"]) for r in spec["requests"]),
         "tokens": {str(r["id"]): outputs[seq_id] for r, seq_id in zip(spec["requests"], order)},
         "margins": {str(r["id"]): margins.by_seq.get(seq_id, []) for r, seq_id in zip(spec["requests"], order)},

@@ -30,6 +30,7 @@ a signal (``--again-after``), timed passes on request (``--duel``), serving fore
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -39,6 +40,7 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +361,33 @@ class Margins:
                 self.by_seq.setdefault(seq.seq_id, []).append(round(gap, 5))
         self._calls.clear()
         self._scheduled.clear()
+
+
+@contextlib.contextmanager
+def probes_discarded() -> Iterator[None]:
+    """Meanwhile the greedy sampler probes (``Margins``' figures) into a list thrown away:
+    a standby built inside rehearses serving with the probe on (gpumem's
+    nanovllm_standby), so the probe of its first step after the take-over, which the
+    bench times, launches no kernel for the first time."""
+    _SAMPLER[0].probe = []
+    try:
+        yield
+    finally:
+        _SAMPLER[0].probe = None
+
+
+def model_arena_live(runner: Any) -> dict[str, Any]:
+    """What lives in the engine's model arena (torch's snapshot of its pool: host
+    bookkeeping, readable while the arena sleeps): blocks in use and their bytes, how many
+    are the decode graphs' static inputs and output (``graph_vars``, rewritten or zeroed
+    before a replay reads them), and the sizes of the others, largest first (a standby
+    drops this arena: cuBLAS's workspaces, scratch, are expected; anything else with
+    contents would be lost)."""
+    inputs = {t.data_ptr() for t in getattr(runner, "graph_vars", {}).values()}
+    live = [b for seg in runner._gpumem.model.torch_pool().segments() for b in seg["blocks"] if b["state"] != "inactive"]
+    others = sorted((b["size"] for b in live if b["address"] not in inputs), reverse=True)
+    return {"blocks": len(live), "bytes": sum(b["size"] for b in live), "graph_vars": len(live) - len(others),
+            "graph_vars_expected": len(inputs), "other_sizes": others[:16], "other_bytes": sum(others)}
 
 
 def differing(a: list[list[int]], b: list[list[int]]) -> int:

@@ -34,6 +34,11 @@ def test_the_standby_serves_the_primarys_tokens_from_the_adopted_cache(backend: 
     assert out.returncode == 0 and last.startswith("{"), f"bench failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
     print(last)  # the figures, for -rP
     f = json.loads(last)["figures"]
+    timeline = [f[f"kill_to_{key}_s"] for key in ("adopted", "woke", "seeded", "first_step", "first_token")]
+    print("kill -> adopted, woke, seeded, first step, first token (s):", [round(t, 4) for t in timeline],
+          f"wake {f['wake_s']:.4f} s, first step {f['first_step_s']:.4f} s; the standby before promotion: "
+          f"{f['standby_own_bytes'] / 2**20:.0f} MiB on the device, {f['standby_host_bytes'] / 2**20:.0f} MiB in host memory")
+    assert timeline == sorted(timeline), f  # each part after the one before
     # bf16 on CUDA: a near-tie may part, never a clear lead (nanovllm_kit.TIE_GAP); stand-ins: exact
     assert (f["tokens_identical"] or backend == "cuda") and f["sequences_parting_at_a_clear_margin"] == 0, f"{json.dumps(f)}\n{out.stdout[-3000:]}"
     assert f["accounting_exact"], f"{json.dumps(f)}\n{out.stdout[-3000:]}"
@@ -41,5 +46,11 @@ def test_the_standby_serves_the_primarys_tokens_from_the_adopted_cache(backend: 
     assert f["directory_corrupt"] == 0 and f["directory_trusted"] > 0
     if kill_daemon:  # the restarted daemon held the accounting at the end, and nobody waited out its grace
         assert f["daemon_killed"] and f["daemon_generation"] == 1 and f["kill_to_first_token_s"] < 10.0, f
+    # Asleep before its promotion: its graph pool in host memory, its model arena dropped
+    # (the stand-in's two arenas, 16 MiB each, as nano-vllm's are); woken after the adoption.
+    assert f["standby_asleep"] == ["weights", "graphs"] and f["standby_host_bytes"] > 0 and f["wake_s"] > 0, f
     if backend == "host":
+        assert f["standby_host_bytes"] == 16 << 20 and f["standby_wake_bytes"] == 32 << 20, f
         assert 0 < f["standby_own_bytes"] <= 66 << 20  # its placeholder; the weights it maps are the primary's
+    else:
+        assert f["standby_own_bytes"] <= 1 << 30, f  # the target: 1 GiB beyond the shared weights

@@ -246,7 +246,7 @@ def test_the_patched_scheduler_follows_its_pool_before_every_step_and_counts_pre
 
     engine = types.ModuleType("nanovllm.engine")
     engine.block_manager = types.SimpleNamespace(Block=Block)  # type: ignore[attr-defined]
-    engine.llm_engine = types.SimpleNamespace(Scheduler=Scheduler)  # type: ignore[attr-defined]
+    engine.llm_engine = types.SimpleNamespace(Scheduler=Scheduler, LLMEngine=type("LLMEngine", (), {}))  # type: ignore[attr-defined]
     engine.model_runner = types.SimpleNamespace(ModelRunner=ModelRunner)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "nanovllm", types.ModuleType("nanovllm"))
     monkeypatch.setitem(sys.modules, "nanovllm.engine", engine)

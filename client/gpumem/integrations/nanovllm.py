@@ -33,13 +33,18 @@ scheduler publishes each full block after the step that wrote it and invalidates
 before it is written anew (gpumem.integrations.nanovllm_prefix). The standby side
 is ``enable(name, standby=(group, secret))``: the engine builds as usual (its own
 weights) but reserves the primary's KV windows instead of declaring a cache (no round),
-builds its KV tensors there and captures its graphs on them; ``take_over(llm, wait=)``
-then adopts the pool and the directory into the reservation, sizes the block manager to
-the adopted blocks and seeds its prefix cache. Run no step before ``take_over``.
+builds its KV tensors there and captures its graphs on them. Once built it settles
+(gpumem.integrations.nanovllm_standby): it rehearses serving on its placeholder, so that
+its first step after the take-over pays no first-use costs (``standby_rehearses``), resets
+its scheduler and block manager, and puts its own memory to sleep (``standby_sleeps``:
+its graph pool kept in host memory, its model arena dropped when it holds no weights).
+``take_over(llm, wait=)`` then adopts the pool and the directory into the reservation,
+wakes what slept, sizes the block manager to the adopted blocks and seeds its prefix
+cache. Run no step before ``take_over``.
 With ``weights_to=<the standby's name>`` on the primary and ``share_weights=True`` on the
 standby, the standby maps the primary's weights read-only instead of loading its own
 copy (gpumem.integrations.nanovllm_weights): before it takes over it holds only its
-activations, its graphs and its placeholder.
+placeholder, and in host memory its graph pool.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ from typing import Any
 
 from gpumem.engine import EngineMemory
 from gpumem.errors import InvalidArgument
-from gpumem.integrations import nanovllm_weights
-from gpumem.integrations.nanovllm_blocks import BlockFollower, resize
+from gpumem.integrations import nanovllm_standby, nanovllm_weights
+from gpumem.integrations.nanovllm_blocks import BlockFollower
 from gpumem.integrations.nanovllm_prefix import DirectoryKeeper
 from gpumem.sleep import DEFAULT_WAKE_WAIT_S
 
@@ -74,6 +79,8 @@ class Settings:
     standby: tuple[str, str] | None = None  # (group, secret): build as the standby of the engine retaining that group
     weights_to: str = ""  # with retain: grant the model's weights read-only to this standby (its client name)
     share_weights: bool = False  # with standby: map the primary's weights (its weights_to names this engine), load none
+    standby_rehearses: bool = True  # with standby: serve a few requests on the placeholder once built (nanovllm_standby)
+    standby_sleeps: bool = True  # with standby: then sleep until take_over (graphs kept, model arena dropped with share_weights)
 
 
 _settings: list[Settings] = []
@@ -92,6 +99,19 @@ def enable(name: str, **options: Any) -> None:
     if getattr(runner, "_gpumem_patched", False):
         return
     init, capture, run_, exit_ = runner.__init__, runner.capture_cudagraph, runner.run, runner.exit
+    engine_init = llm_engine.LLMEngine.__init__
+
+    def engine__init__(self: Any, model: str, **kwargs: Any) -> None:
+        engine_init(self, model, **kwargs)
+        s = _settings[0]
+        if s.standby:  # built, its graphs captured on the placeholder: it settles before take_over
+            import torch
+            from nanovllm import SamplingParams
+
+            nanovllm_standby.settle(
+                self, s, params=lambda n: SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True),
+                synchronize=torch.cuda.synchronize,
+            )
 
     def __init__(self: Any, config: Any, rank: int, event: Any) -> None:
         if config.tensor_parallel_size != 1:
@@ -183,6 +203,7 @@ def enable(name: str, **options: Any) -> None:
                           ("capture_cudagraph", capture_cudagraph), ("run", run), ("exit", exit)]:
         setattr(runner, name, patched)
     llm_engine.Scheduler = Scheduler
+    llm_engine.LLMEngine.__init__ = engine__init__  # LLM's too: it inherits it
     runner._gpumem_patched = True
 
 
@@ -210,31 +231,28 @@ def shared_weights_bytes(llm: Any) -> int:
     return 0 if shared is None else shared.map.shared_bytes()
 
 
-def take_over(llm: Any, *, wait: float) -> int:
+def take_over(llm: Any, *, wait: float) -> nanovllm_standby.TakeOver:
     """A standby (``enable(..., standby=(group, secret))``): wait up to ``wait`` seconds for
     the primary's death and its fence, adopt its KV cache and prefix directory into the
-    reservation (the graphs captured on it replay on the adopted rows), size the block
-    manager to the adopted blocks and seed its prefix cache from the directory's trusted
-    entries; returns how many were seeded. The engine serves from then on."""
-    s = _settings[0]
-    if s.standby is None:
-        raise InvalidArgument("this engine is no standby: enable(name, standby=(group, secret)) before building it")
-    mem: EngineMemory = llm.model_runner._gpumem
-    config = llm.model_runner.config
-    mem.adopt_kv(*s.standby, **config.gpumem_layout, wait=wait, reservation=config.gpumem_reservation)
-    kv, prefix = mem.kv, mem.prefix
-    if kv is None or prefix is None:
-        raise InvalidArgument(f"retain group '{s.standby[0]}' kept no prefix directory: the primary must enable(retain=...)")
-    scheduler = llm.scheduler
-    resize(scheduler.block_manager, kv.blocks, _block_class())
-    scheduler.gpumem_prefix = keeper = DirectoryKeeper(scheduler.block_manager, prefix)
-    seeded = keeper.seed(prefix.scan(kv.blocks).blocks)
-    if s.follow:
-        scheduler.gpumem = BlockFollower(
-            kv.pool, scheduler.block_manager, new_block=_block_class(), copy_blocks=config.gpumem_copy,
-            sequences=lambda: [*scheduler.running, *scheduler.waiting], watermark=s.watermark_blocks, step=s.grow_step_blocks,
-        )
-    return seeded
+    reservation (the graphs captured on it replay on the adopted rows), wake what the
+    standby put to sleep, size the block manager to the adopted blocks and seed its
+    prefix cache from the directory's trusted entries; returns what was seeded and when
+    each part was done (``nanovllm_standby.TakeOver``). The engine serves from then on."""
+    runner = llm.model_runner
+    return nanovllm_standby.take_over(
+        llm, _settings[0], wait=wait, new_block=_block_class(), restore_inputs=lambda: _zero_graph_inputs(runner),
+    )
+
+
+def _zero_graph_inputs(runner: Any) -> None:
+    """The decode graphs' static inputs and output as capture left them (zeros): after a
+    dropped model arena woke, the rows a replay does not rewrite must hold token ids,
+    positions and block ids in range (gpumem.integrations.nanovllm_standby)."""
+    import torch
+
+    with torch.inference_mode():  # made in it (capture_cudagraph): written only in it
+        for buffer in getattr(runner, "graph_vars", {}).values():
+            buffer.zero_()
 
 
 def _block_class() -> type:
