@@ -29,6 +29,7 @@ from gpumem_shared.lease_order import LeaseOrdering
 from gpumem_shared.paths import Endpoints, UnsafeRuntimeDir, resolve_runtime_dir
 from gpumem_shared.units import Size, format_size, parse
 
+import gpumemd
 from gpumemd import logs
 from gpumemd.arenas import SliceUnavailable
 from gpumemd.caps import PolicyError, read_policy
@@ -40,6 +41,7 @@ from gpumemd.outbox import Outbox
 from gpumemd.notify import PassedFdsError, SystemdNotifier, inherited_fds
 from gpumemd.runtime import StartupError
 from gpumemd.server import Server
+from gpumemd.startup import StartupClock
 from gpumemd.state import DaemonState
 
 if TYPE_CHECKING:
@@ -326,6 +328,8 @@ def command(
     log_format: logs.LogFormat,
 ) -> None:
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
+    clock = StartupClock(gpumemd.IMPORT_STARTED)
+    clock.mark("imports")  # with the options' parsing, a fraction of a millisecond
     logs.configure(log_level, log_format)
     try:  # before the daemon opens a descriptor of its own: those passed are below any
         inherited = inherited_fds(os.environ)
@@ -338,6 +342,7 @@ def command(
     if not 0 <= device < VA_PLAN_SLICES:
         raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     driver = _driver(backend, device, host_capacity)
+    clock.mark("driver")
     ordering = LeaseOrdering(lease_ordering)
     problem = driver.memops_problem() if ordering is LeaseOrdering.MEMOPS else None
     if problem:
@@ -393,6 +398,7 @@ def command(
         state = DaemonState(driver, config, gone=process_gone)
     except SliceUnavailable as exc:
         raise ConfigError(str(exc)) from None
+    clock.mark("state")
     metrics = Metrics(state, hide_names=metrics_hide_names) if exporter is not None else None
     durable = Durable(notifier) if notifier.store_max > 0 else None
     if durable is None and inherited:
@@ -415,12 +421,20 @@ def command(
         raise ConfigError(str(exc)) from None
     except OSError as exc:
         raise ConfigError(f"cannot use runtime directory {endpoints.runtime_dir}: {exc.strerror or exc}") from None
+    clock.mark("sockets")
     if durable is not None:  # once the lock is held: only the device's one daemon rebuilds
         durable.start(state, inherited)
+        arenas = state.arenas.by_name.values()
+        clock.note(
+            f"{sum(len(g) for g in inherited.values())} stored fds passed; {len(state.sessions)} sessions, {len(arenas)} arenas, "
+            f"{sum(len(a.chunks) + len(a.placeholders) for a in arenas)} chunks restored"
+        )
+        clock.mark("restore")
     if exporter is not None and metrics is not None:
         exporter.start(metrics)
+        clock.mark("metrics")
     try:
-        server.serve_forever()
+        server.serve_forever(on_ready=clock.log_ready)
     finally:
         if exporter is not None:
             exporter.close()
