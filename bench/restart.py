@@ -147,8 +147,6 @@ def body(a: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack)
     cleanup.callback(manager.close)
     env = c.child_env()
     manager.start(daemon_args, env)
-    control = ControlChannel(Endpoints(rd, 0))
-    cleanup.callback(control.close)
     clients = [spawn(f"engine-{i}", rd, share, a.interval, a.commits) for i in range(a.clients)]
     for proc in clients:
         cleanup.callback(proc.kill)
@@ -163,11 +161,14 @@ def body(a: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack)
         manager.start(daemon_args, env, wait=False)
         manager.wait_ready(120)
         ready.append(time.monotonic() - started)
-        while True:
-            s: p.StatusReply = control.call(p.Status(), 30)
-            if s.daemon.waiting == 0 and s.daemon.generation == n + 1:
-                break
-            time.sleep(0.002)
+        # A new DEALER for each daemon: one kept across the restart would reconnect only
+        # at ZeroMQ's reconnect interval (100 ms), and the figure would be that.
+        with contextlib.closing(ControlChannel(Endpoints(rd, 0))) as control:
+            while True:
+                s: p.StatusReply = control.call(p.Status(), 30)
+                if s.daemon.waiting == 0 and s.daemon.generation == n + 1:
+                    break
+                time.sleep(0.002)
         resumed.append(time.monotonic() - started)
         c.say(f"restart {n + 1}: ready in {ready[-1]:.3f}s, every client resumed in {resumed[-1]:.3f}s")
     phases = startup_phases(manager.log())[1:]  # the restarts, not the first start
