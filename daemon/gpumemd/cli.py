@@ -35,7 +35,6 @@ from gpumemd.arenas import SliceUnavailable
 from gpumemd.caps import PolicyError, read_policy
 from gpumemd.config import StateConfig, TenantLimits
 from gpumemd.fencing import process_gone
-from gpumemd.metrics import Metrics
 from gpumemd.durable import Durable
 from gpumemd.outbox import Outbox
 from gpumemd.notify import PassedFdsError, SystemdNotifier, inherited_fds
@@ -46,6 +45,7 @@ from gpumemd.state import DaemonState
 
 if TYPE_CHECKING:
     from gpumemd.exporter import Exporter
+    from gpumemd.metrics import Metrics
 
 # sysexits EX_CONFIG.
 EXIT_CONFIG = 78
@@ -399,7 +399,11 @@ def command(
     except SliceUnavailable as exc:
         raise ConfigError(str(exc)) from None
     clock.mark("state")
-    metrics = Metrics(state, hide_names=metrics_hide_names) if exporter is not None else None
+    metrics: Metrics | None = None
+    if exporter is not None:  # imported here: a start without the endpoint does without it
+        from gpumemd.metrics import Metrics
+
+        metrics = Metrics(state, hide_names=metrics_hide_names)
     durable = Durable(notifier) if notifier.store_max > 0 else None
     if durable is None and inherited:
         logging.getLogger("gpumemd.cli").warning("descriptors passed (%s) but no fd store to keep them in ($FDSTORE unset): closed", ", ".join(sorted(inherited)))
