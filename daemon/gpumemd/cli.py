@@ -375,7 +375,7 @@ def command(
 ) -> None:
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
     clock = StartupClock(gpumemd.IMPORT_STARTED)
-    clock.mark("imports")  # with the options' parsing, a fraction of a millisecond
+    clock.mark("imports")  # this module's, and the options' parsing (a fraction of a millisecond)
     logs.configure(log_level, log_format)
     try:  # before the daemon opens a descriptor of its own: those passed are below any
         inherited = inherited_fds(os.environ)
@@ -398,7 +398,7 @@ def command(
 
     clock.mark("server_imports")
     driver, fence = starting.wait()
-    clock.mark("driver")  # what the driver's start took beyond the imports
+    clock.mark("driver")  # what the driver's start took beyond the imports it ran beside
     clock.note(f"driver start {starting.seconds * 1e3:.1f} ms on its thread")
     ordering = LeaseOrdering(lease_ordering)
     problem = driver.memops_problem() if ordering is LeaseOrdering.MEMOPS else None
