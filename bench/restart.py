@@ -13,8 +13,9 @@ polls STATUS until no session waits for its client.
     python bench/restart.py --backend cuda                  # 100 GiB, the target's size
 
 Figures: ready_s (start to READY=1: the rebuild), resumed_s (start to every client
-resumed) p50 and max, max_delayed_call_s (the slowest call any client made), and the
-cost of the durable record on the control path: commit_us p50 (a 2 MiB commit and its
+resumed) p50 and max, the daemon's own startup phases (its "startup phases:" log line,
+daemon/gpumemd/startup.py) as phase_<name>_ms_p50, max_delayed_call_s (the slowest
+call any client made), and the cost of the durable record on the control path: commit_us p50 (a 2 MiB commit and its
 decommit, with the fd store) against commit_plain_us p50 (the same against a daemon with
 no store). Last line: {"bench": "restart", "backend", "figures", "targets", "ok"}; ok
 means resumed_max_s <= --target (default 1.0 s).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import select
 import subprocess
 import sys
@@ -35,6 +37,7 @@ import _common as c
 
 BENCH = "restart"
 MiB = 1 << 20
+_PHASE = re.compile(r"(\w+) ([\d.]+) ms")
 
 
 def client(name: str, runtime_dir: str, nbytes: int, interval: float, commits: int) -> int:
@@ -103,6 +106,16 @@ def expect(proc: subprocess.Popen[str], prefix: str) -> str:
     raise RuntimeError(f"a client exited ({proc.wait()}) before printing {prefix!r}")
 
 
+def startup_phases(log: str) -> list[dict[str, float]]:
+    """Each start's phases in ms, from the daemon's "startup phases:" lines, in start order."""
+    starts = []
+    for line in log.splitlines():
+        _, found, rest = line.partition("startup phases: ")
+        if found:
+            starts.append({name: float(ms) for name, ms in _PHASE.findall(rest.partition(" (")[0])})
+    return starts
+
+
 def body(a: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack) -> None:
     from gpumem_shared import protocol as p
     from gpumem_shared.paths import Endpoints
@@ -134,8 +147,6 @@ def body(a: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack)
     cleanup.callback(manager.close)
     env = c.child_env()
     manager.start(daemon_args, env)
-    control = ControlChannel(Endpoints(rd, 0))
-    cleanup.callback(control.close)
     clients = [spawn(f"engine-{i}", rd, share, a.interval, a.commits) for i in range(a.clients)]
     for proc in clients:
         cleanup.callback(proc.kill)
@@ -150,13 +161,21 @@ def body(a: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack)
         manager.start(daemon_args, env, wait=False)
         manager.wait_ready(120)
         ready.append(time.monotonic() - started)
-        while True:
-            s: p.StatusReply = control.call(p.Status(), 30)
-            if s.daemon.waiting == 0 and s.daemon.generation == n + 1:
-                break
-            time.sleep(0.002)
+        # A new DEALER for each daemon: one kept across the restart would reconnect only
+        # at ZeroMQ's reconnect interval (100 ms), and the figure would be that.
+        with contextlib.closing(ControlChannel(Endpoints(rd, 0))) as control:
+            while True:
+                s: p.StatusReply = control.call(p.Status(), 30)
+                if s.daemon.waiting == 0 and s.daemon.generation == n + 1:
+                    break
+                time.sleep(0.002)
         resumed.append(time.monotonic() - started)
         c.say(f"restart {n + 1}: ready in {ready[-1]:.3f}s, every client resumed in {resumed[-1]:.3f}s")
+    phases = startup_phases(manager.log())[1:]  # the restarts, not the first start
+    if len(phases) != a.restarts:
+        raise RuntimeError(f"{len(phases)} 'startup phases:' lines in {manager.log_path} for {a.restarts} restarts")
+    phase_p50 = {f"phase_{name}_ms_p50": c.median([s[name] for s in phases]) for name in phases[0]}
+    c.say("daemon startup phases, p50: " + ", ".join(f"{k[6:-7]} {v:.1f} ms" for k, v in phase_p50.items()))
     slowest = 0.0
     for proc in clients:
         assert proc.stdin is not None
@@ -168,7 +187,7 @@ def body(a: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack)
         "restarts": a.restarts, "clients": a.clients, "bytes": share * a.clients,
         "ready_p50_s": c.median(ready), "ready_max_s": max(ready),
         "resumed_p50_s": c.median(resumed), "resumed_max_s": max(resumed),
-        "max_delayed_call_s": slowest,
+        "max_delayed_call_s": slowest, **phase_p50,
         "commit_us_p50": c.median(commit_store), "commit_plain_us_p50": commit_plain,
     }
     result.targets = {"resumed_max_s": a.target}

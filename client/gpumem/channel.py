@@ -49,9 +49,12 @@ from gpumem.errors import (
 )
 
 # After the daemon went away, a resumable session tries to resume after these pauses,
-# doubling, until the call's timeout: a restart takes the new daemon some 100 ms.
-_RESUME_RETRY_FIRST = 0.005
-_RESUME_RETRY_MOST = 0.05
+# doubling, until the call's timeout. A restart takes the new daemon a few hundred ms
+# (its startup log line says where they go); a try before it listens costs tens of µs
+# (a connect refused), and once it listens the try waits in its backlog, answered as soon
+# as it serves: the last pause is what a resume can lose past the daemon's bind.
+_RESUME_RETRY_FIRST = 0.001
+_RESUME_RETRY_MOST = 0.005
 
 # The protocol that knows Hello.tenant_token.
 _TENANT_TOKENS = (1, 11)

@@ -17,6 +17,9 @@ import functools
 import logging
 import os
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 import click
@@ -29,24 +32,23 @@ from gpumem_shared.lease_order import LeaseOrdering
 from gpumem_shared.paths import Endpoints, UnsafeRuntimeDir, resolve_runtime_dir
 from gpumem_shared.units import Size, format_size, parse
 
+# What the options and the checks before the driver need, and no more: the serving code
+# is imported in ``command``, beside the driver's start (_DriverStart).
+import gpumemd
 from gpumemd import logs
-from gpumemd.arenas import SliceUnavailable
-from gpumemd.caps import PolicyError, read_policy
 from gpumemd.config import StateConfig, TenantLimits
-from gpumemd.fencing import process_gone
-from gpumemd.metrics import Metrics
-from gpumemd.durable import Durable
-from gpumemd.outbox import Outbox
+from gpumemd.fencing import Fence, fence_for, process_gone
 from gpumemd.notify import PassedFdsError, SystemdNotifier, inherited_fds
-from gpumemd.runtime import StartupError
-from gpumemd.server import Server
-from gpumemd.state import DaemonState
+from gpumemd.startup import StartupClock
 
 if TYPE_CHECKING:
     from gpumemd.exporter import Exporter
+    from gpumemd.metrics import Metrics
 
 # sysexits EX_CONFIG.
 EXIT_CONFIG = 78
+# A driver that has not started in this long is hung (systemd's TimeoutStartSec= is 120 s).
+DRIVER_START_TIMEOUT = 110.0
 # Every flag may come from the environment instead (--metrics-port: GPUMEMD_METRICS_PORT),
 # as the systemd unit's per-instance EnvironmentFile sets them; the command line wins.
 ENV_PREFIX = "GPUMEMD"
@@ -55,6 +57,11 @@ _option = functools.partial(click.option, show_envvar=True)
 
 class ConfigError(Exception):
     """The daemon cannot start as configured; the message is the one line shown."""
+
+
+class DriverHung(Exception):
+    """The driver did not start in time: not the configuration's fault (exit status 1, so
+    systemd tries again)."""
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> Size | None:
@@ -98,18 +105,59 @@ def _granular(flag: str, size: Size, granularity: int) -> int:
     return size.bytes
 
 
-def _driver(backend: str | None, device: int, host_capacity: Size) -> Driver:
+def _driver(backend: str | None, device: int, host_capacity: Size) -> Callable[[], Driver]:
+    """What makes the driver; the host capacity is checked here, on the thread that knows
+    where the flag came from."""
     if backend == "host":
         from gpumem_shared.driver.host import HOST_GRANULARITY, HostDriver
 
         _granular("--host-capacity", host_capacity, HOST_GRANULARITY)
-        return HostDriver(device, host_capacity.bytes)
-    from gpumem_shared.driver.cuda import CudaDriver
+        return functools.partial(HostDriver, device, host_capacity.bytes)
 
-    try:
+    def cuda() -> Driver:
+        from gpumem_shared.driver.cuda import CudaDriver
+
         return CudaDriver(device)
-    except DriverUnavailable as exc:
-        raise ConfigError(f"cannot use the CUDA backend: {exc}; on a machine without a GPU, run with --backend host") from None
+
+    return cuda
+
+
+class _DriverStart:
+    """The driver and its fence, made on a thread of their own. On CUDA, cuInit, the
+    primary context and NVML's init spend a tenth of a second or more inside the driver
+    with the GIL released: the serving code's imports run meanwhile, and a restart (a
+    failover waits for it) is that much shorter."""
+
+    def __init__(self, make: Callable[[], Driver]) -> None:
+        self._make = make
+        self._made: tuple[Driver, Fence] | None = None
+        self._failed: BaseException | None = None
+        self.seconds = 0.0  # the start's own time, on its thread
+        self._thread = threading.Thread(target=self._run, name="gpumemd-driver-start", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            driver = self._make()
+            self._made = driver, fence_for(driver.kind, driver.device_uuid())
+        except BaseException as exc:  # raised again on the main thread, by wait()
+            self._failed = exc
+        self.seconds = time.monotonic() - started
+
+    def wait(self) -> tuple[Driver, Fence]:
+        self._thread.join(DRIVER_START_TIMEOUT)
+        if self._thread.is_alive():
+            raise DriverHung(
+                f"the CUDA driver did not start within {DRIVER_START_TIMEOUT:g}s (cuInit, the primary context, NVML); "
+                "check nvidia-smi and the kernel log (dmesg) for the driver's state"
+            )
+        if isinstance(self._failed, DriverUnavailable):
+            raise ConfigError(f"cannot use the CUDA backend: {self._failed}; on a machine without a GPU, run with --backend host")
+        if self._failed is not None:
+            raise self._failed
+        assert self._made is not None
+        return self._made
 
 
 def _exporter(address: str, port: int) -> Exporter:
@@ -326,6 +374,8 @@ def command(
     log_format: logs.LogFormat,
 ) -> None:
     """Own GPU DEVICE's VMM memory and serve it to co-located engine processes."""
+    clock = StartupClock(gpumemd.IMPORT_STARTED)
+    clock.mark("imports")  # this module's, and the options' parsing (a fraction of a millisecond)
     logs.configure(log_level, log_format)
     try:  # before the daemon opens a descriptor of its own: those passed are below any
         inherited = inherited_fds(os.environ)
@@ -337,7 +387,19 @@ def command(
         raise ConfigError("--metrics-hide-names hides nothing without --metrics-port")
     if not 0 <= device < VA_PLAN_SLICES:
         raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
-    driver = _driver(backend, device, host_capacity)
+    starting = _DriverStart(_driver(backend, device, host_capacity))
+    from gpumemd.arenas import SliceUnavailable
+    from gpumemd.caps import PolicyError, read_policy
+    from gpumemd.durable import Durable
+    from gpumemd.outbox import Outbox
+    from gpumemd.runtime import StartupError
+    from gpumemd.server import Server
+    from gpumemd.state import DaemonState
+
+    clock.mark("server_imports")
+    driver, fence = starting.wait()
+    clock.mark("driver")  # what the driver's start took beyond the imports it ran beside
+    clock.note(f"driver start {starting.seconds * 1e3:.1f} ms on its thread")
     ordering = LeaseOrdering(lease_ordering)
     problem = driver.memops_problem() if ordering is LeaseOrdering.MEMOPS else None
     if problem:
@@ -390,10 +452,15 @@ def command(
             "run it without systemd's fd store (FileDescriptorStoreMax=0), or use --lease-ordering ipc-events"
         )
     try:
-        state = DaemonState(driver, config, gone=process_gone)
+        state = DaemonState(driver, config, fence=fence, gone=process_gone)
     except SliceUnavailable as exc:
         raise ConfigError(str(exc)) from None
-    metrics = Metrics(state, hide_names=metrics_hide_names) if exporter is not None else None
+    clock.mark("state")
+    metrics: Metrics | None = None
+    if exporter is not None:  # imported here: a start without the endpoint does without it
+        from gpumemd.metrics import Metrics
+
+        metrics = Metrics(state, hide_names=metrics_hide_names)
     durable = Durable(notifier) if notifier.store_max > 0 else None
     if durable is None and inherited:
         logging.getLogger("gpumemd.cli").warning("descriptors passed (%s) but no fd store to keep them in ($FDSTORE unset): closed", ", ".join(sorted(inherited)))
@@ -415,12 +482,20 @@ def command(
         raise ConfigError(str(exc)) from None
     except OSError as exc:
         raise ConfigError(f"cannot use runtime directory {endpoints.runtime_dir}: {exc.strerror or exc}") from None
+    clock.mark("sockets")
     if durable is not None:  # once the lock is held: only the device's one daemon rebuilds
         durable.start(state, inherited)
+        arenas = state.arenas.by_name.values()
+        clock.note(
+            f"{sum(len(g) for g in inherited.values())} stored fds passed; {len(state.sessions)} sessions, {len(arenas)} arenas, "
+            f"{sum(len(a.chunks) + len(a.placeholders) for a in arenas)} chunks restored"
+        )
+        clock.mark("restore")
     if exporter is not None and metrics is not None:
         exporter.start(metrics)
+        clock.mark("metrics")
     try:
-        server.serve_forever()
+        server.serve_forever(on_ready=clock.log_ready)
     finally:
         if exporter is not None:
             exporter.close()
@@ -450,5 +525,8 @@ def main() -> None:
         _fail(exc.format_message().replace("\n", " "))
     except ConfigError as exc:
         _fail(str(exc))
+    except DriverHung as exc:
+        click.echo(f"gpumemd: {exc}", err=True)
+        sys.exit(1)
     except click.Abort:
         sys.exit(1)

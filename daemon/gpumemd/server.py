@@ -158,7 +158,8 @@ class Server:
     def request_reload(self, *_: Any) -> None:
         self._reload_requested = True  # as request_stop: the loop does the work
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Serve until stopped; ``on_ready`` runs once READY=1 is sent."""
         assert self._router is not None and self._listener is not None
         poller = self._poller
         poller.register(self._router, _POLLIN)
@@ -168,6 +169,8 @@ class Server:
         if log.isEnabledFor(logging.DEBUG):
             self._serve_request = self._serve_traced
         self.notifier.send("READY=1", f"STATUS=serving device {self.endpoints.index} ({self.state.driver.kind})")
+        if on_ready is not None:
+            on_ready()
         log.info(
             "serving device %d (%s, %s) at %s", self.endpoints.index, self.state.device.name, self.state.device.uuid, self.endpoints.runtime_dir
         )

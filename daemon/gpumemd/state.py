@@ -152,7 +152,7 @@ class DaemonState:
             p.WakeArena: self.sleepers.wake,
             p.RetainGroup: self.retained.open,
             p.Retain: self.retained.mark,
-            p.Adopt: self.retained.adopt,
+            p.Adopt: self._adopt,
             p.AdoptDone: self.retained.adopt_done,
             p.RetainReserve: self.retained.reserve,
         }
@@ -470,6 +470,13 @@ class DaemonState:
         if len(escapes) > len(self.graph_pools.by_id):  # pools went: their counts go too
             for gone in escapes.keys() - self.graph_pools.by_id.keys():
                 del escapes[gone]
+
+    def _adopt(self, s: SessionRecord, m: p.Adopt) -> Outcome:
+        if self.grace_deadline is not None:
+            # A holder kept across a restart that died since (it was still exiting when the
+            # daemon came back): its group is orphaned for this ADOPT, not at the next tick.
+            self._release_gone()
+        return self.retained.adopt(s, m)
 
     def _release_gone(self) -> None:
         """Sessions kept across a restart whose process is provably gone (it died while

@@ -156,7 +156,9 @@ class ServiceManager:
         self._log.write(f"---- start {self.starts} with {len(passed)} stored descriptors\n".encode())
         self._log.flush()
         self.proc = subprocess.Popen(
-            [*wrap, sys.executable, "-c", _LAUNCH, spec, sys.executable, "-m", "gpumemd", *args],
+            # -S: the launcher needs no site-packages, and what it would spend importing
+            # them is in every restart's figure (systemd's exec step costs no Python).
+            [*wrap, sys.executable, "-S", "-c", _LAUNCH, spec, sys.executable, "-m", "gpumemd", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, pass_fds=[fd for _, fd in passed],
         )
         if wait:

@@ -6,6 +6,7 @@ objects, never a leak."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -746,3 +747,24 @@ def test_a_descriptor_put_in_the_store_by_another_is_closed_in_the_daemon(servic
         sock, reply, fds = raw_resume(runtime_dir, session.session_id, session.hello["credential"], [{"arena": "a", "chunks": [1]}])
         assert reply["ok"]
         sock.close()
+
+
+def test_a_restart_logs_its_startup_phases(service: Service, connect: Connect, runtime_dir: Path) -> None:
+    """One line at READY says where the start's time went (bench/restart.py and the lead's
+    failover runs read it): every phase in order, in ms, and what the store gave back."""
+    r = service()
+    session = connect("eng")
+    arena = session.create_arena("a", 64 * MiB)
+    arena.commit(24 * MiB)
+    chunks = sorted(n for n in r.manager.names() if n.startswith("chunk-"))
+    r.restart()
+    status(runtime_dir)  # answered once the loop runs: the line, written before it, is in the log
+    lines = [line.partition("startup phases: ")[2] for line in r.log().splitlines() if "startup phases: " in line]
+    assert len(lines) == 2, r.log()  # one per start
+    figures, _, note = lines[1].partition(" (")
+    phases = [(name, float(ms)) for name, ms in re.findall(r"(\w+) ([\d.]+) ms", figures)]
+    assert [name for name, _ in phases] == ["interpreter", "imports", "server_imports", "driver", "state", "sockets", "restore", "ready", "total"]
+    assert phases[-1][1] == pytest.approx(sum(ms for _, ms in phases[:-1]), abs=0.2) and phases[-1][1] > 0
+    assert re.fullmatch(rf"driver start [\d.]+ ms on its thread; {len(chunks) + 2} stored fds passed; 1 sessions, 1 arenas, "
+                        rf"{len(chunks)} chunks restored\)", note), note
+    session.ping()

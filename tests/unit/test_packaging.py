@@ -1,5 +1,5 @@
-"""What the package says about itself: one version, pyproject.toml's, read from the
-installed metadata wherever it is reported; the license it declares; a native module
+"""What the package says about itself: one version, written in gpumem_shared/_version.py,
+the installed metadata's, reported everywhere; the license it declares; a native module
 built for the stable ABI, so that one wheel serves every supported Python."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import gpumem
 from gpumem.ctl import main as gpumemctl
-from gpumem_shared import _native
+from gpumem_shared import _native, _version
 from gpumem_shared import protocol as p
 from gpumemd.cli import command as gpumemd
 
@@ -28,15 +28,17 @@ def _project_field(name: str) -> str:
     return match.group(1)
 
 
-def test_the_version_is_written_once_and_read_from_the_metadata() -> None:
-    assert gpumem.__version__ == metadata.version("gpumemd") == _project_field("version")
+def test_the_version_is_written_once_and_is_the_metadata() -> None:
+    assert gpumem.__version__ == metadata.version("gpumemd") == _version.__version__
+    assert re.search(r'^version\s*=\s*\{\s*attr\s*=\s*"gpumem_shared._version.__version__"', PYPROJECT, re.M)
+    assert not re.search(r'^version\s*=\s*"', PYPROJECT, re.M), "pyproject.toml writes a version of its own"
     written = [
         str(path.relative_to(ROOT))
         for folder in ("daemon", "client", "shared")
         for path in (ROOT / folder).rglob("*.py")
         if re.search(r"^\s*__version__\s*=\s*['\"]", path.read_text(), re.M)
     ]
-    assert written == [], f"a version written in code, apart from pyproject.toml: {written}"
+    assert written == ["shared/gpumem_shared/_version.py"], f"a version written in code, apart from _version.py: {written}"
 
 
 def test_the_daemon_reports_the_package_version(h: Harness) -> None:

@@ -303,6 +303,21 @@ def test_a_holder_that_died_while_the_daemon_was_down_is_orphaned_by_the_restart
     assert bystander.id not in again.state.sessions and again.state.grace_deadline is None
 
 
+def test_a_kept_holder_that_dies_after_the_restart_is_seen_by_the_next_adopt(h: Harness, fence: Fence, restart: Restarted) -> None:
+    """gpumemd back while the primary still exits (on CUDA its context's teardown takes a
+    third of a second): the session waits to resume. Once the process is gone, the
+    standby's next ADOPT finds the group orphaned, not the tick after (up to 200 ms)."""
+    s, secret, view = primary_with_arena(h)
+    fence.running = {s.pid}
+    again = restart(h, lambda pid, since: pid not in fence.running)
+    assert again.state.sessions[s.id].waiting
+    standby = again.connect("standby")
+    again.refused(standby, p.Adopt(group="g", secret=secret), p.ErrorCode.GROUP_HELD)
+    fence.running.clear()  # gone now; no tick has run since
+    reply, _ = adopt(again, standby, secret)
+    assert reply.objects[0].arena.address == view.address and s.id not in again.state.sessions
+
+
 @pytest.mark.parametrize("last", ["releases", "dies"])
 def test_an_orphans_last_sharer_leaving_does_not_release_it(h: Harness, last: str) -> None:
     s, secret, _ = primary_with_arena(h)
