@@ -62,6 +62,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,6 +101,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--target-standby-bytes", type=int, default=GiB, help="ok when the standby owns <= this before promotion (default: 1 GiB)")
     ap.add_argument("--start-timeout", type=float, default=120.0, help="seconds the daemon and the engines get to start")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds each phase may take")
+    ap.add_argument("--logs", type=Path, default=None, help="copy the daemon's and the engines' logs into this directory at the end")
     args = ap.parse_args(argv)
     for name, value in SHAPES[args.backend].items():
         if getattr(args, name, 0) is None:
@@ -120,6 +122,14 @@ def requests(args: argparse.Namespace, block: int, vocab: int) -> list[dict[str,
     return out
 
 
+def _keep_logs(rdir: Path, into: Path) -> None:
+    """The run's logs (the daemon's, timestamped to the millisecond, and each engine's),
+    for a failover's timeline past what the figures say."""
+    into.mkdir(parents=True, exist_ok=True)
+    for log in rdir.glob("*.log"):
+        shutil.copyfile(log, into / log.name)
+
+
 def wait_file(path: Path, child: c.Child, timeout: float, what: str) -> dict[str, Any]:
     child.wait_for(path.exists, timeout, what)
     data: dict[str, Any] = json.loads(path.read_text())
@@ -134,6 +144,8 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     import failover_engines as fe
 
     rdir = cleanup.enter_context(c.runtime_dir("gmb-failover-"))
+    if args.logs is not None:  # registered after the runtime dir: runs before it goes
+        cleanup.callback(_keep_logs, rdir, args.logs)
     work = rdir / "engines"
     work.mkdir(mode=0o700)
     daemon_args = ["--host-capacity", str(8 * GiB)]
