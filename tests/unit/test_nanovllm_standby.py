@@ -6,7 +6,6 @@ deallocate; a step appends a token per sequence), the engine memory a recorder."
 from __future__ import annotations
 
 import collections
-import hashlib
 import types
 from typing import Any
 
@@ -16,108 +15,7 @@ from gpumem.errors import InvalidArgument
 from gpumem.integrations import nanovllm_standby as standby
 from gpumem.integrations.nanovllm import Settings
 from gpumem.prefix_directory import Scan
-
-BS = 4  # tokens a block
-
-
-class Block:
-    def __init__(self, block_id: int) -> None:
-        self.block_id, self.ref_count, self.hash, self.token_ids = block_id, 0, -1, []  # type: ignore[var-annotated]
-
-
-class Manager:
-    """nano-vllm's BlockManager; ``keeps_freed`` as upstream nano-vllm, whose freed
-    blocks stay in ``hash_to_block_id`` until reused (the fork drops the entry and keeps
-    the block's hash)."""
-
-    keeps_freed = False
-
-    def __init__(self, n: int, block_size: int = BS) -> None:
-        self.block_size = block_size
-        self.blocks = [Block(i) for i in range(n)]
-        self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids = collections.deque(range(n))
-        self.used_block_ids: set[int] = set()
-
-    @classmethod
-    def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
-        data = (prefix.to_bytes(8, "little") if prefix != -1 else b"") + bytes(str(token_ids), "ascii")
-        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-    def _allocate_block(self, block_id: int) -> Block:
-        block = self.blocks[block_id]
-        assert block.ref_count == 0
-        block.ref_count, block.hash, block.token_ids = 1, -1, []
-        self.free_block_ids.remove(block_id)
-        self.used_block_ids.add(block_id)
-        return block
-
-    def allocate(self, seq: Seq) -> None:
-        h, miss = -1, False
-        for i in range(seq.num_blocks):
-            tokens = seq.block(i)
-            h = self.compute_hash(tokens, h) if len(tokens) == self.block_size else -1
-            block_id = self.hash_to_block_id.get(h, -1)
-            if block_id == -1 or self.blocks[block_id].token_ids != tokens:
-                miss = True
-            if miss:
-                block = self._allocate_block(self.free_block_ids[0])
-            else:
-                seq.num_cached_tokens += self.block_size
-                if block_id in self.used_block_ids:
-                    block = self.blocks[block_id]
-                    block.ref_count += 1
-                else:
-                    block = self._allocate_block(block_id)
-            if h != -1:
-                block.hash, block.token_ids = h, tokens
-                self.hash_to_block_id[h] = block.block_id
-            seq.block_table.append(block.block_id)
-
-    def deallocate(self, seq: Seq) -> None:
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if not self.keeps_freed and self.hash_to_block_id.get(block.hash) == block_id:
-                    del self.hash_to_block_id[block.hash]
-                self.used_block_ids.remove(block_id)
-                self.free_block_ids.append(block_id)
-        seq.block_table.clear()
-
-    def may_append(self, seq: Seq) -> None:
-        table = seq.block_table
-        if len(seq) % self.block_size == 1:
-            block_id = self.free_block_ids[0]
-            self._allocate_block(block_id)
-            table.append(block_id)
-        elif len(seq) % self.block_size == 0:
-            block = self.blocks[table[-1]]
-            prefix = self.blocks[table[-2]].hash if len(table) > 1 else -1
-            block.hash, block.token_ids = self.compute_hash(seq.block(seq.num_blocks - 1), prefix), seq.block(seq.num_blocks - 1)
-            self.hash_to_block_id[block.hash] = block.block_id
-
-
-class UpstreamManager(Manager):
-    keeps_freed = True
-
-
-class Seq:
-    def __init__(self, tokens: list[int], max_tokens: int) -> None:
-        self.tokens, self.prompt_len, self.max_tokens = list(tokens), len(tokens), max_tokens
-        self.block_table: list[int] = []
-        self.num_cached_tokens = 0
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-len(self.tokens) // BS)
-
-    def block(self, i: int) -> list[int]:
-        return self.tokens[i * BS : (i + 1) * BS]
-
+from nanovllm_miniature import BS, Block, Manager, Seq, UpstreamManager
 
 class Engine:
     """nano-vllm's LLMEngine in miniature: waiting sequences are prefilled first (all of
