@@ -30,10 +30,11 @@ group).
 ``--kill-daemon``: the same failover with gpumemd killed once during it. gpumemd runs
 under tests/integration/fdstore_kit.py's stand-in for systemd's fd store (as
 bench/restart.py does); it is frozen (SIGSTOP) before the primary's kill -9 and killed
--9 right after it, so it never sees the primary end, and started again from the store.
-The restarted daemon finds the primary's session in its record, sees its process gone
-and orphans the group; the standby, which waited in ``adopt`` across the restart,
-adopts. The first token's time includes the restart; figures add kill -> the new
+-9 right after it, so it never sees the primary end, and started again from the store
+at once, while the primary's process is still being torn down (``kill_to_primary_reaped_s``
+says when it was gone). The restarted daemon finds the primary's session in its record,
+holds the group for it until its process is gone and fenced, then orphans the group;
+the standby, which waited in ``adopt`` across the restart, adopts. The first token's time includes the restart; figures add kill -> the new
 daemon's READY=1 and its generation.
 
 Engines (bench/failover_engines.py): ``--backend host`` runs stand-ins (nano-vllm's
@@ -213,12 +214,16 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         os.kill(service.pid, signal.SIGSTOP)  # it must not see the primary end before it dies
     os.kill(engines["primary"].pid, signal.SIGKILL)
     killed = time.monotonic()
-    engines["primary"].proc.wait(10)
-    c.say(f"primary killed -9 {1e3 * (killed - started['at']):.1f} ms after its first phase-2 step")
-    restarted: dict[str, Any] = {}
     if service is not None:
+        # Right away, not once the primary is reaped: the new daemon starts while the
+        # primary's process (its CUDA context) is still being torn down, and must fence it.
         service.kill()  # -9: a stopped process dies too
         service.start(wait=False)  # with what the store kept
+    engines["primary"].proc.wait(10)
+    reaped = time.monotonic() - killed
+    c.say(f"primary killed -9 {1e3 * (killed - started['at']):.1f} ms after its first phase-2 step, reaped {1e3 * reaped:.1f} ms after the kill")
+    restarted: dict[str, Any] = {}
+    if service is not None:
         service.manager.wait_ready(args.start_timeout)
         restarted = {"kill_to_daemon_ready_s": time.monotonic() - killed}
         c.say(f"gpumemd killed -9 and restarted from its fd store: ready {1e3 * restarted['kill_to_daemon_ready_s']:.1f} ms after the primary's kill")
@@ -260,7 +265,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         "directory_corrupt": got["corrupt"], "standby_own_bytes": own, "standby_host_bytes": host, "standby_wake_bytes": wakes,
         "standby_asleep": ready.get("asleep", []), "standby_model_arena_live": live, "standby_shared_weights_bytes": shared,
         "tokens_identical": identical, "sequences_differing": len(parted), "sequences_parting_at_a_clear_margin": clear,
-        "accounting_exact": exact, "daemon_killed": args.kill_daemon, **restarted,
+        "accounting_exact": exact, "daemon_killed": args.kill_daemon, "kill_to_primary_reaped_s": reaped, **restarted,
     }
     result.ok = (first_s <= args.target_first_token_s and hit >= args.target_hit and own <= args.target_standby_bytes
                  and clear == 0 and exact)
