@@ -2,13 +2,14 @@
 arena and KV pool to the daemon (orphaned, accounted, with a deadline), and another
 process adopts them with the group's secret at the same addresses, contents intact.
 And what goes wrong: a wrong or stolen secret, two adopters at once, an adopter killed
-mid-adoption, a holder whose process still runs, the deadline, and gpumemd itself killed
+mid-adoption, a holder whose process still runs (also across a restart), the deadline, and gpumemd itself killed
 during the failover (the fd store keeps the orphans)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -226,6 +227,29 @@ def test_gpumemd_killed_during_the_failover_keeps_the_orphans(service: Restartab
     g = group_of(status(runtime_dir))
     assert g is not None and (g["state"], g["holder"]) == ("held", "adopter")
     assert int(do(adopter, "address kv")) == addresses["kv"]
+
+
+def test_a_holder_alive_across_a_restart_is_adopted_once_it_dies(runtime_dir: Path, backend: str, spawn: Spawn) -> None:
+    """gpumemd killed during a failover and back before the dead engine's process is gone
+    (on CUDA its teardown takes a while): the restarted daemon keeps the group for the
+    holder's session, which may still resume, and a standby waiting in adopt takes it as
+    soon as the process is gone, not after the restart grace."""
+    service = Restartable(runtime_dir, backend, ["--restart-grace", "120"], child_env(runtime_dir))
+    service.start()
+    try:
+        eng, secret, addresses = primary(spawn)
+        os.kill(eng.pid, signal.SIGSTOP)  # it neither resumes nor ends across the restart
+        service.restart()
+        standby = spawn("standby")
+        held = reply(standby, f"adopt g {secret} 0.3")
+        assert held.startswith("ERR GroupHeld") and "'primary'" in held, held
+        standby.send(f"adopt g {secret} 60")
+        eng.kill()
+        assert standby.expect("OK", 30), "adopted once the holder was gone, well inside the 120 s restart grace"
+        assert do(standby, f"check kv 0 {4096 * 4096} 90") == "MATCH"
+        assert int(do(standby, "address kv")) == addresses["kv"]
+    finally:
+        service.close()
 
 
 def test_the_prefix_directory_outlives_its_writer(daemon: Any, spawn: Spawn, runtime_dir: Path) -> None:
