@@ -2,8 +2,8 @@
 arena and KV pool to the daemon (orphaned, accounted, with a deadline), and another
 process adopts them with the group's secret at the same addresses, contents intact.
 And what goes wrong: a wrong or stolen secret, two adopters at once, an adopter killed
-mid-adoption, a holder whose process still runs (also across a restart), the deadline, and gpumemd itself killed
-during the failover (the fd store keeps the orphans)."""
+mid-adoption, a holder whose process still runs (also across a restart), the deadline,
+and gpumemd itself killed during the failover (the fd store keeps the orphans)."""
 
 from __future__ import annotations
 
