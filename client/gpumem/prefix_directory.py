@@ -83,9 +83,11 @@ class Scan:
 
 
 class PrefixDirectory:
-    def __init__(self, arena: Memory, capacity: int, next_sequence: int = 1) -> None:
+    def __init__(self, arena: Memory, capacity: int, next_sequence: int | None = 1) -> None:
         self.arena = arena
         self.capacity = capacity
+        # None: an opened directory's sequences go on after the highest one found, which
+        # the adopter's scan finds (one read of every entry on a failover's path, not two)
         self._next = next_sequence
 
     @classmethod
@@ -108,7 +110,8 @@ class PrefixDirectory:
     @classmethod
     def open(cls, arena: Memory) -> PrefixDirectory:
         """The directory in ``arena`` (adopted, or any mapping of one), its header checked;
-        publishing goes on after the highest sequence found."""
+        publishing goes on after the highest sequence found (by the first ``scan``, or
+        before the first ``publish`` if no scan came first)."""
         if arena.committed < HEADER_BYTES:
             raise InvalidArgument(f"arena '{arena.name}' holds no prefix directory: {arena.committed} bytes committed")
         magic, version, entry, capacity = _HEADER.unpack(arena.read(0, _HEADER.size))
@@ -117,9 +120,7 @@ class PrefixDirectory:
                 f"arena '{arena.name}' holds no prefix directory of layout {LAYOUT_VERSION} (magic {magic:#x}, layout "
                 f"{version}, entry {entry} bytes, {capacity} blocks in {arena.committed} bytes committed)"
             )
-        directory = cls(arena, capacity)
-        directory._next = directory.scan(capacity).last_sequence + 1
-        return directory
+        return cls(arena, capacity, next_sequence=None)
 
     def _slot(self, block: int) -> int:
         if not 0 <= block < self.capacity:
@@ -130,7 +131,8 @@ class PrefixDirectory:
         """Block ``block`` is full and its rows are written: it holds ``content_hash``."""
         offset = self._slot(block)
         h = content_hash & _HASH_MASK
-        sequence, self._next = self._next, self._next + 1
+        sequence = self._next if self._next is not None else self.scan().last_sequence + 1
+        self._next = sequence + 1
         self.arena.write(offset, _ENTRY.pack(sequence, h, block, _crc(sequence, h, block)))
 
     def invalidate(self, block: int) -> None:
@@ -158,6 +160,8 @@ class PrefixDirectory:
             if sequence > best.get(h, 0):
                 best[h] = sequence
                 scan.blocks[h] = block
+        if self._next is None:
+            self._next = scan.last_sequence + 1
         return scan
 
     def __repr__(self) -> str:

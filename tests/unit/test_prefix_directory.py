@@ -102,6 +102,21 @@ def test_the_later_of_two_entries_for_one_hash_wins_and_sequences_go_on_after_re
     assert again.scan().blocks == {66: 6} and again.scan().last_sequence == 3
 
 
+def test_an_adopter_reads_the_entries_once_its_scan_and_its_sequences_from_one_read(memory: Memory) -> None:
+    """On a failover's path every entry is read once: open checks the header alone, and
+    the adopter's scan also finds where its own sequences go on."""
+    PrefixDirectory.open(memory).publish(3, 33)
+    reads: list[int] = []
+    read = memory.read
+    memory.read = lambda offset, size: reads.append(size) or read(offset, size)  # type: ignore[method-assign]
+    adopter = PrefixDirectory.open(memory)
+    assert reads == [struct.calcsize("<QIIQ")], "open reads the header, no entry"
+    assert adopter.scan(blocks=BLOCKS).blocks == {33: 3}
+    adopter.publish(4, 44)
+    assert len(reads) == 2, "publish after the scan reads nothing more"
+    assert adopter.scan().last_sequence == 2
+
+
 def test_a_bad_header_or_block_is_refused(memory: Memory) -> None:
     memory.write(0, b"\x00" * 8)
     with pytest.raises(InvalidArgument, match="holds no prefix directory"):
