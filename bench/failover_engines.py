@@ -19,8 +19,8 @@ would close its session, and with it the group it retains.
 The standby attaches the weights through the read-only grant, reserves the group's
 windows (gpumem.standby) and builds its K and V arrays there. Its own model and graphs
 arenas (EngineMemory, 16 MiB each) sleep as nano-vllm's standby's do (the graphs kept in
-host memory, the model arena dropped); then it writes ``ready`` with what it maps, and
-waits in ``adopt`` with the reservation. Once it holds the group it wakes its arenas, and
+host memory, the model arena dropped) and its reservation is parked; then it writes
+``ready`` with what it maps, and waits in ``adopt`` with the reservation. Once it holds the group it wakes its arenas, and
 the arrays it built before read the adopted rows; it seeds its prefix cache from the
 directory's trusted entries and serves phase 2, writing the take-over's timeline (adopted,
 woke, seeded, first step, first token), the prompt tokens that hit, and the token ids;
@@ -273,6 +273,7 @@ def standby(spec: dict[str, Any], out: Path) -> int:
         arena.commit(OWN_BYTES)
     mem.graphs.write(0, captured)  # what a capture leaves in its graph pool: kept across the sleep
     mem.sleep("weights", "graphs", drop=["weights"])
+    reservation.park()  # as nano-vllm's asleep standby: nothing touches k and v until adopted
     _write_json(out / "standby-ready.json", {"pid": os.getpid(), "shared_weights_bytes": weights.committed, "asleep": mem.asleep})
     adopted = session.adopt(spec["group"], given["secret"], wait=ADOPT_WAIT_S, reservation=reservation)
     adopted_at = time.monotonic()

@@ -8,6 +8,7 @@ Commands, besides every one of tests/clients.py:
   adopt GROUP SECRET WAIT [noconfirm] [reserved]   (JSON: arenas {name: address}, kv {name: [address, tokens]}, previous;
                                reserved: into the reservation of GROUP)
   reserve GROUP SECRET         (JSON {name: address} of the windows reserved)    unreserve GROUP
+  park GROUP                   (the reservation's placeholder unmapped, its windows kept)
   rview KEY GROUP NAME OFFSET N  (a tensor over the reserved window, built now: NumPy, or torch via DLPack with a
                                CUDA graph of a copy out of it captured now)
   vread KEY                    (the distinct byte values read through KEY's tensor, or on CUDA its graph replayed)
@@ -73,6 +74,9 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
     if cmd == "reserve":
         RESERVED[args[0]] = session.reserve_retained(args[0], args[1])
         return json.dumps({n: o.arena.address for n, o in RESERVED[args[0]].objects.items()})
+    if cmd == "park":
+        RESERVED[args[0]].park()
+        return None
     if cmd == "unreserve":
         RESERVED.pop(args[0]).close()
         return None

@@ -51,6 +51,41 @@ def test_adoption_swaps_the_reserved_placeholder_for_the_adopted_chunks(daemon: 
     assert after["device"]["accounted_bytes"] == 0 and after["retained"] == []
 
 
+def mapped_protection(pid: int, address: int) -> str:
+    """The host's protection of ``address`` in process ``pid`` ("---p": reserved only)."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        span, perms = line.split()[:2]
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return perms
+    return ""
+
+
+def test_a_parked_reservation_maps_nothing_and_adopts_as_before(daemon: Any, spawn: kit.Spawn, runtime_dir: Path) -> None:
+    """A standby that built its tensors (on CUDA captured its graph) parks: the placeholder
+    leaves its windows before the primary dies, so the adoption has none to unmap, and
+    the tensor built before reads the adopted rows as an unparked one does."""
+    eng, secret, addresses = kit.primary(spawn)
+    standby = spawn("standby")
+    do(standby, f"reserve g {secret}")
+    do(standby, f"rview kv g kv 0 {MiB}")
+    if daemon.backend == "host":
+        assert mapped_protection(standby.pid, addresses["kv"]).startswith("rw"), "the placeholder is mapped there"
+    do(standby, "park g")
+    if daemon.backend == "host":
+        assert mapped_protection(standby.pid, addresses["kv"]).startswith("---"), "parked: reserved, nothing mapped"
+    assert "is parked" in reply(standby, f"rview late g kv 0 {MiB}")  # no new view over a parked window
+    eng.kill()
+    kit.orphaned(runtime_dir)
+    got = json.loads(do(standby, f"adopt g {secret} 5 reserved"))
+    assert got["kv"] == {"kv": [addresses["kv"], 4096]}
+    assert json.loads(do(standby, "vread kv")) == [90]
+    backed = json.loads(do(standby, "backed kv"))
+    assert backed["committed"] == [[0, 16 * MiB], [64 * MiB, 80 * MiB]]
+    assert backed["backed"] == [[0, 128 * MiB]]  # the uncommitted rows backed by the pool's own placeholder, parked or not
+    assert [a["name"] for a in status(runtime_dir)["arenas"]] == ["weights", "kv"]
+
+
 def test_a_reservation_needs_the_secret_and_the_uid(daemon: Any, spawn: kit.Spawn, runtime_dir: Path) -> None:
     eng, secret, _ = kit.primary(spawn)
     standby = spawn("standby")

@@ -86,7 +86,7 @@ def test_no_rehearsal_block_is_a_prefix_hit_after_the_take_over() -> None:
     log: list[Any] = []
     llm = Engine(UpstreamManager(16), log)
     llm.model_runner._gpumem = mem = Memory(log, blocks=16, trusted={})
-    llm.model_runner.config.gpumem_layout, llm.model_runner.config.gpumem_reservation = {}, None
+    llm.model_runner.config.gpumem_layout, llm.model_runner.config.gpumem_reservation = {}, Reservation(log)
     standby.settle(llm, SETTINGS, params=lambda n: n, synchronize=lambda: log.append("sync"))
     standby.take_over(llm, SETTINGS, wait=1.0, new_block=Block, restore_inputs=lambda: None)
     assert mem.kv is not None
@@ -154,11 +154,19 @@ class Memory:
         self.asleep = []
 
 
+class Reservation:
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def park(self) -> None:
+        self.log.append("park")
+
+
 def standby_engine(log: list[Any], *, blocks: int = 12, trusted: dict[int, int] | None = None) -> Engine:
     llm = Engine(Manager(8), log)
     runner = llm.model_runner
     runner._gpumem = Memory(log, blocks, trusted or {})
-    runner.config.gpumem_layout, runner.config.gpumem_reservation = {"layers": 2}, "reservation"
+    runner.config.gpumem_layout, runner.config.gpumem_reservation = {"layers": 2}, Reservation(log)
     return llm
 
 
@@ -169,7 +177,7 @@ def test_a_standby_sleeps_after_its_rehearsal_and_wakes_after_the_adoption_befor
     s = Settings("sb", standby=("g", "secret"), share_weights=share_weights, follow=False)
     standby.settle(llm, s, params=lambda n: n, synchronize=lambda: log.append("sync"))
     # the device's work done before memory goes; the model arena dropped only when it holds no weights
-    assert log[-5:] == ["step"] * 3 + ["sync", ("sleep", ("weights", "graphs"), ("weights",) if share_weights else ())]
+    assert log[-6:] == ["step"] * 3 + ["sync", ("sleep", ("weights", "graphs"), ("weights",) if share_weights else ()), "park"]
     log.clear()
     took = standby.take_over(llm, s, wait=1.0, new_block=Block, restore_inputs=lambda: log.append("restore inputs"))
     assert log == [("adopt", "g", "secret"), "wake", "restore inputs", "scan"]

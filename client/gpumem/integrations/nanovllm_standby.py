@@ -42,7 +42,9 @@ Once built, its decode graphs captured on the reservation's placeholder
   wake, their state at capture (woken chunks are zeroed by the daemon too). What lives
   there is checked per run: bench/failover.py prints the blocks in use from torch's
   snapshot of the arena's pool, graph inputs apart. A standby with weights of its own
-  keeps the model arena in host memory instead.
+  keeps the model arena in host memory instead. Its reservation is parked then
+  (``Reservation.park``): the placeholder leaves the KV windows, which nothing touches
+  until the adoption maps the adopted chunks there.
 
 ``take_over`` adopts the pool and the directory into the reservation, wakes what slept
 (same addresses: the graphs replay as captured) before anything runs, sizes the block
@@ -127,6 +129,9 @@ def settle(llm: Any, s: Settings, *, params: Callable[[int], Any], synchronize: 
         tags, dropped = sleep_plan(s.share_weights)
         mem: EngineMemory = llm.model_runner._gpumem
         mem.sleep(*tags, drop=dropped)
+        # Asleep, it runs nothing until take_over: its KV windows need no placeholder,
+        # and the adoption then has none to unmap (gpumem.standby.Reservation.park).
+        llm.model_runner.config.gpumem_reservation.park()
 
 
 @dataclasses.dataclass
