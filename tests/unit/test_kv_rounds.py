@@ -10,6 +10,7 @@ at once, handed out only when the round commits, given back if it fails."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -1587,22 +1588,37 @@ def test_enormous_kv_bounds_are_refused_with_figures_that_fit_the_wire(h: Harnes
     assert h.state.arenas.by_name == {} and h.state.arenas.accounted_bytes() == 0
 
 
+def _round_grow_shrink(make_harness: Callable[..., Harness], n: int) -> float:
+    """A round, a grow and a shrink of a pool of ``n`` buffers: the CPU seconds they took."""
+    h = make_harness(capacity=1 << 40, driver=DescriptorFreeDriver(index=0, capacity=1 << 40), round_timeout=10.0)
+    s = h.connect("engine-wide")
+    gc.collect()
+    gc.disable()  # a collection landing in one run and not another is not the daemon's cost
+    try:
+        started = time.process_time()
+        declare(h, s, "wide", rows=(64,) * n, max_tokens=1 << 16)
+        join(h, s, "wide")
+        capture(h, s, "wide", 7, min_tokens=1, max_tokens=1 << 15)
+        assert commit_reply(done(h)[7]).pool.tokens == 1 << 15
+        grown = h.ok(s, p.KvGrow(pool="wide", tokens=1 << 16)).reply
+        shrunk = h.ok(s, p.KvShrink(pool="wide", tokens=1)).reply
+        took = time.process_time() - started
+    finally:
+        gc.enable()
+    assert isinstance(grown, p.KvCommitReply) and grown.pool.tokens == 1 << 16
+    assert isinstance(shrunk, p.KvCommitReply) and len(shrunk.retired) == n
+    h.state.drop_all()  # its address slice, for the next run's state
+    return took
+
+
 def test_a_pool_of_thousands_of_buffers_costs_linear_time(make_harness: Callable[..., Harness]) -> None:
     """Every buffer's chunks used to be found by scanning all of the arena's chunks, for
     every buffer, at every commit, grow and shrink (and within a binary search when the
     daemon asks for shrinks): with as many buffers as the protocol allows that held the
-    daemon's one thread for seconds (found by the protocol fuzzer)."""
+    daemon's one thread for seconds (found by the protocol fuzzer). Four times the
+    buffers must cost about four times the CPU, not sixteen: a ratio, so a loaded
+    machine (whose absolute times vary) does not decide it."""
     n = p.MAX_KV_BUFFERS
-    h = make_harness(capacity=1 << 40, driver=DescriptorFreeDriver(index=0, capacity=1 << 40), round_timeout=10.0)
-    s = h.connect("engine-wide")
-    started = time.process_time()
-    declare(h, s, "wide", rows=(64,) * n, max_tokens=1 << 16)
-    join(h, s, "wide")
-    capture(h, s, "wide", 7, min_tokens=1, max_tokens=1 << 15)
-    assert commit_reply(done(h)[7]).pool.tokens == 1 << 15
-    grown = h.ok(s, p.KvGrow(pool="wide", tokens=1 << 16)).reply
-    shrunk = h.ok(s, p.KvShrink(pool="wide", tokens=1)).reply
-    took = time.process_time() - started
-    assert isinstance(grown, p.KvCommitReply) and grown.pool.tokens == 1 << 16
-    assert isinstance(shrunk, p.KvCommitReply) and len(shrunk.retired) == n
-    assert took < 0.5, f"a round, a grow and a shrink of a pool of {n} buffers took {took:.2f}s of CPU"
+    small = min(_round_grow_shrink(make_harness, n // 4) for _ in range(2))
+    big = min(_round_grow_shrink(make_harness, n) for _ in range(2))
+    assert big < 10 * small, f"a round, a grow and a shrink took {big:.3f}s of CPU for {n} buffers, {small:.3f}s for {n // 4}"
