@@ -34,8 +34,9 @@ bench/restart.py does); it is frozen (SIGSTOP) before the primary's kill -9 and 
 at once, while the primary's process is still being torn down (``kill_to_primary_reaped_s``
 says when it was gone). The restarted daemon finds the primary's session in its record,
 holds the group for it until its process is gone and fenced, then orphans the group;
-the standby, which waited in ``adopt`` across the restart, adopts. The first token's time includes the restart; figures add kill -> the new
-daemon's READY=1 and its generation.
+the standby, which waited in ``adopt`` across the restart, adopts. The first token's
+time includes the restart; figures add kill -> the new daemon's READY=1 and its
+generation.
 
 Engines (bench/failover_engines.py): ``--backend host`` runs stand-ins (nano-vllm's
 scheduler, block manager and prefix cache in miniature over real host memory, compute

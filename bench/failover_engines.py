@@ -20,11 +20,12 @@ The standby attaches the weights through the read-only grant, reserves the group
 windows (gpumem.standby) and builds its K and V arrays there. Its own model and graphs
 arenas (EngineMemory, 16 MiB each) sleep as nano-vllm's standby's do (the graphs kept in
 host memory, the model arena dropped) and its reservation is parked; then it writes
-``ready`` with what it maps, and waits in ``adopt`` with the reservation. Once it holds the group it wakes its arenas, and
-the arrays it built before read the adopted rows; it seeds its prefix cache from the
-directory's trusted entries and serves phase 2, writing the take-over's timeline (adopted,
-woke, seeded, first step, first token), the prompt tokens that hit, and the token ids;
-the graphs arena's kept bytes are checked after serving.
+``ready`` with what it maps, and waits in ``adopt`` with the reservation. Once it holds
+the group it wakes its arenas, and the arrays it built before read the adopted rows; it
+seeds its prefix cache from the directory's trusted entries and serves phase 2, writing
+the take-over's timeline (adopted, woke, seeded, first step, first token), the prompt
+tokens that hit, and the token ids; the graphs arena's kept bytes are checked after
+serving.
 
 The engine is nano-vllm's scheduler and block manager in miniature, with its prefix
 cache (chained block hashes; freed blocks keep theirs until reused), over real host

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import test_retain as kit
 from gpumemd_testkit import GiB, MiB, do, reply, status, wait_status
 
@@ -126,10 +128,15 @@ def test_a_reservation_closed_or_its_session_ended_leaves_the_group_alone(daemon
     assert do(first, f"check kv 0 {MiB} 90") == "MATCH"
 
 
-def test_a_window_planned_again_over_a_reservation_is_refused_in_the_standby(daemon: Any, spawn: kit.Spawn, runtime_dir: Path) -> None:
+@pytest.mark.parametrize("parked", [False, True], ids=["covered", "parked"])
+def test_a_window_planned_again_over_a_reservation_is_refused_in_the_standby(
+    daemon: Any, spawn: kit.Spawn, runtime_dir: Path, parked: bool
+) -> None:
     eng, secret, addresses = kit.primary(spawn)
     standby = spawn("standby")
     do(standby, f"reserve g {secret}")
+    if parked:  # nothing mapped there now, and the window is still the reservation's
+        do(standby, "park g")
     do(eng, "close")  # an ordinary end: the group and its windows go, the planner may hand them out again
     wait_status(runtime_dir, lambda s: len(s["arenas"]) == 1, 5.0, "the primary's arenas released")  # the scratch left
     again = reply(standby, f"create mine {GiB}")
