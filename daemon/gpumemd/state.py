@@ -29,7 +29,7 @@ from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver
 from gpumem_shared.lease_order import LeaseOrdering
 
-from gpumemd import status
+from gpumemd import names, status
 from gpumemd.arenas import ArenaBook
 from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
@@ -52,7 +52,7 @@ Handler = Callable[[Any, Any], Outcome]
 _READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent, p.RetainReserve})
 
 # The field of each request that names an arena (a KV pool is one): the daemon reads it
-# as a name of the sender's uid (Tenants.resolve) before any book sees it.
+# as a name of the sender's uid (names.resolve) before any book sees it.
 _ARENA_FIELD: dict[type, str] = {
     **dict.fromkeys(
         [p.CreateArena, p.AttachArena, p.ShareArena, p.UnshareArena, p.CommitArena, p.DecommitArena, p.SyncArena,
@@ -354,7 +354,7 @@ class DaemonState:
                 raise p.ProtocolError(p.ErrorCode.NO_SESSION, "this request needs a session: open one with HELLO on the fd channel first")
             field = _ARENA_FIELD.get(cls)
             if field is not None and session is not None:
-                key = self.tenants.resolve(session, getattr(message, field), self.arenas.by_name, create=_CREATES.get(cls, ""))
+                key = names.resolve(session, getattr(message, field), self.arenas.by_name, self.tenants.owners, create=_CREATES.get(cls, ""))
                 message = msgspec.structs.replace(message, **{field: key})
             if deferred is not None:
                 outcome = deferred(session, message, request_id)
