@@ -39,7 +39,7 @@ from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
 from gpumemd.image import Image, Imager, Keep, Take, chunk_name
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
-from gpumemd.caps import Caps
+from gpumemd.memory_caps import Caps
 from gpumemd.names import plain_name
 from gpumemd.tenants import Tenants
 

@@ -193,7 +193,7 @@ class DaemonState:
         self.sessions[session.id] = session
         self.tally.sessions_opened += 1
         self.dirty = True
-        tenant = self.arenas.caps.session_tenant(uid, gid, tenant_key)
+        tenant = self.arenas.caps.session_account(uid, gid, tenant_key)
         log.info("session %d opened: client %r %s uid %d%s", session.id, session.name, session.pids, uid, f", tenant {tenant}" if tenant else "")
         return session, self._hello_reply(session)
 

@@ -56,7 +56,7 @@ def assemble(
                 arenas=sorted(a.name for a in arenas.by_name.values() if s.id in a.attached),
                 waiting=s.waiting,
                 own_pid=s.own_pid,
-                tenant=arenas.caps.session_tenant(s.uid, s.gid, s.tenant_key),
+                tenant=arenas.caps.session_account(s.uid, s.gid, s.tenant_key),
             )
             for s in sessions.values()
         ],

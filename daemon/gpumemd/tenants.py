@@ -51,7 +51,7 @@ class Tenants:
         # keep it after the owner's session ended. Not in the durable record (its arena
         # images stay as they were): after a restart, known from the owners' sessions.
         self.owners: dict[str, int] = {}
-        self.groups: dict[str, int] = {}  # and its owner's gid, for caps by group (caps.py)
+        self.groups: dict[str, int] = {}  # and its owner's gid, for caps by group (memory_caps.py)
         self.tokens: dict[str, bytes] = {}  # and its owner's tenant token digest, where it presented one
 
     def own(self, key: str, s: SessionRecord) -> None:
