@@ -35,7 +35,7 @@ from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
 from gpumemd.fencing import Fence, fence_for, process_gone
 from gpumemd.graph_pools import GraphPoolBook
-from gpumemd.lease_lanes import SequenceChunk
+from gpumemd.lease_order_lanes import SequenceChunk
 from gpumemd.image import IMAGE_VERSION, Image, Imager, Keep, StateImage, Take
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
