@@ -1,11 +1,16 @@
-"""Who gets into the fd channel: the connections the open-file limit allows, and the
-ones that have not said HELLO yet, which anyone who may open the socket can make.
+"""Who gets in, and in what order they are served: the fd channel's connections (the
+ones the open-file limit allows, and those that have not said HELLO yet, which anyone
+who may open the socket can make), and the control requests read but not yet served.
 
 The server owns the sockets and the poller; this object owns the policy. Past the limit
 of connections waiting for their HELLO, a new connection takes the place of the oldest
 silent one; while none may be accepted, or after accept failed for want of descriptors
 or memory, the listener rests (unpolled, its connections waiting in the kernel's
 backlog) instead of waking the loop for nothing. Floods are summed up in the log.
+
+Service: control requests wait in one queue per peer (``FairQueue``), served one peer
+at a time in turn, so a peer that floods (however many connections it opens) waits
+behind itself rather than putting every other session behind its backlog.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+from collections import deque
 
+from gpumem_shared import protocol as p
+from gpumem_shared.units import format_size
+
+from gpumemd.config import MiB
 from gpumemd.records import SessionRecord
 from gpumemd.runtime import FdBudget
 
@@ -139,3 +149,69 @@ class Admission:
                 shown = ", ".join(str(pid) for pid in sorted(set(pids))[:8])
                 log.warning("dropped %d fd-channel peer(s) (pid %s): %s", len(pids), shown, what)
         self._evicted, self._silent = [], []
+
+
+# Anonymous control peers (gpumemctl, pings) share one queue: a connection costs nothing
+# to open, so they are served as one peer, however many there are.
+ANONYMOUS = 0
+# Read ahead of service: enough for every anonymous peer a few requests deep, and bytes
+# for a thousand average requests many times over (a frame may be 2 MiB; real ones are
+# hundreds of bytes).
+ANONYMOUS_QUEUED = 1024
+QUEUED_BYTES = 64 * MiB
+
+
+class FairQueue:
+    """Control requests read, not yet served: a FIFO per peer (a session id, or
+    ANONYMOUS), and the ring of peers with requests waiting. ``pop`` takes the next
+    peer's oldest request, so each peer's requests keep their order and one peer's
+    backlog delays another by one request per turn at most."""
+
+    def __init__(self, per_session: int) -> None:
+        self.per_session = per_session
+        self._queues: dict[int, deque[tuple[bytes, bytes]]] = {}
+        # The peers with requests waiting, in turn: empty while nothing is queued (the
+        # server's loop asks on every turn, so it asks the deque, not a method).
+        self.peers: deque[int] = deque()
+        self._bytes = 0
+
+    def push(self, peer: int, identity: bytes, frame: bytes) -> p.ProtocolError | None:
+        """Queue ``frame`` from ``peer``, or the refusal to answer it with at once."""
+        queue = self._queues.get(peer)
+        held = 0 if queue is None else len(queue)
+        cap = ANONYMOUS_QUEUED if peer == ANONYMOUS else self.per_session
+        if held >= cap:
+            who = "anonymous control peers" if peer == ANONYMOUS else f"session {peer}"
+            flag = "" if peer == ANONYMOUS else " (--tenant-requests)"
+            return p.ProtocolError(
+                p.ErrorCode.RESOURCE_EXHAUSTED,
+                f"{who} already have {held} requests waiting for the daemon, the limit{flag}; wait for their replies",
+                limit="requests",
+                used=held,
+                cap=cap,
+            )
+        if self._bytes + len(frame) > QUEUED_BYTES:
+            return p.ProtocolError(
+                p.ErrorCode.RESOURCE_EXHAUSTED,
+                f"the daemon holds {format_size(self._bytes)} of requests waiting, its limit; send again once they are served",
+                limit="request bytes",
+                used=self._bytes,
+                cap=QUEUED_BYTES,
+            )
+        if queue is None:
+            queue = self._queues[peer] = deque()
+            self.peers.append(peer)
+        queue.append((identity, frame))
+        self._bytes += len(frame)
+        return None
+
+    def pop(self) -> tuple[bytes, bytes]:
+        peer = self.peers.popleft()
+        queue = self._queues[peer]
+        identity, frame = queue.popleft()
+        self._bytes -= len(frame)
+        if queue:
+            self.peers.append(peer)
+        else:
+            del self._queues[peer]
+        return identity, frame

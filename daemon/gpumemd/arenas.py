@@ -39,8 +39,9 @@ from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
 from gpumemd.image import Image, Imager, Keep, Take, chunk_name
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
-from gpumemd.caps import Caps
-from gpumemd.tenants import Tenants, plain_name
+from gpumemd.memory_caps import Caps
+from gpumemd.names import plain_name
+from gpumemd.tenants import Tenants
 
 log = logging.getLogger("gpumemd.arenas")
 
@@ -179,7 +180,7 @@ class ArenaBook:
                 limit=self.config.max_reserve,
             )
         existing = self.by_name.get(name)
-        if existing is not None:  # names are per uid (Tenants.resolve): this uid holds it
+        if existing is not None:  # names are per uid (names.resolve): this uid holds it
             raise p.ProtocolError(
                 p.ErrorCode.ALREADY_EXISTS,
                 f"arena '{name}' already exists, owned by {existing.owner_label()} of this uid; choose another name",

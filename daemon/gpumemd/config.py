@@ -70,7 +70,7 @@ class StateConfig:
     # after their holder's session ended without releasing them.
     retain_grace: float = 60.0
     tenants: TenantLimits = dataclasses.field(default_factory=TenantLimits)
-    # Device-memory caps per tenant (caps.py): the policy file and the DRA claims
+    # Device-memory caps per tenant (memory_caps.py): the policy file and the DRA claims
     # directory, read at start and again on SIGHUP; neither: no caps.
     tenant_policy: str = ""
     tenant_claims: str = ""

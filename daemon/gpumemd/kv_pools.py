@@ -174,7 +174,7 @@ class KvBook:
         return Outcome(None)
 
     def _within_cap(self, pool: KvPoolRecord, tokens: int) -> int:
-        """The most of ``tokens`` the pool's tenant may hold under its cap (caps.py): a
+        """The most of ``tokens`` the pool's tenant may hold under its cap (memory_caps.py): a
         grow past it gets what fits, one with no row to gain is refused, naming the cap."""
         arena = self.arenas.by_name[pool.name]
         room = self.arenas.caps.room(arena)
@@ -189,7 +189,7 @@ class KvBook:
     def _available(self, pool: KvPoolRecord) -> int:
         """Free for ``pool``'s grow: what other tenants are guaranteed and do not hold is not."""
         caps = self.arenas.caps
-        held_back = caps.held_back(caps.tenants_of([(self.arenas.by_name[pool.name], 0, 0)]))
+        held_back = caps.held_back(caps.accounts_of([(self.arenas.by_name[pool.name], 0, 0)]))
         return max(0, self.arenas.available_bytes() - held_back)
 
     def report_demand(self, s: SessionRecord, m: p.KvDemand) -> Outcome:

@@ -253,7 +253,7 @@ class RoundDesk:
             minimums=sum(m.pool.cost(m.report.min_tokens) for m in members),
         )
         caps = self.arenas.caps
-        held_back = caps.held_back(caps.tenants_of((self.arenas.by_name[m.pool.name], 0, 0) for m in members))
+        held_back = caps.held_back(caps.accounts_of((self.arenas.by_name[m.pool.name], 0, 0) for m in members))
         try:
             tokens = self._split(members, max(budget - held_back, 0))
         except kv_math.BudgetShort as short:
@@ -316,7 +316,7 @@ class RoundDesk:
         out: dict[str, tuple[int, list[MemberRecord]]] = {}
         for member in members:
             arena = self.arenas.by_name[member.pool.name]
-            found, room = self.arenas.caps.tenant_of(arena.name), self.arenas.caps.room(arena)
+            found, room = self.arenas.caps.account_of(arena.name), self.arenas.caps.room(arena)
             if found is not None and room is not None:
                 held, group = out.get(found[0], (room, []))
                 out[found[0]] = (held + sum(c.size for c in member.staged), [*group, member])

@@ -55,8 +55,8 @@ class SessionRecord:
     own_pid: int = 0
     # What RESUME proves the session with after a restart (empty: no fd store, no resume).
     credential: bytes = dataclasses.field(default=b"", repr=False)
-    # The SHA-256 of the tenant token it presented at HELLO (caps.py; b"": none). Never
-    # the token: the daemon keeps nothing a client could present again.
+    # The SHA-256 of the tenant token it presented at HELLO (memory_caps.py; b"": none).
+    # Never the token: the daemon keeps nothing a client could present again.
     tenant_key: bytes = dataclasses.field(default=b"", repr=False)
     waiting: bool = False  # kept across a restart; its client has not resumed yet
     # The last replies sent (or due) to this session, by request id, oldest first: a

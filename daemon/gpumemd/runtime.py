@@ -21,7 +21,6 @@ import socket
 import stat
 from pathlib import Path
 
-from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
 
@@ -82,27 +81,6 @@ def raise_fd_limit() -> int:
         return soft
     log.info("open-file limit %d (soft limit raised from %d to the hard limit)", hard, soft)
     return hard
-
-
-def open_fds() -> int:
-    """Descriptors open in this process (past any limit when listing them fails: EMFILE)."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return 1 << 30
-
-
-def unreachable_listener(path: Path) -> socket.socket:
-    """A listening socket no one can connect to (bound at ``path``, unlinked at once)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-    try:
-        sock.bind(str(path))
-        os.unlink(path)
-        sock.listen(1)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def group_id(socket_group: str | None) -> int | None:
@@ -298,14 +276,3 @@ def remove_files(endpoints: Endpoints) -> None:
     with its descriptor)."""
     for path in (endpoints.zmq_path, endpoints.fd_path, endpoints.info_path):
         path.unlink(missing_ok=True)
-
-
-def peer_of(fd: int) -> tuple[int, int]:
-    """The pid and uid of the peer on a connection's descriptor ((-1, -1) if it is gone
-    already)."""
-    try:
-        with socket.socket(fileno=os.dup(fd)) as sock:
-            pid, uid, _ = fdchannel.peer_credentials(sock)
-    except OSError:
-        return -1, -1
-    return pid, uid

@@ -30,19 +30,18 @@ from gpumem_shared.paths import Endpoints
 from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
 from gpumemd.records import SessionRecord
-from gpumemd.admission import ACCEPT_BATCH, Admission, Connection
+from gpumemd.admission import ACCEPT_BATCH, ANONYMOUS, Admission, Connection, FairQueue
 from gpumemd.control_channel import ControlChannel
 from gpumemd.logs import log_request
 from gpumemd.outbox import Batch, Letter, Mail, Outbox
 from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
 from gpumemd.state import DaemonState
-from gpumemd.tenants import ANONYMOUS, FairQueue
 
 log = logging.getLogger("gpumemd.server")
 
 # One control request served per poll wake-up, so the fd channel (deaths, HELLOs) gets in
 # between any two. What the ROUTER holds is read ahead into a queue per peer
-# (tenants.FairQueue) and served in turn: ZeroMQ is fair per connection only, and
+# (admission.FairQueue) and served in turn: ZeroMQ is fair per connection only, and
 # connections cost a flooder nothing. At most this many are read per wake-up.
 CONTROL_READ_AHEAD = 256
 

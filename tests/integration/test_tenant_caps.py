@@ -1,4 +1,4 @@
-"""Tenant memory caps across real processes (caps.py): clients of different uids, each
+"""Tenant memory caps across real processes (memory_caps.py): clients of different uids, each
 held to its cap at every commit, an allocation storm from several tenants that never
 gets one byte past any cap, a cap lowered by SIGHUP in force within 100 ms, and caps
 from DRA claims written by a stand-in driver (dra_kit).

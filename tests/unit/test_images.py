@@ -104,7 +104,7 @@ def populated(h: Harness) -> None:
     # What no request here sets, or sets only in a state a restart rarely meets.
     arena = st.arenas.by_name["a"]
     arena.owner_alive, arena.released = False, True
-    owner.tenant_key = b"\x07" * 32  # a tenant token's digest: test_caps_tokens.py presents real ones
+    owner.tenant_key = b"\x07" * 32  # a tenant token's digest: test_memory_caps_tokens.py presents real ones
     arena.chunks[0].fresh = False
     arena.grants[0].uid_implied = True
     arena.grants[0].read_only = True

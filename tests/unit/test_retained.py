@@ -300,7 +300,7 @@ def test_a_holder_that_died_while_the_daemon_was_down_is_orphaned_by_the_restart
     assert reply.objects[0].arena.address == view.address
     fence.running.clear()  # the bystander dies before it resumed: released at the next tick, not the grace's end
     again.state.tick()
-    assert bystander.id not in again.state.sessions and again.state.grace_deadline is None
+    assert bystander.id not in again.state.sessions and again.state.session_desk.grace_deadline is None
 
 
 def test_a_kept_holder_that_dies_after_the_restart_is_seen_by_the_next_adopt(h: Harness, fence: Fence, restart: Restarted) -> None:

@@ -1,4 +1,4 @@
-"""Tenant memory caps (caps.py): the policy files, and every path that creates chunks
+"""Tenant memory caps (memory_caps.py): the policy files, and every path that creates chunks
 (commit, KV grow, KV round, staged minimums) held to each tenant's maximum and to the
 other tenants' guaranteed minimums, on the real host driver (256 MiB)."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.caps import Caps, PolicyError, read_policy
+from gpumemd.memory_caps import Caps, PolicyError, read_policy
 from gpumemd.metrics import Metrics
 from gpumemd.records import SessionRecord as Session
 
@@ -53,10 +53,10 @@ def test_toml_and_json_policies_say_the_same_caps(tmp_path: Path) -> None:
         assert (pol.gids[500].max_bytes, pol.gids[500].min_bytes) == (MiB, 0)
         assert pol.default is not None and pol.default.max_bytes == 1 << 30
         # A uid's own rule first, then its group's, then the default (each uid on its own).
-        assert pol.tenant(1000, 500) == ("uid 1000", pol.uids[1000])
-        assert pol.tenant(1001, 500) == ("gid 500", pol.gids[500])
-        assert pol.tenant(1002, 7) == ("uid 1002", pol.default)
-    assert read_policy("", "").tenant(1000, 1000) is None
+        assert pol.account(1000, 500) == ("uid 1000", pol.uids[1000])
+        assert pol.account(1001, 500) == ("gid 500", pol.gids[500])
+        assert pol.account(1002, 7) == ("uid 1002", pol.default)
+    assert read_policy("", "").account(1000, 1000) is None
 
 
 @pytest.mark.parametrize(
