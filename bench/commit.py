@@ -313,10 +313,10 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     client_map_ms: list[float] = []
     real_map_fds = session.driver.map_fds
 
-    def timed_map_fds(address: int, placements: list[tuple[int, int, int]]) -> None:
+    def timed_map_fds(address: int, placements: list[tuple[int, int, int]], read_only: bool = False) -> None:
         t0 = time.perf_counter_ns()
         try:
-            real_map_fds(address, placements)
+            real_map_fds(address, placements, read_only)
         finally:
             client_map_ms.append(ms_since(t0))
 
