@@ -32,6 +32,8 @@ the seconds since the start.
     python bench/sleep.py --backend host                # 64 MiB, 256 MiB, 1 GiB; drop 2 GiB
     python bench/sleep.py --backend cuda                # 1, 8, 32 GiB; drop 100 GiB
 
+(each default at most a fraction of the device's free memory: 0.4 a size, 0.75 the drop).
+
 Last line: {"bench": "sleep", "backend", "figures", "targets", "ok"}; ok means the contents
 came back identical after every wake and, on CUDA, at every size sleep and wake each
 >= 0.8x the pinned copy's bandwidth that way, the settled dropped wake's median <= 100 ms and the graph's outputs
@@ -86,8 +88,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from gpumem_shared.units import parse_size
 
     try:
-        args.size_list = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES[args.backend]).split(",")]
-        args.drop = parse_size(args.drop_size or DEFAULT_DROP[args.backend])
+        # The defaults fit the device: a size at most 0.4 of its free memory, the drop 0.75.
+        args.size_list = ([parse_size(s) for s in args.sizes.split(",")] if args.sizes else sorted(
+            {c.fit(parse_size(s), args.backend, 0.4, "a size", args.device) for s in DEFAULT_SIZES[args.backend].split(",")}))
+        args.drop = (parse_size(args.drop_size) if args.drop_size
+                     else c.fit(parse_size(DEFAULT_DROP[args.backend]), args.backend, 0.75, "the dropped wake", args.device))
     except ValueError as exc:
         ap.error(str(exc))
     if args.repeats < 1 or not args.size_list or min(args.size_list) <= 0 or args.drop < 0:
