@@ -3,13 +3,15 @@ size, ends with the JSON line of bench/_common.py (bench, backend, device, figur
 targets, ok). Timings are never judged (``ok`` may be false on a loaded machine); a
 benchmark that stopped running (a renamed driver call, a flag gone) fails here, named.
 A benchmark with no host path must say why in that line and nothing else. The list of
-benchmarks is checked against the folder, so a new one cannot go unrun."""
+benchmarks is checked against the folder, so a new one cannot go unrun. On CUDA (-m gpu),
+those whose default sizes come from the card run at those defaults and name the GPU."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -67,17 +69,17 @@ def test_the_smoke_test_knows_every_file_in_bench() -> None:
         f"new in bench/: {sorted(set(found) - set(known))} (a benchmark goes in BENCHES with its quick flags, "
         f"a helper in HELPERS); gone: {sorted(set(known) - set(found))}"
     )
-    assert set(NO_HOST_PATH) <= set(BENCHES)
+    assert set(NO_HOST_PATH) <= set(BENCHES) and set(FITTED) <= set(BENCHES)
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("name", sorted(BENCHES))
-def test_the_benchmark_runs_on_the_host_and_ends_with_its_json_line(name: str) -> None:
-    argv = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--backend", "host", *BENCHES[name]]
+def run_bench(name: str, backend: str, args: list[str], timeout: float) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], str]:
+    """Run bench/NAME.py; its exit, its last line (checked to be the JSON object) and,
+    for failures, what it printed."""
+    argv = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--backend", backend, *args]
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:  # SIGKILLed: its helpers die with it (PDEATHSIG)
-        pytest.fail(f"{name} ran over 120 s: {' '.join(argv)}\n{exc.stdout!s:.6000}")
+        pytest.fail(f"{name} ran over {timeout:g} s: {' '.join(argv)}\n{exc.stdout!s:.6000}")
     lines = out.stdout.strip().splitlines()
     shown = f"{' '.join(argv)} exited {out.returncode}:\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
     try:
@@ -86,11 +88,42 @@ def test_the_benchmark_runs_on_the_host_and_ends_with_its_json_line(name: str) -
         pytest.fail(f"the last line is not JSON: {shown}")
     print(lines[-1])  # the figures, for -rP
     assert isinstance(line, dict) and list(line)[: len(KEYS)] == KEYS, shown
-    assert (line["bench"], line["backend"], line["device"]) == (name, "host", "host"), shown
+    assert (line["bench"], line["backend"]) == (name, backend), shown
     assert isinstance(line["figures"], dict) and isinstance(line["targets"], dict) and isinstance(line["ok"], bool), shown
+    return out, line, shown
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_the_benchmark_runs_on_the_host_and_ends_with_its_json_line(name: str) -> None:
+    out, line, shown = run_bench(name, "host", BENCHES[name], 120)
+    assert line["device"] == "host", shown
     if name in NO_HOST_PATH:
         assert out.returncode == 1 and NO_HOST_PATH[name] in line.get("error", ""), shown
         assert line["ok"] is False and set(line) == {*KEYS, "error"}, shown
     else:
         assert out.returncode == 0 and "error" not in line, shown
         assert line["figures"], shown
+
+
+# The benchmarks whose default sizes come from the card (bench/_common.py's fit), at those
+# defaults with one repeat: on an 80 GB H100 kv_round and restart ran out of memory at the
+# 100 GiB that an H200 holds.
+FITTED = {
+    "commit": ["--repeats", "1", "--warmup", "0"],
+    "driver_probe": ["--settle-s", "0", "--register-gib", "1"],
+    "kv_round": ["--rounds", "1", "--settle-s", "0"],
+    "placeholder": ["--repeat", "1"],
+    "restart": ["--restarts", "1", "--commits", "5"],
+    "sleep": ["--sizes", "1GiB", "--repeats", "1", "--settle-s", "0", "--no-tms"],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(620)
+@pytest.mark.parametrize("name", sorted(FITTED))
+def test_the_benchmark_fits_the_card_at_its_default_size_and_names_it(name: str) -> None:
+    out, line, shown = run_bench(name, "cuda", FITTED[name], 600)
+    assert out.returncode == 0 and "error" not in line, shown
+    gpu = line["device"]
+    assert isinstance(gpu, dict) and gpu["name"] and 0 < gpu["free_bytes_at_start"] <= gpu["total_bytes"], shown
