@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         c.ensure_importable()
         return flooder(args.flooder, args.request, args.depth, args.sockets, args.ready_file)
     c.ensure_importable()
-    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup))
+    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup), args.device)
 
 
 if __name__ == "__main__":
