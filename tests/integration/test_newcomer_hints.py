@@ -1,0 +1,68 @@
+"""What a newcomer is told, fitted to the machine: a runtime directory others may write
+is refused with the fix, a clean stop leaves no lock file, a second daemon started by
+hand names the pid to stop (not a unit that runs nothing), an unknown flag points to
+--help, and with no daemon gpumemctl suggests what starts one here (the host backend
+where there is no NVIDIA GPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import child_env
+from gpumem.ctl import NVIDIA_DRIVER
+from gpumem_shared.paths import Endpoints
+
+EXIT_CONFIG, EXIT_NOT_RUNNING = 78, 3
+
+
+def _gpumemd(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpumemd", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_a_runtime_directory_others_may_write_is_refused_with_the_fix(runtime_dir: Path) -> None:
+    shared = runtime_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # as /tmp
+    result = _gpumemd("--backend", "host", "--host-capacity", "1GiB", "--runtime-dir", str(shared), env=child_env(runtime_dir))
+    assert result.returncode == EXIT_CONFIG, result
+    assert f"runtime directory {shared} may be written by others (mode 1777)" in result.stderr, result.stderr
+    assert f"--runtime-dir {shared}/gpumemd" in result.stderr, "the fix is named"
+    assert list(shared.iterdir()) == [], "nothing was made there"
+
+
+def test_a_clean_stop_removes_the_lock_file(daemon_factory, runtime_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("host")
+    lock = Endpoints(runtime_dir, 0).lock_path
+    assert lock.exists()
+    assert d.stop() == 0, d.log()
+    assert not lock.exists(), "gpu0.lock outlived a clean stop"
+    assert daemon_factory("host").wait_ready(), "the next daemon takes a new lock"
+
+
+def test_a_second_daemon_by_hand_is_told_the_pid_to_stop(daemon_factory, runtime_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    first = daemon_factory("host")
+    second = daemon_factory("host", wait=False)
+    assert second.proc.wait(60) == EXIT_CONFIG, second.log()
+    assert f"stop pid {first.pid} first (kill {first.pid}): no systemd unit runs it" in second.log(), second.log()
+    assert "systemctl" not in second.log(), second.log()
+
+
+def test_an_unknown_flag_points_to_help(runtime_dir: Path) -> None:
+    result = _gpumemd("--frobnicate", env=child_env(runtime_dir))
+    assert result.returncode == EXIT_CONFIG, result
+    assert result.stderr == "gpumemd: No such option '--frobnicate'; gpumemd --help lists the flags\n", result.stderr
+
+
+def test_with_no_daemon_gpumemctl_says_what_starts_one_on_this_machine(runtime_dir: Path) -> None:
+    for args in (["status"], ["status", "--all"], ["-d", "3", "status"]):
+        result = subprocess.run([sys.executable, "-m", "gpumem.ctl", *args, "--runtime-dir", str(runtime_dir)],
+                                capture_output=True, text=True, timeout=60, env=child_env(runtime_dir))
+        assert result.returncode == EXIT_NOT_RUNNING, result
+        if NVIDIA_DRIVER.exists():
+            assert "--backend host" not in result.stderr and "gpumemd@" in result.stderr or "gpumemd --device" in result.stderr, result
+        else:
+            assert "no NVIDIA GPU here, so start one on host memory: gpumemd --device " in result.stderr, result.stderr
+            assert "--backend host --host-capacity 8GiB" in result.stderr and "systemctl" not in result.stderr, result.stderr
