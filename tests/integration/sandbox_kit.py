@@ -6,7 +6,10 @@
   under ``unshare --mount``; it rebuilds what ProtectSystem=strict, ReadWritePaths
   (RuntimeDirectory=), PrivateTmp= and ProtectHome= mean with mounts, then execs the
   daemon through ``setpriv`` with NoNewPrivileges=, CapabilityBoundingSet= and
-  SupplementaryGroups=. The seccomp lines (SystemCallFilter=, RestrictAddressFamilies=,
+  SupplementaryGroups=. An install under /tmp (a checkout cloned there) stays visible
+  through the private /tmp, bound back into it read-only, where systemd would hide it
+  (the test skips under systemd then; ``gpumemctl unit`` refuses such an install).
+  The seccomp lines (SystemCallFilter=, RestrictAddressFamilies=,
   RestrictNamespaces=, ...) and DevicePolicy= need systemd: not applied then.
 """
 
@@ -43,6 +46,13 @@ def under_a_home(*paths: Path) -> bool:
     return any(p.resolve().is_relative_to(home) for p in paths for home in HOMES)
 
 
+def under_tmp(*paths: Path) -> list[Path]:
+    """Those of ``paths`` (resolved) that PrivateTmp= would hide: the daemon's own code
+    where a checkout lives in /tmp."""
+    hidden = {p.resolve() for p in paths if any(p.resolve().is_relative_to(tmp) for tmp in _TMP)}
+    return sorted(p for p in hidden if not any(p != q and p.is_relative_to(q) for q in hidden))
+
+
 def systemd_run_command(unit: str, settings: list[tuple[str, str]], runtime_dir_name: str, argv: list[str]) -> list[str]:
     """A transient notify service with the unit's sandbox; ``runtime_dir_name`` is the
     test's own RuntimeDirectory= (the device lock directory is the unit's)."""
@@ -55,8 +65,9 @@ def systemd_run_command(unit: str, settings: list[tuple[str, str]], runtime_dir_
     return ["systemd-run", f"--unit={unit}", "--service-type=notify", "--collect", "--quiet", *props, "--", *argv]
 
 
-def emulated_command(settings: dict[str, str], writable: list[Path], argv: list[str]) -> list[str]:
-    spec = {"settings": settings, "writable": [str(p) for p in writable], "argv": argv}
+def emulated_command(settings: dict[str, str], writable: list[Path], argv: list[str], visible: tuple[Path, ...] = ()) -> list[str]:
+    """``visible``: paths under /tmp that stay there (read-only) behind PrivateTmp=."""
+    spec = {"settings": settings, "writable": [str(p) for p in writable], "argv": argv, "visible": [str(p) for p in visible]}
     return ["unshare", "--mount", "--propagation", "private", "--", sys.executable, __file__, json.dumps(spec)]
 
 
@@ -86,16 +97,23 @@ def _mount_points() -> list[Path]:
     return points
 
 
-def _mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True)
+def _mount(*args: str, pass_fds: tuple[int, ...] = ()) -> None:
+    subprocess.run(["mount", *args], check=True, pass_fds=pass_fds)
 
 
-def _apply(settings: dict[str, str], writable: list[Path]) -> None:
+def _apply(settings: dict[str, str], writable: list[Path], visible: list[Path]) -> None:
     private_tmp = settings.get("PrivateTmp") == "yes"
     if private_tmp:
         for tmp in _TMP:
-            if tmp.is_dir():
-                _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", str(tmp))
+            if not tmp.is_dir():
+                continue
+            # The old tree stays reachable through a descriptor on it, which mount inherits.
+            old = os.open(tmp, os.O_PATH | os.O_DIRECTORY)
+            _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", str(tmp))
+            for path in (p for p in visible if p.is_relative_to(tmp)):
+                (tmp / path.relative_to(tmp)).mkdir(parents=True, exist_ok=True)
+                _mount("--bind", f"/proc/self/fd/{old}/{path.relative_to(tmp)}", str(path), pass_fds=(old,))
+            os.close(old)
     if settings.get("ProtectHome") == "yes":
         for home in HOMES:
             if home.is_dir():
@@ -128,6 +146,6 @@ def _setpriv(settings: dict[str, str]) -> list[str]:
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    _apply(spec["settings"], [Path(p) for p in spec["writable"]])
+    _apply(spec["settings"], [Path(p) for p in spec["writable"]], [Path(p) for p in spec["visible"]])
     argv = [*_setpriv(spec["settings"]), *spec["argv"]]
     os.execvp(argv[0], argv)
