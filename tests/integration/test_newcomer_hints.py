@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import child_env
+from conftest import ROOT, child_env
 from gpumem.ctl import NVIDIA_DRIVER
 from gpumem_shared.paths import Endpoints
 
@@ -66,3 +66,21 @@ def test_with_no_daemon_gpumemctl_says_what_starts_one_on_this_machine(runtime_d
         else:
             assert "no NVIDIA GPU here, so start one on host memory: gpumemd --device " in result.stderr, result.stderr
             assert "--backend host --host-capacity 8GiB" in result.stderr and "systemctl" not in result.stderr, result.stderr
+
+
+def test_the_suites_summary_counts_skips_by_reason(tmp_path: Path) -> None:
+    """"153 skipped" said nothing of why: the summary names each reason with its count."""
+    (tmp_path / "test_some.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.parametrize('n', range(3))\n"
+        "def test_gpu(n):\n    pytest.skip('needs an NVIDIA GPU')\n"
+        "@pytest.mark.skipif(True, reason='systemd-analyze is not installed')\n"
+        "def test_unit():\n    pass\n"
+        "def test_runs():\n    pass\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result
+    summary = result.stdout.split("4 skipped, by reason", 1)[1].splitlines()
+    assert [line.strip() for line in summary[1:3]] == ["3  needs an NVIDIA GPU", "1  systemd-analyze is not installed"], result.stdout
