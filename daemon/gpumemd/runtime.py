@@ -273,9 +273,12 @@ def how_to_stop(pid: int | None) -> str:
     if pid is None:
         return "stop it first (systemctl stop gpumemd@<index> where systemd runs it, else kill its pid)"
     try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
         cgroups = Path(f"/proc/{pid}/cgroup").read_text()
     except OSError:
-        cgroups = ""
+        command, cgroups = b"", ""
+    if b"gpumemd" not in command:  # the pid it wrote is another PID namespace's (a container's), or gone
+        return f"stop it first (it reported pid {pid}, which is no gpumemd in this PID namespace: a container's?)"
     units = [part for line in cgroups.splitlines() for part in line.rpartition(":")[2].split("/") if part.endswith(".service")]
     if units and units[-1].startswith("gpumemd"):
         return f"stop it first: systemctl stop {units[-1].removesuffix('.service')}"

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, child_env
 from gpumem.ctl import NVIDIA_DRIVER
 from gpumem_shared.paths import Endpoints
+from gpumemd import runtime
 
 EXIT_CONFIG, EXIT_NOT_RUNNING = 78, 3
 
@@ -84,3 +87,24 @@ def test_the_suites_summary_counts_skips_by_reason(tmp_path: Path) -> None:
     assert result.returncode == 0, result
     summary = result.stdout.split("4 skipped, by reason", 1)[1].splitlines()
     assert [line.strip() for line in summary[1:3]] == ["3  needs an NVIDIA GPU", "1  systemd-analyze is not installed"], result.stdout
+
+
+def test_a_lock_taken_on_a_file_a_stopping_daemon_removed_is_taken_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopping daemon removes its lock file: a starting one that opened that file just
+    before, and locks it once released, must not serve beside a third on a new file."""
+    endpoints = Endpoints(tmp_path, 0)
+    real_flock = runtime.fcntl.flock
+    removed: list[Path] = []
+
+    def flock_after_the_stop(fd: int, operation: int) -> None:
+        if not removed:  # between this open and this lock, the old holder removed the file
+            endpoints.lock_path.unlink()
+            removed.append(endpoints.lock_path)
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(runtime.fcntl, "flock", flock_after_the_stop)
+    (fd,) = runtime.take_lock(endpoints, None)
+    try:
+        assert removed and os.fstat(fd).st_ino == os.stat(endpoints.lock_path).st_ino, "locked a file no one else can find"
+    finally:
+        os.close(fd)
