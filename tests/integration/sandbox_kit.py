@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -34,6 +35,7 @@ SANDBOX_KEYS = (
 HOMES = (Path("/home"), Path("/root"), Path("/run/user"))
 _API_TREES = (Path("/dev"), Path("/proc"), Path("/sys"))
 _TMP = (Path("/tmp"), Path("/var/tmp"))
+_MS_BIND = 4096  # <sys/mount.h>
 
 
 def systemd_is_pid1() -> bool:
@@ -97,8 +99,16 @@ def _mount_points() -> list[Path]:
     return points
 
 
-def _mount(*args: str, pass_fds: tuple[int, ...] = ()) -> None:
-    subprocess.run(["mount", *args], check=True, pass_fds=pass_fds)
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True)
+
+
+def _bind(source: str, target: Path) -> None:
+    """mount --bind by the system call, the source taken as the kernel resolves it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(source.encode(), str(target).encode(), None, _MS_BIND, None) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"bind {source} on {target}: {os.strerror(errno)}")
 
 
 def _apply(settings: dict[str, str], writable: list[Path], visible: list[Path]) -> None:
@@ -107,12 +117,13 @@ def _apply(settings: dict[str, str], writable: list[Path], visible: list[Path]) 
         for tmp in _TMP:
             if not tmp.is_dir():
                 continue
-            # The old tree stays reachable through a descriptor on it, which mount inherits.
+            # The old tree stays reachable through a descriptor on it. mount(8) would resolve
+            # /proc/self/fd/N/... to the path's name, under the new tmpfs: mount(2) follows it.
             old = os.open(tmp, os.O_PATH | os.O_DIRECTORY)
             _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", str(tmp))
             for path in (p for p in visible if p.is_relative_to(tmp)):
-                (tmp / path.relative_to(tmp)).mkdir(parents=True, exist_ok=True)
-                _mount("--bind", f"/proc/self/fd/{old}/{path.relative_to(tmp)}", str(path), pass_fds=(old,))
+                path.mkdir(parents=True, exist_ok=True)
+                _bind(f"/proc/self/fd/{old}/{path.relative_to(tmp)}", path)
             os.close(old)
     if settings.get("ProtectHome") == "yes":
         for home in HOMES:
