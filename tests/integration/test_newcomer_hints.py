@@ -7,6 +7,7 @@ where there is no NVIDIA GPU)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,22 @@ def test_a_lock_taken_on_a_file_a_stopping_daemon_removed_is_taken_again(tmp_pat
         assert removed and os.fstat(fd).st_ino == os.stat(endpoints.lock_path).st_ino, "locked a file no one else can find"
     finally:
         os.close(fd)
+
+
+def test_the_test_script_installs_no_system_package_and_names_what_is_missing(tmp_path: Path) -> None:
+    """Run as root without systemd-analyze, scripts/test.sh ran apt-get install systemd."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("bash", "dirname", "basename", "id", "touch", "rm"):
+        found = shutil.which(tool)
+        assert found is not None, tool
+        (tools / tool).symlink_to(found)
+    called = tmp_path / "called"
+    for installer in ("apt-get", "dnf", "yum", "sudo"):
+        (tools / installer).write_text(f"#!{shutil.which('bash')}\necho {installer} \"$@\" >> {called}\n")
+        (tools / installer).chmod(0o755)
+    result = subprocess.run([str(ROOT / "scripts" / "test.sh"), "--co", "-q", "tests/unit/test_readme.py"], capture_output=True,
+                            text=True, timeout=300, env={"PATH": str(tools), "HOME": str(tmp_path)})
+    assert result.returncode == 0, result
+    assert not called.exists(), called.read_text()
+    assert "systemd-analyze is not installed" in result.stderr and "apt-get install systemd" in result.stderr, result.stderr
