@@ -58,6 +58,8 @@ def test_an_unknown_flag_points_to_help(runtime_dir: Path) -> None:
     result = _gpumemd("--frobnicate", env=child_env(runtime_dir))
     assert result.returncode == EXIT_CONFIG, result
     assert result.stderr == "gpumemd: No such option '--frobnicate'; gpumemd --help lists the flags\n", result.stderr
+    ctl = subprocess.run([str(Path(sys.executable).parent / "gpumemctl"), "status", "--frobnicate"], capture_output=True, text=True, timeout=60)
+    assert ctl.returncode == 2 and "gpumemctl status --help" in ctl.stderr, ctl  # click's own pointer
 
 
 def test_with_no_daemon_gpumemctl_says_what_starts_one_on_this_machine(runtime_dir: Path) -> None:
