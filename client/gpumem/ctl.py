@@ -71,10 +71,12 @@ def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, time
         endpoints = resolve_device(chosen if chosen is not None else 0, runtime_dir or group["runtime_dir"], cuda_ordinal=False)
     except DeviceAmbiguous as exc:
         _die(EXIT_ERROR, exc.message)
-    except DaemonUnavailable:
+    except DaemonUnavailable as exc:
+        # What the library found, with how to start a daemon on this machine in place of
+        # its generic advice (written for engines, which cannot look at the machine).
         shown = "0" if chosen is None else str(chosen)
-        where = " and ".join(str(d) for d in runtime_dirs(runtime_dir or group["runtime_dir"]))
-        _die(EXIT_NOT_RUNNING, f"no gpumemd serves device {shown}: looked in {where}; {start_hint(shown if shown.isdigit() else '<index>')}")
+        found = exc.message.split("; start it with", 1)[0]
+        _die(EXIT_NOT_RUNNING, f"{found}; {start_hint(shown if shown.isdigit() else '<index>')}")
     index = endpoints.index
     wait = timeout if timeout is not None else (group["timeout"] if group["timeout"] is not None else 5.0)
     try:
