@@ -392,7 +392,7 @@ def command(
     from gpumemd.memory_caps import PolicyError, read_policy
     from gpumemd.durable import Durable
     from gpumemd.outbox import Outbox
-    from gpumemd.runtime import StartupError
+    from gpumemd.runtime import StartupError, check_runtime_dir
     from gpumemd.server import Server
     from gpumemd.state import DaemonState
 
@@ -416,7 +416,8 @@ def command(
         raise ConfigError(f"--capacity {format_size(capacity_bytes)} leaves nothing to serve above the {format_size(reserve_bytes)} reserve")
     try:
         endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
-    except UnsafeRuntimeDir as exc:
+        check_runtime_dir(endpoints.runtime_dir)
+    except (UnsafeRuntimeDir, StartupError) as exc:
         raise ConfigError(str(exc)) from None
     try:  # here, so a bad policy stops the start with its reason; a bad reload keeps the old one
         read_policy(tenant_policy, tenant_claims)
@@ -481,7 +482,10 @@ def command(
     except StartupError as exc:
         raise ConfigError(str(exc)) from None
     except OSError as exc:
-        raise ConfigError(f"cannot use runtime directory {endpoints.runtime_dir}: {exc.strerror or exc}") from None
+        raise ConfigError(
+            f"cannot use runtime directory {endpoints.runtime_dir}: {exc.strerror or exc}; "
+            "give gpumemd a directory it may write and nobody else may (--runtime-dir)"
+        ) from None
     clock.mark("sockets")
     if durable is not None:  # once the lock is held: only the device's one daemon rebuilds
         durable.start(state, inherited)
@@ -522,7 +526,7 @@ def main() -> None:
     except click.BadParameter as exc:
         _fail(_from_where(exc) + exc.format_message().replace("\n", " "))
     except click.UsageError as exc:  # unknown flags, bad values: one line, not click's usage block
-        _fail(exc.format_message().replace("\n", " "))
+        _fail(exc.format_message().replace("\n", " ").rstrip(".") + "; gpumemd --help lists the flags")
     except ConfigError as exc:
         _fail(str(exc))
     except DriverHung as exc:
