@@ -38,7 +38,7 @@ from gpumemd import grants
 from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
 from gpumemd.image import Image, Imager, Keep, Take, chunk_name
-from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
+from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord, SleepRecord
 from gpumemd.caps import Caps
 from gpumemd.tenants import Tenants, plain_name
 
@@ -391,6 +391,23 @@ class ArenaBook:
             if arena.attached:
                 self.retire(arena.chunks, notices, f"arena '{arena.name}' was released by its owner; release it too", arena.name)
                 arena.chunks = []
+
+    # ------------------------------------------------------------------ an arena's owner and sleep (this book writes them alone)
+
+    def transfer(self, arena: ArenaRecord, s: SessionRecord) -> None:
+        """``s`` owns the arena from now on (an adoption): attached, counted against its
+        tenant (a pod of its own, its token)."""
+        arena.owner_id, arena.owner_name, arena.owner_pid, arena.owner_alive = s.id, s.name, s.pid, True
+        arena.attached.add(s.id)
+        self.tenants.own(arena.name, s)
+
+    def fall_asleep(self, arena: ArenaRecord, committed: int, kept: int, since: float) -> None:
+        arena.asleep = SleepRecord(committed, kept, since)
+
+    def wake(self, arena: ArenaRecord) -> SleepRecord | None:
+        """The arena's sleep, ended (None: it was awake)."""
+        sleep, arena.asleep = arena.asleep, None
+        return sleep
 
     def destroy(self, arena: ArenaRecord, notices: Notices) -> None:
         """Drop the arena and its window; chunks still mapped somewhere stay retiring."""

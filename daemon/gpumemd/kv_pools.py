@@ -22,7 +22,7 @@ from gpumemd.kv_rounds import RoundDesk, commit_reply
 from gpumemd.arenas import ArenaBook
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager
-from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, Notices, Outcome, RoundRecord, SessionRecord, SleeperRecord
+from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, Notices, Outcome, RoundRecord, SessionRecord
 from gpumemd.tally import Tally
 
 log = logging.getLogger("gpumemd.kv_pools")
@@ -53,10 +53,6 @@ class KvBook:
         self.wall_clock = wall_clock
         self.tally = tally
         self.pools: dict[str, KvPoolRecord] = {}
-        # Every arena asleep, by name: the sleeper book's (it images them), here because a
-        # KV pool sleeps by a shrink and wakes by a grow. A pool asleep holds nothing and
-        # wants nothing: no share, never asked to give back; its wake is a grow like any.
-        self.asleep: dict[str, SleeperRecord] = {}
         self._completions: list[Completion] = []
         self._notices: Notices = []
         self.grows: list[PendingGrow] = []
@@ -127,7 +123,7 @@ class KvBook:
 
     def join(self, s: SessionRecord, m: p.RoundJoin) -> Outcome:
         pool = self._owned(s, m.pool, "join a round with")
-        if pool.name in self.asleep:  # a round's rows would wake it behind the sleeper's back
+        if self.arenas.by_name[pool.name].asleep:  # a round's rows would wake it behind the sleeper's back
             raise p.ProtocolError(p.ErrorCode.ARENA_ASLEEP, f"KV pool '{pool.name}' sleeps: grow it back to wake it", arena=pool.name)
         return self.desk.join(s, pool, m)
 
@@ -212,7 +208,9 @@ class KvBook:
                     f"KV pool '{pool.name}' sleeps by a shrink to 0 tokens (not {m.tokens}) keeping at most its committed "
                     f"{arena.committed} bytes (not {m.kept_bytes})",
                 )
-            self.asleep[pool.name] = SleeperRecord(pool.name, s.id, arena.committed, m.kept_bytes, self.wall_clock())
+            # A pool asleep holds nothing and wants nothing: no share, never asked to give
+            # back; its wake is a grow like any.
+            self.arenas.fall_asleep(arena, arena.committed, m.kept_bytes, self.wall_clock())
             log.info("KV pool %r of client %r asleep: %d bytes handed back, %d kept in host memory", pool.name, s.name, arena.committed,
                      m.kept_bytes, extra={"figures": {"arena": pool.name, "committed": arena.committed, "kept": m.kept_bytes}})
         drop: list[ChunkRecord] = []
@@ -311,7 +309,7 @@ class KvBook:
 
     def demand(self, pool: KvPoolRecord) -> int:
         waiting = next((g.tokens for g in self.grows if g.pool is pool), None)
-        if waiting is None and pool.name in self.asleep:
+        if waiting is None and self.arenas.by_name[pool.name].asleep:
             return 0  # whatever its engine used before its sleep
         return kv_moves.demand(pool, waiting)
 
@@ -351,7 +349,7 @@ class KvBook:
         work = [(arena, offset, size) for offset, size in kv_moves.missing(pool, arena, tokens)]
         new = self.arenas.create_chunks(work, self.arenas.available_bytes(), ladder=False) if work else []
         pool.tokens = max(pool.tokens, tokens)
-        if pool.tokens and self.asleep.pop(pool.name, None) is not None:
+        if pool.tokens and self.arenas.wake(arena) is not None:
             log.info("KV pool %r of client %r awake: grown to %d tokens", pool.name, s.name, pool.tokens)
         reply = msgspec.structs.replace(commit_reply(self.arenas, pool, new, []), asked_tokens=asked, unanswered=unanswered, gone=gone)
         return reply, self.arenas.hand(s, new)

@@ -128,6 +128,15 @@ class GrantRecord:
 
 
 @dataclasses.dataclass(eq=False)
+class SleepRecord:
+    """An arena asleep (sleepers.py), or a KV pool (kv_pools.py: shrunk to nothing to sleep)."""
+
+    committed: int  # what waking commits again
+    kept: int  # bytes the owner copied to its host buffer first
+    since: float  # unix time
+
+
+@dataclasses.dataclass(eq=False)
 class ArenaRecord:
     name: str
     owner_id: int
@@ -143,6 +152,9 @@ class ArenaRecord:
     grants: list[GrantRecord] = dataclasses.field(default_factory=list)
     attached: set[int] = dataclasses.field(default_factory=set)  # owner and sharers
     readers: set[int] = dataclasses.field(default_factory=set)  # sharers attached through read-only grants only
+    # Its sleep (sleepers.py; a KV pool's by the KV book's moves), written by the arena
+    # book alone and imaged with the arena: None while awake.
+    asleep: SleepRecord | None = None
 
     @property
     def window(self) -> int:
@@ -206,17 +218,6 @@ class KvBufferLayout:
 
 def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
-
-
-@dataclasses.dataclass(eq=False)
-class SleeperRecord:
-    """An arena asleep (sleepers.py), or a KV pool (kv_pools.py: shrunk to nothing to sleep)."""
-
-    arena: str
-    owner_id: int
-    committed: int  # what waking commits again
-    kept: int  # bytes the owner copied to its host buffer first
-    since: float  # unix time
 
 
 @dataclasses.dataclass(eq=False)

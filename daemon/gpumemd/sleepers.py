@@ -41,7 +41,7 @@ from gpumemd.checks import check_size
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager, Keep, Take
 from gpumemd.kv_pools import KvBook
-from gpumemd.records import Notices, Outcome, SessionRecord, SleeperRecord
+from gpumemd.records import Notices, Outcome, SessionRecord, SleepRecord
 
 log = logging.getLogger("gpumemd.sleepers")
 
@@ -64,13 +64,11 @@ class HostBufferRecord:
 
 
 class SleeperBookImage(msgspec.Struct):
-    buffers: list[Image]
-    asleep: list[Image]
+    buffers: list[Image]  # an arena's sleep is the arena's, imaged with it
     next_buffer: int
 
 
 _BUFFER = Imager(HostBufferRecord, "fd")
-_SLEEPER = Imager(SleeperRecord)
 
 
 def _sealed_memfd(name: str, size: int) -> int:
@@ -94,14 +92,19 @@ class SleeperBook:
         self.config = config
         self.wall_clock = wall_clock
         self.buffers: dict[str, HostBufferRecord] = {}  # by arena
-        self.asleep = kv.asleep  # by arena, KV pools' too: the KV book's dict, as a KV pool's grow wakes it
         self.next_buffer = 1
         self.notices: Notices = []  # KV_SHRINK asks for a wake that did not fit, for the server to deliver
+
+    @property
+    def asleep(self) -> dict[str, SleepRecord]:
+        """Every arena asleep (KV pools' too), by name: the arena book keeps each sleep on its arena."""
+        return {a.name: a.asleep for a in self.arenas.by_name.values() if a.asleep is not None}
 
     # ------------------------------------------------------------------ checks other requests make
 
     def check_awake(self, arena: str, action: str) -> None:
-        sleeper = self.asleep.get(arena)
+        record = self.arenas.by_name.get(arena)
+        sleeper = record.asleep if record is not None else None
         if sleeper is not None:
             raise p.ProtocolError(
                 p.ErrorCode.ARENA_ASLEEP,
@@ -147,7 +150,8 @@ class SleeperBook:
 
     def free(self, s: SessionRecord, m: p.FreeSleepBuffer) -> Outcome:
         self.arenas.owned(s, m.arena, "free the sleep buffer of", kv_ok=True)
-        if m.arena in self.asleep and self.asleep[m.arena].kept:
+        sleep = self.arenas.by_name[m.arena].asleep
+        if sleep is not None and sleep.kept:
             raise p.ProtocolError(
                 p.ErrorCode.ARENA_ASLEEP, f"arena '{m.arena}' sleeps with its contents in its host buffer: wake it first", arena=m.arena
             )
@@ -177,7 +181,7 @@ class SleeperBook:
         outcome = self.arenas.decommit(s, arena, list(arena.chunks))
         notices += outcome.notices
         outcome.notices = []
-        self.asleep[arena.name] = SleeperRecord(arena.name, s.id, committed, m.kept_bytes, self.wall_clock())
+        self.arenas.fall_asleep(arena, committed, m.kept_bytes, self.wall_clock())
         log.info(
             "arena %r of client %r asleep: %d bytes handed back, %d kept in host memory", arena.name, s.name, committed, m.kept_bytes,
             extra={"figures": {"arena": arena.name, "committed": committed, "kept": m.kept_bytes}},
@@ -186,7 +190,7 @@ class SleeperBook:
 
     def wake(self, s: SessionRecord, m: p.WakeArena) -> Outcome:
         arena = self.arenas.owned(s, m.name, "wake")
-        sleeper = self.asleep.get(arena.name)
+        sleeper = arena.asleep
         if sleeper is None:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"arena '{arena.name}' is not asleep", arena=arena.name)
         need = sleeper.committed
@@ -198,7 +202,7 @@ class SleeperBook:
                 also = f"; KV pools {', '.join(asked)} were asked to give back (ask again once they have)" if asked else ""
                 raise p.ProtocolError(exc.code, f"{exc.message}; the device's memory is held by {self._holders()}{also}", **exc.detail) from None
             self.arenas.create_chunks([(arena, 0, need)], available)
-        del self.asleep[arena.name]
+        self.arenas.wake(arena)
         log.info("arena %r of client %r awake: %d bytes committed again", arena.name, s.name, need)
         return self.arenas.map_reply(s, arena)
 
@@ -230,8 +234,7 @@ class SleeperBook:
     # ------------------------------------------------------------------ the arena's end
 
     def drop_arena(self, name: str) -> None:
-        """Arena ``name`` is gone: its sleep and its host buffer go with it."""
-        self.asleep.pop(name, None)
+        """Arena ``name`` is gone: its host buffer goes with it (its sleep went with the arena)."""
         self._drop_buffer(name)
 
     def _drop_buffer(self, arena: str) -> None:
@@ -288,11 +291,11 @@ class SleeperBook:
         return ", ".join(f"{who} {format_size(n)}" for n, who in top) or "nobody gpumemd knows of (other processes on the device)"
 
     def status(self) -> list[p.SleeperStatus]:
-        names = set(self.asleep) | set(self.buffers)
+        asleep = self.asleep
         out = []
-        for name in sorted(names):
-            sleeper, buffer = self.asleep.get(name), self.buffers.get(name)
-            owner_id = sleeper.owner_id if sleeper is not None else buffer.owner_id if buffer is not None else 0
+        for name in sorted(set(asleep) | set(self.buffers)):
+            sleeper, buffer = asleep.get(name), self.buffers.get(name)
+            owner_id = self.arenas.by_name[name].owner_id if sleeper is not None else buffer.owner_id if buffer is not None else 0
             owner = self.sessions.get(owner_id)
             out.append(
                 p.SleeperStatus(
@@ -312,9 +315,7 @@ class SleeperBook:
     def image(self, keep: Keep) -> SleeperBookImage:
         for b in self.buffers.values():
             keep(host_buffer_name(b.id), b.fd)
-        return SleeperBookImage(
-            [_BUFFER.image(b) for b in self.buffers.values()], [_SLEEPER.image(x) for x in self.asleep.values()], self.next_buffer
-        )
+        return SleeperBookImage([_BUFFER.image(b) for b in self.buffers.values()], self.next_buffer)
 
     def restore(self, part: object, take: Take) -> list[str]:
         """The book as ``image`` left it, for the arenas that were rebuilt; returns what it
@@ -337,9 +338,5 @@ class SleeperBook:
                 continue
             buffer.fd = fd
             self.buffers[buffer.arena] = buffer
-        for image in book.asleep:
-            sleeper = _SLEEPER.restore(image)
-            if sleeper.arena in self.arenas.by_name:
-                self.asleep[sleeper.arena] = sleeper
         self.next_buffer = book.next_buffer
         return problems
