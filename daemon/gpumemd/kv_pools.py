@@ -61,7 +61,7 @@ class KvBook:
         # futile and would cost the next grow a step of that engine: what it kept is its
         # minimum to the move policy. Not in the durable record: after a restart it is asked afresh.
         self.kept_live: dict[str, tuple[int, int]] = {}
-        self.desk = RoundDesk(arenas, sessions, config, clock, tally, self.pools, self._completions, self._ask)
+        self.desk = RoundDesk(arenas, sessions, config, clock, tally, self.pools, self._completions, self.ask_back)
 
     # ------------------------------------------------------------------ lookups
 
@@ -152,21 +152,15 @@ class KvBook:
         what = f"growing KV pool '{pool.name}' from {pool.tokens} to {tokens} tokens"
         if need <= available:
             return Outcome(*self._grown(s, pool, tokens, m.tokens, [], []))
-        claims = self._claims(pool, tokens)
-        gives = kv_moves.donors(claims, sum(c.held for c in claims) + available, pool.name, need - available)
-        # A pool whose own grow waits is not asked: its engine's view of its rows is
-        # about to change, and it would give back what it is waiting for.
-        gives = [(name, give) for name, give in gives if not any(g.pool.name == name for g in self.grows)]
-        if not gives:  # no pool holds more than its share: nothing to wait for
+        short = need - available
+        asked = self.ask_back(short, f"KV pool '{pool.name}' of {s.name} needs {short} more bytes to grow to {tokens} tokens", pool, tokens)
+        if not asked:  # no pool holds more than its share: nothing to wait for
             self.tally.kv_grows_refused += 1
             self.arenas.require_available(need, what)  # refuses, with the figures
-        asked = [self.pools[name] for name, _ in gives]
-        for donor, (_, give) in zip(asked, gives):
-            self._ask(donor, give, f"KV pool '{pool.name}' of {s.name} needs {need - available} more bytes to grow to {tokens} tokens")
         self.grows.append(PendingGrow(s.id, request_id, pool, tokens, self.clock(), self.clock() + self.config.move_timeout, asked))
         self.tally.kv_grows_deferred += 1
         figures = {"pool": pool.name, "asked_tokens": tokens, "need": need, "available": available}
-        log.info("%s: %d bytes short; asked %s to give back", what, need - available, gives, extra={"figures": figures})
+        log.info("%s: %d bytes short; asked %s to give back", what, short, [d.name for d in asked], extra={"figures": figures})
         return Outcome(None)
 
     def _within_cap(self, pool: KvPoolRecord, tokens: int) -> int:
@@ -334,13 +328,35 @@ class KvBook:
         claims = self._claims()
         return kv_moves.fair_shares(claims, sum(c.held for c in claims) + self.arenas.available_bytes())
 
-    def _ask(self, pool: KvPoolRecord, give: int, why: str) -> None:
-        """Send ``pool`` a KV_SHRINK notice for the most tokens that free ``give`` bytes."""
-        lo = kv_moves.shrink_bound(pool, self.arenas.by_name[pool.name], give)
-        pool.shrink_request = lo
-        message = f"gpumemd asks for {give} bytes back: {why}. When rows from {lo} on are free, confirm with shrink({lo})"
-        self._notices.append((pool.owner_id, p.Notice(kind=p.NoticeKind.KV_SHRINK, arena=pool.name, tokens=lo, message=message)))
-        self.tally.kv_shrinks_asked += 1
+    def ask_back(self, short: int, why: str, taker: KvPoolRecord | None = None, tokens: int = 0, *, whole: bool = False) -> list[KvPoolRecord]:
+        """The one donor rule: a grow (``taker``, to ``tokens``), a round's minimums and a
+        wake all ask through it for the ``short`` bytes they lack. Pools holding more than
+        their fair share give back (kv_moves.donors: idle ones first); the taker claims its
+        share beside them, a need without one is set aside before the split. Not asked: a
+        pool in a round, one whose own grow waits (its engine's view of its rows is about
+        to change, and it would give back what it waits for), one whose owner is gone
+        (nobody can answer for an orphan), and below what a pool kept live a moment ago
+        (``kept_live``). A pool asked already is asked again only for more (a lower bound):
+        its answer serves this need too. ``whole``: ask nobody unless the donors cover all of ``short``. Returns
+        the pools whose answers the need waits for."""
+        claims = self._claims(taker, tokens)
+        held = sum(c.held for c in claims)
+        total = held + self._available(taker) if taker is not None else held - short
+        gives = [
+            (self.pools[name], give)
+            for name, give in kv_moves.donors(claims, max(0, total), taker.name if taker else "", short)
+            if not any(g.pool.name == name for g in self.grows) and self.pools[name].owner_id in self.sessions
+        ]
+        if whole and sum(give for _, give in gives) < short:
+            return []
+        for pool, give in gives:
+            lo = kv_moves.shrink_bound(pool, self.arenas.by_name[pool.name], give)
+            if pool.shrink_request is None or lo < pool.shrink_request:
+                pool.shrink_request = lo
+                message = f"gpumemd asks for {give} bytes back: {why}. When rows from {lo} on are free, confirm with shrink({lo})"
+                self._notices.append((pool.owner_id, p.Notice(kind=p.NoticeKind.KV_SHRINK, arena=pool.name, tokens=lo, message=message)))
+                self.tally.kv_shrinks_asked += 1
+        return [pool for pool, _ in gives]
 
     def _grown(
         self, s: SessionRecord, pool: KvPoolRecord, tokens: int, asked: int, unanswered: list[str], gone: list[str]

@@ -58,7 +58,7 @@ class RoundDesk:
         tally: Tally,
         pools: Mapping[str, KvPoolRecord],
         completions: list[Completion],
-        ask: Callable[[KvPoolRecord, int, str], None],
+        ask: Callable[..., list[KvPoolRecord]],
     ) -> None:
         self.arenas = arenas
         self.sessions = sessions
@@ -67,7 +67,7 @@ class RoundDesk:
         self.tally = tally
         self.pools = pools  # the book's
         self._completions = completions  # the book's: what it answers for the desk
-        self._ask = ask  # the book's KV_SHRINK request to a pool's owner
+        self._ask = ask  # the book's one donor rule (KvBook.ask_back)
         self.rounds: list[RoundRecord] = []  # the active one last; finished ones kept for status
         self.next_round = 1
 
@@ -405,20 +405,11 @@ class RoundDesk:
                 self._completions.append(Completion(member.session_id, member.request_id, error))
 
     def _ask_shrinks(self, round_: RoundRecord, deficit: int) -> bool:
-        """Ask pools committed earlier to give back ``deficit`` bytes, in proportion to
-        what they hold above their floor. Only their owners can free rows; nothing is
-        taken without the owner's KV_SHRINK."""
-        in_round = {m.pool.name for m in round_.members}
-        donors = [pool for pool in self.pools.values() if pool.name not in in_round and pool.owner_id in self.sessions]
-        spare = {pool: kv_moves.spare(pool, self.arenas.by_name[pool.name]) for pool in donors}
-        donors = [pool for pool in donors if spare[pool] > 0]
-        total = sum(spare[pool] for pool in donors)
-        if total < deficit:
-            return False
+        """Ask pools committed earlier to give back ``deficit`` bytes by the book's one
+        donor rule; none is asked unless together they can. Only their owners can free
+        rows; nothing is taken without the owner's KV_SHRINK."""
         names = ", ".join(f"{m.client}/{m.pool.name}" for m in round_.members)
-        for pool in donors:
-            self._ask(pool, -(-deficit * spare[pool] // total), f"round {round_.id} ({names}) needs {deficit} bytes")
-        return True
+        return bool(self._ask(deficit, f"round {round_.id} ({names}) needs {deficit} bytes", whole=True))
 
 
 def commit_reply(arenas: ArenaBook, pool: KvPoolRecord, new: list[ChunkRecord], retired: list[p.ChunkView], round_: RoundRecord | None = None) -> p.KvCommitReply:

@@ -35,7 +35,6 @@ import msgspec
 from gpumem_shared import protocol as p
 from gpumem_shared.units import format_size
 
-from gpumemd import kv_moves
 from gpumemd.arenas import ArenaBook
 from gpumemd.checks import check_size
 from gpumemd.config import StateConfig
@@ -93,7 +92,6 @@ class SleeperBook:
         self.wall_clock = wall_clock
         self.buffers: dict[str, HostBufferRecord] = {}  # by arena
         self.next_buffer = 1
-        self.notices: Notices = []  # KV_SHRINK asks for a wake that did not fit, for the server to deliver
 
     @property
     def asleep(self) -> dict[str, SleepRecord]:
@@ -198,38 +196,13 @@ class SleeperBook:
             try:
                 available = self.arenas.require_available(need, f"waking arena '{arena.name}'")
             except p.ProtocolError as exc:
-                asked = self._ask_back(need, f"client '{s.name}' wakes arena '{arena.name}'")
+                asked = [k.name for k in self.kv.ask_back(need - self.arenas.available_bytes(), f"client '{s.name}' wakes arena '{arena.name}'")]
                 also = f"; KV pools {', '.join(asked)} were asked to give back (ask again once they have)" if asked else ""
                 raise p.ProtocolError(exc.code, f"{exc.message}; the device's memory is held by {self._holders()}{also}", **exc.detail) from None
             self.arenas.create_chunks([(arena, 0, need)], available)
         self.arenas.wake(arena)
         log.info("arena %r of client %r awake: %d bytes committed again", arena.name, s.name, need)
         return self.arenas.map_reply(s, arena)
-
-    def _ask_back(self, need: int, why: str) -> list[str]:
-        """KV pools holding more than their fair share of what is left once ``need`` is
-        set aside are asked to give back (idle ones first), as a grow asks (kv_moves):
-        KV_SHRINK notices; nothing is taken without its owner's shrink. A pool asked
-        already, or in a round, is not asked again. Returns the pools asked."""
-        kv = self.kv
-        busy = {m.pool.name for r in kv.active_rounds() for m in r.members}
-        pools = {k.name: k for k in kv.pools.values() if k.tokens and k.name not in busy and k.shrink_request is None}
-        claims = [
-            kv_moves.Claim(k.name, sum(c.size for c in self.arenas.by_name[k.name].chunks), k.cost(k.min_tokens),
-                           k.cost(kv.demand(k)), k.weight, idle=k.in_use == 0)
-            for k in pools.values()
-        ]
-        available = self.arenas.available_bytes()
-        total = max(0, sum(c.held for c in claims) + available - need)
-        asked = []
-        for name, give in kv_moves.donors(claims, total, "", need - available):
-            pool = pools[name]
-            bound = kv_moves.shrink_bound(pool, self.arenas.by_name[name], give)
-            pool.shrink_request = bound
-            message = f"gpumemd asks for {give} bytes back: {why}. When rows from {bound} on are free, confirm with shrink({bound})"
-            self.notices.append((pool.owner_id, p.Notice(kind=p.NoticeKind.KV_SHRINK, arena=name, tokens=bound, message=message)))
-            asked.append(name)
-        return asked
 
     # ------------------------------------------------------------------ the arena's end
 

@@ -505,10 +505,6 @@ class DaemonState:
 
     def take_notices(self) -> Notices:
         kv = self.kv.take_notices()
-        if self.sleepers.notices:  # a wake that did not fit asked KV pools to give back
-            self.tally.kv_shrinks_asked += len(self.sleepers.notices)
-            self.dirty = True  # their shrink requests are in the record before the asks leave
-            kv, self.sleepers.notices = self.sleepers.notices + kv, []
         if not self._notices:
             return kv
         notices, self._notices = self._notices, []

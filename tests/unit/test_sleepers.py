@@ -318,3 +318,33 @@ def test_a_kv_pool_asleep_stays_asleep_across_a_restart_and_wakes_by_its_grow(ma
         first.close()
         second.close()
         store.drop()
+
+
+def test_a_wake_chooses_donors_by_the_grows_rule(make_harness: Callable[..., Harness]) -> None:
+    """One donor rule (KvBook.ask_back): a wake asks no pool whose own grow waits (it would
+    give back rows its engine never mapped), nor one that just kept its asked rows live
+    (asking again is futile and costs its engine a step), as a grow asks neither. Before,
+    a wake had its own copy of the rule, and asked both."""
+    from .test_kv_moves import grow_waits, shrink_notices, two_pools
+    from .test_kv_rounds import done
+
+    h = make_harness()
+    sleeper = h.connect("sleeper")
+    h.create(sleeper, "weights", 512 * MiB)
+    h.commit(sleeper, "weights", 64 * MiB)
+    _asleep(h, sleeper, "weights")
+    a, b = two_pools(h)  # 128 MiB each, the device full
+    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    grow_waits(h, b, "kvb", 49152, 7)  # b's grow waits for a
+    assert [sid for sid, _, _ in shrink_notices(h)] == [a.id]
+    h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
+    assert b.id not in [sid for sid, _, _ in shrink_notices(h)], "b's own grow waits: it is not asked"
+    # a's rows are all live: it answers keeping them, and b's grow is answered at once.
+    h.ok(a, p.KvDemand(pool="kva", in_use=32768))
+    h.ok(a, p.KvShrink(pool="kva", tokens=32768))
+    assert isinstance(done(h)[7].reply, p.ProtocolError)
+    refusal = h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
+    notices = shrink_notices(h)
+    assert a.id not in [sid for sid, _, _ in notices], "a kept its rows live a moment ago: asking again is futile"
+    assert h.state.tally.kv_shrinks_asked == 1 + len(notices)  # every ask counted once, in one place
+    assert "client 'engine-a'" in refusal.message
