@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
-from gpumem.errors import InvalidArgument, OutOfMemory
+from gpumem.errors import DaemonTimeout, InvalidArgument, OutOfMemory
 
 if TYPE_CHECKING:
     from gpumem.arena import Arena
@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 
 # How long a wake waits, by default, for memory others hold to come free.
 DEFAULT_WAKE_WAIT_S = 30.0
-_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.005, 0.1
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.005, 0.1  # a KV pool's grows again, while it got only part of its rows
+# Past the wait the daemon was given, how long its answer may take to come.
+_ANSWER_S = 10.0
 
 
 class HostBuffer:
@@ -156,20 +158,18 @@ class ArenaSleep:
         return copies
 
     def _wake_call(self, wait: float) -> tuple[p.MapReply, dict[int, int]]:
-        """ARENA_WAKE, again while the device lacks the memory, for up to ``wait`` s."""
-        deadline = time.monotonic() + wait
-        pause = _BACKOFF_FIRST_S
-        while True:
-            try:
-                reply: p.MapReply
-                reply, fds = self.arena.core.channel.call(p.WakeArena(name=self.arena.name))
-                return reply, fds
-            except OutOfMemory as exc:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise OutOfMemory(f"{exc.message} (waited {wait:g}s for it to come free)", exc.detail) from None
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, _BACKOFF_MAX_S)
+        """ARENA_WAKE, sent once: the daemon answers when the memory is free (it asks KV
+        pools above their fair share to give back meanwhile), or after ``wait`` s with
+        OutOfMemory naming who holds it."""
+        try:
+            reply: p.MapReply
+            reply, fds = self.arena.core.channel.call(p.WakeArena(name=self.arena.name, wait=wait), timeout=wait + _ANSWER_S)
+        except DaemonTimeout as exc:
+            raise DaemonTimeout(
+                f"gpumemd did not answer the wake of arena '{self.arena.name}' within the {wait:g}s it may wait and "
+                f"{_ANSWER_S:g}s more: check that gpumemd runs and answers (gpumemctl status) and its log ({exc})"
+            ) from None
+        return reply, fds
 
     def _wake_kv(self, wait: float) -> None:
         """Grow the KV pool back to all its rows (its blocks are the engine's: a part will

@@ -95,6 +95,9 @@ class ArenaBook:
         )
         self.next_chunk = 1
         self.next_grant = 1
+        # Memory came free since the dispatcher last looked (a chunk nobody holds any
+        # more), or an ask for it was answered: whatever waits for memory may go ahead.
+        self.freed = False
         self._slice: tuple[int, int] | None = self._reserve_slice()
 
     def _reserve_slice(self) -> tuple[int, int]:
@@ -404,8 +407,7 @@ class ArenaBook:
     def fall_asleep(self, arena: ArenaRecord, committed: int, kept: int, since: float) -> None:
         arena.asleep = SleepRecord(committed, kept, since)
 
-    def wake(self, arena: ArenaRecord) -> SleepRecord | None:
-        """The arena's sleep, ended (None: it was awake)."""
+    def wake(self, arena: ArenaRecord) -> SleepRecord | None:  # the sleep ended (None: it was awake)
         sleep, arena.asleep = arena.asleep, None
         return sleep
 
@@ -464,12 +466,14 @@ class ArenaBook:
             if chunk.holders:
                 self.retiring[chunk.id] = chunk
                 told |= chunk.holders
+            else:
+                self.freed = True
         notice = p.Notice(kind=p.NoticeKind.ARENA_RETIRED, message=message, arena=arena)
         notices.extend((sid, notice) for sid in sorted(told) if sid != exclude)
 
     def _forget_if_unheld(self, chunk: ChunkRecord) -> None:
-        if chunk.handle is None and not chunk.holders:
-            self.retiring.pop(chunk.id, None)
+        if chunk.handle is None and not chunk.holders and self.retiring.pop(chunk.id, None) is not None:
+            self.freed = True
 
     def hand(self, s: SessionRecord, chunks: list[ChunkRecord]) -> list[ChunkRecord]:
         """``s`` maps these from now on (their fds go to it before the reply)."""

@@ -157,7 +157,8 @@ class KvBook:
         if not asked:  # no pool holds more than its share: nothing to wait for
             self.tally.kv_grows_refused += 1
             self.arenas.require_available(need, what)  # refuses, with the figures
-        self.grows.append(PendingGrow(s.id, request_id, pool, tokens, self.clock(), self.clock() + self.config.move_timeout, asked))
+        now = self.clock()
+        self.grows.append(PendingGrow(s.id, request_id, now, now + self.config.move_timeout, pool=pool, tokens=tokens, asked=asked))
         self.tally.kv_grows_deferred += 1
         figures = {"pool": pool.name, "asked_tokens": tokens, "need": need, "available": available}
         log.info("%s: %d bytes short; asked %s to give back", what, short, [d.name for d in asked], extra={"figures": figures})
@@ -228,10 +229,10 @@ class KvBook:
         pool.shrink_request = None
         log.info("KV pool %r shrank to %d tokens (asked %d), %d bytes retired", pool.name, kept_tokens, m.tokens, sum(c.size for c in drop))
         outcome = Outcome(commit_reply(self.arenas, pool, [], [c.view() for c in drop if s.id in c.holders]), notices=notices)
-        if not any(c.id in self.arenas.retiring for c in drop):
-            # Nothing left to unmap, so no CHUNKS_UNMAPPED will come: a grow or round that
-            # waited for this answer goes ahead now with what is free.
-            self.memory_freed()
+        if not drop:
+            # An answer with nothing to give: a grow, round or wake that waited for it goes
+            # ahead now with what is free (what it gave, the arena book says came free).
+            self.arenas.freed = True
         return outcome
 
     # ------------------------------------------------------------------ what others change
@@ -258,6 +259,12 @@ class KvBook:
                 Completion(grow.session_id, grow.request_id, p.ProtocolError(p.ErrorCode.NOT_FOUND, f"KV pool '{name}' was released while it waited to grow"))
             )
         return self.desk.drop_pool(name)
+
+    def transfer(self, name: str, s: SessionRecord) -> None:
+        """``s`` owns pool ``name`` (if arena ``name`` is one) from now on: an adoption."""
+        pool = self.pools.get(name)
+        if pool is not None:
+            pool.owner_id = s.id
 
     def memory_freed(self) -> None:
         """Chunks were unmapped (or a client's memory reclaimed): a round or a grow

@@ -9,6 +9,7 @@ the client library has its own Session, Arena and GraphPool.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.base import Handle
@@ -337,9 +338,30 @@ class Outcome:
 
 @dataclasses.dataclass
 class Completion:
-    """A deferred answer (a CAPTURE_DONE answered when its round commits or fails)."""
+    """A deferred answer (a CAPTURE_DONE answered when its round commits or fails; a
+    PendingWait's answer)."""
 
     session_id: int
     request_id: int
     reply: p.Message | p.ProtocolError
     handout: list[ChunkRecord] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class PendingWait:
+    """A request answered once it can be, or at its deadline: a KV grow waiting for pools
+    to give back, a wake for memory, an adoption for its group's holder to end. Every
+    book that keeps them settles them when memory comes free and on the tick. Not kept
+    across a restart: the client sends it again, and it is decided afresh."""
+
+    session_id: int
+    request_id: int
+    created: float
+    deadline: float
+
+
+def wait_deadline(wait: float, now: float, what: str) -> float:
+    """When a request that may wait ``wait`` seconds (its own field) is answered at the latest."""
+    if not (math.isfinite(wait) and 0 <= wait <= p.MAX_WAIT_S):
+        raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"{what}: wait {wait} must be a number of seconds in [0, {p.MAX_WAIT_S:g}]")
+    return now + wait

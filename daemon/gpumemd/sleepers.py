@@ -40,7 +40,7 @@ from gpumemd.checks import check_size
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager, Keep, Take
 from gpumemd.kv_pools import KvBook
-from gpumemd.records import Notices, Outcome, SessionRecord, SleepRecord
+from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, PendingWait, SessionRecord, SleepRecord, wait_deadline
 
 log = logging.getLogger("gpumemd.sleepers")
 
@@ -60,6 +60,14 @@ class HostBufferRecord:
     owner_id: int
     size: int
     fd: int = -1  # the daemon's memfd; the store keeps it across a restart
+
+
+@dataclasses.dataclass(eq=False)
+class PendingWake(PendingWait):
+    """An ARENA_WAKE waiting for memory (its ``wait``)."""
+
+    arena: str
+    asked: list[str]  # the KV pools asked to give back for it
 
 
 class SleeperBookImage(msgspec.Struct):
@@ -83,14 +91,23 @@ def _sealed_memfd(name: str, size: int) -> int:
 
 class SleeperBook:
     def __init__(
-        self, arenas: ArenaBook, kv: KvBook, sessions: Mapping[int, SessionRecord], config: StateConfig, wall_clock: Callable[[], float]
+        self,
+        arenas: ArenaBook,
+        kv: KvBook,
+        sessions: Mapping[int, SessionRecord],
+        config: StateConfig,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
     ) -> None:
         self.arenas = arenas
         self.kv = kv
         self.sessions = sessions
         self.config = config
+        self.clock = clock
         self.wall_clock = wall_clock
         self.buffers: dict[str, HostBufferRecord] = {}  # by arena
+        self.wakes: list[PendingWake] = []
+        self._completions: list[Completion] = []
         self.next_buffer = 1
 
     @property
@@ -186,29 +203,85 @@ class SleeperBook:
         )
         return outcome
 
-    def wake(self, s: SessionRecord, m: p.WakeArena) -> Outcome:
+    def wake(self, s: SessionRecord, m: p.WakeArena, request_id: int) -> Outcome:
+        """Commit the arena again if its memory is free; else ask KV pools above their fair
+        share to give back (KvBook.ask_back) and answer once it fits, or at the end of the
+        request's ``wait`` (deferred), naming who holds the memory."""
         arena = self.arenas.owned(s, m.name, "wake")
-        sleeper = arena.asleep
-        if sleeper is None:
+        if arena.asleep is None:
             raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"arena '{arena.name}' is not asleep", arena=arena.name)
-        need = sleeper.committed
+        if any(w.arena == arena.name for w in self.wakes):
+            raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"a wake of arena '{arena.name}' is already waiting for memory", arena=arena.name)
+        now = self.clock()
+        deadline = wait_deadline(m.wait, now, f"waking arena '{arena.name}'")
+        short = arena.asleep.committed - self.arenas.available_bytes()
+        if short <= 0:
+            return self._woken(s, arena, [], 0.0)
+        asked = [k.name for k in self.kv.ask_back(short, f"client '{s.name}' wakes arena '{arena.name}'")]
+        if m.wait <= 0:
+            return self._woken(s, arena, asked, 0.0)  # refuses, with the figures and the holders
+        self.wakes.append(PendingWake(s.id, request_id, now, deadline, arena=arena.name, asked=asked))
+        log.info("waking arena %r of client %r: %d bytes short; waits up to %gs (asked %s to give back)", arena.name, s.name, short, m.wait, asked)
+        return Outcome(None)
+
+    def _woken(self, s: SessionRecord, arena: ArenaRecord, asked: list[str], waited: float) -> Outcome:
+        """Commit the arena again at its size and offsets, or OUT_OF_MEMORY naming who holds
+        the device's memory and the KV pools ``asked`` to give back."""
+        assert arena.asleep is not None
+        need = arena.asleep.committed
         if need:
+            what = f"waking arena '{arena.name}'" + (f" (waited {waited:.3g}s)" if waited else "")
             try:
-                available = self.arenas.require_available(need, f"waking arena '{arena.name}'")
+                available = self.arenas.require_available(need, what)
             except p.ProtocolError as exc:
-                asked = [k.name for k in self.kv.ask_back(need - self.arenas.available_bytes(), f"client '{s.name}' wakes arena '{arena.name}'")]
-                also = f"; KV pools {', '.join(asked)} were asked to give back (ask again once they have)" if asked else ""
-                raise p.ProtocolError(exc.code, f"{exc.message}; the device's memory is held by {self._holders()}{also}", **exc.detail) from None
+                also = f"; KV pools {', '.join(asked)} were asked to give back" if asked else ""
+                again = " (ask again once they have)" if asked and not waited else ""
+                raise p.ProtocolError(exc.code, f"{exc.message}; the device's memory is held by {self._holders()}{also}{again}", **exc.detail) from None
             self.arenas.create_chunks([(arena, 0, need)], available)
         self.arenas.wake(arena)
         log.info("arena %r of client %r awake: %d bytes committed again", arena.name, s.name, need)
         return self.arenas.map_reply(s, arena)
 
+    def settle(self) -> None:
+        """Answer the waiting wakes that fit now, and those whose wait ended (refused, with
+        the figures): called when memory comes free and on the tick."""
+        now = self.clock()
+        for wake in list(self.wakes):
+            arena, s = self.arenas.by_name.get(wake.arena), self.sessions.get(wake.session_id)
+            if arena is None or s is None or arena.asleep is None or arena.owner_id != s.id:
+                self._end_wake(wake)  # its session or its arena went (an orphan's owner is gone too)
+                continue
+            if now < wake.deadline and arena.asleep.committed > self.arenas.available_bytes():
+                continue
+            self.wakes.remove(wake)
+            try:
+                outcome = self._woken(s, arena, wake.asked, now - wake.created)
+            except p.ProtocolError as exc:
+                self._completions.append(Completion(wake.session_id, wake.request_id, exc))
+                continue
+            assert outcome.reply is not None
+            self._completions.append(Completion(wake.session_id, wake.request_id, outcome.reply, outcome.handout))
+
+    def _end_wake(self, wake: PendingWake) -> None:
+        self.wakes.remove(wake)
+        error = p.ProtocolError(p.ErrorCode.NOT_FOUND, f"arena '{wake.arena}' was released while its wake waited", arena=wake.arena)
+        self._completions.append(Completion(wake.session_id, wake.request_id, error))
+
+    def take_completions(self) -> list[Completion]:
+        out, self._completions = self._completions, []
+        return out
+
+    def has_mail(self) -> bool:
+        return bool(self._completions)
+
     # ------------------------------------------------------------------ the arena's end
 
     def drop_arena(self, name: str) -> None:
-        """Arena ``name`` is gone: its host buffer goes with it (its sleep went with the arena)."""
+        """Arena ``name`` is gone: its host buffer goes with it (its sleep went with the
+        arena), and a wake waiting for it is answered."""
         self._drop_buffer(name)
+        for wake in [w for w in self.wakes if w.arena == name]:
+            self._end_wake(wake)
 
     def _drop_buffer(self, arena: str) -> None:
         buffer = self.buffers.pop(arena, None)

@@ -348,3 +348,49 @@ def test_a_wake_chooses_donors_by_the_grows_rule(make_harness: Callable[..., Har
     assert a.id not in [sid for sid, _, _ in notices], "a kept its rows live a moment ago: asking again is futile"
     assert h.state.tally.kv_shrinks_asked == 1 + len(notices)  # every ask counted once, in one place
     assert "client 'engine-a'" in refusal.message
+
+
+def test_a_wake_that_does_not_fit_is_answered_once_another_session_frees_the_memory(h: Harness) -> None:
+    """ARENA_WAKE with a ``wait`` is deferred like a KV grow: one request, answered when
+    the trainer releases what it holds (no client polling), at the same offsets."""
+    engine, trainer = h.connect("engine"), h.connect("trainer")
+    h.create(engine, "weights", 512 * MiB)
+    h.commit(engine, "weights", 64 * MiB)
+    _asleep(h, engine, "weights")
+    h.create(trainer, "train", CAPACITY)
+    h.commit(trainer, "train", CAPACITY)
+    outcome = h.state.handle(engine, p.WakeArena(name="weights", wait=30.0), 7)
+    assert outcome.reply is None and h.state.take_completions() == []
+    h.refused(engine, p.WakeArena(name="weights", wait=30.0), p.ErrorCode.ALREADY_EXISTS)  # one wake waits at a time
+    h.refused(engine, p.CommitArena(name="weights", nbytes=2 * MiB), p.ErrorCode.ARENA_ASLEEP)  # still asleep meanwhile
+    h.release(trainer, "train")
+    (c,) = h.state.take_completions()
+    assert c.request_id == 7 and c.session_id == engine.id and isinstance(c.reply, p.MapReply)
+    assert c.reply.arena.committed == 64 * MiB and [(x.offset, x.size) for x in c.handout] == [(x.offset, x.size) for x in c.reply.chunks]
+    assert sum(x.size for x in c.handout) == 64 * MiB and c.handout[0].offset == 0
+    assert h.state.tally.served[p.WakeArena] == 1 and h.state.sleepers.wakes == []
+    assert [x.asleep for x in h.state.status().sleepers] == []
+
+
+def test_a_waiting_wake_is_refused_at_its_wait_naming_the_holders_and_answered_if_its_arena_goes(h: Harness) -> None:
+    engine, trainer = h.connect("engine"), h.connect("trainer")
+    h.create(engine, "weights", 512 * MiB)
+    h.commit(engine, "weights", 64 * MiB)
+    _asleep(h, engine, "weights")
+    h.create(trainer, "train", CAPACITY)
+    h.commit(trainer, "train", CAPACITY)
+    for bad in (-1.0, float("nan"), p.MAX_WAIT_S * 2):
+        h.refused(engine, p.WakeArena(name="weights", wait=bad), p.ErrorCode.INVALID_ARGUMENT)
+    assert h.state.handle(engine, p.WakeArena(name="weights", wait=2.0), 8).reply is None
+    h.clock.now += 1.9
+    h.state.tick()
+    assert h.state.take_completions() == []
+    h.clock.now += 0.1
+    h.state.tick()
+    (c,) = h.state.take_completions()
+    assert isinstance(c.reply, p.ProtocolError) and c.reply.code is p.ErrorCode.OUT_OF_MEMORY
+    assert "client 'trainer'" in c.reply.message and "waited 2s" in c.reply.message
+    assert h.state.handle(engine, p.WakeArena(name="weights", wait=30.0), 9).reply is None
+    h.release(engine, "weights")
+    (c,) = h.state.take_completions()
+    assert isinstance(c.reply, p.ProtocolError) and c.reply.code is p.ErrorCode.NOT_FOUND and h.state.sleepers.wakes == []
