@@ -61,7 +61,7 @@ class KvBook:
         # futile and would cost the next grow a step of that engine: what it kept is its
         # minimum to the move policy. Not in the durable record: after a restart it is asked afresh.
         self.kept_live: dict[str, tuple[int, int]] = {}
-        self.desk = RoundDesk(arenas, sessions, config, clock, tally, self.pools, self._completions, self.ask_back)
+        self.desk = RoundDesk(arenas, sessions, config, clock, tally, self.pools)
 
     # ------------------------------------------------------------------ lookups
 
@@ -74,7 +74,12 @@ class KvBook:
         return self.desk.active()
 
     def try_finish(self, round_: RoundRecord) -> None:
-        self.desk.try_finish(round_)
+        """A step of the round (kv_rounds.py): its answers to send, and the shrinks its
+        minimums need asked by the one donor rule (none unless the donors cover them)."""
+        step = self.desk.try_finish(round_)
+        if step.short:
+            step.done = self.desk.asked(round_, step, bool(self.ask_back(step.short, step.why, whole=True)))
+        self._completions += step.done
 
     def _owned(self, s: SessionRecord, name: str, action: str) -> KvPoolRecord:
         pool = self.pools.get(name)
@@ -129,7 +134,12 @@ class KvBook:
 
     def capture_done(self, s: SessionRecord, m: p.CaptureDone, request_id: int) -> Outcome:
         """Record the report; the reply is deferred until the round commits or fails."""
-        return self.desk.report(s, self._owned(s, m.pool, "report capture-done for"), m, request_id)
+        pool = self._owned(s, m.pool, "report capture-done for")
+        outcome = self.desk.report(s, pool, m, request_id)
+        round_ = self.desk.of(pool)
+        if round_ is not None:
+            self.try_finish(round_)
+        return outcome
 
     def grow(self, s: SessionRecord, m: p.KvGrow, request_id: int) -> Outcome:
         """Grow now if the memory is free; else ask pools above their fair share to give
@@ -269,18 +279,19 @@ class KvBook:
     def memory_freed(self) -> None:
         """Chunks were unmapped (or a client's memory reclaimed): a round or a grow
         waiting for shrinks may go ahead now."""
-        self.desk.memory_freed()
+        for round_ in self.desk.awaiting():
+            self.try_finish(round_)
         for grow in list(self.grows):
             self._settle(grow)
 
     def tick(self) -> None:
-        self.desk.tick()
+        for round_ in self.desk.late():
+            self.try_finish(round_)
         for grow in [g for g in self.grows if self.clock() >= g.deadline]:
             self._settle(grow)
 
     def take_completions(self) -> list[Completion]:
-        out = self._completions[:]  # the list itself is the desk's too
-        self._completions.clear()
+        out, self._completions = self._completions, []
         return out
 
     def has_mail(self) -> bool:
