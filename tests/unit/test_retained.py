@@ -405,3 +405,24 @@ def test_an_adopt_waits_no_longer_than_its_wait_and_a_wrong_secret_waits_not_at_
     (c,) = h.state.take_completions()
     assert c.request_id == 12 and isinstance(c.reply, p.ProtocolError) and c.reply.code is p.ErrorCode.GROUP_HELD
     assert c.reply.detail["holder"] == "primary" and h.state.retained.adopts == []
+
+
+def test_an_orphaned_kv_pool_is_asked_nothing_and_its_adopter_is_asked_again(h: Harness) -> None:
+    """Nobody can answer for an orphan: the one donor rule skips a pool whose owner is gone,
+    so a neighbour's grow is refused at once instead of waiting out --move-timeout for it
+    (before, it was asked, and named unanswered at the deadline). Adopted, it is a donor again."""
+    from .test_kv_moves import shrink_notices, two_pools
+
+    a, b = two_pools(h)  # 128 MiB each, the device full
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))  # idle: all but its minimum above its share
+    secret = group(h, b)
+    retain(h, b, "kvb")
+    die(h, b)
+    h.ok(a, p.KvDemand(pool="kva", in_use=32768))
+    refused = h.refused(a, p.KvGrow(pool="kva", tokens=49152), p.ErrorCode.OUT_OF_MEMORY)
+    assert refused.detail["available"] == 0 and shrink_notices(h) == [] and h.state.kv.grows == []
+    standby = h.connect("standby")
+    adopt(h, standby, secret)
+    assert h.state.kv.pools["kvb"].owner_id == standby.id
+    assert h.state.handle(a, p.KvGrow(pool="kva", tokens=49152), 5).reply is None  # deferred: the adopter is asked
+    assert [sid for sid, _, _ in shrink_notices(h)] == [standby.id]
