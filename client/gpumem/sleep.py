@@ -17,13 +17,14 @@ it maps both sides, and on CUDA holds the context and the streams.
 A KV pool sleeps by the KV book's own moves: shrunk to nothing (a shrink that says it
 sleeps: the daemon shows it asleep and asks nothing of it meanwhile), grown back to its
 rows on wake (a grow that does not fit asks pools above their fair share to give back).
+Both kinds of wake are one request the daemon answers when the memory is there, or at
+the end of the wake's ``wait``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
-import time
 from typing import TYPE_CHECKING
 
 from gpumem_shared import fdchannel
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
 # How long a wake waits, by default, for memory others hold to come free.
 DEFAULT_WAKE_WAIT_S = 30.0
-_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.005, 0.1  # a KV pool's grows again, while it got only part of its rows
 # Past the wait the daemon was given, how long its answer may take to come.
 _ANSWER_S = 10.0
 
@@ -173,23 +173,28 @@ class ArenaSleep:
 
     def _wake_kv(self, wait: float) -> None:
         """Grow the KV pool back to all its rows (its blocks are the engine's: a part will
-        not do), again while the device lacks them, for up to ``wait`` s. A grow itself
-        asks pools above their fair share to give back."""
-        assert self.kv is not None
-        deadline = time.monotonic() + wait
-        pause = _BACKOFF_FIRST_S
-        while True:
-            try:
-                if self.kv.grow(self._tokens) >= self._tokens:
-                    return
-                why = f"it got {self.kv.tokens} of its {self._tokens} rows"
-            except OutOfMemory as exc:
-                why = exc.message
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise OutOfMemory(f"KV pool '{self.kv.name}' cannot wake within {wait:g}s: {why}", {"tokens": self._tokens})
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _BACKOFF_MAX_S)
+        not do), one KV_GROW that waits for them up to ``wait`` s: the daemon asks pools
+        above their fair share to give back, again as they answer, and takes memory others
+        free as it comes."""
+        kv = self.kv
+        assert kv is not None
+        try:
+            reply: p.KvCommitReply
+            reply, fds = kv.core.channel.call(p.KvGrow(pool=kv.name, tokens=self._tokens, wait=wait), timeout=wait + _ANSWER_S)
+        except OutOfMemory as exc:
+            raise OutOfMemory(f"KV pool '{kv.name}' cannot wake within {wait:g}s: {exc.message}", {"tokens": self._tokens}) from None
+        except DaemonTimeout as exc:
+            raise DaemonTimeout(
+                f"gpumemd did not answer the wake of KV pool '{kv.name}' within the {wait:g}s it may wait and {_ANSWER_S:g}s "
+                f"more: check that gpumemd runs and answers (gpumemctl status) and its log ({exc})"
+            ) from None
+        kv.apply(reply, fds)
+        if kv.tokens < self._tokens:
+            raise OutOfMemory(
+                f"KV pool '{kv.name}' cannot wake within {wait:g}s: it got {kv.tokens} of its {self._tokens} rows "
+                f"(not answered: {', '.join(reply.unanswered) or 'none'}; gone: {', '.join(reply.gone) or 'none'})",
+                {"tokens": self._tokens},
+            )
 
     def _buffer(self, nbytes: int) -> HostBuffer:
         """The host buffer, at least ``nbytes`` large (a larger one replaces it)."""

@@ -36,6 +36,7 @@ class PendingGrow(PendingWait):
     tokens: int  # asked for
     asked: list[KvPoolRecord]  # the pools asked to give back for it
     gone: list[str] = dataclasses.field(default_factory=list)  # "client/pool" of those that went before answering
+    whole: bool = False  # its wait (a wake's): answered with all its rows, or at its deadline
 
 
 @dataclasses.dataclass(frozen=True)

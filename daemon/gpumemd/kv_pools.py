@@ -22,7 +22,7 @@ from gpumemd.kv_rounds import RoundDesk, commit_reply
 from gpumemd.arenas import ArenaBook
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager
-from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, Notices, Outcome, RoundRecord, SessionRecord
+from gpumemd.records import ChunkRecord, Completion, KvPoolRecord, Notices, Outcome, RoundRecord, SessionRecord, wait_deadline
 from gpumemd.tally import Tally
 
 log = logging.getLogger("gpumemd.kv_pools")
@@ -156,6 +156,8 @@ class KvBook:
         if any(g.pool is pool for g in self.grows):
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"a grow of KV pool '{pool.name}' is already waiting for memory")
         kv_moves.said(pool, m.in_use)
+        now = self.clock()
+        deadline = max(now + self.config.move_timeout, wait_deadline(m.wait, now, f"growing KV pool '{pool.name}'"))
         tokens = self._within_cap(pool, m.tokens)
         need = kv_moves.need(pool, self.arenas.by_name[pool.name], tokens)
         available = self._available(pool)
@@ -164,11 +166,10 @@ class KvBook:
             return Outcome(*self._grown(s, pool, tokens, m.tokens, [], []))
         short = need - available
         asked = self.ask_back(short, f"KV pool '{pool.name}' of {s.name} needs {short} more bytes to grow to {tokens} tokens", pool, tokens)
-        if not asked:  # no pool holds more than its share: nothing to wait for
+        if not asked and not m.wait:  # no pool holds more than its share: nothing to wait for
             self.tally.kv_grows_refused += 1
             self.arenas.require_available(need, what)  # refuses, with the figures
-        now = self.clock()
-        self.grows.append(PendingGrow(s.id, request_id, now, now + self.config.move_timeout, pool=pool, tokens=tokens, asked=asked))
+        self.grows.append(PendingGrow(s.id, request_id, now, deadline, pool=pool, tokens=tokens, asked=asked, whole=m.wait > 0))
         self.tally.kv_grows_deferred += 1
         figures = {"pool": pool.name, "asked_tokens": tokens, "need": need, "available": available}
         log.info("%s: %d bytes short; asked %s to give back", what, short, [d.name for d in asked], extra={"figures": figures})
@@ -287,7 +288,7 @@ class KvBook:
     def tick(self) -> None:
         for round_ in self.desk.late():
             self.try_finish(round_)
-        for grow in [g for g in self.grows if self.clock() >= g.deadline]:
+        for grow in [g for g in self.grows if g.whole or self.clock() >= g.deadline]:  # one that waits for all its rows may ask again
             self._settle(grow)
 
     def take_completions(self) -> list[Completion]:
@@ -397,7 +398,10 @@ class KvBook:
         full = kv_moves.need(pool, arena, grow.tokens) <= available
         # A pool that went is not waited for, nor one of its name declared since.
         waiting = [d for d in grow.asked if d.shrink_request is not None and self.pools.get(d.name) is d]
-        if not full and now < grow.deadline and waiting:
+        if not full and now < grow.deadline and (waiting or grow.whole):
+            if not waiting:  # a grow that waits for all its rows: every pool asked answered, and it is short still
+                short = kv_moves.need(pool, arena, grow.tokens) - available
+                grow.asked = self.ask_back(short, f"KV pool '{pool.name}' needs {short} more bytes to grow to {grow.tokens} tokens", pool, grow.tokens)
             return
         self.grows.remove(grow)
         unanswered = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in waiting]
@@ -410,7 +414,7 @@ class KvBook:
         before = self.arenas.accounted_bytes()
         try:
             if tokens == pool.tokens:
-                message = f"KV pool '{pool.name}': nothing came free within {self.config.move_timeout:g}s; {named}"
+                message = f"KV pool '{pool.name}': nothing came free within {now - grow.created:.3g}s; {named}"
                 self.arenas.require_available(kv_moves.need(pool, arena, grow.tokens), message)  # refuses, with the figures
             reply, handout = self._grown(self.sessions[grow.session_id], pool, tokens, grow.tokens, unanswered, grow.gone)
         except p.ProtocolError as exc:

@@ -394,3 +394,37 @@ def test_a_waiting_wake_is_refused_at_its_wait_naming_the_holders_and_answered_i
     h.release(engine, "weights")
     (c,) = h.state.take_completions()
     assert isinstance(c.reply, p.ProtocolError) and c.reply.code is p.ErrorCode.NOT_FOUND and h.state.sleepers.wakes == []
+
+
+def test_a_kv_pools_wake_is_one_grow_that_waits_for_all_its_rows(make_harness: Callable[..., Harness]) -> None:
+    """A KV pool wakes as a plain arena does: one request, answered when all its rows fit
+    (KV_GROW's ``wait``); a donor that gives back only part is asked again once it can
+    give more, instead of the grow being answered with part and the client growing again."""
+    from .test_kv_moves import give_back, shrink_notices, two_pools
+    from .test_kv_rounds import commit_reply, done
+
+    h = make_harness()
+    a, b = two_pools(h)  # 128 MiB each, the device full
+    reply = h.ok(b, p.KvShrink(pool="kvb", tokens=0, sleep=True)).reply
+    h.unmapped(b, "kvb", [c.id for c in reply.retired])
+    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    assert commit_reply_of(h.ok(a, p.KvGrow(pool="kva", tokens=65536)).reply).pool.tokens == 65536  # the whole device
+    assert h.state.handle(b, p.KvGrow(pool="kvb", tokens=32768, wait=30.0), 9).reply is None
+    assert shrink_notices(h) == [(a.id, "kva", 32768)]
+    h.ok(a, p.KvDemand(pool="kva", in_use=40000))
+    give_back(h, a, "kva", 49152)  # its rows past 40000 are live up to 49152: it gives back half of what was asked
+    assert done(h) == {}, "a wake waits for all its rows, not for what the first answer freed"
+    h.clock.now += 1
+    h.state.tick()
+    assert done(h) == {} and shrink_notices(h) == []  # a kept its rows live a moment ago: not asked again
+    h.ok(a, p.KvDemand(pool="kva", in_use=20000))  # its burst ended
+    h.state.tick()
+    assert shrink_notices(h) == [(a.id, "kva", 32768)]
+    give_back(h, a, "kva", 32768)
+    assert commit_reply(done(h)[9]).pool.tokens == 32768
+    assert h.state.tally.served[p.KvGrow] == 2 and h.state.arenas.by_name["kvb"].asleep is None  # woken
+
+
+def commit_reply_of(reply: object) -> p.KvCommitReply:
+    assert isinstance(reply, p.KvCommitReply), reply
+    return reply
