@@ -14,7 +14,10 @@ Sleeping is the decommit of every chunk, under graph pools too (their captured s
 is in what the owner copied out, or dropped at its word); waking is a commit to the
 size the arena had, at the same offsets: fresh chunks, zeroed before their first fd
 leaves like any. The window, the graph pools' registry and their lease segments are
-untouched. What this means for the other books (commit, decommit and attach refused
+untouched. A wake that does not fit asks KV pools above their fair share to give back
+(the KV book's one donor rule) and waits, deferred like a KV grow, until the memory is
+free or its ``wait`` ends. An arena's sleep is a field of its record, which the arena
+book writes. What this means for the other books (commit, decommit and attach refused
 while asleep, the buffer dropped with its arena) is decided in state.py.
 
 A KV pool sleeps by the KV book's own moves instead (kv_pools.py): a shrink to nothing
@@ -251,7 +254,11 @@ class SleeperBook:
             if arena is None or s is None or arena.asleep is None or arena.owner_id != s.id:
                 self._end_wake(wake)  # its session or its arena went (an orphan's owner is gone too)
                 continue
-            if now < wake.deadline and arena.asleep.committed > self.arenas.available_bytes():
+            short = arena.asleep.committed - self.arenas.available_bytes()
+            if now < wake.deadline and short > 0:
+                if not any(k.shrink_request is not None for k in self.kv.pools.values() if k.name in wake.asked):
+                    # Every pool asked answered, and it is short still: those that can give more now are asked.
+                    wake.asked = [k.name for k in self.kv.ask_back(short, f"client '{s.name}' wakes arena '{arena.name}'")]
                 continue
             self.wakes.remove(wake)
             try:

@@ -428,3 +428,27 @@ def test_a_kv_pools_wake_is_one_grow_that_waits_for_all_its_rows(make_harness: C
 def commit_reply_of(reply: object) -> p.KvCommitReply:
     assert isinstance(reply, p.KvCommitReply), reply
     return reply
+
+
+def test_a_waiting_wake_asks_again_once_its_donors_answered_short(make_harness: Callable[..., Harness]) -> None:
+    """A donor that keeps its rows live answers with nothing; the wake, still short, asks
+    the pools that can give now (as a grow that waits for all its rows does) instead of
+    waiting out its wait."""
+    from .test_kv_moves import give_back, shrink_notices, two_pools
+
+    h = make_harness()
+    sleeper = h.connect("sleeper")
+    h.create(sleeper, "weights", 512 * MiB)
+    h.commit(sleeper, "weights", 64 * MiB)
+    _asleep(h, sleeper, "weights")
+    a, b = two_pools(h)  # 128 MiB each, the device full
+    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    assert h.state.handle(sleeper, p.WakeArena(name="weights", wait=30.0), 5).reply is None
+    assert [(sid, pool) for sid, pool, _ in shrink_notices(h)] == [(a.id, "kva")]
+    h.ok(a, p.KvDemand(pool="kva", in_use=32768))
+    h.ok(a, p.KvShrink(pool="kva", tokens=32768))  # every row asked for is live: nothing given
+    [(sid, pool, bound)] = shrink_notices(h)
+    assert (sid, pool) == (b.id, "kvb") and h.state.take_completions() == []
+    give_back(h, b, "kvb", bound)
+    (c,) = h.state.take_completions()
+    assert c.request_id == 5 and isinstance(c.reply, p.MapReply) and c.reply.arena.committed == 64 * MiB
