@@ -10,8 +10,9 @@ that holds more than its share may be asked to give the excess back; nothing els
 
 The floor, a pool's guaranteed minimum, is defined once, by ``floor``, and every path
 that could take memory from a pool for another's demand calls it: the fair split
-(each Claim's minimum: no share below it), a round's donors (``spare``: what a shrink
-down to it frees) and every shrink request (``shrink_bound`` never names fewer tokens).
+(each Claim's minimum: no share below it; a grow's, a round's and a wake's donors all
+come from it, KvBook.ask_back) and every shrink request (``shrink_bound`` never names
+fewer tokens).
 
 A demand is the engine's word, so a pool that claims more than it uses gains nothing by
 it: its share is bounded by its weight whatever it claims, and what it holds above that
@@ -24,22 +25,18 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from gpumemd.records import ArenaRecord, ChunkRecord, KvPoolRecord
+from gpumemd.records import ArenaRecord, ChunkRecord, KvPoolRecord, PendingWait
 
 
 @dataclasses.dataclass(eq=False)
-class PendingGrow:
-    """A KV_GROW waiting for other pools to give back (not kept across a restart: the
-    client sends it again, and it is decided afresh)."""
+class PendingGrow(PendingWait):
+    """A KV_GROW waiting for other pools to give back."""
 
-    session_id: int
-    request_id: int
     pool: KvPoolRecord
     tokens: int  # asked for
-    created: float
-    deadline: float
     asked: list[KvPoolRecord]  # the pools asked to give back for it
     gone: list[str] = dataclasses.field(default_factory=list)  # "client/pool" of those that went before answering
+    whole: bool = False  # its wait (a wake's): answered with all its rows, or at its deadline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,11 +142,6 @@ def freeable(pool: KvPoolRecord, arena: ArenaRecord, tokens: int) -> int:
         bound = buffer.offset + pool.prefix(buffer, tokens)
         freed += sum(c.size for c in mine if c.offset >= bound)
     return freed
-
-
-def spare(pool: KvPoolRecord, arena: ArenaRecord) -> int:
-    """Bytes another pool's demand may ask of ``pool``: what a shrink down to its floor frees."""
-    return freeable(pool, arena, floor(pool))
 
 
 def shrink_bound(pool: KvPoolRecord, arena: ArenaRecord, give: int) -> int:

@@ -149,6 +149,11 @@ class Outbox:
         self.state.tick()
         return self._seal(Mail())
 
+    def poll_waits(self) -> Mail:
+        """The waits on what nothing announces (an adoption's fence), looked at again."""
+        self.state.retained.settle()
+        return self._seal(Mail())
+
     def session_closed(self, session_id: int) -> Mail:
         """Its client is gone (EOF on its fd channel)."""
         return self._seal(Mail(notices=self.state.close_session(session_id)))

@@ -9,6 +9,7 @@ the client library has its own Session, Arena and GraphPool.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.base import Handle
@@ -128,6 +129,15 @@ class GrantRecord:
 
 
 @dataclasses.dataclass(eq=False)
+class SleepRecord:
+    """An arena asleep (sleepers.py), or a KV pool (kv_pools.py: shrunk to nothing to sleep)."""
+
+    committed: int  # what waking commits again
+    kept: int  # bytes the owner copied to its host buffer first
+    since: float  # unix time
+
+
+@dataclasses.dataclass(eq=False)
 class ArenaRecord:
     name: str
     owner_id: int
@@ -143,6 +153,9 @@ class ArenaRecord:
     grants: list[GrantRecord] = dataclasses.field(default_factory=list)
     attached: set[int] = dataclasses.field(default_factory=set)  # owner and sharers
     readers: set[int] = dataclasses.field(default_factory=set)  # sharers attached through read-only grants only
+    # Its sleep (sleepers.py; a KV pool's by the KV book's moves), written by the arena
+    # book alone and imaged with the arena: None while awake.
+    asleep: SleepRecord | None = None
 
     @property
     def window(self) -> int:
@@ -206,17 +219,6 @@ class KvBufferLayout:
 
 def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
-
-
-@dataclasses.dataclass(eq=False)
-class SleeperRecord:
-    """An arena asleep (sleepers.py), or a KV pool (kv_pools.py: shrunk to nothing to sleep)."""
-
-    arena: str
-    owner_id: int
-    committed: int  # what waking commits again
-    kept: int  # bytes the owner copied to its host buffer first
-    since: float  # unix time
 
 
 @dataclasses.dataclass(eq=False)
@@ -336,9 +338,30 @@ class Outcome:
 
 @dataclasses.dataclass
 class Completion:
-    """A deferred answer (a CAPTURE_DONE answered when its round commits or fails)."""
+    """A deferred answer (a CAPTURE_DONE answered when its round commits or fails; a
+    PendingWait's answer)."""
 
     session_id: int
     request_id: int
     reply: p.Message | p.ProtocolError
     handout: list[ChunkRecord] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class PendingWait:
+    """A request answered once it can be, or at its deadline: a KV grow waiting for pools
+    to give back, a wake for memory, an adoption for its group's holder to end. Every
+    book that keeps them settles them when memory comes free and on the tick. Not kept
+    across a restart: the client sends it again, and it is decided afresh."""
+
+    session_id: int
+    request_id: int
+    created: float
+    deadline: float
+
+
+def wait_deadline(wait: float, now: float, what: str) -> float:
+    """When a request that may wait ``wait`` seconds (its own field) is answered at the latest."""
+    if not (math.isfinite(wait) and 0 <= wait <= p.MAX_WAIT_S):
+        raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"{what}: wait {wait} must be a number of seconds in [0, {p.MAX_WAIT_S:g}]")
+    return now + wait

@@ -13,9 +13,10 @@ and confirms (ADOPT_DONE). Until it confirms, its own death puts them back as th
 were, orphaned with the same deadline, so a crashing adopter cannot keep them forever.
 
 Secrets are compared in constant time, never leave the daemon but to the holder, and
-stay out of status, the log and repr. The book decides who may adopt and when; moving
-an arena's ownership is plain record keeping on the arena and KV books, and what a
-session's end means for the arenas it leaves is the dispatcher's (state.py).
+stay out of status, the log and repr. The book decides who may adopt and when (an
+ADOPT given a ``wait`` is answered once it may: deferred, like a KV grow); moving an
+arena's ownership is the arena and KV books' (``transfer``), and what a session's end
+means for the arenas it leaves is the dispatcher's (state.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from gpumemd.config import StateConfig
 from gpumemd.fencing import Fence
 from gpumemd.image import Image, Imager
 from gpumemd.kv_pools import KvBook
-from gpumemd.records import ChunkRecord, Outcome, SessionRecord
+from gpumemd.records import ChunkRecord, Completion, Outcome, PendingWait, SessionRecord, wait_deadline
 
 log = logging.getLogger("gpumemd.retained")
 
@@ -64,6 +65,15 @@ class GroupRecord:
     adopting: bool = False  # adopted, not confirmed yet
 
 
+@dataclasses.dataclass(eq=False)
+class PendingAdopt(PendingWait):
+    """An ADOPT waiting (its ``wait``) for its group's holder to end, or to be fenced."""
+
+    group: str
+    who: str  # how the log names the adopter
+    holder: int  # the group's holder when it came (0: orphaned, its last holder not fenced)
+
+
 class RetainBookImage(msgspec.Struct):
     groups: list[Image]
 
@@ -88,6 +98,8 @@ class RetainBook:
         self.clock = clock
         self.fence = fence
         self.groups: dict[str, GroupRecord] = {}
+        self.adopts: list[PendingAdopt] = []
+        self._completions: list[Completion] = []
 
     # ------------------------------------------------------------------ lookups
 
@@ -222,9 +234,67 @@ class RetainBook:
             objects.append(p.AdoptedObject(arena=view, chunks=[], kv=pool.view(view) if pool else None))
         return Outcome(p.ReserveReply(group=group.name, objects=objects))
 
-    def adopt(self, s: SessionRecord, m: p.Adopt) -> Outcome:
+    def adopt(self, s: SessionRecord, m: p.Adopt, request_id: int) -> Outcome:
+        """Adopt now if the group can be; else, given a ``wait``, answer once it can be
+        (deferred: the holder ended, the fence passed) or at the wait's end with why not.
+        Another adopter that comes first ends the wait at once."""
         group = self._get(m.group)
         who = self._admit(s, group, m.secret, "adopt")
+        deadline = wait_deadline(m.wait, self.clock(), f"adopting retain group '{group.name}'")
+        try:
+            return self._adopt(s, group, who)
+        except p.ProtocolError as exc:
+            if m.wait <= 0 or exc.code not in (p.ErrorCode.GROUP_HELD, p.ErrorCode.NOT_FENCED) or group.adopting:
+                raise
+            if any(a.session_id == s.id and a.group == group.name for a in self.adopts):
+                raise p.ProtocolError(
+                    p.ErrorCode.ALREADY_EXISTS, f"this session waits to adopt retain group '{group.name}' already", group=group.name
+                ) from None
+        self.adopts.append(PendingAdopt(s.id, request_id, self.clock(), deadline, group=group.name, who=who, holder=group.holder))
+        log.info("retain group %r: %s waits up to %gs to adopt it (%s)", group.name, who, m.wait,
+                 f"held by {self._holder_label(group)}" if group.holder else "not fenced yet")
+        return Outcome(None)
+
+    def settle(self) -> None:
+        """Answer the waiting adoptions that can go ahead now, those another adopter came
+        first to, and those whose wait ended: called when a session ends and on the tick."""
+        now = self.clock()
+        for wait in list(self.adopts):
+            s, group = self.sessions.get(wait.session_id), self.groups.get(wait.group)
+            answer: p.Message | p.ProtocolError
+            handout: list[ChunkRecord] = []
+            if s is None:
+                self.adopts.remove(wait)  # nobody to answer
+                continue
+            if group is None:
+                answer = p.ProtocolError(p.ErrorCode.NOT_FOUND, f"retain group '{wait.group}' went while this session waited to adopt it")
+            else:
+                try:
+                    outcome = self._adopt(s, group, wait.who)
+                except p.ProtocolError as exc:
+                    # Held by another than the holder it waited for (or adopted, not confirmed): an adopter came first.
+                    first = exc.code is p.ErrorCode.GROUP_HELD and (group.adopting or group.holder != wait.holder)
+                    if now < wait.deadline and not first and exc.code in (p.ErrorCode.GROUP_HELD, p.ErrorCode.NOT_FENCED):
+                        continue
+                    answer = exc
+                else:
+                    assert outcome.reply is not None
+                    answer, handout = outcome.reply, outcome.handout
+            self.adopts.remove(wait)
+            self._completions.append(Completion(wait.session_id, wait.request_id, answer, handout))
+
+    def fencing(self) -> bool:
+        """Whether an adoption waits for a dead holder's fence: polled, nothing announces it."""
+        return any(not g.holder for g in (self.groups.get(a.group) for a in self.adopts) if g is not None)
+
+    def take_completions(self) -> list[Completion]:
+        out, self._completions = self._completions, []
+        return out
+
+    def has_mail(self) -> bool:
+        return bool(self._completions)
+
+    def _adopt(self, s: SessionRecord, group: GroupRecord, who: str) -> Outcome:
         if group.holder == s.id:
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"this session holds retain group '{group.name}' already", group=group.name)
         if group.holder:
@@ -250,15 +320,12 @@ class RetainBook:
         objects = []
         for name in group.objects:
             arena = self.arenas.by_name[name]
-            arena.owner_id, arena.owner_name, arena.owner_pid, arena.owner_alive = s.id, s.name, s.pid, True
-            arena.attached.add(s.id)
-            self.arenas.tenants.own(name, s)  # its adopter's tenant from now on (a pod of its own, its token)
+            self.arenas.transfer(arena, s)
+            self.kv.transfer(name, s)
             chunks = self.arenas.hand(s, list(arena.chunks))
             handout += chunks
             view = self.arenas.view(arena)
             pool = self.kv.pools.get(name)
-            if pool is not None:
-                pool.owner_id = s.id
             objects.append(p.AdoptedObject(arena=view, chunks=[c.view() for c in chunks], kv=pool.view(view) if pool else None))
         left = 0.0 if group.deadline is None else group.deadline - self.clock()
         previous = f"client '{group.previous}' (pid {group.previous_pid})"

@@ -56,6 +56,10 @@ _EVENTS = int(zmq.EVENTS)
 # frame costs the daemon a gigabyte. A bigger one closes its connection unread; up to this
 # size it is refused with BAD_MESSAGE like any frame over MAX_FRAME_BYTES.
 MAX_CONTROL_MESSAGE = 2 * p.MAX_FRAME_BYTES
+# While an adoption waits for a dead holder's fence (nothing announces it: /proc and, on
+# CUDA, NVML are read), the loop looks again this often: a failover waits at most this
+# long past the moment the group became adoptable (the client polled at this pace before).
+_FENCE_POLL_MS = 10
 
 
 class Server:
@@ -185,9 +189,11 @@ class Server:
         connections = self._connections
         waiting = self._waiting
         queued = waiting.peers
+        retained = self.state.retained
         try:
             while not self._stop_requested:
-                for ready, _ in poller.poll(0 if queued else wait_ms):
+                fencing = bool(retained.adopts) and retained.fencing()  # one lookup when none waits
+                for ready, _ in poller.poll(0 if queued else _FENCE_POLL_MS if fencing else wait_ms):
                     if ready is router:
                         self._on_control()
                     elif ready == listener:
@@ -205,6 +211,8 @@ class Server:
                 if queued:
                     identity, frame = waiting.pop()
                     self._serve_request(identity, frame)
+                if fencing:
+                    self._post(self.outbox.poll_waits())
                 self._tick()
         finally:
             self._shutdown()

@@ -102,7 +102,7 @@ class DaemonState:
         order = SequenceChunk(driver, fence) if config.lease_ordering is LeaseOrdering.MEMOPS else None
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device, order)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, wall_clock, self.tally)
-        self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, wall_clock)
+        self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, clock, wall_clock)
         self.retained = RetainBook(self.arenas, self.kv, self.sessions, config, clock, fence)
         self.session_desk = SessionDesk(
             self.sessions, p.Backend(driver.kind), self.device, config, self.arenas, self.tenants, self.tally, clock, wall_clock, gone,
@@ -118,7 +118,7 @@ class DaemonState:
             p.DecommitArena: self._awake(self._decommit, "decommit"),
             p.SyncArena: self.arenas.sync,
             p.ReleaseArena: self._release,
-            p.ChunksUnmapped: self._chunks_unmapped,
+            p.ChunksUnmapped: self.arenas.chunks_unmapped,
             p.PlaceholderArena: self.arenas.placeholder,
             p.KvDeclare: self.kv.declare,
             p.RoundJoin: self.kv.join,
@@ -134,15 +134,16 @@ class DaemonState:
             p.SleepBuffer: self.sleepers.buffer,
             p.FreeSleepBuffer: self.sleepers.free,
             p.SleepArena: self._sleep,
-            p.WakeArena: self.sleepers.wake,
             p.RetainGroup: self.retained.open,
             p.Retain: self.retained.mark,
-            p.Adopt: self._adopt,
             p.AdoptDone: self.retained.adopt_done,
             p.RetainReserve: self.retained.reserve,
         }
-        # Answered later, when their round commits or fails: they need the request id.
-        self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow}
+        # Answered later (when their round commits or fails, or once what they wait for
+        # comes, or their wait ends): they need the request id.
+        self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {
+            p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow, p.WakeArena: self.sleepers.wake, p.Adopt: self._adopt,
+        }
 
     # ------------------------------------------------------------------ sessions
 
@@ -185,15 +186,14 @@ class DaemonState:
             self.arenas.detach(arena, session_id)
             if arena.owner_id == session_id:
                 self.arenas.owner_left(arena, notices, released=False)
-            if not arena.attached and not self.retained.orphaned(arena.name):
-                self._destroy(arena, notices)
-            elif arena.attached and arena.owner_id == session_id:
+            self._reap(arena, notices)
+            if arena.attached and arena.owner_id == session_id:
                 log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
         # Chunks of arenas gone since (one a restart could not rebuild) stop counting it.
         self.arenas.drop_holder(session_id)
         for round_ in rounds:  # once its memory is given back: the budget counts it as free
             self.kv.try_finish(round_)
-        self.kv.memory_freed()  # a grow waiting for its shrink (or its pool) may go ahead
+        self._follow_up()  # a grow or a wake waiting for its memory, an adopter for its end, may go ahead
         if not left:  # it released what it had: a clean close
             log.info("session %d closed: client %r %s", session.id, session.name, session.pids)
             return notices
@@ -242,6 +242,7 @@ class DaemonState:
         self._served[cls] += 1
         if cls not in _READ_ONLY:
             self.dirty = True
+            self._follow_up()
         return outcome
 
     def _create_arena(self, s: SessionRecord, m: p.CreateArena) -> Outcome:
@@ -274,18 +275,12 @@ class DaemonState:
         notices: Notices = []
         outcome = self.sleepers.sleep(s, m, notices)
         outcome.notices = notices
-        self.kv.memory_freed()  # a grow may have waited for this memory
         return outcome
 
     def _report_escape(self, s: SessionRecord, m: p.ReportEscape) -> Outcome:
         outcome = self.graph_pools.report_escape(s, m)
         if m.escaped:
             self.tally.escapes[m.pool_id] = self.tally.escapes.get(m.pool_id, 0) + 1
-        return outcome
-
-    def _chunks_unmapped(self, s: SessionRecord, m: p.ChunksUnmapped) -> Outcome:
-        outcome = self.arenas.chunks_unmapped(s, m)
-        self.kv.memory_freed()
         return outcome
 
     def _release(self, s: SessionRecord, m: p.ReleaseArena) -> Outcome:
@@ -299,9 +294,15 @@ class DaemonState:
             for pool in self.graph_pools.in_arena(arena.name):
                 self.graph_pools.drop(pool)  # its memory goes now, even while sharers stay attached
             self.arenas.owner_left(arena, notices, released=True)
-        if not arena.attached and not self.retained.orphaned(arena.name):  # an orphan's last sharer leaving keeps it
-            self._destroy(arena, notices)
+        self._reap(arena, notices)
         return Outcome(p.Ack(), notices=notices)
+
+    def _reap(self, arena: ArenaRecord, notices: Notices) -> None:
+        """Where an arena's life is decided: it lives while a session attaches it, or while
+        an orphaned retain group keeps it for an adopter (its last sharer leaving keeps
+        it); else it goes."""
+        if not arena.attached and not self.retained.orphaned(arena.name):
+            self._destroy(arena, notices)
 
     def _destroy(self, arena: ArenaRecord, notices: Notices) -> None:
         for pool in self.graph_pools.in_arena(arena.name):
@@ -313,50 +314,56 @@ class DaemonState:
         if not self.stopping:
             for round_ in left:  # it may have been the last one pending
                 self.kv.try_finish(round_)
-            self.kv.memory_freed()  # a grow may have waited for this memory
 
     # ------------------------------------------------------------------ the loop's hooks
 
     def tick(self) -> None:
         """Lease-slot repairs, round deadlines, the counts of pools gone: called by the server's loop."""
         self.graph_pools.sweep()
-        if self.kv.active_rounds() or self.kv.grows:  # deadlines may end a round or a grow: what it commits must be kept
-            self.dirty = True
+        if self.kv.active_rounds() or self.kv.grows or self.sleepers.wakes or self.retained.adopts:
+            self.dirty = True  # deadlines may end a round or a wait: what it commits must be kept
         self.kv.tick()
         self._close_all(self.session_desk.tick())  # clients that died before they resumed, or did not resume in time
         for name in self.retained.expired():
             arena = self.arenas.by_name.get(name)
-            if arena is not None and not arena.attached:  # a sharer still attached keeps it, as a dead owner's
-                self._destroy(arena, self._notices)
+            if arena is not None:  # a sharer still attached keeps it, as a dead owner's
+                self._reap(arena, self._notices)
                 self.dirty = True
+        self.sleepers.settle()  # waits that reached their deadline, and those the fence now lets go
+        self.retained.settle()
+        self._follow_up()
         escapes = self.tally.escapes
         if len(escapes) > len(self.graph_pools.by_id):  # pools went: their counts go too
             for gone in escapes.keys() - self.graph_pools.by_id.keys():
                 del escapes[gone]
 
-    def _adopt(self, s: SessionRecord, m: p.Adopt) -> Outcome:
+    def _adopt(self, s: SessionRecord, m: p.Adopt, request_id: int) -> Outcome:
         # A holder kept across a restart that died since (it was still exiting when the
         # daemon came back): its group is orphaned for this ADOPT, not at the next tick.
         self._close_all(self.session_desk.release_gone())
-        return self.retained.adopt(s, m)
+        return self.retained.adopt(s, m, request_id)
+
+    def _follow_up(self) -> None:
+        """What a request, a session's end or the tick let go ahead, looked at once: memory
+        the arena book says came free, for the rounds, grows and wakes waiting for it; a
+        holder's end, for the adoptions waiting."""
+        while self.arenas.freed and not self.stopping:
+            self.arenas.freed = False
+            self.kv.memory_freed()
+            self.sleepers.settle()
+        if self.retained.adopts:
+            self.retained.settle()
 
     def take_completions(self) -> list[Completion]:
-        return self.kv.take_completions()
+        return self.kv.take_completions() + self.sleepers.take_completions() + self.retained.take_completions()
 
     def has_mail(self) -> bool:
         """Notices or deferred answers waiting to be taken."""
-        return bool(self._notices) or self.kv.has_mail()
+        return bool(self._notices) or self.kv.has_mail() or self.sleepers.has_mail() or self.retained.has_mail()
 
     def take_notices(self) -> Notices:
-        kv = self.kv.take_notices()
-        if self.sleepers.notices:  # a wake that did not fit asked KV pools to give back
-            self.tally.kv_shrinks_asked += len(self.sleepers.notices)
-            self.dirty = True  # their shrink requests are in the record before the asks leave
-            kv, self.sleepers.notices = self.sleepers.notices + kv, []
-        if not self._notices:
-            return kv
         notices, self._notices = self._notices, []
-        return notices + kv
+        return notices + self.kv.take_notices()
 
     def status(self) -> p.StatusReply:
         now, desk = self.clock(), self.session_desk

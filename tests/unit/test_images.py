@@ -29,8 +29,9 @@ from gpumemd.records import (
     MemberRecord,
     RoundRecord,
     SessionRecord,
+    SleepRecord,
 )
-from gpumemd.sleepers import HostBufferRecord, SleeperRecord
+from gpumemd.sleepers import HostBufferRecord
 from gpumemd.state import DaemonState
 
 from .harness import CAPACITY, Clock, Harness, MiB
@@ -53,7 +54,7 @@ NOT_KEPT: dict[tuple[type, str], str] = {
 # Every record class the durable record holds; the walk must reach each one.
 KEPT_CLASSES = {
     SessionRecord, Answer, ArenaRecord, ChunkRecord, GrantRecord, GraphPoolRecord, KvPoolRecord, KvBufferLayout, MemberRecord, RoundRecord,
-    HostBufferRecord, SleeperRecord, GroupRecord,
+    HostBufferRecord, SleepRecord, GroupRecord,
 }
 
 BOOKS: dict[str, Callable[[DaemonState], list[Any]]] = {
@@ -61,7 +62,7 @@ BOOKS: dict[str, Callable[[DaemonState], list[Any]]] = {
     "arenas": lambda s: sorted(s.arenas.by_name.values(), key=lambda a: a.name) + sorted(s.arenas.retiring.values(), key=lambda c: c.id),
     "graph_pools": lambda s: sorted(s.graph_pools.by_id.values(), key=lambda g: g.id),
     "kv": lambda s: sorted(s.kv.pools.values(), key=lambda k: k.name) + list(s.kv.rounds),
-    "sleepers": lambda s: sorted(s.sleepers.buffers.values(), key=lambda b: b.id) + sorted(s.sleepers.asleep.values(), key=lambda x: x.arena),
+    "sleepers": lambda s: sorted(s.sleepers.buffers.values(), key=lambda b: b.id),
     "retained": lambda s: sorted(s.retained.groups.values(), key=lambda g: g.name),
 }
 

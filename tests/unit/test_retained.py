@@ -337,3 +337,92 @@ def test_an_orphans_last_sharer_leaving_does_not_release_it(h: Harness, last: st
     assert h.state.arenas.accounted_bytes() == 8 * MiB and retained(h)["g"].state is p.RetainState.ORPHANED
     reply, handed = adopt(h, h.connect("standby"), secret)
     assert reply.objects[0].arena.committed == 8 * MiB and handed
+
+
+def waits_to_adopt(h: Harness, s: Session, secret: str, request_id: int, wait: float = 30.0) -> None:
+    """ADOPT with a ``wait``: deferred, answered as a completion later."""
+    outcome = h.state.handle(s, p.Adopt(group="g", secret=secret, wait=wait), request_id)
+    assert outcome.reply is None and outcome.handout == []
+    assert h.state.take_completions() == []
+
+
+def test_an_adopt_that_waits_is_answered_when_the_holder_dies(h: Harness, fence: Fence) -> None:
+    """One ADOPT, deferred while the holder lives, answered at its death (no client
+    polling); one not fenced yet at the next look (the tick, or the loop's fence poll)."""
+    s, secret, view = primary_with_arena(h)
+    standby = h.connect("standby")
+    waits_to_adopt(h, standby, secret, 9)
+    die(h, s)
+    (c,) = h.state.take_completions()
+    assert c.request_id == 9 and c.session_id == standby.id and isinstance(c.reply, p.AdoptReply)
+    assert [o.arena.address for o in c.reply.objects] == [view.address] and sum(x.size for x in c.handout) == 8 * MiB
+    assert h.state.tally.served[p.Adopt] == 1 and retained(h)["g"].state is p.RetainState.ADOPTING
+    # Its holder's process lingers after its session's end: answered once the fence passes.
+    h.ok(standby, p.AdoptDone(group="g"))
+    fence.running.add(standby.pid)
+    die(h, standby)
+    late = h.connect("late")
+    waits_to_adopt(h, late, secret, 10)
+    assert h.state.retained.fencing()
+    h.state.tick()
+    assert h.state.take_completions() == []
+    fence.running.clear()
+    h.state.tick()
+    (c,) = h.state.take_completions()
+    assert c.request_id == 10 and isinstance(c.reply, p.AdoptReply) and not h.state.retained.fencing()
+
+
+def test_a_waiting_adopter_is_told_at_once_when_another_adopter_comes_first(h: Harness, fence: Fence) -> None:
+    """The answer the client's loop gave before: once another adopter holds the group,
+    waiting longer would not change it (seen orphaned, then held by the winner)."""
+    s, secret, _ = primary_with_arena(h)
+    fence.running.add(s.pid)
+    die(h, s)
+    loser, winner = h.connect("loser"), h.connect("winner")
+    waits_to_adopt(h, loser, secret, 11)  # not fenced yet
+    fence.running.clear()
+    adopt(h, winner, secret)  # before the loop looked again
+    h.state.tick()
+    (c,) = h.state.take_completions()
+    assert isinstance(c.reply, p.ProtocolError) and c.reply.code is p.ErrorCode.GROUP_HELD and c.reply.detail["holder"] == "winner"
+    # An adoption not confirmed yet is refused at once too, never waited for.
+    h.refused(h.connect("third"), p.Adopt(group="g", secret=secret, wait=30.0), p.ErrorCode.GROUP_HELD)
+
+
+def test_an_adopt_waits_no_longer_than_its_wait_and_a_wrong_secret_waits_not_at_all(h: Harness) -> None:
+    s, secret, _ = primary_with_arena(h)
+    standby = h.connect("standby")
+    h.refused(standby, p.Adopt(group="g", secret="00" * 32, wait=30.0), p.ErrorCode.PERMISSION_DENIED)
+    for bad in (-1.0, float("nan"), float("inf"), p.MAX_WAIT_S + 1):
+        h.refused(standby, p.Adopt(group="g", secret=secret, wait=bad), p.ErrorCode.INVALID_ARGUMENT)
+    waits_to_adopt(h, standby, secret, 12, wait=5.0)
+    h.refused(standby, p.Adopt(group="g", secret=secret, wait=5.0), p.ErrorCode.ALREADY_EXISTS)  # one wait at a time
+    h.clock.now += 4.9
+    h.state.tick()
+    assert h.state.take_completions() == []
+    h.clock.now += 0.1
+    h.state.tick()
+    (c,) = h.state.take_completions()
+    assert c.request_id == 12 and isinstance(c.reply, p.ProtocolError) and c.reply.code is p.ErrorCode.GROUP_HELD
+    assert c.reply.detail["holder"] == "primary" and h.state.retained.adopts == []
+
+
+def test_an_orphaned_kv_pool_is_asked_nothing_and_its_adopter_is_asked_again(h: Harness) -> None:
+    """Nobody can answer for an orphan: the one donor rule skips a pool whose owner is gone,
+    so a neighbour's grow is refused at once instead of waiting out --move-timeout for it
+    (before, it was asked, and named unanswered at the deadline). Adopted, it is a donor again."""
+    from .test_kv_moves import shrink_notices, two_pools
+
+    a, b = two_pools(h)  # 128 MiB each, the device full
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))  # idle: all but its minimum above its share
+    secret = group(h, b)
+    retain(h, b, "kvb")
+    die(h, b)
+    h.ok(a, p.KvDemand(pool="kva", in_use=32768))
+    refused = h.refused(a, p.KvGrow(pool="kva", tokens=49152), p.ErrorCode.OUT_OF_MEMORY)
+    assert refused.detail["available"] == 0 and shrink_notices(h) == [] and h.state.kv.grows == []
+    standby = h.connect("standby")
+    adopt(h, standby, secret)
+    assert h.state.kv.pools["kvb"].owner_id == standby.id
+    assert h.state.handle(a, p.KvGrow(pool="kva", tokens=49152), 5).reply is None  # deferred: the adopter is asked
+    assert [sid for sid, _, _ in shrink_notices(h)] == [standby.id]

@@ -73,12 +73,16 @@ class Adopt(RequestMessage, kw_only=True):
     """Take over an orphaned group: its objects become this session's, at the same
     addresses. GROUP_HELD while a live session holds it (naming the holder: the owner,
     or the adopter that came first); NOT_FENCED while its last holder's process may still
-    write (try again); PERMISSION_DENIED for a wrong secret or another uid."""
+    write; PERMISSION_DENIED for a wrong secret or another uid. Given ``wait`` (since
+    1.12), the answer waits (deferred) while the holder lives or is not fenced yet, up to
+    ``wait`` seconds, and comes once the group is adopted; at once if another adopter
+    takes it first. ``wait`` 0 (and a daemon before 1.12): answered at once."""
 
     TYPE = MsgType.ADOPT
     REPLY = AdoptReply
     group: str
     secret: str
+    wait: float = 0.0
 
 
 class AdoptDone(RequestMessage, kw_only=True):
