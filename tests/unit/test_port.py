@@ -25,8 +25,8 @@ def test_settings_that_contradict_each_other_are_refused(options: dict[str, obje
 
 
 def test_a_layout_gives_the_kv_cache_its_keywords() -> None:
-    layout = KvLayout(28, (256, 8, 128), 2, "bf16")
-    assert layout.describe() == {"layers": 28, "block_shape": (256, 8, 128), "itemsize": 2, "combined": False}
+    layout = KvLayout(28, (256, 8, 128), 2, "bf16", max_blocks=4096)
+    assert layout.describe() == {"layers": 28, "block_shape": (256, 8, 128), "itemsize": 2, "combined": False}  # max_blocks apart
 
 
 def test_a_missing_seam_is_named_with_the_version_installed() -> None:
