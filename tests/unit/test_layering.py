@@ -82,7 +82,7 @@ CLIENT_LAYERS = [
     "errors", "views", "discovery", "control", "channel", "allocator", "torch_support", "capture_routing", "elastic",
     "address_slices", "graph_pools", "leases", "core", "arena", "borrow", "kv_pool", "paged_kv", "sleep", "prefix_directory", "retain", "standby",
     "session",
-    "leased_graph", "engine", "integrations", "ctl", "__init__",
+    "leased_graph", "engine", "port", "integrations", "ctl", "__init__",
 ]
 
 
