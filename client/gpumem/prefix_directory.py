@@ -55,7 +55,9 @@ class Memory(Protocol):
     """What the directory needs of its arena (``gpumem.Arena``)."""
 
     name: str
-    committed: int
+
+    @property
+    def committed(self) -> int: ...
 
     def write(self, offset: int, data: bytes) -> None: ...
 
