@@ -259,7 +259,7 @@ class Session:
         adopted chunks replace its placeholder, and it is closed once they did; kept where the
         adoption fails, to try again; this session's reservation of ``group`` by default)."""
         # The process's own reservation of the group, if any: its windows are not free here otherwise.
-        reservation = reservation or self.core.reservations.get(group)
+        reservation = reservation or Reservation.held(self.core, group)
         adopted = adopt(self.core, group, secret, wait=wait, confirm=confirm, reservation=reservation)
         if reservation is not None:
             reservation.close()
