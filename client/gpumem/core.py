@@ -2,7 +2,7 @@
 address slice, its side of the leases, and the registries of what it made.
 
 ``Session`` (gpumem.session) is the public facade over one core. Arenas, graph pools,
-KV pools, borrows and standbys hold the core, not the session, and
+KV pools, borrows, standbys and prefix directories hold the core, not the session, and
 change its registries only through the methods here: so those are the one place where a
 session's arenas, borrow pools and standbys come and go, and nothing below the facade
 imports it (tests/unit/test_layering.py checks). A standby's windows are claims in the

@@ -274,7 +274,7 @@ class Session:
     def create_prefix_directory(self, name: str, *, blocks: int) -> PrefixDirectory:
         """A prefix directory for ``blocks`` KV blocks in a new arena ``name``, to retain
         with the pool (see gpumem.prefix_directory)."""
-        return PrefixDirectory.create(self, name, blocks=blocks)
+        return PrefixDirectory.create(self.core, name, blocks=blocks)
 
     def close(self) -> None:
         """Release this session's arenas (unmapping them) and close both channels."""

@@ -119,9 +119,10 @@ def test_runtime_imports_leave_out_type_checking_blocks_only(tmp_path: Path) -> 
     assert "gpumem.session" in imports(source)
 
 
-@pytest.mark.parametrize(("module", "above"), [("core", "standby")])
-def test_the_core_does_not_even_name_what_sits_above_it(module: str, above: str) -> None:
+@pytest.mark.parametrize(("module", "above"), [("core", "standby"), ("prefix_directory", "session")])
+def test_the_core_and_the_prefix_directory_do_not_even_name_what_sits_above_them(module: str, above: str) -> None:
     """Not even under ``if TYPE_CHECKING:``: a standby's windows are claims in the address
-    slice, which the core reads without knowing standbys."""
+    slice, which the core reads without knowing standbys, and a prefix directory is made
+    over the core, not the facade."""
     named = imports(PACKAGES["gpumem"] / f"{module}.py")
     assert not any(n == f"gpumem.{above}" or n.startswith(f"gpumem.{above}.") for n in named), f"gpumem.{module} names gpumem.{above}"
