@@ -26,7 +26,7 @@ from gpumem import address_slices
 from gpumem.address_slices import AddressSlice, Standby, StandbyClaim
 from gpumem.channel import SessionChannel
 from gpumem.errors import DaemonUnavailable, GpuMemError, InvalidArgument
-from gpumem.leases import SessionLeases
+from gpumem.handoffs import SessionLeases
 
 if TYPE_CHECKING:
     from gpumem.arena import Arena

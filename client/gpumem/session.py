@@ -29,8 +29,9 @@ from gpumem.core import SessionCore
 from gpumem.discovery import resolve_device
 from gpumem.errors import AlreadyExists, InvalidArgument
 from gpumem.graph_pools import GraphPool
+from gpumem.handoffs import LeasePool
 from gpumem.kv_pool import KvPool
-from gpumem.leases import Lease, LeasePool
+from gpumem.leases import Lease
 from gpumem.paged_kv import PagedKvCache
 from gpumem.prefix_directory import PrefixDirectory
 from gpumem.retain import Adopted, RetainGroup, adopt
