@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Protocol
 
 from gpumem_shared.address_plan import plan_range
 from gpumem_shared.driver import Driver, DriverError
@@ -52,24 +51,17 @@ class AddressSlice:
         return self.base + self.size
 
 
-class Standby(Protocol):
-    """What backs a standby's windows with its placeholder (gpumem.standby's
-    ``Reservation``): closing it unmaps the placeholder and drops its claim."""
-
-    def close(self) -> None: ...
-
-
 @dataclasses.dataclass(eq=False)
 class StandbyClaim:
     """The windows of retain group ``group``'s arenas that session ``session_id`` of this
-    process backs with ``holder``'s placeholder, by arena name: no arena of the process is
-    mapped over one until the adoption maps the group's arena there (``vacate``) or the
-    standby closes (``drop``)."""
+    process backs with a standby's placeholder (gpumem.standby), by arena name: no arena
+    of the process is mapped over one until the adoption maps the group's arena there
+    (``vacate``) or the standby closes (``drop``). Plain data: the session's core keeps
+    the standby itself."""
 
     held: AddressSlice
     session_id: int
     group: str
-    holder: Standby
     windows: dict[str, tuple[int, int]]  # arena name -> [start, end) addresses
 
     def vacate(self, window: str) -> None:
@@ -131,19 +123,13 @@ def claim(held: AddressSlice, arena: str, start: int, end: int, session_id: int,
         )
 
 
-def reserve(held: AddressSlice, session_id: int, group: str, holder: Standby, windows: dict[str, tuple[int, int]]) -> StandbyClaim:
+def reserve(held: AddressSlice, session_id: int, group: str, windows: dict[str, tuple[int, int]]) -> StandbyClaim:
     """Session ``session_id`` backs retain group ``group``'s ``windows`` (arena name ->
-    [start, end) addresses) with ``holder``'s placeholder from now on."""
-    standby = StandbyClaim(held, session_id, group, holder, dict(windows))
+    [start, end) addresses) with a standby's placeholder from now on."""
+    standby = StandbyClaim(held, session_id, group, dict(windows))
     with _lock:
         held.standbys[(session_id, group)] = standby
     return standby
-
-
-def standbys(held: AddressSlice, session_id: int) -> list[StandbyClaim]:
-    """The standbys session ``session_id`` holds here, in the order they were made."""
-    with _lock:
-        return [c for (session, _), c in held.standbys.items() if session == session_id]
 
 
 def unclaim(held: AddressSlice, arena: str, session_id: int) -> None:

@@ -6,8 +6,8 @@ KV pools, borrows, standbys and prefix directories hold the core, not the sessio
 change its registries only through the methods here: so those are the one place where a
 session's arenas, borrow pools and standbys come and go, and nothing below the facade
 imports it (tests/unit/test_layering.py checks). A standby's windows are claims in the
-address slice (gpumem.address_slices), which the core reads back without knowing what
-a standby is.
+address slice (gpumem.address_slices); the core keeps the standby, without knowing more
+of it than how to close it.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError, DriverUnavailable, PeerAccessError
 from gpumem_shared.paths import Endpoints
 from gpumem import address_slices
-from gpumem.address_slices import AddressSlice, Standby, StandbyClaim
+from gpumem.address_slices import AddressSlice, StandbyClaim
 from gpumem.channel import SessionChannel
 from gpumem.errors import DaemonUnavailable, GpuMemError, InvalidArgument
 from gpumem.handoffs import SessionLeases
@@ -31,6 +31,13 @@ from gpumem.handoffs import SessionLeases
 if TYPE_CHECKING:
     from gpumem.arena import Arena
     from gpumem.borrow import BorrowPool
+
+
+class Standby(Protocol):
+    """What backs a retain group's windows with this session's placeholder
+    (gpumem.standby's ``Reservation``): closing it unmaps the placeholder there."""
+
+    def close(self) -> None: ...
 
 
 class SessionCore:
@@ -56,6 +63,9 @@ class SessionCore:
         # Read-only views, made once: the borrow path reads them on every scope.
         self.arenas: Mapping[str, Arena] = MappingProxyType(self._arenas)
         self.borrow_pools: Mapping[int, BorrowPool] = MappingProxyType(self._borrow_pools)
+        # What backs retain groups' windows with this session's placeholder, by group; the
+        # windows themselves are claims in the address slice (claim_standby).
+        self._standbys: dict[str, Standby] = {}
         arenas = self._arenas  # not self: the channel must not keep the core alive
         channel.holdings = lambda: [arena.holding() for arena in list(arenas.values())]
         self._slice: AddressSlice | None = None  # the daemon's address slice, from the first arena on
@@ -131,17 +141,23 @@ class SessionCore:
         until drop_arena."""
         address_slices.claim(self.address_slice(), arena.name, arena.address, arena.address + arena.reserved, self.session_id, self.name)
 
-    def claim_standby(self, group: str, holder: Standby, windows: dict[str, tuple[int, int]]) -> StandbyClaim:
-        """``holder`` backs retain group ``group``'s ``windows`` (arena name -> [start, end)
-        addresses) with its placeholder in this session from now on (gpumem.standby): no
-        arena of this process is mapped over them until it vacates them or drops the
-        claim; ``close`` closes it."""
-        return address_slices.reserve(self.address_slice(), self.session_id, group, holder, windows)
+    def claim_standby(self, group: str, standby: Standby, windows: dict[str, tuple[int, int]]) -> StandbyClaim:
+        """``standby`` backs retain group ``group``'s ``windows`` (arena name -> [start, end)
+        addresses) with this session's placeholder from now on (gpumem.standby): no arena
+        of this process is mapped over one until the claim vacates it or ``drop_standby``;
+        ``close`` closes the standby."""
+        claim = address_slices.reserve(self.address_slice(), self.session_id, group, windows)
+        self._standbys[group] = standby
+        return claim
+
+    def drop_standby(self, claim: StandbyClaim) -> None:
+        """The standby of ``claim`` closed: its windows are free in this process again."""
+        claim.drop()
+        self._standbys.pop(claim.group, None)
 
     def standby(self, group: str) -> Standby | None:
         """What backs retain group ``group``'s windows in this session, if anything does."""
-        standbys = address_slices.standbys(self._slice, self.session_id) if self._slice is not None else []
-        return next((claim.holder for claim in standbys if claim.group == group), None)
+        return self._standbys.get(group)
 
     def close(self) -> None:
         """Release the arenas (unmapping them) and close both channels; a call another
@@ -149,9 +165,9 @@ class SessionCore:
         call may still be putting its placeholder back: each arena's release waits for
         it (the arena's mappings change under one lock), then nothing is mapped."""
         self.channel.interrupt()
-        for claim in address_slices.standbys(self._slice, self.session_id) if self._slice is not None else []:
+        for standby in list(self._standbys.values()):
             try:
-                claim.holder.close()  # its placeholder off the windows: the slice can go
+                standby.close()  # its placeholder off the windows: the slice can go
             except (GpuMemError, DriverError):
                 pass
         for arena in list(self._arenas.values()):

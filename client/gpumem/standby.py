@@ -157,7 +157,7 @@ class Reservation:
         for name in list(self._aliases):
             self.vacate(name)
         self._parked.clear()
-        self._claim.drop()
+        self.core.drop_standby(self._claim)
         if not self.core.closed and self.core.arenas.get(self._scratch.name) is self._scratch:
             self._scratch.release()
 
