@@ -85,7 +85,7 @@ def client(name: str, tokens: int, headroom: int, rounds: int) -> int:
         sent = time.monotonic()
         got = pool.capture_done(headroom_bytes=headroom, min_tokens=tokens, max_tokens=tokens, timeout=600)
         mapped = time.monotonic()
-        chunks = len(pool.arena._chunks)
+        chunks = len(pool.arena.window.chunks)
         answered = max((t1 for what, _, t1 in driver_calls if what == "answer"), default=mapped)
         phases = {
             "answered": answered,

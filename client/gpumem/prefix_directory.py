@@ -2,7 +2,7 @@
 in place by the engine into a small arena retained with the pool, so that an engine that
 adopts the pool after the first one died seeds its prefix cache from it.
 
-    directory = PrefixDirectory.create(session, "engine-a-prefix", blocks=cache.max_blocks)
+    directory = session.create_prefix_directory("engine-a-prefix", blocks=cache.max_blocks)
     group.retain(cache, directory)
     ...
     directory.invalidate(block)          # before the block's rows are written anew
@@ -35,10 +35,11 @@ import struct
 import zlib
 from typing import TYPE_CHECKING, Protocol
 
+from gpumem.arena import Arena
 from gpumem.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from gpumem.session import Session
+    from gpumem.core import SessionCore
 
 MAGIC = 0x31524944504D5047  # "GPMPDIR1", little-endian
 LAYOUT_VERSION = 1
@@ -55,7 +56,9 @@ class Memory(Protocol):
     """What the directory needs of its arena (``gpumem.Arena``)."""
 
     name: str
-    committed: int
+
+    @property
+    def committed(self) -> int: ...
 
     def write(self, offset: int, data: bytes) -> None: ...
 
@@ -91,14 +94,15 @@ class PrefixDirectory:
         self._next = next_sequence
 
     @classmethod
-    def create(cls, session: Session, name: str, *, blocks: int) -> PrefixDirectory:
-        """A directory for ``blocks`` block ids in a new arena ``name``, committed whole
+    def create(cls, core: SessionCore, name: str, *, blocks: int) -> PrefixDirectory:
+        """``Session.create_prefix_directory``: a directory for ``blocks`` block ids in a
+        new arena ``name`` of the session whose core is ``core``, committed whole
         (zero-filled by the daemon: every entry empty)."""
         if blocks <= 0:
             raise InvalidArgument(f"prefix directory '{name}' needs at least one block, not {blocks}")
-        g = session.device.granularity
+        g = core.device.granularity
         size = -(-bytes_for(blocks) // g) * g
-        arena = session.create_arena(name, size)
+        arena = Arena.create(core, name, size)
         try:
             arena.commit(size)
             arena.write(0, _HEADER.pack(MAGIC, LAYOUT_VERSION, ENTRY_BYTES, blocks))

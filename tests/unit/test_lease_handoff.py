@@ -20,7 +20,8 @@ import pytest
 
 import gpumem
 from gpumem.errors import DeviceDriverError
-from gpumem.leases import Lease, SessionLeases
+from gpumem.handoffs import SessionLeases
+from gpumem.leases import Lease
 from gpumem_shared import _native, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import KIND_NAMES, LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus
