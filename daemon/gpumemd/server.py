@@ -30,7 +30,7 @@ from gpumem_shared.paths import Endpoints
 from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
 from gpumemd.records import SessionRecord
-from gpumemd.admission import ACCEPT_BATCH, ANONYMOUS, Admission, Connection, FairQueue
+from gpumemd.admission import ACCEPT_BATCH, ANONYMOUS, ANONYMOUS_UID, Admission, Connection, FairQueue
 from gpumemd.control_channel import ControlChannel
 from gpumemd.logs import log_request
 from gpumemd.outbox import Batch, Letter, Mail, Outbox
@@ -184,7 +184,7 @@ class Server:
         control_listener = control.listener.fileno() if control.listener is not None else -1
         connections = self._connections
         waiting = self._waiting
-        queued = waiting.peers
+        queued = waiting.turns
         try:
             while not self._stop_requested:
                 for ready, _ in poller.poll(0 if queued else wait_ms):
@@ -257,7 +257,7 @@ class Server:
         # The request frame without a copy; its ``more`` says whether frames follow,
         # without asking the socket.
         frame = router.recv(_NOBLOCK, copy=False)
-        if frame.more or self._waiting.peers:
+        if frame.more or self._waiting.turns:
             self._read_ahead(identity, frame)
         else:  # no peer waits, so none is passed over
             self._serve_request(identity, frame.buffer)
@@ -290,7 +290,10 @@ class Server:
             return
         data = frame.bytes
         session = self._by_token.get(identity)
-        refusal = self._waiting.push(ANONYMOUS if session is None else session.id, identity, data)
+        if session is None:
+            refusal = self._waiting.push(ANONYMOUS, ANONYMOUS_UID, identity, data)
+        else:
+            refusal = self._waiting.push(session.id, session.uid, identity, data)
         if refusal is not None:
             router.send(identity, _SNDMORE_NOBLOCK)
             router.send(p.encode_error(p.request_id_of(data), refusal), _NOBLOCK)
