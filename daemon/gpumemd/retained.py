@@ -36,6 +36,7 @@ from gpumemd.config import StateConfig
 from gpumemd.fencing import Fence
 from gpumemd.image import Image, Imager
 from gpumemd.kv_pools import KvBook
+from gpumemd.logs import SessionThrottle
 from gpumemd.records import ChunkRecord, Outcome, SessionRecord
 
 log = logging.getLogger("gpumemd.retained")
@@ -88,6 +89,7 @@ class RetainBook:
         self.clock = clock
         self.fence = fence
         self.groups: dict[str, GroupRecord] = {}
+        self._refusals = SessionThrottle(log)  # any session can provoke one at will
 
     # ------------------------------------------------------------------ lookups
 
@@ -196,7 +198,9 @@ class RetainBook:
         # nothing about how close a guess came.
         right = hmac.compare_digest(group.secret, secret.encode())
         if group.uid != s.uid:
-            log.warning("retain group %r: %s by %s refused: the group belongs to uid %d", group.name, what, who, group.uid)
+            self._refusals.warning(
+                s.id, self.clock(), "retain group %r: %s by %s refused: the group belongs to uid %d", group.name, what, who, group.uid
+            )
             raise p.ProtocolError(
                 p.ErrorCode.PERMISSION_DENIED,
                 f"retain group '{group.name}' belongs to uid {group.uid}; this session is uid {s.uid}: only a process of "
@@ -205,7 +209,7 @@ class RetainBook:
                 uid=s.uid,
             )
         if not right:
-            log.warning("retain group %r: %s by %s refused: wrong secret", group.name, what, who)
+            self._refusals.warning(s.id, self.clock(), "retain group %r: %s by %s refused: wrong secret", group.name, what, who)
             raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"wrong secret for retain group '{group.name}'", group=group.name)
         return who
 
