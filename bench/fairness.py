@@ -13,7 +13,8 @@ flooders take CPU from the probe and the daemon, and p99 measures the scheduler.
 With ``--sessions N`` each flooder opens N sessions instead (HELLO on the fd channel,
 then a DEALER under the session's token, ``--depth`` requests in flight on each), as
 ``--flood-uid`` (default: 65534 when run as root, the daemon's sockets opened to its
-group; otherwise the bench's own uid, and the figures say so): the daemon's turns are
+group; otherwise the bench's own uid, and the figures say so; anonymous flooders run as
+the bench's uid unless told): the daemon's turns are
 per uid, so N sessions of one uid must delay another uid's probe no more than one.
 
     python bench/fairness.py --backend host
@@ -140,7 +141,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sessions", type=int, default=0,
                     help="sessions each flooder opens and floods through, instead of --sockets anonymous connections (default: 0)")
     ap.add_argument("--flood-uid", type=int, default=None,
-                    help="the uid the flooders run as (default: 65534 when run as root, else the bench's own)")
+                    help="the uid the flooders run as (default: with --sessions, 65534 when run as root; else the bench's own)")
     ap.add_argument("--target", type=float, default=3.0, help="ok when ratio_p99 <= this (default: 3)")
     ap.add_argument("--start-timeout", type=float, default=60.0, help="seconds the daemon and flooders get to start")
     ap.add_argument("--call-timeout", type=float, default=10.0, help="seconds one round trip may take before failing")
@@ -156,7 +157,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if args.iterations < 100 or args.warmup < 0 or min(args.flooders, args.depth, args.sockets) < 1 or args.sessions < 0:
             ap.error("--iterations must be >= 100, --flooders, --sockets and --depth >= 1, --warmup and --sessions >= 0")
         if args.flood_uid is None:
-            args.flood_uid = 65534 if os.getuid() == 0 else os.getuid()
+            args.flood_uid = 65534 if os.getuid() == 0 and args.sessions else os.getuid()
         try:
             args.cpus = c.parse_cpus(args.cpus)
         except ValueError as exc:
