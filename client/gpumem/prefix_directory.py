@@ -19,8 +19,8 @@ the three (u32), 8 bytes unused. An all-zero entry is empty. One write per publi
 per invalidation, no daemon round trip (a memcpy on the host backend, a small
 host-to-device copy on CUDA).
 
-What is trusted: an entry whose checksum holds, whose block id is its own slot and lies
-below the blocks the adopter has committed. A write the dead engine had not finished
+What is trusted: an entry whose checksum holds, whose sequence is in range, whose block
+id is its own slot and lies below the blocks the adopter has committed. A write the dead engine had not finished
 fails its checksum; a block it was rewriting was invalidated before the rewrite began,
 so it is empty; a block whose entry it had not published yet is simply absent. The
 engine's part of the bargain is the order: invalidate before writing a block's rows,
@@ -50,6 +50,10 @@ _ENTRY = struct.Struct("<QQII8x")  # sequence, hash, block id, crc
 _SIGNED = struct.Struct("<QQI")  # what the crc covers
 _EMPTY = bytes(ENTRY_BYTES)
 _HASH_MASK = (1 << 64) - 1
+# Sequences a directory's entries may carry: one per publish, so no engine comes near the
+# end; an entry past it is corrupt (written by no publish), and trusting it would put the
+# next sequence past what an entry holds.
+SEQUENCE_END = 1 << 63
 
 
 class Memory(Protocol):
@@ -80,7 +84,7 @@ class Scan:
 
     blocks: dict[int, int]
     empty: int = 0
-    corrupt: int = 0  # checksum failed, or an entry in another block's slot: a write cut short
+    corrupt: int = 0  # checksum failed, an entry in another block's slot (a write cut short), or a sequence out of range
     beyond: int = 0  # a block past what the adopter has committed
     last_sequence: int = 0
 
@@ -154,7 +158,7 @@ class PrefixDirectory:
             if not (sequence or h or block or crc):
                 scan.empty += 1
                 continue
-            if crc != _crc(sequence, h, block) or block != slot or not sequence:
+            if crc != _crc(sequence, h, block) or block != slot or not 0 < sequence < SEQUENCE_END:
                 scan.corrupt += 1
                 continue
             scan.last_sequence = max(scan.last_sequence, sequence)

@@ -12,6 +12,7 @@ connection takes a descriptor (descriptors near the open-file limit shut the doo
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import time
@@ -112,6 +113,30 @@ class ControlChannel:
         cut_off = door.spoke(fd, identity, session, time.monotonic())
         if cut_off is not None:
             self._hang_up(door.peers[cut_off], time.monotonic())
+
+    def hang_up(self, identity: bytes, why: str) -> None:
+        """Hang up the connection ``identity``'s requests came on last (``why``: for the log)."""
+        peer = self.door.connection_of(identity, why)
+        if peer is not None:
+            self._hang_up(peer, time.monotonic())
+
+    def unread(self, identity: bytes) -> bool:
+        """Whether the connection ``identity``'s requests came on last takes no more
+        bytes (not writable: as much waits unread in the kernel as it lets a writer
+        queue): its peer does not read. The socket is libzmq's: asked through a copy of
+        its descriptor, checked to be the control channel's still."""
+        fd = self.door.newest(identity)
+        if fd is None or fd in self._fd_channel:
+            return False
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.family != socket.AF_UNIX or sock.getsockname() != str(self.endpoints.zmq_path):
+                    return False
+                ready = select.poll()
+                ready.register(sock.fileno(), select.POLLOUT)
+                return not ready.poll(0)
+        except OSError:
+            return False
 
     def fd_opened(self, fd: int, now: float) -> None:
         """The daemon took descriptor ``fd`` (a control or an fd-channel connection)."""

@@ -37,6 +37,7 @@ from gpumemd.config import StateConfig
 from gpumemd.fencing import Fence
 from gpumemd.image import Image, Imager
 from gpumemd.kv_pools import KvBook
+from gpumemd.logs import SessionThrottle
 from gpumemd.records import ChunkRecord, Completion, Outcome, PendingWait, SessionRecord, wait_deadline
 
 log = logging.getLogger("gpumemd.retained")
@@ -100,6 +101,7 @@ class RetainBook:
         self.groups: dict[str, GroupRecord] = {}
         self.adopts: list[PendingAdopt] = []
         self._completions: list[Completion] = []
+        self._refusals = SessionThrottle(log)  # any session can provoke one at will
 
     # ------------------------------------------------------------------ lookups
 
@@ -208,7 +210,9 @@ class RetainBook:
         # nothing about how close a guess came.
         right = hmac.compare_digest(group.secret, secret.encode())
         if group.uid != s.uid:
-            log.warning("retain group %r: %s by %s refused: the group belongs to uid %d", group.name, what, who, group.uid)
+            self._refusals.warning(
+                s.id, self.clock(), "retain group %r: %s by %s refused: the group belongs to uid %d", group.name, what, who, group.uid
+            )
             raise p.ProtocolError(
                 p.ErrorCode.PERMISSION_DENIED,
                 f"retain group '{group.name}' belongs to uid {group.uid}; this session is uid {s.uid}: only a process of "
@@ -217,7 +221,7 @@ class RetainBook:
                 uid=s.uid,
             )
         if not right:
-            log.warning("retain group %r: %s by %s refused: wrong secret", group.name, what, who)
+            self._refusals.warning(s.id, self.clock(), "retain group %r: %s by %s refused: wrong secret", group.name, what, who)
             raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"wrong secret for retain group '{group.name}'", group=group.name)
         return who
 

@@ -104,7 +104,7 @@ class SessionDesk:
             since=self.wall_clock(),
             token=os.urandom(16),
             own_pid=hello.pid or pid,  # a client before 1.9 says none: the kernel's is its own then
-            credential=os.urandom(32) if self.resumable else b"",
+            credential=os.urandom(p.RESUME_CREDENTIAL_BYTES) if self.resumable else b"",
             tenant_key=tenant_key,
         )
         self.next_session += 1

@@ -65,12 +65,14 @@ def test_a_resume_from_the_same_pid_under_another_uid_is_refused(restarted: Rest
     assert reply.session_id == s.id and not session.waiting
 
 
-def test_a_session_without_a_credential_cannot_be_resumed_with_an_empty_one(restarted: Restarted) -> None:
+def test_a_session_without_a_credential_cannot_be_resumed_with_any(restarted: Restarted) -> None:
+    """An empty credential is refused when decoded (test_protocol); one of the right
+    length, all zeros, finds no credential to match: the session was never resumable."""
     h, (s,) = restarted(["eng"])
     kept = h.state.sessions[s.id]
     kept.credential = b""  # as a session opened before the daemon had a store is kept
     with pytest.raises(p.ProtocolError) as refused:
-        h.state.resume(resume(s, b""), s.pid, s.uid, s.gid)
+        h.state.resume(resume(s, bytes(p.RESUME_CREDENTIAL_BYTES)), s.pid, s.uid, s.gid)
     assert refused.value.code == p.ErrorCode.SESSION_LOST
     assert kept.waiting
 

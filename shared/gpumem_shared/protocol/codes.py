@@ -35,6 +35,10 @@ MAX_WAIT_S = 3600.0
 # A tenant token (Hello.tenant_token): a random secret, tens of characters; the bound
 # keeps what the daemon hashes at HELLO small.
 MAX_TENANT_TOKEN = 256
+# A resume credential (HelloReply.credential, Resume.credential): random bytes the daemon
+# issues, this many. A RESUME with another length (an empty one above all) is refused
+# when decoded, before any session is looked at.
+RESUME_CREDENTIAL_BYTES = 32
 
 
 class ErrorCode(enum.IntEnum):
