@@ -329,6 +329,7 @@ class ArenaBook:
         if missing:
             need = sum(missing)
             self.require_available(need, f"placeholders of {need} bytes for arena '{arena.name}'")
+            self.caps.check([(arena, 0, need)], self.available_bytes)  # device memory like a commit's: capped
             placements = []
             for size in missing:
                 placements.append((arena.address + arena.reserved + used, size))

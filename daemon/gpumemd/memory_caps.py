@@ -11,12 +11,12 @@ own, and the daemon keeps no more than that: a session's token is hashed at HELL
 compared in constant time against the policy's, and refused (PERMISSION_DENIED, naming
 no secret) when no rule names it; the session then keeps only the hash. An account's use
 is counted from the arena book itself (the chunks of the arenas its sessions own,
-retiring ones included: a client still maps them), so nothing here can drift from what
-the device holds. Every chunk the daemon creates for a client (commit, KV grow, KV
-round, a round's staged minimum, a wake) passes ``check`` first, all of a request's
-chunks at once: an account's use never passes its maximum, and no commit of one account
-eats into what another is guaranteed and does not hold yet. Refusals are
-RESOURCE_EXHAUSTED and name the cap, the account and its use.
+retiring ones and placeholders included: a client still maps them), so nothing here can
+drift from what the device holds. Every chunk the daemon creates for a client (commit,
+KV grow, KV round, a round's staged minimum, a wake, a placeholder) passes ``check``
+first, all of a request's chunks at once: an account's use never passes its maximum,
+and no commit of one account eats into what another is guaranteed and does not hold
+yet. Refusals are RESOURCE_EXHAUSTED and name the cap, the account and its use.
 
 Caps change at run time (``reload``: SIGHUP). A lowered maximum refuses new chunks from
 then on; memory already held is not taken away: an account above its new maximum keeps what
@@ -378,7 +378,7 @@ class Caps:
         for arena in self._arenas.values():
             found = self.account_of(arena.name)
             if found is not None:
-                used[found[0]] = used.get(found[0], 0) + sum(c.size for c in arena.chunks)
+                used[found[0]] = used.get(found[0], 0) + sum(c.size for c in arena.chunks + arena.placeholders)
         for chunk in self._retiring.values():  # an arena is destroyed once no one maps any of it
             found = self.account_of(chunk.arena)
             if found is not None:
