@@ -38,6 +38,7 @@ from gpumemd.fencing import Fence
 from gpumemd.image import Image, Imager
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ChunkRecord, Completion, Outcome, PendingWait, SessionRecord, wait_deadline
+from gpumemd.sleepers import SleeperBook
 
 log = logging.getLogger("gpumemd.retained")
 
@@ -86,6 +87,7 @@ class RetainBook:
         self,
         arenas: ArenaBook,
         kv: KvBook,
+        sleepers: SleeperBook,
         sessions: Mapping[int, SessionRecord],
         config: StateConfig,
         clock: Callable[[], float],
@@ -93,6 +95,7 @@ class RetainBook:
     ) -> None:
         self.arenas = arenas
         self.kv = kv
+        self.sleepers = sleepers
         self.sessions = sessions
         self.config = config
         self.clock = clock
@@ -315,6 +318,8 @@ class RetainBook:
                 f"this session is attached to {attached} of retain group '{group.name}' already; release them, then adopt",
                 group=group.name,
             )
+        moving = [self.arenas.by_name[n] for n in group.objects]
+        self.arenas.caps.check_move(moving, s.uid, s.gid, s.tenant_key, f"adopting retain group '{group.name}'")
         group.holder, group.adopting = s.id, True
         handout: list[ChunkRecord] = []
         objects = []
@@ -322,6 +327,7 @@ class RetainBook:
             arena = self.arenas.by_name[name]
             self.arenas.transfer(arena, s)
             self.kv.transfer(name, s)
+            self.sleepers.transfer(name, s)
             chunks = self.arenas.hand(s, list(arena.chunks))
             handout += chunks
             view = self.arenas.view(arena)

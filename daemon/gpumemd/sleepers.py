@@ -160,6 +160,13 @@ class SleeperBook:
         reply = p.HostBufferReply(arena=arena.name, buffer=p.HostBufferView(id=have.id, size=have.size), fd_batches=1)
         return Outcome(reply, host_buffers=[(have.id, have.fd)])
 
+    def transfer(self, arena: str, s: SessionRecord) -> None:
+        """``s`` owns arena ``arena`` from now on (an adoption): its host buffer, and a
+        sleeping arena's contents in it, are ``s``'s too, counted against it."""
+        buffer = self.buffers.get(arena)
+        if buffer is not None:
+            buffer.owner_id = s.id
+
     def granted(self, session_id: int, buffer_ids: list[int]) -> list[tuple[int, int]]:
         """(id, memfd) of the host buffers of ``buffer_ids`` that ``session_id`` still owns:
         a remembered SLEEP_BUFFER answer handed again after a restart."""

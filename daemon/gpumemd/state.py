@@ -103,7 +103,7 @@ class DaemonState:
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device, order)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, wall_clock, self.tally)
         self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, clock, wall_clock)
-        self.retained = RetainBook(self.arenas, self.kv, self.sessions, config, clock, fence)
+        self.retained = RetainBook(self.arenas, self.kv, self.sleepers, self.sessions, config, clock, fence)
         self.session_desk = SessionDesk(
             self.sessions, p.Backend(driver.kind), self.device, config, self.arenas, self.tenants, self.tally, clock, wall_clock, gone,
         )
