@@ -385,25 +385,26 @@ class Caps:
                 used[found[0]] = used.get(found[0], 0) + chunk.size
         return used
 
-    def check_move(self, arenas: Iterable[ArenaRecord], uid: int, gid: int, token: bytes, what: str) -> None:
+    def check_move(self, arenas: list[ArenaRecord], uid: int, gid: int, token: bytes, what: str) -> None:
         """Before ``arenas`` change owner to a session of ``uid``/``gid``/``token`` (an
         adoption): what they hold (placeholders and retiring chunks included) counts
         against the new owner's account from then on, so a move past its maximum is
         refused as a commit would be. Nothing is created: no minimum is at stake."""
         found = self.policy.account(uid, gid, token)
-        if found is None or found[1].max_bytes is None:
+        cap = None if found is None else found[1].max_bytes
+        if found is None or cap is None:
             return
         account, rule = found
         names = {a.name for a in arenas if (self.account_of(a.name) or ("",))[0] != account}
         moving = sum(c.size for a in arenas if a.name in names for c in a.chunks + a.placeholders)
         moving += sum(c.size for c in self._retiring.values() if c.arena in names)
         held = self.usage().get(account, 0) if moving else 0
-        if moving and held + moving > rule.max_bytes:
+        if moving and held + moving > cap:
             detail = (
                 f"holds {format_size(held)} of device memory; {what} would add the {format_size(moving)} it holds and pass "
-                f"its cap of {format_size(rule.max_bytes)}"
+                f"its cap of {format_size(cap)}"
             )
-            raise _refuse(account, rule, detail, held, rule.max_bytes)
+            raise _refuse(account, rule, detail, held, cap)
 
     def room(self, arena: ArenaRecord) -> int | None:
         """What the account of ``arena`` may still commit under its maximum; None: no maximum."""
