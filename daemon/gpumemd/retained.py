@@ -1,7 +1,9 @@
 """The retain book: retain groups, the arenas and KV pools kept for them when their
 holder ends without releasing them, and their adoption by another session.
 
-A group belongs to the uid that opened it and is held by one session at a time. Its
+A group belongs to the uid that opened it and is held by one session at a time; group
+names are each uid's own (as arena names are: names.py), so no uid can take a name
+another uid's engine needs, and a group is found by its uid and name. Its
 secret (256 random bits) is granted to the session that opens it; the holder hands it
 to the process that may take over (a standby, a supervisor's restarted engine), out of
 band. When the holder's session ends with retained objects still its own (the process
@@ -73,6 +75,7 @@ class PendingAdopt(PendingWait):
     group: str
     who: str  # how the log names the adopter
     holder: int  # the group's holder when it came (0: orphaned, its last holder not fenced)
+    uid: int  # the group's uid: with its name, its key
 
 
 class RetainBookImage(msgspec.Struct):
@@ -100,16 +103,20 @@ class RetainBook:
         self.config = config
         self.clock = clock
         self.fence = fence
-        self.groups: dict[str, GroupRecord] = {}
+        self.groups: dict[tuple[int, str], GroupRecord] = {}  # by (uid, name): each uid names its own
         self.adopts: list[PendingAdopt] = []
         self._completions: list[Completion] = []
 
     # ------------------------------------------------------------------ lookups
 
-    def _get(self, name: str) -> GroupRecord:
-        group = self.groups.get(name)
+    def _get(self, s: SessionRecord, name: str) -> GroupRecord:
+        """``s``'s uid's group ``name``; for a session of another uid, another uid's group of
+        that name (a refusal then says whose it is; only its own uid may touch it)."""
+        group = self.groups.get((s.uid, name)) or next((g for g in self.groups.values() if g.name == name), None)
         if group is None:
-            raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"no retain group named '{name}' on device {self.arenas.device.index}", group=name)
+            raise p.ProtocolError(
+                p.ErrorCode.NOT_FOUND, f"uid {s.uid} has no retain group named '{name}' on device {self.arenas.device.index}", group=name
+            )
         return group
 
     def _holder_label(self, group: GroupRecord) -> str:
@@ -143,18 +150,10 @@ class RetainBook:
 
     def open(self, s: SessionRecord, m: p.RetainGroup) -> Outcome:
         check_name(m.group, "retain group name")
-        group = self.groups.get(m.group)
+        group = self.groups.get((s.uid, m.group))  # another uid's of this name is no obstacle: names are each uid's
         if group is not None and group.holder == s.id:
             return Outcome(p.RetainGroupReply(group=group.name, secret=group.secret.decode()))
         if group is not None:
-            if group.uid != s.uid:
-                raise p.ProtocolError(
-                    p.ErrorCode.ALREADY_EXISTS,
-                    f"retain group '{m.group}' belongs to uid {group.uid}; group names are shared by every user of the "
-                    "daemon: choose another",
-                    group=m.group,
-                    uid=group.uid,
-                )
             if group.holder:
                 raise self._held(group)
             raise p.ProtocolError(
@@ -174,12 +173,12 @@ class RetainBook:
                 cap=MAX_GROUPS_PER_UID,
             )
         group = GroupRecord(name=m.group, uid=s.uid, secret=secrets.token_hex(SECRET_BYTES).encode(), holder=s.id)
-        self.groups[group.name] = group
+        self.groups[group.uid, group.name] = group
         log.info("retain group %r opened by client %r (pid %d, uid %d)", group.name, s.name, s.pid, s.uid)
         return Outcome(p.RetainGroupReply(group=group.name, secret=group.secret.decode()))
 
     def mark(self, s: SessionRecord, m: p.Retain) -> Outcome:
-        group = self._get(m.group)
+        group = self._get(s, m.group)
         if group.holder != s.id:
             raise p.ProtocolError(
                 p.ErrorCode.PERMISSION_DENIED,
@@ -228,7 +227,7 @@ class RetainBook:
         """Where the group's objects lie, for a standby's placeholder: their windows stay
         planned while the group lives (held or orphaned), so the standby's own arenas
         never land there."""
-        group = self._get(m.group)
+        group = self._get(s, m.group)
         self._admit(s, group, m.secret, "reserve")
         objects = []
         for name in group.objects:
@@ -241,7 +240,7 @@ class RetainBook:
         """Adopt now if the group can be; else, given a ``wait``, answer once it can be
         (deferred: the holder ended, the fence passed) or at the wait's end with why not.
         Another adopter that comes first ends the wait at once."""
-        group = self._get(m.group)
+        group = self._get(s, m.group)
         who = self._admit(s, group, m.secret, "adopt")
         deadline = wait_deadline(m.wait, self.clock(), f"adopting retain group '{group.name}'")
         try:
@@ -253,7 +252,9 @@ class RetainBook:
                 raise p.ProtocolError(
                     p.ErrorCode.ALREADY_EXISTS, f"this session waits to adopt retain group '{group.name}' already", group=group.name
                 ) from None
-        self.adopts.append(PendingAdopt(s.id, request_id, self.clock(), deadline, group=group.name, who=who, holder=group.holder))
+        self.adopts.append(
+            PendingAdopt(s.id, request_id, self.clock(), deadline, group=group.name, who=who, holder=group.holder, uid=group.uid)
+        )
         log.info("retain group %r: %s waits up to %gs to adopt it (%s)", group.name, who, m.wait,
                  f"held by {self._holder_label(group)}" if group.holder else "not fenced yet")
         return Outcome(None)
@@ -263,7 +264,7 @@ class RetainBook:
         first to, and those whose wait ended: called when a session ends and on the tick."""
         now = self.clock()
         for wait in list(self.adopts):
-            s, group = self.sessions.get(wait.session_id), self.groups.get(wait.group)
+            s, group = self.sessions.get(wait.session_id), self.groups.get((wait.uid, wait.group))
             answer: p.Message | p.ProtocolError
             handout: list[ChunkRecord] = []
             if s is None:
@@ -288,7 +289,7 @@ class RetainBook:
 
     def fencing(self) -> bool:
         """Whether an adoption waits for a dead holder's fence: polled, nothing announces it."""
-        return any(not g.holder for g in (self.groups.get(a.group) for a in self.adopts) if g is not None)
+        return any(not g.holder for g in (self.groups.get((a.uid, a.group)) for a in self.adopts) if g is not None)
 
     def take_completions(self) -> list[Completion]:
         out, self._completions = self._completions, []
@@ -345,7 +346,7 @@ class RetainBook:
         return Outcome(reply, handout=handout)
 
     def adopt_done(self, s: SessionRecord, m: p.AdoptDone) -> Outcome:
-        group = self._get(m.group)
+        group = self._get(s, m.group)
         if group.holder != s.id:
             raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"this session does not hold retain group '{group.name}'", group=group.name)
         if group.adopting:
@@ -375,7 +376,7 @@ class RetainBook:
         for group in [g for g in self.groups.values() if g.holder == session.id]:
             group.objects = [n for n in group.objects if n in self.arenas.by_name and self.arenas.by_name[n].owner_id == session.id]
             if not group.objects:
-                del self.groups[group.name]
+                del self.groups[group.uid, group.name]
                 continue
             if not group.adopting or group.deadline is None:
                 group.deadline = self.clock() + self.config.retain_grace
@@ -396,7 +397,7 @@ class RetainBook:
             return
         group.objects.remove(name)
         if not group.objects and not group.holder:
-            del self.groups[group.name]
+            del self.groups[group.uid, group.name]
 
     def expired(self) -> list[str]:
         """The objects of orphaned groups whose deadline passed (the groups go): the
@@ -404,7 +405,7 @@ class RetainBook:
         now = self.clock()
         out: list[str] = []
         for group in [g for g in self.groups.values() if not g.holder and g.deadline is not None and now >= g.deadline]:
-            del self.groups[group.name]
+            del self.groups[group.uid, group.name]
             log.warning(
                 "retain group %r: nobody adopted it within the %gs grace; %s released", group.name, self.config.retain_grace,
                 ", ".join(group.objects) or "nothing",
@@ -460,4 +461,4 @@ class RetainBook:
             if not group.holder:
                 for name in group.objects:
                     self.arenas.tenants.owners[name] = group.uid
-            self.groups[group.name] = group
+            self.groups[group.uid, group.name] = group

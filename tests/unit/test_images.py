@@ -122,7 +122,7 @@ def populated(h: Harness) -> None:
     member.tokens, member.bytes = 100, 200
     h.ok(owner, p.RetainGroup(group="grp"))
     h.ok(owner, p.Retain(group="grp", name="kv2"))
-    group = st.retained.groups["grp"]
+    group = st.retained.groups[owner.uid, "grp"]
     group.previous, group.previous_pid, group.previous_since = "the one before", 77, 1.5
     group.deadline, group.adopting = h.clock.now + 30, True
     buffer = st.sleepers.buffers["c"]

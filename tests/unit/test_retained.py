@@ -214,10 +214,10 @@ def test_only_the_holder_marks_and_only_what_it_owns(h: Harness) -> None:
     h.refused(s, p.Retain(group="g", name="theirs"), p.ErrorCode.PERMISSION_DENIED)  # not its arena
     h.refused(other, p.RetainGroup(group="g"), p.ErrorCode.GROUP_HELD)
     stranger = h.connect("stranger", uid=2000, gid=2000)
-    h.refused(stranger, p.RetainGroup(group="g"), p.ErrorCode.ALREADY_EXISTS)
+    h.ok(stranger, p.RetainGroup(group="g"))  # its own: group names are each uid's
     h.ok(s, p.Retain(group="g", name="weights-kv", retained=False))
     die(h, s)
-    assert h.state.arenas.by_name.keys() == {"theirs"} and retained(h) == {}
+    assert h.state.arenas.by_name.keys() == {"theirs"} and [(r.group, r.uid) for r in h.state.status().retained] == [("g", 2000)]
 
 
 def test_a_retained_kv_pool_keeps_its_rows_and_its_adopter_grows_it(h: Harness) -> None:
@@ -426,3 +426,24 @@ def test_an_orphaned_kv_pool_is_asked_nothing_and_its_adopter_is_asked_again(h: 
     assert h.state.kv.pools["kvb"].owner_id == standby.id
     assert h.state.handle(a, p.KvGrow(pool="kva", tokens=49152), 5).reply is None  # deferred: the adopter is asked
     assert [sid for sid, _, _ in shrink_notices(h)] == [standby.id]
+
+
+def test_retain_group_names_are_each_uids_own(h: Harness) -> None:
+    """Another uid cannot squat a group name (it was one namespace for every user, taken
+    for free): each uid opens, holds and adopts its own group of a name; a session of the
+    other uid is still refused the one that is not its own, secret or not."""
+    s, secret, _ = primary_with_arena(h)
+    other = h.connect("other", uid=2000, gid=2000)
+    h.create(other, "theirs", 64 * MiB)
+    h.commit(other, "theirs", 4 * MiB)
+    theirs = group(h, other)  # the same name, uid 2000's own
+    assert theirs != secret
+    retain(h, other, "theirs")
+    assert {(r.group, r.uid) for r in h.state.status().retained} == {("g", 1000), ("g", 2000)}
+    die(h, s)
+    die(h, other)
+    adopt(h, h.connect("standby"), secret)  # uid 1000's group, whatever uid 2000 named its own
+    thief = h.connect("thief", uid=3000, gid=3000)
+    h.refused(thief, p.Adopt(group="g", secret=theirs), p.ErrorCode.PERMISSION_DENIED)
+    reply, _ = adopt(h, h.connect("standby-2000", uid=2000, gid=2000), theirs)
+    assert [o.arena.name for o in reply.objects] == ["theirs"]

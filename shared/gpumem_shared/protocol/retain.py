@@ -31,8 +31,8 @@ class RetainGroupReply(Message):
 
 class RetainGroup(RequestMessage, kw_only=True):
     """Open retain group ``group`` for this session (or get the secret again of one it
-    holds). Group names are one namespace for every user, like arena names; a group
-    belongs to the uid that opened it."""
+    holds). Group names are each uid's own, like arena names; a group belongs to
+    the uid that opened it."""
 
     TYPE = MsgType.RETAIN_GROUP
     REPLY = RetainGroupReply
