@@ -345,3 +345,18 @@ def test_a_pool_whose_own_grow_waits_is_not_asked_to_give_back(make_harness: Cal
     # a bursts: with equal weights b holds 64 MiB above its share, but b waits for its own grow.
     refused = h.refused(a, p.KvGrow(pool="kva", tokens=40000), ErrorCode.OUT_OF_MEMORY)
     assert refused.detail["requested"] > refused.detail["available"] and shrink_notices(h) == []
+
+
+def test_a_grow_whose_pool_is_released_while_it_waits_is_answered_not_found(make_harness: Callable[..., Harness]) -> None:
+    """Its owner released the pool (another thread of the engine) while the grow waited
+    for b's shrink: the grow is answered at once, naming the release, not dropped with
+    no answer for its client to wait out."""
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    h.release(a, "kva")
+    error = done(h)[7].reply
+    assert isinstance(error, p.ProtocolError) and error.code is p.ErrorCode.NOT_FOUND
+    assert "'kva' was released while it waited to grow" in error.message
+    assert h.state.kv.grows == []

@@ -447,3 +447,58 @@ def test_retain_group_names_are_each_uids_own(h: Harness) -> None:
     h.refused(thief, p.Adopt(group="g", secret=theirs), p.ErrorCode.PERMISSION_DENIED)
     reply, _ = adopt(h, h.connect("standby-2000", uid=2000, gid=2000), theirs)
     assert [o.arena.name for o in reply.objects] == ["theirs"]
+
+
+def test_an_empty_or_partial_secret_adopts_nothing(h: Harness) -> None:
+    """The whole secret, compared as a whole: no prefix of it (the empty one above all)
+    passes for it."""
+    s, secret, _ = primary_with_arena(h)
+    die(h, s)
+    guess = h.connect("guess")
+    for wrong in ("", secret[:1], secret[:32], secret[:-1], secret + "0"):
+        refused = h.refused(guess, p.Adopt(group="g", secret=wrong), p.ErrorCode.PERMISSION_DENIED)
+        assert "wrong secret" in refused.message
+        h.refused(guess, p.RetainReserve(group="g", secret=wrong), p.ErrorCode.PERMISSION_DENIED)
+    assert retained(h)["g"].state is p.RetainState.ORPHANED
+    adopt(h, guess, secret)
+
+
+def test_a_group_being_adopted_does_not_expire_at_its_deadline(h: Harness) -> None:
+    """An adopter that has not confirmed yet holds the group: the orphan's deadline
+    releases nothing under it (its own death gives the deadline back)."""
+    s, secret, _ = primary_with_arena(h)
+    die(h, s)
+    adopter = h.connect("adopter")
+    adopt(h, adopter, secret)
+    h.clock.now += GRACE + 1
+    h.state.tick()
+    g = retained(h)["g"]
+    assert g.state is p.RetainState.ADOPTING and g.committed_bytes == 8 * MiB
+    assert h.state.arenas.by_name["weights-kv"].owner_id == adopter.id
+    h.ok(adopter, p.AdoptDone(group="g"))
+    assert retained(h)["g"].state is p.RetainState.HELD
+
+
+def test_a_commit_round_does_not_ask_an_orphaned_pool_to_shrink(h: Harness) -> None:
+    """Nobody can answer for an orphan: a new engine's round whose minimum does not fit
+    beside an orphaned retained pool fails at once, not at its deadline after asking the
+    dead owner; adopted, the pool is asked like any."""
+    from .test_kv_rounds import fill_with, round_status
+
+    a = h.connect("engine-a")
+    fill_with(h, a, "kva")  # the whole device
+    secret = group(h, a)
+    retain(h, a, "kva")
+    die(h, a)
+    b = h.connect("engine-b")
+    declare(h, b, "kvb")
+    join(h, b, "kvb")
+    capture(h, b, "kvb", 5, min_tokens=8192)
+    (c,) = done(h).values()
+    assert isinstance(c.reply, p.ProtocolError) and round_status(h, 2).state == "failed"
+    assert h.state.take_notices() == [] and h.state.kv.pools["kva"].shrink_request is None
+    standby = h.connect("standby")
+    adopt(h, standby, secret)
+    join(h, b, "kvb")
+    capture(h, b, "kvb", 6, min_tokens=8192)
+    assert [(sid, n.arena) for sid, n in h.state.take_notices() if n.kind is p.NoticeKind.KV_SHRINK] == [(standby.id, "kva")]
