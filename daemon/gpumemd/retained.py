@@ -39,12 +39,22 @@ from gpumemd.config import StateConfig
 from gpumemd.fencing import Fence
 from gpumemd.image import Image, Imager
 from gpumemd.kv_pools import KvBook
-from gpumemd.records import ChunkRecord, Completion, Outcome, PendingWait, SessionRecord, wait_deadline
+from gpumemd.records import ChunkRecord, Completion, Notices, Outcome, PendingWait, SessionRecord, wait_deadline
 from gpumemd.sleepers import SleeperBook
 
 log = logging.getLogger("gpumemd.retained")
 
 SECRET_BYTES = 32
+# A dead writer the daemon knows by no pid (it runs in another pid namespace: SO_PEERCRED
+# says 0) is fenced by its session's end, its fd channel's hang-up, which on the host
+# backend comes after its address space is gone. On CUDA its context may outlive the
+# descriptors by some milliseconds (bench/fence_probe.py: writes 13 ms after kill -9,
+# EOF at 4-6 ms, NVML's drop at 31-34 ms), and no NVML pid can be matched to it: an
+# adoption waits this long after the hang-up instead, some 30 times what the probe saw.
+HIDDEN_SETTLE_S = 1.0
+# Ended sharers of one group whose fence an adoption waits for: one per process (pid),
+# so a loop of sessions cannot grow it; past the bound the oldest fenced ones go first.
+MAX_WRITERS = 64
 # Groups one uid may keep (held or orphaned): a loop opening groups cannot grow the
 # daemon without end.
 MAX_GROUPS_PER_UID = 64
@@ -62,6 +72,11 @@ class GroupRecord:
     previous: str = ""
     previous_pid: int = 0
     previous_since: float = 0.0  # its HELLO (unix time): a reused pid is not it
+    previous_ended: float = 0.0  # when its session ended (the book's clock)
+    # Every other session that mapped the group's memory (a sharer its owner admitted) and
+    # ended: (how the log names it, pid, HELLO time, when it ended). An adoption waits for
+    # each one's fence as for the last holder's: its process may still write.
+    writers: list[tuple[str, int, float, float]] = dataclasses.field(default_factory=list)
     # Until an orphaned group is released (monotonic); kept while an adopter has not
     # confirmed, None once held for good.
     deadline: float | None = None
@@ -298,12 +313,40 @@ class RetainBook:
     def has_mail(self) -> bool:
         return bool(self._completions)
 
+    def _not_fenced(self, pid: int, since: float, ended: float) -> str:
+        """Why a writer whose session ended may still write (""; fenced). A pid the daemon
+        cannot see (0) leaves its session's end as the proof: see HIDDEN_SETTLE_S."""
+        if pid > 0:
+            return self.fence(pid, since)
+        left = ended + HIDDEN_SETTLE_S - self.clock()
+        if self.arenas.driver.kind == "cuda" and left > 0:
+            return f"its process is in another pid namespace; its session ended {HIDDEN_SETTLE_S - left:.3f}s ago, and its GPU work may run {left:.3f}s more"
+        return ""
+
+    def _mapper_ids(self, group: GroupRecord) -> set[int]:
+        """The sessions that attach or map any of the group's memory (its objects' chunks,
+        retiring ones too)."""
+        names = set(group.objects)
+        ids: set[int] = set()
+        for name in group.objects:
+            arena = self.arenas.by_name[name]
+            ids |= arena.attached
+            for chunk in arena.chunks:
+                ids |= chunk.holders
+        for chunk in self.arenas.retiring.values():
+            if chunk.arena in names:
+                ids |= chunk.holders
+        return ids
+
+    def _mappers(self, group: GroupRecord, skip: int) -> list[SessionRecord]:
+        return [self.sessions[i] for i in sorted(self._mapper_ids(group) - {skip}) if i in self.sessions]
+
     def _adopt(self, s: SessionRecord, group: GroupRecord, who: str) -> Outcome:
         if group.holder == s.id:
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"this session holds retain group '{group.name}' already", group=group.name)
         if group.holder:
             raise self._held(group)
-        why = self.fence(group.previous_pid, group.previous_since)
+        why = self._not_fenced(group.previous_pid, group.previous_since, group.previous_ended)
         if why:
             raise p.ProtocolError(
                 p.ErrorCode.NOT_FENCED,
@@ -312,6 +355,28 @@ class RetainBook:
                 group=group.name,
                 pid=group.previous_pid,
             )
+        live = self._mappers(group, s.id)
+        if live:
+            named = ", ".join(f"client '{m.name}' ({m.pids}, session {m.id}, uid {m.uid})" for m in live)
+            raise p.ProtocolError(
+                p.ErrorCode.NOT_FENCED,
+                f"retain group '{group.name}' is not adoptable yet: {named} still map its memory under a grant of its dead "
+                "owner; an adopter gets it once no other process does: release the arenas there (they were told), or end "
+                "those clients",
+                group=group.name,
+                pid=live[0].pid,
+                sharers=len(live),
+            )
+        for label, pid, since, ended in group.writers:
+            why = self._not_fenced(pid, since, ended)
+            if why:
+                raise p.ProtocolError(
+                    p.ErrorCode.NOT_FENCED,
+                    f"retain group '{group.name}' is not adoptable yet: {label}, which mapped its memory, ended but may "
+                    f"still write it ({why}); try again",
+                    group=group.name,
+                    pid=pid,
+                )
         attached = [n for n in group.objects if s.id in self.arenas.by_name[n].attached]
         if attached:
             raise p.ProtocolError(
@@ -336,12 +401,15 @@ class RetainBook:
             objects.append(p.AdoptedObject(arena=view, chunks=[c.view() for c in chunks], kv=pool.view(view) if pool else None))
         left = 0.0 if group.deadline is None else group.deadline - self.clock()
         previous = f"client '{group.previous}' (pid {group.previous_pid})"
+        waited = [previous] + [label for label, _, _, _ in group.writers]
+        group.writers = []
         log.info(
             "retain group %r adopted by %s from %s: %d object(s), %d bytes", group.name, who, previous, len(objects),
             sum(c.size for c in handout),
         )
         reply = p.AdoptReply(
-            group=group.name, objects=objects, fd_batches=map_batches(len(handout)), previous=previous, deadline_in_s=round(left, 3)
+            group=group.name, objects=objects, fd_batches=map_batches(len(handout)), previous=previous, deadline_in_s=round(left, 3),
+            fenced=waited,
         )
         return Outcome(reply, handout=handout)
 
@@ -369,10 +437,16 @@ class RetainBook:
 
     # ------------------------------------------------------------------ what others change
 
-    def session_ended(self, session: SessionRecord) -> None:
+    def session_ended(self, session: SessionRecord, notices: Notices) -> None:
         """``session`` ended without releasing what it retained: the objects of the groups
         it held are orphaned (``orphaned`` says so to the dispatcher, which must not
-        reclaim them); a group it held with nothing left goes."""
+        reclaim them), and the sessions that still map them are told to let go (an
+        adoption waits for them); a group it held with nothing left goes. Where it mapped
+        another's group's memory, an adoption of that group waits for its fence too."""
+        now = self.clock()
+        for group in self.groups.values():
+            if group.holder != session.id and session.id in self._mapper_ids(group):
+                self._wrote(group, session, now)
         for group in [g for g in self.groups.values() if g.holder == session.id]:
             group.objects = [n for n in group.objects if n in self.arenas.by_name and self.arenas.by_name[n].owner_id == session.id]
             if not group.objects:
@@ -383,12 +457,30 @@ class RetainBook:
             was_adopting = group.adopting
             group.holder, group.adopting = 0, False
             group.previous, group.previous_pid, group.previous_since = session.name, session.pid, session.since
+            group.previous_ended = now
+            for sharer in self._mappers(group, session.id):
+                for name in group.objects:
+                    message = (
+                        f"arena '{name}''s owner ended and retain group '{group.name}' keeps it for an adopter, who gets it "
+                        "once no other process maps it: release it"
+                    )
+                    notices.append((sharer.id, p.Notice(kind=p.NoticeKind.ARENA_RETIRED, message=message, arena=name)))
             log.warning(
                 "retain group %r orphaned: client %r (pid %d) ended %s; %s kept until adopted, or released in %.0fs",
                 group.name, session.name, session.pid, "before confirming its adoption" if was_adopting else "without releasing it",
                 ", ".join(group.objects), group.deadline - self.clock(),
                 extra={"figures": {"pid": session.pid, "objects": len(group.objects)}},
             )
+
+    def _wrote(self, group: GroupRecord, s: SessionRecord, now: float) -> None:
+        """``s``, which mapped the group's memory, ended: kept for the fence, once per process."""
+        label = f"client '{s.name}' ({s.pids}, session {s.id})"
+        same = [w for w in group.writers if s.pid > 0 and w[1] == s.pid]
+        if same:  # the process's earliest HELLO: a pid reused since is still told apart
+            return
+        if len(group.writers) >= MAX_WRITERS:
+            group.writers = [w for w in group.writers if self._not_fenced(w[1], w[2], w[3])][-(MAX_WRITERS - 1) :]
+        group.writers.append((label, s.pid, s.since, now))
 
     def forget(self, name: str) -> None:
         """Arena ``name`` is gone: no group retains it; an orphaned group left empty goes."""
@@ -440,7 +532,14 @@ class RetainBook:
 
     def image(self) -> RetainBookImage:
         now = self.clock()
-        return RetainBookImage([_GROUP.image(g, deadline=None if g.deadline is None else g.deadline - now) for g in self.groups.values()])
+        # Times on the book's clock go as seconds from now: a restarted daemon's clock starts anew.
+        return RetainBookImage([
+            _GROUP.image(
+                g, deadline=None if g.deadline is None else g.deadline - now, previous_ended=g.previous_ended - now,
+                writers=[(label, pid, since, ended - now) for label, pid, since, ended in g.writers],
+            )
+            for g in self.groups.values()
+        ])
 
     def restore(self, part: object) -> None:
         """The book as ``image`` left it (the arena and KV books restored first): objects
@@ -452,6 +551,8 @@ class RetainBook:
             group.objects = [n for n in group.objects if n in self.arenas.by_name]
             if group.deadline is not None:
                 group.deadline += now
+            group.previous_ended += now
+            group.writers = [(label, pid, since, ended + now) for label, pid, since, ended in group.writers]
             if group.holder not in self.sessions:
                 group.holder, group.adopting = 0, False
                 if group.deadline is None:

@@ -181,7 +181,7 @@ class DaemonState:
         notices: Notices = []
         rounds = self.kv.drop_session(session_id)
         self.graph_pools.session_ended(session_id)
-        self.retained.session_ended(session)  # what it retained is orphaned for an adopter, not reclaimed
+        self.retained.session_ended(session, notices)  # what it retained is orphaned for an adopter, not reclaimed
         for arena in left:
             self.arenas.detach(arena, session_id)
             if arena.owner_id == session_id:

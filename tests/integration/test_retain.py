@@ -116,6 +116,34 @@ def test_kill_9_then_another_process_adopts_at_the_same_addresses(daemon: Any, s
     assert after["device"]["accounted_bytes"] == 0 and after["retained"] == []
 
 
+def test_an_adoption_waits_for_every_sharer_and_the_dead_owners_grants_die(daemon: Any, spawn: Spawn, runtime_dir: Path) -> None:
+    """The fence covers every writer: a sharer the dead owner admitted keeps the group
+    NOT_FENCED while it maps the memory, and is waited out once killed (the reply names
+    it); the dead owner's grant admits nobody to the adopter's memory afterwards."""
+    eng, secret, _ = primary(spawn)
+    do(eng, "share weights mate")
+    mate = spawn("mate")
+    do(mate, "attach weights")
+    eng.kill()
+    orphaned(runtime_dir)
+    standby = spawn("standby")
+    held = reply(standby, f"adopt g {secret} 0")
+    assert held.startswith("ERR NotFenced") and "client 'mate'" in held, held
+    weights = next(a for a in status(runtime_dir)["arenas"] if a["name"] == "weights")
+    assert weights["attached"] == ["mate"]
+    do(mate, f"fill weights 0 {MiB} 7")  # it still writes: that is why the adopter waits
+    mate.kill()
+    got = json.loads(do(standby, f"adopt g {secret} 10"))
+    assert got["fenced"][0].startswith("client 'primary'") and got["fenced"][1].startswith("client 'mate'"), got
+    assert do(standby, f"check weights {MiB} {7 * MiB} 171") == "MATCH"
+    do(standby, f"fill weights 0 {MiB} 171")
+    late = spawn("mate")  # a fresh process under the name the dead owner's grant named
+    assert reply(late, "attach weights").startswith("ERR PermissionDenied")
+    weights = next(a for a in status(runtime_dir)["arenas"] if a["name"] == "weights")
+    assert weights["attached"] == ["standby"] and weights["grants"] == []
+    assert do(standby, f"check weights 0 {8 * MiB} 171") == "MATCH"
+
+
 def test_no_byte_reaches_a_wrong_secret_or_a_grant(daemon: Any, spawn: Spawn, runtime_dir: Path) -> None:
     eng, secret, addresses = primary(spawn)
     do(eng, "share weights reader")

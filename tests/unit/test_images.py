@@ -125,6 +125,7 @@ def populated(h: Harness) -> None:
     group = st.retained.groups[owner.uid, "grp"]
     group.previous, group.previous_pid, group.previous_since = "the one before", 77, 1.5
     group.deadline, group.adopting = h.clock.now + 30, True
+    group.previous_ended, group.writers = h.clock.now - 2, [("client 'sharer' (pid 78, session 9)", 78, 1.25, h.clock.now - 1)]
     buffer = st.sleepers.buffers["c"]
     owner.remember(5, b"a reply", arena.chunks[:2], [(pool_id, st.graph_pools.by_id[pool_id].segment_fd)], [(buffer.id, buffer.fd)])
 

@@ -502,3 +502,39 @@ def test_a_commit_round_does_not_ask_an_orphaned_pool_to_shrink(h: Harness) -> N
     join(h, b, "kvb")
     capture(h, b, "kvb", 6, min_tokens=8192)
     assert [(sid, n.arena) for sid, n in h.state.take_notices() if n.kind is p.NoticeKind.KV_SHRINK] == [(standby.id, "kva")]
+
+
+def test_an_adoption_waits_for_every_other_mapping_and_the_dead_owners_grants_die(h: Harness, fence: Fence) -> None:
+    """The fence covers every writer, not the holder's pid alone: a sharer the dead owner
+    admitted (its uid's or another's) keeps the adoption NOT_FENCED while it maps the
+    memory (told to let go when the owner died), and one that ended is fenced as the
+    holder is; the reply names them. The dead owner's grants die with the adoption: a
+    fresh session of the uid it shared with attaches nothing afterwards."""
+    s, secret, _ = primary_with_arena(h)
+    token = h.share(s, "weights-kv", uid=2000)
+    h.share(s, "weights-kv", "mate")
+    other, mate = h.connect("other", uid=2000, gid=2000), h.connect("mate")
+    h.attach(other, "1000/weights-kv", token)
+    h.attach(mate, "weights-kv")
+    told = {sid for sid, n in h.state.close_session(s.id) if n.kind is p.NoticeKind.ARENA_RETIRED and "release it" in n.message}
+    assert told == {other.id, mate.id}
+    standby = h.connect("standby")
+    refused = h.refused(standby, p.Adopt(group="g", secret=secret), p.ErrorCode.NOT_FENCED)
+    assert refused.detail["sharers"] == 2 and "client 'other'" in refused.message and "client 'mate'" in refused.message
+    h.release(mate, "weights-kv")
+    refused = h.refused(standby, p.Adopt(group="g", secret=secret), p.ErrorCode.NOT_FENCED)
+    assert refused.detail == {"group": "g", "pid": other.pid, "sharers": 1}
+    fence.running.add(other.pid)  # it died, its process lingers
+    die(h, other)
+    refused = h.refused(standby, p.Adopt(group="g", secret=secret), p.ErrorCode.NOT_FENCED)
+    assert refused.detail["pid"] == other.pid and "client 'other'" in refused.message
+    fence.running.clear()
+    reply, _ = adopt(h, standby, secret)
+    assert reply.fenced == [f"client 'primary' (pid {s.pid})", f"client 'other' (pid {other.pid}, session {other.id})"]
+    arena = h.state.arenas.by_name["weights-kv"]
+    assert arena.attached == {standby.id} and arena.grants == []
+    h.ok(standby, p.AdoptDone(group="g"))
+    late = h.connect("late", uid=2000, gid=2000)
+    h.refused(late, p.AttachArena(name="1000/weights-kv", token=token), p.ErrorCode.PERMISSION_DENIED)
+    (view,) = [a for a in h.state.status().arenas if a.name == "weights-kv"]
+    assert view.attached == ["standby"] and view.grants == []
