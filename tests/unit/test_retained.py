@@ -538,3 +538,27 @@ def test_an_adoption_waits_for_every_other_mapping_and_the_dead_owners_grants_di
     h.refused(late, p.AttachArena(name="1000/weights-kv", token=token), p.ErrorCode.PERMISSION_DENIED)
     (view,) = [a for a in h.state.status().arenas if a.name == "weights-kv"]
     assert view.attached == ["standby"] and view.grants == []
+
+
+@pytest.mark.parametrize("kind", ["host", "cuda"])
+def test_a_holder_the_daemon_sees_as_pid_0_is_fenced_by_its_sessions_end(h: Harness, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """Outside gpumemd's pid namespace (the shipped DaemonSet) every client is pid 0: no
+    /proc entry can say it died, and its fd channel's hang-up is the proof. On the host
+    backend at once (the address space is gone before the descriptors close); on CUDA
+    HIDDEN_SETTLE_S later (the context outlives the descriptors by milliseconds)."""
+    from gpumemd.retained import HIDDEN_SETTLE_S
+
+    monkeypatch.setattr(h.state.arenas.driver, "kind", kind)
+    s = h.connect("primary", pid=0)
+    h.create(s, "weights-kv", 64 * MiB)
+    h.commit(s, "weights-kv", 8 * MiB)
+    secret = group(h, s)
+    retain(h, s, "weights-kv")
+    die(h, s)
+    standby = h.connect("standby", pid=0)
+    if kind == "cuda":
+        refused = h.refused(standby, p.Adopt(group="g", secret=secret), p.ErrorCode.NOT_FENCED)
+        assert "another pid namespace" in refused.message
+        h.clock.now += HIDDEN_SETTLE_S
+    reply, _ = adopt(h, standby, secret)
+    assert reply.fenced == ["client 'primary' (pid 0)"]
