@@ -522,7 +522,7 @@ class RetainBook:
                     holder_pid=holder.pid if holder else 0,
                     previous=g.previous,
                     previous_pid=g.previous_pid,
-                    fenced=not g.holder and not self.fence(g.previous_pid, g.previous_since),
+                    fenced=not g.holder and not self._not_fenced(g.previous_pid, g.previous_since, g.previous_ended),
                     deadline_in_s=-1.0 if g.deadline is None else round(g.deadline - now, 3),
                 )
             )

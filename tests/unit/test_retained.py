@@ -555,6 +555,7 @@ def test_a_holder_the_daemon_sees_as_pid_0_is_fenced_by_its_sessions_end(h: Harn
     secret = group(h, s)
     retain(h, s, "weights-kv")
     die(h, s)
+    assert retained(h)["g"].fenced is (kind == "host")  # status says what ADOPT would
     standby = h.connect("standby", pid=0)
     if kind == "cuda":
         refused = h.refused(standby, p.Adopt(group="g", secret=secret), p.ErrorCode.NOT_FENCED)
