@@ -366,6 +366,7 @@ class KvBook:
             for name, give in kv_moves.donors(claims, max(0, total), taker.name if taker else "", short)
             if not any(g.pool.name == name for g in self.grows) and self.pools[name].owner_id in self.sessions
         ]
+        gives = self._above_minimums(gives, taker)
         if whole and sum(give for _, give in gives) < short:
             return []
         for pool, give in gives:
@@ -376,6 +377,27 @@ class KvBook:
                 self._notices.append((pool.owner_id, p.Notice(kind=p.NoticeKind.KV_SHRINK, arena=pool.name, tokens=lo, message=message)))
                 self.tally.kv_shrinks_asked += 1
         return [pool for pool, _ in gives]
+
+    def _above_minimums(self, gives: list[tuple[KvPoolRecord, int]], taker: KvPoolRecord | None) -> list[tuple[KvPoolRecord, int]]:
+        """``gives`` less what would take a donor's tenant below its guaranteed minimum
+        (memory_caps.py) for another tenant's need: memory given back from under a
+        minimum is held back for that tenant, and the taker could not use it."""
+        caps = self.arenas.caps
+        found = caps.account_of(taker.name) if taker is not None else None
+        taking = found[0] if found is not None else ""
+        spare: dict[str, int] = {}
+        used: dict[str, int] | None = None
+        out = []
+        for pool, give in gives:
+            found = caps.account_of(pool.name)
+            if found is not None and found[1].min_bytes and found[0] != taking:
+                used = caps.usage() if used is None else used
+                left = spare.setdefault(found[0], max(0, used.get(found[0], 0) - found[1].min_bytes))
+                give = min(give, left)
+                spare[found[0]] = left - give
+            if give > 0:
+                out.append((pool, give))
+        return out
 
     def _grown(
         self, s: SessionRecord, pool: KvPoolRecord, tokens: int, asked: int, unanswered: list[str], gone: list[str]
