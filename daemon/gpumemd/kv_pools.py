@@ -9,6 +9,7 @@ from the arena book; the budget split is kv_math's, the move policy kv_moves'.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 
@@ -340,6 +341,28 @@ class KvBook:
             demand = max(tokens, floor) if pool is taker else self.demand(pool)
             held = sum(c.size for c in self.arenas.by_name[pool.name].chunks)
             out.append(kv_moves.Claim(pool.name, held, pool.cost(floor), pool.cost(demand), pool.weight, idle=pool.in_use == 0))
+        return self._evened(out)
+
+    def _evened(self, claims: list[kv_moves.Claim]) -> list[kv_moves.Claim]:
+        """The weights and minimums engines declare, bounded across tenants: a pool's
+        weight divides its own tenant's (each tenant weighs 1 however its engines weigh
+        their pools), and a tenant's minimums guard at most its even part of what the
+        pools hold and what is free. One tenant alone: as declared."""
+        tenant = {c.name: self.arenas.caps.tenant(c.name) for c in claims}
+        count = len(set(tenant.values()))
+        if count < 2:
+            return claims
+        weights: dict[str, float] = {}
+        floors: dict[str, int] = {}
+        for c in claims:
+            weights[tenant[c.name]] = weights.get(tenant[c.name], 0.0) + c.weight
+            floors[tenant[c.name]] = floors.get(tenant[c.name], 0) + c.minimum
+        part = (sum(c.held for c in claims) + self.arenas.available_bytes()) // count
+        out = []
+        for c in claims:
+            t = tenant[c.name]
+            minimum = c.minimum if floors[t] <= part else c.minimum * part // floors[t]
+            out.append(dataclasses.replace(c, minimum=minimum, weight=c.weight / weights[t]))
         return out
 
     def shares(self) -> dict[str, int]:
@@ -359,6 +382,7 @@ class KvBook:
         its answer serves this need too. ``whole``: ask nobody unless the donors cover all of ``short``. Returns
         the pools whose answers the need waits for."""
         claims = self._claims(taker, tokens)
+        minimums = {c.name: c.minimum for c in claims}
         held = sum(c.held for c in claims)
         total = held + self._available(taker) if taker is not None else held - short
         gives = [
@@ -370,7 +394,8 @@ class KvBook:
         if whole and sum(give for _, give in gives) < short:
             return []
         for pool, give in gives:
-            lo = kv_moves.shrink_bound(pool, self.arenas.by_name[pool.name], give)
+            least = pool.most_tokens_within(minimums[pool.name], pool.tokens)  # its floor, evened across tenants
+            lo = kv_moves.shrink_bound(pool, self.arenas.by_name[pool.name], give, least)
             if pool.shrink_request is None or lo < pool.shrink_request:
                 pool.shrink_request = lo
                 message = f"gpumemd asks for {give} bytes back: {why}. When rows from {lo} on are free, confirm with shrink({lo})"

@@ -370,6 +370,12 @@ class Caps:
         uid = self._owners.get(arena)
         return None if uid is None else self.policy.account(uid, self._groups.get(arena, -1), self._tokens.get(arena, b""))
 
+    def tenant(self, arena: str) -> str:
+        """Whom ``arena`` counts against, for what is shared out among tenants (KV weights
+        and minimums): its capped account, else its owner's uid."""
+        found = self.account_of(arena)
+        return found[0] if found is not None else f"uid {self._owners.get(arena, -1)}"
+
     def usage(self) -> dict[str, int]:
         """Device bytes each capped account holds now (every account the policy names, and
         each uid under the default that holds any)."""
