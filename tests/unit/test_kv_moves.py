@@ -409,3 +409,27 @@ def test_an_engines_weight_and_minimum_do_not_outweigh_another_tenant(make_harne
     assert (sid, pool) == (a.id, "kva")
     give_back(h, a, "kva", tokens)
     assert commit_reply(done(h)[7]).pool.tokens == 16384  # all b asked for: a was asked enough
+
+
+def test_memory_a_donor_confirmed_but_kept_mapped_counts_against_it_and_is_named(make_harness: Callable[..., Harness]) -> None:
+    """b confirms its shrink and never reports the unmap: it keeps the memory mapped and
+    writable. Past --move-timeout that memory is b's as far as the move policy goes: held
+    by it, so b, at its fair share by its live rows alone, is asked to give those back for
+    the next grow; and a grow it starves names it. Before, the policy saw b at its share,
+    the next grow was refused at once, and the errors named nobody."""
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 16384)]
+    h.ok(b, p.KvShrink(pool="kvb", tokens=16384))  # confirmed; the unmap never comes
+    h.clock.now += h.config.move_timeout
+    h.state.tick()
+    error = done(h)[7].reply
+    assert isinstance(error, p.ProtocolError) and error.code is p.ErrorCode.OUT_OF_MEMORY
+    assert f"engine-b/kvb {64 * MiB} bytes" in error.message and "never unmapped" in error.message
+    assert h.state.kv.kept_mapped() == {"kvb": 64 * MiB}
+    h.ok(b, p.KvDemand(pool="kvb", in_use=16384))  # busy now: its live rows are its fair share
+    grow_waits(h, a, "kva", 49152, 8)
+    ((sid, pool, tokens),) = shrink_notices(h)
+    assert (sid, pool) == (b.id, "kvb") and tokens < 16384  # what it kept counts against it
