@@ -39,48 +39,16 @@ from gpumemd.config import StateConfig
 from gpumemd.fencing import Fence
 from gpumemd.image import Image, Imager
 from gpumemd.kv_pools import KvBook
-from gpumemd.records import ChunkRecord, Completion, Notices, Outcome, PendingWait, SessionRecord, wait_deadline
+from gpumemd.records import ChunkRecord, Completion, GroupRecord, Notices, Outcome, PendingWait, SessionRecord, wait_deadline
+from gpumemd.retain_fence import WriterFence
 from gpumemd.sleepers import SleeperBook
 
 log = logging.getLogger("gpumemd.retained")
 
 SECRET_BYTES = 32
-# A dead writer the daemon knows by no pid (it runs in another pid namespace: SO_PEERCRED
-# says 0) is fenced by its session's end, its fd channel's hang-up, which on the host
-# backend comes after its address space is gone. On CUDA its context may outlive the
-# descriptors by some milliseconds (bench/fence_probe.py: writes 13 ms after kill -9,
-# EOF at 4-6 ms, NVML's drop at 31-34 ms), and no NVML pid can be matched to it: an
-# adoption waits this long after the hang-up instead, some 30 times what the probe saw.
-HIDDEN_SETTLE_S = 1.0
-# Ended sharers of one group whose fence an adoption waits for: one per process (pid),
-# so a loop of sessions cannot grow it; past the bound the oldest fenced ones go first.
-MAX_WRITERS = 64
 # Groups one uid may keep (held or orphaned): a loop opening groups cannot grow the
 # daemon without end.
 MAX_GROUPS_PER_UID = 64
-
-
-@dataclasses.dataclass(eq=False)
-class GroupRecord:
-    name: str
-    uid: int
-    # Compared in constant time; kept out of repr so no log line can carry it.
-    secret: bytes = dataclasses.field(repr=False)
-    objects: list[str] = dataclasses.field(default_factory=list)  # arena names (a KV pool's arena has its name)
-    holder: int = 0  # the session that holds it; 0 while orphaned
-    # The session that held it last and ended: the one whose writes the fence waits out.
-    previous: str = ""
-    previous_pid: int = 0
-    previous_since: float = 0.0  # its HELLO (unix time): a reused pid is not it
-    previous_ended: float = 0.0  # when its session ended (the book's clock)
-    # Every other session that mapped the group's memory (a sharer its owner admitted) and
-    # ended: (how the log names it, pid, HELLO time, when it ended). An adoption waits for
-    # each one's fence as for the last holder's: its process may still write.
-    writers: list[tuple[str, int, float, float]] = dataclasses.field(default_factory=list)
-    # Until an orphaned group is released (monotonic); kept while an adopter has not
-    # confirmed, None once held for good.
-    deadline: float | None = None
-    adopting: bool = False  # adopted, not confirmed yet
 
 
 @dataclasses.dataclass(eq=False)
@@ -117,10 +85,19 @@ class RetainBook:
         self.sessions = sessions
         self.config = config
         self.clock = clock
-        self.fence = fence
+        self.writers = WriterFence(arenas, sessions, clock, fence)
         self.groups: dict[tuple[int, str], GroupRecord] = {}  # by (uid, name): each uid names its own
         self.adopts: list[PendingAdopt] = []
         self._completions: list[Completion] = []
+
+    @property
+    def fence(self) -> Fence:
+        """The process check the writers' fence applies (a stand-in in unit tests)."""
+        return self.writers.fence
+
+    @fence.setter
+    def fence(self, fence: Fence) -> None:
+        self.writers.fence = fence
 
     # ------------------------------------------------------------------ lookups
 
@@ -313,70 +290,12 @@ class RetainBook:
     def has_mail(self) -> bool:
         return bool(self._completions)
 
-    def _not_fenced(self, pid: int, since: float, ended: float) -> str:
-        """Why a writer whose session ended may still write (""; fenced). A pid the daemon
-        cannot see (0) leaves its session's end as the proof: see HIDDEN_SETTLE_S."""
-        if pid > 0:
-            return self.fence(pid, since)
-        left = ended + HIDDEN_SETTLE_S - self.clock()
-        if self.arenas.driver.kind == "cuda" and left > 0:
-            return f"its process is in another pid namespace; its session ended {HIDDEN_SETTLE_S - left:.3f}s ago, and its GPU work may run {left:.3f}s more"
-        return ""
-
-    def _mapper_ids(self, group: GroupRecord) -> set[int]:
-        """The sessions that attach or map any of the group's memory (its objects' chunks,
-        retiring ones too)."""
-        names = set(group.objects)
-        ids: set[int] = set()
-        for name in group.objects:
-            arena = self.arenas.by_name[name]
-            ids |= arena.attached
-            for chunk in arena.chunks:
-                ids |= chunk.holders
-        for chunk in self.arenas.retiring.values():
-            if chunk.arena in names:
-                ids |= chunk.holders
-        return ids
-
-    def _mappers(self, group: GroupRecord, skip: int) -> list[SessionRecord]:
-        return [self.sessions[i] for i in sorted(self._mapper_ids(group) - {skip}) if i in self.sessions]
-
     def _adopt(self, s: SessionRecord, group: GroupRecord, who: str) -> Outcome:
         if group.holder == s.id:
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"this session holds retain group '{group.name}' already", group=group.name)
         if group.holder:
             raise self._held(group)
-        why = self._not_fenced(group.previous_pid, group.previous_since, group.previous_ended)
-        if why:
-            raise p.ProtocolError(
-                p.ErrorCode.NOT_FENCED,
-                f"retain group '{group.name}' is not adoptable yet: its last holder, client '{group.previous}', may still "
-                f"write its memory ({why}); try again",
-                group=group.name,
-                pid=group.previous_pid,
-            )
-        live = self._mappers(group, s.id)
-        if live:
-            named = ", ".join(f"client '{m.name}' ({m.pids}, session {m.id}, uid {m.uid})" for m in live)
-            raise p.ProtocolError(
-                p.ErrorCode.NOT_FENCED,
-                f"retain group '{group.name}' is not adoptable yet: {named} still map its memory under a grant of its dead "
-                "owner; an adopter gets it once no other process does: release the arenas there (they were told), or end "
-                "those clients",
-                group=group.name,
-                pid=live[0].pid,
-                sharers=len(live),
-            )
-        for label, pid, since, ended in group.writers:
-            why = self._not_fenced(pid, since, ended)
-            if why:
-                raise p.ProtocolError(
-                    p.ErrorCode.NOT_FENCED,
-                    f"retain group '{group.name}' is not adoptable yet: {label}, which mapped its memory, ended but may "
-                    f"still write it ({why}); try again",
-                    group=group.name,
-                    pid=pid,
-                )
+        self.writers.check(group, s.id)
         attached = [n for n in group.objects if s.id in self.arenas.by_name[n].attached]
         if attached:
             raise p.ProtocolError(
@@ -445,8 +364,8 @@ class RetainBook:
         another's group's memory, an adoption of that group waits for its fence too."""
         now = self.clock()
         for group in self.groups.values():
-            if group.holder != session.id and session.id in self._mapper_ids(group):
-                self._wrote(group, session, now)
+            if group.holder != session.id and session.id in self.writers.mapper_ids(group):
+                self.writers.wrote(group, session, now)
         for group in [g for g in self.groups.values() if g.holder == session.id]:
             group.objects = [n for n in group.objects if n in self.arenas.by_name and self.arenas.by_name[n].owner_id == session.id]
             if not group.objects:
@@ -458,7 +377,7 @@ class RetainBook:
             group.holder, group.adopting = 0, False
             group.previous, group.previous_pid, group.previous_since = session.name, session.pid, session.since
             group.previous_ended = now
-            for sharer in self._mappers(group, session.id):
+            for sharer in self.writers.mappers(group, session.id):
                 for name in group.objects:
                     message = (
                         f"arena '{name}''s owner ended and retain group '{group.name}' keeps it for an adopter, who gets it "
@@ -471,16 +390,6 @@ class RetainBook:
                 ", ".join(group.objects), group.deadline - self.clock(),
                 extra={"figures": {"pid": session.pid, "objects": len(group.objects)}},
             )
-
-    def _wrote(self, group: GroupRecord, s: SessionRecord, now: float) -> None:
-        """``s``, which mapped the group's memory, ended: kept for the fence, once per process."""
-        label = f"client '{s.name}' ({s.pids}, session {s.id})"
-        same = [w for w in group.writers if s.pid > 0 and w[1] == s.pid]
-        if same:  # the process's earliest HELLO: a pid reused since is still told apart
-            return
-        if len(group.writers) >= MAX_WRITERS:
-            group.writers = [w for w in group.writers if self._not_fenced(w[1], w[2], w[3])][-(MAX_WRITERS - 1) :]
-        group.writers.append((label, s.pid, s.since, now))
 
     def forget(self, name: str) -> None:
         """Arena ``name`` is gone: no group retains it; an orphaned group left empty goes."""
@@ -522,7 +431,7 @@ class RetainBook:
                     holder_pid=holder.pid if holder else 0,
                     previous=g.previous,
                     previous_pid=g.previous_pid,
-                    fenced=not g.holder and not self._not_fenced(g.previous_pid, g.previous_since, g.previous_ended),
+                    fenced=not g.holder and not self.writers.not_fenced(g.previous_pid, g.previous_since, g.previous_ended),
                     deadline_in_s=-1.0 if g.deadline is None else round(g.deadline - now, 3),
                 )
             )

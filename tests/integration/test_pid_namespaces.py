@@ -312,7 +312,7 @@ def test_grants_rest_on_uid_and_gid_when_every_pid_is_0(ns_service: NsService, n
 def test_a_retained_group_fails_over_when_gpumemd_sees_every_client_as_pid_0(ns_service: NsService, runtime_dir: Path) -> None:
     """The shipped DaemonSet's layout: no pid can tell gpumemd the holder died, and its
     session's end (the fd channel's hang-up) is the fence; on CUDA a settle of
-    retained.HIDDEN_SETTLE_S after it. Before, ADOPT was NOT_FENCED ("pid 0 still runs")
+    retain_fence.HIDDEN_SETTLE_S after it. Before, ADOPT was NOT_FENCED ("pid 0 still runs")
     until --retain-grace released the group."""
     from test_retain import RetainClient, orphaned, primary
 

@@ -144,6 +144,28 @@ def test_an_adoption_waits_for_every_sharer_and_the_dead_owners_grants_die(daemo
     assert do(standby, f"check weights 0 {8 * MiB} 171") == "MATCH"
 
 
+def test_a_forked_child_of_the_dead_holder_keeps_the_adoption_waiting(daemon_factory: Any, spawn: Spawn, runtime_dir: Path) -> None:
+    """Host backend: a child the holder forked closes every descriptor and writes on
+    through the mappings it inherited. The holder's death and exit prove nothing about
+    it; /proc/PID/maps does, and ADOPT is NOT_FENCED naming it until it is gone. (On CUDA
+    a forked child cannot use its parent's context: the parent's fence covers it.)"""
+    daemon_factory("host")
+    eng, secret, _ = primary(spawn)
+    child = int(do(eng, "forkwrite weights 7"))
+    try:
+        eng.kill()
+        orphaned(runtime_dir)
+        standby = spawn("standby")
+        held = reply(standby, f"adopt g {secret} 0")
+        assert held.startswith("ERR NotFenced") and str(child) in held and "/proc/PID/maps" in held, held
+    finally:
+        os.kill(child, signal.SIGKILL)
+    got = json.loads(do(standby, f"adopt g {secret} 10"))
+    assert got["arenas"]
+    do(standby, f"fill weights 0 {MiB} 171")
+    assert do(standby, f"check weights 0 {8 * MiB} 171") == "MATCH"  # nobody writes it any more
+
+
 def test_no_byte_reaches_a_wrong_secret_or_a_grant(daemon: Any, spawn: Spawn, runtime_dir: Path) -> None:
     eng, secret, addresses = primary(spawn)
     do(eng, "share weights reader")

@@ -17,7 +17,7 @@ import pytest
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
 from gpumemd.durable import Durable
-from gpumemd.retained import GroupRecord
+from gpumemd.records import GroupRecord
 from gpumemd.records import (
     Answer,
     ArenaRecord,

@@ -546,7 +546,7 @@ def test_a_holder_the_daemon_sees_as_pid_0_is_fenced_by_its_sessions_end(h: Harn
     /proc entry can say it died, and its fd channel's hang-up is the proof. On the host
     backend at once (the address space is gone before the descriptors close); on CUDA
     HIDDEN_SETTLE_S later (the context outlives the descriptors by milliseconds)."""
-    from gpumemd.retained import HIDDEN_SETTLE_S
+    from gpumemd.retain_fence import HIDDEN_SETTLE_S
 
     monkeypatch.setattr(h.state.arenas.driver, "kind", kind)
     s = h.connect("primary", pid=0)
@@ -563,3 +563,30 @@ def test_a_holder_the_daemon_sees_as_pid_0_is_fenced_by_its_sessions_end(h: Harn
         h.clock.now += HIDDEN_SETTLE_S
     reply, _ = adopt(h, standby, secret)
     assert reply.fenced == ["client 'primary' (pid 0)"]
+
+
+def test_a_process_that_still_maps_the_memory_keeps_the_adoption_waiting(h: Harness) -> None:
+    """On the host backend a forked child of the dead holder keeps its mappings with no
+    session and every descriptor closed: /proc/PID/maps is what shows it, and ADOPT is
+    NOT_FENCED naming its pid until it exits. (The stand-in child here maps the chunk's
+    memfd and closes the descriptor, as such a child would.)"""
+    import subprocess
+    import sys
+
+    s, secret, _ = primary_with_arena(h)
+    chunk = h.state.arenas.by_name["weights-kv"].chunks[0]
+    fd = h.state.arenas.driver.chunk_fd(chunk.handle)
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"import mmap, os, sys\nm = mmap.mmap({fd}, {chunk.size})\nos.close({fd})\nprint('mapped', flush=True)\nsys.stdin.read()"],
+        pass_fds=[fd], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "mapped\n"
+        die(h, s)
+        standby = h.connect("standby")
+        refused = h.refused(standby, p.Adopt(group="g", secret=secret), p.ErrorCode.NOT_FENCED)
+        assert refused.detail["pid"] == child.pid and "/proc/PID/maps" in refused.message
+    finally:
+        child.communicate("", timeout=30)
+    h.clock.now += 1  # past the scan it found the child by
+    adopt(h, standby, secret)
