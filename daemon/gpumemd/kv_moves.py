@@ -12,7 +12,8 @@ The floor, a pool's guaranteed minimum, is defined once, by ``floor``, and every
 that could take memory from a pool for another's demand calls it: the fair split
 (each Claim's minimum: no share below it; a grow's, a round's and a wake's donors all
 come from it, KvBook.ask_back) and every shrink request (``shrink_bound`` never names
-fewer tokens).
+fewer tokens, but where the floors of a tenant's pools pass its even part across tenants:
+KvBook._evened).
 
 A demand is the engine's word, so a pool that claims more than it uses gains nothing by
 it: its share is bounded by its weight whatever it claims, and what it holds above that

@@ -402,3 +402,39 @@ def test_an_engine_adopts_a_dead_engines_kv_cache_and_prefix_directory(daemon: A
             primary.stdout.close()
     s = wait_status(runtime_dir, lambda s: not s["arenas"], 5.0, "the standby's close released everything")
     assert s["device"]["accounted_bytes"] == 0
+
+
+def test_an_adoption_is_charged_to_the_adopters_tenant_or_refused(daemon_factory: Any, backend: str, spawn: Spawn, runtime_dir: Path, tmp_path: Path) -> None:
+    """Pods of one uid with tenant tokens of their own: what a group holds moves to the
+    adopter's tenant, and an adopter whose cap has no room for it is refused with nothing
+    moved (before, a tenant capped at 8 MiB adopted another's 16 MiB)."""
+    import hashlib
+
+    tokens = {name: f"{name}-{os.urandom(12).hex()}" for name in ("team-1", "team-2", "team-3")}
+    rules = [("team-1", "64MiB"), ("team-2", "8MiB"), ("team-3", "64MiB")]
+    policy = tmp_path / "tenants.toml"
+    policy.write_text("".join(
+        f'[[tenant]]\ntoken_sha256 = "{hashlib.sha256(tokens[n].encode()).hexdigest()}"\nname = "{n}"\nmax = "{m}"\n' for n, m in rules
+    ))
+    files = {}
+    for name, token in tokens.items():
+        files[name] = tmp_path / f"{name}.token"
+        files[name].write_text(token)
+    daemon_factory(backend, args=["--tenant-policy", str(policy)])
+    eng = spawn("primary", "--tenant-token-file", str(files["team-1"]))
+    do(eng, f"create weights {GiB}")
+    do(eng, f"commit weights {16 * MiB}")
+    do(eng, f"fill weights 0 {16 * MiB} 171")
+    secret = do(eng, "group g")
+    do(eng, "retain g weights")
+    eng.kill()
+    orphaned(runtime_dir)
+    small = spawn("small", "--tenant-token-file", str(files["team-2"]))
+    refused = reply(small, f"adopt g {secret} 0")
+    assert refused.startswith("ERR ResourceExhausted") and "token team-2" in refused and "adopting retain group 'g'" in refused, refused
+    assert group_of(status(runtime_dir))["state"] == "orphaned"  # type: ignore[index]
+    big = spawn("big", "--tenant-token-file", str(files["team-3"]))
+    json.loads(do(big, f"adopt g {secret} 5"))
+    assert do(big, f"check weights 0 {16 * MiB} 171") == "MATCH"
+    used = {t["tenant"]: t["used_bytes"] for t in status(runtime_dir)["tenants"]}
+    assert (used["token team-1"], used["token team-3"]) == (0, 16 * MiB)
