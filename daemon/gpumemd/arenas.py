@@ -49,8 +49,7 @@ MAX_PLACEHOLDER_SLOT = 256 * MiB
 
 
 class SliceUnavailable(Exception):
-    """The daemon cannot reserve its address slice at the planned address; the message
-    is the one line an operator sees."""
+    """The slice cannot be reserved at its planned address; the message is what an operator sees."""
 
 
 def plan_chunk_sizes(nbytes: int, bulk: int, granularity: int) -> list[int]:
@@ -329,6 +328,7 @@ class ArenaBook:
         if missing:
             need = sum(missing)
             self.require_available(need, f"placeholders of {need} bytes for arena '{arena.name}'")
+            self.caps.check([(arena, 0, need)], self.available_bytes)  # device memory like a commit's: capped
             placements = []
             for size in missing:
                 placements.append((arena.address + arena.reserved + used, size))
@@ -400,9 +400,10 @@ class ArenaBook:
 
     def transfer(self, arena: ArenaRecord, s: SessionRecord) -> None:
         """``s`` owns the arena from now on (an adoption): attached, counted against its
-        tenant (a pod of its own, its token)."""
+        tenant (a pod of its own, its token). The dead owner's grants die: ``s`` shares anew."""
         arena.owner_id, arena.owner_name, arena.owner_pid, arena.owner_alive = s.id, s.name, s.pid, True
         arena.attached.add(s.id)
+        arena.grants = []
         self.tenants.own(arena.name, s)
 
     def fall_asleep(self, arena: ArenaRecord, committed: int, kept: int, since: float) -> None:

@@ -280,6 +280,14 @@ def _exporter(address: str, port: int) -> Exporter:
     help="Fraction of the daemon's graph-pool slots one uid's sessions may keep.",
 )
 @_option(
+    "--tenant-sleep-host-share",
+    type=float,
+    default=TenantLimits.sleep_host_share,
+    show_default=True,
+    callback=_share,
+    help="Fraction of --sleep-host-limit one uid's sleep host buffers may take.",
+)
+@_option(
     "--tenant-requests",
     type=click.IntRange(1),
     default=TenantLimits.requests,
@@ -363,6 +371,7 @@ def command(
     tenant_arenas: int,
     tenant_address_share: float,
     tenant_graph_pool_share: float,
+    tenant_sleep_host_share: float,
     tenant_requests: int,
     tenant_policy: str,
     tenant_claims: str,
@@ -438,7 +447,9 @@ def command(
         move_timeout=move_timeout,
         restart_grace=restart_grace,
         retain_grace=retain_grace,
-        tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
+        tenants=TenantLimits(
+            tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests, tenant_sleep_host_share
+        ),
         tenant_policy=tenant_policy,
         tenant_claims=tenant_claims,
         lease_ordering=ordering,

@@ -33,6 +33,8 @@ class TenantLimits:
     # Control requests of one session read and waiting to be served: a client has one
     # call out at a time, and one report per KV pool it is in a round of.
     requests: int = 64
+    # Share of --sleep-host-limit one uid's sleep host buffers may take (sleepers.py).
+    sleep_host_share: float = 0.5
 
 
 def default_sleep_host_limit() -> int:

@@ -9,6 +9,7 @@ from the arena book; the budget split is kv_math's, the move policy kv_moves'.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 
@@ -61,6 +62,10 @@ class KvBook:
         # futile and would cost the next grow a step of that engine: what it kept is its
         # minimum to the move policy. Not in the durable record: after a restart it is asked afresh.
         self.kept_live: dict[str, tuple[int, int]] = {}
+        # When each pool last confirmed a shrink that retired chunks (the book's clock): what
+        # it still maps of them past --move-timeout it keeps, and it counts against it. Not
+        # in the durable record: after a restart whatever it still maps counts at once.
+        self.confirmed: dict[str, float] = {}
         self.desk = RoundDesk(arenas, sessions, config, clock, tally, self.pools)
 
     # ------------------------------------------------------------------ lookups
@@ -161,7 +166,7 @@ class KvBook:
         tokens = self._within_cap(pool, m.tokens)
         need = kv_moves.need(pool, self.arenas.by_name[pool.name], tokens)
         available = self._available(pool)
-        what = f"growing KV pool '{pool.name}' from {pool.tokens} to {tokens} tokens"
+        what = f"growing KV pool '{pool.name}' from {pool.tokens} to {tokens} tokens{self._kept_named()}"
         if need <= available:
             return Outcome(*self._grown(s, pool, tokens, m.tokens, [], []))
         short = need - available
@@ -231,6 +236,8 @@ class KvBook:
         notices: Notices = []
         self.arenas.retire(drop, notices, "", arena.name, exclude=s.id)
         pool.tokens = kept_tokens
+        if drop:
+            self.confirmed[pool.name] = self.clock()
         if pool.shrink_request is not None:
             self.tally.kv_shrinks_confirmed += 1
             if kept_tokens > pool.shrink_request:
@@ -259,6 +266,7 @@ class KvBook:
         pool, naming it to the grows it had not answered yet; returns the rounds it left."""
         pool = self.pools.pop(name, None)
         self.kept_live.pop(name, None)
+        self.confirmed.pop(name, None)
         if pool is not None and pool.shrink_request is not None:
             label = f"{self.arenas.by_name[name].owner_name}/{name}"
             for grow in self.grows:
@@ -331,6 +339,7 @@ class KvBook:
         round, nor one asleep (it holds nothing: a sleep shrinks it to 0 tokens, and a
         round cannot commit it) unless it is the taker, whose grow wakes it."""
         out = []
+        kept = self.kept_mapped()
         for pool in self.pools.values():
             if not (pool.tokens or pool is taker) or self.desk.of(pool) is not None:
                 continue
@@ -338,9 +347,49 @@ class KvBook:
             if pool is not taker and self.kept_live.get(pool.name) == (pool.tokens, pool.in_use):
                 floor = max(floor, pool.tokens)  # it answered so a moment ago, and nothing changed since
             demand = max(tokens, floor) if pool is taker else self.demand(pool)
-            held = sum(c.size for c in self.arenas.by_name[pool.name].chunks)
+            held = sum(c.size for c in self.arenas.by_name[pool.name].chunks) + kept.get(pool.name, 0)
             out.append(kv_moves.Claim(pool.name, held, pool.cost(floor), pool.cost(demand), pool.weight, idle=pool.in_use == 0))
+        return self._evened(out)
+
+    def _evened(self, claims: list[kv_moves.Claim]) -> list[kv_moves.Claim]:
+        """The weights and minimums engines declare, bounded across tenants: a pool's
+        weight divides its own tenant's (each tenant weighs 1 however its engines weigh
+        their pools), and a tenant's minimums guard at most its even part of what the
+        pools hold and what is free. One tenant alone: as declared."""
+        tenant = {c.name: self.arenas.caps.tenant(c.name) for c in claims}
+        count = len(set(tenant.values()))
+        if count < 2:
+            return claims
+        weights: dict[str, float] = {}
+        floors: dict[str, int] = {}
+        for c in claims:
+            weights[tenant[c.name]] = weights.get(tenant[c.name], 0.0) + c.weight
+            floors[tenant[c.name]] = floors.get(tenant[c.name], 0) + c.minimum
+        part = (sum(c.held for c in claims) + self.arenas.available_bytes()) // count
+        out = []
+        for c in claims:
+            t = tenant[c.name]
+            minimum = c.minimum if floors[t] <= part else c.minimum * part // floors[t]
+            out.append(dataclasses.replace(c, minimum=minimum, weight=c.weight / weights[t]))
         return out
+
+    def kept_mapped(self) -> dict[str, int]:
+        """The bytes each pool gave back by a confirmed shrink and still maps past
+        --move-timeout (its owner never reported the unmap): memory it keeps, which counts
+        against it as what it holds (its share, what it is asked to give), and which a
+        grow's answer names."""
+        now, late = self.clock(), self.config.move_timeout
+        out: dict[str, int] = {}
+        for chunk in self.arenas.retiring.values():
+            pool = self.pools.get(chunk.arena)
+            if pool is not None and pool.owner_id in chunk.holders and now - self.confirmed.get(pool.name, now - late) >= late:
+                out[pool.name] = out.get(pool.name, 0) + chunk.size
+        return out
+
+    def _kept_named(self) -> str:
+        kept = self.kept_mapped()
+        named = ", ".join(f"{self.arenas.by_name[n].owner_name}/{n} {size} bytes" for n, size in sorted(kept.items()))
+        return f"; still mapped after a confirmed shrink (never unmapped): {named}" if named else ""
 
     def shares(self) -> dict[str, int]:
         """Each committed pool's fair share in bytes, for the status."""
@@ -359,6 +408,7 @@ class KvBook:
         its answer serves this need too. ``whole``: ask nobody unless the donors cover all of ``short``. Returns
         the pools whose answers the need waits for."""
         claims = self._claims(taker, tokens)
+        minimums = {c.name: c.minimum for c in claims}
         held = sum(c.held for c in claims)
         total = held + self._available(taker) if taker is not None else held - short
         gives = [
@@ -366,16 +416,42 @@ class KvBook:
             for name, give in kv_moves.donors(claims, max(0, total), taker.name if taker else "", short)
             if not any(g.pool.name == name for g in self.grows) and self.pools[name].owner_id in self.sessions
         ]
-        if whole and sum(give for _, give in gives) < short:
+        bounds = []
+        for pool, give in self._above_minimums(gives, taker):
+            least = pool.most_tokens_within(minimums[pool.name], pool.tokens)  # its floor, evened across tenants
+            lo = kv_moves.shrink_bound(pool, self.arenas.by_name[pool.name], give, least)
+            if lo < pool.tokens:  # not one above its share by what it keeps mapped alone: its live rows are its floor
+                bounds.append((pool, give, lo))
+        if whole and sum(give for _, give, _ in bounds) < short:
             return []
-        for pool, give in gives:
-            lo = kv_moves.shrink_bound(pool, self.arenas.by_name[pool.name], give)
+        for pool, give, lo in bounds:
             if pool.shrink_request is None or lo < pool.shrink_request:
                 pool.shrink_request = lo
                 message = f"gpumemd asks for {give} bytes back: {why}. When rows from {lo} on are free, confirm with shrink({lo})"
                 self._notices.append((pool.owner_id, p.Notice(kind=p.NoticeKind.KV_SHRINK, arena=pool.name, tokens=lo, message=message)))
                 self.tally.kv_shrinks_asked += 1
-        return [pool for pool, _ in gives]
+        return [pool for pool, _, _ in bounds]
+
+    def _above_minimums(self, gives: list[tuple[KvPoolRecord, int]], taker: KvPoolRecord | None) -> list[tuple[KvPoolRecord, int]]:
+        """``gives`` less what would take a donor's tenant below its guaranteed minimum
+        (memory_caps.py) for another tenant's need: memory given back from under a
+        minimum is held back for that tenant, and the taker could not use it."""
+        caps = self.arenas.caps
+        found = caps.account_of(taker.name) if taker is not None else None
+        taking = found[0] if found is not None else ""
+        spare: dict[str, int] = {}
+        used: dict[str, int] | None = None
+        out = []
+        for pool, give in gives:
+            found = caps.account_of(pool.name)
+            if found is not None and found[1].min_bytes and found[0] != taking:
+                used = caps.usage() if used is None else used
+                left = spare.setdefault(found[0], max(0, used.get(found[0], 0) - found[1].min_bytes))
+                give = min(give, left)
+                spare[found[0]] = left - give
+            if give > 0:
+                out.append((pool, give))
+        return out
 
     def _grown(
         self, s: SessionRecord, pool: KvPoolRecord, tokens: int, asked: int, unanswered: list[str], gone: list[str]
@@ -405,7 +481,7 @@ class KvBook:
             return
         self.grows.remove(grow)
         unanswered = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in waiting]
-        named = f"not answered: {', '.join(unanswered) or 'none'}; gone before answering: {', '.join(grow.gone) or 'none'}"
+        named = f"not answered: {', '.join(unanswered) or 'none'}; gone before answering: {', '.join(grow.gone) or 'none'}{self._kept_named()}"
         tokens = grow.tokens if full else kv_moves.most_within(pool, arena, grow.tokens, available)
         figures = {
             "pool": pool.name, "asked_tokens": grow.tokens, "tokens": tokens, "waited_ms": round((now - grow.created) * 1e3, 3),

@@ -362,6 +362,8 @@ class RoundDesk:
         """kv_math.split within each tenant's cap: a capped tenant whose members' shares
         pass it gets its cap, split among them alone (minimums first, then by weight),
         and the rest of the budget is split again among the others."""
+        evened = self._evened(members)
+        members = list(evened)
         rooms = self._by_tenant(members)
         fixed: dict[MemberRecord, int] = {}
         while True:
@@ -369,9 +371,24 @@ class RoundDesk:
             tokens = kv_math.split(rest, budget - sum(m.pool.cost(t) for m, t in fixed.items())) if rest else {}
             over = [(room, group) for room, group in rooms.values() if group[0] not in fixed and sum(m.pool.cost(tokens[m]) for m in group) > room]
             if not over:
-                return {**fixed, **tokens}
+                return {evened[m]: t for m, t in {**fixed, **tokens}.items()}
             for room, group in over:
                 fixed.update(kv_math.split(group, room))
+
+    def _evened(self, members: list[MemberRecord]) -> dict[MemberRecord, MemberRecord]:
+        """Stand-ins for ``members`` (each to its member) whose weights are bounded across
+        tenants: a member's weight divides its own tenant's, each tenant weighing 1,
+        however its engines weigh their pools. One tenant alone: the members themselves."""
+        tenant = {m: self.arenas.caps.tenant(m.pool.name) for m in members}
+        if len(set(tenant.values())) < 2:
+            return {m: m for m in members}
+        weights: dict[str, float] = {}
+        for m in members:
+            weights[tenant[m]] = weights.get(tenant[m], 0.0) + m.report.weight
+        return {
+            dataclasses.replace(m, report=msgspec.structs.replace(m.report, weight=m.report.weight / weights[tenant[m]])): m
+            for m in members
+        }
 
     def _stage(self, member: MemberRecord) -> None:
         """Create and zero the reporting member's minimum while the round waits for the

@@ -11,12 +11,12 @@ own, and the daemon keeps no more than that: a session's token is hashed at HELL
 compared in constant time against the policy's, and refused (PERMISSION_DENIED, naming
 no secret) when no rule names it; the session then keeps only the hash. An account's use
 is counted from the arena book itself (the chunks of the arenas its sessions own,
-retiring ones included: a client still maps them), so nothing here can drift from what
-the device holds. Every chunk the daemon creates for a client (commit, KV grow, KV
-round, a round's staged minimum, a wake) passes ``check`` first, all of a request's
-chunks at once: an account's use never passes its maximum, and no commit of one account
-eats into what another is guaranteed and does not hold yet. Refusals are
-RESOURCE_EXHAUSTED and name the cap, the account and its use.
+retiring ones and placeholders included: a client still maps them), so nothing here can
+drift from what the device holds. Every chunk the daemon creates for a client (commit,
+KV grow, KV round, a round's staged minimum, a wake, a placeholder) passes ``check``
+first, all of a request's chunks at once: an account's use never passes its maximum,
+and no commit of one account eats into what another is guaranteed and does not hold
+yet. Refusals are RESOURCE_EXHAUSTED and name the cap, the account and its use.
 
 Caps change at run time (``reload``: SIGHUP). A lowered maximum refuses new chunks from
 then on; memory already held is not taken away: an account above its new maximum keeps what
@@ -370,6 +370,12 @@ class Caps:
         uid = self._owners.get(arena)
         return None if uid is None else self.policy.account(uid, self._groups.get(arena, -1), self._tokens.get(arena, b""))
 
+    def tenant(self, arena: str) -> str:
+        """Whom ``arena`` counts against, for what is shared out among tenants (KV weights
+        and minimums): its capped account, else its owner's uid."""
+        found = self.account_of(arena)
+        return found[0] if found is not None else f"uid {self._owners.get(arena, -1)}"
+
     def usage(self) -> dict[str, int]:
         """Device bytes each capped account holds now (every account the policy names, and
         each uid under the default that holds any)."""
@@ -378,12 +384,33 @@ class Caps:
         for arena in self._arenas.values():
             found = self.account_of(arena.name)
             if found is not None:
-                used[found[0]] = used.get(found[0], 0) + sum(c.size for c in arena.chunks)
+                used[found[0]] = used.get(found[0], 0) + sum(c.size for c in arena.chunks + arena.placeholders)
         for chunk in self._retiring.values():  # an arena is destroyed once no one maps any of it
             found = self.account_of(chunk.arena)
             if found is not None:
                 used[found[0]] = used.get(found[0], 0) + chunk.size
         return used
+
+    def check_move(self, arenas: list[ArenaRecord], uid: int, gid: int, token: bytes, what: str) -> None:
+        """Before ``arenas`` change owner to a session of ``uid``/``gid``/``token`` (an
+        adoption): what they hold (placeholders and retiring chunks included) counts
+        against the new owner's account from then on, so a move past its maximum is
+        refused as a commit would be. Nothing is created: no minimum is at stake."""
+        found = self.policy.account(uid, gid, token)
+        cap = None if found is None else found[1].max_bytes
+        if found is None or cap is None:
+            return
+        account, rule = found
+        names = {a.name for a in arenas if (self.account_of(a.name) or ("",))[0] != account}
+        moving = sum(c.size for a in arenas if a.name in names for c in a.chunks + a.placeholders)
+        moving += sum(c.size for c in self._retiring.values() if c.arena in names)
+        held = self.usage().get(account, 0) if moving else 0
+        if moving and held + moving > cap:
+            detail = (
+                f"holds {format_size(held)} of device memory; {what} would add the {format_size(moving)} it holds and pass "
+                f"its cap of {format_size(cap)}"
+            )
+            raise _refuse(account, rule, detail, held, cap)
 
     def room(self, arena: ArenaRecord) -> int | None:
         """What the account of ``arena`` may still commit under its maximum; None: no maximum."""

@@ -365,3 +365,29 @@ def wait_deadline(wait: float, now: float, what: str) -> float:
     if not (math.isfinite(wait) and 0 <= wait <= p.MAX_WAIT_S):
         raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"{what}: wait {wait} must be a number of seconds in [0, {p.MAX_WAIT_S:g}]")
     return now + wait
+
+
+@dataclasses.dataclass(eq=False)
+class GroupRecord:
+    """A retain group (retained.py): a uid's, held by one session, its secret, the arenas
+    it keeps, and the writers its adoption waits out (retain_fence.py)."""
+
+    name: str
+    uid: int
+    # Compared in constant time; kept out of repr so no log line can carry it.
+    secret: bytes = dataclasses.field(repr=False)
+    objects: list[str] = dataclasses.field(default_factory=list)  # arena names (a KV pool's arena has its name)
+    holder: int = 0  # the session that holds it; 0 while orphaned
+    # The session that held it last and ended: the one whose writes the fence waits out.
+    previous: str = ""
+    previous_pid: int = 0
+    previous_since: float = 0.0  # its HELLO (unix time): a reused pid is not it
+    previous_ended: float = 0.0  # when its session ended (the book's clock)
+    # Every other session that mapped the group's memory (a sharer its owner admitted) and
+    # ended: (how the log names it, pid, HELLO time, when it ended). An adoption waits for
+    # each one's fence as for the last holder's: its process may still write.
+    writers: list[tuple[str, int, float, float]] = dataclasses.field(default_factory=list)
+    # Until an orphaned group is released (monotonic); kept while an adopter has not
+    # confirmed, None once held for good.
+    deadline: float | None = None
+    adopting: bool = False  # adopted, not confirmed yet

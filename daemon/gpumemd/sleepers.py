@@ -6,7 +6,8 @@ holding a descriptor cannot grow it past the accounting), granted to the arena's
 like a lease segment (one FD_BATCH before the reply) and kept in the fd store, so it
 outlives a daemon restart with the sleeper's contents in it. Its bytes count against
 ``--sleep-host-limit`` from its creation to its end (the owner frees it, or the arena
-goes). The owner maps it and does the copies itself: it has the device mappings and,
+goes), and against its arena's uid's share of that limit (``--tenant-sleep-host-share``),
+so one uid's buffers cannot leave the others none. The owner maps it and does the copies itself: it has the device mappings and,
 on CUDA, the context and streams; registered once with CUDA, the buffer serves every
 later sleep at pinned-copy speed, which is why it stays after a wake.
 
@@ -146,7 +147,7 @@ class SleeperBook:
             )
         have = self.buffers.get(arena.name)
         if have is None or have.size < m.nbytes:
-            self._admit(m.nbytes - (have.size if have else 0), f"a {format_size(m.nbytes)} sleep buffer for arena '{arena.name}'")
+            self._admit(s, m.nbytes - (have.size if have else 0), f"a {format_size(m.nbytes)} sleep buffer for arena '{arena.name}'")
             try:
                 fd = _sealed_memfd(arena.name, m.nbytes)
             except OSError as exc:
@@ -159,6 +160,13 @@ class SleeperBook:
             log.info("arena %r: %s host buffer %d for client %r", arena.name, format_size(have.size), have.id, s.name)
         reply = p.HostBufferReply(arena=arena.name, buffer=p.HostBufferView(id=have.id, size=have.size), fd_batches=1)
         return Outcome(reply, host_buffers=[(have.id, have.fd)])
+
+    def transfer(self, arena: str, s: SessionRecord) -> None:
+        """``s`` owns arena ``arena`` from now on (an adoption): its host buffer, and a
+        sleeping arena's contents in it, are ``s``'s too, counted against it."""
+        buffer = self.buffers.get(arena)
+        if buffer is not None:
+            buffer.owner_id = s.id
 
     def granted(self, session_id: int, buffer_ids: list[int]) -> list[tuple[int, int]]:
         """(id, memfd) of the host buffers of ``buffer_ids`` that ``session_id`` still owns:
@@ -311,8 +319,29 @@ class SleeperBook:
             used[b.owner_id] = used.get(b.owner_id, 0) + b.size
         return used
 
-    def _admit(self, more: int, what: str) -> None:
+    def host_bytes_of(self, uid: int) -> int:
+        """What the buffers of ``uid``'s arenas hold (an arena counts against its owner's
+        uid, an orphan's against its dead owner's, as its device memory does)."""
+        return sum(b.size for b in self.buffers.values() if self.arenas.tenants.owners.get(b.arena) == uid)
+
+    def _admit(self, s: SessionRecord, more: int, what: str) -> None:
         limit, used = self.config.sleep_host_limit, self.host_bytes()
+        share = int(limit * self.config.tenants.sleep_host_share)
+        mine = self.host_bytes_of(s.uid)
+        if mine + more > share and used + more <= limit:
+            # One uid cannot take the whole limit (a sparse buffer costs it nothing) and
+            # leave every other tenant's sleep refused.
+            log.warning("refused: %s; uid %d's sleep buffers use %d of its %d-byte share", what, s.uid, mine, share)
+            raise p.ProtocolError(
+                p.ErrorCode.HOST_LIMIT,
+                f"{what} needs {format_size(more)} more host memory; uid {s.uid}'s sleep buffers use {format_size(mine)} of "
+                f"its share of {format_size(share)} ({self.config.tenants.sleep_host_share:g} of the {format_size(limit)} "
+                "--sleep-host-limit, --tenant-sleep-host-share): free a buffer first (free_host)",
+                limit=share,
+                used=mine,
+                requested=more,
+                uid=s.uid,
+            )
         if used + more <= limit:
             return
         users = sorted(self.host_bytes_by_session().items(), key=lambda kv: -kv[1])[:_NAMED]

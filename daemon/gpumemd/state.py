@@ -103,7 +103,7 @@ class DaemonState:
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device, order)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, wall_clock, self.tally)
         self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, clock, wall_clock)
-        self.retained = RetainBook(self.arenas, self.kv, self.sessions, config, clock, fence)
+        self.retained = RetainBook(self.arenas, self.kv, self.sleepers, self.sessions, config, clock, fence)
         self.session_desk = SessionDesk(
             self.sessions, p.Backend(driver.kind), self.device, config, self.arenas, self.tenants, self.tally, clock, wall_clock, gone,
         )
@@ -181,7 +181,7 @@ class DaemonState:
         notices: Notices = []
         rounds = self.kv.drop_session(session_id)
         self.graph_pools.session_ended(session_id)
-        self.retained.session_ended(session)  # what it retained is orphaned for an adopter, not reclaimed
+        self.retained.session_ended(session, notices)  # what it retained is orphaned for an adopter, not reclaimed
         for arena in left:
             self.arenas.detach(arena, session_id)
             if arena.owner_id == session_id:

@@ -98,6 +98,27 @@ def test_each_uid_is_held_to_its_cap_and_status_shows_it(daemon_factory, backend
 
 
 @needs_root
+def test_placeholders_count_in_the_cap(daemon_factory, backend, run_client, runtime_dir, policy) -> None:  # type: ignore[no-untyped-def]
+    # Placeholder chunks are device memory: an arena of placeholders alone once took a
+    # capped uid past its cap (31 arenas of 256 MiB placeholders under a 1 GiB cap).
+    policy.write_text(f'[[tenant]]\nuid = {A}\nmax = "48MiB"\n')
+    daemon_factory(backend, args=["--tenant-policy", str(policy)])
+    open_sockets(runtime_dir)
+    a = run_client("shell", "a", "--as", f"{A}:0")
+    a.expect("CONNECTED")
+    do(a, f"create x {GiB}")
+    do(a, f"create y {GiB}")
+    do(a, f"placeholder x 0 {64 * MiB} {32 * MiB}")
+    used = tenants(runtime_dir)["uid 4242"]["used_bytes"]
+    assert used >= 32 * MiB, f"the placeholders count {used} bytes"
+    refused(a, f"placeholder y 0 {64 * MiB} {32 * MiB}", "uid 4242 holds", "cap of 48 MiB")
+    refused(a, f"commit x {48 * MiB - used + 2 * MiB}", "uid 4242 holds")
+    a.send("exit")
+    a.finish()
+    assert status(runtime_dir)["device"]["accounted_bytes"] == 0
+
+
+@needs_root
 def test_an_allocation_storm_from_several_tenants_never_passes_a_cap(daemon_factory, backend, run_client, runtime_dir, policy) -> None:  # type: ignore[no-untyped-def]
     caps = {A: 48 * MiB, B: 80 * MiB, C: 32 * MiB}
     policy.write_text("".join(f'[[tenant]]\nuid = {uid}\nmax = {cap}\n' for uid, cap in caps.items()))

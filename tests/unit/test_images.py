@@ -17,7 +17,7 @@ import pytest
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
 from gpumemd.durable import Durable
-from gpumemd.retained import GroupRecord
+from gpumemd.records import GroupRecord
 from gpumemd.records import (
     Answer,
     ArenaRecord,
@@ -122,9 +122,10 @@ def populated(h: Harness) -> None:
     member.tokens, member.bytes = 100, 200
     h.ok(owner, p.RetainGroup(group="grp"))
     h.ok(owner, p.Retain(group="grp", name="kv2"))
-    group = st.retained.groups["grp"]
+    group = st.retained.groups[owner.uid, "grp"]
     group.previous, group.previous_pid, group.previous_since = "the one before", 77, 1.5
     group.deadline, group.adopting = h.clock.now + 30, True
+    group.previous_ended, group.writers = h.clock.now - 2, [("client 'sharer' (pid 78, session 9)", 78, 1.25, h.clock.now - 1)]
     buffer = st.sleepers.buffers["c"]
     owner.remember(5, b"a reply", arena.chunks[:2], [(pool_id, st.graph_pools.by_id[pool_id].segment_fd)], [(buffer.id, buffer.fd)])
 

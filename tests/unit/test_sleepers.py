@@ -14,6 +14,7 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
+from gpumemd.config import TenantLimits
 from gpumemd.durable import Durable
 from gpumemd.metrics import Metrics
 from gpumemd.sleepers import host_buffer_name
@@ -101,7 +102,7 @@ def test_sleep_goes_under_graph_pools_which_stay_registered(h: Harness) -> None:
 
 
 def test_host_buffers_are_sealed_counted_and_limited(make_harness: Callable[..., Harness]) -> None:
-    h = make_harness(sleep_host_limit=24 * MiB)
+    h = make_harness(sleep_host_limit=24 * MiB, tenants=TenantLimits(sleep_host_share=1.0))  # one uid: all of it its share
     a, b = h.connect("engine-a"), h.connect("engine-b")
     h.create(a, "wa", 512 * MiB)
     h.create(b, "wb", 512 * MiB)
@@ -125,6 +126,23 @@ def test_host_buffers_are_sealed_counted_and_limited(make_harness: Callable[...,
     # Growing replaces the buffer: only the difference needs room.
     _buffer(h, b, "wb", 24 * MiB)
     assert h.state.sleepers.host_bytes() == 24 * MiB
+
+
+def test_one_uid_holds_at_most_its_share_of_the_host_limit(make_harness: Callable[..., Harness]) -> None:
+    """A sparse buffer costs its uid nothing, so a share bounds what one uid's buffers
+    take (--tenant-sleep-host-share, half by default): another tenant's sleep still finds
+    room. Before, one uid held the whole limit and every other sleep was refused."""
+    h = make_harness(sleep_host_limit=24 * MiB)
+    a1, a2, b = h.connect("a1"), h.connect("a2"), h.connect("b", uid=2000, gid=2000)
+    for s, name in ((a1, "wa1"), (a2, "wa2"), (b, "wb")):
+        h.create(s, name, 512 * MiB)
+    _buffer(h, a1, "wa1", 8 * MiB)
+    refusal = h.refused(a2, p.SleepBuffer(arena="wa2", nbytes=6 * MiB), p.ErrorCode.HOST_LIMIT)  # one uid, two sessions
+    assert refusal.detail == {"limit": 12 * MiB, "used": 8 * MiB, "requested": 6 * MiB, "uid": 1000}
+    assert "--tenant-sleep-host-share" in refusal.message
+    _buffer(h, a2, "wa2", 4 * MiB)
+    _buffer(h, b, "wb", 12 * MiB)  # the other tenant's half is there
+    assert h.state.sleepers.host_bytes_of(1000) == h.state.sleepers.host_bytes_of(2000) == 12 * MiB
 
 
 def test_kept_bytes_must_fit_the_buffer_and_the_arena(h: Harness) -> None:
