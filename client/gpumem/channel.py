@@ -32,7 +32,7 @@ from gpumem_shared import __version__, fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
 from gpumem.control import ControlChannel, permission_denied
-from gpumem.discovery import ELSEWHERE
+from gpumem.discovery import start_hint
 from gpumem.errors import (
     BadMessage,
     DaemonStopped,
@@ -176,9 +176,7 @@ class SessionChannel:
             self._connect(sock, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
             raise DaemonUnavailable(
-                f"no gpumemd serves device {ep.index}: nothing listens at {ep.fd_path}; start it with "
-                f"'systemctl start gpumemd@{ep.index}' (or 'gpumemd --device {ep.index}'), or, for a daemon that "
-                f"runs elsewhere, {ELSEWHERE}"
+                f"no gpumemd serves device {ep.index}: nothing listens at {ep.fd_path}; {start_hint(str(ep.index))}"
             ) from None
         except PermissionError:
             raise permission_denied(ep.fd_path) from None

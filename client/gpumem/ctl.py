@@ -25,13 +25,11 @@ from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints, daemon_alive
 from gpumem.control import ControlChannel, check_access
 from gpumem.ctl_render import render_arenas, render_graph_pools, render_kv, render_leases, render_rounds, render_status, render_top
-from gpumem.discovery import live_daemons, resolve_device, runtime_dirs
+from gpumem.discovery import live_daemons, resolve_device, runtime_dirs, start_hint
 from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch, SocketPermissionDenied
 
 EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_MISMATCH = 1, 3, 4
 # Where the NVIDIA kernel driver says it is loaded (gpumemctl loads no CUDA to find out).
-NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
-UNIT_FOLDERS = (Path("/etc/systemd/system"), Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
 # What the unit's sandbox hides from the daemon it starts: a gpumemd (or its Python, or
 # its package) installed there does not start (status 203/EXEC, or an import error).
 HIDDEN_BY_UNIT = {
@@ -93,18 +91,6 @@ def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, time
         _die(EXIT_NOT_RUNNING, exc.message)
     except GpuMemError as exc:
         _die(EXIT_ERROR, exc.message)
-
-
-def start_hint(index: str) -> str:
-    """How to start the missing daemon on this machine: the host backend where there is no
-    NVIDIA driver, the unit where one is installed, else by hand."""
-    if not NVIDIA_DRIVER.exists():
-        start = f"no NVIDIA GPU here, so start one on host memory: gpumemd --device {index} --backend host --host-capacity 8GiB"
-    elif any((folder / "gpumemd@.service").exists() for folder in UNIT_FOLDERS):
-        start = f"start it: systemctl start gpumemd@{index}"
-    else:
-        start = f"start it: gpumemd --device {index} (or install the unit: gpumemctl unit)"
-    return f"{start}; for a daemon serving elsewhere, give --runtime-dir or set $GPUMEMD_RUNTIME_DIR"
 
 
 def _ask(endpoints: Endpoints, message: p.RequestMessage, wait: float) -> Any:

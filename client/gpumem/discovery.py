@@ -23,6 +23,22 @@ from gpumem.errors import DaemonUnavailable, DeviceAmbiguous
 
 # How to point a client at a daemon whose runtime directory is not a default one.
 ELSEWHERE = "give its runtime directory: $GPUMEMD_RUNTIME_DIR, connect(runtime_dir=...) or gpumemctl --runtime-dir"
+# Read at the moment a hint is written, not at import: what this machine offers decides how
+# a missing daemon is started.
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+UNIT_FOLDERS = (Path("/etc/systemd/system"), Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
+
+
+def start_hint(index: str) -> str:
+    """How to start the missing daemon on this machine: the host backend where there is no
+    NVIDIA driver, the unit where one is installed, else by hand."""
+    if not NVIDIA_DRIVER.exists():
+        start = f"no NVIDIA GPU here, so start one on host memory: gpumemd --device {index} --backend host --host-capacity 8GiB"
+    elif any((folder / "gpumemd@.service").exists() for folder in UNIT_FOLDERS):
+        start = f"start it: systemctl start gpumemd@{index}"
+    else:
+        start = f"start it: gpumemd --device {index} (or install the unit: gpumemctl unit)"
+    return f"{start}; for a daemon serving elsewhere, {ELSEWHERE}"
 
 
 def live_daemons(runtime_dir: Path) -> list[dict[str, Any]]:
@@ -61,9 +77,7 @@ def resolve_device(
             return endpoints
     index = str(device) if isinstance(device, int) or device.isdigit() else "<index>"
     raise DaemonUnavailable(
-        f"no gpumemd serves device {device!r}: looked in {' and '.join(str(d) for d in dirs)}; start it with "
-        f"'systemctl start gpumemd@{index}' (or 'gpumemd --device {index}'), or, for a daemon that runs elsewhere, "
-        f"{ELSEWHERE}"
+        f"no gpumemd serves device {device!r}: looked in {' and '.join(str(d) for d in dirs)}; {start_hint(index)}"
     )
 
 

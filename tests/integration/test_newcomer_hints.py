@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, child_env
-from gpumem.ctl import NVIDIA_DRIVER
+from gpumem.discovery import NVIDIA_DRIVER
 from gpumem_shared.paths import Endpoints
 from gpumemd import runtime
 
