@@ -14,7 +14,11 @@ grace period); status.py assembles the STATUS reply from them. Each request type
 one handler in an explicit table. A book never imports one above it; what one event
 means for several books (a session ending, an arena released or destroyed, a decommit
 under a graph pool) is decided here, and the session desk's verdicts (a session to
-close) are carried out here.
+close) are carried out here. An arena's life is decided in one place (``_reap``: it lives
+while attached, or while an orphaned retain group keeps it), and the answers that wait (a
+round, a grow, a wake, an adoption) are looked at in one (``_follow_up``): the arena book
+raises ``freed`` where memory comes free and the dispatcher reads it once per request,
+session end and tick, instead of each place that frees memory calling the others' follow-ups.
 """
 
 from __future__ import annotations
