@@ -764,7 +764,8 @@ def test_a_restart_logs_its_startup_phases(service: Service, connect: Connect, r
     figures, _, note = lines[1].partition(" (")
     phases = [(name, float(ms)) for name, ms in re.findall(r"(\w+) ([\d.]+) ms", figures)]
     assert [name for name, _ in phases] == ["interpreter", "imports", "server_imports", "driver", "state", "sockets", "restore", "ready", "total"]
-    assert phases[-1][1] == pytest.approx(sum(ms for _, ms in phases[:-1]), abs=0.2) and phases[-1][1] > 0
+    # Each figure is rounded to 0.1 ms on its own: the phases' sum may part from the total by 0.05 ms a figure.
+    assert phases[-1][1] == pytest.approx(sum(ms for _, ms in phases[:-1]), abs=0.05 * len(phases) + 1e-9) and phases[-1][1] > 0
     assert re.fullmatch(rf"driver start [\d.]+ ms on its thread; {len(chunks) + 2} stored fds passed; 1 sessions, 1 arenas, "
                         rf"{len(chunks)} chunks restored\)", note), note
     session.ping()
