@@ -165,7 +165,9 @@ class KvBook:
 
     def grow(self, s: SessionRecord, m: p.KvGrow, request_id: int) -> Outcome:
         """Grow now if the memory is free; else ask pools above their fair share to give
-        back, and answer once they did or at the move deadline (deferred)."""
+        back, and answer with what is free at once when that is some (a grow without a
+        wait: the rest is for the engine's next grow), or once they did or at the move
+        deadline (deferred)."""
         pool = self._owned(s, m.pool, "grow")
         in_round = self.desk.of(pool)
         if in_round is not None:  # the round decides its tokens; a grow now would be overwritten
@@ -199,6 +201,15 @@ class KvBook:
         if not asked and least and kv_moves.need(pool, arena, least) <= available:
             # A wake above its floor with nobody to ask: what fits now, the rest left to later grows.
             return Outcome(*self._grown(s, pool, kv_moves.most_within(pool, arena, tokens, available), m.tokens, [], []))
+        most = kv_moves.most_within(pool, arena, tokens, available)
+        if asked and not m.wait and most > pool.tokens:
+            # What is free, at once: the engine's step need not wait a neighbour's step for
+            # it. The pools asked give back meanwhile, for its next grow, which finds the
+            # memory free (or waits for their answers as any grow that does not fit).
+            self.tally.kv_grows_partial += 1
+            named = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in asked]
+            log.info("%s: %d bytes short; %d tokens now, asked %s to give back the rest", what, short, most, [d.name for d in asked])
+            return Outcome(*self._grown(s, pool, most, m.tokens, named, []))
         if not asked and not m.wait:  # no pool holds more than its share: nothing to wait for
             self.tally.kv_grows_refused += 1
             self.arenas.require_available(need, what)  # refuses, with the figures

@@ -168,6 +168,26 @@ def test_a_refused_grow_is_asked_again_only_after_a_pause() -> None:
     assert sum(c.startswith("grow") for c in pool.calls) == 1 and f.figures.grows_short == 1
 
 
+def test_a_grow_answered_with_part_while_neighbours_give_back_asks_again_at_the_next_boundary() -> None:
+    """The daemon gave what was free at once and asked a neighbour for the rest: no
+    pause (that is for refusals), the rest is asked for at once and collected between
+    steps, the steps going on meanwhile."""
+    pool, m = Pool(8), Manager(8)
+    running = [Seq(20, [m.take(i) for i in range(5)])]
+    f = follower(pool, m, running, [])
+    step(f, [], running)
+    pool.unanswered = ["engine-b/kvb"]
+    pool.waits[0].answer = 9  # asked 16, given what was free: still under the watermark
+    step(f, [], running)
+    assert len(m.blocks) == 9 and f.figures.grows_short == 1
+    assert [c for c in pool.calls if c.startswith("grow")] == ["grow 16 5", "grow 16 5"], "asked again at once"
+    step(f, [], running)  # not answered yet: the step goes on
+    assert f.figures.grow_waits_s == [] and pool.calls[-1] == "wait False"
+    pool.waits[1].answer = 16
+    step(f, [], running)
+    assert len(m.blocks) == 16 and f.growing is None
+
+
 def test_a_shrink_moves_live_blocks_down_copies_them_first_and_drops_the_top() -> None:
     pool, m = Pool(16), Manager(16)
     seqs = [Seq(8, [m.take(14), m.take(15)]), Seq(4, [m.take(2)])]

@@ -22,7 +22,10 @@ running sequence would be preempted for want of a block). Asked for blocks back,
 follower packs its live blocks low (the adapter's device-to-device copies) and gives
 back down to what it needs, in grow steps, not only the rows asked for: a burst's grows
 come one after another as its requests arrive, and each further ask would wait for a
-step of this engine.
+step of this engine. A grow that does not fit is answered at once with what is free,
+the daemon asking neighbours for the rest (the reply's ``unanswered``): the next
+boundary asks again without the pause a refusal costs, and that grow is answered once
+they gave back, collected between steps; only a step that is ``short`` waits for it.
 
 A dropped KV cache wakes to what fits above a floor (``wake_floor``: what the queue needs
 next and the watermark, or an eighth of the blocks, the larger), its block manager
@@ -215,16 +218,20 @@ class BlockFollower:
         """Take the grow's answer if it came within ``timeout``: the manager gets the blocks."""
         if self.growing is None:
             return
+        refused = False
         try:
             got = self.growing.wait(timeout)
         except DaemonTimeout:
             return
         except OutOfMemory:  # refused: nothing came free
-            got = self.pool.tokens
+            got, refused = self.pool.tokens, True
         self.growing = None
         if got < self._asked:
             self.figures.grows_short += 1
-            self._retry_at = time.monotonic() + RETRY_S
+            if refused or not self.pool.unanswered:
+                self._retry_at = time.monotonic() + RETRY_S
+            # else: the daemon gave what was free at once and asked neighbours for the rest,
+            # which the next grow finds free (or waits for, off the step unless it is short).
         resize(self.engine, self.pool.tokens)
 
     def _answer_shrinks(self, need: int) -> None:
