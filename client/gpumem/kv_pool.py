@@ -175,12 +175,14 @@ class KvPool:
     # ------------------------------------------------------------------ elastic
 
     def grow(self, tokens: int, *, in_use: int = -1, timeout: float | None = None) -> int:
-        """Commit rows up to ``tokens``; returns the tokens the pool holds. When the device
-        is full the daemon asks pools above their fair share to give back and answers when
-        they did, or at its move deadline with what it got: fewer tokens than asked, and
-        ``unanswered`` names the pools that did not give back (``gone``: those that went
-        away before they answered; what they held came back). OutOfMemory (with the
-        figures) when it got nothing. ``in_use`` tells the daemon the rows in use now."""
+        """Commit rows up to ``tokens``; returns the tokens the pool holds. When they do not
+        fit the daemon asks pools above their fair share to give back; it answers at once
+        with what is free if any (fewer tokens than asked, ``unanswered`` naming the pools
+        asked: the next grow finds what they give back free), else when they did, or at
+        its move deadline with what it got (``unanswered``: the pools that did not give
+        back; ``gone``: those that went away before they answered, what they held came
+        back). OutOfMemory (with the figures) when it got nothing. ``in_use`` tells the
+        daemon the rows in use now."""
         return self.send_grow(tokens, in_use=in_use).wait(timeout)
 
     def send_grow(self, tokens: int, *, in_use: int = -1, wait: float = 0.0) -> GrowWait:
