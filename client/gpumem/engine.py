@@ -203,13 +203,16 @@ class EngineMemory:
             raise InvalidArgument(f"engine '{self.name}': no memory tagged {unknown}; the tags are {', '.join(TAGS)}")
         return [t for t in TAGS if t in wanted]
 
-    def wake(self, *, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
+    def wake(self, *, wait: float = DEFAULT_WAKE_WAIT_S, kv_floor: int | None = None) -> None:
         """Wake what sleeps, at the same addresses, kept contents copied back; waits up to
-        ``wait`` seconds for memory others hold (OutOfMemory names them after)."""
+        ``wait`` seconds for memory others hold (OutOfMemory names them after).
+        ``kv_floor``: a dropped KV cache wakes to what fits once that many blocks do, the
+        rest grown in the background (``ArenaSleep.wake``; the engine's block manager
+        must follow ``kv.blocks``); None: all its blocks."""
         for tag in TAGS:
             sleeper = self._sleepers.get(tag)
             if sleeper is not None and sleeper.asleep:
-                sleeper.wake(wait=wait)
+                sleeper.wake(wait=wait, floor=kv_floor if tag == "kv" else None)
 
     @property
     def asleep(self) -> list[str]:

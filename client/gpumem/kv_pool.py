@@ -175,20 +175,30 @@ class KvPool:
     # ------------------------------------------------------------------ elastic
 
     def grow(self, tokens: int, *, in_use: int = -1, timeout: float | None = None) -> int:
-        """Commit rows up to ``tokens``; returns the tokens the pool holds. When the device
-        is full the daemon asks pools above their fair share to give back and answers when
-        they did, or at its move deadline with what it got: fewer tokens than asked, and
-        ``unanswered`` names the pools that did not give back (``gone``: those that went
-        away before they answered; what they held came back). OutOfMemory (with the
-        figures) when it got nothing. ``in_use`` tells the daemon the rows in use now."""
+        """Commit rows up to ``tokens``; returns the tokens the pool holds. When they do not
+        fit the daemon asks pools above their fair share to give back; it answers at once
+        with what is free if any (fewer tokens than asked, ``unanswered`` naming the pools
+        asked: the next grow finds what they give back free), else when they did, or at
+        its move deadline with what it got (``unanswered``: the pools that did not give
+        back; ``gone``: those that went away before they answered, what they held came
+        back). OutOfMemory (with the figures) when it got nothing. ``in_use`` tells the
+        daemon the rows in use now."""
         return self.send_grow(tokens, in_use=in_use).wait(timeout)
 
-    def send_grow(self, tokens: int, *, in_use: int = -1) -> GrowWait:
+    def send_grow(self, tokens: int, *, in_use: int = -1, wait: float = 0.0) -> GrowWait:
         """``grow`` without waiting: the engine goes on with its steps and collects the
-        answer with ``wait()`` (``ready()`` says whether it came)."""
-        message = p.KvGrow(pool=self.name, tokens=tokens, in_use=in_use)
+        answer with ``wait()`` (``growing`` is it until then). Given ``wait``, the daemon
+        holds the answer until all the rows fit, asking pools above their share again as
+        they answer, or up to ``wait`` seconds, then answers with what fits (the rest of
+        a wake that got part, ``ArenaSleep.wake``)."""
+        message = p.KvGrow(pool=self.name, tokens=tokens, in_use=in_use, wait=wait)
         self._growing = GrowWait(self, message, self.core.channel.start(message))
         return self._growing
+
+    @property
+    def growing(self) -> GrowWait | None:
+        """The grow sent and not collected yet (one at a time: the daemon refuses a second)."""
+        return self._growing if self._growing is not None and not self._growing.done else None
 
     def grow_ahead(self, in_use: int, *, watermark: int, step: int) -> GrowWait | None:
         """Grow before the rows run out, off the step's critical path: once fewer than

@@ -18,7 +18,10 @@ A KV pool sleeps by the KV book's own moves: shrunk to nothing (a shrink that sa
 sleeps: the daemon shows it asleep and asks nothing of it meanwhile), grown back to its
 rows on wake (a grow that does not fit asks pools above their fair share to give back).
 Both kinds of wake are one request the daemon answers when the memory is there, or at
-the end of the wake's ``wait``.
+the end of the wake's ``wait``. A dropped KV pool given a ``floor`` wakes to what fits
+above it (a neighbour that kept a little of what it used costs it rows, not its wake)
+and grows the rest in the background: one more KV_GROW that the daemon answers once the
+rows fit (``KvPool.growing``; an engine's block follower collects it between steps).
 """
 
 from __future__ import annotations
@@ -125,16 +128,18 @@ class ArenaSleep:
         if nbytes:
             self._buffer(nbytes)
 
-    def wake(self, *, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
+    def wake(self, *, wait: float = DEFAULT_WAKE_WAIT_S, floor: int | None = None) -> None:
         """Commit the arena again at the same offsets and copy back what was kept. Memory
         others hold is waited for up to ``wait`` seconds; then OutOfMemory names the
-        figures and who holds it."""
+        figures and who holds it. ``floor``: a KV pool whose rows were dropped wakes to
+        what fits of its rows as long as ``floor`` rows do, and the rest is grown in the
+        background (``KvPool.growing``); None (and a KV pool whose rows were kept): all."""
         if not self.asleep:
             raise InvalidArgument(f"arena '{self.arena.name}' is not asleep")
         arena = self.arena
         if self.kv is not None:
             if self._tokens:
-                self._wake_kv(wait)
+                self._wake_kv(wait, self._tokens if floor is None or self._kept else max(1, min(floor, self._tokens)))
         else:
             reply, fds = self._wake_call(wait)
             arena.apply(reply, fds)
@@ -171,30 +176,34 @@ class ArenaSleep:
             ) from None
         return reply, fds
 
-    def _wake_kv(self, wait: float) -> None:
-        """Grow the KV pool back to all its rows (its blocks are the engine's: a part will
-        not do), one KV_GROW that waits for them up to ``wait`` s: the daemon asks pools
-        above their fair share to give back, again as they answer, and takes memory others
-        free as it comes."""
+    def _wake_kv(self, wait: float, floor: int) -> None:
+        """Grow the KV pool back to its rows, one KV_GROW that waits up to ``wait`` s for
+        all of them, or (a ``floor`` below them) for what fits once ``floor`` rows do: the
+        daemon asks pools above their fair share to give back, again as they answer, and
+        takes memory others free as it comes. Kept rows are the engine's blocks: a part
+        will not do. Woken to part, the rest is sent for at once, unwaited."""
         kv = self.kv
         assert kv is not None
+        least = floor if floor < self._tokens else 0
         try:
             reply: p.KvCommitReply
-            reply, fds = kv.core.channel.call(p.KvGrow(pool=kv.name, tokens=self._tokens, wait=wait), timeout=wait + _ANSWER_S)
+            reply, fds = kv.core.channel.call(p.KvGrow(pool=kv.name, tokens=self._tokens, wait=wait, least=least), timeout=wait + _ANSWER_S)
         except OutOfMemory as exc:
-            raise OutOfMemory(f"KV pool '{kv.name}' cannot wake within {wait:g}s: {exc.message}", {"tokens": self._tokens}) from None
+            raise OutOfMemory(f"KV pool '{kv.name}' cannot wake within {wait:g}s: {exc.message}", {"tokens": floor}) from None
         except DaemonTimeout as exc:
             raise DaemonTimeout(
                 f"gpumemd did not answer the wake of KV pool '{kv.name}' within the {wait:g}s it may wait and {_ANSWER_S:g}s "
                 f"more: check that gpumemd runs and answers (gpumemctl status) and its log ({exc})"
             ) from None
         kv.apply(reply, fds)
-        if kv.tokens < self._tokens:
+        if kv.tokens < floor:
             raise OutOfMemory(
-                f"KV pool '{kv.name}' cannot wake within {wait:g}s: it got {kv.tokens} of its {self._tokens} rows "
+                f"KV pool '{kv.name}' cannot wake within {wait:g}s: it got {kv.tokens} of the {floor} rows it needs "
                 f"(not answered: {', '.join(reply.unanswered) or 'none'}; gone: {', '.join(reply.gone) or 'none'})",
-                {"tokens": self._tokens},
+                {"tokens": floor},
             )
+        if kv.tokens < self._tokens:
+            kv.send_grow(self._tokens, wait=wait)
 
     def _buffer(self, nbytes: int) -> HostBuffer:
         """The host buffer, at least ``nbytes`` large (a larger one replaces it)."""

@@ -39,6 +39,7 @@ class PendingGrow(PendingWait):
     asked: list[KvPoolRecord]  # the pools asked to give back for it
     gone: list[str] = dataclasses.field(default_factory=list)  # "client/pool" of those that went before answering
     whole: bool = False  # its wait (a wake's): answered with all its rows, or at its deadline
+    least: int = 0  # a dropped KV's wake: answered with what fits once this many rows do
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 
 from gpumem_shared import protocol as p
+from gpumem_shared.units import format_size
 
 from gpumemd import kv_math, kv_moves
 from gpumemd.kv_moves import PendingGrow
@@ -29,6 +30,22 @@ from gpumemd.tally import Tally
 log = logging.getLogger("gpumemd.kv_pools")
 
 _POOL = Imager(KvPoolRecord)
+# The largest holders a refused wake names.
+_NAMED = 3
+
+
+def holders(arenas: ArenaBook) -> str:
+    """Who holds the device's memory, largest first: each owner's committed bytes (and
+    what is retiring), for a wake that cannot get the memory it needs."""
+    held: dict[str, int] = {}
+    for a in arenas.by_name.values():
+        who = f"client '{a.owner_name}' (pid {a.owner_pid})"
+        held[who] = held.get(who, 0) + a.committed + sum(c.size for c in a.placeholders)
+    retiring = sum(c.size for c in arenas.retiring.values())
+    if retiring:
+        held["chunks still mapped after their release (retiring)"] = retiring
+    top = sorted(((n, who) for who, n in held.items() if n), reverse=True)[:_NAMED]
+    return ", ".join(f"{who} {format_size(n)}" for n, who in top) or "nobody gpumemd knows of (other processes on the device)"
 
 
 class KvBookImage(msgspec.Struct):
@@ -148,7 +165,9 @@ class KvBook:
 
     def grow(self, s: SessionRecord, m: p.KvGrow, request_id: int) -> Outcome:
         """Grow now if the memory is free; else ask pools above their fair share to give
-        back, and answer once they did or at the move deadline (deferred)."""
+        back, and answer with what is free at once when that is some (a grow without a
+        wait: the rest is for the engine's next grow), or once they did or at the move
+        deadline (deferred)."""
         pool = self._owned(s, m.pool, "grow")
         in_round = self.desk.of(pool)
         if in_round is not None:  # the round decides its tokens; a grow now would be overwritten
@@ -160,21 +179,41 @@ class KvBook:
             )
         if any(g.pool is pool for g in self.grows):
             raise p.ProtocolError(p.ErrorCode.ALREADY_EXISTS, f"a grow of KV pool '{pool.name}' is already waiting for memory")
+        if m.least and not (pool.tokens < m.least <= m.tokens and m.wait > 0):
+            raise p.ProtocolError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"KV pool '{pool.name}' holds {pool.tokens} tokens: a grow to {m.tokens} that takes at least {m.least} needs "
+                "least above the tokens held and at most those asked, and a wait",
+            )
         kv_moves.said(pool, m.in_use)
         now = self.clock()
         deadline = max(now + self.config.move_timeout, wait_deadline(m.wait, now, f"growing KV pool '{pool.name}'"))
         tokens = self._within_cap(pool, m.tokens)
-        need = kv_moves.need(pool, self.arenas.by_name[pool.name], tokens)
+        arena = self.arenas.by_name[pool.name]
+        need = kv_moves.need(pool, arena, tokens)
         available = self._available(pool)
         what = f"growing KV pool '{pool.name}' from {pool.tokens} to {tokens} tokens{self._kept_named()}"
         if need <= available:
             return Outcome(*self._grown(s, pool, tokens, m.tokens, [], []))
         short = need - available
         asked = self.ask_back(short, f"KV pool '{pool.name}' of {s.name} needs {short} more bytes to grow to {tokens} tokens", pool, tokens)
+        least = min(m.least, tokens)
+        if not asked and least and kv_moves.need(pool, arena, least) <= available:
+            # A wake above its floor with nobody to ask: what fits now, the rest left to later grows.
+            return Outcome(*self._grown(s, pool, kv_moves.most_within(pool, arena, tokens, available), m.tokens, [], []))
+        most = kv_moves.most_within(pool, arena, tokens, available)
+        if asked and not m.wait and most > pool.tokens:
+            # What is free, at once: the engine's step need not wait a neighbour's step for
+            # it. The pools asked give back meanwhile, for its next grow, which finds the
+            # memory free (or waits for their answers as any grow that does not fit).
+            self.tally.kv_grows_partial += 1
+            named = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in asked]
+            log.info("%s: %d bytes short; %d tokens now, asked %s to give back the rest", what, short, most, [d.name for d in asked])
+            return Outcome(*self._grown(s, pool, most, m.tokens, named, []))
         if not asked and not m.wait:  # no pool holds more than its share: nothing to wait for
             self.tally.kv_grows_refused += 1
             self.arenas.require_available(need, what)  # refuses, with the figures
-        self.grows.append(PendingGrow(s.id, request_id, now, deadline, pool=pool, tokens=tokens, asked=asked, whole=m.wait > 0))
+        self.grows.append(PendingGrow(s.id, request_id, now, deadline, pool=pool, tokens=tokens, asked=asked, whole=m.wait > 0, least=least))
         self.tally.kv_grows_deferred += 1
         figures = {"pool": pool.name, "asked_tokens": tokens, "need": need, "available": available}
         log.info("%s: %d bytes short; asked %s to give back", what, short, [d.name for d in asked], extra={"figures": figures})
@@ -474,11 +513,16 @@ class KvBook:
         full = kv_moves.need(pool, arena, grow.tokens) <= available
         # A pool that went is not waited for, nor one of its name declared since.
         waiting = [d for d in grow.asked if d.shrink_request is not None and self.pools.get(d.name) is d]
-        if not full and now < grow.deadline and (waiting or grow.whole):
-            if not waiting:  # a grow that waits for all its rows: every pool asked answered, and it is short still
+        # A wake above its floor: answered once the floor fits and the pools asked answered
+        # (or had the move deadline to), not held for rows a neighbour may never give back.
+        enough = grow.least > 0 and kv_moves.need(pool, arena, grow.least) <= available
+        if not full and now < grow.deadline:
+            if waiting and not (enough and now - grow.created >= self.config.move_timeout):
+                return
+            if not waiting and grow.whole and not enough:  # every pool asked answered, and it is short still
                 short = kv_moves.need(pool, arena, grow.tokens) - available
                 grow.asked = self.ask_back(short, f"KV pool '{pool.name}' needs {short} more bytes to grow to {grow.tokens} tokens", pool, grow.tokens)
-            return
+                return
         self.grows.remove(grow)
         unanswered = [f"{self.arenas.by_name[d.name].owner_name}/{d.name}" for d in waiting]
         named = f"not answered: {', '.join(unanswered) or 'none'}; gone before answering: {', '.join(grow.gone) or 'none'}{self._kept_named()}"
@@ -489,9 +533,11 @@ class KvBook:
         }
         before = self.arenas.accounted_bytes()
         try:
-            if tokens == pool.tokens:
-                message = f"KV pool '{pool.name}': nothing came free within {now - grow.created:.3g}s; {named}"
-                self.arenas.require_available(kv_moves.need(pool, arena, grow.tokens), message)  # refuses, with the figures
+            if tokens == pool.tokens or tokens < grow.least:
+                got = "nothing came free" if tokens == pool.tokens else f"only {tokens} of the {grow.least} tokens it needs at least fit"
+                held = f"; the device's memory is held by {holders(self.arenas)}" if grow.whole else ""
+                message = f"KV pool '{pool.name}': {got} within {now - grow.created:.3g}s; {named}{held}"
+                self.arenas.require_available(kv_moves.need(pool, arena, grow.least or grow.tokens), message)  # refuses, with the figures
             reply, handout = self._grown(self.sessions[grow.session_id], pool, tokens, grow.tokens, unanswered, grow.gone)
         except p.ProtocolError as exc:
             self.tally.kv_grows_refused += 1

@@ -43,7 +43,7 @@ from gpumemd.arenas import ArenaBook
 from gpumemd.checks import check_size
 from gpumemd.config import StateConfig
 from gpumemd.image import Image, Imager, Keep, Take
-from gpumemd.kv_pools import KvBook
+from gpumemd.kv_pools import KvBook, holders
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, PendingWait, SessionRecord, SleepRecord, wait_deadline
 
 log = logging.getLogger("gpumemd.sleepers")
@@ -247,7 +247,7 @@ class SleeperBook:
             except p.ProtocolError as exc:
                 also = f"; KV pools {', '.join(asked)} were asked to give back" if asked else ""
                 again = " (ask again once they have)" if asked and not waited else ""
-                raise p.ProtocolError(exc.code, f"{exc.message}; the device's memory is held by {self._holders()}{also}{again}", **exc.detail) from None
+                raise p.ProtocolError(exc.code, f"{exc.message}; the device's memory is held by {holders(self.arenas)}{also}{again}", **exc.detail) from None
             self.arenas.create_chunks([(arena, 0, need)], available)
         self.arenas.wake(arena)
         log.info("arena %r of client %r awake: %d bytes committed again", arena.name, s.name, need)
@@ -359,18 +359,6 @@ class SleeperBook:
     def _who(self, session_id: int) -> str:
         s = self.sessions.get(session_id)
         return f"client '{s.name}' ({s.pids})" if s is not None else f"session {session_id}"
-
-    def _holders(self) -> str:
-        """Who holds the device's memory, largest first: each owner's committed bytes."""
-        held: dict[str, int] = {}
-        for a in self.arenas.by_name.values():
-            who = f"client '{a.owner_name}' (pid {a.owner_pid})"
-            held[who] = held.get(who, 0) + a.committed + sum(c.size for c in a.placeholders)
-        retiring = sum(c.size for c in self.arenas.retiring.values())
-        if retiring:
-            held["chunks still mapped after their release (retiring)"] = retiring
-        top = sorted(((n, who) for who, n in held.items() if n), reverse=True)[:_NAMED]
-        return ", ".join(f"{who} {format_size(n)}" for n, who in top) or "nobody gpumemd knows of (other processes on the device)"
 
     def status(self) -> list[p.SleeperStatus]:
         asleep = self.asleep

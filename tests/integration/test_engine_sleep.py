@@ -6,6 +6,7 @@ cache at its blocks again, the graph pool registered as it was and leased as bef
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ import pytest
 
 import gpumem
 from gpumem_shared import protocol as p
+from gpumem.port.blocks import BlockFollower
 from gpumemd_testkit import MiB, status
+from nanovllm_fakes import Engine, Manager
 
 GiB = 1 << 30
 
@@ -118,3 +121,80 @@ def test_a_kv_cache_kept_comes_back_whole_and_its_wake_waits_for_the_rows(daemon
         assert not any(x["asleep"] for x in status(runtime_dir)["sleepers"]), "its grow back woke it in the daemon too"
         for first, last in ends:
             assert kv.pool.arena.read(first, 8) == b"first ro" and kv.pool.arena.read(last, 8) == b"last row"
+
+
+def test_a_dropped_kv_cache_wakes_to_what_a_neighbour_left_and_regains_the_rest_once_it_lets_go(daemon_factory, backend, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """Issue 38's drift: the neighbour keeps a few hundred MiB of what the sleeper gave
+    back. The wake takes what fits above its floor at once (no 30 s wait, no
+    OutOfMemory), its block manager is sized to it and its rows are fresh memory; the
+    rest comes by the grow the wake left waiting, which the follower collects once the
+    neighbour lets go, with no call of the application's."""
+    extra = ["--host-capacity", "1GiB"] if backend == "host" else []
+    daemon_factory(backend, args=[*extra, "--capacity", "512MiB", "--reserve", "0", "--kv-chunk-size", "16MiB"])
+    with gpumem.EngineMemory("engine", 0, runtime_dir=str(runtime_dir), model_reserve=GiB, graph_reserve=GiB) as mem:
+        kv = mem.kv_cache(layers=2, block_shape=(16, 8, 128), itemsize=2, max_blocks=2048)  # 128 KiB a block
+        assert mem.kv_commit(max_blocks=2048) == 2048  # 256 MiB
+        manager = Manager(kv.blocks)
+        follower = BlockFollower(kv.pool, Engine(manager))
+        first = [b.offset for b in kv.pool.buffers.values()]
+        for offset in first:
+            kv.pool.arena.write(offset, b"old rows")
+        held = status(runtime_dir)["device"]["accounted_bytes"]
+        mem.sleep("kv", drop=["kv"])
+
+        trainer = run_client("shell", "trainer")
+        trainer.expect("CONNECTED")
+        trainer.send(f"create train {GiB}")
+        trainer.expect("OK")
+        everything = 512 * MiB - status(runtime_dir)["device"]["accounted_bytes"]
+        trainer.send(f"commit train {everything}")
+        assert int(trainer.expect("OK")) == everything
+        kept = 384 * MiB  # what the trainer keeps: half the sleeper's rows do not fit
+        trainer.send(f"decommit train {kept}")
+        trainer.expect("OK")
+
+        floor = follower.wake_floor()
+        assert floor == 2048 // 8
+        started = time.monotonic()
+        mem.wake(wait=60.0, kv_floor=floor)
+        assert time.monotonic() - started < 30, "answered with what fits, not at the end of its wait"
+        follower.woke()
+        woken = kv.pool.tokens
+        assert mem.asleep == [] and floor <= woken < 2048, woken
+        assert len(manager.blocks) == woken and kv.pool.growing is not None, "sized to what the wake gave; the rest on its way"
+        for offset in first:
+            assert kv.pool.arena.read(offset, 8) == bytes(8)  # dropped: fresh, zeroed memory
+        last = next(iter(kv.pool.buffers.values())).offset + woken * kv.pool.bytes_per_token // len(kv.pool.buffers) - 8
+        kv.pool.arena.write(last, b"new rows")  # the engine's blocks are real memory up to what it got
+        assert kv.pool.arena.read(last, 8) == b"new rows"
+
+        for _ in range(3):
+            follower.idle()
+        assert kv.pool.tokens == woken, "the rest waits for the trainer, and the follower goes on"
+        trainer.send("release train")
+        trainer.expect("OK")
+        deadline = time.monotonic() + 30
+        while kv.pool.tokens < 2048:
+            assert time.monotonic() < deadline, f"the rest never came: {kv.pool.tokens} of 2048 rows"
+            follower.idle()  # what the engine's loop does anyway: no new request of the application's
+        assert len(manager.blocks) == 2048 and follower.figures.grows_short == 0
+        assert status(runtime_dir)["device"]["accounted_bytes"] == held
+
+
+def test_a_dropped_kv_cache_whose_floor_does_not_fit_fails_its_wake_naming_the_holders(daemon_factory, backend, run_client, runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    extra = ["--host-capacity", "1GiB"] if backend == "host" else []
+    daemon_factory(backend, args=[*extra, "--capacity", "512MiB", "--reserve", "0", "--kv-chunk-size", "16MiB"])
+    with gpumem.EngineMemory("engine", 0, runtime_dir=str(runtime_dir), model_reserve=GiB, graph_reserve=GiB) as mem:
+        kv = mem.kv_cache(layers=2, block_shape=(16, 8, 128), itemsize=2, max_blocks=2048)
+        assert mem.kv_commit(max_blocks=2048) == 2048
+        mem.sleep("kv", drop=["kv"])
+        trainer = run_client("shell", "trainer")
+        trainer.expect("CONNECTED")
+        trainer.send(f"create train {GiB}")
+        trainer.expect("OK")
+        left = 16 * MiB  # 128 blocks, under the floor of 256
+        trainer.send(f"commit train {512 * MiB - status(runtime_dir)['device']['accounted_bytes'] - left}")
+        trainer.expect("OK")
+        with pytest.raises(gpumem.OutOfMemory, match=r"cannot wake within 0.5s: .*held by client 'trainer'"):
+            mem.wake(wait=0.5, kv_floor=256)
+        assert mem.asleep == ["kv"] and kv.pool.tokens == 0

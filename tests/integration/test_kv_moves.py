@@ -52,7 +52,13 @@ def test_memory_moves_to_the_engine_that_bursts_and_back(daemon_factory, backend
             assert 256 <= kept <= 1024 and cost(ROWS, 3072) + cost(ROWS, kept) <= CAP, kept
             line = taker.answer()
             assert line.startswith("OK "), line
-            assert json.loads(line[3:]) == {"tokens": 3072, "unanswered": []}
+            got = json.loads(line[3:])
+            if got["tokens"] < 3072:
+                # What was free came at once (the giver kept less than asked the round
+                # before: whole chunks), the giver asked for the rest: the next grow finds it.
+                assert got["unanswered"] == [f"{giver.name}/{giver.pool}"], got
+                got = json.loads(taker.do(f"kvgrow {taker.pool} 3072"))
+            assert got == {"tokens": 3072, "unanswered": []}
             assert _pools(runtime_dir) == {taker.pool: 3072, giver.pool: kept}
             assert status(runtime_dir)["device"]["accounted_bytes"] == cost(ROWS, 3072) + cost(ROWS, kept)
             assert taker.kvcheck() == "MATCH" and giver.kvcheck() == "MATCH"

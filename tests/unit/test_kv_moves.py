@@ -286,11 +286,13 @@ def test_idle_pools_are_asked_first(make_harness: Callable[..., Harness]) -> Non
     assert {commit_reply(x).pool.tokens for x in done(h).values()} == {21504}
     h.ok(b, p.KvDemand(pool="kvb", in_use=1024))
     h.ok(c, p.KvDemand(pool="kvc", in_use=0))
-    grow_waits(h, a, "kva", 26624, 7)
+    now = h.ok(a, p.KvGrow(pool="kva", tokens=26624)).reply  # the 4 MiB free, at once
+    assert isinstance(now, p.KvCommitReply) and (now.pool.tokens, now.unanswered) == (22528, ["engine-c/kvc"])
     [(sid, arena, bound)] = shrink_notices(h)
     assert (sid, arena) == (c.id, "kvc")
     give_back(h, c, "kvc", bound)
-    assert commit_reply(done(h)[7]).pool.tokens == 26624
+    rest = h.ok(a, p.KvGrow(pool="kva", tokens=26624)).reply  # the engine's next grow: free by then
+    assert isinstance(rest, p.KvCommitReply) and rest.pool.tokens == 26624
 
 
 def test_a_donor_that_releases_its_pool_instead_of_shrinking_answers_the_grow_at_once(make_harness: Callable[..., Harness]) -> None:
@@ -340,7 +342,8 @@ def test_a_pool_whose_own_grow_waits_is_not_asked_to_give_back(make_harness: Cal
     [(_, _, bound)] = shrink_notices(h)
     give_back(h, a, "kva", bound)
     assert commit_reply(done(h)[7]).pool.tokens == 49152
-    grow_waits(h, b, "kvb", 60000, 8)  # b wants more, a is asked again and has not answered yet
+    # b wants more (waiting for all of it, as a wake's rest does), a is asked again and has not answered yet
+    assert h.state.handle(b, p.KvGrow(pool="kvb", tokens=60000, wait=30.0), 8).reply is None
     assert [sid for sid, _, _ in shrink_notices(h)] == [a.id]
     # a bursts: with equal weights b holds 64 MiB above its share, but b waits for its own grow.
     refused = h.refused(a, p.KvGrow(pool="kva", tokens=40000), ErrorCode.OUT_OF_MEMORY)

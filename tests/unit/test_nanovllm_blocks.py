@@ -83,6 +83,7 @@ class Pool:
         self.bounds: list[int] = []
         self.calls: list[str] = []
         self.waits: list[Wait] = []
+        self.growing: Wait | None = None  # a wake's rest (KvPool.growing)
 
     def answer_shrinks(self, move_live: Any, down_to: int | None = None) -> int | None:  # KvPool.answer_shrinks, without a daemon
         if not self.bounds:
@@ -166,6 +167,46 @@ def test_a_refused_grow_is_asked_again_only_after_a_pause() -> None:
     step(f, [], running)
     step(f, [], running)
     assert sum(c.startswith("grow") for c in pool.calls) == 1 and f.figures.grows_short == 1
+
+
+def test_a_grow_answered_with_part_while_neighbours_give_back_asks_again_at_the_next_boundary() -> None:
+    """The daemon gave what was free at once and asked a neighbour for the rest: no
+    pause (that is for refusals), the rest is asked for at once and collected between
+    steps, the steps going on meanwhile."""
+    pool, m = Pool(8), Manager(8)
+    running = [Seq(20, [m.take(i) for i in range(5)])]
+    f = follower(pool, m, running, [])
+    step(f, [], running)
+    pool.unanswered = ["engine-b/kvb"]
+    pool.waits[0].answer = 9  # asked 16, given what was free: still under the watermark
+    step(f, [], running)
+    assert len(m.blocks) == 9 and f.figures.grows_short == 1
+    assert [c for c in pool.calls if c.startswith("grow")] == ["grow 16 5", "grow 16 5"], "asked again at once"
+    step(f, [], running)  # not answered yet: the step goes on
+    assert f.figures.grow_waits_s == [] and pool.calls[-1] == "wait False"
+    pool.waits[1].answer = 16
+    step(f, [], running)
+    assert len(m.blocks) == 16 and f.growing is None
+
+
+def test_a_woken_kv_cache_takes_what_came_and_collects_the_rest_between_steps() -> None:
+    """A dropped KV cache's floor is what the queue needs next and the watermark, or an
+    eighth of its blocks; woken to part, the manager holds that part, and the grow the
+    wake left waiting is collected like the follower's own."""
+    pool, m = Pool(64), Manager(64)
+    f = follower(pool, m, [], [])
+    assert f.wake_floor() == 64 // 8
+    f.engine.scheduler.waiting = [Seq(40)]  # type: ignore[attr-defined]  # queued while asleep: 10 blocks
+    assert f.wake_floor() == 10 + 4
+    pool.tokens = 20  # what the wake got
+    rest = pool.growing = Wait(pool, 64)
+    f.woke()
+    assert len(m.blocks) == 20 and f.growing is rest
+    step(f, [Seq(40)], [])  # the step goes on with what came
+    assert len(m.blocks) == 20 and not any(c.startswith("grow") for c in pool.calls)
+    rest.answer = 64
+    step(f, [Seq(40)], [])
+    assert len(m.blocks) == 64 and f.growing is None and f.figures.grows_short == 0
 
 
 def test_a_shrink_moves_live_blocks_down_copies_them_first_and_drops_the_top() -> None:

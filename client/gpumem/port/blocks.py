@@ -22,7 +22,15 @@ running sequence would be preempted for want of a block). Asked for blocks back,
 follower packs its live blocks low (the adapter's device-to-device copies) and gives
 back down to what it needs, in grow steps, not only the rows asked for: a burst's grows
 come one after another as its requests arrive, and each further ask would wait for a
-step of this engine.
+step of this engine. A grow that does not fit is answered at once with what is free,
+the daemon asking neighbours for the rest (the reply's ``unanswered``): the next
+boundary asks again without the pause a refusal costs, and that grow is answered once
+they gave back, collected between steps; only a step that is ``short`` waits for it.
+
+A dropped KV cache wakes to what fits above a floor (``wake_floor``: what the queue needs
+next and the watermark, or an eighth of the blocks, the larger), its block manager
+sized to what the wake gave (``woke``), and the rest of its blocks come by the grow the
+wake left waiting in the daemon, collected between steps like any grow.
 
 A copy that raises stops the shrink before anything is given back: the rows stay the
 pool's, the daemon's books as they were (its ask is answered by the next boundary, or
@@ -45,6 +53,8 @@ RETRY_S = 0.5
 # Blocks a copy of live blocks gathers at a time: the gather's index and temporary are
 # allocated outside the arenas, so they stay small.
 COPY_BATCH = 32
+# A woken KV cache's default floor: this part of its blocks at least.
+WAKE_FLOOR_PART = 8
 
 
 def top(used: Collection[int]) -> int:
@@ -144,6 +154,22 @@ class BlockFollower:
             self.figures.blocks_moved += len(moves)
         return top(self.engine.used_blocks())
 
+    def wake_floor(self) -> int:
+        """The fewest blocks a dropped KV cache wakes to: what the sequences queued
+        meanwhile need next plus the watermark, or ``1/WAKE_FLOOR_PART`` of the blocks
+        it had (the block manager keeps their count through the sleep), the larger."""
+        engine = self.engine
+        blocks = engine.block_count()
+        need = len(engine.used_blocks()) + engine.step_need().blocks + self.watermark
+        return max(1, min(blocks, max(need, blocks // WAKE_FLOOR_PART)))
+
+    def woke(self) -> None:
+        """The pool woke (to part of its rows, maybe): the block manager to what it got,
+        and the grow for the rest, which the wake left waiting, collected as any grow."""
+        if self.growing is None and self.pool.growing is not None:
+            self.growing, self._asked = self.pool.growing, self.engine.block_count()
+        resize(self.engine, self.pool.tokens)
+
     def idle(self) -> None:
         """While the engine has nothing to do: say so once, and answer shrinks."""
         self._say_busy(False, 0)
@@ -192,16 +218,20 @@ class BlockFollower:
         """Take the grow's answer if it came within ``timeout``: the manager gets the blocks."""
         if self.growing is None:
             return
+        refused = False
         try:
             got = self.growing.wait(timeout)
         except DaemonTimeout:
             return
         except OutOfMemory:  # refused: nothing came free
-            got = self.pool.tokens
+            got, refused = self.pool.tokens, True
         self.growing = None
         if got < self._asked:
             self.figures.grows_short += 1
-            self._retry_at = time.monotonic() + RETRY_S
+            if refused or not self.pool.unanswered:
+                self._retry_at = time.monotonic() + RETRY_S
+            # else: the daemon gave what was free at once and asked neighbours for the rest,
+            # which the next grow finds free (or waits for, off the step unless it is short).
         resize(self.engine, self.pool.tokens)
 
     def _answer_shrinks(self, need: int) -> None:

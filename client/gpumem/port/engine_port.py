@@ -181,8 +181,19 @@ class EnginePort:
         """The host buffers ``sleep(*tags, drop=drop)`` copies into, made ahead."""
         self.mem.prepare_sleep(*tags, drop=drop)
 
-    def wake(self, *, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
-        self.mem.wake(wait=wait)
+    def wake(self, *, wait: float = DEFAULT_WAKE_WAIT_S, floor_blocks: int | None = None) -> None:
+        """Wake what ``sleep`` put to sleep (``EngineMemory.wake``). A dropped KV cache of
+        an engine that follows its pool wakes to what fits above ``floor_blocks`` (default:
+        ``BlockFollower.wake_floor``), its block manager sized to what came, and regains
+        the rest as memory comes back; without a follower it wakes to all its blocks."""
+        follower = self.follower
+        if follower is None:
+            if floor_blocks is not None:
+                raise InvalidArgument(f"engine '{self.settings.name}' does not follow its KV pool: its KV cache wakes whole")
+            self.mem.wake(wait=wait)
+            return
+        self.mem.wake(wait=wait, kv_floor=follower.wake_floor() if floor_blocks is None else floor_blocks)
+        follower.woke()
 
     # ------------------------------------------------------------------ retain and standby
 

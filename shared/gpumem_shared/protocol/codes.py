@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 13)
+PROTOCOL_VERSION: tuple[int, int] = (1, 14)
 
 # The oldest protocol HELLO accepts, on either side (see the package doc, __init__.py).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)

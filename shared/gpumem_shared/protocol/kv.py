@@ -110,7 +110,11 @@ class KvGrow(RequestMessage, kw_only=True):
     ``unanswered`` and ``gone`` in the reply); OUT_OF_MEMORY when it could get nothing.
     Given ``wait`` (since 1.12; a sleeping pool's wake), it waits for all its rows up to
     ``wait`` seconds (pools that answered and could give more are asked again, and memory
-    others free is taken as it comes), then answers with what fits."""
+    others free is taken as it comes), then answers with what fits. Given ``least`` too
+    (since 1.14; a dropped KV's wake to what fits), it is answered with what fits as soon
+    as ``least`` rows do and no pool asked is still to answer (or has answered for
+    ``--move-timeout``), and OUT_OF_MEMORY, naming who holds the device's memory, when
+    not even ``least`` fits by the end of its wait."""
 
     TYPE = MsgType.KV_GROW
     REPLY = KvCommitReply
@@ -118,6 +122,7 @@ class KvGrow(RequestMessage, kw_only=True):
     tokens: int
     in_use: int = -1  # rows the engine uses now (-1: not said); 0 marks the pool idle
     wait: float = 0.0
+    least: int = 0  # since 1.14: the fewest rows the answer may hold (0: all of ``tokens`` when it waits)
 
 
 class KvShrink(RequestMessage, kw_only=True):

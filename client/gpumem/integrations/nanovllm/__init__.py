@@ -196,6 +196,8 @@ def prepare_sleep(llm: Any, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
     port(llm).prepare_sleep(*tags, drop=drop)
 
 
-def wake(llm: Any, *, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
-    """Wake what ``sleep`` put to sleep (``EngineMemory.wake``)."""
-    port(llm).wake(wait=wait)
+def wake(llm: Any, *, wait: float = DEFAULT_WAKE_WAIT_S, floor_blocks: int | None = None) -> None:
+    """Wake what ``sleep`` put to sleep (``EnginePort.wake``): a dropped KV cache to what
+    fits above ``floor_blocks`` (default: the follower's ``wake_floor``), the block
+    manager sized to it, the rest of its blocks grown as memory comes back."""
+    port(llm).wake(wait=wait, floor_blocks=floor_blocks)
