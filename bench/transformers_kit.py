@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""transformers' continuous batching, as shipped and on gpumemd (gpumem.integrations.transformers),
+on random-weight models built offline from transformers' own config classes; shared by
+bench/engine.py (``--engine transformers``) and tests/integration/test_transformers_gpu.py.
+
+Models (``--arch``): ``qwen3`` (full attention, 8 KV heads of 16 query heads, head 128) and
+``mistral`` (every layer sliding-window, 512 tokens, 4 KV heads of 16, head 64): the
+second lays its KV out otherwise (another GQA ratio and head size, sliding groups,
+transformers' decode fast path off). Prompts are token ids (seeded), no tokenizer; greedy.
+
+    transformers_kit.py engine --mode plain|gpumemd --arch qwen3 --out run.json [...]
+    transformers_kit.py bench [--arch qwen3]      # the figures of bench/engine.py --engine transformers
+
+An engine process writes JSON: ``blocks`` (usable KV blocks), ``startup_s`` (manager
+made, warmed up and started), ``tokens`` (per prompt), ``decode_tok_s``, and with
+``--sleep-cycle`` the tokens again after sleep and wake with the freed and woken bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("qwen3", "mistral")
+
+
+def build_model(arch: str, *, dtype: Any = None, layers: int = 8) -> Any:
+    """A random-weight model of ``arch`` on CUDA (seeded: the same weights every time)."""
+    import torch
+    from transformers import GenerationConfig, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": layers,
+              "num_attention_heads": 16, "max_position_embeddings": 8192, "attn_implementation": "sdpa"}
+    if arch == "qwen3":
+        model_cls, config = Qwen3ForCausalLM, Qwen3Config(num_key_value_heads=8, head_dim=128, **common)
+    elif arch == "mistral":
+        model_cls, config = MistralForCausalLM, MistralConfig(num_key_value_heads=4, head_dim=64, sliding_window=512, **common)
+    else:
+        raise ValueError(f"no model '{arch}': {', '.join(ARCHS)}")
+    torch.manual_seed(0)
+    model = model_cls(config).to("cuda", dtype or torch.bfloat16).eval()
+    model.generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=64)
+    return model
+
+
+def prompts(count: int, *, seed: int = 1, low: int = 16, high: int = 200) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 32000) for _ in range(rng.randrange(low, high))] for _ in range(count)]
+
+
+def generate(manager: Any, inputs: list[list[int]], tokens: int) -> tuple[list[list[int]], float]:
+    """Every prompt to its end; (tokens per prompt, generated tokens per second)."""
+    started = time.perf_counter()
+    ids = manager.add_requests(inputs=inputs, max_new_tokens=tokens)
+    done: dict[str, list[int]] = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=60)
+        if result is None:
+            raise RuntimeError(f"no result within 60 s ({len(done)}/{len(ids)} done; running: {manager.is_running()})")
+        if result.is_finished():
+            if result.error:
+                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+            done[result.request_id] = list(result.generated_tokens)
+    elapsed = time.perf_counter() - started
+    return [done[i] for i in ids], sum(len(t) for t in done.values()) / elapsed
+
+
+def engine(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import ContinuousBatchingConfig
+
+    from gpumem.integrations import transformers as gtf
+
+    if args.mode == "gpumemd":
+        options: dict[str, Any] = {"expect": args.expect, "runtime_dir": args.runtime_dir}
+        if args.retain:
+            options["retain"] = args.retain
+        gtf.enable(args.name, max_blocks=args.max_blocks, **options)
+    if args.start_after:
+        while not Path(args.start_after).exists():
+            time.sleep(0.005)
+    started = time.perf_counter()
+    model = build_model(args.arch)
+    cb = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=args.max_memory_percent, max_batch_tokens=args.max_batch_tokens)
+    built = time.perf_counter()
+    manager = model.init_continuous_batching(continuous_batching_config=cb)
+    manager.warmup()
+    manager.start()
+    out: dict[str, Any] = {"mode": args.mode, "arch": args.arch, "startup_s": time.perf_counter() - built, "build_s": built - started}
+    cache = manager.batch_processor.cache
+    out["blocks"] = cache.get_num_free_blocks()
+    out["block_bytes"] = 2 * len(cache.key_cache) * cache.block_size * cache.num_key_value_heads * cache.head_dim * cache.dtype.itemsize
+    inputs = prompts(args.prompts)
+    out["tokens"], out["decode_tok_s"] = generate(manager, inputs, args.tokens)
+    if args.mode == "gpumemd":
+        out["kv_rows_committed"] = gtf.memory().kv.blocks if gtf.memory().kv else 0
+        if args.retain:
+            out["retain_secret_len"] = len(gtf.retain_secret())
+    if args.sleep_cycle:
+        free_before = torch.cuda.mem_get_info()[0]
+        t = time.perf_counter()
+        gtf.sleep("weights", "graphs", "kv", drop=["kv"])
+        out["sleep_s"], out["freed_bytes"] = time.perf_counter() - t, torch.cuda.mem_get_info()[0] - free_before
+        t = time.perf_counter()
+        gtf.wake()
+        out["wake_s"] = time.perf_counter() - t
+        out["tokens_after_wake"], _ = generate(manager, inputs, args.tokens)
+    manager.stop(block=True, timeout=30)
+    return out
+
+
+def _child(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 - the child holds it
+    return subprocess.Popen([sys.executable, __file__, "engine", "--out", str(out), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _collect(procs: dict[str, subprocess.Popen[bytes]], rd: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, proc in procs.items():
+        code = proc.wait(timeout=400)
+        path = rd / f"{name}.json"
+        results[name] = json.loads(path.read_text()) if code == 0 and path.exists() else {"failed": code, "log": path.with_suffix(".log").read_text()[-2000:]}
+    return results
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The figures of issue 36 for transformers (see bench/engine.py)."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common as c
+
+    rd = Path(tempfile.mkdtemp(prefix="gmb-tf-"))
+    common = ["--arch", args.arch, "--prompts", str(args.prompts), "--tokens", str(args.tokens)]
+    on = ["--mode", "gpumemd", "--runtime-dir", str(rd)]
+    res: dict[str, Any] = {}
+    res.update(_collect({"plain": _child(rd / "plain.json", "--mode", "plain", *common)}, rd))
+    res.update(_collect({"plain_half": _child(rd / "plain_half.json", "--mode", "plain", "--max-memory-percent", "0.45", *common)}, rd))
+    go = rd / "go-pair-plain"
+    pair_plain = {f"plain_pair_{x}": _child(rd / f"plain_pair_{x}.json", "--mode", "plain", "--start-after", str(go), *common) for x in "ab"}
+    time.sleep(5)
+    go.write_text("go")
+    res.update(_collect(pair_plain, rd))
+    daemon = c.Daemon(rd, "cuda").wait_ready(60)
+    try:
+        res.update(_collect({"solo": _child(rd / "solo.json", *on, "--name", "solo", "--expect", "1", *common)}, rd))
+        go = rd / "go-pair"
+        pair = {f"pair_{x}": _child(rd / f"pair_{x}.json", *on, "--name", f"pair-{x}", "--expect", "2", "--start-after", str(go), *common) for x in "ab"}
+        time.sleep(5)
+        go.write_text("go")
+        res.update(_collect(pair, rd))
+    finally:
+        daemon.stop()
+    plain, solo, half = res["plain"], res["solo"], res["plain_half"]
+    ok = "failed" not in plain and "failed" not in solo
+    pair_blocks = [res[f"pair_{x}"].get("blocks", 0) for x in "ab"]
+    summary = {
+        "bench": "engine", "engine": "transformers", "arch": args.arch,
+        "blocks_plain": plain.get("blocks"), "blocks_gpumemd": solo.get("blocks"),
+        "blocks_ratio": solo["blocks"] / plain["blocks"] if ok else None,
+        "tokens_identical": ok and solo["tokens"] == plain["tokens"],
+        "decode_ratio": solo["decode_tok_s"] / plain["decode_tok_s"] if ok else None,
+        "startup_plain_s": plain.get("startup_s"), "startup_gpumemd_s": solo.get("startup_s"),
+        "startup_extra_s": solo["startup_s"] - plain["startup_s"] if ok else None,
+        "pair_blocks": pair_blocks, "pair_both_started": all(pair_blocks),
+        "pair_vs_half_plain": [b / half["blocks"] for b in pair_blocks] if half.get("blocks") else None,
+        "plain_pair_started": [("failed" not in res[f"plain_pair_{x}"]) for x in "ab"],
+        "plain_pair_blocks": [res[f"plain_pair_{x}"].get("blocks", 0) for x in "ab"],
+    }
+    (rd / "results.json").write_text(json.dumps(res, indent=1))
+    summary["logs"] = str(rd)
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("command", choices=["engine", "bench"])
+    parser.add_argument("--mode", choices=["plain", "gpumemd"], default="gpumemd")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--name", default="transformers")
+    parser.add_argument("--runtime-dir", default=None)
+    parser.add_argument("--expect", type=int, default=0)
+    parser.add_argument("--retain", default="")
+    parser.add_argument("--max-blocks", type=int, default=0)
+    parser.add_argument("--max-memory-percent", type=float, default=None)
+    parser.add_argument("--max-batch-tokens", type=int, default=None)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--start-after", default="")
+    parser.add_argument("--sleep-cycle", action="store_true")
+    args = parser.parse_args()
+    if args.command == "bench":
+        print(json.dumps(bench(args)))
+        return 0
+    result = engine(args)
+    if args.out:
+        args.out.write_text(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if not k.startswith("tokens")}))
+    os._exit(0)  # the manager's thread and gpumemd's session end with the process
+
+
+if __name__ == "__main__":
+    sys.exit(main())
