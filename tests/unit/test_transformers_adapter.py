@@ -1,0 +1,114 @@
+"""gpumem.integrations.transformers without torch: the seams checked against the installed
+transformers, the layouts it refuses, and the block methods over fakes shaped like
+transformers 5.17's ``BlockManager`` and cache allocators."""
+
+from __future__ import annotations
+
+import collections
+import types
+from typing import Any
+
+import pytest
+
+from gpumem.integrations.transformers import Engine, seams
+from gpumem.integrations.transformers.blocks import TRASH, TransformersBlocks, layer_types
+from gpumem.port import SeamMissing, Settings, Unsupported
+
+
+class Block:
+    def __init__(self, id_: int, parent_id: int | None, hash_: int | None = None) -> None:
+        self.id, self.parent_id, self.hash = id_, parent_id, hash_
+
+
+def fake_cache(blocks: int, tables: dict[str, list[int]], cached: dict[int, int] | None = None, sharable: bool = True) -> Any:
+    """A cache of ``blocks`` rows: requests holding ``tables``, ``cached`` free prefix blocks (id: hash)."""
+    cached = cached or {}
+    held = {i for t in tables.values() for i in t}
+    manager = types.SimpleNamespace(
+        num_blocks=blocks,
+        _uninit_block_ids=collections.deque(i for i in range(TRASH, blocks) if i not in held and i not in cached),
+        _init_block_ids=dict.fromkeys(cached), _hash_to_id={h: i for i, h in cached.items()}, _id_to_block={},
+    )
+    for table in tables.values():
+        for n, i in enumerate(table):
+            manager._id_to_block[i] = Block(i, table[n - 1] if n else None, hash_=1000 + i if sharable else None)
+            manager._hash_to_id[1000 + i] = i
+    for i, h in cached.items():
+        manager._id_to_block[i] = Block(i, None, h)
+    cm = types.SimpleNamespace(block_table={rid: list(t) for rid, t in tables.items()})
+    return types.SimpleNamespace(_block_manager=manager, group_cache_managers=[cm], block_size=4)
+
+
+def adapter(cache: Any, requests: list[Any] | None = None) -> tuple[TransformersBlocks, list[tuple[list[int], list[int]]]]:
+    copies: list[tuple[list[int], list[int]]] = []
+    blocks = TransformersBlocks(cache, lambda s, d: copies.append((s, d)), lambda: requests or [])
+    blocks.count = cache._block_manager.num_blocks
+    return blocks, copies
+
+
+def test_seams_missing_name_transformers_version_and_what_moved() -> None:
+    api = types.SimpleNamespace(ContinuousBatchingManager=type("M", (), {}), PagedAttentionCache=object)
+    runner = types.SimpleNamespace(get_cuda_pools=lambda: None)
+    cache = types.SimpleNamespace(PagedAttentionMemoryHandler=object, group_layers_by_attn_type=lambda c: None)
+    with pytest.raises(SeamMissing, match=r"transformers .*has no warmup, _create_batch_processor.*written for transformers 5\.17"):
+        seams(api, runner, cache)
+    with pytest.raises(SeamMissing, match="get_cuda_pools"):
+        seams(api, types.SimpleNamespace(), cache)
+
+
+def test_unsupported_attention_types_and_latent_kv_are_refused() -> None:
+    hybrid = types.SimpleNamespace(layer_types=["full_attention", "linear_attention"], num_hidden_layers=2)
+    with pytest.raises(Unsupported, match=r"\['linear_attention'\] have no paged KV blocks"):
+        layer_types(hybrid)
+    with pytest.raises(Unsupported, match="kv_lora_rank"):
+        layer_types(types.SimpleNamespace(num_hidden_layers=2, sliding_window=None, kv_lora_rank=512))
+    assert layer_types(types.SimpleNamespace(num_hidden_layers=2, sliding_window=64)) == ["sliding_attention"] * 2
+
+
+@pytest.mark.parametrize("option", [{"standby": ("g", "s")}, {"retain": "g", "weights_to": "b"}])
+def test_what_transformers_cannot_do_is_refused(option: dict[str, Any]) -> None:
+    with pytest.raises(Unsupported, match="no standby nor shared weights"):
+        Engine(Settings("e", **option), 0)
+
+
+def test_resize_grows_free_blocks_and_drops_cached_ones_past_the_end() -> None:
+    cache = fake_cache(8, {"r": [2, 3]}, cached={6: 77})
+    blocks, _ = adapter(cache)
+    blocks.resize_blocks(12)
+    assert sorted(blocks.free_blocks()) == [4, 5, 6, 7, 8, 9, 10, 11] and blocks.block_count() == 12
+    blocks.resize_blocks(6)
+    manager = cache._block_manager
+    assert sorted(blocks.free_blocks()) == [4, 5] and 77 not in manager._hash_to_id and 6 not in manager._id_to_block
+    assert sorted(blocks.used_blocks()) == [2, 3]
+
+
+def test_relocate_moves_block_tables_records_hashes_and_parents() -> None:
+    cache = fake_cache(10, {"a": [2, 8, 9], "b": [3]})
+    blocks, _ = adapter(cache)
+    blocks.relocate_blocks([(9, 4), (8, 5)])
+    manager = cache._block_manager
+    assert cache.group_cache_managers[0].block_table == {"a": [2, 5, 4], "b": [3]}
+    assert manager._id_to_block[4].id == 4 and manager._id_to_block[4].parent_id == 5
+    assert manager._hash_to_id[1009] == 4 and 9 not in manager._id_to_block
+    assert sorted(blocks.used_blocks()) == [2, 3, 4, 5] and {8, 9} <= set(manager._uninit_block_ids)
+
+
+def test_forget_prefix_cache_and_reset() -> None:
+    cache = fake_cache(8, {}, cached={4: 44, 5: 55})
+    blocks, _ = adapter(cache)
+    blocks.forget_prefix_cache()
+    manager = cache._block_manager
+    assert not manager._init_block_ids and not manager._hash_to_id and sorted(blocks.free_blocks()) == list(range(TRASH, 8))
+    blocks.reset(5)
+    assert list(manager._uninit_block_ids) == [2, 3, 4] and manager.num_blocks == 5
+    with pytest.raises(Unsupported, match="holds requests"):
+        adapter(fake_cache(8, {"r": [2]}))[0].reset(8)
+
+
+def test_step_need_counts_prompts_and_active_requests() -> None:
+    cache = fake_cache(6, {"r": [2, 3]})
+    waiting = types.SimpleNamespace(allocated_blocks=0, initial_tokens=list(range(9)))  # 3 blocks of 4
+    active = types.SimpleNamespace(allocated_blocks=2, initial_tokens=[1])
+    need = adapter(cache, [waiting, active])[0].step_need()
+    assert need.blocks == 4 and need.busy and need.short  # 2 free: the prompt does not fit
+    assert not adapter(cache, [])[0].step_need().busy
