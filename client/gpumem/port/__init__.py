@@ -7,10 +7,11 @@ engine supplies (``EngineAdapter``, gpumem.port.adapter). docs/engines.md, "The 
 - ``prefix``: the prefix cache kept in a retained prefix directory;
 - ``weights``: a primary's weights mapped read-only by its standby;
 - ``takeover``: a standby's settling and take-over;
-- ``engine``: ``EnginePort``, the calls an engine makes at its seams.
+- ``engine_port``: ``EnginePort``, the calls an engine makes at its seams.
 """
 
 from gpumem.port.adapter import EngineAdapter, KvLayout, SeamMissing, StepNeed, Unsupported, require_seams
+from gpumem.port.engine_port import EnginePort
 from gpumem.port.settings import STANDBY_ROOM, Settings
 
-__all__ = ["STANDBY_ROOM", "EngineAdapter", "KvLayout", "SeamMissing", "Settings", "StepNeed", "Unsupported", "require_seams"]
+__all__ = ["STANDBY_ROOM", "EngineAdapter", "EnginePort", "KvLayout", "SeamMissing", "Settings", "StepNeed", "Unsupported", "require_seams"]

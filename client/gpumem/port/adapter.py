@@ -7,15 +7,18 @@ and take-over, shared read-only weights. What differs between engines is how the
 tensors are shaped, how their block manager keeps its blocks, where a step begins and
 ends, how their prefix cache names a block: an adapter answers exactly that, and nothing
 else, through the methods below. An engine calls the port at its own seams (the calls
-the other way, ``gpumem.port.EnginePort``):
+the other way, ``gpumem.port.engine_port.EnginePort``):
 
     port = EnginePort(adapter, settings)       # where the engine builds its model runner
-    with port.running(): ...build, load, warm up...
-    port.lay_out_kv()                          # where it would allocate its KV cache
-    graphs = port.captured(graphs)             # once its graphs are captured
+    with port.starting():                      # build, load, warm up: into the arenas
+        port.lay_out_kv()                      # where it would allocate its KV cache
+        graphs = port.captured(graphs)         # once its graphs are captured
+    port.started()                             # built: the round's report goes out
     blocks = port.blocks()                     # before its block manager is built
     port.follow()                              # its block manager built (and final)
-    port.before_step() / port.after_step()     # around every step (the step hook)
+    port.before_step()                         # the step hook: before scheduling,
+    port.scheduled()                           #   after scheduling, before the step runs,
+    port.after_step()                          #   once the step's outputs reached the host
     port.idle()                                # while it has nothing to do
     port.settle() / port.take_over(wait=)      # a standby: once built / to serve
     port.close()
@@ -94,8 +97,10 @@ class EngineAdapter(Protocol):
         """Called once, right after ``kv_layout``: ``layers[i]`` is layer ``i``'s [K, V]
         (or [KV] combined), torch tensors of shape (max blocks, *block_shape) at their
         final addresses. The engine points its attention layers at them (and keeps them
-        for ``copy_blocks``), allocates no KV cache of its own, and captures its graphs
-        on them afterwards; it hands out block ids below ``block_count()`` only."""
+        for ``copy_blocks``: ``gpumem.port.blocks.copy_rows`` copies over them), allocates
+        no KV cache of its own, and captures its graphs on them afterwards; it hands out
+        block ids below ``block_count()`` only. A standby's tensors lie on its primary's
+        windows (its placeholder under them until the take-over)."""
         ...
 
     # ------------------------------------------------------------------ blocks (elastic KV, take-over)
@@ -140,7 +145,8 @@ class EngineAdapter(Protocol):
 
     def step_need(self) -> StepNeed:
         """Called in ``port.before_step()``, before the scheduler takes blocks for the
-        step. The engine guarantees the figure covers what its scheduler will take."""
+        step, and again while the step waits for a grow. The engine guarantees the figure
+        covers what its scheduler will take."""
         ...
 
     # ------------------------------------------------------------------ prefix cache (retain, take-over, sleep)
@@ -150,13 +156,14 @@ class EngineAdapter(Protocol):
         primary, ``port.take_over()`` on a standby). From then on the engine calls
         ``taken(block)`` when its scheduler takes a block for new rows (not a prefix-cache
         hit that keeps the block's rows as they are), and ``filled(block)`` when a step
-        it schedules writes a block's last slot; both before the step runs."""
+        it schedules writes a block's last slot; both before ``port.scheduled()``.
+        Called again after ``reset_scheduler`` (a new block manager) if it replaced it."""
         ...
 
     def block_hash(self, block: int) -> int:
         """The content hash the engine's prefix cache holds for ``block`` (-1: none): the
         engine guarantees a block with a hash holds, once the step that filled it ran,
-        the tokens the hash names. Called in ``port.before_step()`` / ``after_step()``."""
+        the tokens the hash names. Called in ``port.scheduled()`` and ``port.after_step()``."""
         ...
 
     def seed_block(self, block: int, content_hash: int) -> bool:

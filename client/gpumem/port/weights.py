@@ -1,17 +1,18 @@
-"""A standby nano-vllm engine on its primary's weights (issue 26): the standby maps the
-primary's model arena read-only and holds only its own activations and graphs.
+"""A standby engine on its primary's weights (issue 26): the standby maps the primary's
+model arena read-only and holds only its own activations and graphs.
 
 The primary (``enable(retain=group, weights_to=standby)``), once its model is built and
 loaded, describes where every parameter and buffer of the model lies in its model arena
 (name, kind, offset, dtype, shape, stride), writes that weight map into a small arena of
 its own, ``<group>-weights``, and grants both arenas read-only to the standby's client
 name. The standby (``enable(standby=(group, secret), share_weights=True)``) attaches the
-map, then the model arena (at the primary's addresses), builds nano-vllm's model on
-torch's meta device (no storage), refuses unless the map names exactly the model's
-parameters and buffers with the same dtypes and shapes, points each at the mapped bytes
-and skips ``load_model``. Buffers are mapped too: they are the model's state the
-primary computed from the same config (nano-vllm's rotary cache), read at run time, never
-written (a write through a read-only mapping faults, it does not go unnoticed).
+map, then the model arena (at the primary's addresses), builds the engine's model on
+torch's meta device (no storage; the adapter's ``building_model`` routes the engine's
+construction here), refuses unless the map names exactly the model's parameters and
+buffers with the same dtypes and shapes, points each at the mapped bytes and loads
+nothing. Buffers are mapped too: they are the model's state the primary computed from
+the same config (a rotary cache), read at run time, never written (a write through a
+read-only mapping faults, it does not go unnoticed).
 
 The map's bytes: ``MAGIC`` (8 bytes), the JSON's length (8 bytes, little-endian), the
 JSON: {"version", "arena", "arena_bytes", "tensors": [{"name", "kind", "offset",
@@ -24,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpumem.errors import InvalidArgument, NotFound, PermissionDenied
 
 if TYPE_CHECKING:
     from gpumem.arena import Arena
+    from gpumem.port.adapter import EngineAdapter
     from gpumem.session import Session
 
 MAGIC = b"GMWMAP\x00\x01"
@@ -240,16 +242,16 @@ def attach(session: Session, group: str) -> SharedWeights:
     return SharedWeights(session.attach_arena(m.arena), m)
 
 
-def build(cls: Any, hf_config: Any, shared: SharedWeights) -> Any:
-    """``cls(hf_config)`` without storage of its own: built on the meta device, checked
-    against the map, each parameter and buffer then a tensor on the mapped bytes. Other
-    tensors its modules keep (nano-vllm's empty KV placeholders) are made anew where
-    empty; one with contents the map cannot give is refused."""
+def build(make: Callable[[], Any], shared: SharedWeights) -> Any:
+    """``make()`` (the engine's model construction) without storage of its own: built on
+    the meta device, checked against the map, each parameter and buffer then a tensor on
+    the mapped bytes. Other tensors its modules keep (empty KV placeholders) are made anew
+    where empty; one with contents the map cannot give is refused."""
     from gpumem.torch_support import import_torch
 
     torch = import_torch("shared weights")
     with torch.device("meta"):
-        model = cls(hf_config)
+        model = make()
     named = [("parameter", n, t) for n, t in model.named_parameters(remove_duplicate=False)]
     named += [("buffer", n, t) for n, t in model.named_buffers(remove_duplicate=False)]
     check(shared.map, {n: (kind, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for kind, n, t in named}, shared.arena.reserved)
@@ -286,14 +288,9 @@ def _mapped(torch: Any, arena: Arena, e: Entry, device: Any) -> Any:
 
 
 @contextlib.contextmanager
-def standby_model(runner_module: Any, session: Session, group: str) -> Iterator[SharedWeights]:
-    """While nano-vllm's ``ModelRunner.__init__`` runs: its model class builds on the
-    primary's weights and its ``load_model`` loads nothing (the weights are there)."""
+def standby_model(engine: EngineAdapter, session: Session, group: str) -> Iterator[SharedWeights]:
+    """While the engine builds its model: it builds on the primary's weights and loads
+    nothing (the weights are there); the engine's ``building_model`` routes it here."""
     shared = attach(session, group)
-    cls, load = runner_module.Qwen3ForCausalLM, runner_module.load_model
-    runner_module.Qwen3ForCausalLM = lambda hf_config: build(cls, hf_config, shared)
-    runner_module.load_model = lambda model, path: None
-    try:
+    with engine.building_model(lambda make: build(make, shared)):
         yield shared
-    finally:
-        runner_module.Qwen3ForCausalLM, runner_module.load_model = cls, load

@@ -1,16 +1,14 @@
-"""A nano-vllm standby from its start-up to its promotion (issue 26): what
-gpumem.integrations.nanovllm does with an engine built by
-``enable(name, standby=(group, secret))`` between its build and its first step as the
-primary's successor. No torch and no nano-vllm here: the engine, its scheduler and its
-block manager are reached through their fields and methods (nano-vllm's names), and
-the torch parts (a device synchronisation, nano-vllm's sampling parameters) are the
-caller's.
+"""A standby engine from its start-up to its promotion (issue 26): what the port does with
+an engine built with ``Settings.standby=(group, secret)`` between its build and its first
+step as the primary's successor. No torch and no engine here: the engine is reached
+through its adapter (gpumem.port.adapter: ``rehearse``, ``reset_scheduler``,
+``synchronize``, ``restore_graph_inputs``, its blocks and prefix cache).
 
 Once built, its decode graphs captured on the reservation's placeholder
 (gpumem.standby), the standby settles (``settle``):
 
 - It rehearses serving (``Settings.standby_rehearses``). Its first step after a
-  take-over is a prefill whose prompts hit the prefix cache, and nano-vllm's start-up ran
+  take-over is a prefill whose prompts hit the prefix cache, and an engine's start-up ran
   only a plain prefill (its warm-up) and the decode graphs' capture: that first step
   paid, on the way to the first token, for kernels loaded on their first launch (the
   prefix path's attention over a block table), pinned host tensors of new sizes, the
@@ -18,13 +16,14 @@ Once built, its decode graphs captured on the reservation's placeholder
   H200 about 150 ms from the adoption to the first token, 9 ms with the host stand-ins.
   So the standby serves a few requests itself first: a plain prefill, then a prefill of
   two prompts that share the first one's full block (the prefix-cache path), then
-  decode steps (graph replays), the sampler at each (``rehearsal_prompts``). The KV
+  decode steps (graph replays), the sampler at each (``rehearsal_prompts``; the
+  adapter's ``rehearse`` serves them: nano-vllm's start-up is what was measured). The KV
   cache is the reservation's placeholder: writes land in the standby's own scratch and
   reads see scratch, nothing of the primary's KV is read or written; the tokens mean
   nothing and are dropped.
-- It resets the scheduler and the block manager: a new block manager, every block free
-  and unhashed. A hash a rehearsal block kept (an entry of ``hash_to_block_id``, or a
-  freed block's own hash) would be a prefix hit on adopted rows that hold other tokens,
+- It resets the scheduler and the block manager (``reset_scheduler``): every block free
+  and unhashed. A hash a rehearsal block kept (a prefix-cache entry, or a freed block's
+  own hash) would be a prefix hit on adopted rows that hold other tokens,
   or be published into the adopted directory as such (DirectoryKeeper publishes a block
   whose hash it has not published once the block count changes).
 - It puts its own memory to sleep (``Settings.standby_sleeps``; ``EngineMemory.sleep``):
@@ -55,17 +54,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpumem.errors import InvalidArgument
-from gpumem.integrations.nanovllm_blocks import BlockFollower, resize
-from gpumem.integrations.nanovllm_prefix import DirectoryKeeper
+from gpumem.port.adapter import EngineAdapter, KvLayout
+from gpumem.port.blocks import BlockFollower, resize
+from gpumem.port.prefix import DirectoryKeeper
+from gpumem.port.settings import Settings
 from gpumem.sleep import DEFAULT_WAKE_WAIT_S
 
 if TYPE_CHECKING:
     from gpumem.engine import EngineMemory
-    from gpumem.integrations.nanovllm import Settings
+    from gpumem.standby import Reservation
 
 # Tokens the rehearsal's first request generates past its prefill; the two that share
 # its block one fewer, so the decode steps run batches of three, then of one.
@@ -76,39 +76,11 @@ def rehearsal_prompts(block_size: int, vocab: int, max_len: int) -> list[list[in
     """A prompt of one full block and a token, then two that share its full block and
     differ after it (token ids below ``vocab``): each a full block of its own and a token
     or two (a prefill of some length, as serving's are) where that fits in ``max_len``
-    (nano-vllm's ``max_model_len``) with the tokens generated, a token or two otherwise."""
+    (the engine's longest sequence) with the tokens generated, a token or two otherwise.
+    An adapter's ``rehearse`` serves the first alone for a step, then the two beside it."""
     first = [i % vocab for i in range(block_size + 1)]
     own = block_size if 2 * block_size + 2 + REHEARSAL_TOKENS <= max_len else 0
     return [first] + [first[:block_size] + [(block_size + 1 + k + i) % vocab for i in range(own + 1 + k)] for k in range(2)]
-
-
-def rehearse(llm: Any, params: Callable[[int], Any]) -> None:
-    """Serve the rehearsal's requests to their end (``params(n)``: sampling parameters
-    for ``n`` tokens, the end of sequence ignored)."""
-    if not llm.is_finished():
-        raise InvalidArgument("the standby has requests of its own: it rehearses before it serves, never between")
-    config = llm.model_runner.config
-    first, *sharing = rehearsal_prompts(llm.scheduler.block_manager.block_size, config.hf_config.vocab_size, config.max_model_len)
-    if len(sharing[-1]) > config.max_num_batched_tokens:
-        raise InvalidArgument(
-            f"the standby's rehearsal prefills {len(sharing[-1])} tokens at once, past max_num_batched_tokens "
-            f"({config.max_num_batched_tokens}): raise it, or enable(..., standby_rehearses=False)"
-        )
-    llm.add_request(first, params(REHEARSAL_TOKENS))
-    llm.step()  # a plain prefill; its full block is hashed (a prefix-cache entry)
-    for prompt in sharing:
-        llm.add_request(prompt, params(REHEARSAL_TOKENS - 1))
-    while not llm.is_finished():  # a prefill with a block table (both hit the first's block), then decodes
-        llm.step()
-
-
-def reset(scheduler: Any) -> None:
-    """The scheduler as built: nothing waiting or running, a new block manager of the
-    same size (every block free and unhashed, the free list in its first order)."""
-    if scheduler.waiting or scheduler.running:
-        raise InvalidArgument(f"the scheduler holds {len(scheduler.waiting) + len(scheduler.running)} sequences: a reset would leak their blocks")
-    manager = scheduler.block_manager
-    scheduler.block_manager = type(manager)(len(manager.blocks), manager.block_size)
 
 
 def sleep_plan(share_weights: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -117,21 +89,19 @@ def sleep_plan(share_weights: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ("weights", "graphs"), ("weights",) if share_weights else ()
 
 
-def settle(llm: Any, s: Settings, *, params: Callable[[int], Any], synchronize: Callable[[], None]) -> None:
+def settle(engine: EngineAdapter, mem: EngineMemory, s: Settings, reservation: Reservation) -> None:
     """Once the standby is built: rehearse and reset (``s.standby_rehearses``), then
-    sleep (``s.standby_sleeps``); ``synchronize`` waits for the device's work, which must
-    be done before memory is handed back."""
+    sleep (``s.standby_sleeps``) once the device's work is done."""
     if s.standby_rehearses:
-        rehearse(llm, params)
-        reset(llm.scheduler)
+        engine.rehearse()
+        engine.reset_scheduler()
     if s.standby_sleeps:
-        synchronize()
+        engine.synchronize()
         tags, dropped = sleep_plan(s.share_weights)
-        mem: EngineMemory = llm.model_runner._gpumem
         mem.sleep(*tags, drop=dropped)
         # Asleep, it runs nothing until take_over: its KV windows need no placeholder,
         # and the adoption then has none to unmap (gpumem.standby.Reservation.park).
-        llm.model_runner.config.gpumem_reservation.park()
+        reservation.park()
 
 
 @dataclasses.dataclass
@@ -146,33 +116,40 @@ class TakeOver:
     seeded_at: float  # the block manager sized and seeded: the engine may step
 
 
-def take_over(llm: Any, s: Settings, *, wait: float, new_block: Callable[[int], Any], restore_inputs: Callable[[], None]) -> TakeOver:
-    """``gpumem.integrations.nanovllm.take_over`` (its doc); ``new_block``: nano-vllm's
-    ``Block``; ``restore_inputs``: zero the graphs' static inputs, called once what slept
-    is awake (see the module doc)."""
+@dataclasses.dataclass
+class Promoted:
+    """The standby as a primary: what it took over, its directory's keeper, and its
+    follower (None with ``follow=False``)."""
+
+    took: TakeOver
+    keeper: DirectoryKeeper
+    follower: BlockFollower | None
+
+
+def take_over(
+    engine: EngineAdapter, mem: EngineMemory, s: Settings, layout: KvLayout, reservation: Reservation, *, wait: float
+) -> Promoted:
+    """Wait up to ``wait`` seconds for the primary's death and its fence, adopt its KV
+    cache and prefix directory into ``reservation`` (the graphs captured on it replay on
+    the adopted rows), wake what the standby put to sleep (then the graphs' static inputs
+    restored), size the block manager to the adopted blocks and seed its prefix cache
+    from the directory's trusted entries."""
     if s.standby is None:
-        raise InvalidArgument("this engine is no standby: enable(name, standby=(group, secret)) before building it")
-    runner = llm.model_runner
-    mem: EngineMemory = runner._gpumem
-    config = runner.config
-    mem.adopt_kv(*s.standby, **config.gpumem_layout, wait=wait, reservation=config.gpumem_reservation)
+        raise InvalidArgument(f"engine '{s.name}' is no standby: build it with standby=(group, secret) to take over")
+    mem.adopt_kv(*s.standby, **layout.describe(), wait=wait, reservation=reservation)
     adopted_at = time.monotonic()
     kv, prefix = mem.kv, mem.prefix
     if kv is None or prefix is None:
-        raise InvalidArgument(f"retain group '{s.standby[0]}' kept no prefix directory: the primary must enable(retain=...)")
+        raise InvalidArgument(f"retain group '{s.standby[0]}' kept no prefix directory: the primary must retain with one (retain=)")
     woke_at = adopted_at
     if mem.asleep:
         mem.wake(wait=DEFAULT_WAKE_WAIT_S)
-        restore_inputs()
+        engine.restore_graph_inputs()
         woke_at = time.monotonic()
-    scheduler = llm.scheduler
-    resize(scheduler.block_manager, kv.blocks, new_block)
-    scheduler.gpumem_prefix = keeper = DirectoryKeeper(scheduler.block_manager, prefix)
+    resize(engine, kv.blocks)
+    keeper = DirectoryKeeper(engine, prefix)
     scan = prefix.scan(kv.blocks)
     seeded = keeper.seed(scan.blocks)
-    if s.follow:
-        scheduler.gpumem = BlockFollower(
-            kv.pool, scheduler.block_manager, new_block=new_block, copy_blocks=config.gpumem_copy,
-            sequences=lambda: [*scheduler.running, *scheduler.waiting], watermark=s.watermark_blocks, step=s.grow_step_blocks,
-        )
-    return TakeOver(seeded, len(scan.blocks), scan.corrupt, adopted_at, woke_at, time.monotonic())
+    follower = BlockFollower(kv.pool, engine, watermark=s.watermark_blocks, step=s.grow_step_blocks) if s.follow else None
+    took = TakeOver(seeded, len(scan.blocks), scan.corrupt, adopted_at, woke_at, time.monotonic())
+    return Promoted(took, keeper, follower)
