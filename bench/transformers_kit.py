@@ -101,7 +101,8 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     inputs = prompts(args.prompts)
     out["tokens"], out["decode_tok_s"] = generate(manager, inputs, args.tokens)
     if args.mode == "gpumemd":
-        out["kv_rows_committed"] = gtf.memory().kv.blocks if gtf.memory().kv else 0
+        kv = gtf.port().mem.kv
+        out["kv_rows_committed"] = kv.blocks if kv else 0
         if args.retain:
             out["retain_secret_len"] = len(gtf.retain_secret())
     if args.sleep_cycle:

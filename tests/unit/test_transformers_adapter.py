@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from gpumem.integrations.transformers import Engine, seams
-from gpumem.integrations.transformers.blocks import TRASH, TransformersBlocks, layer_types
+from gpumem.integrations.transformers.adapter import TRASH, Transformers, layer_types
+from gpumem.port.blocks import plan
 from gpumem.port import SeamMissing, Settings, Unsupported
 
 
@@ -39,11 +40,14 @@ def fake_cache(blocks: int, tables: dict[str, list[int]], cached: dict[int, int]
     return types.SimpleNamespace(_block_manager=manager, group_cache_managers=[cm], block_size=4)
 
 
-def adapter(cache: Any, requests: list[Any] | None = None) -> tuple[TransformersBlocks, list[tuple[list[int], list[int]]]]:
-    copies: list[tuple[list[int], list[int]]] = []
-    blocks = TransformersBlocks(cache, lambda s, d: copies.append((s, d)), lambda: requests or [])
+def adapter(cache: Any, requests: list[Any] | None = None) -> Transformers:
+    blocks = Transformers()
+    blocks.cache = cache
+    scheduler = types.SimpleNamespace(waiting_requests={i: r for i, r in enumerate(requests or []) if not r.allocated_blocks},
+                                      active_requests={i: r for i, r in enumerate(requests or []) if r.allocated_blocks})
+    blocks.manager = types.SimpleNamespace(batch_processor=types.SimpleNamespace(scheduler=scheduler))
     blocks.count = cache._block_manager.num_blocks
-    return blocks, copies
+    return blocks
 
 
 def test_seams_missing_name_transformers_version_and_what_moved() -> None:
@@ -65,50 +69,64 @@ def test_unsupported_attention_types_and_latent_kv_are_refused() -> None:
     assert layer_types(types.SimpleNamespace(num_hidden_layers=2, sliding_window=64)) == ["sliding_attention"] * 2
 
 
-@pytest.mark.parametrize("option", [{"standby": ("g", "s")}, {"retain": "g", "weights_to": "b"}])
+@pytest.mark.parametrize("option", [{"standby": ("g", "s"), "share_weights": True}, {"retain": "g", "weights_to": "b"}])
 def test_what_transformers_cannot_do_is_refused(option: dict[str, Any]) -> None:
-    with pytest.raises(Unsupported, match="no standby nor shared weights"):
+    with pytest.raises(Unsupported, match="cannot share it"):
         Engine(Settings("e", **option), 0)
 
 
 def test_resize_grows_free_blocks_and_drops_cached_ones_past_the_end() -> None:
     cache = fake_cache(8, {"r": [2, 3]}, cached={6: 77})
-    blocks, _ = adapter(cache)
+    blocks = adapter(cache)
     blocks.resize_blocks(12)
     assert sorted(blocks.free_blocks()) == [4, 5, 6, 7, 8, 9, 10, 11] and blocks.block_count() == 12
     blocks.resize_blocks(6)
     manager = cache._block_manager
     assert sorted(blocks.free_blocks()) == [4, 5] and 77 not in manager._hash_to_id and 6 not in manager._id_to_block
-    assert sorted(blocks.used_blocks()) == [2, 3]
+    assert sorted(blocks.used_blocks()) == [0, 1, 2, 3]  # the trash blocks count as used: never moved nor given back
 
 
 def test_relocate_moves_block_tables_records_hashes_and_parents() -> None:
     cache = fake_cache(10, {"a": [2, 8, 9], "b": [3]})
-    blocks, _ = adapter(cache)
+    blocks = adapter(cache)
     blocks.relocate_blocks([(9, 4), (8, 5)])
     manager = cache._block_manager
     assert cache.group_cache_managers[0].block_table == {"a": [2, 5, 4], "b": [3]}
     assert manager._id_to_block[4].id == 4 and manager._id_to_block[4].parent_id == 5
     assert manager._hash_to_id[1009] == 4 and 9 not in manager._id_to_block
-    assert sorted(blocks.used_blocks()) == [2, 3, 4, 5] and {8, 9} <= set(manager._uninit_block_ids)
+    assert sorted(blocks.used_blocks()) == [0, 1, 2, 3, 4, 5] and {8, 9} <= set(manager._uninit_block_ids)
+    high = adapter(fake_cache(8, {"a": [7]}))
+    assert plan(high.used_blocks(), high.free_blocks(), 3) == [(7, 2)]  # the port packs past the trash, never into it
 
 
 def test_forget_prefix_cache_and_reset() -> None:
     cache = fake_cache(8, {}, cached={4: 44, 5: 55})
-    blocks, _ = adapter(cache)
+    blocks = adapter(cache)
     blocks.forget_prefix_cache()
     manager = cache._block_manager
     assert not manager._init_block_ids and not manager._hash_to_id and sorted(blocks.free_blocks()) == list(range(TRASH, 8))
     blocks.reset(5)
     assert list(manager._uninit_block_ids) == [2, 3, 4] and manager.num_blocks == 5
     with pytest.raises(Unsupported, match="holds requests"):
-        adapter(fake_cache(8, {"r": [2]}))[0].reset(8)
+        adapter(fake_cache(8, {"r": [2]})).reset(8)
 
 
 def test_step_need_counts_prompts_and_active_requests() -> None:
     cache = fake_cache(6, {"r": [2, 3]})
     waiting = types.SimpleNamespace(allocated_blocks=0, initial_tokens=list(range(9)))  # 3 blocks of 4
     active = types.SimpleNamespace(allocated_blocks=2, initial_tokens=[1])
-    need = adapter(cache, [waiting, active])[0].step_need()
+    need = adapter(cache, [waiting, active]).step_need()
     assert need.blocks == 4 and need.busy and need.short  # 2 free: the prompt does not fit
-    assert not adapter(cache, [])[0].step_need().busy
+    assert not adapter(cache, []).step_need().busy
+
+
+def test_prefix_events_hashes_and_seeding() -> None:
+    cache = fake_cache(8, {"a": [2]})
+    manager = cache._block_manager
+    manager.get_free_blocks = lambda n, *a: [manager._uninit_block_ids.popleft() for _ in range(n)]
+    manager.mark_shareable_blocks_as_complete = lambda n, blocks, ids: None
+    blocks, taken, filled = adapter(cache), [], []
+    blocks.hook_prefix_events(taken.append, filled.append)
+    assert manager.get_free_blocks(2) == [3, 4] and taken == [3, 4]
+    manager.mark_shareable_blocks_as_complete(1, [2], [])
+    assert filled == [2] and blocks.block_hash(2) == 1002 and blocks.block_hash(5) == -1

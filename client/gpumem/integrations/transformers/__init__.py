@@ -1,28 +1,29 @@
 """transformers' continuous batching (``model.generate_batch``, ``ContinuousBatchingManager``,
-``transformers serve``) on gpumemd, transformers' own code unchanged.
+``transformers serve``) on gpumemd through the engine port (gpumem.port), transformers'
+own code unchanged.
 
     from gpumem.integrations import transformers as gpumem_tf
-    gpumem_tf.enable("engine-a", expect=2)        # once per process, before the manager starts
+    gpumem_tf.enable("engine-a", expect=2)        # once per process, before a manager is made
     model = AutoModelForCausalLM.from_pretrained(...).to("cuda")
     out = model.generate_batch(inputs, generation_config)     # or the manager, or serve
 
 Three names of ``transformers.generation.continuous_batching`` are replaced, each checked
 against the installed version first (``SeamMissing`` names it): ``ContinuousBatchingManager``
-(a subclass: its model's weights moved into the model arena when it is made, its
-warm-up and generation thread run inside ``EngineMemory.running()``, its step is the
-port's step hook), ``PagedAttentionCache`` (a subclass: the K and V tensors are laid out
-virtually in a KV pool at the maximum transformers' own solver gives for the whole
-device, a placeholder under them, instead of sized from free memory) and
-``model_runner.get_cuda_pools`` (the graphs arena's pool instead of a fresh one: the
-warm-up's graphs land in gpumemd's memory). Once ``warmup()`` captured its graphs the
-round commits the blocks; the block manager holds those and follows the pool
-(gpumem.integrations.transformers.follow). Trash blocks: gpumem.integrations.transformers.blocks.
+(a subclass: the model's weights moved into the model arena when it is made, its
+warm-up and generation thread inside ``EngineMemory.running()``, its loop the port's step
+hook), ``PagedAttentionCache`` (a subclass: K and V laid out virtually in a KV pool, at
+the maximum transformers' own solver gives for the whole device but the weights, instead
+of sized from free memory) and ``model_runner.get_cuda_pools`` (the graphs arena's pool
+instead of a fresh one: warm-up's graphs land in gpumemd's memory). Once ``warmup()``
+captured its graphs the round commits the blocks (without a warm-up: when the loop
+starts) and the block manager follows the pool. The adapter: gpumem.integrations.transformers.adapter.
 
-``sleep()`` / ``wake()`` put the engine's memory to sleep by tag (``EngineMemory.sleep``)
-between steps, its graphs kept; requests that come meanwhile wait for ``wake``.
-``enable(name, retain=group)`` keeps the KV cache across the engine's death
-(``retain_secret()``). Not here, refused (``Unsupported``): a standby (``standby=``), shared
-weights (``weights_to=``, ``share_weights=``), tensor parallelism; see docs/engines.md.
+``sleep()`` / ``wake()``: the engine's memory by tag, between steps, graphs kept; requests
+that come meanwhile wait. ``enable(name, retain=group)`` keeps the KV cache and a prefix
+directory for a standby (``retain_secret()``); ``enable(name, standby=(group, secret))``
+builds one, which settles in ``warmup()`` and serves after ``take_over(wait=)``. Refused
+(``Unsupported``): shared weights, tensor parallelism, layers without paged KV blocks.
+One manager at a time per process.
 """
 
 from __future__ import annotations
@@ -31,17 +32,17 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from gpumem.engine import EngineMemory
 from gpumem.errors import InvalidArgument
-from gpumem.integrations.transformers.blocks import TRASH, TransformersBlocks, layer_types
-from gpumem.integrations.transformers.follow import Follower
-from gpumem.port import KvLayout, SeamMissing, Settings, Unsupported, require_seams
+from gpumem.integrations.transformers.adapter import TRASH, Transformers, layer_types
+from gpumem.port import SeamMissing, Settings, Unsupported, require_seams
+from gpumem.port.engine_port import EnginePort
+from gpumem.port.takeover import TakeOver
 from gpumem.sleep import DEFAULT_WAKE_WAIT_S
 
 WRITTEN_FOR = "5.17"
-GiB = 1 << 30
-CONTEXT_BYTES = GiB  # the CUDA context and torch's own: out of the device's total when sizing the layout
+CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own: out of the device's total when sizing the layout
 STEP_WAIT_S = 30.0  # sleep() waits this long for the step under way
+HOOKED = ["warmup", "_create_batch_processor", "_run_generation_loop", "_generation_loop_body", "_generation_step", "is_running"]
 
 
 def seams(api: Any, runner: Any, cache: Any) -> None:
@@ -49,44 +50,51 @@ def seams(api: Any, runner: Any, cache: Any) -> None:
     require_seams("transformers", api, ["ContinuousBatchingManager", "PagedAttentionCache"], written_for=WRITTEN_FOR)
     require_seams("transformers", runner, ["get_cuda_pools"], written_for=WRITTEN_FOR)
     require_seams("transformers", cache, ["PagedAttentionMemoryHandler", "group_layers_by_attn_type"], written_for=WRITTEN_FOR)
-    hooked = ["warmup", "_create_batch_processor", "_run_generation_loop", "_generation_loop_body", "is_running"]
-    require_seams("transformers", api.ContinuousBatchingManager, hooked, written_for=WRITTEN_FOR)
+    require_seams("transformers", api.ContinuousBatchingManager, HOOKED, written_for=WRITTEN_FOR)
+
+
+class Port(EnginePort):
+    """The port with a ceiling on the KV layout: transformers sizes its batch tensors (the
+    attention mask: batch tokens by pages) by the cache's pages, so the layout stops at
+    transformers' own sizing of the device, not at what the device could hold."""
+
+    max_blocks = 0
+
+    def lay_out_kv(self) -> None:
+        s = self.settings
+        if s.standby:  # the primary's windows: its ceiling
+            super().lay_out_kv()
+            return
+        layout = self.layout = self.engine.kv_layout()
+        kv = self.mem.kv_cache(**layout.describe(), max_blocks=self.max_blocks, expect=s.expect)
+        if s.retain:
+            self.group = self.mem.retain(s.retain)
+        self.engine.bind_kv(kv.tensors(layout.dtype))
 
 
 class Engine:
-    """This process's engine: its settings, its memory once a manager is made, its blocks."""
+    """This process's engine: its settings, its port once a manager is made."""
 
     def __init__(self, settings: Settings, max_blocks: int) -> None:
-        for option in ("standby", "weights_to", "share_weights"):
-            if getattr(settings, option):
-                raise Unsupported(f"{option}=: transformers' continuous batching on gpumemd has no standby nor shared weights yet (docs/engines.md)")
+        if settings.weights_to or settings.share_weights:
+            raise Unsupported("weights_to= / share_weights=: transformers' model is built by its caller; gpumem cannot share it (docs/engines.md)")
         self.s, self.max_blocks = settings, max_blocks
-        self.mem: EngineMemory | None = None
-        self.model: Any = None
-        self.manager: Any = None
-        self.rows: list[list[Any]] = []
-        self.blocks: TransformersBlocks | None = None
-        self.follower: Follower | None = None
-        self.committed = False
-        self.retained: Any = None
+        self.adapter = Transformers()
+        self.port: Port | None = None
+        self.serving = False
         self.stepping = threading.Lock()  # held by the generation thread's step: sleep() waits for it
-        self.awake = threading.Event()
-        self.awake.set()
+        self.woken = threading.Event()  # set when what slept wakes: the loop steps again at once
 
-    def attach(self, model: Any) -> EngineMemory:
-        """The engine's memory for ``model``'s manager; its weights moved into the model arena once."""
+    def attach(self, model: Any) -> Port:
+        """The port for ``model``'s manager; the weights moved into the model arena once."""
         if model.device.type != "cuda" or getattr(model, "_device_mesh", None) is not None:
             raise Unsupported(f"gpumem lays out one CUDA device per process; the model is on {model.device} (tensor parallel: no)")
-        if self.mem is None:
-            s = self.s
-            self.mem = EngineMemory(s.name, s.device, runtime_dir=s.runtime_dir, tenant_token_file=s.tenant_token_file)
-        if self.model is not model:
-            if self.model is not None:
-                raise Unsupported("one model per process on gpumemd: this engine serves another already")
+        if self.port is None:
             import torch
 
+            port = self.port = Port(self.adapter, self.s)
             seen: set[int] = set()
-            with torch.no_grad(), self.mem.model.allocating():
+            with torch.no_grad(), port.mem.model.allocating():
                 for module in model.modules():
                     for t in [*module._parameters.values(), *module._buffers.values()]:
                         if t is not None and t.is_cuda and id(t) not in seen:  # tied weights: once
@@ -94,79 +102,39 @@ class Engine:
                             t.data = t.data.clone()
             torch.cuda.empty_cache()  # their first copies back to the device
             self.model = model
-        return self.mem
+        elif self.model is not model:
+            raise Unsupported("one model per process on gpumemd: this engine serves another already")
+        return self.port
 
     def size(self, cache_mod: Any, config: Any, cb: Any, dtype: Any) -> tuple[int, int]:
-        """(max batch tokens, blocks) as transformers' own solver sizes them for all of the
-        device but the weights: the virtual layout's maximum; the round commits what is free."""
+        """(max batch tokens, blocks): transformers' own solver over the device but the weights."""
         import torch
 
-        assert self.mem is not None
         groups, types = cache_mod.group_layers_by_attn_type(config)
         handler = cache_mod.PagedAttentionMemoryHandler(config=config, continuous_batching_config=cb, dtype=dtype, group_types=types, group_size=len(groups[0]))
-        handler.available_memory = torch.cuda.mem_get_info()[1] - self.mem.model.committed - CONTEXT_BYTES
+        handler.available_memory = torch.cuda.mem_get_info()[1] - self.live().mem.model.committed - CONTEXT_BYTES
         tokens, blocks = handler.infer_max_batch_tokens_and_num_blocks()
         return tokens, (self.max_blocks - TRASH if self.max_blocks else blocks)
 
-    def lay_out(self, cache: Any, max_blocks: int) -> None:
-        """``cache``'s K and V made views of the KV pool (declared here once per process)."""
-        assert self.mem is not None
-        heads, dim, size = cache.num_key_value_heads, cache.head_dim, cache.block_size
-        layout = KvLayout(layers=len(cache.key_cache), block_shape=(size, heads, dim), itemsize=cache.dtype.itemsize, dtype=cache.dtype)
-        if not self.rows:
-            kv = self.mem.kv_cache(**layout.describe(), max_blocks=max_blocks, expect=self.s.expect)
-            self.retained = self.mem.retain(self.s.retain, directory=False) if self.s.retain else None
-            self.rows = kv.tensors(layout.dtype)
-        elif len(self.rows) != layout.layers or self.mem.kv is None or self.mem.kv.block_shape != layout.block_shape:
-            raise Unsupported(f"engine '{self.s.name}': a manager with another KV layout ({layout}) than its first; one per process")
-        import torch
+    def live(self) -> Port:
+        if self.port is None:
+            raise InvalidArgument(f"engine '{self.s.name}' has no manager yet")
+        return self.port
 
-        require_seams("transformers", cache, ["read_trash_index", "sentinel_index", "write_trash_index", "_block_manager"], written_for=WRITTEN_FOR)
-        require_seams("transformers", cache._block_manager, ["_uninit_block_ids", "_init_block_ids", "_hash_to_id", "_id_to_block"], written_for=WRITTEN_FOR)
-        cache.key_cache = [k.view(-1, heads, dim) for k, _ in self.rows]
-        cache.value_cache = [v.view(-1, heads, dim) for _, v in self.rows]
-        for t in (*cache.key_cache, *cache.value_cache):
-            torch._dynamo.mark_static_address(t)
-        cache.num_blocks = len(self.rows[0][0]) - TRASH
-        cache.num_pages = cache.num_blocks * size
-        cache.read_trash_index, cache.sentinel_index, cache.write_trash_index = 0, 1, size
-        for cm in cache.group_cache_managers:
-            if hasattr(cm, "sentinel_index"):  # sliding-window groups keep their own copy
-                cm.sentinel_index, cm.write_trash_index = 1, size
-        self.blocks = TransformersBlocks(cache, self.copy_rows, self.requests)
-        self.blocks.reset(self.mem.kv.blocks if self.committed and self.mem.kv else len(self.rows[0][0]))  # before the round: placeholder blocks for warm-up
-        if self.follower is not None:
-            self.follower.adapter = self.blocks
-
-    def commit(self) -> None:
-        """Once the graphs are captured: register them, and take the round's blocks."""
-        assert self.mem is not None and self.mem.kv is not None and self.blocks is not None
-        if self.committed:
+    def start_serving(self) -> None:
+        """Once the graphs are captured (or the loop starts without them): the round's
+        blocks, the follower, a standby's settling. A later manager takes the blocks as they are."""
+        port, adapter = self.live(), self.adapter
+        if self.serving:
+            adapter.committed(port.mem.kv.blocks if port.mem.kv else adapter.count)
             return
-        s = self.s
-        self.mem.graphs_captured({})
-        blocks = self.mem.kv_commit(headroom_bytes=s.round_headroom, min_blocks=max(s.min_blocks, TRASH + 1), weight=s.weight)
-        self.committed = True
-        self.blocks.reset(blocks)
-        for k, v in self.rows:
-            k[0].zero_()  # the read trash: padding tokens read zeros
-            v[0].zero_()
-        if s.follow:
-            self.follower = Follower(self.mem.kv.pool, self.blocks, watermark=s.watermark_blocks, step=s.grow_step_blocks)
-
-    def requests(self) -> list[Any]:
-        scheduler = self.manager.batch_processor.scheduler
-        return [*scheduler.waiting_requests.values(), *scheduler.active_requests.values()]
-
-    def copy_rows(self, src: list[int], dst: list[int]) -> None:
-        import torch
-
-        torch.cuda.synchronize()  # an asynchronous batch may still read the rows
-        s, d = torch.tensor(src, device=self.rows[0][0].device), torch.tensor(dst, device=self.rows[0][0].device)
-        for row in self.rows:
-            for t in row:
-                t[d] = t[s]
-        torch.cuda.synchronize()
+        port.captured({})
+        port.started()
+        adapter.committed(port.blocks())
+        port.follow()
+        self.serving = True
+        if self.s.standby:
+            port.settle()
 
 
 _engine: list[Engine] = []
@@ -180,21 +148,22 @@ def engine() -> Engine:
 
 def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
     """Put the continuous-batching managers this process makes from now on on gpumemd
-    (``options``: gpumem.port.Settings; ``max_blocks``: the virtual layout's rows instead
-    of transformers' own sizing of the whole device)."""
+    (``options``: gpumem.port.Settings; ``max_blocks``: the layout's rows instead of
+    transformers' own sizing of the device)."""
     try:
         from transformers.generation.continuous_batching import cache as cache_mod
         from transformers.generation.continuous_batching import continuous_api as api
         from transformers.generation.continuous_batching import model_runner as runner
     except ImportError as e:
         raise SeamMissing(f"transformers' continuous batching cannot be imported ({e}); gpumem's adapter was written for transformers {WRITTEN_FOR}") from e
+    if _engine and _engine[0].port is not None:
+        raise InvalidArgument(f"engine '{_engine[0].s.name}' has made a manager already: enable() once per process, first")
     _engine[:] = [Engine(Settings(name, **options), max_blocks)]
     if getattr(api, "_gpumem_patched", False):
         return
     seams(api, runner, cache_mod)
-    manager_cls, cache_cls = api.ContinuousBatchingManager, api.PagedAttentionCache
 
-    class Cache(cache_cls):  # type: ignore[misc,valid-type]
+    class Cache(api.PagedAttentionCache):  # type: ignore[misc]
         def __init__(self, config: Any, continuous_batching_config: Any, device: Any, distributed_helper: Any, tp_plan: Any, dtype: Any) -> None:
             e, cb = engine(), continuous_batching_config
             layer_types(config)
@@ -202,54 +171,76 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
                 raise Unsupported("tensor parallelism: gpumem lays out one CUDA device per process")
             tokens, blocks = e.size(cache_mod, config, cb, dtype)
             asked = cb.num_blocks, cb.max_batch_tokens
-            cb.num_blocks, cb.max_batch_tokens = 1, tokens  # transformers allocates one block here: replaced below
+            cb.num_blocks, cb.max_batch_tokens = 1, tokens  # transformers allocates one block here: replaced
             try:
                 super().__init__(config, cb, device, distributed_helper, tp_plan, dtype)
             finally:
                 cb.num_blocks, cb.max_batch_tokens = asked
-            e.lay_out(self, blocks + TRASH)
+            require_seams("transformers", self, ["read_trash_index", "sentinel_index", "write_trash_index", "_block_manager"], written_for=WRITTEN_FOR)
+            require_seams("transformers", self._block_manager, ["_uninit_block_ids", "_init_block_ids", "_hash_to_id", "_id_to_block"], written_for=WRITTEN_FOR)
+            port, e.adapter.cache = e.live(), self
+            if port.layout is None:
+                port.max_blocks = blocks + TRASH
+                port.lay_out_kv()
+            elif port.layout != e.adapter.kv_layout() or port.mem.kv is None:
+                raise Unsupported(f"engine '{e.s.name}': a manager with another KV layout than its first ({port.layout}); one per process")
+            else:
+                e.adapter.bind_kv(port.mem.kv.tensors(port.layout.dtype))
 
-    class Manager(manager_cls):  # type: ignore[misc,valid-type]
+    class Manager(api.ContinuousBatchingManager):  # type: ignore[misc]
         def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
             self._gpumem = engine().attach(model)
+            self._gpumem_warming = False
             super().__init__(model, *args, **kwargs)
 
         def warmup(self) -> None:
             e = engine()
-            e.manager, self._gpumem_warming = self, True
+            e.adapter.manager, self._gpumem_warming = self, True
             try:
-                with self._gpumem.running():
+                with self._gpumem.mem.running():
                     super().warmup()
             finally:
                 self._gpumem_warming = False
-            e.commit()
+            e.start_serving()
 
         def _create_batch_processor(self) -> Any:
             e = engine()
-            e.manager = self
-            with self._gpumem.running():
+            e.adapter.manager = self
+            with self._gpumem.mem.running():
                 processor = super()._create_batch_processor()
-            if not getattr(self, "_gpumem_warming", False):
+            if not self._gpumem_warming:
                 self.batch_processor = processor
-                e.commit()  # no warm-up: graphs come at first use, in the graphs arena's pool
+                e.start_serving()  # no warm-up: graphs come at first use, in the graphs arena's pool
             return processor
 
         def _run_generation_loop(self) -> None:
-            with self._gpumem.running():
+            e = engine()
+            while self._gpumem.mem.asleep:  # a settled standby: its memory comes back with take_over()
+                if self.background_thread_status.local_status:
+                    return
+                e.woken.wait(0.1)
+            with self._gpumem.mem.running():
                 super()._run_generation_loop()
 
         def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
-            e = engine()
-            if not e.awake.is_set():  # asleep: requests wait for wake(), a stop ends the loop
+            e, port = engine(), self._gpumem
+            if port.mem.asleep:  # requests wait for wake() or take_over(); a stop ends the loop
                 if self.background_thread_status.local_status and not batch_processor.has_pending_requests():
                     return False
-                e.awake.wait(0.1)
+                e.woken.wait(0.1)
                 return True
             with e.stepping:
-                if e.follower is not None:
-                    e.follower.before_step()
+                if batch_processor.has_pending_requests():
+                    port.before_step()
+                else:
+                    port.idle()
                 result: bool = super()._generation_loop_body(batch_processor, bootstrapping)
+                port.after_step()
                 return result
+
+        def _generation_step(self) -> None:
+            self._gpumem.scheduled()  # blocks taken, the step not run: no directory entry vouches for them
+            super()._generation_step()
 
     api.ContinuousBatchingManager, api.PagedAttentionCache = Manager, Cache
     runner.get_cuda_pools = graph_pools
@@ -258,69 +249,54 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
 
 def graph_pools() -> tuple[Any, Any]:
     """``model_runner.get_cuda_pools``'s stand-in: the graphs arena's pool and its id."""
-    pool = memory().graphs.mem_pool
+    pool = engine().live().mem.graphs.mem_pool
     return pool, pool.id
 
 
 def sleep(*tags: str, drop: Iterable[str] = ("kv",)) -> None:
-    """Put the engine's memory to sleep between steps (``EngineMemory.sleep``; default:
+    """Put the engine's memory to sleep between steps (``EnginePort.sleep``: by default
     weights and graphs kept in host memory, the KV cache dropped with the prefix cache).
     Refused while requests hold KV blocks."""
     e = engine()
-    if e.mem is None or e.blocks is None:
-        raise InvalidArgument(f"engine '{e.s.name}' has no manager yet: nothing to put to sleep")
+    port = e.live()
     if not e.stepping.acquire(timeout=STEP_WAIT_S):
         raise InvalidArgument(f"engine '{e.s.name}': its step did not end within {STEP_WAIT_S:g}s; sleep() waits for it")
     try:
-        dropped = set(drop)
-        if "kv" in dropped and (not tags or "kv" in tags):
-            if e.blocks.used_blocks():
-                raise InvalidArgument(f"engine '{e.s.name}' has {len(e.blocks.used_blocks())} KV blocks in use: finish its requests first")
-            e.blocks.forget_prefix_cache()
-        import torch
-
-        torch.cuda.synchronize()
-        e.awake.clear()
-        e.mem.sleep(*tags, drop=dropped)
-    except BaseException:
-        e.awake.set()
-        raise
+        e.adapter.synchronize()
+        e.woken.clear()
+        port.sleep(*tags, drop=drop)
     finally:
         e.stepping.release()
 
 
 def prepare_sleep(*tags: str, drop: Iterable[str] = ("kv",)) -> None:
     """The host buffers ``sleep`` copies into, made ahead (``EngineMemory.prepare_sleep``)."""
-    mem = engine().mem
-    if mem is None:
-        raise InvalidArgument("no manager yet: nothing to prepare")
-    mem.prepare_sleep(*tags, drop=drop)
+    engine().live().prepare_sleep(*tags, drop=drop)
 
 
 def wake(*, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
     """Wake what ``sleep`` put to sleep, at the same addresses; waiting requests run then."""
     e = engine()
-    if e.mem is not None:
-        e.mem.wake(wait=wait)
-        if e.committed and "kv" not in e.mem.asleep:
-            for k, v in e.rows:
-                k[0].zero_()
-                v[0].zero_()
-    e.awake.set()
+    e.live().wake(wait=wait)
+    e.adapter.zero_trash()  # a dropped KV cache woke: the read trash reads zeros again
+    e.woken.set()
+
+
+def take_over(*, wait: float) -> TakeOver:
+    """A standby (``enable(name, standby=(group, secret))``, its manager warmed up and
+    started): adopt the primary's KV cache once it died (``EnginePort.take_over``); the
+    loop serves from then on."""
+    e = engine()
+    took = e.live().take_over(wait=wait)
+    e.woken.set()
+    return took
 
 
 def retain_secret() -> str:
-    """The secret of the retain group ``enable(name, retain=group)`` named, for a successor."""
-    retained = engine().retained
-    if retained is None:
-        raise InvalidArgument("this engine retains nothing: enable(name, retain='group') and make a manager first")
-    secret: str = retained.secret
-    return secret
+    """The secret of the retain group ``enable(name, retain=group)`` named, for a standby."""
+    return engine().live().retain_secret()
 
 
-def memory() -> EngineMemory:
-    """The engine's ``EngineMemory`` (once a manager was made): its arenas, KV cache and pool."""
-    mem = engine().mem
-    if mem is None:
-        raise InvalidArgument("no manager yet")
-    return mem
+def port() -> EnginePort:
+    """The engine's port (once a manager was made): its ``mem`` (arenas, KV cache), its follower."""
+    return engine().live()
