@@ -83,13 +83,16 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
         options: dict[str, Any] = {"expect": args.expect, "runtime_dir": args.runtime_dir}
         if args.retain:
             options["retain"] = args.retain
+        if args.standby:
+            options["standby"] = (args.standby, Path(args.secret_file).read_text())
         gtf.enable(args.name, max_blocks=args.max_blocks, **options)
     if args.start_after:
         while not Path(args.start_after).exists():
             time.sleep(0.005)
     started = time.perf_counter()
     model = build_model(args.arch)
-    cb = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=args.max_memory_percent, max_batch_tokens=args.max_batch_tokens)
+    cb = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=args.max_memory_percent, max_batch_tokens=args.max_batch_tokens,
+                                  num_blocks=args.num_blocks)
     built = time.perf_counter()
     manager = model.init_continuous_batching(continuous_batching_config=cb)
     manager.warmup()
@@ -98,13 +101,30 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     cache = manager.batch_processor.cache
     out["blocks"] = cache.get_num_free_blocks()
     out["block_bytes"] = 2 * len(cache.key_cache) * cache.block_size * cache.num_key_value_heads * cache.head_dim * cache.dtype.itemsize
-    inputs = prompts(args.prompts)
+    inputs = prompts(args.prompts, low=args.prompt_len // 2, high=args.prompt_len)
+    if args.retain and args.secret_file:
+        Path(args.secret_file).write_text(gtf.retain_secret())
+    if args.standby:
+        print("STANDBY READY", flush=True)
+        took = gtf.take_over(wait=args.take_over_wait)
+        out["take_over"] = {"seeded": took.seeded, "trusted": took.trusted, "corrupt": took.corrupt}
+        out["blocks"] = gtf.engine().adapter.count - 2
     out["tokens"], out["decode_tok_s"] = generate(manager, inputs, args.tokens)
     if args.mode == "gpumemd":
         kv = gtf.port().mem.kv
         out["kv_rows_committed"] = kv.blocks if kv else 0
+        out["blocks_after"] = gtf.engine().adapter.count - 2
         if args.retain:
             out["retain_secret_len"] = len(gtf.retain_secret())
+    if args.serve_until:
+        print("SERVING", flush=True)
+        while not Path(args.serve_until).exists():
+            time.sleep(0.01)
+        out["blocks_final"] = gtf.engine().adapter.count - 2 if args.mode == "gpumemd" else out["blocks"]
+    follower = gtf.port().follower if args.mode == "gpumemd" else None
+    if follower is not None:
+        f = follower.figures
+        out["follow"] = {"grows": f.grows, "shrinks": f.shrinks, "blocks_moved": f.blocks_moved, "preempted": f.preempted}
     if args.sleep_cycle:
         free_before = torch.cuda.mem_get_info()[0]
         t = time.perf_counter()
@@ -198,6 +218,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--start-after", default="")
     parser.add_argument("--sleep-cycle", action="store_true")
+    parser.add_argument("--num-blocks", type=int, default=None, help="ContinuousBatchingConfig.num_blocks (plain: fixed; gpumemd: the ceiling)")
+    parser.add_argument("--prompt-len", type=int, default=200, help="prompts of half this to this many tokens")
+    parser.add_argument("--serve-until", default="", help="after generating, keep the manager running until this file exists")
+    parser.add_argument("--secret-file", default="", help="with --retain: write the secret here; with --standby: read it")
+    parser.add_argument("--standby", default="", help="the retain group of the primary this engine stands by for")
+    parser.add_argument("--take-over-wait", type=float, default=120.0)
     args = parser.parse_args()
     if args.command == "bench":
         print(json.dumps(bench(args)))
