@@ -1,7 +1,8 @@
-"""An engine process whose block manager follows its KV pool (a stand-in manager,
-tests/nanovllm_fakes.py), for tests/integration/test_nanovllm_follow.py.
+"""An engine process whose block manager follows its KV pool (gpumem.port.blocks over
+nano-vllm's adapter on a stand-in manager, tests/nanovllm_fakes.py), for
+tests/integration/test_nanovllm_follow.py.
 
-    python tests/follow_engine.py NAME POOL BACKEND LIVE
+    python tests/follow_engine.py NAME POOL BACKEND LIVE [fail]
 
 Declares POOL (two 64 KiB-row buffers, at most 4096 blocks), joins the device's round
 (two pools), reports, prints ``READY <blocks>``; then holds LIVE live blocks at the top
@@ -9,7 +10,9 @@ of its pool, each row filled with its block id, and idles: it answers the daemon
 shrink by moving those blocks down, prints ``SHRUNK <pool tokens> <manager blocks>
 <highest live block> intact|CORRUPT`` (whether every moved block holds what it held) and
 exits. The copy is slow on purpose (a block at a time, ``MOVING`` printed first) so that
-a test can kill the process in the middle of it.
+a test can kill the process in the middle of it. With ``fail`` the copy raises after its
+first block (an engine's copy failing mid-move): it prints ``FAILED <pool tokens> <manager
+blocks> <highest live block> intact|CORRUPT <the error>`` and waits to be killed.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpumem  # noqa: E402
-from gpumem.integrations.nanovllm_blocks import BlockFollower  # noqa: E402
-from nanovllm_fakes import Block, Manager, Seq  # noqa: E402
+from gpumem.port.blocks import BlockFollower, MoveFailed  # noqa: E402
+from nanovllm_fakes import Engine, Manager, Seq  # noqa: E402
 
 ROW = 64 << 10
 BLOCK_PAUSE_S = 0.2
@@ -47,6 +50,7 @@ def rows(pool: gpumem.KvPool, backend: str) -> list[Any]:
 
 def main() -> int:
     name, pool_name, backend, live = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    fail = sys.argv[5:] == ["fail"]
     session = gpumem.connect(0, name=name, timeout=30.0)
     pool = session.declare_kv_pool(pool_name, [gpumem.KvBuffer(f"b{i}", ROW) for i in range(2)], max_tokens=4096)
     pool.join_round(expect=2)
@@ -68,15 +72,26 @@ def main() -> int:
                 import torch
 
                 torch.cuda.synchronize()
+            if fail:
+                raise RuntimeError("the copy failed after one block (follow_engine.py fail)")
             time.sleep(BLOCK_PAUSE_S)
 
-    follower = BlockFollower(pool, manager, new_block=Block, copy_blocks=copy, sequences=lambda: [seq])  # type: ignore[arg-type]
+    follower = BlockFollower(pool, Engine(manager, running=[seq], copy=copy))
     was = list(seq.block_table)
-    while not follower.figures.shrinks:
-        follower.idle()
-        time.sleep(0.005)
-    kept = all(bool((b[new] == old % 251).all()) for b in buffers for old, new in zip(was, seq.block_table))
-    print(f"SHRUNK {pool.tokens} {len(manager.blocks)} {max(seq.block_table)} {'intact' if kept else 'CORRUPT'}", flush=True)
+
+    def state() -> str:
+        kept = all(bool((b[new] == old % 251).all()) for b in buffers for old, new in zip(was, seq.block_table))
+        return f"{pool.tokens} {len(manager.blocks)} {max(seq.block_table)} {'intact' if kept else 'CORRUPT'}"
+
+    try:
+        while not follower.figures.shrinks:
+            follower.idle()
+            time.sleep(0.005)
+    except MoveFailed as exc:
+        print(f"FAILED {state()} {exc}", flush=True)
+        time.sleep(60)  # alive, its pool as it was, until the test has read the books and kills it
+        return 1
+    print(f"SHRUNK {state()}", flush=True)
     return 0
 
 

@@ -1,12 +1,18 @@
-"""nano-vllm's block manager, blocks and sequences as far as
-gpumem.integrations.nanovllm_blocks reads and writes them (their fields, nano-vllm's
-names), and a model's tensors as far as gpumem.integrations.nanovllm_weights describes
-them, for tests without nano-vllm or torch."""
+"""nano-vllm's block manager, blocks and sequences as far as its adapter
+(gpumem.integrations.nanovllm.adapter) reads and writes them for the engine port's block
+follower (their fields, nano-vllm's names), and a model's tensors as far as
+gpumem.port.weights describes them, for tests without nano-vllm or torch. ``engine``
+gives the adapter over them, its copies recorded instead of made."""
 
 from __future__ import annotations
 
 import collections
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from gpumem.integrations.nanovllm.adapter import NanoVllm
 
 BLOCK = 4  # tokens a block
 
@@ -51,7 +57,7 @@ class Seq:
 
 @dataclass
 class FakeTensor:
-    """What ``nanovllm_weights.describe`` reads of a torch tensor."""
+    """What ``gpumem.port.weights.describe`` reads of a torch tensor."""
 
     ptr: int
     dtype: str
@@ -79,3 +85,22 @@ class FakeModel:
     def named_buffers(self, remove_duplicate: bool = True) -> list[tuple[str, FakeTensor]]:
         assert not remove_duplicate
         return list(self.buffers.items())
+
+
+class Engine(NanoVllm):
+    """nano-vllm's adapter over a stand-in scheduler (``manager``, ``running``,
+    ``waiting``); ``copy_blocks`` records (from, to) or calls ``copy``."""
+
+    def __init__(self, manager: Any, running: list[Any] | None = None, waiting: list[Any] | None = None,
+                 copy: Callable[[list[int], list[int]], None] | None = None) -> None:
+        super().__init__(None, Block, lambda n: n)
+        self.scheduler = types.SimpleNamespace(block_manager=manager, running=[] if running is None else running,
+                                               waiting=[] if waiting is None else waiting)
+        self.copied: list[tuple[list[int], list[int]]] = []
+        self.copy = copy
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        if self.copy is not None:
+            self.copy(src, dst)
+        else:
+            self.copied.append((src, dst))

@@ -1,4 +1,4 @@
-"""A nano-vllm primary's weights for its standby (gpumem.integrations.nanovllm_weights)
+"""A nano-vllm primary's weights for its standby (gpumem.port.weights)
 through a real daemon, without torch: the primary publishes the map of a model whose
 tensors lie in its model arena and grants both arenas read-only to the standby's name;
 the standby, in another process (a process maps an arena once: the primary's session
@@ -19,7 +19,7 @@ import pytest
 import gpumem
 from conftest import child_env
 from gpumem.errors import NotFound, PermissionDenied
-from gpumem.integrations.nanovllm_weights import attach, describe, encode, map_arena_name, publish
+from gpumem.port.weights import attach, describe, encode, map_arena_name, publish
 from gpumemd_testkit import MiB
 from nanovllm_fakes import FakeModel, FakeTensor
 
@@ -29,7 +29,7 @@ STANDBY = """
 import json, sys
 import gpumem
 from gpumem.errors import PermissionDenied
-from gpumem.integrations.nanovllm_weights import attach, decode, map_arena_name
+from gpumem.port.weights import attach, decode, map_arena_name
 with gpumem.connect(0, name="fo-standby", runtime_dir=sys.argv[1]) as standby:
     shared = attach(standby, "fo")
     try:

@@ -1,4 +1,4 @@
-"""A model built on its primary's weights (gpumem.integrations.nanovllm_weights.build and
+"""A model built on its primary's weights (gpumem.port.weights.build and
 standby_model) with torch and a real daemon: the primary's parameters and buffers lie
 in its model arena; the standby, in another process (tests/integration/weights_model.py:
 a process maps an arena once, and the primary's session maps it here), builds the same
@@ -23,7 +23,7 @@ import pytest
 
 import gpumem
 from conftest import child_env
-from gpumem.integrations.nanovllm_weights import publish as publish_weights
+from gpumem.port.weights import publish as publish_weights
 from gpumemd_testkit import MiB
 
 torch = pytest.importorskip("torch")

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 import gpumem
-from gpumem.integrations.nanovllm_weights import WeightMapError, standby_model
+from gpumem.integrations.nanovllm import NanoVllm
+from gpumem.port.weights import WeightMapError, standby_model
 
 nn = torch.nn
 
@@ -99,8 +100,8 @@ def main() -> int:
 
     standby = gpumem.connect(0, name="fo-standby", runtime_dir=runtime_dir)
     try:
-        runner = types.SimpleNamespace(Qwen3ForCausalLM=Model, load_model=load)
-        with standby_model(runner, standby, "fo") as shared:
+        runner = types.SimpleNamespace(Qwen3ForCausalLM=Model, load_model=load)  # nano-vllm's model_runner module, as far as its adapter reroutes it
+        with standby_model(NanoVllm(runner, object, lambda n: n), standby, "fo") as shared:
             built = runner.Qwen3ForCausalLM(CFG)
             runner.load_model(built, "/nowhere")  # the weights are there already: loads nothing
         seen["put_back"] = runner.Qwen3ForCausalLM is Model and runner.load_model is load
@@ -121,7 +122,7 @@ def main() -> int:
         standby = gpumem.connect(0, name="fo-standby", runtime_dir=runtime_dir)  # again, built to another config
         runner = types.SimpleNamespace(Qwen3ForCausalLM=Model, load_model=None)
         try:
-            with standby_model(runner, standby, "fo"):
+            with standby_model(NanoVllm(runner, object, lambda n: n), standby, "fo"):
                 runner.Qwen3ForCausalLM(dict(CFG, hidden=16))
             seen["other_config"] = "built"
         except WeightMapError as exc:

@@ -1,5 +1,5 @@
-"""nano-vllm's prefix cache kept in a prefix directory (gpumem.integrations.nanovllm_prefix),
-without nano-vllm: the block manager is nano-vllm's algorithm in miniature (allocate with
+"""nano-vllm's prefix cache kept in a prefix directory (gpumem.port.prefix over
+gpumem.integrations.nanovllm.adapter's prefix events), without nano-vllm: the block manager is nano-vllm's algorithm in miniature (allocate with
 its chained hashes and hit check, may_append, deallocate as the fork does it), the
 directory a dict that records every write in order."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumem.integrations.nanovllm_prefix import DirectoryKeeper
+from gpumem.port.prefix import DirectoryKeeper
+from nanovllm_fakes import Engine
 from nanovllm_miniature import Manager, Seq
 
 class Directory:
@@ -34,7 +35,7 @@ def step(keeper: DirectoryKeeper, schedule: Any) -> None:
 
 def test_full_blocks_are_published_after_their_step_and_invalidated_before_a_rewrite() -> None:
     m, d = Manager(8), Directory()
-    keeper = DirectoryKeeper(m, d)
+    keeper = DirectoryKeeper(Engine(m), d)
     a = Seq(list(range(9)))  # two full blocks and one token
     m.allocate(a)
     assert d.entries == {}  # hashed by the scheduler, not written yet: nothing published
@@ -60,7 +61,7 @@ def test_full_blocks_are_published_after_their_step_and_invalidated_before_a_rew
 
 def test_a_prefix_hit_keeps_the_entry_of_the_block_it_takes_back() -> None:
     m, d = Manager(8), Directory()
-    keeper = DirectoryKeeper(m, d)
+    keeper = DirectoryKeeper(Engine(m), d)
     a = Seq(list(range(9)))
     step(keeper, lambda: m.allocate(a))
     b = Seq(list(range(8)) + [99])  # the same two full blocks, still in use by a: shared
@@ -71,7 +72,7 @@ def test_a_prefix_hit_keeps_the_entry_of_the_block_it_takes_back() -> None:
 
 def test_an_adopter_seeded_from_the_directory_hits_the_prompts_served_before() -> None:
     m, d = Manager(16), Directory()
-    keeper = DirectoryKeeper(m, d)
+    keeper = DirectoryKeeper(Engine(m), d)
     served = [Seq(list(range(12)) + [100 + i]) for i in range(2)]  # a 3-block shared prefix
     for s in served:
         step(keeper, lambda s=s: m.allocate(s))
@@ -81,7 +82,7 @@ def test_an_adopter_seeded_from_the_directory_hits_the_prompts_served_before() -
     trusted = {h: block for block, h in d.entries.items()}
 
     adopter, d2 = Manager(16), Directory()
-    keeper2 = DirectoryKeeper(adopter, d2)
+    keeper2 = DirectoryKeeper(Engine(adopter), d2)
     assert keeper2.seed(trusted) == 3
     again = Seq(served[1].tokens)
     step(keeper2, lambda: adopter.allocate(again))
@@ -94,7 +95,7 @@ def test_an_adopter_seeded_from_the_directory_hits_the_prompts_served_before() -
 
 def test_a_seed_skips_blocks_in_use_or_past_the_block_manager() -> None:
     m = Manager(4)
-    keeper = DirectoryKeeper(m, Directory())
+    keeper = DirectoryKeeper(Engine(m), Directory())
     m._allocate_block(1)
     assert keeper.seed({11: 1, 12: 9, 13: 2}) == 1
     assert m.hash_to_block_id == {13: 2}
@@ -102,12 +103,12 @@ def test_a_seed_skips_blocks_in_use_or_past_the_block_manager() -> None:
 
 def test_blocks_moved_by_the_follower_are_invalidated_at_their_old_ids_and_published_at_their_new() -> None:
     m, d = Manager(8), Directory()
-    keeper = DirectoryKeeper(m, d)
+    keeper = DirectoryKeeper(Engine(m), d)
     m.free_block_ids.rotate(-6)  # the sequence lands on blocks 6 and 7
     a = Seq(list(range(5)))
     step(keeper, lambda: m.allocate(a))
     assert set(d.entries) == {6}
-    # What nanovllm_blocks.relocate and resize do: block 6 moved to 0, the manager cut to 4 blocks.
+    # What the adapter's relocate_blocks and resize_blocks do: block 6 moved to 0, the manager cut to 4 blocks.
     h = m.blocks[6].hash
     m.blocks[0].hash, m.blocks[0].token_ids, m.blocks[0].ref_count = h, m.blocks[6].token_ids, 1
     m.hash_to_block_id[h] = 0

@@ -1,7 +1,8 @@
-"""A nano-vllm standby's settling and take-over (gpumem.integrations.nanovllm_standby),
-without nano-vllm, torch or a daemon: the engine is nano-vllm's scheduler and block
-manager in miniature (allocate with its chained hashes and hit check, may_append,
-deallocate; a step appends a token per sequence), the engine memory a recorder."""
+"""A nano-vllm standby's settling and take-over (gpumem.port.takeover over
+gpumem.integrations.nanovllm.adapter), without nano-vllm, torch or a daemon: the engine
+is nano-vllm's scheduler and block manager in miniature (allocate with its chained hashes
+and hit check, may_append, deallocate; a step appends a token per sequence), the engine
+memory a recorder."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 
 from gpumem.errors import InvalidArgument
-from gpumem.integrations import nanovllm_standby as standby
-from gpumem.integrations.nanovllm import Settings
+from gpumem.integrations.nanovllm import NanoVllm, Settings
+from gpumem.port import KvLayout
+from gpumem.port import takeover as standby
 from gpumem.prefix_directory import Scan
 from nanovllm_miniature import BS, Block, Manager, Seq, UpstreamManager
 
@@ -24,7 +26,7 @@ class Engine:
     decode batch's size)."""
 
     def __init__(self, manager: Manager, log: list[Any] | None = None) -> None:
-        self.scheduler = types.SimpleNamespace(block_manager=manager, waiting=collections.deque(), running=[], gpumem=None, gpumem_prefix=None)
+        self.scheduler = types.SimpleNamespace(block_manager=manager, waiting=collections.deque(), running=[])
         config = types.SimpleNamespace(hf_config=types.SimpleNamespace(vocab_size=1000), max_model_len=64, max_num_batched_tokens=64)
         self.model_runner = types.SimpleNamespace(config=config)
         self.steps: list[tuple[str, Any]] = []
@@ -64,8 +66,26 @@ def fresh(m: Manager, blocks: int) -> bool:
             and all((b.ref_count, b.hash, b.token_ids) == (0, -1, []) for b in m.blocks))
 
 
-def no_sync() -> None:
-    raise AssertionError("nothing sleeps here: no synchronisation")
+class Adapter(NanoVllm):
+    """nano-vllm's adapter over the miniature ``llm``; ``synchronize`` and
+    ``restore_graph_inputs`` (torch's) logged, or refused when ``sync`` is false."""
+
+    def __init__(self, llm: Engine, log: list[Any] | None = None, *, sync: bool = True) -> None:
+        super().__init__(None, Block, lambda n: n)
+        self.llm, self.scheduler, self.runner = llm, llm.scheduler, llm.model_runner
+        self.log = llm.log if log is None else log
+        self.sync = sync
+
+    def synchronize(self) -> None:
+        if not self.sync:
+            raise AssertionError("nothing sleeps here: no synchronisation")
+        self.log.append("sync")
+
+    def restore_graph_inputs(self) -> None:
+        self.log.append("restore inputs")
+
+
+LAYOUT = KvLayout(2, (BS, 1, 1), 2, None)
 
 
 SETTINGS = Settings("sb", standby=("g", "secret"), share_weights=True, follow=False)
@@ -74,7 +94,7 @@ SETTINGS = Settings("sb", standby=("g", "secret"), share_weights=True, follow=Fa
 @pytest.mark.parametrize("manager", [Manager, UpstreamManager], ids=["fork", "upstream"])
 def test_the_rehearsal_runs_the_serving_path_and_leaves_the_block_manager_as_built(manager: type[Manager]) -> None:
     llm = Engine(manager(16))
-    standby.settle(llm, Settings("sb", standby=("g", "secret"), standby_sleeps=False), params=lambda n: n, synchronize=no_sync)
+    standby.settle(Adapter(llm, sync=False), Memory([], 16, {}), Settings("sb", standby=("g", "secret"), standby_sleeps=False), Reservation([]))  # type: ignore[arg-type]
     # a plain prefill, a prefill of two prompts hitting its full block, decodes of three then one
     assert llm.steps == [("prefill", [0]), ("prefill", [BS, BS]), ("decode", 3), ("decode", 1)]
     assert llm.is_finished() and fresh(llm.scheduler.block_manager, 16)
@@ -85,10 +105,9 @@ def test_no_rehearsal_block_is_a_prefix_hit_after_the_take_over() -> None:
     prompt would hit a block whose adopted rows hold the primary's tokens."""
     log: list[Any] = []
     llm = Engine(UpstreamManager(16), log)
-    llm.model_runner._gpumem = mem = Memory(log, blocks=16, trusted={})
-    llm.model_runner.config.gpumem_layout, llm.model_runner.config.gpumem_reservation = {}, Reservation(log)
-    standby.settle(llm, SETTINGS, params=lambda n: n, synchronize=lambda: log.append("sync"))
-    standby.take_over(llm, SETTINGS, wait=1.0, new_block=Block, restore_inputs=lambda: None)
+    mem, reservation, adapter = Memory(log, blocks=16, trusted={}), Reservation(log), Adapter(llm)
+    standby.settle(adapter, mem, SETTINGS, reservation)  # type: ignore[arg-type]
+    standby.take_over(adapter, mem, SETTINGS, LAYOUT, reservation, wait=1.0)  # type: ignore[arg-type]
     assert mem.kv is not None
     again = Seq(standby.rehearsal_prompts(BS, 1000, 64)[0], 1)
     llm.scheduler.block_manager.allocate(again)
@@ -103,16 +122,16 @@ def test_the_rehearsals_prompts_fit_the_engine() -> None:
     llm = Engine(Manager(16))
     llm.model_runner.config.max_num_batched_tokens = 2 * BS
     with pytest.raises(InvalidArgument, match="past max_num_batched_tokens"):
-        standby.rehearse(llm, lambda n: n)
+        Adapter(llm).rehearse()
 
 
 def test_a_reset_refuses_a_scheduler_holding_sequences() -> None:
     llm = Engine(Manager(8))
     llm.add_request([1, 2, 3, 4, 5], 2)
     with pytest.raises(InvalidArgument, match="1 sequences"):
-        standby.reset(llm.scheduler)
+        Adapter(llm).reset_scheduler()
     with pytest.raises(InvalidArgument, match="rehearses before it serves"):
-        standby.rehearse(llm, lambda n: n)
+        Adapter(llm).rehearse()
 
 
 class Directory:
@@ -162,41 +181,40 @@ class Reservation:
         self.log.append("park")
 
 
-def standby_engine(log: list[Any], *, blocks: int = 12, trusted: dict[int, int] | None = None) -> Engine:
-    llm = Engine(Manager(8), log)
-    runner = llm.model_runner
-    runner._gpumem = Memory(log, blocks, trusted or {})
-    runner.config.gpumem_layout, runner.config.gpumem_reservation = {"layers": 2}, Reservation(log)
-    return llm
+def standby_engine(log: list[Any], *, blocks: int = 12, trusted: dict[int, int] | None = None) -> tuple[Adapter, Memory, Reservation]:
+    return Adapter(Engine(Manager(8), log)), Memory(log, blocks, trusted or {}), Reservation(log)
 
 
 @pytest.mark.parametrize("share_weights", [True, False], ids=["shared-weights", "own-weights"])
 def test_a_standby_sleeps_after_its_rehearsal_and_wakes_after_the_adoption_before_it_seeds(share_weights: bool) -> None:
     log: list[Any] = []
-    llm = standby_engine(log, trusted={111: 2, 222: 5})
+    adapter, mem, reservation = standby_engine(log, trusted={111: 2, 222: 5})
     s = Settings("sb", standby=("g", "secret"), share_weights=share_weights, follow=False)
-    standby.settle(llm, s, params=lambda n: n, synchronize=lambda: log.append("sync"))
+    standby.settle(adapter, mem, s, reservation)  # type: ignore[arg-type]
     # the device's work done before memory goes; the model arena dropped only when it holds no weights
     assert log[-6:] == ["step"] * 3 + ["sync", ("sleep", ("weights", "graphs"), ("weights",) if share_weights else ()), "park"]
     log.clear()
-    took = standby.take_over(llm, s, wait=1.0, new_block=Block, restore_inputs=lambda: log.append("restore inputs"))
+    promoted = standby.take_over(adapter, mem, s, LAYOUT, reservation, wait=1.0)  # type: ignore[arg-type]
+    took = promoted.took
     assert log == [("adopt", "g", "secret"), "wake", "restore inputs", "scan"]
-    assert (took.seeded, took.trusted, took.corrupt) == (2, 2, 1)
+    assert (took.seeded, took.trusted, took.corrupt) == (2, 2, 1) and promoted.follower is None
     assert took.adopted_at <= took.woke_at <= took.seeded_at
-    m = llm.scheduler.block_manager
+    m = adapter.scheduler.block_manager
     assert len(m.blocks) == 12 and m.hash_to_block_id == {111: 2, 222: 5}  # sized to the adopted pool, seeded
 
 
 def test_a_standby_that_did_not_sleep_wakes_nothing() -> None:
     log: list[Any] = []
-    llm = standby_engine(log)
+    adapter, mem, reservation = standby_engine(log)
+    adapter.sync = False
     s = Settings("sb", standby=("g", "secret"), standby_rehearses=False, standby_sleeps=False, follow=False)
-    standby.settle(llm, s, params=lambda n: n, synchronize=no_sync)
+    standby.settle(adapter, mem, s, reservation)  # type: ignore[arg-type]
     assert log == []
-    took = standby.take_over(llm, s, wait=1.0, new_block=Block, restore_inputs=lambda: log.append("restore inputs"))
+    took = standby.take_over(adapter, mem, s, LAYOUT, reservation, wait=1.0).took  # type: ignore[arg-type]
     assert log == [("adopt", "g", "secret"), "scan"] and took.woke_at == took.adopted_at
 
 
 def test_only_a_standby_takes_over() -> None:
+    adapter, mem, reservation = standby_engine([])
     with pytest.raises(InvalidArgument, match="no standby"):
-        standby.take_over(standby_engine([]), Settings("primary"), wait=1.0, new_block=Block, restore_inputs=lambda: None)
+        standby.take_over(adapter, mem, Settings("primary"), LAYOUT, reservation, wait=1.0)  # type: ignore[arg-type]

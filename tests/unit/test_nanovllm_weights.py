@@ -1,5 +1,5 @@
 """The weight map a nano-vllm primary publishes for its standby
-(gpumem.integrations.nanovllm_weights), without torch: its bytes both ways, what a
+(gpumem.port.weights), without torch: its bytes both ways, what a
 corrupt map is refused for, the check that refuses a map of another model (names,
 kinds, dtypes, shapes exactly; every tensor inside the arena), and the primary's
 description of a model from its tensors' addresses."""
@@ -14,7 +14,7 @@ import pytest
 
 from gpumem.errors import InvalidArgument
 from nanovllm_fakes import FakeModel, FakeTensor
-from gpumem.integrations.nanovllm_weights import (
+from gpumem.port.weights import (
     HEADER_BYTES,
     MAGIC,
     Entry,
