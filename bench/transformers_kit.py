@@ -96,6 +96,9 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     built = time.perf_counter()
     manager = model.init_continuous_batching(continuous_batching_config=cb)
     manager.warmup()
+    if args.standby:  # settled in warmup(); its manager starts once it took over
+        print("STANDBY READY", flush=True)
+        took = gtf.take_over(wait=args.take_over_wait)
     manager.start()
     out: dict[str, Any] = {"mode": args.mode, "arch": args.arch, "startup_s": time.perf_counter() - built, "build_s": built - started}
     cache = manager.batch_processor.cache
@@ -105,22 +108,19 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     if args.retain and args.secret_file:
         Path(args.secret_file).write_text(gtf.retain_secret())
     if args.standby:
-        print("STANDBY READY", flush=True)
-        took = gtf.take_over(wait=args.take_over_wait)
         out["take_over"] = {"seeded": took.seeded, "trusted": took.trusted, "corrupt": took.corrupt}
-        out["blocks"] = gtf.engine().adapter.count - 2
     out["tokens"], out["decode_tok_s"] = generate(manager, inputs, args.tokens)
     if args.mode == "gpumemd":
         kv = gtf.port().mem.kv
         out["kv_rows_committed"] = kv.blocks if kv else 0
-        out["blocks_after"] = gtf.engine().adapter.count - 2
+        out["blocks_after"] = gtf.port().adapter.count - 2
         if args.retain:
             out["retain_secret_len"] = len(gtf.retain_secret())
     if args.serve_until:
         print("SERVING", flush=True)
         while not Path(args.serve_until).exists():
             time.sleep(0.01)
-        out["blocks_final"] = gtf.engine().adapter.count - 2 if args.mode == "gpumemd" else out["blocks"]
+        out["blocks_final"] = gtf.port().adapter.count - 2 if args.mode == "gpumemd" else out["blocks"]
     follower = gtf.port().follower if args.mode == "gpumemd" else None
     if follower is not None:
         f = follower.figures

