@@ -213,7 +213,7 @@ def main() -> int:
     parser.add_argument("--retain", default="")
     parser.add_argument("--max-blocks", type=int, default=0)
     parser.add_argument("--max-memory-percent", type=float, default=None)
-    parser.add_argument("--max-batch-tokens", type=int, default=None)
+    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="the same for every engine compared (the mask is M by pages)")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--start-after", default="")

@@ -74,12 +74,13 @@ class Port(EnginePort):
         torch.cuda.empty_cache()  # their first copies back to the device
 
     def size(self, cache_mod: Any, config: Any, cb: Any, dtype: Any) -> tuple[int, int]:
-        """(max batch tokens, blocks): transformers' own solver over the device but the weights."""
+        """(max batch tokens, rows): transformers' own solver over the device but the weights."""
         import torch
 
         groups, types = cache_mod.group_layers_by_attn_type(config)
         handler = cache_mod.PagedAttentionMemoryHandler(config=config, continuous_batching_config=cb, dtype=dtype, group_types=types, group_size=len(groups[0]))
-        handler.available_memory = torch.cuda.mem_get_info()[1] - self.mem.model.committed - CONTEXT_BYTES
+        # The device's share of this engine in its round (expect engines): each pays its batch tensors for its ceiling.
+        handler.available_memory = (torch.cuda.mem_get_info()[1] - self.mem.model.committed - CONTEXT_BYTES) // max(1, self.settings.expect)
         tokens, blocks = handler.infer_max_batch_tokens_and_num_blocks()
         return tokens, (self.ceiling or blocks + TRASH)
 
