@@ -12,7 +12,7 @@ seconds from the start), serves it (a step whenever it has work; ``idle`` otherw
 which answers the daemon's shrinks) and writes ``out``: per request the time to its first
 token from its arrival (not for ``tail`` requests) and its token ids, each decode step's
 batch and time, preemptions,
-and what following the pool did (gpumem.integrations.nanovllm_blocks.Figures).
+and what following the pool did (gpumem.port.blocks.Figures).
 
 The stand-in is nano-vllm's scheduler and block manager in miniature (no prefix cache),
 over a KV pool of two buffers (K and V, a block a row) in real memory: host memory from
@@ -100,6 +100,22 @@ class Seq:
         return self.token_ids[self.prompt_len:]
 
 
+def standin_adapter(engine: StandIn) -> Any:
+    """nano-vllm's adapter to the engine port (the stand-in has its scheduler's and block
+    manager's fields) with the stand-in's NumPy copy."""
+    import types
+
+    from gpumem.integrations.nanovllm import NanoVllm
+
+    class Adapter(NanoVllm):
+        def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+            engine._copy(src, dst)
+
+    adapter = Adapter(None, Block, lambda n: n)
+    adapter.scheduler = types.SimpleNamespace(block_manager=engine.manager, waiting=engine.waiting, running=engine.running)
+    return adapter
+
+
 class StandIn:
     """One engine: scheduler, block manager, KV rows, the token rule above."""
 
@@ -133,12 +149,9 @@ class StandIn:
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: collections.deque[Seq] = collections.deque()
         if spec["config"] == "elastic":
-            from gpumem.integrations.nanovllm_blocks import BlockFollower
+            from gpumem.port.blocks import BlockFollower
 
-            self.follower = BlockFollower(
-                self.pool, self.manager, new_block=Block, copy_blocks=self._copy, sequences=lambda: [*self.running, *self.waiting],
-                watermark=spec["watermark"], step=spec["step"],
-            )
+            self.follower = BlockFollower(self.pool, standin_adapter(self), watermark=spec["watermark"], step=spec["step"])
 
     @property
     def blocks(self) -> int:
@@ -164,7 +177,7 @@ class StandIn:
         """One step: (requests whose first token came, finished requests' tokens, decode
         tokens (0 for a prefill step))."""
         if self.follower is not None:
-            self.follower.before_step(self.waiting, self.running)
+            self.follower.before_step()
         seqs, prefill = self._schedule()
         started = time.perf_counter()
         self._write(seqs, prefill)
@@ -337,7 +350,7 @@ class Nano:
         return first, done, max(0, -tokens)
 
     def figures(self) -> dict[str, Any]:
-        follower = getattr(self.llm.scheduler, "gpumem", None)
+        follower = self.integration.port(self.llm).follower if self.integration is not None else None
         follow = dataclasses.asdict(follower.figures) if follower is not None else {}
         margins = {str(rid): self.margins.by_seq.get(seq_id, []) for seq_id, rid in self.rids.items()}
         return {"blocks_end": self.blocks, "preempted": self.preempted, "follow": follow, "margins": margins}

@@ -1,6 +1,13 @@
 #!/usr/bin/env python3
 """A third-party engine (nano-vllm) as shipped against the same engine on gpumemd, in one run.
 
+``--engine nanovllm|transformers`` picks the engine: its kit (``KITS``: a script with the
+``build MODEL_DIR`` and ``engine ...`` commands bench/nanovllm_kit.py has, each engine
+process writing the same JSON) runs every process below; the figures name the engine
+(``figures.engine``). nano-vllm's kit is bench/nanovllm_kit.py; transformers' continuous
+batching has none yet (issue 36: its integration adds it, and its own baselines where
+its start-up differs), and is refused with that said.
+
 CUDA (``--backend cuda``, nano-vllm installed; the model is built offline by
 bench/nanovllm_kit.py: a random-weight Qwen3, fixed prompts, greedy):
 
@@ -54,13 +61,23 @@ from typing import Any
 import _common as c
 
 BENCH = "engine"
-KIT = Path(__file__).resolve().parent / "nanovllm_kit.py"
+# Each engine's kit: the processes the CUDA run starts (see the module doc).
+KITS = {"nanovllm": Path(__file__).resolve().parent / "nanovllm_kit.py"}
+ENGINES = ("nanovllm", "transformers")
 MiB = 1 << 20
 ENGINE_TIMEOUT = 240.0
 
 
-def _engine(rd: Path, name: str, args: list[str]) -> c.Child:
-    return c.Child(name, [str(KIT), "engine", "--name", name, "--out", str(rd / f"{name}.json"), *args], rd / f"{name}.log")
+def _kit(engine: str) -> Path:
+    kit = KITS.get(engine)
+    if kit is None:
+        raise RuntimeError(f"--engine {engine}: no kit yet (bench/{engine}_kit.py with the build and engine commands of "
+                           f"bench/nanovllm_kit.py, registered in KITS); the engines with one: {', '.join(sorted(KITS))}")
+    return kit
+
+
+def _engine(kit: Path, rd: Path, name: str, args: list[str]) -> c.Child:
+    return c.Child(name, [str(kit), "engine", "--name", name, "--out", str(rd / f"{name}.json"), *args], rd / f"{name}.log")
 
 
 def _result(child: c.Child, path: Path, timeout: float = ENGINE_TIMEOUT) -> dict[str, Any]:
@@ -86,6 +103,8 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     from gpumem.control import ControlChannel
     from gpumem_shared.paths import Endpoints
 
+    kit = _kit(args.engine)
+    result.figures["engine"] = args.engine
     rd = cleanup.enter_context(c.runtime_dir("gmb-engine-"))
     if args.keep_logs:
         cleanup.callback(_keep_logs, rd, args.keep_logs)
@@ -103,7 +122,7 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     # Every engine process starts now and imports while the model is built and the others
     # run; each builds its engine when its go file appears (what is timed starts there).
     def engine(name: str, phase: str, extra: list[str]) -> c.Child:
-        child = _engine(rd, name, [*common, "--start-after", str(go[phase]), *extra])
+        child = _engine(kit, rd, name, [*common, "--start-after", str(go[phase]), *extra])
         cleanup.callback(child.stop)
         return child
 
@@ -115,7 +134,7 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     # A shipped engine beside the survivor once its partner is gone: decode in turns with it.
     rival = engine("duel-shipped", "duel", ["--mode", "shipped", "--util", "0.3", "--port", "29606", "--passes", "0",
                                             "--duel", str(duel_dir)])
-    built = c.Child("build", [str(KIT), "build", str(model)], rd / "build.log")
+    built = c.Child("build", [str(kit), "build", str(model)], rd / "build.log")
     built.wait_for(lambda: built.proc.poll() == 0, 300, "building the model")
 
     go["shipped"].write_text("go")
@@ -317,6 +336,7 @@ def host(result: c.Result, cleanup: contextlib.ExitStack) -> None:
 def main() -> int:
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
+    parser.add_argument("--engine", choices=ENGINES, default="nanovllm", help="the engine the CUDA run measures (KITS)")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--duel-rounds", type=int, default=8, help="decode passes each, in turns (CUDA)")

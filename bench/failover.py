@@ -45,7 +45,7 @@ Qwen3, greedy; gpumem.integrations.nanovllm with ``retain=`` and ``weights_to=``
 primary, ``standby=`` and ``share_weights=True`` on the standby), whose standby maps the
 primary's model arena read-only and builds its model on it (no weights of its own),
 rehearses serving on its placeholder and puts its own memory to sleep before it waits
-(gpumem.integrations.nanovllm_standby).
+(gpumem.port.takeover).
 ``standby_shared_weights_bytes`` is what the standby maps of the primary's (its weights
 arena; nano-vllm: its parameters and buffers).
 

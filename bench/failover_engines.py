@@ -311,7 +311,7 @@ def standby(spec: dict[str, Any], out: Path) -> int:
 
 def nano_primary(spec: dict[str, Any], out: Path) -> int:
     """nano-vllm retaining its KV cache and prefix directory, its weights granted
-    read-only to the standby (gpumem.integrations.nanovllm_weights)."""
+    read-only to the standby (gpumem.port.weights)."""
     import nanovllm_kit as kit
 
     kit.install_standins(spec["port"])
@@ -319,7 +319,7 @@ def nano_primary(spec: dict[str, Any], out: Path) -> int:
 
     from gpumem.integrations import nanovllm as integration
 
-    integration.enable("fo-primary", retain=spec["group"], weights_to="fo-standby", headroom_bytes=kit.STANDBY_HEADROOM)
+    integration.enable("fo-primary", retain=spec["group"], weights_to="fo-standby")  # its round leaves the standby room (Settings.standby_room)
     llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
     _write_json(out / "secret.json", {"secret": integration.retain_secret(llm)})
     _wait_file(out / "standby-ready.json", "the standby ready")
@@ -348,7 +348,7 @@ def nano_primary(spec: dict[str, Any], out: Path) -> int:
 
 def nano_standby(spec: dict[str, Any], out: Path) -> int:
     """nano-vllm on the primary's weights, which rehearses serving and puts its own
-    memory to sleep once built (gpumem.integrations.nanovllm_standby), then waits in
+    memory to sleep once built (gpumem.port.takeover), then waits in
     ``take_over``; ``standby.json`` has the take-over's timeline."""
     import nanovllm_kit as kit
 

@@ -46,11 +46,6 @@ from typing import Any
 
 LAYERS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 2048, 8192, 16, 4, 128, 32768
 MAX_NUM_SEQS, MAX_MODEL_LEN, MAX_BATCHED = 64, 1024, 8192
-# What a standby of this model takes beside its primary before it adopts: its own weights
-# (unless it maps the primary's: share_weights=True), its warm-up's and graph capture's
-# temporaries and its CUDA context. The primary's round must leave it free: on the H200 a
-# primary with the default headroom took all but 1 GiB, and the standby's weights failed.
-STANDBY_HEADROOM = 8 << 30
 PROMPT_SEED = 1234
 # Switches of the stand-ins, set by this process: "unmasked" makes the decode attention read
 # the slots past each sequence's length as they are (the first stand-in did; eager A/B only).
@@ -367,7 +362,7 @@ class Margins:
 def probes_discarded() -> Iterator[None]:
     """Meanwhile the greedy sampler probes (``Margins``' figures) into a list thrown away:
     a standby built inside rehearses serving with the probe on (gpumem's
-    nanovllm_standby), so the probe of its first step after the take-over, which the
+    gpumem.port.takeover), so the probe of its first step after the take-over, which the
     bench times, launches no kernel for the first time."""
     _SAMPLER[0].probe = []
     try:

@@ -44,7 +44,7 @@ def write(name, data):
     os.replace(folder / (name + ".tmp"), folder / name)
 
 if role == "primary":
-    integration.enable("fo-primary", retain="fo", weights_to="fo-standby", headroom_bytes=kit.STANDBY_HEADROOM)
+    integration.enable("fo-primary", retain="fo", weights_to="fo-standby")  # its round leaves the standby room (Settings.standby_room)
     llm = LLM(model, **build)
     secret = folder / "secret"
     secret.touch(mode=0o600)
@@ -108,7 +108,7 @@ def test_a_standby_takes_over_a_killed_engine_and_serves_its_prompts_from_the_ad
         print(f"before promotion: the standby's model arena {own / 2**20:.0f} MiB, the primary's {primary / 2**20:.0f} MiB, "
               f"mapped {shared / 2**20:.0f} MiB of the primary's (weights {weights / 2**20:.0f} MiB)")
         assert shared >= weights  # every weight (and the rotary cache) mapped
-        # Settled once built (nanovllm_standby): rehearsed, then asleep until take_over, its
+        # Settled once built (gpumem.port.takeover): rehearsed, then asleep until take_over, its
         # graph pool kept in host memory, its model arena dropped: it holds no weights (a
         # standby holding a copy of its own would keep it, weights and all)
         sleepers = {z["arena"]: z for z in status(runtime_dir)["sleepers"]}

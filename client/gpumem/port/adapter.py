@@ -65,9 +65,13 @@ class KvLayout:
     itemsize: int
     dtype: Any  # the tensors' torch dtype
     combined: bool = False
+    # The rows the cache is laid out over (0: what the whole device could hold); an engine
+    # that sizes other tensors by its cache's blocks (an attention mask) gives its ceiling.
+    max_blocks: int = 0
 
     def describe(self) -> dict[str, Any]:
-        """The keywords ``EngineMemory.kv_cache`` / ``adopt_kv`` and ``Reservation.paged_kv`` take."""
+        """The keywords ``EngineMemory.kv_cache`` / ``adopt_kv`` and ``Reservation.paged_kv``
+        take (``max_blocks`` apart: an adopted or reserved cache has its primary's)."""
         return {"layers": self.layers, "block_shape": self.block_shape, "itemsize": self.itemsize, "combined": self.combined}
 
 

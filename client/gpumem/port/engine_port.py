@@ -92,7 +92,7 @@ class EnginePort:
             self.reservation = mem.session.reserve_retained(*s.standby)
             kv = self.reservation.paged_kv(**layout.describe())
         else:
-            kv = mem.kv_cache(**layout.describe(), expect=s.expect)
+            kv = mem.kv_cache(**layout.describe(), max_blocks=layout.max_blocks, expect=s.expect)
             if s.retain:
                 self.group = mem.retain(s.retain)
         self.engine.bind_kv(kv.tensors(layout.dtype))
