@@ -54,9 +54,10 @@ def seams(api: Any, runner: Any, cache: Any) -> None:
 
 class Port(EnginePort):
     """This process's engine on the port, made with its first manager: the model's weights
-    moved into the model arena, the KV layout's ceiling (transformers sizes its batch
-    tensors, the attention mask among them, by the cache's pages: the layout stops at
-    transformers' own sizing of the device), the step gate sleep() closes."""
+    moved into the model arena, the KV layout's ceiling (``KvLayout.max_blocks``:
+    transformers sizes its batch tensors, the attention mask among them, by the cache's
+    pages, so the layout stops at transformers' own sizing of the engine's share of the
+    device), the step gate sleep() closes."""
 
     def __init__(self, settings: Settings, ceiling: int, model: Any) -> None:
         import torch
@@ -84,14 +85,6 @@ class Port(EnginePort):
         tokens, blocks = handler.infer_max_batch_tokens_and_num_blocks()
         return tokens, (self.ceiling or blocks + TRASH)
 
-    def lay_out_kv(self) -> None:
-        s = self.settings
-        if s.standby:  # the primary's windows: its ceiling
-            return super().lay_out_kv()
-        self.layout = self.engine.kv_layout()
-        kv = self.mem.kv_cache(**self.layout.describe(), max_blocks=self.ceiling, expect=s.expect)
-        self.group = self.mem.retain(s.retain) if s.retain else None
-        self.engine.bind_kv(kv.tensors(self.layout.dtype))
 
     def serve(self) -> None:
         """Once the graphs are captured (or the loop starts without them): the round's
@@ -145,6 +138,7 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
             if distributed_helper.tp_size > 1:
                 raise Unsupported("tensor parallelism: gpumem lays out one CUDA device per process")
             tokens, p.ceiling = p.size(cache_mod, config, cb, dtype)
+            p.adapter.ceiling = p.ceiling
             asked, (cb.num_blocks, cb.max_batch_tokens) = (cb.num_blocks, cb.max_batch_tokens), (1, tokens)  # one block made: replaced
             try:
                 super().__init__(config, cb, device, distributed_helper, tp_plan, dtype)

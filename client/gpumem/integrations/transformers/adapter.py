@@ -57,6 +57,7 @@ class Transformers:
     manager: Any = None
     tensors: list[Any] = []  # block-shaped: block i is row i of each
     count = TRASH
+    ceiling = 0  # the layout's rows (KvLayout.max_blocks)
 
     @property
     def blocks(self) -> Any:
@@ -64,7 +65,8 @@ class Transformers:
 
     def kv_layout(self) -> KvLayout:
         c = self.cache
-        return KvLayout(layers=len(c.key_cache), block_shape=(c.block_size, c.num_key_value_heads, c.head_dim), itemsize=c.dtype.itemsize, dtype=c.dtype)
+        shape = (c.block_size, c.num_key_value_heads, c.head_dim)
+        return KvLayout(layers=len(c.key_cache), block_shape=shape, itemsize=c.dtype.itemsize, dtype=c.dtype, max_blocks=self.ceiling)
 
     def bind_kv(self, layers: list[list[Any]]) -> None:
         """The cache's K and V become the pool's rows, the trash blocks rows 0 and 1."""
