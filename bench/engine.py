@@ -344,6 +344,10 @@ def main() -> int:
     parser.add_argument("--headroom-mib", type=int, default=None, help="each engine's round headroom (default: the integration's)")
     args = parser.parse_args()
     c.ensure_importable()
+    if args.engine == "transformers" and args.backend == "cuda":  # its own processes and baselines: bench/transformers_kit.py
+        import transformers_kit
+
+        return c.run(BENCH, args.backend, lambda result, cleanup: transformers_kit.cuda(result, cleanup, args))
     if args.backend == "host":
         return c.run(BENCH, args.backend, host)
     return c.run(BENCH, args.backend, lambda result, cleanup: cuda(result, cleanup, args))

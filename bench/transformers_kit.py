@@ -9,7 +9,7 @@ second lays its KV out otherwise (another GQA ratio and head size, sliding group
 transformers' decode fast path off). Prompts are token ids (seeded), no tokenizer; greedy.
 
     transformers_kit.py engine --mode plain|gpumemd --arch qwen3 --out run.json [...]
-    transformers_kit.py bench [--arch qwen3]      # the figures of bench/engine.py --engine transformers
+    bench/engine.py --engine transformers        # the figures of issue 36 (``cuda`` here)
 
 An engine process writes JSON: ``blocks`` (usable KV blocks), ``startup_s`` (manager
 made, warmed up and started), ``tokens`` (per prompt), ``decode_tok_s``, and with
@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 ARCHS = ("qwen3", "mistral")
+PLAIN_PERCENT = 0.9  # transformers' max_memory_percent for greedy decoding (0.8 with logits processors)
 
 
 def build_model(arch: str, *, dtype: Any = None, layers: int = 8) -> Any:
@@ -138,72 +139,57 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _child(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 - the child holds it
-    return subprocess.Popen([sys.executable, __file__, "engine", "--out", str(out), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def _collect(procs: dict[str, subprocess.Popen[bytes]], rd: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for name, proc in procs.items():
-        code = proc.wait(timeout=400)
-        path = rd / f"{name}.json"
-        results[name] = json.loads(path.read_text()) if code == 0 and path.exists() else {"failed": code, "log": path.with_suffix(".log").read_text()[-2000:]}
-    return results
-
-
-def bench(args: argparse.Namespace) -> dict[str, Any]:
-    """The figures of issue 36 for transformers (see bench/engine.py)."""
-    import tempfile
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+def cuda(result: Any, cleanup: Any, args: argparse.Namespace) -> None:
+    """bench/engine.py --engine transformers: issue 36's figures, each against its
+    same-run baseline, into ``result`` (bench/_common.Result). Every engine is a process
+    of this kit; a pair starts at the same moment (a go file)."""
     import _common as c
 
-    rd = Path(tempfile.mkdtemp(prefix="gmb-tf-"))
-    common = ["--arch", args.arch, "--prompts", str(args.prompts), "--tokens", str(args.tokens)]
-    on = ["--mode", "gpumemd", "--runtime-dir", str(rd)]
-    res: dict[str, Any] = {}
-    res.update(_collect({"plain": _child(rd / "plain.json", "--mode", "plain", *common)}, rd))
-    res.update(_collect({"plain_half": _child(rd / "plain_half.json", "--mode", "plain", "--max-memory-percent", "0.45", *common)}, rd))
-    go = rd / "go-pair-plain"
-    pair_plain = {f"plain_pair_{x}": _child(rd / f"plain_pair_{x}.json", "--mode", "plain", "--start-after", str(go), *common) for x in "ab"}
-    time.sleep(5)
-    go.write_text("go")
-    res.update(_collect(pair_plain, rd))
+    rd = cleanup.enter_context(c.runtime_dir("gmb-tf-"))
+    if getattr(args, "keep_logs", None):
+        cleanup.callback(lambda: shutil.copytree(rd, args.keep_logs, dirs_exist_ok=True))
+    common = ["--arch", getattr(args, "arch", "qwen3"), "--prompts", str(args.prompts), "--tokens", str(args.tokens)]
+
+    def run(names: list[str], extra: list[str], go: str = "") -> list[dict[str, Any]]:
+        children = [c.Child(n, [__file__, "engine", "--name", n, "--out", str(rd / f"{n}.json"), *common, *extra,
+                                *(["--start-after", str(rd / go)] if go else [])], rd / f"{n}.log") for n in names]
+        for child in children:
+            cleanup.callback(child.stop)
+        if go:
+            time.sleep(5.0)  # both imported: the go file starts them at the same moment
+            (rd / go).write_text("go")
+        for child in children:
+            child.wait_for(lambda ch=child: ch.proc.poll() is not None, 600, "its batch")
+        return [json.loads((rd / f"{n}.json").read_text()) if (rd / f"{n}.json").exists() else {"failed": ch.proc.returncode}
+                for n, ch in zip(names, children)]
+
+    (plain,) = run(["plain"], ["--mode", "plain"])
+    (half,) = run(["plain-half"], ["--mode", "plain", "--max-memory-percent", str(PLAIN_PERCENT / 2)])
+    plain_pair = run(["plain-a", "plain-b"], ["--mode", "plain"], go="go-plain-pair")
     daemon = c.Daemon(rd, "cuda").wait_ready(60)
-    try:
-        res.update(_collect({"solo": _child(rd / "solo.json", *on, "--name", "solo", "--expect", "1", *common)}, rd))
-        go = rd / "go-pair"
-        pair = {f"pair_{x}": _child(rd / f"pair_{x}.json", *on, "--name", f"pair-{x}", "--expect", "2", "--start-after", str(go), *common) for x in "ab"}
-        time.sleep(5)
-        go.write_text("go")
-        res.update(_collect(pair, rd))
-    finally:
-        daemon.stop()
-    plain, solo, half = res["plain"], res["solo"], res["plain_half"]
-    ok = "failed" not in plain and "failed" not in solo
-    pair_blocks = [res[f"pair_{x}"].get("blocks", 0) for x in "ab"]
-    summary = {
-        "bench": "engine", "engine": "transformers", "arch": args.arch,
-        "blocks_plain": plain.get("blocks"), "blocks_gpumemd": solo.get("blocks"),
-        "blocks_ratio": solo["blocks"] / plain["blocks"] if ok else None,
-        "tokens_identical": ok and solo["tokens"] == plain["tokens"],
-        "decode_ratio": solo["decode_tok_s"] / plain["decode_tok_s"] if ok else None,
-        "startup_plain_s": plain.get("startup_s"), "startup_gpumemd_s": solo.get("startup_s"),
-        "startup_extra_s": solo["startup_s"] - plain["startup_s"] if ok else None,
-        "pair_blocks": pair_blocks, "pair_both_started": all(pair_blocks),
-        "pair_vs_half_plain": [b / half["blocks"] for b in pair_blocks] if half.get("blocks") else None,
-        "plain_pair_started": [("failed" not in res[f"plain_pair_{x}"]) for x in "ab"],
-        "plain_pair_blocks": [res[f"plain_pair_{x}"].get("blocks", 0) for x in "ab"],
-    }
-    (rd / "results.json").write_text(json.dumps(res, indent=1))
-    summary["logs"] = str(rd)
-    return summary
+    cleanup.callback(daemon.stop)
+    on = ["--mode", "gpumemd", "--runtime-dir", str(rd)]
+    (solo,) = run(["solo"], [*on, "--expect", "1"])
+    pair = run(["pair-a", "pair-b"], [*on, "--expect", "2"], go="go-pair")
+    f = result.figures
+    f.update(engine="transformers", blocks_plain=plain.get("blocks"), blocks_gpumemd=solo.get("blocks"),
+             decode_tok_s_plain=plain.get("decode_tok_s"), decode_tok_s_gpumemd=solo.get("decode_tok_s"),
+             startup_plain_s=plain.get("startup_s"), startup_gpumemd_s=solo.get("startup_s"),
+             pair_blocks=[r.get("blocks", 0) for r in pair], half_plain_blocks=half.get("blocks"),
+             plain_pair_started=["failed" not in r for r in plain_pair], plain_pair_blocks=[r.get("blocks", 0) for r in plain_pair])
+    f["blocks_ratio"] = c.ratio(solo.get("blocks", 0), plain.get("blocks", 0))
+    f["tokens_identical"] = "tokens" in solo and solo["tokens"] == plain.get("tokens") and all(r.get("tokens") == plain.get("tokens") for r in pair)
+    f["decode_ratio"] = c.ratio(solo.get("decode_tok_s", 0.0), plain.get("decode_tok_s", 0.0))
+    f["startup_extra_s"] = solo.get("startup_s", 1e9) - plain.get("startup_s", 0.0)
+    f["pair_vs_half_plain"] = [c.ratio(r.get("blocks", 0), half.get("blocks", 0)) for r in pair]
+    result.targets.update(blocks_ratio=1.05, tokens_identical=True, decode_ratio=0.98, startup_extra_s=0.5, pair_vs_half_plain=0.95)
+    result.ok = (f["blocks_ratio"] >= 1.05 and f["tokens_identical"] and f["decode_ratio"] >= 0.98 and f["startup_extra_s"] <= 0.5
+                 and all(r >= 0.95 for r in f["pair_vs_half_plain"]))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("command", choices=["engine", "bench"])
+    parser.add_argument("command", choices=["engine"])
     parser.add_argument("--mode", choices=["plain", "gpumemd"], default="gpumemd")
     parser.add_argument("--arch", choices=ARCHS, default="qwen3")
     parser.add_argument("--out", type=Path)
@@ -225,9 +211,6 @@ def main() -> int:
     parser.add_argument("--standby", default="", help="the retain group of the primary this engine stands by for")
     parser.add_argument("--take-over-wait", type=float, default=120.0)
     args = parser.parse_args()
-    if args.command == "bench":
-        print(json.dumps(bench(args)))
-        return 0
     result = engine(args)
     if args.out:
         args.out.write_text(json.dumps(result))

@@ -85,7 +85,6 @@ class Port(EnginePort):
         tokens, blocks = handler.infer_max_batch_tokens_and_num_blocks()
         return tokens, (self.ceiling or blocks + TRASH)
 
-
     def serve(self) -> None:
         """Once the graphs are captured (or the loop starts without them): the round's
         blocks, the follower, a standby's settling; a later manager's cache takes the rows as they are."""
