@@ -139,3 +139,19 @@ def test_prefix_events_hashes_and_seeding() -> None:
     assert manager.get_free_blocks(2) == [3, 4] and taken == [3, 4]
     manager.mark_shareable_blocks_as_complete(1, [2], [])
     assert filled == [2] and blocks.block_hash(2) == 1002 and blocks.block_hash(5) == -1
+    manager._id_to_block[2].hash = -5  # Python's hash is signed: the directory holds it unsigned, the seed signed again
+    manager._hash_to_id[-5] = 2
+    assert blocks.block_hash(2) == (1 << 64) - 5
+
+
+def test_seeded_blocks_take_the_signed_hash_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("transformers.generation.continuous_batching.cache_manager")
+    module.Block = lambda id_, parent, group: Block(id_, parent)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    cache = fake_cache(8, {"a": [2]})
+    blocks = adapter(cache)
+    assert blocks.seed_block(5, (1 << 64) - 5) and not blocks.seed_block(5, 7) and not blocks.seed_block(2, 9)
+    manager = cache._block_manager
+    assert manager._hash_to_id[-5] == 5 and 5 in manager._init_block_ids and 5 not in manager._uninit_block_ids
+    assert blocks.block_hash(5) == (1 << 64) - 5 and 5 in blocks.free_blocks()
+

@@ -34,6 +34,7 @@ from gpumem.port import KvLayout, StepNeed, Unsupported
 from gpumem.port.blocks import copy_rows
 from gpumem.port.takeover import REHEARSAL_TOKENS, rehearsal_prompts
 
+HASH_MASK = (1 << 64) - 1
 TRASH = 2  # the read-trash block (zeros) and the write-trash block, rows 0 and 1
 REHEARSAL_WAIT_S = 60.0  # the standby's rehearsal: a few tokens, first-use costs included
 LAYER_TYPES = ("full_attention", "sliding_attention")  # what PagedAttentionCache lays out in one block size
@@ -163,12 +164,13 @@ class Transformers:
 
     def block_hash(self, block: int) -> int:
         record = self.blocks._id_to_block.get(block)
-        return -1 if record is None or record.hash is None or self.blocks._hash_to_id.get(record.hash) != block else int(record.hash)
+        missing = record is None or record.hash is None or self.blocks._hash_to_id.get(record.hash) != block
+        return -1 if missing else int(record.hash) & HASH_MASK  # Python's hash is signed; the directory's are 64-bit unsigned
 
     def seed_block(self, block: int, content_hash: int) -> bool:
         from transformers.generation.continuous_batching.cache_manager import Block
 
-        manager = self.blocks
+        manager, content_hash = self.blocks, content_hash - (1 << 64) if content_hash >> 63 else content_hash
         if block >= self.count or block not in manager._uninit_block_ids or content_hash in manager._hash_to_id:
             return False
         manager._uninit_block_ids.remove(block)
