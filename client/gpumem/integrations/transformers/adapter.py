@@ -88,9 +88,6 @@ class Transformers:
     def committed(self, blocks: int) -> None:
         """The round's blocks are the block manager's; the read trash reads zeros."""
         self.reset(blocks)
-        self.zero_trash()
-
-    def zero_trash(self) -> None:
         for t in self.tensors:
             t[0].zero_()
 
