@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpumem.integrations.transformers import seams
+from gpumem.integrations.transformers import Port, seams
 from gpumem.integrations.transformers.adapter import TRASH, Transformers
 from gpumem.port.blocks import plan
 
@@ -78,3 +78,81 @@ def test_moved_live_blocks_are_read_and_matched_where_they_went() -> None:
     assert cache.search_prefix_match("b", prompt) == 2 * SIZE
     assert cache.group_cache_managers[0].block_table["b"] == [3, 2]
     assert adapter.block_hash(2) != -1 and adapter.block_hash(4) == -1
+
+
+class FakePort:
+    """The port without a daemon: the KV pool's rows are CPU tensors, the round commits
+    ``COMMITTED`` of them; the step hooks are counted."""
+
+    COMMITTED = 9
+    serve = Port.serve
+
+    def __init__(self, settings: Any, ceiling: int, model: Any) -> None:
+        import contextlib
+        import threading
+        import types
+
+        self.adapter, self.settings, self.ceiling, self.model = Transformers(), settings, ceiling, model
+        self.adapter.synchronize = lambda: None  # type: ignore[method-assign]
+        self.layout: Any = None
+        self.serving: Any = None
+        self.keeper = None
+        self.stepping, self.woken = threading.Lock(), threading.Event()
+        self.mem = types.SimpleNamespace(running=contextlib.nullcontext, asleep=[], kv=None)
+        self.hooks: dict[str, int] = {}
+
+    def size(self, cache_mod: Any, config: Any, cb: Any, dtype: Any) -> tuple[int, int]:
+        return cb.max_batch_tokens, self.ceiling
+
+    def lay_out_kv(self) -> None:
+        import types
+
+        self.layout = layout = self.adapter.kv_layout()
+        rows = [[torch.full((layout.max_blocks, *layout.block_shape), float("nan")) for _ in "kv"] for _ in range(layout.layers)]
+        self.mem.kv = types.SimpleNamespace(blocks=self.COMMITTED, tensors=lambda dtype: rows)
+        self.adapter.bind_kv(rows)  # NaN everywhere: a read of a row no block holds (the trash's aside) poisons the tokens
+
+    def blocks(self) -> int:
+        return self.COMMITTED
+
+    def __getattr__(self, name: str) -> Any:  # captured, started, follow, before_step, idle, scheduled, after_step
+        def hook(*args: Any) -> None:
+            self.hooks[name] = self.hooks.get(name, 0) + 1
+
+        return hook
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_generate_batch_on_the_patched_manager_generates_what_plain_transformers_does(sliding: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' own generate_batch on the CPU, plain and through enable()'s manager,
+    cache and block manager (the KV pool faked with NaN rows): the same greedy tokens, the
+    round's blocks only, the step hooks called from the generation thread."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers.generation.continuous_batching import continuous_api, model_runner
+
+    from gpumem.integrations import transformers as gtf
+
+    common = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "attn_implementation": "sdpa"}
+    torch.manual_seed(0)
+    model = (MistralForCausalLM(MistralConfig(sliding_window=8, **common)) if sliding else Qwen3ForCausalLM(Qwen3Config(**common))).eval()
+    model.generation_config = GenerationConfig(do_sample=False, eos_token_id=-1)
+    prompts = [[(7 * i + j) % 120 + 3 for j in range(5 + 3 * i)] for i in range(4)]
+
+    def generate() -> list[list[int]]:
+        cb = ContinuousBatchingConfig(num_blocks=7, max_batch_tokens=32, block_size=SIZE, use_cuda_graph=False, use_async_batching=False)
+        out = model.generate_batch(prompts, continuous_batching_config=cb, max_new_tokens=12)
+        return [r.generated_tokens for r in out.values()]
+
+    plain = generate()
+    for owner, name in [(continuous_api, "ContinuousBatchingManager"), (continuous_api, "PagedAttentionCache"), (model_runner, "get_cuda_pools")]:
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.setattr(continuous_api, "_gpumem_patched", False, raising=False)
+    monkeypatch.setattr(gtf, "Port", FakePort)
+    monkeypatch.setattr(gtf, "_enabled", [])
+    gtf.enable("e", max_blocks=12)
+    on = generate()
+    port = gtf.port()
+    assert on == plain
+    assert port.adapter.block_count() == FakePort.COMMITTED and port.serving is port.adapter.cache
+    assert port.hooks.get("scheduled", 0) >= 12 and port.hooks.get("after_step", 0) >= 12 and "follow" in port.hooks

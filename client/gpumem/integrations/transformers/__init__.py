@@ -62,6 +62,8 @@ class Port(EnginePort):
     def __init__(self, settings: Settings, ceiling: int, model: Any) -> None:
         import torch
 
+        if model.device.type != "cuda" or getattr(model, "_device_mesh", None) is not None:
+            raise Unsupported(f"gpumem lays out one CUDA device per process; the model is on {model.device} (tensor parallel: no)")
         self.adapter = Transformers()
         super().__init__(self.adapter, settings)
         self.ceiling, self.model, self.serving = ceiling, model, None
@@ -155,8 +157,6 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
 
     class Manager(api.ContinuousBatchingManager):  # type: ignore[misc]
         def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
-            if model.device.type != "cuda" or getattr(model, "_device_mesh", None) is not None:
-                raise Unsupported(f"gpumem lays out one CUDA device per process; the model is on {model.device} (tensor parallel: no)")
             if not isinstance(_enabled[-1], Port):
                 settings, ceiling = _enabled[0]
                 _enabled.append(Port(settings, ceiling, model))
