@@ -99,7 +99,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     manager.warmup()
     if args.standby:  # settled in warmup(); its manager starts once it took over
         print("STANDBY READY", flush=True)
-        took = gtf.take_over(wait=args.take_over_wait)
+        took = gtf.port().take_over(wait=args.take_over_wait)
     manager.start()
     out: dict[str, Any] = {"mode": args.mode, "arch": args.arch, "startup_s": time.perf_counter() - built, "build_s": built - started}
     cache = manager.batch_processor.cache
@@ -107,7 +107,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     out["block_bytes"] = 2 * len(cache.key_cache) * cache.block_size * cache.num_key_value_heads * cache.head_dim * cache.dtype.itemsize
     inputs = prompts(args.prompts, low=args.prompt_len // 2, high=args.prompt_len)
     if args.retain and args.secret_file:
-        Path(args.secret_file).write_text(gtf.retain_secret())
+        Path(args.secret_file).write_text(gtf.port().retain_secret())
     if args.standby:
         out["take_over"] = {"seeded": took.seeded, "trusted": took.trusted, "corrupt": took.corrupt}
     out["tokens"], out["decode_tok_s"] = generate(manager, inputs, args.tokens)
@@ -116,7 +116,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
         out["kv_rows_committed"] = kv.blocks if kv else 0
         out["blocks_after"] = gtf.port().adapter.count - 2
         if args.retain:
-            out["retain_secret_len"] = len(gtf.retain_secret())
+            out["retain_secret_len"] = len(gtf.port().retain_secret())
     if args.serve_until:
         print("SERVING", flush=True)
         while not Path(args.serve_until).exists():
@@ -129,10 +129,10 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     if args.sleep_cycle:
         free_before = torch.cuda.mem_get_info()[0]
         t = time.perf_counter()
-        gtf.sleep("weights", "graphs", "kv", drop=["kv"])
+        gtf.port().sleep("weights", "graphs", "kv", drop=["kv"])
         out["sleep_s"], out["freed_bytes"] = time.perf_counter() - t, torch.cuda.mem_get_info()[0] - free_before
         t = time.perf_counter()
-        gtf.wake()
+        gtf.port().wake()
         out["wake_s"] = time.perf_counter() - t
         out["tokens_after_wake"], _ = generate(manager, inputs, args.tokens)
     manager.stop(block=True, timeout=30)

@@ -18,10 +18,12 @@ instead of a fresh one: warm-up's graphs land in gpumemd's memory). Once ``warmu
 captured its graphs the round commits the blocks (without a warm-up: when the loop
 starts) and the block manager follows the pool. The adapter: gpumem.integrations.transformers.adapter.
 
-``sleep()`` / ``wake()``: the engine's memory by tag, between steps, graphs kept; requests
-that come meanwhile wait. ``enable(name, retain=group)`` keeps the KV cache and a prefix
-directory for a standby (``retain_secret()``); ``enable(name, standby=(group, secret))``
-builds one, which settles in ``warmup()``; its manager starts after ``take_over(wait=)``.
+``port()`` is the engine's ``EnginePort`` once a manager was made: ``port().sleep()`` /
+``port().wake()`` put its memory to sleep by tag between steps, graphs kept (requests that
+come meanwhile wait); ``enable(name, retain=group)`` keeps the KV cache and a prefix
+directory for a standby (``port().retain_secret()``); ``enable(name, standby=(group,
+secret))`` builds one, which settles in ``warmup()``; its manager starts after
+``port().take_over(wait=)``.
 Refused (``Unsupported``): shared weights, tensor parallelism, layers without paged KV
 blocks. One manager at a time per process.
 """
@@ -36,8 +38,6 @@ from gpumem.errors import InvalidArgument
 from gpumem.integrations.transformers.adapter import TRASH, Transformers, layer_types
 from gpumem.port import SeamMissing, Settings, Unsupported, require_seams
 from gpumem.port.engine_port import EnginePort
-from gpumem.port.takeover import TakeOver
-from gpumem.sleep import DEFAULT_WAKE_WAIT_S
 
 WRITTEN_FOR = "5.17"
 CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own: out of the device's total when sizing the layout
@@ -67,13 +67,10 @@ class Port(EnginePort):
         self.adapter = Transformers()
         super().__init__(self.adapter, settings)
         self.ceiling, self.model, self.serving = ceiling, model, None
-        self.stepping, self.woken = threading.Lock(), threading.Event()  # held by a step / set when what slept wakes
-        seen: set[int] = set()
-        with torch.no_grad(), self.mem.model.allocating():
-            for t in (t for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and t.is_cuda):
-                if id(t) not in seen:  # tied weights: once
-                    seen.add(id(t))
-                    t.data = t.data.clone()
+        self.stepping = threading.Lock()  # held by a step: sleep() waits for it
+        with torch.no_grad(), self.mem.model.allocating():  # tied weights moved once
+            for t in {id(t): t for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and t.is_cuda}.values():
+                t.data = t.data.clone()
         torch.cuda.empty_cache()  # their first copies back to the device
 
     def size(self, cache_mod: Any, config: Any, cb: Any, dtype: Any) -> tuple[int, int]:
@@ -101,6 +98,25 @@ class Port(EnginePort):
         elif self.serving is not self.adapter.cache:
             self.adapter.committed(self.mem.kv.blocks if self.mem.kv else self.adapter.count)
             self.serving = self.adapter.cache
+
+    def sleep(self, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
+        """``EnginePort.sleep`` between two steps (it waits for the one under way), its
+        check of the blocks in use leaving out the trash blocks. Requests that come while
+        asleep wait for ``wake()`` (or a standby's ``take_over()``)."""
+        dropped = set(drop)
+        if not self.stepping.acquire(timeout=STEP_WAIT_S):
+            raise InvalidArgument(f"engine '{self.settings.name}': its step did not end within {STEP_WAIT_S:g}s; sleep() waits for it")
+        try:
+            if "kv" in dropped and (not tags or "kv" in tags):
+                if len(self.adapter.used_blocks()) > TRASH:
+                    raise InvalidArgument(f"engine '{self.settings.name}' has {len(self.adapter.used_blocks()) - TRASH} KV blocks in use: finish its requests first")
+                self.adapter.forget_prefix_cache()
+                if self.keeper is not None:
+                    self.keeper.forget_all()
+            self.adapter.synchronize()
+            self.mem.sleep(*tags, drop=dropped)
+        finally:
+            self.stepping.release()
 
 
 _enabled: list[Any] = []  # enable()'s settings and ceiling, then the Port
@@ -162,26 +178,14 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
                 _enabled.append(Port(settings, ceiling, model))
             elif port().model is not model:
                 raise Unsupported("one model per process on gpumemd: this engine serves another already")
-            self._gpumem, self._gpumem_warming = port(), False
+            self._gpumem = port()
+            self._gpumem.adapter.manager = self
             super().__init__(model, *args, **kwargs)
 
         def warmup(self) -> None:
-            self._gpumem.adapter.manager, self._gpumem_warming = self, True
-            try:
-                with self._gpumem.mem.running():
-                    super().warmup()
-            finally:
-                self._gpumem_warming = False
-            self._gpumem.serve()
-
-        def _create_batch_processor(self) -> Any:
-            self._gpumem.adapter.manager = self
             with self._gpumem.mem.running():
-                processor = super()._create_batch_processor()
-            if not self._gpumem_warming:
-                self.batch_processor = processor
-                self._gpumem.serve()  # no warm-up: graphs come at first use, in the graphs arena's pool
-            return processor
+                super().warmup()
+            self._gpumem.serve()
 
         def _run_generation_loop(self) -> None:
             with self._gpumem.mem.running():
@@ -190,8 +194,10 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
         def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
             p = self._gpumem
             if p.mem.asleep:  # requests wait for wake() or take_over(); a stop ends the loop
-                p.woken.wait(0.1)
+                self._has_new_requests.wait(timeout=0.1)
                 return not self.background_thread_status.local_status or batch_processor.has_pending_requests()
+            if p.serving is not p.adapter.cache:  # no warm-up: graphs come at first use, in the graphs arena's pool
+                p.serve()
             with p.stepping:
                 if batch_processor.has_pending_requests():
                     p.before_step()
@@ -209,48 +215,3 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
     api.ContinuousBatchingManager, api.PagedAttentionCache = Manager, Cache
     runner.get_cuda_pools = lambda: (port().mem.graphs.mem_pool, port().mem.graphs.mem_pool.id)
     api._gpumem_patched = True
-
-
-def sleep(*tags: str, drop: Iterable[str] = ("kv",)) -> None:
-    """Put the engine's memory to sleep between steps (by default weights and graphs kept in
-    host memory, the KV cache dropped with the prefix cache: ``EnginePort.sleep``, whose
-    check of blocks in use leaves out the trash blocks here). Refused while requests hold blocks."""
-    p, dropped = port(), set(drop)
-    if not p.stepping.acquire(timeout=STEP_WAIT_S):
-        raise InvalidArgument(f"engine '{p.settings.name}': its step did not end within {STEP_WAIT_S:g}s; sleep() waits for it")
-    try:
-        if "kv" in dropped and (not tags or "kv" in tags):
-            if len(p.adapter.used_blocks()) > TRASH:
-                raise InvalidArgument(f"engine '{p.settings.name}' has {len(p.adapter.used_blocks()) - TRASH} KV blocks in use: finish its requests first")
-            p.adapter.forget_prefix_cache()
-            if p.keeper is not None:
-                p.keeper.forget_all()
-        p.adapter.synchronize()
-        p.woken.clear()
-        p.mem.sleep(*tags, drop=dropped)
-    finally:
-        p.stepping.release()
-
-
-def prepare_sleep(*tags: str, drop: Iterable[str] = ("kv",)) -> None:
-    """The host buffers ``sleep`` copies into, made ahead (``EngineMemory.prepare_sleep``)."""
-    port().prepare_sleep(*tags, drop=drop)
-
-
-def wake(*, wait: float = DEFAULT_WAKE_WAIT_S) -> None:
-    """Wake what ``sleep`` put to sleep, at the same addresses (woken KV rows read zero); waiting requests run then."""
-    port().wake(wait=wait)
-    port().woken.set()
-
-
-def take_over(*, wait: float) -> TakeOver:
-    """A standby (``enable(name, standby=(group, secret))``, warmed up): adopt the primary's
-    KV cache once it died (``EnginePort.take_over``); start its manager then."""
-    took = port().take_over(wait=wait)
-    port().woken.set()
-    return took
-
-
-def retain_secret() -> str:
-    """The secret of the retain group ``enable(name, retain=group)`` named, for a standby."""
-    return port().retain_secret()
