@@ -91,7 +91,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
         while not Path(args.start_after).exists():
             time.sleep(0.005)
     started = time.perf_counter()
-    model = build_model(args.arch)
+    model = build_model(args.arch, dtype=getattr(torch, args.dtype))
     cb = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=args.max_memory_percent, max_batch_tokens=args.max_batch_tokens,
                                   num_blocks=args.num_blocks)
     built = time.perf_counter()
@@ -210,6 +210,7 @@ def main() -> int:
     parser.add_argument("--secret-file", default="", help="with --retain: write the secret here; with --standby: read it")
     parser.add_argument("--standby", default="", help="the retain group of the primary this engine stands by for")
     parser.add_argument("--take-over-wait", type=float, default=120.0)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     result = engine(args)
     if args.out:

@@ -140,15 +140,19 @@ def test_transformers_standby_takes_over_a_killed_primary(daemon_factory, runtim
     (graphs captured on the primary's windows, rehearsed, asleep) takes over after kill -9
     of the primary, seeds its prefix cache from the directory and generates what the
     primary generated."""
+    # float32: the standby's prefill from seeded blocks and the plain one's from scratch part
+    # nowhere near a tie. A small layout: the standby's batch tensors (the mask: batch tokens
+    # by the primary's pages) fit the room the primary's round leaves it.
+    small = ["--arch", "qwen3", "--dtype", "float32", "--max-batch-tokens", "512", "--prompts", "16", "--tokens", "24"]
+    plain = _engine(tmp_path, runtime_dir, "plain", "--mode", "plain", *small)
     daemon_factory("cuda")
     secret, stop = tmp_path / "secret", tmp_path / "stop"
-    primary = _spawn(runtime_dir, tmp_path / "primary.json", "--arch", "qwen3", "--name", "primary", "--retain", "tf",
-                     "--secret-file", str(secret), "--serve-until", str(stop), "--prompts", "16", "--tokens", "24")
+    primary = _spawn(runtime_dir, tmp_path / "primary.json", *small, "--max-blocks", "2048", "--name", "primary", "--retain", "tf",
+                     "--secret-file", str(secret), "--serve-until", str(stop))
     standby = None
     try:
         _until(primary, "SERVING")
-        standby = _spawn(runtime_dir, tmp_path / "standby.json", "--arch", "qwen3", "--name", "standby", "--standby", "tf",
-                         "--secret-file", str(secret), "--prompts", "16", "--tokens", "24")
+        standby = _spawn(runtime_dir, tmp_path / "standby.json", *small, "--name", "standby", "--standby", "tf", "--secret-file", str(secret))
         _until(standby, "STANDBY READY")
         primary.kill()
         primary.wait()
@@ -160,7 +164,6 @@ def test_transformers_standby_takes_over_a_killed_primary(daemon_factory, runtim
                 proc.kill()
                 proc.wait()
     took = json.loads((tmp_path / "standby.json").read_text())
-    plain = _engine(tmp_path, runtime_dir, "plain", "--mode", "plain", "--arch", "qwen3")
     assert took["tokens"] == plain["tokens"]
     assert took["take_over"]["seeded"] > 0 and took["take_over"]["corrupt"] == 0, took["take_over"]
 
