@@ -97,7 +97,7 @@ class FakePort:
         self.layout: Any = None
         self.serving: Any = None
         self.keeper = None
-        self.stepping, self.woken = threading.Lock(), threading.Event()
+        self.stepping, self.pausing = threading.Lock(), threading.Event()
         self.mem = types.SimpleNamespace(running=contextlib.nullcontext, asleep=[], kv=None)
         self.hooks: dict[str, int] = {}
 

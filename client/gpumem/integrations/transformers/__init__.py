@@ -67,7 +67,9 @@ class Port(EnginePort):
         self.adapter = Transformers()
         super().__init__(self.adapter, settings)
         self.ceiling, self.model, self.serving = ceiling, model, None
-        self.stepping = threading.Lock()  # held by a step: sleep() waits for it
+        # sleep() raises pausing, then takes stepping once the step under way ends: a lock
+        # alone would starve it (the loop takes it again at once, and Python's lock is not fair).
+        self.stepping, self.pausing = threading.Lock(), threading.Event()
         with torch.no_grad(), self.mem.model.allocating():  # tied weights moved once
             for t in {id(t): t for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and t.is_cuda}.values():
                 t.data = t.data.clone()
@@ -104,7 +106,9 @@ class Port(EnginePort):
         check of the blocks in use leaving out the trash blocks. Requests that come while
         asleep wait for ``wake()`` (or a standby's ``take_over()``)."""
         dropped = set(drop)
+        self.pausing.set()
         if not self.stepping.acquire(timeout=STEP_WAIT_S):
+            self.pausing.clear()
             raise InvalidArgument(f"engine '{self.settings.name}': its step did not end within {STEP_WAIT_S:g}s; sleep() waits for it")
         try:
             if "kv" in dropped and (not tags or "kv" in tags):
@@ -117,6 +121,7 @@ class Port(EnginePort):
             self.mem.sleep(*tags, drop=dropped)
         finally:
             self.stepping.release()
+            self.pausing.clear()
 
 
 _enabled: list[Any] = []  # enable()'s settings and ceiling, then the Port
@@ -193,7 +198,7 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
 
         def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
             p = self._gpumem
-            if p.mem.asleep:  # requests wait for wake() or take_over(); a stop ends the loop
+            if p.mem.asleep or p.pausing.is_set():  # requests wait for wake() or take_over(); a stop ends the loop
                 self._has_new_requests.wait(timeout=0.1)
                 return not self.background_thread_status.local_status or batch_processor.has_pending_requests()
             if p.serving is not p.adapter.cache:  # no warm-up: graphs come at first use, in the graphs arena's pool
