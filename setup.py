@@ -36,9 +36,9 @@ setup(
     ext_modules=[
         Extension(
             "gpumem_shared._native",
-            sources=[f"shared/gpumem_shared/csrc/{name}.c" for name in ("module", "ordering", "allocator", "leases")],
+            sources=[f"shared/gpumem_shared/csrc/{name}.c" for name in ("module", "lease_order", "allocator", "leases")],
             # Rebuild when a header changes; setuptools also ships these in the sdist.
-            depends=[f"shared/gpumem_shared/csrc/{name}.h" for name in ("args", "ordering", "allocator", "lease_table")],
+            depends=[f"shared/gpumem_shared/csrc/{name}.h" for name in ("args", "lease_order", "allocator", "lease_table")],
             define_macros=[("Py_LIMITED_API", LIMITED_API)],
             py_limited_api=True,
             # A call outside the limited API is undeclared there: an error, not a warning.

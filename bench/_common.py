@@ -3,9 +3,13 @@ directory, helper processes that cannot outlive the benchmark, percentile math a
 the final JSON line.
 
 Every benchmark prints human-readable lines and then, as its last line, exactly one
-JSON object: {"bench", "backend", "figures", "targets", "ok"} (plus "error" when it
-could not measure). Timings are never asserted; ``ok`` only says whether the figures
-meet their targets.
+JSON object: {"bench", "backend", "device", "figures", "targets", "ok"} (plus "error"
+when it could not measure). Timings are never asserted; ``ok`` only says whether the
+figures meet their targets. "device" names what it ran on: the GPU's name and memory on
+CUDA, "host" on the host backend.
+
+Sizes default to what the device has (``fit``): a benchmark written for a 141 GB H200
+still runs on an 80 GB H100, at the size that fits there; explicit size flags win.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -252,6 +258,96 @@ def runtime_dir(prefix: str = "gmb-") -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------------
+# The device, and sizes that fit it
+# ---------------------------------------------------------------------------
+
+_MiB, _GiB = 1 << 20, 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What a benchmark runs on, read once at its start: on CUDA the GPU; on the host
+    backend this machine's memory (the backend's memfds are RAM)."""
+
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
+def _cuda_device(ordinal: int) -> Device:
+    """Through the driver API, with no torch: cuMemGetInfo needs a context, so the
+    primary one is retained around it and released (gone again unless this process
+    already held it; a daemon or torch started later makes its own)."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as exc:
+        raise RuntimeError(f"cuda-bindings is not installed ({exc.name} missing)") from None
+
+    def ck(result: Any, what: str) -> Any:
+        if result[0] != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{what} failed: {result[0]!r}")
+        return result[1:]
+
+    try:
+        ck(cu.cuInit(0), "cuInit")
+    except RuntimeError as exc:  # also cuda.pathfinder's: no libcuda at all
+        raise RuntimeError(f"no usable NVIDIA driver ({_summary(str(exc))})") from None
+    (dev,) = ck(cu.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    (raw,) = ck(cu.cuDeviceGetName(256, dev), "cuDeviceGetName")
+    (total,) = ck(cu.cuDeviceTotalMem(dev), "cuDeviceTotalMem")
+    (ctx,) = ck(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    try:
+        ck(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+        try:
+            free, _total = ck(cu.cuMemGetInfo(), "cuMemGetInfo")
+        finally:
+            ck(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
+    finally:
+        ck(cu.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease")
+    return Device(raw.split(b"\0", 1)[0].decode(), int(total), int(free))
+
+
+def _host_memory() -> Device:
+    with open("/proc/meminfo") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[2:] == ["kB"]}
+    return Device("host", fields["MemTotal"], fields["MemAvailable"])
+
+
+@functools.cache
+def device(backend: str, ordinal: int = 0) -> Device:
+    """The device ``backend`` serves, as it was when first asked (``run`` asks before the
+    body starts, so sizes fit the memory the benchmark found, not what it took since)."""
+    return _cuda_device(ordinal) if backend == "cuda" else _host_memory()
+
+
+def _described(backend: str, ordinal: int) -> Any:
+    """The final JSON's "device": "host", the GPU's name and memory, or why unknown."""
+    if backend != "cuda":
+        return "host"
+    try:
+        gpu = device(backend, ordinal)
+    except Exception as exc:  # the body's own failure says more; the line still says this
+        return f"cuda device {ordinal}: unknown ({type(exc).__name__}: {_summary(str(exc))})"
+    return {"name": gpu.name, "ordinal": ordinal, "total_bytes": gpu.total_bytes, "free_bytes_at_start": gpu.free_bytes}
+
+
+def fit(nominal: int, backend: str, fraction: float, what: str, ordinal: int = 0) -> int:
+    """A default size that fits the device: ``nominal`` bytes, or ``fraction`` of its free
+    memory at the start (whole 2 MiB) where that is less, which is said. Where the device
+    cannot be read, ``nominal``: the body's first use of the device fails and says why."""
+    try:
+        found = device(backend, ordinal)
+    except Exception:
+        return nominal
+    room = int(fraction * found.free_bytes) // (2 * _MiB) * (2 * _MiB)
+    if room >= nominal:
+        return nominal
+    say(f"{what}: {room / _GiB:.1f} GiB, {fraction:g} of the {found.free_bytes / _GiB:.1f} GiB free on {found.name} "
+        f"(the default {nominal / _GiB:g} GiB does not fit)")
+    return room
+
+
+# ---------------------------------------------------------------------------
 # Statistics
 # ---------------------------------------------------------------------------
 
@@ -316,6 +412,7 @@ class Result:
     def __init__(self, bench: str, backend: str) -> None:
         self.bench = bench
         self.backend = backend
+        self.device: Any = "host" if backend == "host" else None  # run() names the GPU
         self.figures: dict[str, Any] = {}
         self.targets: dict[str, Any] = {}
         self.ok = False
@@ -324,6 +421,7 @@ class Result:
         out: dict[str, Any] = {
             "bench": self.bench,
             "backend": self.backend,
+            "device": self.device,
             "figures": rounded(self.figures),
             "targets": rounded(self.targets),
             "ok": bool(self.ok and error is None),
@@ -353,13 +451,15 @@ def _on_signal(signum: int, _frame: Any) -> None:
     raise _Terminated(signal.Signals(signum).name)
 
 
-def run(bench: str, backend: str, body: Callable[[Result, contextlib.ExitStack], None]) -> int:
+def run(bench: str, backend: str, body: Callable[[Result, contextlib.ExitStack], None], ordinal: int = 0) -> int:
     """Run ``body(result, cleanup)``, undo everything pushed on ``cleanup`` (also on error
     or SIGTERM/SIGINT/SIGHUP), then print the JSON line last. Returns the exit status:
-    0 when the benchmark measured (whatever ``ok`` says), 1 when it could not."""
+    0 when the benchmark measured (whatever ``ok`` says), 1 when it could not.
+    ``ordinal``: the device the benchmark's daemon serves, named in the JSON line."""
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _on_signal)
     result = Result(bench, backend)
+    result.device = _described(backend, ordinal)
     error: str | None = None
     try:
         with contextlib.ExitStack() as cleanup:

@@ -24,6 +24,9 @@ the rest: the daemon's driver work, fd passing, the round trip and both sides' P
     python bench/commit.py --backend host                # S = 1 GiB
     python bench/commit.py --backend cuda                # S = 16 GiB
 
+(or 0.4 of the device's free memory where that is less: the daemon's chunks and the
+baseline's alternate, and the driver may still be reclaiming the last ones).
+
 Last line: {"bench": "commit", "backend", "figures", "targets", "ok"}; ok means the
 median commit <= 1.3x the median of the driver path (create + zero + export + import +
 map) of the same chunks.
@@ -235,7 +238,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = c.ArgumentParser(BENCH, description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["host", "cuda"], default="host", help="daemon backend (default: host)")
     ap.add_argument("--device", type=int, default=0, help="device index the daemon serves (default: 0)")
-    ap.add_argument("--size", default=None, help="bytes to commit, e.g. 16GiB (default: 16GiB on cuda, 1GiB on host)")
+    ap.add_argument("--size", default=None,
+                    help="bytes to commit, e.g. 16GiB (default: 16GiB on cuda, 1GiB on host, or 0.4 of the free memory where less)")
     ap.add_argument("--repeats", type=int, default=5, help="timed commit/decommit cycles (default: 5)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed cycles first (default: 1)")
     ap.add_argument("--reserve-factor", type=float, default=2.0, help="arena reservation = this x size (default: 2, min 1)")
@@ -251,12 +255,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from gpumem_shared.units import parse_size
 
     try:
-        args.size = parse_size(args.size) if args.size else DEFAULT_SIZE[args.backend]
-        args.host_capacity = parse_size(args.host_capacity) if args.host_capacity else max(8 * GiB, args.size)
+        args.size = parse_size(args.size) if args.size else None  # None: fitted to the device in body()
+        args.host_capacity = parse_size(args.host_capacity) if args.host_capacity else None
         args.chunk_bytes = parse_size(args.chunk_size)
     except ValueError as exc:
         ap.error(str(exc))
-    if args.size <= 0 or args.chunk_bytes <= 0:
+    if (args.size is not None and args.size <= 0) or args.chunk_bytes <= 0:
         ap.error("--size and --chunk-size must be positive")
     return args
 
@@ -264,7 +268,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack) -> None:
     from gpumem_shared.units import format_size
 
-    size = args.size
+    size = args.size or c.fit(DEFAULT_SIZE[args.backend], args.backend, 0.4, "committed", args.device)
+    host_capacity = args.host_capacity or max(8 * GiB, size)
     result.targets = {"ratio_vs_driver_path_max": args.target_ratio}
     rdir = cleanup.enter_context(c.runtime_dir("gmb-commit-"))
     c.say(f"{BENCH}: backend={args.backend} device={args.device} size={format_size(size)} repeats={args.repeats} "
@@ -272,7 +277,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
 
     daemon_args = ["--chunk-size", str(args.chunk_bytes)]
     if args.backend == "host":
-        daemon_args += ["--host-capacity", str(args.host_capacity)]
+        daemon_args += ["--host-capacity", str(host_capacity)]
     daemon = c.Daemon(rdir, args.backend, args.device, daemon_args)
     cleanup.callback(daemon.stop)
     daemon.wait_ready(args.start_timeout)
@@ -306,17 +311,17 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     else:
         from gpumem_shared.driver.host import HostDriver
 
-        path = DriverPath(HostDriver(args.device, args.host_capacity), size)
+        path = DriverPath(HostDriver(args.device, host_capacity), size)
     cleanup.callback(path.close)
 
     # The client's own import + map inside arena.commit, timed around its driver call.
     client_map_ms: list[float] = []
     real_map_fds = session.driver.map_fds
 
-    def timed_map_fds(address: int, placements: list[tuple[int, int, int]]) -> None:
+    def timed_map_fds(address: int, placements: list[tuple[int, int, int]], read_only: bool = False) -> None:
         t0 = time.perf_counter_ns()
         try:
-            real_map_fds(address, placements)
+            real_map_fds(address, placements, read_only)
         finally:
             client_map_ms.append(ms_since(t0))
 
@@ -460,7 +465,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
 def main(argv: list[str] | None = None) -> int:
     c.ensure_importable()  # parse_args reads sizes with gpumem_shared.units
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup))
+    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup), args.device)
 
 
 if __name__ == "__main__":

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit("--echo-server needs --ready-file")
         return echo_server(args.echo_server, args.ready_file)
     c.ensure_importable()
-    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup))
+    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup), args.device)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 """What the CUDA driver itself costs, with no gpumemd: the floor under a dropped wake and
 under a first sleep (issue 25; docs/performance.md, "Sleep and wake").
 
-1. Commit ``--gib`` GiB the way gpumemd's daemon does (cuMemCreate with a POSIX fd
+1. Commit ``--gib`` GiB (default 100, or 0.85 of the GPU's free memory where less) the way gpumemd's daemon does (cuMemCreate with a POSIX fd
    handle, export, map, set access, zero with one memset and a sync), release it, and
    commit it again: at once, at once again, after ``--settle-s``, and at once from
    ``--threads`` threads creating in parallel; for 512 MiB and 2 GiB chunks. Each part
@@ -138,7 +138,8 @@ def main() -> int:
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["host", "cuda"], default="cuda")
     parser.add_argument("--device", type=int, default=0)
-    parser.add_argument("--gib", type=int, default=100, help="GiB committed, released and committed again (default: 100)")
+    parser.add_argument("--gib", type=int, default=None,
+                        help="GiB committed, released and committed again (default: 100, or 0.85 of the free memory where less)")
     parser.add_argument("--settle-s", type=float, default=3.0, help="pause before the settled commit (default: 3)")
     parser.add_argument("--threads", type=int, default=4, help="threads of the parallel create (default: 4)")
     parser.add_argument("--register-gib", type=int, default=4, help="GiB of host memory registered each way (default: 4)")
@@ -147,6 +148,7 @@ def main() -> int:
     def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
         if args.backend != "cuda":
             raise RuntimeError("the host backend has no driver to probe: run with --backend cuda")
+        args.gib = args.gib or c.fit(100 * GiB, args.backend, 0.85, "committed", args.device) // GiB
         drv = Driver(args.device, args.gib * GiB)
         commits: dict[str, dict[str, float]] = {}
         for size in (512 * MiB, 2 * GiB):
@@ -187,7 +189,7 @@ def main() -> int:
                           "register_gib": args.register_gib, "register": registered}
         result.ok = True
 
-    return c.run(BENCH, args.backend, body)
+    return c.run(BENCH, args.backend, body, args.device)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,15 @@ again; then once more after they stopped (a recovery check: it shows whether the
 left anything behind). On a machine with fewer cores than flooders plus two, the
 flooders take CPU from the probe and the daemon, and p99 measures the scheduler.
 
+With ``--sessions N`` each flooder opens N sessions instead (HELLO on the fd channel,
+then a DEALER under the session's token, ``--depth`` requests in flight on each), as
+``--flood-uid`` (default: 65534 when run as root, the daemon's sockets opened to its
+group; otherwise the bench's own uid, and the figures say so; anonymous flooders run as
+the bench's uid unless told): the daemon's turns are
+per uid, so N sessions of one uid must delay another uid's probe no more than one.
+
     python bench/fairness.py --backend host
+    python bench/fairness.py --backend host --flooders 1 --sessions 200
     python bench/fairness.py --backend cuda --flooders 4 --sockets 1 --depth 64
 
 Last line: {"bench": "fairness", "backend", "figures", "targets", "ok"}; ok means
@@ -23,6 +31,7 @@ import argparse
 import contextlib
 import gc
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -37,21 +46,42 @@ BENCH = "fairness"
 # ---------------------------------------------------------------------------
 
 
-def flooder(url: str, request: str, depth: int, sockets: int, ready_file: str) -> int:
-    """Keep ``depth`` requests in flight on each of ``sockets`` DEALERs until SIGTERM (or orphaned)."""
+def open_session(fd_path: str, name: str) -> tuple[socket.socket, bytes]:
+    """A session opened by hand: HELLO on the fd channel; its channel and its token."""
+    from gpumem_shared import protocol as p
+
+    channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    channel.connect(fd_path)
+    channel.send(p.encode_request(1, p.Hello(name=name, client_version="bench")))
+    reply = p.decode_reply(channel.recv(1 << 16))
+    if not reply.ok:
+        raise RuntimeError(f"HELLO refused: {reply.code.name} {reply.message}")
+    return channel, p.decode_body(p.HelloReply, reply.body).token
+
+
+def flooder(url: str, request: str, depth: int, sockets: int, sessions: int, uid: int, ready_file: str) -> int:
+    """Keep ``depth`` requests in flight on each of ``sockets`` anonymous DEALERs, or on
+    each of ``sessions`` sessions' (as ``uid``), until SIGTERM (or orphaned)."""
     import zmq
 
     from gpumem_shared import protocol as p
 
+    if uid >= 0 and uid != os.getuid():
+        os.setgid(uid)
+        os.setuid(uid)
     message: p.RequestMessage = p.Status() if request == "status" else p.Ping()
     parent = os.getppid()
     ctx = zmq.Context()
     socks = []
     poller = zmq.Poller()
     frames = [p.encode_request(i, message) for i in range(1, depth + 1)]
-    for _ in range(sockets):
+    fd_path = str(Path(url.removeprefix("ipc://")).with_suffix(".fd"))
+    channels = [open_session(fd_path, f"bench-flood-{os.getpid()}-{i}") for i in range(sessions)]
+    for i in range(sessions or sockets):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if channels:
+            sock.setsockopt(zmq.ROUTING_ID, channels[i][1])
         sock.connect(url)
         for frame in frames:
             sock.send(frame)
@@ -74,6 +104,8 @@ def flooder(url: str, request: str, depth: int, sockets: int, ready_file: str) -
         for sock in socks:
             sock.close(0)
         ctx.term()
+        for channel, _ in channels:
+            channel.close()
 
 
 # ---------------------------------------------------------------------------
@@ -106,6 +138,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sockets", type=int, default=16,
                     help="control connections each flooder opens: ZeroMQ turns over connections, not peers (default: 16)")
     ap.add_argument("--request", choices=["ping", "status"], default="ping", help="what the flooders send (default: ping)")
+    ap.add_argument("--sessions", type=int, default=0,
+                    help="sessions each flooder opens and floods through, instead of --sockets anonymous connections (default: 0)")
+    ap.add_argument("--flood-uid", type=int, default=None,
+                    help="the uid the flooders run as (default: with --sessions, 65534 when run as root; else the bench's own)")
     ap.add_argument("--target", type=float, default=3.0, help="ok when ratio_p99 <= this (default: 3)")
     ap.add_argument("--start-timeout", type=float, default=60.0, help="seconds the daemon and flooders get to start")
     ap.add_argument("--call-timeout", type=float, default=10.0, help="seconds one round trip may take before failing")
@@ -115,10 +151,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="pin the benchmark to CPU list CLIENT and the daemon and flooders to SERVER (default: no pinning)")
     ap.add_argument("--flooder", metavar="URL", help=argparse.SUPPRESS)
     ap.add_argument("--ready-file", help=argparse.SUPPRESS)
+    ap.add_argument("--as-uid", type=int, default=-1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.flooder is None:
-        if args.iterations < 100 or args.warmup < 0 or min(args.flooders, args.depth, args.sockets) < 1:
-            ap.error("--iterations must be >= 100, --flooders, --sockets and --depth >= 1, --warmup >= 0")
+        if args.iterations < 100 or args.warmup < 0 or min(args.flooders, args.depth, args.sockets) < 1 or args.sessions < 0:
+            ap.error("--iterations must be >= 100, --flooders, --sockets and --depth >= 1, --warmup and --sessions >= 0")
+        if args.flood_uid is None:
+            args.flood_uid = 65534 if os.getuid() == 0 and args.sessions else os.getuid()
         try:
             args.cpus = c.parse_cpus(args.cpus)
         except ValueError as exc:
@@ -140,9 +179,15 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     c.pin(args.cpus)
     rdir = cleanup.enter_context(c.runtime_dir("gmb-fair-"))
     c.say(f"{BENCH}: backend={args.backend} device={args.device} iterations={args.iterations} flooders={args.flooders} "
-          f"sockets={args.sockets} depth={args.depth} request={args.request} runtime dir {rdir}")
-
-    daemon = c.Daemon(rdir, args.backend, args.device, args.daemon_arg)
+          f"sockets={args.sockets} sessions={args.sessions} flood uid={args.flood_uid} depth={args.depth} "
+          f"request={args.request} runtime dir {rdir}")
+    daemon_args = list(args.daemon_arg)
+    if args.flood_uid != os.getuid():
+        # The flooders' uid reaches the daemon's sockets through their group, and writes
+        # its ready files in the runtime directory.
+        rdir.chmod(0o1777)
+        daemon_args += [f"--socket-group={args.flood_uid}"]
+    daemon = c.Daemon(rdir, args.backend, args.device, daemon_args)
     cleanup.callback(daemon.stop)
     daemon.wait_ready(args.start_timeout)
 
@@ -163,7 +208,8 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         ready = rdir / f"flooder{i}.ready"
         child = c.Child(f"flooder {i}", [str(Path(__file__).resolve()), "--flooder", url, "--ready-file", str(ready),
                                          "--request", args.request, "--depth", str(args.depth),
-                                         "--sockets", str(args.sockets)], rdir / f"flooder{i}.log")
+                                         "--sockets", str(args.sockets), "--sessions", str(args.sessions),
+                                         "--as-uid", str(args.flood_uid)], rdir / f"flooder{i}.log")
         cleanup.callback(child.stop)
         flooders.append((child, ready))
     for child, ready in flooders:
@@ -179,8 +225,9 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     after = time_pings(session, args.iterations)
     c.say(f"after  : p50 {c.median(after) / 1e3:8.1f} us  p99 {c.percentile(after, 99) / 1e3:8.1f} us")
 
-    fig: dict[str, object] = {"iterations": args.iterations, "flooders": args.flooders, "sockets": args.sockets, "depth": args.depth,
-                              "request": args.request, "daemon_args": " ".join(args.daemon_arg)}
+    fig: dict[str, object] = {"iterations": args.iterations, "flooders": args.flooders, "sockets": args.sockets,
+                              "sessions": args.sessions, "flood_uid": args.flood_uid, "probe_uid": os.getuid(), "depth": args.depth,
+                              "request": args.request, "daemon_args": " ".join(daemon_args)}
     fig |= _figures("idle", idle) | _figures("flooded", flooded) | _figures("after", after)
     fig["ratio_p50"] = c.ratio(c.median(flooded), c.median(idle))
     fig["ratio_p99"] = c.ratio(c.percentile(flooded, 99), c.percentile(idle, 99))
@@ -198,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.ready_file:
             sys.exit("--flooder needs --ready-file")
         c.ensure_importable()
-        return flooder(args.flooder, args.request, args.depth, args.sockets, args.ready_file)
+        return flooder(args.flooder, args.request, args.depth, args.sockets, args.sessions, args.as_uid, args.ready_file)
     c.ensure_importable()
-    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup))
+    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup), args.device)
 
 
 if __name__ == "__main__":

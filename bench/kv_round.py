@@ -2,7 +2,8 @@
 """A KV commit round: time from the last capture-done to every client mapped.
 
 Two client processes each declare a KV pool of 64 buffers (4 KiB token rows) holding
-50 GiB (``--kv-gib`` in all, split evenly), back it with a placeholder, join one round
+50 GiB (``--kv-gib`` in all, split evenly; by default 100, or 0.75 of the device's free
+memory where that is less), back it with a placeholder, join one round
 and wait. The benchmark then lets client A report capture-done, and a moment later
 client B: the round commits when B reports. Each client notes (CLOCK_MONOTONIC, shared
 by the processes of one machine) when it sent capture-done and when its KV was mapped;
@@ -19,8 +20,8 @@ against a static guess made before capture, the way engines size KV today: a fra
 of the device's memory (``--static-fraction``, default 0.85, shared evenly by the
 engines), in the same token rows.
 
-    python bench/kv_round.py --backend cuda      # 100 GiB on an H200
-    python bench/kv_round.py --backend host      # the same on host memfds (capacity 120 GiB)
+    python bench/kv_round.py --backend cuda      # 100 GiB on an H200, about 59 on an H100
+    python bench/kv_round.py --backend host      # the same on host memfds (capacity 20 GiB more)
 
 Each round prints where the time went for the member that mapped last: the daemon's
 answer (creating what was not staged, zeroing, export, fd passing, the reply), with the
@@ -84,7 +85,7 @@ def client(name: str, tokens: int, headroom: int, rounds: int) -> int:
         sent = time.monotonic()
         got = pool.capture_done(headroom_bytes=headroom, min_tokens=tokens, max_tokens=tokens, timeout=600)
         mapped = time.monotonic()
-        chunks = len(pool.arena._chunks)
+        chunks = len(pool.arena.window.chunks)
         answered = max((t1 for what, _, t1 in driver_calls if what == "answer"), default=mapped)
         phases = {
             "answered": answered,
@@ -111,7 +112,8 @@ def main() -> int:
         return client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
-    parser.add_argument("--kv-gib", type=float, default=100.0, help="KV over both clients")
+    parser.add_argument("--kv-gib", type=float, default=None,
+                        help="KV over both clients (default: 100, or 0.75 of the device's free memory where less)")
     parser.add_argument("--headroom-gib", type=float, default=4.0, help="each client's reported headroom")
     parser.add_argument("--static-fraction", type=float, default=0.85)
     parser.add_argument("--rounds", type=int, default=3, help="rounds (fresh pools each), alternating with the baseline")
@@ -120,7 +122,7 @@ def main() -> int:
         "--settle-s",
         type=float,
         default=3.0,
-        help="pause before each repetition: the driver reclaims the 100 GiB just released in the background, "
+        help="pause before each repetition: the driver reclaims the GiBs just released in the background, "
         "which a round on a freshly started GPU never meets",
     )
     args = parser.parse_args()
@@ -130,12 +132,14 @@ def main() -> int:
         result.targets = {"round_ms_max": 50.0, "ratio_max": 0.5}
         import gpumem
 
-        per_pool = int(args.kv_gib * GiB / 2)
+        # The round needs the KV, both headrooms and the daemon's reserve at once.
+        kv = int(args.kv_gib * GiB) if args.kv_gib is not None else c.fit(100 * GiB, args.backend, 0.75, "KV over both clients")
+        per_pool = kv // 2
         tokens = per_pool // (BUFFERS * ROW)
         headroom = int(args.headroom_gib * GiB)
         rt = cleanup.enter_context(c.runtime_dir())
         extra = ["--kv-chunk-size", args.kv_chunk_size]
-        extra += ["--host-capacity", str(int(args.kv_gib * GiB) + 20 * GiB)] if args.backend == "host" else []
+        extra += ["--host-capacity", str(kv + 20 * GiB)] if args.backend == "host" else []
         daemon = c.Daemon(rt, args.backend, args=extra)
         cleanup.callback(daemon.stop)
         daemon.wait_ready(60)

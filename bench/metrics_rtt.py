@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.holder is not None:
         return holder(args.holder, args.device, args.arenas, args.ready_file)
     c.ensure_importable()
-    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup))
+    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup), args.device)
 
 
 if __name__ == "__main__":

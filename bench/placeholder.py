@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Placeholder backing of S bytes (default 64 GiB) and the swap to real memory.
+"""Placeholder backing of S bytes (default 64 GiB, or 0.8 of the device's free memory
+where that is less) and the swap to real memory.
 
 Times, in one client process against its own daemon:
 - map: ``arena.placeholder(0, S)``: one 64 MiB chunk aliased over every slot;
@@ -34,7 +35,7 @@ GiB = 1 << 30
 def main() -> int:
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
-    parser.add_argument("--size", type=int, default=64 * GiB)
+    parser.add_argument("--size", type=int, default=None, help="bytes (default: 64 GiB, or 0.8 of the free memory where less)")
     parser.add_argument("--slot", type=int, default=64 * MiB)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
@@ -46,6 +47,8 @@ def main() -> int:
 
         from gpumem_shared.driver.base import Driver
 
+        # One of the two arenas is committed at a time; whole slots.
+        args.size = args.size or c.fit(64 * GiB, args.backend, 0.8, "placeholder") // args.slot * args.slot
         rt = cleanup.enter_context(c.runtime_dir())
         extra = ["--host-capacity", f"{2 * args.size + 4 * GiB}"] if args.backend == "host" else []
         daemon = c.Daemon(rt, args.backend, args=extra)

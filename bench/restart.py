@@ -10,7 +10,7 @@ killed with kill -9 and started again ``--restarts`` times; after each start the
 polls STATUS until no session waits for its client.
 
     python bench/restart.py --backend host                  # 2 GiB
-    python bench/restart.py --backend cuda                  # 100 GiB, the target's size
+    python bench/restart.py --backend cuda                  # 100 GiB, the target's size (where it fits)
 
 Figures: ready_s (start to READY=1: the rebuild), resumed_s (start to every client
 resumed) p50 and max, the daemon's own startup phases (its "startup phases:" log line,
@@ -77,7 +77,8 @@ def main() -> int:
     ap = c.ArgumentParser(BENCH, description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["host", "cuda"], default="host")
     ap.add_argument("--clients", type=int, default=2)
-    ap.add_argument("--bytes", help="committed across all clients (default: 100GiB on cuda, 2GiB on host)")
+    ap.add_argument("--bytes", help="committed across all clients (default: 100GiB on cuda, 2GiB on host, "
+                    "or 0.75 of the device's free memory where less)")
     ap.add_argument("--restarts", type=int, default=20)
     ap.add_argument("--interval", type=float, default=0.002, help="seconds between a client's pings (default: 0.002)")
     ap.add_argument("--commits", type=int, default=300, help="timed commit+decommit pairs per client (default: 300)")
@@ -126,7 +127,8 @@ def body(a: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitStack)
     sys.path.insert(0, str(c.REPO / "tests" / "integration"))
     from fdstore_kit import ServiceManager
 
-    total = parse(a.bytes or ("100GiB" if a.backend == "cuda" else "2GiB")).bytes
+    default = (100 if a.backend == "cuda" else 2) << 30
+    total = parse(a.bytes).bytes if a.bytes else c.fit(default, a.backend, 0.75, "committed across the clients")
     granularity = 2 * MiB
     share = total // a.clients // granularity * granularity
     rd = cleanup.enter_context(c.runtime_dir("gmr-"))

@@ -30,7 +30,7 @@ wake, checked bit for bit against its output before, with no recapture. Each lin
 the seconds since the start.
 
     python bench/sleep.py --backend host                # 64 MiB, 256 MiB, 1 GiB; drop 2 GiB
-    python bench/sleep.py --backend cuda                # 1, 8, 32 GiB; drop 100 GiB
+    python bench/sleep.py --backend cuda                # 1, 8, 32 GiB; drop 100 GiB (each fitted to the GPU)
 
 Last line: {"bench": "sleep", "backend", "figures", "targets", "ok"}; ok means the contents
 came back identical after every wake and, on CUDA, at every size sleep and wake each
@@ -86,8 +86,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from gpumem_shared.units import parse_size
 
     try:
-        args.size_list = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES[args.backend]).split(",")]
-        args.drop = parse_size(args.drop_size or DEFAULT_DROP[args.backend])
+        args.size_list = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else sorted(  # fitted: 0.4 of the free memory
+            {c.fit(parse_size(s), args.backend, 0.4, "a size", args.device) for s in DEFAULT_SIZES[args.backend].split(",")})
+        args.drop = parse_size(args.drop_size) if args.drop_size else c.fit(
+            parse_size(DEFAULT_DROP[args.backend]), args.backend, 0.75, "the drop", args.device)
     except ValueError as exc:
         ap.error(str(exc))
     if args.repeats < 1 or not args.size_list or min(args.size_list) <= 0 or args.drop < 0:

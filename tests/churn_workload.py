@@ -190,7 +190,7 @@ class Worker:
 
     def check_backing(self, arena: Any, cover: list[tuple[int, int]]) -> None:
         """Committed memory and placeholder together back exactly what was asked."""
-        from gpumem.arena import merge
+        from gpumem.window import merge
 
         want = merge(arena.committed_ranges() + cover)
         if arena.backed_ranges() != want:

@@ -63,6 +63,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Why tests skipped, counted by reason: "153 skipped" alone leaves a newcomer to guess
+    whether something is broken or merely absent (a GPU, a tool)."""
+    reasons: collections.Counter[str] = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[str(reason).removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.write_sep("-", f"{sum(reasons.values())} skipped, by reason")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:5d}  {reason}")
+
+
 # tmp_path directories go in a directory of this run's own, removed when it ends: pytest's
 # default keeps the last three runs' under /tmp/pytest-of-<user> for good.
 _OWN_BASETEMP = pytest.StashKey[Path]()

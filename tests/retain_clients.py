@@ -14,6 +14,8 @@ Commands, besides every one of tests/clients.py:
   vread KEY                    (the distinct byte values read through KEY's tensor, or on CUDA its graph replayed)
   vfill KEY BYTE               (written through KEY's tensor)
   confirm GROUP                cut  (shut the fd channel down, the process lives on: its session ends)
+  forkwrite ARENA BYTE         (host backend: a forked child, every descriptor closed, writes BYTE over the arena's
+                               first page until killed; its pid)
   dircreate NAME BLOCKS        dirpublish NAME BLOCK HASH     dirinvalidate NAME BLOCK
   dirtear NAME BLOCK HASH      (a publish cut short: the first half of the entry written)
   dirscan NAME BLOCKS          (JSON: blocks {hash: block}, empty, corrupt, beyond)
@@ -28,6 +30,7 @@ Commands, besides every one of tests/clients.py:
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import mmap
@@ -36,6 +39,7 @@ import select
 import socket
 import struct
 import sys
+import time
 
 import clients
 import gpumem
@@ -70,6 +74,7 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
             "arenas": {n: a.address for n, a in adopted.arenas.items()},
             "kv": {n: [pool.arena.address, pool.tokens] for n, pool in adopted.kv_pools.items()},
             "previous": adopted.previous,
+            "fenced": adopted.fenced,
         })
     if cmd == "reserve":
         RESERVED[args[0]] = session.reserve_retained(args[0], args[1])
@@ -119,6 +124,8 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
     if cmd == "dirscan":
         scan = DIRECTORIES[args[0]].scan(int(args[1]))
         return json.dumps({"blocks": {str(h): b for h, b in scan.blocks.items()}, "empty": scan.empty, "corrupt": scan.corrupt, "beyond": scan.beyond})
+    if cmd == "forkwrite":
+        return _fork_writer(arenas[args[0]].address, int(args[1]))
     if cmd == "roshare":
         return arenas[args[0]].share(None if args[1] == "-" else args[1], read_only=True)
     if cmd == "access":
@@ -126,6 +133,18 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
     if cmd == "rofds":
         return json.dumps(_try_fds(session, args[0], args[1] if len(args) > 1 else ""))
     return clients.run(session, arenas, cmd, args)
+
+
+def _fork_writer(address: int, value: int) -> int:
+    """A child that keeps its parent's mappings and nothing else (B2 of issue 37): it
+    closes every descriptor, fd channel included, and writes on."""
+    pid = os.fork()
+    if pid:
+        return pid
+    os.closerange(0, 65536)
+    while True:
+        ctypes.memset(address, value, 4096)
+        time.sleep(0.001)
 
 
 def _tensor(session: gpumem.Session, view: gpumem.RawView) -> tuple[object, object, object]:

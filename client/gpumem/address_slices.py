@@ -15,6 +15,13 @@ a second session's mapping would land on the first one's (CUDA refuses it with
 CUDA_ERROR_INVALID_VALUE; the host backend's mmap silently replaces it, read-only
 even, and either session's release unmaps the other's). The slice records which
 session maps each arena; another session of the process asking for it is refused.
+
+A standby (gpumem.standby) backs the windows of a retain group's arenas with its own
+placeholder before it adopts them; the slice records those windows too, as the
+standby's claim, and no arena of the process is mapped over them until the adoption
+maps the group's arenas there or the standby closes: were the group released meanwhile
+and its windows planned again, a new arena would share bytes with the placeholder the
+standby's graphs were captured on.
 """
 
 from __future__ import annotations
@@ -36,10 +43,38 @@ class AddressSlice:
     holders: int = 0  # sessions of this process that map arenas here
     # Arena name -> (session id, client name) of the one session of this process mapping it.
     mapped: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    # Standbys' windows, by (session id, retain group): see StandbyClaim.
+    standbys: dict[tuple[int, str], StandbyClaim] = dataclasses.field(default_factory=dict)
 
     @property
     def end(self) -> int:
         return self.base + self.size
+
+
+@dataclasses.dataclass(eq=False)
+class StandbyClaim:
+    """The windows of retain group ``group``'s arenas that session ``session_id`` of this
+    process backs with a standby's placeholder (gpumem.standby), by arena name: no arena
+    of the process is mapped over one until the adoption maps the group's arena there
+    (``vacate``) or the standby closes (``drop``). Plain data: the session's core keeps
+    the standby itself."""
+
+    held: AddressSlice
+    session_id: int
+    group: str
+    windows: dict[str, tuple[int, int]]  # arena name -> [start, end) addresses
+
+    def vacate(self, window: str) -> None:
+        """Window ``window`` is the standby's no longer: the adopted arena is mapped there next."""
+        with _lock:
+            self.windows.pop(window, None)
+
+    def drop(self) -> None:
+        """The standby closed: none of its windows is held for it any more."""
+        with _lock:
+            self.windows.clear()
+            if self.held.standbys.get((self.session_id, self.group)) is self:
+                del self.held.standbys[(self.session_id, self.group)]
 
 
 _held: dict[int, AddressSlice] = {}  # by base
@@ -66,10 +101,19 @@ def hold(driver: Driver, index: int, daemon: str) -> AddressSlice:
         return held
 
 
-def claim(held: AddressSlice, arena: str, session_id: int, client: str) -> None:
-    """Session ``client`` (``session_id``) maps ``arena`` here from now on; VaCollision
-    if another session of this process maps it (the same session may claim it again)."""
+def claim(held: AddressSlice, arena: str, start: int, end: int, session_id: int, client: str) -> None:
+    """Session ``client`` (``session_id``) maps ``arena``, at ``[start, end)``, here from
+    now on; VaCollision if another session of this process maps it (the same session may
+    claim it again), or if a standby of this process holds a window there."""
     with _lock:
+        for standby in held.standbys.values():
+            for window, (w_start, w_end) in standby.windows.items():
+                if start < w_end and w_start < end:
+                    raise VaCollision(
+                        f"arena '{arena}' is planned at [{start:#x}, {end:#x}), over the window of '{window}' that this "
+                        f"process reserved for retain group '{standby.group}' (the group was released meanwhile and its "
+                        "window planned again): close the reservation first"
+                    )
         mapper = held.mapped.setdefault(arena, (session_id, client))
     if mapper[0] != session_id:
         raise VaCollision(
@@ -77,6 +121,15 @@ def claim(held: AddressSlice, arena: str, session_id: int, client: str) -> None:
             f"{held.daemon}): '{client}' would map it at the same address, over that mapping; a process maps an "
             f"arena once: use the Arena of '{mapper[1]}' in this process, or attach from another process"
         )
+
+
+def reserve(held: AddressSlice, session_id: int, group: str, windows: dict[str, tuple[int, int]]) -> StandbyClaim:
+    """Session ``session_id`` backs retain group ``group``'s ``windows`` (arena name ->
+    [start, end) addresses) with a standby's placeholder from now on."""
+    standby = StandbyClaim(held, session_id, group, dict(windows))
+    with _lock:
+        held.standbys[(session_id, group)] = standby
+    return standby
 
 
 def unclaim(held: AddressSlice, arena: str, session_id: int) -> None:

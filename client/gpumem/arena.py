@@ -1,20 +1,12 @@
-"""An arena as a client sees it: a window at the daemon's planned address, inside the
-daemon's address slice that this process reserved (gpumem.address_slices), with the
-chunks it was handed mapped in place.
-
-Every process maps an arena at the same virtual address, so an address inside it
-names the same bytes in each of them (graph-pool extents rely on this).
-
-The window holds three kinds of space: committed (real chunks mapped), placeholder
-(one small chunk aliased over many slots, so CUDA-graph capture can record copies
-there before the real memory exists), and virtual-only (reserved, unmapped). The
-client keeps the map of which is where; commit swaps placeholder for real chunks at
-the same addresses, and decommit puts the placeholder back where it was.
+"""An arena as a client sees it: the requests that change it (create, attach, commit,
+decommit, placeholder, share, sync, release), raw data access, its allocator and the
+torch facade. Its window (gpumem.window) holds what this process maps where, at the
+daemon's planned address inside the daemon's address slice this process reserved
+(gpumem.address_slices), and carries out the daemon's answers there.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
@@ -22,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
-from gpumem_shared.driver import DriverError
-from gpumem.errors import InvalidArgument, MappingError, PermissionDenied, SessionClosed
+from gpumem.errors import InvalidArgument, MappingError, PermissionDenied
 from gpumem.views import RawView
+from gpumem.window import Ranges, Window
 
 if TYPE_CHECKING:
     from gpumem.elastic import ArenaAllocator, ArenaUsage
@@ -35,52 +27,10 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 DEFAULT_PLACEHOLDER_SLOT = 64 * MiB
 
-Ranges = list[tuple[int, int]]  # sorted, disjoint [start, end) offsets
-
-
-def merge(ranges: Ranges) -> Ranges:
-    out: Ranges = []
-    for start, end in sorted(ranges):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        elif start < end:
-            out.append((start, end))
-    return out
-
-
-def subtract(ranges: Ranges, cut: Ranges) -> Ranges:
-    out: Ranges = []
-    cut = merge(cut)
-    for start, end in merge(ranges):
-        pos = start
-        for c_start, c_end in cut:
-            if c_end <= pos or c_start >= end:
-                continue
-            if c_start > pos:
-                out.append((pos, c_start))
-            pos = max(pos, c_end)
-        if pos < end:
-            out.append((pos, end))
-    return out
-
-
-def intersect(a: Ranges, b: Ranges) -> Ranges:
-    return subtract(a, subtract(a, b))
-
-
-def touching(spans: dict[int, int], ranges: Ranges) -> list[tuple[int, int]]:
-    """The ``(offset, size)`` spans that overlap ``ranges`` (sorted, disjoint): one
-    bisection each, for the hundreds of placeholder slots of a large pool."""
-    starts = [start for start, _ in ranges]
-    out = []
-    for offset, size in spans.items():
-        i = bisect.bisect_left(starts, offset + size) - 1  # the last range starting before the span ends
-        if i >= 0 and ranges[i][1] > offset:
-            out.append((offset, size))
-    return out
-
 
 class Arena:
+    """An arena of this session's (owned, or attached through a grant), mapped in its ``window``."""
+
     def __init__(self, core: SessionCore, view: p.ArenaView, *, owner: bool) -> None:
         self.core = core
         self.name = view.name
@@ -89,24 +39,7 @@ class Arena:
         self.reserved = view.reserved
         self.granularity = view.granularity
         self.is_owner = owner
-        self.read_only = False  # attached through read-only grants: mapped for reading only
-        self.committed = view.committed
-        # Real chunks mapped here, by id: the daemon may put a new chunk at the offset of
-        # one this process still maps, so an offset does not name a chunk.
-        self._chunks: dict[int, p.ChunkView] = {}
-        self._aliases: dict[int, int] = {}  # placeholder mappings: offset -> size
-        self._cover: Ranges = []  # where placeholder backing was asked for
-        self._placeholder_fds: dict[int, int] = {}  # slot size -> fd, kept to map again
-        self._placeholder_ids: list[int] = []  # the daemon's ids of those chunks
-        self._released = False
-        # Held while the mappings above change. A call that close() interrupts in another
-        # thread still puts its placeholder back (or maps the reply it got) while close()
-        # unmaps the arena: unserialized, close() closed the placeholder's descriptors under
-        # the call's mapping (EBADF) or missed a mapping made after it listed them (left
-        # in the address slice: on CUDA the slice then cannot be freed). Never held across
-        # a request: a request's ``meanwhile`` takes it under the channel's lock.
-        self._lock = threading.RLock()
-        self._holder = ""  # the thread holding it, for the error of a wait that ran out
+        self.window = Window(core, view)
         # placeholder() one at a time, across its request: the daemon hands a session each chunk once.
         self._placeholder_lock = threading.Lock()
         self._allocator: ArenaAllocator | None = None
@@ -156,135 +89,19 @@ class Arena:
         self.core.claim_window(self)
 
     def apply(self, reply: p.MapReply | p.KvCommitReply, fds: dict[int, int]) -> None:
-        """Carry out a reply that changed the arena's backing (the session's and the KV
-        pool's requests too): unmap the retired chunks, map the chunks handed out (over
-        any placeholder there), put placeholder back where it was asked for and nothing
-        else is mapped, and tell the daemon. Takes ownership of ``fds``. SessionClosed
-        when the arena was released meanwhile (a close() on another thread): nothing
-        of the reply is mapped then."""
-        not_mapped: list[int] = []  # chunks handed out that could not be mapped: the daemon hears so
-        try:
-            with self._mapping():
-                if self._released:
-                    raise SessionClosed(f"arena '{self.name}' was released by this process while the daemon answered; nothing was mapped")
-                self.committed = reply.arena.committed
-                if isinstance(reply, p.MapReply) and reply.read_only:
-                    self.read_only = True
-                # Retired first: a chunk handed out now may sit where a retired one is mapped.
-                self._unmap(reply.retired)
-                try:
-                    if reply.chunks:
-                        not_mapped = [c.id for c in reply.chunks]
-                        self._map_chunks(reply.chunks, fds)
-                        not_mapped = []
-                finally:
-                    self._restore_placeholder()
-        finally:
-            fdchannel.close_all(list(fds.values()))  # the mappings hold the memory now
-            if not_mapped:
-                self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=not_mapped))
-        if reply.retired:
-            self.core.call(p.ChunksUnmapped(name=self.name, chunk_ids=[c.id for c in reply.retired]))
+        """Carry out a reply that changed the arena's backing in its window
+        (``Window.apply``: takes ownership of ``fds``), then let the allocator know."""
+        self.window.apply(reply, fds)
         self._backing_changed()
 
-    @contextlib.contextmanager
-    def _mapping(self) -> Iterator[None]:
-        """Hold the arena's mappings (see ``_lock``). The holder runs driver calls only, so
-        the session's timeout is ample; past it the driver hangs."""
-        timeout = self.core.timeout
-        if not self._lock.acquire(timeout=timeout):
-            raise MappingError(
-                f"arena '{self.name}': thread '{self._holder}' of this process kept changing its mappings for more than "
-                f"{timeout:g}s (a driver call that does not return: check the device, e.g. with nvidia-smi)"
-            )
-        outer, self._holder = self._holder, threading.current_thread().name
-        try:
-            yield
-        finally:
-            self._holder = outer
-            self._lock.release()
-
-    def _unmap(self, retired: list[p.ChunkView]) -> None:
-        """Unmap the retired chunks mapped here, where this process mapped them."""
-        mine = [self._chunks.pop(c.id) for c in retired if c.id in self._chunks]
-        if mine:
-            self.core.driver.unmap_many(self.address, [(c.offset, c.size) for c in mine])
-
-    def _map_chunks(self, chunks: list[p.ChunkView], fds: dict[int, int]) -> None:
-        driver = self.core.driver
-        wanted = merge([(c.offset, c.offset + c.size) for c in chunks])
-        overlap = intersect(wanted, self.committed_ranges())
-        if overlap:
-            raise MappingError(
-                f"the daemon handed out chunks of arena '{self.name}' over committed memory this process still maps "
-                f"(offsets {overlap}); they were not mapped"
-            )
-        self._unmap_aliases(touching(self._aliases, wanted))
-        try:
-            driver.map_fds(self.address, [(fds[c.id], c.offset, c.size) for c in chunks], self.read_only)
-        except DriverError as exc:
-            raise MappingError(f"mapping {len(chunks)} chunk(s) of arena '{self.name}' failed: {exc}") from None
-        for chunk in chunks:
-            self._chunks[chunk.id] = chunk
-
     def vacate(self, ranges: Ranges) -> None:
-        """Unmap the placeholder under ``ranges``, where a request that is with the daemon
-        now maps real chunks if it succeeds: unmapped while the daemon works, it costs the
-        swap nothing (``apply`` would unmap it after the answer otherwise). Where the
-        request fails, ``restore_placeholder`` puts it back."""
-        with self._mapping():
-            self._unmap_aliases(touching(self._aliases, merge(ranges)))
+        """``Window.vacate``: the placeholder under ``ranges`` goes while a request that
+        maps real chunks there is with the daemon."""
+        self.window.vacate(ranges)
 
     def restore_placeholder(self) -> None:
-        """Alias the placeholder again wherever it was asked for and nothing is mapped;
-        nothing once the arena is released (a close() on another thread, meanwhile)."""
-        with self._mapping():
-            self._restore_placeholder()
-
-    def _restore_placeholder(self) -> None:
-        if not self._released:
-            self._cover_free(subtract(self._cover, self.backed_ranges()))
-
-    def _unmap_aliases(self, spans: list[tuple[int, int]]) -> None:
-        if not spans:
-            return
-        try:
-            self.core.driver.unmap_many(self.address, spans)
-        except DriverError as exc:
-            raise MappingError(f"unmapping the placeholder of arena '{self.name}' failed: {exc}") from None
-        for offset, _ in spans:
-            del self._aliases[offset]
-
-    def _cover_free(self, ranges: Ranges) -> None:
-        """Alias the placeholder over ``ranges`` (which must be unmapped): slot-sized
-        pieces where aligned, granule-sized ones at the edges."""
-        if not ranges or not self._placeholder_fds:
-            return
-        slot = max(self._placeholder_fds)
-        granule = min(self._placeholder_fds)
-        big: list[int] = []
-        small: list[int] = []
-        for start, end in ranges:
-            pos = start
-            while pos < end:
-                if pos % slot == 0 and pos + slot <= end:
-                    big.append(pos)
-                    pos += slot
-                else:
-                    small.append(pos)
-                    pos += granule
-        driver = self.core.driver
-        try:
-            if big:
-                driver.map_aliased(self.address, self._placeholder_fds[slot], slot, big)
-            if small and granule != slot:
-                driver.map_aliased(self.address, self._placeholder_fds[granule], granule, small)
-        except DriverError as exc:
-            raise MappingError(f"aliasing the placeholder over arena '{self.name}' failed: {exc}") from None
-        for offset in big:
-            self._aliases[offset] = slot
-        for offset in small if granule != slot else []:
-            self._aliases[offset] = granule
+        """``Window.restore_placeholder``: after a request that ``vacate`` made room for failed."""
+        self.window.restore_placeholder()
 
     def _backing_changed(self) -> None:
         if self._allocator is not None:
@@ -298,7 +115,7 @@ class Arena:
         growing only. Fails whole, with the figures, when the device lacks the memory."""
         self._check_open()
         message = p.CommitArena(name=self.name, nbytes=nbytes)
-        if not self._aliases:  # no placeholder to swap out
+        if not self.window.aliases:  # no placeholder to swap out
             reply, fds = self.core.channel.call(message)
         else:
             try:
@@ -315,7 +132,7 @@ class Arena:
         first: in-flight work on the range must finish."""
         self._check_open()
         if self._torch is not None:
-            keep = max((c.offset + c.size for c in self._chunks.values() if c.offset < to_nbytes), default=0)
+            keep = max((c.offset + c.size for c in self.window.chunks.values() if c.offset < to_nbytes), default=0)
             self._torch.check_unused(keep, self.committed)
         reply, fds = self.core.channel.call(p.DecommitArena(name=self.name, to_nbytes=to_nbytes))
         self.apply(reply, fds)
@@ -337,22 +154,15 @@ class Arena:
         if not self._placeholder_lock.acquire(timeout=self.core.timeout):
             raise MappingError(f"arena '{self.name}': another thread's placeholder() waited on gpumemd over {self.core.timeout:g}s")
         try:
-            if self._placeholder_fds and slot_bytes not in self._placeholder_fds:
-                raise InvalidArgument(f"arena '{self.name}' already uses {max(self._placeholder_fds)}-byte placeholder slots")
+            held = self.window.placeholder_fds
+            if held and slot_bytes not in held:
+                raise InvalidArgument(f"arena '{self.name}' already uses {max(held)}-byte placeholder slots")
             chunks: list[p.ChunkView] = []
             fds: dict[int, int] = {}
-            if not self._placeholder_fds:
+            if not held:
                 reply, fds = self.core.channel.call(p.PlaceholderArena(name=self.name, slot_bytes=slot_bytes))
                 chunks = reply.chunks
-            with self._mapping():
-                if self._released:
-                    fdchannel.close_all(list(fds.values()))
-                    raise SessionClosed(f"arena '{self.name}' was released by this process while the daemon answered")
-                if chunks:
-                    self._placeholder_fds = {c.size: fds[c.id] for c in chunks}
-                    self._placeholder_ids = [c.id for c in chunks]
-                self._cover = merge(self._cover + [(offset, offset + nbytes)])
-                self._restore_placeholder()
+            self.window.cover(offset, offset + nbytes, chunks, fds)
         finally:
             self._placeholder_lock.release()
         self._backing_changed()
@@ -412,52 +222,50 @@ class Arena:
             self._torch.retire()
         if self._allocator is not None:
             self._allocator.retire(keep_slot=self._torch is not None)
-        with self._mapping():
-            self._check_open()  # released by another thread meanwhile
-            mapped = [(c.offset, c.size) for c in self._chunks.values()] + list(self._aliases.items())
-            self.core.driver.unmap_many(self.address, mapped)
-            self._aliases.clear()
-            self._chunks.clear()
-            fdchannel.close_all(list(self._placeholder_fds.values()))
-            self._placeholder_fds.clear()
-            self._placeholder_ids.clear()
-            self._released = True
+        self.window.release()
         self.core.drop_arena(self.name)
         self.core.call(p.ReleaseArena(name=self.name))
 
     def holding(self) -> p.Holding:
         """The chunks this process maps here, as a resume reports them to a restarted daemon."""
-        return p.Holding(arena=self.name, chunks=list(self._chunks) + self._placeholder_ids)
+        return self.window.holding()
 
     def _check_open(self) -> None:
-        if self._released:
-            raise SessionClosed(f"arena '{self.name}' was released by this process")
-        if self.core.closed:
-            raise SessionClosed(f"arena '{self.name}' belongs to a closed session ('{self.core.name}')")
+        self.window.check_open()
 
     # ------------------------------------------------------------------ introspection
 
+    @property
+    def committed(self) -> int:
+        """Bytes committed, as of the daemon's last answer carried out here."""
+        return self.window.committed
+
+    @property
+    def read_only(self) -> bool:
+        """Attached through read-only grants: mapped for reading only."""
+        return self.window.read_only
+
     def backed_ranges(self) -> Ranges:
         """Offsets that are mapped here, committed or placeholder (merged)."""
-        return merge(self.committed_ranges() + [(o, o + size) for o, size in self._aliases.items()])
+        return self.window.backed_ranges()
 
     def committed_ranges(self) -> Ranges:
-        return merge([(c.offset, c.offset + c.size) for c in self._chunks.values()])
+        return self.window.committed_ranges()
 
     @property
     def mapped_bytes(self) -> int:
         """Committed bytes mapped in this process (placeholders not counted)."""
-        return sum(c.size for c in self._chunks.values())
+        return sum(c.size for c in self.window.chunks.values())
 
     @property
     def placeholder_fds(self) -> dict[int, int]:
         """This arena's placeholder chunks as fds by size (still its own: a reservation
         aliases them over a retained group's windows, gpumem.standby)."""
-        return dict(self._placeholder_fds)
+        return dict(self.window.placeholder_fds)
 
     @property
     def placeholder_bytes(self) -> int:
-        return sum(self._aliases.values())
+        return sum(self.window.aliases.values())
 
     def _check_range(self, offset: int, size: int) -> None:
         end = offset + size

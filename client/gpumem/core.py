@@ -2,10 +2,12 @@
 address slice, its side of the leases, and the registries of what it made.
 
 ``Session`` (gpumem.session) is the public facade over one core. Arenas, graph pools,
-KV pools and borrows hold the core, not the session, and change its registries only
-through the methods here: so those are the one place where a session's arenas and
-borrow pools come and go, and nothing below the facade imports it
-(tests/unit/test_layering.py checks).
+KV pools, borrows, standbys and prefix directories hold the core, not the session, and
+change its registries only through the methods here: so those are the one place where a
+session's arenas, borrow pools and standbys come and go, and nothing below the facade
+imports it (tests/unit/test_layering.py checks). A standby's windows are claims in the
+address slice (gpumem.address_slices); the core keeps the standby, without knowing more
+of it than how to close it.
 """
 
 from __future__ import annotations
@@ -14,22 +16,28 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError, DriverUnavailable, PeerAccessError
 from gpumem_shared.paths import Endpoints
 from gpumem import address_slices
-from gpumem.address_slices import AddressSlice
+from gpumem.address_slices import AddressSlice, StandbyClaim
 from gpumem.channel import SessionChannel
-from gpumem.errors import DaemonUnavailable, GpuMemError, InvalidArgument, VaCollision
-from gpumem.leases import SessionLeases
+from gpumem.errors import DaemonUnavailable, GpuMemError, InvalidArgument
+from gpumem.handoffs import SessionLeases
 
 if TYPE_CHECKING:
     from gpumem.arena import Arena
     from gpumem.borrow import BorrowPool
-    from gpumem.standby import Reservation
+
+
+class Standby(Protocol):
+    """What backs a retain group's windows with this session's placeholder
+    (gpumem.standby's ``Reservation``): closing it unmaps the placeholder there."""
+
+    def close(self) -> None: ...
 
 
 class SessionCore:
@@ -54,9 +62,10 @@ class SessionCore:
         self._borrow_pools: dict[int, BorrowPool] = {}
         # Read-only views, made once: the borrow path reads them on every scope.
         self.arenas: Mapping[str, Arena] = MappingProxyType(self._arenas)
-        # Retained groups' windows this process backs with its placeholder (gpumem.standby), by group.
-        self.reservations: dict[str, Reservation] = {}
         self.borrow_pools: Mapping[int, BorrowPool] = MappingProxyType(self._borrow_pools)
+        # What backs retain groups' windows with this session's placeholder, by group; the
+        # windows themselves are claims in the address slice (claim_standby).
+        self._standbys: dict[str, Standby] = {}
         arenas = self._arenas  # not self: the channel must not keep the core alive
         channel.holdings = lambda: [arena.holding() for arena in list(arenas.values())]
         self._slice: AddressSlice | None = None  # the daemon's address slice, from the first arena on
@@ -127,23 +136,28 @@ class SessionCore:
         """``arena``'s window (in the slice this session holds) is this session's to map:
         VaCollision if another session of this process maps the arena (the daemon plans
         it at one address for all; gpumem.address_slices) or if the window overlaps one
-        this session reserved for a standby. Last in reserve_window: a claim made is kept
+        a standby of this process holds (the retain group was released meanwhile and the
+        daemon planned its window again). Last in reserve_window: a claim made is kept
         until drop_arena."""
-        self._refuse_reserved(f"arena '{arena.name}'", arena.address, arena.address + arena.reserved)
-        address_slices.claim(self.address_slice(), arena.name, self.session_id, self.name)
+        address_slices.claim(self.address_slice(), arena.name, arena.address, arena.address + arena.reserved, self.session_id, self.name)
 
-    def _refuse_reserved(self, what: str, start: int, end: int) -> None:
-        """VaCollision if [start, end) overlaps a window this process reserved for a
-        standby (gpumem.standby): the retain group was released meanwhile and the daemon
-        planned its window again, for ``what``."""
-        for reservation in self.reservations.values():
-            window = reservation.overlapping(start, end)
-            if window is not None:
-                raise VaCollision(
-                    f"{what} is planned at [{start:#x}, {end:#x}), over the window of '{window}' that this process "
-                    f"reserved for retain group '{reservation.group}' (the group was released meanwhile and its window "
-                    "planned again): close the reservation first"
-                )
+    def claim_standby(self, group: str, standby: Standby, windows: dict[str, tuple[int, int]]) -> StandbyClaim:
+        """``standby`` backs retain group ``group``'s ``windows`` (arena name -> [start, end)
+        addresses) with this session's placeholder from now on (gpumem.standby): no arena
+        of this process is mapped over one until the claim vacates it or ``drop_standby``;
+        ``close`` closes the standby."""
+        claim = address_slices.reserve(self.address_slice(), self.session_id, group, windows)
+        self._standbys[group] = standby
+        return claim
+
+    def drop_standby(self, claim: StandbyClaim) -> None:
+        """The standby of ``claim`` closed: its windows are free in this process again."""
+        claim.drop()
+        self._standbys.pop(claim.group, None)
+
+    def standby(self, group: str) -> Standby | None:
+        """What backs retain group ``group``'s windows in this session, if anything does."""
+        return self._standbys.get(group)
 
     def close(self) -> None:
         """Release the arenas (unmapping them) and close both channels; a call another
@@ -151,9 +165,9 @@ class SessionCore:
         call may still be putting its placeholder back: each arena's release waits for
         it (the arena's mappings change under one lock), then nothing is mapped."""
         self.channel.interrupt()
-        for reservation in list(self.reservations.values()):
+        for standby in list(self._standbys.values()):
             try:
-                reservation.close()  # its placeholder off the windows: the slice can go
+                standby.close()  # its placeholder off the windows: the slice can go
             except (GpuMemError, DriverError):
                 pass
         for arena in list(self._arenas.values()):

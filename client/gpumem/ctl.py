@@ -29,6 +29,15 @@ from gpumem.discovery import live_daemons, resolve_device, runtime_dirs
 from gpumem.errors import DaemonUnavailable, DeviceAmbiguous, GpuMemError, ProtocolMismatch, SocketPermissionDenied
 
 EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_MISMATCH = 1, 3, 4
+# Where the NVIDIA kernel driver says it is loaded (gpumemctl loads no CUDA to find out).
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+UNIT_FOLDERS = (Path("/etc/systemd/system"), Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
+# What the unit's sandbox hides from the daemon it starts: a gpumemd (or its Python, or
+# its package) installed there does not start (status 203/EXEC, or an import error).
+HIDDEN_BY_UNIT = {
+    Path("/tmp"): "PrivateTmp=", Path("/var/tmp"): "PrivateTmp=",
+    Path("/home"): "ProtectHome=", Path("/root"): "ProtectHome=", Path("/run/user"): "ProtectHome=",
+}
 
 
 def _target(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -63,7 +72,11 @@ def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, time
     except DeviceAmbiguous as exc:
         _die(EXIT_ERROR, exc.message)
     except DaemonUnavailable as exc:
-        _die(EXIT_NOT_RUNNING, exc.message)
+        # What the library found, with how to start a daemon on this machine in place of
+        # its generic advice (written for engines, which cannot look at the machine).
+        shown = "0" if chosen is None else str(chosen)
+        found = exc.message.split("; start it with", 1)[0]
+        _die(EXIT_NOT_RUNNING, f"{found}; {start_hint(shown if shown.isdigit() else '<index>')}")
     index = endpoints.index
     wait = timeout if timeout is not None else (group["timeout"] if group["timeout"] is not None else 5.0)
     try:
@@ -71,12 +84,7 @@ def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, time
     except SocketPermissionDenied as exc:
         _die(EXIT_ERROR, exc.message)
     if not endpoints.zmq_path.exists() or not daemon_alive(endpoints):
-        _die(
-            EXIT_NOT_RUNNING,
-            f"no gpumemd serves device {index}: no live daemon behind {endpoints.zmq_path} "
-            f"(start it with 'systemctl start gpumemd@{index}' or 'gpumemd --device {index}', "
-            "or give --runtime-dir)",
-        )
+        _die(EXIT_NOT_RUNNING, f"no gpumemd serves device {index}: no live daemon behind {endpoints.zmq_path}; {start_hint(str(index))}")
     try:
         return _ask(endpoints, message, wait)
     except ProtocolMismatch as exc:
@@ -85,6 +93,18 @@ def _query(ctx: click.Context, device: str | None, runtime_dir: str | None, time
         _die(EXIT_NOT_RUNNING, exc.message)
     except GpuMemError as exc:
         _die(EXIT_ERROR, exc.message)
+
+
+def start_hint(index: str) -> str:
+    """How to start the missing daemon on this machine: the host backend where there is no
+    NVIDIA driver, the unit where one is installed, else by hand."""
+    if not NVIDIA_DRIVER.exists():
+        start = f"no NVIDIA GPU here, so start one on host memory: gpumemd --device {index} --backend host --host-capacity 8GiB"
+    elif any((folder / "gpumemd@.service").exists() for folder in UNIT_FOLDERS):
+        start = f"start it: systemctl start gpumemd@{index}"
+    else:
+        start = f"start it: gpumemd --device {index} (or install the unit: gpumemctl unit)"
+    return f"{start}; for a daemon serving elsewhere, give --runtime-dir or set $GPUMEMD_RUNTIME_DIR"
 
 
 def _ask(endpoints: Endpoints, message: p.RequestMessage, wait: float) -> Any:
@@ -139,7 +159,7 @@ def status(
             click.echo(f"gpumemctl: device {endpoints.index} ({endpoints.runtime_dir}): {exc.message}", err=True)
     if not replies and not refused:
         where = " or ".join(str(d) for d in dirs)
-        _die(EXIT_NOT_RUNNING, f"no live gpumemd in {where} (start one per GPU with 'systemctl start gpumemd@<index>')")
+        _die(EXIT_NOT_RUNNING, f"no live gpumemd in {where}: one per GPU; {start_hint('<index>')}")
     if as_json:
         click.echo(json.dumps([p.to_wire(r) for r in replies], indent=2))
     elif replies:
@@ -266,6 +286,30 @@ def _installed_gpumemd() -> str | None:
     return str(Path(found).absolute()) if found else None
 
 
+def _interpreter(script: Path) -> list[Path]:
+    """The interpreter a script's #! line names (a console script's Python), if any."""
+    try:
+        with script.open("rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return []
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    return [Path(words[0])] if words and os.path.isabs(words[0]) else []
+
+
+def _hidden_from_unit(paths: list[Path]) -> str | None:
+    """Why the unit's daemon would not start from these files (where its sandbox hides
+    them), or None."""
+    for path in paths:
+        real = path.resolve()
+        for folder, line in HIDDEN_BY_UNIT.items():
+            if real.is_relative_to(folder):
+                named = str(path) if real == path else f"{path} ({real})"
+                return (f"{named} lies in {folder}, which the unit's {line} hides from the daemon: "
+                        f"systemd would not start gpumemd@ from this install")
+    return None
+
+
 def _exec_path(path: str) -> str:
     """``path`` as the first word of ExecStart: % starts a specifier there, and a path
     with blanks or quotes needs quoting."""
@@ -285,6 +329,12 @@ def unit(executable: str | None) -> None:
         _die(EXIT_ERROR, f"no gpumemd installed beside {sys.argv[0]}, in {sysconfig.get_path('scripts')} or on PATH; name it with --gpumemd")
     if not os.path.isabs(path):
         _die(EXIT_ERROR, f"--gpumemd {path}: systemd needs an absolute path")
+    mine = [Path(sys.prefix), Path(sys.executable), Path(__file__)] if executable is None else []
+    hidden = _hidden_from_unit([Path(path), *_interpreter(Path(path)), *mine])
+    if hidden and executable is None:
+        _die(EXIT_ERROR, f"{hidden}; install gpumemd elsewhere (a venv in /opt, or /usr/local), or name one with --gpumemd")
+    if hidden:
+        click.echo(f"gpumemctl: warning: {hidden}, unless a drop-in lifts that line", err=True)
     text = importlib.resources.files("gpumem").joinpath("gpumemd@.service").read_text()
     click.echo(re.sub(r"^ExecStart=\S+", lambda _: "ExecStart=" + _exec_path(path), text, count=1, flags=re.MULTILINE), nl=False)
 

@@ -254,10 +254,14 @@ def _tokens(n: int) -> str:
     return "-" if n <= 0 else str(n)
 
 
-def _deadline(seconds: float) -> str:
-    if seconds >= 0:
-        return f"deadline in {_duration(seconds)}"
-    return f"deadline passed {_duration(-seconds)} ago"
+def _deadline(r: p.RoundStatus) -> str:
+    """An open round's deadline; an ended round has none left to show (the daemon keeps
+    counting to it, and "deadline in 4m52s" read as a round still waiting)."""
+    if r.state in (p.RoundState.COMMITTED, p.RoundState.FAILED):
+        return ""
+    if r.deadline_in_s >= 0:
+        return f"  deadline in {_duration(r.deadline_in_s)}"
+    return f"  deadline passed {_duration(-r.deadline_in_s)} ago"
 
 
 def _budget_lines(r: p.RoundStatus, pools: dict[str, p.KvPoolStatus]) -> list[str]:
@@ -307,7 +311,7 @@ def render_rounds(s: p.StatusReply) -> list[str]:
     for r in s.rounds:
         reported = sum(1 for m in r.members if m.reported)
         lines.append(
-            f"  round {r.id}  {r.state}  policy {r.policy}  {_deadline(r.deadline_in_s)}  "
+            f"  round {r.id}  {r.state}  policy {r.policy}{_deadline(r)}  "
             f"{reported}/{len(r.members)} reported" + (f"  expects {r.expect} pools" if r.expect else "")
         )
         lines += [f"    {line}" for line in _budget_lines(r, pools)]

@@ -2,7 +2,7 @@
 in place by the engine into a small arena retained with the pool, so that an engine that
 adopts the pool after the first one died seeds its prefix cache from it.
 
-    directory = PrefixDirectory.create(session, "engine-a-prefix", blocks=cache.max_blocks)
+    directory = session.create_prefix_directory("engine-a-prefix", blocks=cache.max_blocks)
     group.retain(cache, directory)
     ...
     directory.invalidate(block)          # before the block's rows are written anew
@@ -19,8 +19,8 @@ the three (u32), 8 bytes unused. An all-zero entry is empty. One write per publi
 per invalidation, no daemon round trip (a memcpy on the host backend, a small
 host-to-device copy on CUDA).
 
-What is trusted: an entry whose checksum holds, whose block id is its own slot and lies
-below the blocks the adopter has committed. A write the dead engine had not finished
+What is trusted: an entry whose checksum holds, whose sequence is in range, whose block
+id is its own slot and lies below the blocks the adopter has committed. A write the dead engine had not finished
 fails its checksum; a block it was rewriting was invalidated before the rewrite began,
 so it is empty; a block whose entry it had not published yet is simply absent. The
 engine's part of the bargain is the order: invalidate before writing a block's rows,
@@ -35,10 +35,11 @@ import struct
 import zlib
 from typing import TYPE_CHECKING, Protocol
 
+from gpumem.arena import Arena
 from gpumem.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from gpumem.session import Session
+    from gpumem.core import SessionCore
 
 MAGIC = 0x31524944504D5047  # "GPMPDIR1", little-endian
 LAYOUT_VERSION = 1
@@ -49,13 +50,19 @@ _ENTRY = struct.Struct("<QQII8x")  # sequence, hash, block id, crc
 _SIGNED = struct.Struct("<QQI")  # what the crc covers
 _EMPTY = bytes(ENTRY_BYTES)
 _HASH_MASK = (1 << 64) - 1
+# Sequences a directory's entries may carry: one per publish, so no engine comes near the
+# end; an entry past it is corrupt (written by no publish), and trusting it would put the
+# next sequence past what an entry holds.
+SEQUENCE_END = 1 << 63
 
 
 class Memory(Protocol):
     """What the directory needs of its arena (``gpumem.Arena``)."""
 
     name: str
-    committed: int
+
+    @property
+    def committed(self) -> int: ...
 
     def write(self, offset: int, data: bytes) -> None: ...
 
@@ -77,7 +84,7 @@ class Scan:
 
     blocks: dict[int, int]
     empty: int = 0
-    corrupt: int = 0  # checksum failed, or an entry in another block's slot: a write cut short
+    corrupt: int = 0  # checksum failed, an entry in another block's slot (a write cut short), or a sequence out of range
     beyond: int = 0  # a block past what the adopter has committed
     last_sequence: int = 0
 
@@ -91,14 +98,15 @@ class PrefixDirectory:
         self._next = next_sequence
 
     @classmethod
-    def create(cls, session: Session, name: str, *, blocks: int) -> PrefixDirectory:
-        """A directory for ``blocks`` block ids in a new arena ``name``, committed whole
+    def create(cls, core: SessionCore, name: str, *, blocks: int) -> PrefixDirectory:
+        """``Session.create_prefix_directory``: a directory for ``blocks`` block ids in a
+        new arena ``name`` of the session whose core is ``core``, committed whole
         (zero-filled by the daemon: every entry empty)."""
         if blocks <= 0:
             raise InvalidArgument(f"prefix directory '{name}' needs at least one block, not {blocks}")
-        g = session.device.granularity
+        g = core.device.granularity
         size = -(-bytes_for(blocks) // g) * g
-        arena = session.create_arena(name, size)
+        arena = Arena.create(core, name, size)
         try:
             arena.commit(size)
             arena.write(0, _HEADER.pack(MAGIC, LAYOUT_VERSION, ENTRY_BYTES, blocks))
@@ -150,7 +158,7 @@ class PrefixDirectory:
             if not (sequence or h or block or crc):
                 scan.empty += 1
                 continue
-            if crc != _crc(sequence, h, block) or block != slot or not sequence:
+            if crc != _crc(sequence, h, block) or block != slot or not 0 < sequence < SEQUENCE_END:
                 scan.corrupt += 1
                 continue
             scan.last_sequence = max(scan.last_sequence, sequence)

@@ -19,13 +19,12 @@ back to the orphaned state with its deadline unchanged. An ordinary ``release`` 
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem.arena import Arena
-from gpumem.errors import GroupHeld, NotFenced
+from gpumem.errors import DaemonTimeout
 from gpumem.kv_pool import KvPool
 from gpumem.paged_kv import PagedKvCache
 from gpumem.prefix_directory import PrefixDirectory
@@ -36,12 +35,8 @@ if TYPE_CHECKING:
 
 Retainable = Arena | KvPool | PagedKvCache | PrefixDirectory
 
-# Tries while a group is held or not fenced: the first soon (a death is seen in about a
-# millisecond on the host, a fence takes some 0.3 s on CUDA), then every 10 ms: a try is a
-# round trip and, on CUDA, an NVML query in the daemon, cheap at 100 a second, and a
-# failover waits at most this long past the moment the group became adoptable.
-_FIRST_RETRY_S = 0.002
-_MAX_RETRY_S = 0.01
+# Past the wait the daemon was given, how long its answer may take to come.
+_ANSWER_S = 10.0
 
 
 def _arena_name(obj: Retainable) -> str:
@@ -87,6 +82,7 @@ class Adopted:
         self.core = core
         self.group = RetainGroup(core, reply.group, secret)
         self.previous = reply.previous
+        self.fenced = reply.fenced  # every dead writer the adoption waited out (1.13; [] from an older daemon)
         self.deadline_in_s = reply.deadline_in_s
         self.arenas: dict[str, Arena] = {}
         self.kv_pools: dict[str, KvPool] = {}
@@ -106,36 +102,22 @@ def adopt(
     core: SessionCore, group: str, secret: str, *, wait: float = 0.0, confirm: bool = True, reservation: Reservation | None = None
 ) -> Adopted:
     """``Session.adopt``: take over retain group ``group`` with its ``secret``. While
-    its holder still lives (``GroupHeld``) or may still write (``NotFenced``), tries again
-    for up to ``wait`` seconds, then raises that error (which names the holder or the
-    pid); at once where another adopter took it first (``GroupHeld`` naming it). Maps every object at its addresses; ``confirm`` (the default) then tells the
+    its holder still lives (``GroupHeld``) or may still write (``NotFenced``), the daemon
+    holds its answer for up to ``wait`` seconds (one request: it answers once the group
+    is adoptable), then raises that error (which names the holder or the pid); at once
+    where another adopter took it first (``GroupHeld`` naming it). Maps every object at its addresses; ``confirm`` (the default) then tells the
     daemon, or call ``Adopted.confirm()`` once the engine checked what it got.
     ``reservation`` (gpumem.standby): the windows this process backed with its
     placeholder; each is swapped for the adopted chunks at the same addresses, and a KV
     pool's uncommitted rows get the placeholder again (its own now), so what was captured
     against the reservation replays on the adopted memory."""
-    deadline = time.monotonic() + wait
-    pause = _FIRST_RETRY_S
-    holder: int | str | None = None  # the session holding the group when this began to wait
-    orphaned = False  # seen orphaned (NOT_FENCED): whoever holds it later adopted it first
-    while True:
-        try:
-            reply, fds = core.channel.call(p.Adopt(group=group, secret=secret))
-            break
-        except (GroupHeld, NotFenced) as exc:
-            if isinstance(exc, NotFenced):
-                orphaned = True
-            else:
-                # Held by an adopter, or by another session than the one waited for: an
-                # adopter came first, and waiting longer would not change that.
-                if exc.detail.get("adopting") or orphaned or holder not in (None, exc.detail.get("holder_session")):
-                    raise
-                holder = exc.detail.get("holder_session")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _MAX_RETRY_S)
+    try:
+        reply, fds = core.channel.call(p.Adopt(group=group, secret=secret, wait=wait), timeout=wait + _ANSWER_S if wait else None)
+    except DaemonTimeout as exc:
+        raise DaemonTimeout(
+            f"gpumemd did not answer the adoption of retain group '{group}' within the {wait:g}s it may wait and "
+            f"{_ANSWER_S:g}s more: check that gpumemd runs and answers (gpumemctl status, gpumemctl retained) and its log ({exc})"
+        ) from None
     adopted = Adopted(core, reply, secret)
     waiting = [(obj, {c.id: fds.pop(c.id) for c in obj.chunks if c.id in fds}) for obj in reply.objects]
     fdchannel.close_all(list(fds.values()))  # none expected beyond the objects' chunks

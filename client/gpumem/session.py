@@ -29,8 +29,9 @@ from gpumem.core import SessionCore
 from gpumem.discovery import resolve_device
 from gpumem.errors import AlreadyExists, InvalidArgument
 from gpumem.graph_pools import GraphPool
+from gpumem.handoffs import LeasePool
 from gpumem.kv_pool import KvPool
-from gpumem.leases import Lease, LeasePool
+from gpumem.leases import Lease
 from gpumem.paged_kv import PagedKvCache
 from gpumem.prefix_directory import PrefixDirectory
 from gpumem.retain import Adopted, RetainGroup, adopt
@@ -259,7 +260,7 @@ class Session:
         adopted chunks replace its placeholder, and it is closed once they did; kept where the
         adoption fails, to try again; this session's reservation of ``group`` by default)."""
         # The process's own reservation of the group, if any: its windows are not free here otherwise.
-        reservation = reservation or self.core.reservations.get(group)
+        reservation = reservation or Reservation.held(self.core, group)
         adopted = adopt(self.core, group, secret, wait=wait, confirm=confirm, reservation=reservation)
         if reservation is not None:
             reservation.close()
@@ -274,7 +275,7 @@ class Session:
     def create_prefix_directory(self, name: str, *, blocks: int) -> PrefixDirectory:
         """A prefix directory for ``blocks`` KV blocks in a new arena ``name``, to retain
         with the pool (see gpumem.prefix_directory)."""
-        return PrefixDirectory.create(self, name, blocks=blocks)
+        return PrefixDirectory.create(self.core, name, blocks=blocks)
 
     def close(self) -> None:
         """Release this session's arenas (unmapping them) and close both channels."""

@@ -17,18 +17,19 @@ it maps both sides, and on CUDA holds the context and the streams.
 A KV pool sleeps by the KV book's own moves: shrunk to nothing (a shrink that says it
 sleeps: the daemon shows it asleep and asks nothing of it meanwhile), grown back to its
 rows on wake (a grow that does not fit asks pools above their fair share to give back).
+Both kinds of wake are one request the daemon answers when the memory is there, or at
+the end of the wake's ``wait``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
-import time
 from typing import TYPE_CHECKING
 
 from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
-from gpumem.errors import InvalidArgument, OutOfMemory
+from gpumem.errors import DaemonTimeout, InvalidArgument, OutOfMemory
 
 if TYPE_CHECKING:
     from gpumem.arena import Arena
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 
 # How long a wake waits, by default, for memory others hold to come free.
 DEFAULT_WAKE_WAIT_S = 30.0
-_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.005, 0.1
+# Past the wait the daemon was given, how long its answer may take to come.
+_ANSWER_S = 10.0
 
 
 class HostBuffer:
@@ -156,40 +158,43 @@ class ArenaSleep:
         return copies
 
     def _wake_call(self, wait: float) -> tuple[p.MapReply, dict[int, int]]:
-        """ARENA_WAKE, again while the device lacks the memory, for up to ``wait`` s."""
-        deadline = time.monotonic() + wait
-        pause = _BACKOFF_FIRST_S
-        while True:
-            try:
-                reply: p.MapReply
-                reply, fds = self.arena.core.channel.call(p.WakeArena(name=self.arena.name))
-                return reply, fds
-            except OutOfMemory as exc:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise OutOfMemory(f"{exc.message} (waited {wait:g}s for it to come free)", exc.detail) from None
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, _BACKOFF_MAX_S)
+        """ARENA_WAKE, sent once: the daemon answers when the memory is free (it asks KV
+        pools above their fair share to give back meanwhile), or after ``wait`` s with
+        OutOfMemory naming who holds it."""
+        try:
+            reply: p.MapReply
+            reply, fds = self.arena.core.channel.call(p.WakeArena(name=self.arena.name, wait=wait), timeout=wait + _ANSWER_S)
+        except DaemonTimeout as exc:
+            raise DaemonTimeout(
+                f"gpumemd did not answer the wake of arena '{self.arena.name}' within the {wait:g}s it may wait and "
+                f"{_ANSWER_S:g}s more: check that gpumemd runs and answers (gpumemctl status) and its log ({exc})"
+            ) from None
+        return reply, fds
 
     def _wake_kv(self, wait: float) -> None:
         """Grow the KV pool back to all its rows (its blocks are the engine's: a part will
-        not do), again while the device lacks them, for up to ``wait`` s. A grow itself
-        asks pools above their fair share to give back."""
-        assert self.kv is not None
-        deadline = time.monotonic() + wait
-        pause = _BACKOFF_FIRST_S
-        while True:
-            try:
-                if self.kv.grow(self._tokens) >= self._tokens:
-                    return
-                why = f"it got {self.kv.tokens} of its {self._tokens} rows"
-            except OutOfMemory as exc:
-                why = exc.message
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise OutOfMemory(f"KV pool '{self.kv.name}' cannot wake within {wait:g}s: {why}", {"tokens": self._tokens})
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _BACKOFF_MAX_S)
+        not do), one KV_GROW that waits for them up to ``wait`` s: the daemon asks pools
+        above their fair share to give back, again as they answer, and takes memory others
+        free as it comes."""
+        kv = self.kv
+        assert kv is not None
+        try:
+            reply: p.KvCommitReply
+            reply, fds = kv.core.channel.call(p.KvGrow(pool=kv.name, tokens=self._tokens, wait=wait), timeout=wait + _ANSWER_S)
+        except OutOfMemory as exc:
+            raise OutOfMemory(f"KV pool '{kv.name}' cannot wake within {wait:g}s: {exc.message}", {"tokens": self._tokens}) from None
+        except DaemonTimeout as exc:
+            raise DaemonTimeout(
+                f"gpumemd did not answer the wake of KV pool '{kv.name}' within the {wait:g}s it may wait and {_ANSWER_S:g}s "
+                f"more: check that gpumemd runs and answers (gpumemctl status) and its log ({exc})"
+            ) from None
+        kv.apply(reply, fds)
+        if kv.tokens < self._tokens:
+            raise OutOfMemory(
+                f"KV pool '{kv.name}' cannot wake within {wait:g}s: it got {kv.tokens} of its {self._tokens} rows "
+                f"(not answered: {', '.join(reply.unanswered) or 'none'}; gone: {', '.join(reply.gone) or 'none'})",
+                {"tokens": self._tokens},
+            )
 
     def _buffer(self, nbytes: int) -> HostBuffer:
         """The host buffer, at least ``nbytes`` large (a larger one replaces it)."""

@@ -47,16 +47,18 @@ class Reservation:
         self._scratch = scratch
         self._aliases: dict[str, list[tuple[int, int]]] = {}  # by object: (offset, size) of each placeholder mapping
         self._parked: set[str] = set()  # windows whose placeholder went before the adoption (``park``)
+        # The windows are this reservation's in the process's address slice until vacated (gpumem.address_slices).
+        windows = {o.arena.name: (o.arena.address, o.arena.address + o.arena.reserved) for o in reply.objects}
+        self._claim = core.claim_standby(self.group, self, windows)
 
     @classmethod
     def open(cls, core: SessionCore, group: str, secret: str, slot_bytes: int = DEFAULT_PLACEHOLDER_SLOT) -> Reservation:
         """``Session.reserve_retained``."""
-        if group in core.reservations:
+        if core.standby(group) is not None:
             raise InvalidArgument(f"this session reserved the windows of retain group '{group}' already")
         reply: p.ReserveReply = core.call(p.RetainReserve(group=group, secret=secret))
         scratch = Arena.create(core, f"{group}-standby-{core.session_id}", core.device.granularity)
         reservation = cls(core, reply, scratch, slot_bytes)
-        core.reservations[group] = reservation
         try:
             scratch.placeholder(0, core.device.granularity, slot_bytes)
             reservation._cover_all()
@@ -64,6 +66,12 @@ class Reservation:
             reservation.close()
             raise
         return reservation
+
+    @classmethod
+    def held(cls, core: SessionCore, group: str) -> Reservation | None:
+        """The session's reservation of retain group ``group``'s windows, if it holds one."""
+        standby = core.standby(group)
+        return standby if isinstance(standby, cls) else None
 
     def address(self, name: str) -> int:
         return self.objects[name].arena.address
@@ -111,14 +119,6 @@ class Reservation:
             except DriverError as exc:
                 raise MappingError(f"aliasing the placeholder over the window of '{name}' (retain group '{self.group}') failed: {exc}") from None
 
-    def overlapping(self, start: int, end: int) -> str | None:
-        """The reserved window ``[start, end)`` overlaps, if one does."""
-        for name in (*self._aliases, *self._parked):
-            window = self.objects[name].arena
-            if start < window.address + window.reserved and window.address < end:
-                return name
-        return None
-
     def park(self) -> None:
         """Unmap the placeholder from every window now, keeping the windows reserved, for
         a standby that has built and captured what it needs and only waits: the adoption
@@ -136,10 +136,12 @@ class Reservation:
         place); whether this reservation covered it (parked windows too)."""
         if name in self._parked:
             self._parked.discard(name)
+            self._claim.vacate(name)
             return True
         spans = self._aliases.pop(name, None)
         if spans is None:
             return False
+        self._claim.vacate(name)
         self._unmap(name, spans)
         return True
 
@@ -155,7 +157,7 @@ class Reservation:
         for name in list(self._aliases):
             self.vacate(name)
         self._parked.clear()
-        self.core.reservations.pop(self.group, None)
+        self.core.drop_standby(self._claim)
         if not self.core.closed and self.core.arenas.get(self._scratch.name) is self._scratch:
             self._scratch.release()
 

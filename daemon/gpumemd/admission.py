@@ -1,11 +1,17 @@
-"""Who gets into the fd channel: the connections the open-file limit allows, and the
-ones that have not said HELLO yet, which anyone who may open the socket can make.
+"""Who gets in, and in what order they are served: the fd channel's connections (the
+ones the open-file limit allows, and those that have not said HELLO yet, which anyone
+who may open the socket can make), and the control requests read but not yet served.
 
 The server owns the sockets and the poller; this object owns the policy. Past the limit
 of connections waiting for their HELLO, a new connection takes the place of the oldest
 silent one; while none may be accepted, or after accept failed for want of descriptors
 or memory, the listener rests (unpolled, its connections waiting in the kernel's
 backlog) instead of waking the loop for nothing. Floods are summed up in the log.
+
+Service: control requests wait in one queue per peer (``FairQueue``), served one uid at
+a time in turn and one peer of that uid at a time in turn, so a peer that floods
+(however many connections or sessions it opens) waits behind itself rather than putting
+every other tenant behind its backlog.
 """
 
 from __future__ import annotations
@@ -13,7 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+from collections import deque
 
+from gpumem_shared import protocol as p
+from gpumem_shared.units import format_size
+
+from gpumemd.config import MiB
 from gpumemd.records import SessionRecord
 from gpumemd.runtime import FdBudget
 
@@ -139,3 +150,92 @@ class Admission:
                 shown = ", ".join(str(pid) for pid in sorted(set(pids))[:8])
                 log.warning("dropped %d fd-channel peer(s) (pid %s): %s", len(pids), shown, what)
         self._evicted, self._silent = [], []
+
+
+# Anonymous control peers (gpumemctl, pings) share one queue: a connection costs nothing
+# to open, so they are served as one peer, however many there are, in a turn of their own
+# (ANONYMOUS_UID: no uid is -1).
+ANONYMOUS = 0
+ANONYMOUS_UID = -1
+# Read ahead of service: enough for every anonymous peer a few requests deep, and bytes
+# for a thousand average requests many times over (a frame may be 2 MiB; real ones are
+# hundreds of bytes). The bytes are a budget per uid, its sessions' requests together:
+# one uid's backlog, however many sessions it opens, cannot refuse another uid's
+# requests. Anonymous peers, who need no session (gpumemctl, pings), get a small one: a
+# few of them must not fill what the sessions need.
+ANONYMOUS_QUEUED = 1024
+QUEUED_BYTES = 64 * MiB
+ANONYMOUS_BYTES = 4 * MiB
+
+
+class FairQueue:
+    """Control requests read, not yet served: a FIFO per peer (a session id, or
+    ANONYMOUS), the ring of its peers with requests waiting per uid, and the ring of
+    uids with requests waiting. ``pop`` takes the next uid's next peer's oldest request,
+    so each peer's requests keep their order, one uid's backlog delays another uid by one
+    request per turn at most however many sessions it opens, and a uid's sessions take
+    turns among themselves."""
+
+    def __init__(self, per_session: int) -> None:
+        self.per_session = per_session
+        self._queues: dict[int, deque[tuple[bytes, bytes]]] = {}
+        self._rings: dict[int, deque[int]] = {}  # uid -> its peers with requests waiting, in turn
+        self._bytes: dict[int, int] = {}  # uid -> bytes of its requests waiting
+        # The uids with requests waiting, in turn: empty while nothing is queued (the
+        # server's loop asks on every turn, so it asks the deque, not a method).
+        self.turns: deque[int] = deque()
+
+    def push(self, peer: int, uid: int, identity: bytes, frame: bytes) -> p.ProtocolError | None:
+        """Queue ``frame`` from ``peer`` of ``uid`` (ANONYMOUS, ANONYMOUS_UID: no
+        session), or the refusal to answer it with at once."""
+        queue = self._queues.get(peer)
+        held = 0 if queue is None else len(queue)
+        cap = ANONYMOUS_QUEUED if peer == ANONYMOUS else self.per_session
+        if held >= cap:
+            who = "anonymous control peers" if peer == ANONYMOUS else f"session {peer}"
+            flag = "" if peer == ANONYMOUS else " (--tenant-requests)"
+            return p.ProtocolError(
+                p.ErrorCode.RESOURCE_EXHAUSTED,
+                f"{who} already have {held} requests waiting for the daemon, the limit{flag}; wait for their replies",
+                limit="requests",
+                used=held,
+                cap=cap,
+            )
+        used = self._bytes.get(uid, 0)
+        budget = ANONYMOUS_BYTES if peer == ANONYMOUS else QUEUED_BYTES
+        if used + len(frame) > budget:
+            who = "anonymous control peers hold" if peer == ANONYMOUS else f"the sessions of uid {uid} hold"
+            return p.ProtocolError(
+                p.ErrorCode.RESOURCE_EXHAUSTED,
+                f"{who} {format_size(used)} of requests waiting for the daemon, their limit; send again once they are served",
+                limit="request bytes",
+                used=used,
+                cap=budget,
+            )
+        if queue is None:
+            queue = self._queues[peer] = deque()
+            ring = self._rings.get(uid)
+            if ring is None:
+                ring = self._rings[uid] = deque()
+                self.turns.append(uid)
+            ring.append(peer)
+        queue.append((identity, frame))
+        self._bytes[uid] = used + len(frame)
+        return None
+
+    def pop(self) -> tuple[bytes, bytes]:
+        uid = self.turns.popleft()
+        ring = self._rings[uid]
+        peer = ring.popleft()
+        queue = self._queues[peer]
+        identity, frame = queue.popleft()
+        self._bytes[uid] -= len(frame)
+        if queue:
+            ring.append(peer)
+        else:
+            del self._queues[peer]
+        if ring:
+            self.turns.append(uid)
+        else:
+            del self._rings[uid], self._bytes[uid]
+        return identity, frame

@@ -38,9 +38,10 @@ from gpumemd import grants
 from gpumemd.checks import check_name, check_size
 from gpumemd.config import GiB, MiB, StateConfig
 from gpumemd.image import Image, Imager, Keep, Take, chunk_name
-from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord
-from gpumemd.caps import Caps
-from gpumemd.tenants import Tenants, plain_name
+from gpumemd.memory_caps import Caps
+from gpumemd.names import plain_name
+from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord, SleepRecord
+from gpumemd.tenants import Tenants
 
 log = logging.getLogger("gpumemd.arenas")
 
@@ -48,8 +49,7 @@ MAX_PLACEHOLDER_SLOT = 256 * MiB
 
 
 class SliceUnavailable(Exception):
-    """The daemon cannot reserve its address slice at the planned address; the message
-    is the one line an operator sees."""
+    """The slice cannot be reserved at its planned address; the message is what an operator sees."""
 
 
 def plan_chunk_sizes(nbytes: int, bulk: int, granularity: int) -> list[int]:
@@ -95,6 +95,9 @@ class ArenaBook:
         )
         self.next_chunk = 1
         self.next_grant = 1
+        # Memory came free since the dispatcher last looked (a chunk nobody holds any
+        # more), or an ask for it was answered: whatever waits for memory may go ahead.
+        self.freed = False
         self._slice: tuple[int, int] | None = self._reserve_slice()
 
     def _reserve_slice(self) -> tuple[int, int]:
@@ -179,7 +182,7 @@ class ArenaBook:
                 limit=self.config.max_reserve,
             )
         existing = self.by_name.get(name)
-        if existing is not None:  # names are per uid (Tenants.resolve): this uid holds it
+        if existing is not None:  # names are per uid (names.resolve): this uid holds it
             raise p.ProtocolError(
                 p.ErrorCode.ALREADY_EXISTS,
                 f"arena '{name}' already exists, owned by {existing.owner_label()} of this uid; choose another name",
@@ -325,6 +328,7 @@ class ArenaBook:
         if missing:
             need = sum(missing)
             self.require_available(need, f"placeholders of {need} bytes for arena '{arena.name}'")
+            self.caps.check([(arena, 0, need)], self.available_bytes)  # device memory like a commit's: capped
             placements = []
             for size in missing:
                 placements.append((arena.address + arena.reserved + used, size))
@@ -392,6 +396,23 @@ class ArenaBook:
                 self.retire(arena.chunks, notices, f"arena '{arena.name}' was released by its owner; release it too", arena.name)
                 arena.chunks = []
 
+    # ------------------------------------------------------------------ an arena's owner and sleep (this book writes them alone)
+
+    def transfer(self, arena: ArenaRecord, s: SessionRecord) -> None:
+        """``s`` owns the arena from now on (an adoption): attached, counted against its
+        tenant (a pod of its own, its token). The dead owner's grants die: ``s`` shares anew."""
+        arena.owner_id, arena.owner_name, arena.owner_pid, arena.owner_alive = s.id, s.name, s.pid, True
+        arena.attached.add(s.id)
+        arena.grants = []
+        self.tenants.own(arena.name, s)
+
+    def fall_asleep(self, arena: ArenaRecord, committed: int, kept: int, since: float) -> None:
+        arena.asleep = SleepRecord(committed, kept, since)
+
+    def wake(self, arena: ArenaRecord) -> SleepRecord | None:  # the sleep ended (None: it was awake)
+        sleep, arena.asleep = arena.asleep, None
+        return sleep
+
     def destroy(self, arena: ArenaRecord, notices: Notices) -> None:
         """Drop the arena and its window; chunks still mapped somewhere stay retiring."""
         self.retire(arena.chunks + arena.placeholders, notices, f"arena '{arena.name}' is gone", arena.name)
@@ -447,12 +468,14 @@ class ArenaBook:
             if chunk.holders:
                 self.retiring[chunk.id] = chunk
                 told |= chunk.holders
+            else:
+                self.freed = True
         notice = p.Notice(kind=p.NoticeKind.ARENA_RETIRED, message=message, arena=arena)
         notices.extend((sid, notice) for sid in sorted(told) if sid != exclude)
 
     def _forget_if_unheld(self, chunk: ChunkRecord) -> None:
-        if chunk.handle is None and not chunk.holders:
-            self.retiring.pop(chunk.id, None)
+        if chunk.handle is None and not chunk.holders and self.retiring.pop(chunk.id, None) is not None:
+            self.freed = True
 
     def hand(self, s: SessionRecord, chunks: list[ChunkRecord]) -> list[ChunkRecord]:
         """``s`` maps these from now on (their fds go to it before the reply)."""

@@ -280,6 +280,14 @@ def _exporter(address: str, port: int) -> Exporter:
     help="Fraction of the daemon's graph-pool slots one uid's sessions may keep.",
 )
 @_option(
+    "--tenant-sleep-host-share",
+    type=float,
+    default=TenantLimits.sleep_host_share,
+    show_default=True,
+    callback=_share,
+    help="Fraction of --sleep-host-limit one uid's sleep host buffers may take.",
+)
+@_option(
     "--tenant-requests",
     type=click.IntRange(1),
     default=TenantLimits.requests,
@@ -363,6 +371,7 @@ def command(
     tenant_arenas: int,
     tenant_address_share: float,
     tenant_graph_pool_share: float,
+    tenant_sleep_host_share: float,
     tenant_requests: int,
     tenant_policy: str,
     tenant_claims: str,
@@ -389,10 +398,10 @@ def command(
         raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     starting = _DriverStart(_driver(backend, device, host_capacity))
     from gpumemd.arenas import SliceUnavailable
-    from gpumemd.caps import PolicyError, read_policy
+    from gpumemd.memory_caps import PolicyError, read_policy
     from gpumemd.durable import Durable
     from gpumemd.outbox import Outbox
-    from gpumemd.runtime import StartupError
+    from gpumemd.runtime import StartupError, check_runtime_dir
     from gpumemd.server import Server
     from gpumemd.state import DaemonState
 
@@ -416,7 +425,8 @@ def command(
         raise ConfigError(f"--capacity {format_size(capacity_bytes)} leaves nothing to serve above the {format_size(reserve_bytes)} reserve")
     try:
         endpoints = Endpoints(resolve_runtime_dir(runtime_dir), device)
-    except UnsafeRuntimeDir as exc:
+        check_runtime_dir(endpoints.runtime_dir)
+    except (UnsafeRuntimeDir, StartupError) as exc:
         raise ConfigError(str(exc)) from None
     try:  # here, so a bad policy stops the start with its reason; a bad reload keeps the old one
         read_policy(tenant_policy, tenant_claims)
@@ -437,7 +447,9 @@ def command(
         move_timeout=move_timeout,
         restart_grace=restart_grace,
         retain_grace=retain_grace,
-        tenants=TenantLimits(tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests),
+        tenants=TenantLimits(
+            tenant_sessions, tenant_arenas, tenant_address_share, tenant_graph_pool_share, tenant_requests, tenant_sleep_host_share
+        ),
         tenant_policy=tenant_policy,
         tenant_claims=tenant_claims,
         lease_ordering=ordering,
@@ -481,7 +493,10 @@ def command(
     except StartupError as exc:
         raise ConfigError(str(exc)) from None
     except OSError as exc:
-        raise ConfigError(f"cannot use runtime directory {endpoints.runtime_dir}: {exc.strerror or exc}") from None
+        raise ConfigError(
+            f"cannot use runtime directory {endpoints.runtime_dir}: {exc.strerror or exc}; "
+            "give gpumemd a directory it may write and nobody else may (--runtime-dir)"
+        ) from None
     clock.mark("sockets")
     if durable is not None:  # once the lock is held: only the device's one daemon rebuilds
         durable.start(state, inherited)
@@ -522,7 +537,7 @@ def main() -> None:
     except click.BadParameter as exc:
         _fail(_from_where(exc) + exc.format_message().replace("\n", " "))
     except click.UsageError as exc:  # unknown flags, bad values: one line, not click's usage block
-        _fail(exc.format_message().replace("\n", " "))
+        _fail(exc.format_message().replace("\n", " ").rstrip(".") + "; gpumemd --help lists the flags")
     except ConfigError as exc:
         _fail(str(exc))
     except DriverHung as exc:

@@ -33,6 +33,8 @@ class TenantLimits:
     # Control requests of one session read and waiting to be served: a client has one
     # call out at a time, and one report per KV pool it is in a round of.
     requests: int = 64
+    # Share of --sleep-host-limit one uid's sleep host buffers may take (sleepers.py).
+    sleep_host_share: float = 0.5
 
 
 def default_sleep_host_limit() -> int:
@@ -70,7 +72,7 @@ class StateConfig:
     # after their holder's session ended without releasing them.
     retain_grace: float = 60.0
     tenants: TenantLimits = dataclasses.field(default_factory=TenantLimits)
-    # Device-memory caps per tenant (caps.py): the policy file and the DRA claims
+    # Device-memory caps per tenant (memory_caps.py): the policy file and the DRA claims
     # directory, read at start and again on SIGHUP; neither: no caps.
     tenant_policy: str = ""
     tenant_claims: str = ""

@@ -12,16 +12,18 @@ connection takes a descriptor (descriptors near the open-file limit shut the doo
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import time
 from collections.abc import Container, Sized
+from pathlib import Path
 from typing import Any
 
 import zmq
 
+from gpumem_shared import fdchannel
 from gpumem_shared.paths import Endpoints
-from gpumemd import runtime
 from gpumemd.admission import ACCEPT_BATCH
 from gpumemd.control_door import ControlDoor, ControlPeer
 from gpumemd.runtime import FdBudget
@@ -84,7 +86,7 @@ class ControlChannel:
         self.listener.bind(str(ep.zmq_path))
         self.listener.listen(CONTROL_BACKLOG)
         self.listener.setblocking(False)
-        self._shut_door = runtime.unreachable_listener(ep.runtime_dir / f"{ep.zmq_path.name}.shut")
+        self._shut_door = unreachable_listener(ep.runtime_dir / f"{ep.zmq_path.name}.shut")
         self._bind()
 
     def close(self) -> None:
@@ -112,6 +114,30 @@ class ControlChannel:
         if cut_off is not None:
             self._hang_up(door.peers[cut_off], time.monotonic())
 
+    def hang_up(self, identity: bytes, why: str) -> None:
+        """Hang up the connection ``identity``'s requests came on last (``why``: for the log)."""
+        peer = self.door.connection_of(identity, why)
+        if peer is not None:
+            self._hang_up(peer, time.monotonic())
+
+    def unread(self, identity: bytes) -> bool:
+        """Whether the connection ``identity``'s requests came on last takes no more
+        bytes (not writable: as much waits unread in the kernel as it lets a writer
+        queue): its peer does not read. The socket is libzmq's: asked through a copy of
+        its descriptor, checked to be the control channel's still."""
+        fd = self.door.newest(identity)
+        if fd is None or fd in self._fd_channel:
+            return False
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.family != socket.AF_UNIX or sock.getsockname() != str(self.endpoints.zmq_path):
+                    return False
+                ready = select.poll()
+                ready.register(sock.fileno(), select.POLLOUT)
+                return not ready.poll(0)
+        except OSError:
+            return False
+
     def fd_opened(self, fd: int, now: float) -> None:
         """The daemon took descriptor ``fd`` (a control or an fd-channel connection)."""
         if fd >= self.door.budget.limit - FD_MARGIN:
@@ -135,7 +161,7 @@ class ControlChannel:
                 break
             event, fd = _MONITOR_EVENT.unpack(head)
             if event == _ACCEPTED:
-                pid, uid = runtime.peer_of(fd)
+                pid, uid = peer_of(fd)
                 self.door.accepted(fd, uid, pid, now)
                 self.fd_opened(fd, now)
             else:
@@ -157,7 +183,7 @@ class ControlChannel:
         door = self.door
         self._read_monitor(now)  # should a wake-up have gone amiss, the count is right within a tick
         if door.fd_pressure:
-            door.fd_pressure = runtime.open_fds() >= door.budget.limit - 2 * FD_MARGIN
+            door.fd_pressure = open_fds() >= door.budget.limit - 2 * FD_MARGIN
         self._guard(now, [*door.silent(now), *door.excess(now)])
         door.log_flood(now)
 
@@ -217,3 +243,35 @@ class ControlChannel:
         self._router.unbind(self.endpoints.zmq_url)  # libzmq closes its copy
         self.door.reopened()
         self._bind()
+
+
+def open_fds() -> int:
+    """Descriptors open in this process (past any limit when listing them fails: EMFILE)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 1 << 30
+
+
+def unreachable_listener(path: Path) -> socket.socket:
+    """A listening socket no one can connect to (bound at ``path``, unlinked at once)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+    try:
+        sock.bind(str(path))
+        os.unlink(path)
+        sock.listen(1)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def peer_of(fd: int) -> tuple[int, int]:
+    """The pid and uid of the peer on a connection's descriptor ((-1, -1) if it is gone
+    already)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            pid, uid, _ = fdchannel.peer_credentials(sock)
+    except OSError:
+        return -1, -1
+    return pid, uid

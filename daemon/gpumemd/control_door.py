@@ -108,6 +108,19 @@ class ControlDoor:
         if fd is not None and fd in self.peers:
             self.peers[fd].session = False
 
+    def newest(self, identity: bytes) -> int | None:
+        """The descriptor ``identity``'s requests came on last."""
+        return self._newest.get(identity)
+
+    def connection_of(self, identity: bytes, why: str) -> ControlPeer | None:
+        """The connection ``identity``'s requests came on last, to hang up for ``why``."""
+        fd = self._newest.get(identity)
+        peer = None if fd is None else self.peers.get(fd)
+        if peer is None or peer.hung_up:
+            return None
+        self._hung_up[why] += 1
+        return peer
+
     def hang_up(self, peer: ControlPeer, now: float) -> None:
         peer.hung_up = now
 

@@ -191,7 +191,7 @@ class Durable:
                 if name in self._stored:
                     self._stored.discard(name)
                     self._unstore(name)
-        state.resumable = True
+        state.session_desk.resumable = True
         self.persist(state)
 
     def _rebuild(self, state: DaemonState, payload: bytes, fds: dict[str, list[int]]) -> None:

@@ -12,6 +12,11 @@ released (at exit, after the address space and before it becomes a zombie). So C
 adds the driver's own view: the device's compute processes as NVML lists them must not
 name the pid. bench/fence_probe.py measures when writes stop against both signals, and
 docs/architecture.md ("Fencing") records what it showed.
+
+A process is not the only writer its death leaves: on the host backend a child it forked
+keeps its mappings (fds closed or not), and ``processes_mapping`` finds any process that
+still maps a memfd of the daemon's, by its maps. On CUDA a forked child cannot use its
+parent's context (CUDA does not survive fork), so the parent's fence covers it.
 """
 
 from __future__ import annotations
@@ -75,6 +80,38 @@ def _threads(pid: int) -> int:
         return 0
     except (OSError, StopIteration, ValueError):
         return 2  # unreadable proves nothing
+
+
+def processes_mapping(files: set[tuple[int, int]], skip: int) -> list[int]:
+    """The processes (pids in the daemon's /proc) but ``skip`` whose address space maps
+    any of ``files`` ((st_dev, st_ino) of the host backend's memfds): a forked child of a
+    dead holder keeps its parent's mappings with every descriptor closed, and nothing
+    but its maps says so. A process whose maps the daemon may not read (another uid's,
+    where the daemon is not root) is not seen; neither is one in another pid namespace."""
+    if not files:
+        return []
+    devices = {dev for dev, _ in files}
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == skip:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps", "rb") as f:
+                text = f.read()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if b"memfd:" not in text:
+            continue
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or not fields[5].startswith(b"/memfd:"):
+                continue
+            major, _, minor = fields[3].partition(b":")
+            dev = os.makedev(int(major, 16), int(minor, 16))
+            if dev in devices and (dev, int(fields[4])) in files:
+                found.append(int(entry.name))
+                break
+    return found
 
 
 def host_fence(pid: int, since: float) -> str:

@@ -35,7 +35,7 @@ from gpumem_shared.lease_table import LeaseSegment
 
 from gpumemd.arenas import ArenaBook
 from gpumemd.image import Image, Imager, Keep, Take, lease_name
-from gpumemd.lease_lanes import SequenceChunk
+from gpumemd.lease_order_lanes import SequenceChunk
 from gpumemd.records import ArenaRecord, GraphPoolRecord, Outcome, SessionRecord
 
 log = logging.getLogger("gpumemd.graph_pools")

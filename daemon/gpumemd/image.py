@@ -26,7 +26,9 @@ import msgspec
 # Records are imaged in their classes' field order: adding, removing or reordering a
 # record's fields changes the format. 3: each book's own part; a round member keeps its
 # capture-done report. 4: a session keeps its client's own pid. 5: and its tenant token's digest.
-IMAGE_VERSION = 5
+# 6: an arena keeps its sleep (the sleeper book's part no longer does). 7: a retain group
+# keeps when its last holder ended and the other writers its adoption waits to be fenced.
+IMAGE_VERSION = 7
 
 # A record's image: its fields' values, in the order ``Imager.names`` gives.
 Image = tuple[Any, ...]

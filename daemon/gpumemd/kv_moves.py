@@ -10,12 +10,15 @@ that holds more than its share may be asked to give the excess back; nothing els
 
 The floor, a pool's guaranteed minimum, is defined once, by ``floor``, and every path
 that could take memory from a pool for another's demand calls it: the fair split
-(each Claim's minimum: no share below it), a round's donors (``spare``: what a shrink
-down to it frees) and every shrink request (``shrink_bound`` never names fewer tokens).
+(each Claim's minimum: no share below it; a grow's, a round's and a wake's donors all
+come from it, KvBook.ask_back) and every shrink request (``shrink_bound`` never names
+fewer tokens, but where the floors of a tenant's pools pass its even part across tenants:
+KvBook._evened).
 
 A demand is the engine's word, so a pool that claims more than it uses gains nothing by
 it: its share is bounded by its weight whatever it claims, and what it holds above that
-share stays askable. Idle pools (nothing in use) are asked first, then the pools furthest
+share stays askable. Its weight and its minimum are its engine's word too: the KV book
+bounds them across tenants before the claims come here (KvBook._evened). Idle pools (nothing in use) are asked first, then the pools furthest
 above their share.
 """
 
@@ -24,22 +27,18 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from gpumemd.records import ArenaRecord, ChunkRecord, KvPoolRecord
+from gpumemd.records import ArenaRecord, ChunkRecord, KvPoolRecord, PendingWait
 
 
 @dataclasses.dataclass(eq=False)
-class PendingGrow:
-    """A KV_GROW waiting for other pools to give back (not kept across a restart: the
-    client sends it again, and it is decided afresh)."""
+class PendingGrow(PendingWait):
+    """A KV_GROW waiting for other pools to give back."""
 
-    session_id: int
-    request_id: int
     pool: KvPoolRecord
     tokens: int  # asked for
-    created: float
-    deadline: float
     asked: list[KvPoolRecord]  # the pools asked to give back for it
     gone: list[str] = dataclasses.field(default_factory=list)  # "client/pool" of those that went before answering
+    whole: bool = False  # its wait (a wake's): answered with all its rows, or at its deadline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +146,12 @@ def freeable(pool: KvPoolRecord, arena: ArenaRecord, tokens: int) -> int:
     return freed
 
 
-def spare(pool: KvPoolRecord, arena: ArenaRecord) -> int:
-    """Bytes another pool's demand may ask of ``pool``: what a shrink down to its floor frees."""
-    return freeable(pool, arena, floor(pool))
-
-
-def shrink_bound(pool: KvPoolRecord, arena: ArenaRecord, give: int) -> int:
-    """The most tokens (not below the pool's floor) a shrink to which frees ``give``
-    bytes: a shrink gives back whole chunks only, so count what chunk boundaries free.
-    Asked for more than its ``spare``, the pool is asked for its floor."""
-    lo, hi = floor(pool), pool.tokens
+def shrink_bound(pool: KvPoolRecord, arena: ArenaRecord, give: int, least: int | None = None) -> int:
+    """The most tokens (not below the pool's floor, or ``least`` where another tenant's
+    need bounds it lower) a shrink to which frees ``give`` bytes: a shrink gives back
+    whole chunks only, so count what chunk boundaries free. Asked for more than its
+    ``spare``, the pool is asked for its floor."""
+    lo, hi = floor(pool) if least is None else min(least, floor(pool)), pool.tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if freeable(pool, arena, mid) >= give:

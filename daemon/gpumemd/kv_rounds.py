@@ -5,12 +5,15 @@ budget measured and split (kv_math), the chunks created, and each member's defer
 reply answered as a Completion. Short of the minimums, pools committed before are asked
 to give back (KV_SHRINK); past the deadline, the round fails with its figures.
 
-The KV book (kv_pools.py) owns the pools and the way out (its completions, its shrink
-requests); it hands the desk what it needs of them.
+The KV book (kv_pools.py) owns the pools and the way out: each step of a round returns
+what it leaves the book (a RoundStep: the deferred answers to send, and the bytes its
+minimums lack, which the book asks back by its one donor rule); the desk writes into
+nothing of the book's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -45,9 +48,21 @@ def _budget_figures(round_: RoundRecord) -> dict[str, int]:
 _ROUND, _MEMBER = Imager(RoundRecord), Imager(MemberRecord)
 
 
+@dataclasses.dataclass
+class RoundStep:
+    """What a step of a round leaves to the book: the deferred answers to send and, where
+    the members' minimums do not fit, the bytes to ask pools to give back (``short``, for
+    ``why``) and what the round fails with if none can (``failure``, with its figures)."""
+
+    done: list[Completion] = dataclasses.field(default_factory=list)
+    short: int = 0
+    why: str = ""
+    failure: str = ""
+    figures: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
 class RoundDesk:
-    """The rounds, the oldest first, and the next round's id; the book's pools as it
-    keeps them, its completions to answer with, its shrink request to send."""
+    """The rounds, the oldest first, and the next round's id; the book's pools, read."""
 
     def __init__(
         self,
@@ -57,8 +72,6 @@ class RoundDesk:
         clock: Callable[[], float],
         tally: Tally,
         pools: Mapping[str, KvPoolRecord],
-        completions: list[Completion],
-        ask: Callable[[KvPoolRecord, int, str], None],
     ) -> None:
         self.arenas = arenas
         self.sessions = sessions
@@ -66,8 +79,6 @@ class RoundDesk:
         self.clock = clock
         self.tally = tally
         self.pools = pools  # the book's
-        self._completions = completions  # the book's: what it answers for the desk
-        self._ask = ask  # the book's KV_SHRINK request to a pool's owner
         self.rounds: list[RoundRecord] = []  # the active one last; finished ones kept for status
         self.next_round = 1
 
@@ -111,7 +122,8 @@ class RoundDesk:
         )
 
     def report(self, s: SessionRecord, pool: KvPoolRecord, m: p.CaptureDone, request_id: int) -> Outcome:
-        """Record the report; the reply is deferred until the round commits or fails."""
+        """Record the report (the book then tries to finish the round); the reply is
+        deferred until the round commits or fails."""
         round_ = self.of(pool)
         if round_ is None:
             raise p.ProtocolError(p.ErrorCode.NOT_FOUND, f"KV pool '{pool.name}' is in no open round; join one first")
@@ -144,7 +156,6 @@ class RoundDesk:
         member.request_id = request_id
         if round_.pending or round_.joined < round_.expect:
             self._stage(member)
-        self.try_finish(round_)
         return Outcome(None)
 
     # ------------------------------------------------------------------ what others change
@@ -169,16 +180,20 @@ class RoundDesk:
                 left.append(round_)
         return left
 
-    def memory_freed(self) -> None:
-        """A round waiting for shrinks may go ahead now."""
-        for round_ in self.active():
-            if round_.state == p.RoundState.AWAITING_SHRINK:
-                self.try_finish(round_)
+    def awaiting(self) -> list[RoundRecord]:
+        """The rounds waiting for shrinks: memory that came free may let them go ahead."""
+        return [r for r in self.active() if r.state == p.RoundState.AWAITING_SHRINK]
 
-    def tick(self) -> None:
-        for round_ in self.active():
-            if self.clock() >= round_.deadline:
-                self.try_finish(round_)
+    def late(self) -> list[RoundRecord]:
+        return [r for r in self.active() if self.clock() >= r.deadline]
+
+    def asked(self, round_: RoundRecord, step: RoundStep, asked: bool) -> list[Completion]:
+        """The book asked pools for ``step.short`` (``asked``: some will give back): the
+        round waits for their shrinks, or fails now. Returns its deferred answers."""
+        if asked:
+            round_.state = p.RoundState.AWAITING_SHRINK
+            return step.done
+        return step.done + self._fail(round_, step.failure, **step.figures)
 
     # ------------------------------------------------------------------ the durable record
 
@@ -212,32 +227,32 @@ class RoundDesk:
 
     # ------------------------------------------------------------------ the round
 
-    def try_finish(self, round_: RoundRecord) -> None:
+    def try_finish(self, round_: RoundRecord) -> RoundStep:
         """Commit the round once every member reported (or its deadline passed)."""
         now = self.clock()
         if not round_.active:
-            return
+            return RoundStep()
         late = now >= round_.deadline
         absent = max(0, round_.expect - round_.joined)
         if (round_.pending or absent) and not late:
-            return
+            return RoundStep()
         if round_.pending or absent:
             missing = ", ".join(
                 [f"{m.client}/{m.pool.name}" for m in round_.pending] + ([f"{absent} expected pool(s) that never joined"] if absent else [])
             )
             if round_.policy == p.RoundPolicy.FAIL:
-                self._fail(round_, f"round {round_.id} passed its deadline; these members did not report capture-done: {missing}")
-                return
+                return RoundStep(self._fail(round_, f"round {round_.id} passed its deadline; these members did not report capture-done: {missing}"))
             for member in round_.pending:
                 round_.members.remove(member)
                 round_.dropped.append(f"{member.client}/{member.pool.name}: did not report capture-done by the deadline")
             log.warning("round %d: deadline passed; committing without %s", round_.id, missing)
-        members = self._within_caps(round_)
+        done: list[Completion] = []
+        members = self._within_caps(round_, done)
         if not members:
             round_.state = p.RoundState.FAILED
             round_.error = "no member reported capture-done"
             self._ended(round_)
-            return
+            return RoundStep(done)
         staged = sum(c.size for m in members for c in m.staged)
         free = self.arenas.free_bytes() + staged  # staged minimums are the members' own
         headroom = sum(m.report.headroom_bytes for m in members)
@@ -253,23 +268,22 @@ class RoundDesk:
             minimums=sum(m.pool.cost(m.report.min_tokens) for m in members),
         )
         caps = self.arenas.caps
-        held_back = caps.held_back(caps.tenants_of((self.arenas.by_name[m.pool.name], 0, 0) for m in members))
+        held_back = caps.held_back(caps.accounts_of((self.arenas.by_name[m.pool.name], 0, 0) for m in members))
         try:
             tokens = self._split(members, max(budget - held_back, 0))
         except kv_math.BudgetShort as short:
-            if round_.state == p.RoundState.OPEN and not late and self._ask_shrinks(round_, short.needed - max(budget - held_back, 0)):
-                round_.state = p.RoundState.AWAITING_SHRINK
-                return
-            if round_.state == p.RoundState.AWAITING_SHRINK and not late:
-                return
-            self._fail(
-                round_,
+            failure = (
                 f"round {round_.id}: the members' minimum KV needs {short.needed} bytes but the budget is {budget} "
-                f"(free {free} - reserve {reserve} - headroom {headroom}; {held_back} more held back for other tenants' minimums)",
-                needed=short.needed,
-                budget=budget,
+                f"(free {free} - reserve {reserve} - headroom {headroom}; {held_back} more held back for other tenants' minimums)"
             )
-            return
+            figures = {"needed": short.needed, "budget": budget}
+            if round_.state == p.RoundState.OPEN and not late:  # pools committed earlier may give back (the book asks them)
+                deficit = short.needed - max(budget - held_back, 0)
+                names = ", ".join(f"{m.client}/{m.pool.name}" for m in round_.members)
+                return RoundStep(done, deficit, f"round {round_.id} ({names}) needs {deficit} bytes", failure, figures)
+            if round_.state == p.RoundState.AWAITING_SHRINK and not late:
+                return RoundStep(done)
+            return RoundStep(done + self._fail(round_, failure, **figures))
         work = []
         for member in members:
             arena = self.arenas.by_name[member.pool.name]
@@ -278,8 +292,7 @@ class RoundDesk:
         try:
             self.arenas.create_chunks(work, max(budget, 0), ladder=False)
         except p.ProtocolError as exc:
-            self._fail(round_, f"round {round_.id}: {exc.message}")
-            return
+            return RoundStep(done + self._fail(round_, f"round {round_.id}: {exc.message}"))
         created_ms = (time.perf_counter() - started) * 1e3
         round_.state = p.RoundState.COMMITTED
         handouts = []
@@ -298,7 +311,7 @@ class RoundDesk:
         self._ended(round_)
         for member, new in handouts:
             reply = commit_reply(self.arenas, member.pool, new, [], round_)
-            self._completions.append(Completion(member.session_id, member.request_id, reply, self.arenas.hand(self.sessions[member.session_id], new)))
+            done.append(Completion(member.session_id, member.request_id, reply, self.arenas.hand(self.sessions[member.session_id], new)))
         log.info(
             "round %d committed: %s (%d bytes in %d chunks; %d staged before the last report, the rest created in %.1f ms)",
             round_.id,
@@ -309,6 +322,7 @@ class RoundDesk:
             created_ms,
             extra={"figures": {"round": round_.id, "chunks": handed, "created_ms": round(created_ms, 3), **_budget_figures(round_)}},
         )
+        return RoundStep(done)
 
     def _by_tenant(self, members: list[MemberRecord]) -> dict[str, tuple[int, list[MemberRecord]]]:
         """Capped tenants' members, with the bytes each tenant may hold for them: what
@@ -316,15 +330,16 @@ class RoundDesk:
         out: dict[str, tuple[int, list[MemberRecord]]] = {}
         for member in members:
             arena = self.arenas.by_name[member.pool.name]
-            found, room = self.arenas.caps.tenant_of(arena.name), self.arenas.caps.room(arena)
+            found, room = self.arenas.caps.account_of(arena.name), self.arenas.caps.room(arena)
             if found is not None and room is not None:
                 held, group = out.get(found[0], (room, []))
                 out[found[0]] = (held + sum(c.size for c in member.staged), [*group, member])
         return out
 
-    def _within_caps(self, round_: RoundRecord) -> list[MemberRecord]:
+    def _within_caps(self, round_: RoundRecord, done: list[Completion]) -> list[MemberRecord]:
         """The members whose tenants' caps hold their minimums; the others leave the round,
-        refused with RESOURCE_EXHAUSTED (their tenant's bound is no other member's concern)."""
+        refused with RESOURCE_EXHAUSTED (their tenant's bound is no other member's concern:
+        the refusals go to ``done``)."""
         for tenant, (room, group) in self._by_tenant(list(round_.members)).items():
             needed = sum(m.pool.cost(m.report.min_tokens) for m in group)
             if needed <= room:
@@ -340,13 +355,15 @@ class RoundDesk:
                 self._unstage(member)
                 if member.reported:
                     error = p.ProtocolError(p.ErrorCode.RESOURCE_EXHAUSTED, message, limit="device memory", tenant=tenant, room=room, needed=needed)
-                    self._completions.append(Completion(member.session_id, member.request_id, error))
+                    done.append(Completion(member.session_id, member.request_id, error))
         return list(round_.members)
 
     def _split(self, members: list[MemberRecord], budget: int) -> dict[MemberRecord, int]:
         """kv_math.split within each tenant's cap: a capped tenant whose members' shares
         pass it gets its cap, split among them alone (minimums first, then by weight),
         and the rest of the budget is split again among the others."""
+        evened = self._evened(members)
+        members = list(evened)
         rooms = self._by_tenant(members)
         fixed: dict[MemberRecord, int] = {}
         while True:
@@ -354,9 +371,24 @@ class RoundDesk:
             tokens = kv_math.split(rest, budget - sum(m.pool.cost(t) for m, t in fixed.items())) if rest else {}
             over = [(room, group) for room, group in rooms.values() if group[0] not in fixed and sum(m.pool.cost(tokens[m]) for m in group) > room]
             if not over:
-                return {**fixed, **tokens}
+                return {evened[m]: t for m, t in {**fixed, **tokens}.items()}
             for room, group in over:
                 fixed.update(kv_math.split(group, room))
+
+    def _evened(self, members: list[MemberRecord]) -> dict[MemberRecord, MemberRecord]:
+        """Stand-ins for ``members`` (each to its member) whose weights are bounded across
+        tenants: a member's weight divides its own tenant's, each tenant weighing 1,
+        however its engines weigh their pools. One tenant alone: the members themselves."""
+        tenant = {m: self.arenas.caps.tenant(m.pool.name) for m in members}
+        if len(set(tenant.values())) < 2:
+            return {m: m for m in members}
+        weights: dict[str, float] = {}
+        for m in members:
+            weights[tenant[m]] = weights.get(tenant[m], 0.0) + m.report.weight
+        return {
+            dataclasses.replace(m, report=msgspec.structs.replace(m.report, weight=m.report.weight / weights[tenant[m]])): m
+            for m in members
+        }
 
     def _stage(self, member: MemberRecord) -> None:
         """Create and zero the reporting member's minimum while the round waits for the
@@ -393,32 +425,18 @@ class RoundDesk:
     def _ended(self, round_: RoundRecord) -> None:
         self.tally.round_ended(round_.state, self.clock() - round_.created, round_.budget)
 
-    def _fail(self, round_: RoundRecord, message: str, **detail: int | str) -> None:
+    def _fail(self, round_: RoundRecord, message: str, **detail: int | str) -> list[Completion]:
+        """End the round failed; returns the refusals of the members that reported."""
         round_.state = p.RoundState.FAILED
         round_.error = message
         self._ended(round_)
         log.warning("%s", message, extra={"figures": {"round": round_.id, **_budget_figures(round_), **detail}})
+        done = []
         for member in round_.members:
             self._unstage(member)
             if member.reported:
-                error = p.ProtocolError(p.ErrorCode.ROUND_FAILED, message, **detail)
-                self._completions.append(Completion(member.session_id, member.request_id, error))
-
-    def _ask_shrinks(self, round_: RoundRecord, deficit: int) -> bool:
-        """Ask pools committed earlier to give back ``deficit`` bytes, in proportion to
-        what they hold above their floor. Only their owners can free rows; nothing is
-        taken without the owner's KV_SHRINK."""
-        in_round = {m.pool.name for m in round_.members}
-        donors = [pool for pool in self.pools.values() if pool.name not in in_round and pool.owner_id in self.sessions]
-        spare = {pool: kv_moves.spare(pool, self.arenas.by_name[pool.name]) for pool in donors}
-        donors = [pool for pool in donors if spare[pool] > 0]
-        total = sum(spare[pool] for pool in donors)
-        if total < deficit:
-            return False
-        names = ", ".join(f"{m.client}/{m.pool.name}" for m in round_.members)
-        for pool in donors:
-            self._ask(pool, -(-deficit * spare[pool] // total), f"round {round_.id} ({names}) needs {deficit} bytes")
-        return True
+                done.append(Completion(member.session_id, member.request_id, p.ProtocolError(p.ErrorCode.ROUND_FAILED, message, **detail)))
+        return done
 
 
 def commit_reply(arenas: ArenaBook, pool: KvPoolRecord, new: list[ChunkRecord], retired: list[p.ChunkView], round_: RoundRecord | None = None) -> p.KvCommitReply:

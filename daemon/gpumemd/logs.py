@@ -58,6 +58,41 @@ def configure(level: str, fmt: LogFormat = "text") -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
+class SessionThrottle:
+    """Warnings any client can provoke at will (a refused ADOPT: a wrong secret, another
+    uid's group), at most one line per session every ``every`` seconds: the first
+    written, the rest counted, and the session's next line says how many went unwritten.
+    A log a client fills at will hides what matters and fills the disk."""
+
+    # Sessions remembered before those quiet for a window are summed up and forgotten.
+    REMEMBERED = 256
+
+    def __init__(self, log: logging.Logger, every: float = 5.0) -> None:
+        self.log = log
+        self.every = every
+        self._seen: dict[int, list[float]] = {}  # session id -> [when its last line went, lines unwritten since]
+
+    def warning(self, session: int, now: float, msg: str, *args: object) -> None:
+        seen = self._seen.get(session)
+        if seen is not None and now - seen[0] < self.every:
+            seen[1] += 1
+            return
+        if seen is not None and seen[1]:
+            msg += " (%d more like it from session %d in the %.1fs before, not logged)"
+            args = (*args, int(seen[1]), session, now - seen[0])
+        self.log.warning(msg, *args)
+        if len(self._seen) >= self.REMEMBERED:
+            self._forget_quiet(now)
+        self._seen[session] = [now, 0]
+
+    def _forget_quiet(self, now: float) -> None:
+        for session, (when, unwritten) in list(self._seen.items()):
+            if now - when >= self.every:
+                if unwritten:
+                    self.log.warning("%d more like it from session %d, not logged", int(unwritten), session)
+                del self._seen[session]
+
+
 # A request's size, for its debug line: the first of these fields it has.
 _SIZE_FIELDS = ("nbytes", "to_nbytes", "reserve_bytes", "slot_bytes", "tokens")
 

@@ -218,7 +218,7 @@ class Metrics:
             "gpumemd_daemon_generation", "gauge",
             "Daemon generation: 0 at a fresh start, one more with each restart that rebuilt the state from the fd store "
             "(the generation gpumemctl status --json shows).",
-            state.generation,
+            state.session_desk.generation,
         )
         f.one("gpumemd_start_time_seconds", "gauge", "When the daemon started, unix time.", self._started)
 

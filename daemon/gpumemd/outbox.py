@@ -117,7 +117,7 @@ class Outbox:
             if message.TYPE is p.MsgType.HELLO:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_MESSAGE, "HELLO goes on the fd channel, not the control channel")
             if session is None:
-                if self.state.grace_deadline is not None and self._waiting(to):
+                if self.state.session_desk.grace_deadline is not None and self._waiting(to):
                     # Sent to the daemon before this one: the client sends it again once resumed.
                     log.debug("request %d from a session waiting to resume dropped unanswered", request_id)
                     return self._seal(Mail())
@@ -147,6 +147,11 @@ class Outbox:
     def tick(self) -> Mail:
         """The loop's upkeep (round deadlines, lease repairs, the grace period), and what it produced."""
         self.state.tick()
+        return self._seal(Mail())
+
+    def poll_waits(self) -> Mail:
+        """The waits on what nothing announces (an adoption's fence), looked at again."""
+        self.state.retained.settle()
         return self._seal(Mail())
 
     def session_closed(self, session_id: int) -> Mail:

@@ -9,6 +9,7 @@ the client library has its own Session, Arena and GraphPool.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.base import Handle
@@ -55,8 +56,8 @@ class SessionRecord:
     own_pid: int = 0
     # What RESUME proves the session with after a restart (empty: no fd store, no resume).
     credential: bytes = dataclasses.field(default=b"", repr=False)
-    # The SHA-256 of the tenant token it presented at HELLO (caps.py; b"": none). Never
-    # the token: the daemon keeps nothing a client could present again.
+    # The SHA-256 of the tenant token it presented at HELLO (memory_caps.py; b"": none).
+    # Never the token: the daemon keeps nothing a client could present again.
     tenant_key: bytes = dataclasses.field(default=b"", repr=False)
     waiting: bool = False  # kept across a restart; its client has not resumed yet
     # The last replies sent (or due) to this session, by request id, oldest first: a
@@ -128,6 +129,15 @@ class GrantRecord:
 
 
 @dataclasses.dataclass(eq=False)
+class SleepRecord:
+    """An arena asleep (sleepers.py), or a KV pool (kv_pools.py: shrunk to nothing to sleep)."""
+
+    committed: int  # what waking commits again
+    kept: int  # bytes the owner copied to its host buffer first
+    since: float  # unix time
+
+
+@dataclasses.dataclass(eq=False)
 class ArenaRecord:
     name: str
     owner_id: int
@@ -143,6 +153,9 @@ class ArenaRecord:
     grants: list[GrantRecord] = dataclasses.field(default_factory=list)
     attached: set[int] = dataclasses.field(default_factory=set)  # owner and sharers
     readers: set[int] = dataclasses.field(default_factory=set)  # sharers attached through read-only grants only
+    # Its sleep (sleepers.py; a KV pool's by the KV book's moves), written by the arena
+    # book alone and imaged with the arena: None while awake.
+    asleep: SleepRecord | None = None
 
     @property
     def window(self) -> int:
@@ -206,17 +219,6 @@ class KvBufferLayout:
 
 def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
-
-
-@dataclasses.dataclass(eq=False)
-class SleeperRecord:
-    """An arena asleep (sleepers.py), or a KV pool (kv_pools.py: shrunk to nothing to sleep)."""
-
-    arena: str
-    owner_id: int
-    committed: int  # what waking commits again
-    kept: int  # bytes the owner copied to its host buffer first
-    since: float  # unix time
 
 
 @dataclasses.dataclass(eq=False)
@@ -336,9 +338,56 @@ class Outcome:
 
 @dataclasses.dataclass
 class Completion:
-    """A deferred answer (a CAPTURE_DONE answered when its round commits or fails)."""
+    """A deferred answer (a CAPTURE_DONE answered when its round commits or fails; a
+    PendingWait's answer)."""
 
     session_id: int
     request_id: int
     reply: p.Message | p.ProtocolError
     handout: list[ChunkRecord] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class PendingWait:
+    """A request answered once it can be, or at its deadline: a KV grow waiting for pools
+    to give back, a wake for memory, an adoption for its group's holder to end. Every
+    book that keeps them settles them when memory comes free and on the tick. Not kept
+    across a restart: the client sends it again, and it is decided afresh."""
+
+    session_id: int
+    request_id: int
+    created: float
+    deadline: float
+
+
+def wait_deadline(wait: float, now: float, what: str) -> float:
+    """When a request that may wait ``wait`` seconds (its own field) is answered at the latest."""
+    if not (math.isfinite(wait) and 0 <= wait <= p.MAX_WAIT_S):
+        raise p.ProtocolError(p.ErrorCode.INVALID_ARGUMENT, f"{what}: wait {wait} must be a number of seconds in [0, {p.MAX_WAIT_S:g}]")
+    return now + wait
+
+
+@dataclasses.dataclass(eq=False)
+class GroupRecord:
+    """A retain group (retained.py): a uid's, held by one session, its secret, the arenas
+    it keeps, and the writers its adoption waits out (retain_fence.py)."""
+
+    name: str
+    uid: int
+    # Compared in constant time; kept out of repr so no log line can carry it.
+    secret: bytes = dataclasses.field(repr=False)
+    objects: list[str] = dataclasses.field(default_factory=list)  # arena names (a KV pool's arena has its name)
+    holder: int = 0  # the session that holds it; 0 while orphaned
+    # The session that held it last and ended: the one whose writes the fence waits out.
+    previous: str = ""
+    previous_pid: int = 0
+    previous_since: float = 0.0  # its HELLO (unix time): a reused pid is not it
+    previous_ended: float = 0.0  # when its session ended (the book's clock)
+    # Every other session that mapped the group's memory (a sharer its owner admitted) and
+    # ended: (how the log names it, pid, HELLO time, when it ended). An adoption waits for
+    # each one's fence as for the last holder's: its process may still write.
+    writers: list[tuple[str, int, float, float]] = dataclasses.field(default_factory=list)
+    # Until an orphaned group is released (monotonic); kept while an adopter has not
+    # confirmed, None once held for good.
+    deadline: float | None = None
+    adopting: bool = False  # adopted, not confirmed yet

@@ -21,7 +21,6 @@ import socket
 import stat
 from pathlib import Path
 
-from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
 
@@ -84,27 +83,6 @@ def raise_fd_limit() -> int:
     return hard
 
 
-def open_fds() -> int:
-    """Descriptors open in this process (past any limit when listing them fails: EMFILE)."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return 1 << 30
-
-
-def unreachable_listener(path: Path) -> socket.socket:
-    """A listening socket no one can connect to (bound at ``path``, unlinked at once)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-    try:
-        sock.bind(str(path))
-        os.unlink(path)
-        sock.listen(1)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def group_id(socket_group: str | None) -> int | None:
     """The group the sockets are given to (by name, or by number: a container may know
     the group by number only)."""
@@ -162,10 +140,8 @@ def take_device_lock(uuid: str, runtime_dir: Path) -> list[int]:
             os.close(fd)
         if exc.errno != errno.EADDRINUSE:
             raise StartupError(f"cannot take device {uuid}'s lock: {exc.strerror or exc}") from None
-        raise StartupError(
-            f"another gpumemd ({_device_holder(uuid)}) already serves device {uuid}; stop it first "
-            "(systemctl stop gpumemd@<index>, or kill that pid)"
-        ) from None
+        who = _device_holder(uuid)
+        raise StartupError(f"another gpumemd ({who}) already serves device {uuid}; {how_to_stop(_pid_in(who))}") from None
     holder = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         holder.bind(_abstract(f"{_lock_name(uuid)}{_HOLDER}{os.getpid()} {runtime_dir}"))
@@ -197,9 +173,7 @@ def _take_root_lock(uuid: str, runtime_dir: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "pid unknown"
         os.close(fd)
-        raise StartupError(
-            f"another gpumemd ({holder}) already serves device {uuid}; stop it first (systemctl stop gpumemd@<index>, or kill that pid)"
-        ) from None
+        raise StartupError(f"another gpumemd ({holder}) already serves device {uuid}; {how_to_stop(_pid_in(holder))}") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}, runtime directory {runtime_dir}\n".encode(), 0)
     return fd
@@ -245,19 +219,53 @@ def _device_holder(uuid: str) -> str:
 
 
 def _take_dir_lock(endpoints: Endpoints) -> int:
-    fd = os.open(endpoints.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+    while True:
+        fd = os.open(endpoints.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StartupError(
+                f"another gpumemd (pid {holder}) already serves device {endpoints.index} in "
+                f"{endpoints.runtime_dir}; {how_to_stop(int(holder) if holder.isdigit() else None)}"
+            ) from None
+        # A stopping daemon removes the file it held (remove_files): a lock taken on the
+        # removed file would stand beside the next daemon's on a new one.
+        try:
+            current = os.stat(endpoints.lock_path)
+        except FileNotFoundError:
+            current = None
+        opened = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+            break
         os.close(fd)
-        raise StartupError(
-            f"another gpumemd (pid {holder}) already serves device {endpoints.index} in "
-            f"{endpoints.runtime_dir}; stop it first (systemctl stop gpumemd@{endpoints.index})"
-        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+def how_to_stop(pid: int | None) -> str:
+    """What stops the daemon that holds a lock: its unit where systemd runs it (stopping
+    the process alone would see it restarted), else its pid."""
+    if pid is None:
+        return "stop it first (systemctl stop gpumemd@<index> where systemd runs it, else kill its pid)"
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        cgroups = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        command, cgroups = b"", ""
+    if b"gpumemd" not in command:  # the pid it wrote is another PID namespace's (a container's), or gone
+        return f"stop it first (it reported pid {pid}, which is no gpumemd in this PID namespace: a container's?)"
+    units = [part for line in cgroups.splitlines() for part in line.rpartition(":")[2].split("/") if part.endswith(".service")]
+    if units and units[-1].startswith("gpumemd"):
+        return f"stop it first: systemctl stop {units[-1].removesuffix('.service')}"
+    return f"stop pid {pid} first (kill {pid}): no systemd unit runs it"
+
+
+def _pid_in(holder: str) -> int | None:
+    word = holder.removeprefix("pid ").split(",", 1)[0]
+    return int(word) if word.isdigit() else None
 
 
 def remove_stale_sockets(endpoints: Endpoints) -> None:
@@ -294,18 +302,30 @@ def write_info(endpoints: Endpoints, uuid: str, backend: str) -> None:
 
 
 def remove_files(endpoints: Endpoints) -> None:
-    """At stop: the sockets and the identity file (the lock file stays; the lock goes
-    with its descriptor)."""
-    for path in (endpoints.zmq_path, endpoints.fd_path, endpoints.info_path):
+    """At stop, the lock still held: the sockets, the identity file and the lock file (a
+    daemon taking the lock checks that its file is still the one named, _take_dir_lock)."""
+    for path in (endpoints.zmq_path, endpoints.fd_path, endpoints.info_path, endpoints.lock_path):
         path.unlink(missing_ok=True)
 
 
-def peer_of(fd: int) -> tuple[int, int]:
-    """The pid and uid of the peer on a connection's descriptor ((-1, -1) if it is gone
-    already)."""
+def check_runtime_dir(path: Path) -> None:
+    """Make the runtime directory if it is not there, and refuse one that others may
+    write: anyone could plant a socket, an identity file or a lock there before the
+    daemon, or replace its own."""
+    fix = f"give gpumemd a directory of its own (--runtime-dir {path / 'gpumemd'}, or leave --runtime-dir out for the default)"
     try:
-        with socket.socket(fileno=os.dup(fd)) as sock:
-            pid, uid, _ = fdchannel.peer_credentials(sock)
-    except OSError:
-        return -1, -1
-    return pid, uid
+        path.mkdir(mode=0o755, parents=True, exist_ok=True)
+        st = os.stat(path)
+    except OSError as exc:
+        raise StartupError(
+            f"cannot make runtime directory {path}: {exc.strerror or exc}; make it as a user who may, or {fix}"
+        ) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StartupError(f"runtime directory {path} is not a directory; {fix}")
+    if st.st_mode & 0o002:
+        raise StartupError(f"runtime directory {path} may be written by others (mode {stat.S_IMODE(st.st_mode):o}); {fix}")
+    if st.st_uid not in (0, os.geteuid()):
+        raise StartupError(
+            f"runtime directory {path} belongs to uid {st.st_uid}, who could replace the daemon's sockets; {fix}"
+        )
+

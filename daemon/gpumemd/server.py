@@ -30,25 +30,25 @@ from gpumem_shared.paths import Endpoints
 from gpumemd import runtime
 from gpumemd.notify import SystemdNotifier
 from gpumemd.records import SessionRecord
-from gpumemd.admission import ACCEPT_BATCH, Admission, Connection
+from gpumemd.admission import ACCEPT_BATCH, ANONYMOUS, ANONYMOUS_UID, Admission, Connection, FairQueue
 from gpumemd.control_channel import ControlChannel
 from gpumemd.logs import log_request
 from gpumemd.outbox import Batch, Letter, Mail, Outbox
 from gpumemd.runtime import FD_HEADROOM_MIN, FdBudget, StartupError
 from gpumemd.state import DaemonState
-from gpumemd.tenants import ANONYMOUS, FairQueue
 
 log = logging.getLogger("gpumemd.server")
 
 # One control request served per poll wake-up, so the fd channel (deaths, HELLOs) gets in
 # between any two. What the ROUTER holds is read ahead into a queue per peer
-# (tenants.FairQueue) and served in turn: ZeroMQ is fair per connection only, and
+# (admission.FairQueue) and served in turn: ZeroMQ is fair per connection only, and
 # connections cost a flooder nothing. At most this many are read per wake-up.
 CONTROL_READ_AHEAD = 256
 
 # pyzmq's flags are IntFlag members, built anew by every | or test: plain ints here.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 
@@ -57,6 +57,20 @@ _EVENTS = int(zmq.EVENTS)
 # frame costs the daemon a gigabyte. A bigger one closes its connection unread; up to this
 # size it is refused with BAD_MESSAGE like any frame over MAX_FRAME_BYTES.
 MAX_CONTROL_MESSAGE = 2 * p.MAX_FRAME_BYTES
+# While an adoption waits for a dead holder's fence (nothing announces it: /proc and, on
+# CUDA, NVML are read), the loop looks again this often: a failover waits at most this
+# long past the moment the group became adoptable (the client polled at this pace before).
+_FENCE_POLL_MS = 10
+# Replies waiting in ZeroMQ for one connection's peer to read them (its send high-water
+# mark; the kernel's socket buffer holds more before them). A client's DEALER reads its
+# replies on its own I/O thread whatever the application does, so only a peer that does
+# not read gets here; past it, the daemon would hold every reply it asks for (a STATUS
+# reply is tens of KiB: 30 such peers grew the daemon ~28 MiB/s), so the peer is dropped
+# instead (ROUTER_MANDATORY makes the send say the queue is full).
+REPLY_QUEUE = 32
+# How long a reply waits for room behind a peer whose socket takes more (ZeroMQ's I/O
+# thread behind the daemon's, not the peer), in ms.
+REPLY_WAIT = 200
 
 
 class Server:
@@ -126,6 +140,9 @@ class Server:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+            self._router.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.SNDTIMEO, REPLY_WAIT)  # only a send without NOBLOCK waits
             # A session resumed after a restart comes back on a new DEALER with its old
             # routing id: the newest connection under an id is the one that answers.
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -185,10 +202,12 @@ class Server:
         control_listener = control.listener.fileno() if control.listener is not None else -1
         connections = self._connections
         waiting = self._waiting
-        queued = waiting.peers
+        queued = waiting.turns
+        retained = self.state.retained
         try:
             while not self._stop_requested:
-                for ready, _ in poller.poll(0 if queued else wait_ms):
+                fencing = bool(retained.adopts) and retained.fencing()  # one lookup when none waits
+                for ready, _ in poller.poll(0 if queued else _FENCE_POLL_MS if fencing else wait_ms):
                     if ready is router:
                         self._on_control()
                     elif ready == listener:
@@ -206,6 +225,8 @@ class Server:
                 if queued:
                     identity, frame = waiting.pop()
                     self._serve_request(identity, frame)
+                if fencing:
+                    self._post(self.outbox.poll_waits())
                 self._tick()
         finally:
             self._shutdown()
@@ -258,7 +279,7 @@ class Server:
         # The request frame without a copy; its ``more`` says whether frames follow,
         # without asking the socket.
         frame = router.recv(_NOBLOCK, copy=False)
-        if frame.more or self._waiting.peers:
+        if frame.more or self._waiting.turns:
             self._read_ahead(identity, frame)
         else:  # no peer waits, so none is passed over
             self._serve_request(identity, frame.buffer)
@@ -286,15 +307,16 @@ class Server:
                 parts += 1
             log.warning("control message with %d frames dropped (expected identity + one frame)", parts)
             err = p.ProtocolError(p.ErrorCode.BAD_MESSAGE, "a request is exactly one frame")
-            router.send(identity, _SNDMORE_NOBLOCK)
-            router.send(p.encode_error(0, err), _NOBLOCK)
+            self._send(identity, p.encode_error(0, err))
             return
         data = frame.bytes
         session = self._by_token.get(identity)
-        refusal = self._waiting.push(ANONYMOUS if session is None else session.id, identity, data)
+        if session is None:
+            refusal = self._waiting.push(ANONYMOUS, ANONYMOUS_UID, identity, data)
+        else:
+            refusal = self._waiting.push(session.id, session.uid, identity, data)
         if refusal is not None:
-            router.send(identity, _SNDMORE_NOBLOCK)
-            router.send(p.encode_error(p.request_id_of(data), refusal), _NOBLOCK)
+            self._send(identity, p.encode_error(p.request_id_of(data), refusal))
 
     def _serve(self, identity: bytes, frame: bytes | memoryview) -> None:
         self._answer(identity, self.outbox.request(identity, self._by_token.get(identity), frame))
@@ -302,12 +324,57 @@ class Server:
     def _answer(self, identity: bytes, out: Mail | bytes) -> None:
         """Send what the outbox made of a request: its reply alone (most requests), or mail."""
         if isinstance(out, bytes):
-            router = self._router
-            if router is not None:
-                router.send(identity, _SNDMORE_NOBLOCK)
-                router.send(out, _NOBLOCK)
+            self._send(identity, out)
         else:
             self._post(out)
+
+    def _send(self, to: bytes, frame: bytes) -> None:
+        """A reply to routing id ``to``. Past REPLY_QUEUE replies waiting for its peer to
+        read them, the peer is a slow reader (see REPLY_QUEUE): the reply is dropped, and
+        the peer with it. No connection under ``to`` (gone, or not connected yet): the
+        reply is dropped, as ZeroMQ drops it without ROUTER_MANDATORY."""
+        router = self._router
+        if router is None:
+            return
+        try:
+            router.send(to, _SNDMORE_NOBLOCK)
+        except zmq.Again:
+            if not self._wait_for_room(router, to):
+                return
+        except zmq.ZMQError:  # EHOSTUNREACH
+            return
+        router.send(frame, _NOBLOCK)
+
+    def _wait_for_room(self, router: zmq.Socket[Any], to: bytes) -> bool:
+        """``to``'s queue is full: behind a peer that does not read (its socket takes no
+        more either), dropped at once; or behind ZeroMQ's I/O thread, not run yet since a
+        burst of replies (a pipelining client's), which makes room within REPLY_WAIT.
+        Whether the reply's routing frame went (its body goes next)."""
+        if not self._control.unread(to):
+            try:
+                router.send(to, _SNDMORE)  # waits up to REPLY_WAIT (SNDTIMEO)
+                return True
+            except zmq.Again:
+                pass
+            except zmq.ZMQError:  # gone meanwhile
+                return False
+        self._slow_reader(to)
+        return False
+
+    def _slow_reader(self, to: bytes) -> None:
+        """Its connection hung up (ZeroMQ frees what waits for it), and a session's
+        closed: every request it sends adds a reply the daemon would hold for good."""
+        self._control.hang_up(to, f"did not read its replies ({REPLY_QUEUE} waiting)")
+        session = self._by_token.get(to)
+        conn = None if session is None else self._by_session.get(session.id)
+        if session is None or conn is None:
+            return
+        log.warning(
+            "dropped client %r (session %d, pid %d, uid %d): it does not read its replies; %d of them waited, the most a "
+            "connection may leave unread (the daemon would hold every reply it asks for without end)",
+            session.name, session.id, session.pid, session.uid, REPLY_QUEUE,
+        )
+        self._drop(conn)
 
     def _serve_traced(self, identity: bytes, frame: bytes | memoryview) -> None:
         """``_serve``, and a debug line for the request (logs.log_request)."""
@@ -324,12 +391,8 @@ class Server:
         """Send what the outbox put together (the record holds it already)."""
         if mail.notices:
             self._deliver(mail.notices)
-        router = self._router
         for letter in mail.letters:
-            frame = self._hand_over(letter) if letter.batches else letter.frame
-            if router is not None:
-                router.send(letter.to, _SNDMORE_NOBLOCK)
-                router.send(frame, _NOBLOCK)
+            self._send(letter.to, self._hand_over(letter) if letter.batches else letter.frame)
         for session_id in mail.closing:
             conn = self._by_session.get(session_id)
             if conn is not None:

@@ -1,46 +1,47 @@
-"""The daemon's state: sessions, and a dispatcher over the books that keep the rest.
+"""The daemon's state: a dispatcher over the books that keep it.
 
-Plain Python owned by the daemon's one thread. It never touches a socket: the server
-decodes a request, calls ``handle``, and carries out the ``Outcome`` (send the reply,
-pass the handed-out chunks' fds, deliver notices). The driver is the only I/O, behind
-``gpumem_shared.driver.Driver``, so tests drive this class with the host backend and no
-zmq at all.
+Plain Python owned by the daemon's one thread. It never touches a socket: the outbox
+(outbox.py) hands it each request (``handle``) and the loop's upkeep (``tick``), and
+turns the ``Outcome`` and what is left to take (notices, deferred answers) into mail.
+The driver is the only I/O, behind ``gpumem_shared.driver.Driver``, so tests drive this
+class with the host backend and no zmq at all.
 
 The books, each in its own module, bottom up: arenas.py (arenas, chunks, accounting,
 admission, window plan), graph_pools.py (the registry and the pools' lease segments),
-kv_pools.py (KV pools and commit rounds), status.py (the STATUS reply). A book never
-imports one above it; what one event means for several books (a session ending, an
-arena released or destroyed, a decommit under a graph pool) is decided here.
+kv_pools.py (KV pools, their grows and commit rounds), sleepers.py (arenas asleep),
+retained.py (retain groups and adoption), sessions.py (HELLO, RESUME and the restart's
+grace period); status.py assembles the STATUS reply from them. Each request type maps to
+one handler in an explicit table. A book never imports one above it; what one event
+means for several books (a session ending, an arena released or destroyed, a decommit
+under a graph pool) is decided here, and the session desk's verdicts (a session to
+close) are carried out here.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from gpumem_shared import __version__, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver
 from gpumem_shared.lease_order import LeaseOrdering
 
-from gpumemd import status
+from gpumemd import names, status
 from gpumemd.arenas import ArenaBook
-from gpumemd.checks import check_name
 from gpumemd.config import StateConfig
-from gpumemd.fencing import Fence, fence_for, process_gone
+from gpumemd.fencing import Fence, fence_for
 from gpumemd.graph_pools import GraphPoolBook
-from gpumemd.lease_lanes import SequenceChunk
-from gpumemd.image import IMAGE_VERSION, Image, Imager, Keep, StateImage, Take
+from gpumemd.lease_order_lanes import SequenceChunk
+from gpumemd.image import IMAGE_VERSION, Keep, StateImage, Take
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import ArenaRecord, Completion, Notices, Outcome, SessionRecord
 from gpumemd.sleepers import SleeperBook
 from gpumemd.retained import RetainBook
+from gpumemd.sessions import SessionDesk
 from gpumemd.tally import Tally
 from gpumemd.tenants import Tenants
 
@@ -52,7 +53,7 @@ Handler = Callable[[Any, Any], Outcome]
 _READ_ONLY: frozenset[type] = frozenset({p.Ping, p.Status, p.LookupLeaseEvent, p.RetainReserve})
 
 # The field of each request that names an arena (a KV pool is one): the daemon reads it
-# as a name of the sender's uid (Tenants.resolve) before any book sees it.
+# as a name of the sender's uid (names.resolve) before any book sees it.
 _ARENA_FIELD: dict[type, str] = {
     **dict.fromkeys(
         [p.CreateArena, p.AttachArena, p.ShareArena, p.UnshareArena, p.CommitArena, p.DecommitArena, p.SyncArena,
@@ -63,15 +64,6 @@ _ARENA_FIELD: dict[type, str] = {
     **dict.fromkeys([p.SleepArena, p.WakeArena, p.Retain], "name"),
 }
 _CREATES: dict[type, str] = {p.CreateArena: "arena name", p.KvDeclare: "KV pool name"}
-
-# Both about its connection: a rebuilt session waits for its client, whose RESUME says what it sends again.
-_SESSION = Imager(SessionRecord, "waiting", "resending")
-
-
-class SessionsImage(msgspec.Struct):
-    sessions: list[Image]
-    next_session: int
-
 
 class DaemonState:
     def __init__(
@@ -87,24 +79,14 @@ class DaemonState:
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
-        # Whether a session's process (pid, HELLO's unix time) is provably gone, for
-        # sessions kept across a restart (fencing.process_gone); None: the grace decides.
-        self.gone = gone
         self.started = clock()
         self.stopping = False
-        # Restarts survived with the state kept; whether sessions get a resume credential
-        # (the daemon keeps its state in systemd's fd store); when sessions kept across the
-        # last restart stop waiting for their clients; whether anything a restart must find
-        # changed since the durable record was last written.
-        self.generation = 0
-        self.resumable = False
-        self.grace_deadline: float | None = None
+        # Whether anything a restart must find changed since the durable record was last written.
         self.dirty = False
         # What the start could not rebuild from the store (durable.py says), shown in status.
         self.restore_problems: list[str] = []
         self._notices: Notices = []
         self.sessions: dict[int, SessionRecord] = {}
-        self.next_session = 1
         self.device = p.DeviceInfo(
             index=config.index,
             uuid=driver.device_uuid(),
@@ -120,8 +102,11 @@ class DaemonState:
         order = SequenceChunk(driver, fence) if config.lease_ordering is LeaseOrdering.MEMOPS else None
         self.graph_pools = GraphPoolBook(self.arenas, self.sessions, self.device, order)
         self.kv = KvBook(self.arenas, self.sessions, config, clock, wall_clock, self.tally)
-        self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, wall_clock)
-        self.retained = RetainBook(self.arenas, self.kv, self.sessions, config, clock, fence)
+        self.sleepers = SleeperBook(self.arenas, self.kv, self.sessions, config, clock, wall_clock)
+        self.retained = RetainBook(self.arenas, self.kv, self.sleepers, self.sessions, config, clock, fence)
+        self.session_desk = SessionDesk(
+            self.sessions, p.Backend(driver.kind), self.device, config, self.arenas, self.tenants, self.tally, clock, wall_clock, gone,
+        )
         self._handlers: dict[type, Handler] = {
             p.Ping: lambda s, m: Outcome(p.Ack()),
             p.Status: lambda s, m: Outcome(self.status()),
@@ -133,7 +118,7 @@ class DaemonState:
             p.DecommitArena: self._awake(self._decommit, "decommit"),
             p.SyncArena: self.arenas.sync,
             p.ReleaseArena: self._release,
-            p.ChunksUnmapped: self._chunks_unmapped,
+            p.ChunksUnmapped: self.arenas.chunks_unmapped,
             p.PlaceholderArena: self.arenas.placeholder,
             p.KvDeclare: self.kv.declare,
             p.RoundJoin: self.kv.join,
@@ -149,152 +134,40 @@ class DaemonState:
             p.SleepBuffer: self.sleepers.buffer,
             p.FreeSleepBuffer: self.sleepers.free,
             p.SleepArena: self._sleep,
-            p.WakeArena: self.sleepers.wake,
             p.RetainGroup: self.retained.open,
             p.Retain: self.retained.mark,
-            p.Adopt: self._adopt,
             p.AdoptDone: self.retained.adopt_done,
             p.RetainReserve: self.retained.reserve,
         }
-        # Answered later, when their round commits or fails: they need the request id.
-        self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow}
+        # Answered later (when their round commits or fails, or once what they wait for
+        # comes, or their wait ends): they need the request id.
+        self._deferred: dict[type, Callable[[Any, Any, int], Outcome]] = {
+            p.CaptureDone: self.kv.capture_done, p.KvGrow: self.kv.grow, p.WakeArena: self.sleepers.wake, p.Adopt: self._adopt,
+        }
 
     # ------------------------------------------------------------------ sessions
 
     def open_session(self, hello: p.Hello, pid: int, uid: int, gid: int) -> tuple[SessionRecord, p.HelloReply]:
         if self.stopping:
             raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; connect again once it is back")
-        check_name(hello.name, "client name")
-        # A token no cap names is refused before anything changes.
-        tenant_key = self.arenas.caps.admit(hello.tenant_token, f"client {hello.name!r} (pid {pid}, uid {uid})")
-        # Shares name clients: a name a session holds cannot be said again, so no second
-        # process can pass for the first one.
-        holder = next((x for x in self.sessions.values() if x.name == hello.name), None)
-        if holder is not None:
-            self._take_name(holder, pid, uid)
-        self.tenants.check_session(uid)
-        live = {lease_table.word_session(i) for i in self.sessions}
-        # Lease words must tell live sessions apart, and 0 in a slot's fields means nobody.
-        while lease_table.word_session(self.next_session) in live or lease_table.word_session(self.next_session) == 0:
-            self.next_session += 1
-        session = SessionRecord(
-            id=self.next_session,
-            name=hello.name,
-            pid=pid,
-            uid=uid,
-            gid=gid,
-            since=self.wall_clock(),
-            token=os.urandom(16),
-            own_pid=hello.pid or pid,  # a client before 1.9 says none: the kernel's is its own then
-            credential=os.urandom(32) if self.resumable else b"",
-            tenant_key=tenant_key,
-        )
-        self.next_session += 1
-        self.sessions[session.id] = session
-        self.tally.sessions_opened += 1
+        tenant_key, taken_over = self.session_desk.admit(hello, pid, uid)
+        if taken_over is not None:  # its process is gone: released as a dead client's, its name goes to this one
+            self._close_all([taken_over])
+        opened = self.session_desk.open(hello, pid, uid, gid, tenant_key)
         self.dirty = True
-        tenant = self.arenas.caps.session_tenant(uid, gid, tenant_key)
-        log.info("session %d opened: client %r %s uid %d%s", session.id, session.name, session.pids, uid, f", tenant {tenant}" if tenant else "")
-        return session, self._hello_reply(session)
-
-    def _take_name(self, holder: SessionRecord, pid: int, uid: int) -> None:
-        """A session kept across a restart whose process is gone cannot resume: a process
-        of its uid (its supervisor's restarted engine) takes the name over at once, and
-        what the dead one held is released as a dead client's. Any other holder keeps it."""
-        name, who = holder.name, f"session {holder.id}, {holder.pids}, uid {holder.uid}"
-        if not holder.waiting:
-            raise p.ProtocolError(
-                p.ErrorCode.ALREADY_EXISTS,
-                f"client name '{name}' is held by a live session ({who}); connect under another name, or once that process "
-                "has closed its session",
-                holder_pid=holder.own_pid,
-                holder_session=holder.id,
-            )
-        gone = uid == holder.uid and process_gone(holder.pid, holder.since)
-        if not gone:
-            left = 0.0 if self.grace_deadline is None else max(0.0, self.grace_deadline - self.clock())
-            if uid != holder.uid:
-                why = f"only a process of uid {holder.uid} may take it over once its process is gone"
-            elif holder.pid > 0:
-                why = f"pid {holder.pid} still runs"
-            else:
-                # Its fd channel died with the old daemon, and its pid is none the daemon
-                # can read: only its RESUME or the grace period's end tells.
-                why = "its process is outside gpumemd's pid namespace, so nothing tells whether it still runs"
-            raise p.ProtocolError(
-                p.ErrorCode.ALREADY_EXISTS,
-                f"client name '{name}' is held by a session kept across the daemon's restart ({who}), waiting up to "
-                f"{left:.0f}s more for its client to resume; {why}. Connect under another name, or once it has resumed "
-                "and closed, or its time is up",
-                holder_pid=holder.own_pid,
-                holder_session=holder.id,
-            )
-        log.warning(
-            "session %d (client %r, %s) waiting to resume: its process is gone; released like a dead client's, "
-            "its name goes to pid %d", holder.id, name, holder.pids, pid,
-        )
-        self._notices += self.close_session(holder.id)
-        if not any(s.waiting for s in self.sessions.values()):
-            self.grace_deadline = None
-
-    def _hello_reply(self, session: SessionRecord) -> p.HelloReply:
-        return p.HelloReply(
-            protocol=list(p.PROTOCOL_VERSION),
-            daemon_version=__version__,
-            daemon_pid=os.getpid(),
-            session_id=session.id,
-            token=session.token,
-            backend=p.Backend(self.driver.kind),
-            device=self.device,
-            credential=session.credential,
-            generation=self.generation,
-        )
+        return opened
 
     def resume(self, m: p.Resume, pid: int, uid: int, gid: int) -> tuple[SessionRecord, p.HelloReply]:
-        """A client back after a restart: its session, if the credential is the one HELLO
-        issued and the connection comes from the uid and gid that said HELLO (and the same
-        pid, where the daemon saw one both times: a client outside its pid namespace shows 0)."""
         if self.stopping:
             raise p.ProtocolError(p.ErrorCode.SHUTTING_DOWN, "gpumemd is stopping; resume once it is back")
-        session = self.sessions.get(m.session_id)
-        if session is None or not session.credential:
-            raise p.ProtocolError(
-                p.ErrorCode.SESSION_LOST,
-                f"gpumemd (pid {os.getpid()}, generation {self.generation}) holds no session {m.session_id} to resume: "
-                f"its client did not come back within the {self.config.restart_grace:g}s grace period and what it held was "
-                "released, or the daemon restarted without its state (no fd store); open a new session",
-                session=m.session_id,
-            )
-        if not hmac.compare_digest(m.credential, session.credential):
-            log.warning("resume of session %d (client %r) refused: wrong credential from pid %d uid %d", session.id, session.name, pid, uid)
-            raise p.ProtocolError(p.ErrorCode.PERMISSION_DENIED, f"wrong resume credential for session {m.session_id}", session=m.session_id)
-        other_pid = pid != session.pid and pid > 0 and session.pid > 0
-        if (uid, gid) != (session.uid, session.gid) or other_pid:
-            log.warning(
-                "resume of session %d (client %r, pid %d uid %d gid %d) refused: its credential came from pid %d uid %d gid %d",
-                session.id, session.name, session.pid, session.uid, session.gid, pid, uid, gid,
-            )
-            raise p.ProtocolError(
-                p.ErrorCode.PERMISSION_DENIED,
-                f"session {session.id} belongs to pid {session.pid} (uid {session.uid}, gid {session.gid}); this connection "
-                f"is pid {pid} (uid {uid}, gid {gid}): only the process that opened a session may resume it",
-                session=session.id,
-            )
-        if not session.waiting:
-            raise p.ProtocolError(
-                p.ErrorCode.ALREADY_EXISTS, f"session {session.id} is connected already; it is resumed once", session=session.id
-            )
-        session.waiting = False
-        session.resending = set(m.pending)
-        # Chunks of the answers it asks for again that it does not map: those replies never
-        # reached it (each goes again, with them, when its request comes again).
-        self.arenas.drop_holder(session.id, session.handed_out(session.resending) - {c for h in m.holdings for c in h.chunks})
+        resumed = self.session_desk.resume(m, pid, uid, gid)
         self.dirty = True
-        left = sum(1 for s in self.sessions.values() if s.waiting)
-        if not left:
-            self.grace_deadline = None
-        log.info("session %d resumed: client %r pid %d (%d session(s) still waiting)", session.id, session.name, pid, left)
-        return session, self._hello_reply(session)
+        return resumed
+
+    def _close_all(self, session_ids: list[int]) -> None:
+        """Sessions the desk gave up on (sessions.py): closed as dead clients', their notices kept for the loop."""
+        for session_id in session_ids:
+            self._notices += self.close_session(session_id)
 
     def close_session(self, session_id: int) -> Notices:
         """The client is gone (EOF on its fd channel): its mappings died with it."""
@@ -308,20 +181,19 @@ class DaemonState:
         notices: Notices = []
         rounds = self.kv.drop_session(session_id)
         self.graph_pools.session_ended(session_id)
-        self.retained.session_ended(session)  # what it retained is orphaned for an adopter, not reclaimed
+        self.retained.session_ended(session, notices)  # what it retained is orphaned for an adopter, not reclaimed
         for arena in left:
             self.arenas.detach(arena, session_id)
             if arena.owner_id == session_id:
                 self.arenas.owner_left(arena, notices, released=False)
-            if not arena.attached and not self.retained.orphaned(arena.name):
-                self._destroy(arena, notices)
-            elif arena.attached and arena.owner_id == session_id:
+            self._reap(arena, notices)
+            if arena.attached and arena.owner_id == session_id:
                 log.info("arena %r outlives its owner %s: still attached by %d client(s)", arena.name, session.name, len(arena.attached))
         # Chunks of arenas gone since (one a restart could not rebuild) stop counting it.
         self.arenas.drop_holder(session_id)
         for round_ in rounds:  # once its memory is given back: the budget counts it as free
             self.kv.try_finish(round_)
-        self.kv.memory_freed()  # a grow waiting for its shrink (or its pool) may go ahead
+        self._follow_up()  # a grow or a wake waiting for its memory, an adopter for its end, may go ahead
         if not left:  # it released what it had: a clean close
             log.info("session %d closed: client %r %s", session.id, session.name, session.pids)
             return notices
@@ -354,7 +226,7 @@ class DaemonState:
                 raise p.ProtocolError(p.ErrorCode.NO_SESSION, "this request needs a session: open one with HELLO on the fd channel first")
             field = _ARENA_FIELD.get(cls)
             if field is not None and session is not None:
-                key = self.tenants.resolve(session, getattr(message, field), self.arenas.by_name, create=_CREATES.get(cls, ""))
+                key = names.resolve(session, getattr(message, field), self.arenas.by_name, self.tenants.owners, create=_CREATES.get(cls, ""))
                 message = msgspec.structs.replace(message, **{field: key})
             if deferred is not None:
                 outcome = deferred(session, message, request_id)
@@ -370,6 +242,7 @@ class DaemonState:
         self._served[cls] += 1
         if cls not in _READ_ONLY:
             self.dirty = True
+            self._follow_up()
         return outcome
 
     def _create_arena(self, s: SessionRecord, m: p.CreateArena) -> Outcome:
@@ -402,18 +275,12 @@ class DaemonState:
         notices: Notices = []
         outcome = self.sleepers.sleep(s, m, notices)
         outcome.notices = notices
-        self.kv.memory_freed()  # a grow may have waited for this memory
         return outcome
 
     def _report_escape(self, s: SessionRecord, m: p.ReportEscape) -> Outcome:
         outcome = self.graph_pools.report_escape(s, m)
         if m.escaped:
             self.tally.escapes[m.pool_id] = self.tally.escapes.get(m.pool_id, 0) + 1
-        return outcome
-
-    def _chunks_unmapped(self, s: SessionRecord, m: p.ChunksUnmapped) -> Outcome:
-        outcome = self.arenas.chunks_unmapped(s, m)
-        self.kv.memory_freed()
         return outcome
 
     def _release(self, s: SessionRecord, m: p.ReleaseArena) -> Outcome:
@@ -427,9 +294,15 @@ class DaemonState:
             for pool in self.graph_pools.in_arena(arena.name):
                 self.graph_pools.drop(pool)  # its memory goes now, even while sharers stay attached
             self.arenas.owner_left(arena, notices, released=True)
-        if not arena.attached and not self.retained.orphaned(arena.name):  # an orphan's last sharer leaving keeps it
-            self._destroy(arena, notices)
+        self._reap(arena, notices)
         return Outcome(p.Ack(), notices=notices)
+
+    def _reap(self, arena: ArenaRecord, notices: Notices) -> None:
+        """Where an arena's life is decided: it lives while a session attaches it, or while
+        an orphaned retain group keeps it for an adopter (its last sharer leaving keeps
+        it); else it goes."""
+        if not arena.attached and not self.retained.orphaned(arena.name):
+            self._destroy(arena, notices)
 
     def _destroy(self, arena: ArenaRecord, notices: Notices) -> None:
         for pool in self.graph_pools.in_arena(arena.name):
@@ -441,108 +314,73 @@ class DaemonState:
         if not self.stopping:
             for round_ in left:  # it may have been the last one pending
                 self.kv.try_finish(round_)
-            self.kv.memory_freed()  # a grow may have waited for this memory
 
     # ------------------------------------------------------------------ the loop's hooks
 
     def tick(self) -> None:
         """Lease-slot repairs, round deadlines, the counts of pools gone: called by the server's loop."""
         self.graph_pools.sweep()
-        if self.kv.active_rounds() or self.kv.grows:  # deadlines may end a round or a grow: what it commits must be kept
-            self.dirty = True
+        if self.kv.active_rounds() or self.kv.grows or self.sleepers.wakes or self.retained.adopts:
+            self.dirty = True  # deadlines may end a round or a wait: what it commits must be kept
         self.kv.tick()
-        if self.grace_deadline is not None:
-            self._release_gone()  # a client that died before it resumed
-        if self.grace_deadline is not None and self.clock() >= self.grace_deadline:
-            self.grace_deadline = None
-            for session in [s for s in self.sessions.values() if s.waiting]:
-                log.warning(
-                    "session %d (client %r, %s) did not resume within the %gs grace period; what it held is "
-                    "released like a dead client's", session.id, session.name, session.pids, self.config.restart_grace,
-                )
-                self._notices += self.close_session(session.id)
+        self._close_all(self.session_desk.tick())  # clients that died before they resumed, or did not resume in time
         for name in self.retained.expired():
             arena = self.arenas.by_name.get(name)
-            if arena is not None and not arena.attached:  # a sharer still attached keeps it, as a dead owner's
-                self._destroy(arena, self._notices)
+            if arena is not None:  # a sharer still attached keeps it, as a dead owner's
+                self._reap(arena, self._notices)
                 self.dirty = True
+        self.sleepers.settle()  # waits that reached their deadline, and those the fence now lets go
+        self.retained.settle()
+        self._follow_up()
         escapes = self.tally.escapes
         if len(escapes) > len(self.graph_pools.by_id):  # pools went: their counts go too
             for gone in escapes.keys() - self.graph_pools.by_id.keys():
                 del escapes[gone]
 
-    def _adopt(self, s: SessionRecord, m: p.Adopt) -> Outcome:
-        if self.grace_deadline is not None:
-            # A holder kept across a restart that died since (it was still exiting when the
-            # daemon came back): its group is orphaned for this ADOPT, not at the next tick.
-            self._release_gone()
-        return self.retained.adopt(s, m)
+    def _adopt(self, s: SessionRecord, m: p.Adopt, request_id: int) -> Outcome:
+        # A holder kept across a restart that died since (it was still exiting when the
+        # daemon came back): its group is orphaned for this ADOPT, not at the next tick.
+        self._close_all(self.session_desk.release_gone())
+        return self.retained.adopt(s, m, request_id)
 
-    def _release_gone(self) -> None:
-        """Sessions kept across a restart whose process is provably gone (it died while
-        the daemon was down, or before the daemon saw its end) cannot resume: what they
-        held goes at once as a dead client's, and what they retained is orphaned for an
-        adopter, instead of after the grace period (a standby waiting to adopt would wait
-        it out). A process the daemon cannot read waits for the grace as before."""
-        gone = self.gone
-        if gone is None:
-            return
-        for session in [s for s in self.sessions.values() if s.waiting and gone(s.pid, s.since)]:
-            log.warning(
-                "session %d (client %r, %s) waiting to resume: its process is gone; released like a dead client's",
-                session.id, session.name, session.pids,
-            )
-            self._notices += self.close_session(session.id)
-        if not any(s.waiting for s in self.sessions.values()):
-            self.grace_deadline = None
+    def _follow_up(self) -> None:
+        """What a request, a session's end or the tick let go ahead, looked at once: memory
+        the arena book says came free, for the rounds, grows and wakes waiting for it; a
+        holder's end, for the adoptions waiting."""
+        while self.arenas.freed and not self.stopping:
+            self.arenas.freed = False
+            self.kv.memory_freed()
+            self.sleepers.settle()
+        if self.retained.adopts:
+            self.retained.settle()
 
     def take_completions(self) -> list[Completion]:
-        return self.kv.take_completions()
+        return self.kv.take_completions() + self.sleepers.take_completions() + self.retained.take_completions()
 
     def has_mail(self) -> bool:
         """Notices or deferred answers waiting to be taken."""
-        return bool(self._notices) or self.kv.has_mail()
+        return bool(self._notices) or self.kv.has_mail() or self.sleepers.has_mail() or self.retained.has_mail()
 
     def take_notices(self) -> Notices:
-        kv = self.kv.take_notices()
-        if self.sleepers.notices:  # a wake that did not fit asked KV pools to give back
-            self.tally.kv_shrinks_asked += len(self.sleepers.notices)
-            self.dirty = True  # their shrink requests are in the record before the asks leave
-            kv, self.sleepers.notices = self.sleepers.notices + kv, []
-        if not self._notices:
-            return kv
         notices, self._notices = self._notices, []
-        return notices + kv
+        return notices + self.kv.take_notices()
 
     def status(self) -> p.StatusReply:
-        now = self.clock()
-        grace = 0.0 if self.grace_deadline is None else max(0.0, self.grace_deadline - now)
+        now, desk = self.clock(), self.session_desk
         daemon = status.daemon_status(
-            self.driver.kind, now - self.started, self.config.runtime_dir, self.stopping, self.generation, grace,
+            self.driver.kind, now - self.started, self.config.runtime_dir, self.stopping, desk.generation, desk.grace_left(now),
             self.restore_problems,
         )
-        reply = status.assemble(daemon, self.sessions, self.arenas, self.graph_pools, self.kv, self.clock())
-        host = self.sleepers.host_bytes_by_session()
-        for client in reply.clients:
-            client.host_bytes = host.get(client.session_id, 0)
-        daemon.sleep_host_bytes, daemon.sleep_host_limit = sum(host.values()), self.config.sleep_host_limit
-        reply.sleepers = self.sleepers.status()
-        reply.retained = self.retained.status()
-        daemon.lease_ordering = self.config.lease_ordering.value
-        order = self.graph_pools.order
-        if order is not None:
-            daemon.lease_lanes, daemon.lease_lanes_in_use = order.lanes.lanes, order.lanes.in_use()
-        return reply
+        return status.assemble(daemon, self.sessions, self.arenas, self.graph_pools, self.kv, self.sleepers, self.retained, now)
 
     # ------------------------------------------------------------------ the durable record
 
     def image(self, keep: Keep) -> StateImage:
         """What a restart rebuilds from: each book's part; ``keep`` is told the fds the
         store must hold for it."""
-        sessions = [_SESSION.image(s) for s in self.sessions.values()]
         return StateImage(
-            IMAGE_VERSION, self.device.uuid, self.driver.kind, self.config.va_base, self.generation,
-            SessionsImage(sessions, self.next_session),
+            IMAGE_VERSION, self.device.uuid, self.driver.kind, self.config.va_base, self.session_desk.generation,
+            self.session_desk.image(),
             self.arenas.image(keep), self.graph_pools.image(keep), self.kv.image(),
             sleepers=self.sleepers.image(keep), retained=self.retained.image(),
         )
@@ -550,10 +388,7 @@ class DaemonState:
     def restore(self, image: StateImage, take: Take) -> None:
         """The state ``image`` was taken of, every session waiting for its client to
         resume (``take``: the stored fds by name)."""
-        part = msgspec.convert(image.sessions, SessionsImage)
-        for session in (_SESSION.restore(s, waiting=True) for s in part.sessions):
-            self.sessions[session.id] = session
-        self.next_session = part.next_session
+        self.session_desk.restore(image.sessions, image.generation)
         self.arenas.restore(image.arenas, take)
         self.graph_pools.restore(image.graph_pools, take)
         self.kv.restore(image.kv)
@@ -561,17 +396,14 @@ class DaemonState:
             self.restore_problems += self.sleepers.restore(image.sleepers, take)
         if image.retained is not None:
             self.retained.restore(image.retained)
-        self.generation = image.generation + 1
-        if self.sessions:
-            self.grace_deadline = self.clock() + self.config.restart_grace
-            self._release_gone()
+        self._close_all(self.session_desk.start_grace())
         arenas = self.arenas
         log.info(
             "rebuilt from the fd store (generation %d): %d session(s) waiting up to %gs for their clients, %d arena(s), "
             "%d graph pool(s), %d KV pool(s), %d bytes accounted",
-            self.generation, len(self.sessions), self.config.restart_grace, len(arenas.by_name), len(self.graph_pools.by_id),
+            self.session_desk.generation, len(self.sessions), self.config.restart_grace, len(arenas.by_name), len(self.graph_pools.by_id),
             len(self.kv.pools), arenas.accounted_bytes(),
-            extra={"figures": {"generation": self.generation, "sessions": len(self.sessions), "arenas": len(arenas.by_name)}},
+            extra={"figures": {"generation": self.session_desk.generation, "sessions": len(self.sessions), "arenas": len(arenas.by_name)}},
         )
 
     # ------------------------------------------------------------------ shutdown

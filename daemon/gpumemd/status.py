@@ -1,4 +1,4 @@
-"""What gpumemctl shows: the STATUS reply, assembled from every book. Read-only."""
+"""What gpumemctl shows: the STATUS reply, assembled from every book in one place. Read-only."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from gpumemd.arenas import ArenaBook
 from gpumemd.graph_pools import GraphPoolBook
 from gpumemd.kv_pools import KvBook
 from gpumemd.records import GraphPoolRecord, RoundRecord, SessionRecord
+from gpumemd.retained import RetainBook
+from gpumemd.sleepers import SleeperBook
 
 
 def assemble(
@@ -22,10 +24,18 @@ def assemble(
     arenas: ArenaBook,
     graph_pools: GraphPoolBook,
     kv: KvBook,
+    sleepers: SleeperBook,
+    retained: RetainBook,
     now: float,
 ) -> p.StatusReply:
     names = {sid: s.name for sid, s in sessions.items()}
     device = arenas.device
+    host = sleepers.host_bytes_by_session()
+    daemon.sleep_host_bytes, daemon.sleep_host_limit = sum(host.values()), arenas.config.sleep_host_limit
+    daemon.lease_ordering = arenas.config.lease_ordering.value
+    order = graph_pools.order
+    if order is not None:
+        daemon.lease_lanes, daemon.lease_lanes_in_use = order.lanes.lanes, order.lanes.in_use()
     waiting = {sid for sid, s in sessions.items() if s.waiting}
     if waiting:
         daemon.waiting = len(waiting)
@@ -56,7 +66,8 @@ def assemble(
                 arenas=sorted(a.name for a in arenas.by_name.values() if s.id in a.attached),
                 waiting=s.waiting,
                 own_pid=s.own_pid,
-                tenant=arenas.caps.session_tenant(s.uid, s.gid, s.tenant_key),
+                tenant=arenas.caps.session_account(s.uid, s.gid, s.tenant_key),
+                host_bytes=host.get(s.id, 0),
             )
             for s in sessions.values()
         ],
@@ -102,6 +113,8 @@ def assemble(
             for pool in kv.pools.values()
         ],
         tenants=arenas.caps.status(),
+        sleepers=sleepers.status(),
+        retained=retained.status(),
     )
 
 

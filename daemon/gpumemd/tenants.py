@@ -7,32 +7,21 @@ them, and a request that would take a tenant past its limit (config.TenantLimits
 refused with RESOURCE_EXHAUSTED, naming the limit, the tenant and what it holds.
 
 Memory is not limited here: the device's bytes are what KV rounds and commits share by
-their own rules (reserve, budgets); what one tenant could take without committing a
-byte is what this module bounds.
-
-Names: each uid has its own arena names (KV pools are arenas), so no tenant can take a
-name another tenant's engine needs. Inside the daemon an arena is known by its key: its
-name, or "UID/NAME" when another uid's arena holds the bare name already ("/" is in no
-name). A client says a name of its own uid, or "UID/NAME" for another uid's arena (its
-grants still decide the attach); replies carry the key, which the client says from
-then on (``Tenants.resolve``).
-
-Service: control requests wait in one queue per peer (``FairQueue``), served one peer
-at a time in turn, so a peer that floods (however many connections it opens) waits
-behind itself rather than putting every other session behind its backlog.
+their own rules (reserve, budgets, and the operator's memory caps: memory_caps.py); what
+one tenant could take without committing a byte is what this module bounds. Each
+arena's owner (its uid, gid and tenant token) is kept here, for those counts, for the
+memory caps and for the arena names (names.py).
 """
 
 from __future__ import annotations
 
-import re
-from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from gpumem_shared import protocol as p
 from gpumem_shared.units import format_size
 
-from gpumemd.checks import check_name
-from gpumemd.config import GiB, MiB, TenantLimits
+from gpumemd.config import GiB, TenantLimits
+from gpumemd.names import key_uid
 from gpumemd.records import ArenaRecord, SessionRecord
 
 
@@ -41,16 +30,6 @@ def plan_cost(window: int, granularity: int) -> int:
     plan's alignment, and the guard step after it (arenas._plan_window)."""
     align = max(granularity, GiB)
     return -(-window // align) * align + align
-
-
-# A uid is at most ten digits; the name after it is checked as any name is.
-_QUALIFIED = re.compile(r"([0-9]{1,10})/(.*)", re.ASCII | re.DOTALL)
-
-
-def plain_name(key: str) -> str:
-    """The name an arena's key holds, without the owner's uid."""
-    qualified = _QUALIFIED.fullmatch(key)
-    return key if qualified is None else qualified[2]
 
 
 def _refuse(limit: str, uid: int, detail: str, used: int, cap: int) -> p.ProtocolError:
@@ -72,7 +51,7 @@ class Tenants:
         # keep it after the owner's session ended. Not in the durable record (its arena
         # images stay as they were): after a restart, known from the owners' sessions.
         self.owners: dict[str, int] = {}
-        self.groups: dict[str, int] = {}  # and its owner's gid, for caps by group (caps.py)
+        self.groups: dict[str, int] = {}  # and its owner's gid, for caps by group (memory_caps.py)
         self.tokens: dict[str, bytes] = {}  # and its owner's tenant token digest, where it presented one
 
     def own(self, key: str, s: SessionRecord) -> None:
@@ -96,48 +75,7 @@ class Tenants:
 
     def owner_uid(self, arena: ArenaRecord) -> int:
         """The uid ``arena`` counts against; -1 where no session tells it any more."""
-        return self._uid_of(arena.name)
-
-    def _uid_of(self, key: str) -> int:
-        qualified = _QUALIFIED.fullmatch(key)
-        return self.owners.get(key, -1 if qualified is None else int(qualified[1]))  # a key "UID/NAME" says it too
-
-    def resolve(self, s: SessionRecord, name: str, arenas: Mapping[str, ArenaRecord], *, create: str = "") -> str:
-        """The key of the arena ``s`` means by ``name`` (a name it has no arena of: the
-        name itself, which the book then finds nothing under); for a create (``create``
-        says what the name is called in a refusal), the key the new arena gets. Another
-        uid's arena is never reached by its bare name: a process that asks for its own
-        uid's ``kv`` before it exists must not be handed another user's."""
-        if not create:
-            named = arenas.get(name)
-            if named is not None and s.id in named.attached:
-                return name  # the key the daemon gave this session
-        qualified = _QUALIFIED.fullmatch(name)
-        uid, plain = (int(qualified[1]), qualified[2]) if qualified else (s.uid, name)
-        if create:
-            check_name(plain, create)
-            if uid != s.uid:
-                raise p.ProtocolError(
-                    p.ErrorCode.PERMISSION_DENIED,
-                    f"arena name '{name}' is one of uid {uid}'s; uid {s.uid} creates arenas under its own names",
-                    uid=s.uid,
-                )
-        for key in (plain, f"{uid}/{plain}"):
-            if key in arenas and self._uid_of(key) == uid:
-                return key
-        if create:
-            return plain if plain not in arenas else f"{uid}/{plain}"
-        if qualified is None and plain in arenas:
-            holder = self._uid_of(plain)
-            whose = f"uid {holder}, as '{holder}/{plain}'" if holder >= 0 else "a uid no session names since a restart"
-            raise p.ProtocolError(
-                p.ErrorCode.NOT_FOUND,
-                f"uid {s.uid} has no arena named '{plain}'; the one of that name belongs to {whose}: another uid's arena "
-                "is named with its owner's uid, and attached through a grant of its owner's",
-                arena=plain,
-                owner_uid=holder,
-            )
-        return name
+        return key_uid(arena.name, self.owners)
 
     def check_session(self, uid: int) -> None:
         used = sum(1 for s in self.sessions.values() if s.uid == uid)
@@ -179,69 +117,3 @@ class Tenants:
                 f"{slots}, --tenant-graph-pool-share)",
                 used, cap,
             )
-
-
-# Anonymous control peers (gpumemctl, pings) share one queue: a connection costs nothing
-# to open, so they are served as one peer, however many there are.
-ANONYMOUS = 0
-# Read ahead of service: enough for every anonymous peer a few requests deep, and bytes
-# for a thousand average requests many times over (a frame may be 2 MiB; real ones are
-# hundreds of bytes).
-ANONYMOUS_QUEUED = 1024
-QUEUED_BYTES = 64 * MiB
-
-
-class FairQueue:
-    """Control requests read, not yet served: a FIFO per peer (a session id, or
-    ANONYMOUS), and the ring of peers with requests waiting. ``pop`` takes the next
-    peer's oldest request, so each peer's requests keep their order and one peer's
-    backlog delays another by one request per turn at most."""
-
-    def __init__(self, per_session: int) -> None:
-        self.per_session = per_session
-        self._queues: dict[int, deque[tuple[bytes, bytes]]] = {}
-        # The peers with requests waiting, in turn: empty while nothing is queued (the
-        # server's loop asks on every turn, so it asks the deque, not a method).
-        self.peers: deque[int] = deque()
-        self._bytes = 0
-
-    def push(self, peer: int, identity: bytes, frame: bytes) -> p.ProtocolError | None:
-        """Queue ``frame`` from ``peer``, or the refusal to answer it with at once."""
-        queue = self._queues.get(peer)
-        held = 0 if queue is None else len(queue)
-        cap = ANONYMOUS_QUEUED if peer == ANONYMOUS else self.per_session
-        if held >= cap:
-            who = "anonymous control peers" if peer == ANONYMOUS else f"session {peer}"
-            flag = "" if peer == ANONYMOUS else " (--tenant-requests)"
-            return p.ProtocolError(
-                p.ErrorCode.RESOURCE_EXHAUSTED,
-                f"{who} already have {held} requests waiting for the daemon, the limit{flag}; wait for their replies",
-                limit="requests",
-                used=held,
-                cap=cap,
-            )
-        if self._bytes + len(frame) > QUEUED_BYTES:
-            return p.ProtocolError(
-                p.ErrorCode.RESOURCE_EXHAUSTED,
-                f"the daemon holds {format_size(self._bytes)} of requests waiting, its limit; send again once they are served",
-                limit="request bytes",
-                used=self._bytes,
-                cap=QUEUED_BYTES,
-            )
-        if queue is None:
-            queue = self._queues[peer] = deque()
-            self.peers.append(peer)
-        queue.append((identity, frame))
-        self._bytes += len(frame)
-        return None
-
-    def pop(self) -> tuple[bytes, bytes]:
-        peer = self.peers.popleft()
-        queue = self._queues[peer]
-        identity, frame = queue.popleft()
-        self._bytes -= len(frame)
-        if queue:
-            self.peers.append(peer)
-        else:
-            del self._queues[peer]
-        return identity, frame

@@ -1,5 +1,7 @@
 # The types of gpumem_shared._native (csrc/module.c), for the type checker: the module
-# itself checks every argument at run time.
+# itself checks every argument at run time. The calls that order a lease handoff on the
+# GPU (the IPC-event ``*_ordered`` ones, ``cuda_stream_wait``, the ``*_memops`` ones and
+# ``lease_order_wait``, with ``lease_await_record``) are csrc/lease_order.c's.
 
 from collections.abc import Callable
 

@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-CLAIM_FILE = "tenant.json"  # gpumemd.caps.CLAIM_FILE
+CLAIM_FILE = "tenant.json"  # gpumemd.memory_caps.CLAIM_FILE
 TOKEN_FILE = "tenant-token"  # the pod's tenant token, readable by its uid alone
 CLAIM_MOUNT = "/run/gpumemd-claim"  # where the container sees its claim's directory
 RUNTIME_MOUNT = "/run/gpumemd"  # where the container sees the daemons' sockets

@@ -6,12 +6,16 @@
   under ``unshare --mount``; it rebuilds what ProtectSystem=strict, ReadWritePaths
   (RuntimeDirectory=), PrivateTmp= and ProtectHome= mean with mounts, then execs the
   daemon through ``setpriv`` with NoNewPrivileges=, CapabilityBoundingSet= and
-  SupplementaryGroups=. The seccomp lines (SystemCallFilter=, RestrictAddressFamilies=,
+  SupplementaryGroups=. An install under /tmp (a checkout cloned there) stays visible
+  through the private /tmp, bound back into it read-only, where systemd would hide it
+  (the test skips under systemd then; ``gpumemctl unit`` refuses such an install).
+  The seccomp lines (SystemCallFilter=, RestrictAddressFamilies=,
   RestrictNamespaces=, ...) and DevicePolicy= need systemd: not applied then.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -31,6 +35,7 @@ SANDBOX_KEYS = (
 HOMES = (Path("/home"), Path("/root"), Path("/run/user"))
 _API_TREES = (Path("/dev"), Path("/proc"), Path("/sys"))
 _TMP = (Path("/tmp"), Path("/var/tmp"))
+_MS_BIND = 4096  # <sys/mount.h>
 
 
 def systemd_is_pid1() -> bool:
@@ -41,6 +46,13 @@ def systemd_is_pid1() -> bool:
 def under_a_home(*paths: Path) -> bool:
     """ProtectHome= would hide the daemon's own code (a venv in /root, a checkout in /home)."""
     return any(p.resolve().is_relative_to(home) for p in paths for home in HOMES)
+
+
+def under_tmp(*paths: Path) -> list[Path]:
+    """Those of ``paths`` (resolved) that PrivateTmp= would hide: the daemon's own code
+    where a checkout lives in /tmp."""
+    hidden = {p.resolve() for p in paths if any(p.resolve().is_relative_to(tmp) for tmp in _TMP)}
+    return sorted(p for p in hidden if not any(p != q and p.is_relative_to(q) for q in hidden))
 
 
 def systemd_run_command(unit: str, settings: list[tuple[str, str]], runtime_dir_name: str, argv: list[str]) -> list[str]:
@@ -55,8 +67,9 @@ def systemd_run_command(unit: str, settings: list[tuple[str, str]], runtime_dir_
     return ["systemd-run", f"--unit={unit}", "--service-type=notify", "--collect", "--quiet", *props, "--", *argv]
 
 
-def emulated_command(settings: dict[str, str], writable: list[Path], argv: list[str]) -> list[str]:
-    spec = {"settings": settings, "writable": [str(p) for p in writable], "argv": argv}
+def emulated_command(settings: dict[str, str], writable: list[Path], argv: list[str], visible: tuple[Path, ...] = ()) -> list[str]:
+    """``visible``: paths under /tmp that stay there (read-only) behind PrivateTmp=."""
+    spec = {"settings": settings, "writable": [str(p) for p in writable], "argv": argv, "visible": [str(p) for p in visible]}
     return ["unshare", "--mount", "--propagation", "private", "--", sys.executable, __file__, json.dumps(spec)]
 
 
@@ -90,12 +103,28 @@ def _mount(*args: str) -> None:
     subprocess.run(["mount", *args], check=True)
 
 
-def _apply(settings: dict[str, str], writable: list[Path]) -> None:
+def _bind(source: str, target: Path) -> None:
+    """mount --bind by the system call, the source taken as the kernel resolves it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(source.encode(), str(target).encode(), None, _MS_BIND, None) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"bind {source} on {target}: {os.strerror(errno)}")
+
+
+def _apply(settings: dict[str, str], writable: list[Path], visible: list[Path]) -> None:
     private_tmp = settings.get("PrivateTmp") == "yes"
     if private_tmp:
         for tmp in _TMP:
-            if tmp.is_dir():
-                _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", str(tmp))
+            if not tmp.is_dir():
+                continue
+            # The old tree stays reachable through a descriptor on it. mount(8) would resolve
+            # /proc/self/fd/N/... to the path's name, under the new tmpfs: mount(2) follows it.
+            old = os.open(tmp, os.O_PATH | os.O_DIRECTORY)
+            _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", str(tmp))
+            for path in (p for p in visible if p.is_relative_to(tmp)):
+                path.mkdir(parents=True, exist_ok=True)
+                _bind(f"/proc/self/fd/{old}/{path.relative_to(tmp)}", path)
+            os.close(old)
     if settings.get("ProtectHome") == "yes":
         for home in HOMES:
             if home.is_dir():
@@ -128,6 +157,6 @@ def _setpriv(settings: dict[str, str]) -> list[str]:
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    _apply(spec["settings"], [Path(p) for p in spec["writable"]])
+    _apply(spec["settings"], [Path(p) for p in spec["writable"]], [Path(p) for p in spec["visible"]])
     argv = [*_setpriv(spec["settings"]), *spec["argv"]]
     os.execvp(argv[0], argv)

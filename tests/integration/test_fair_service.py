@@ -1,5 +1,5 @@
 """Fair service on the control channel: peers that flood it over many connections delay
-another session by a request per turn, not by their whole backlog (tenants.FairQueue).
+another session by a request per turn, not by their whole backlog (admission.FairQueue).
 
 Counted, not timed: how many of the flood's requests the daemon answers while a
 session's ping is out. ZeroMQ alone turns over every connection once per round, so

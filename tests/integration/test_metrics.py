@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 EXIT_CONFIG = 78
 
-# Every family the daemon exposes, with its Prometheus type (the README lists them).
+# Every family the daemon exposes, with its Prometheus type (docs/running.md lists them).
 FAMILIES = {
     "gpumemd_info": "gauge",
     "gpumemd_tenant_cap_bytes": "gauge",

@@ -307,3 +307,32 @@ def test_grants_rest_on_uid_and_gid_when_every_pid_is_0(ns_service: NsService, n
     other = ns_client("ns-c", "--as", f"{OTHER_UID}:0")
     do(other, f"attach {arena}")
     assert do(other, f"check {arena} 0 {MiB} 5") == "MATCH"
+
+
+def test_a_retained_group_fails_over_when_gpumemd_sees_every_client_as_pid_0(ns_service: NsService, runtime_dir: Path) -> None:
+    """The shipped DaemonSet's layout: no pid can tell gpumemd the holder died, and its
+    session's end (the fd channel's hang-up) is the fence; on CUDA a settle of
+    retain_fence.HIDDEN_SETTLE_S after it. Before, ADOPT was NOT_FENCED ("pid 0 still runs")
+    until --retain-grace released the group."""
+    from test_retain import RetainClient, orphaned, primary
+
+    made: list[RetainClient] = []
+
+    def spawn(name: str, *args: str) -> RetainClient:
+        c = RetainClient(runtime_dir, [name, *args])
+        made.append(c)
+        c.expect("CONNECTED")
+        return c
+
+    try:
+        eng, secret, addresses = primary(spawn)
+        assert clients(runtime_dir)["primary"][1] == 0
+        eng.kill()
+        orphaned(runtime_dir)
+        standby = spawn("standby")
+        got = json.loads(do(standby, f"adopt g {secret} 10"))
+        assert got["arenas"] == {"weights": addresses["weights"]}
+        assert do(standby, f"check weights 0 {8 * MiB} 171") == "MATCH"
+    finally:
+        for c in made:
+            c.end()

@@ -116,6 +116,56 @@ def test_kill_9_then_another_process_adopts_at_the_same_addresses(daemon: Any, s
     assert after["device"]["accounted_bytes"] == 0 and after["retained"] == []
 
 
+def test_an_adoption_waits_for_every_sharer_and_the_dead_owners_grants_die(daemon: Any, spawn: Spawn, runtime_dir: Path) -> None:
+    """The fence covers every writer: a sharer the dead owner admitted keeps the group
+    NOT_FENCED while it maps the memory, and is waited out once killed (the reply names
+    it); the dead owner's grant admits nobody to the adopter's memory afterwards."""
+    eng, secret, _ = primary(spawn)
+    do(eng, "share weights mate")
+    mate = spawn("mate")
+    do(mate, "attach weights")
+    eng.kill()
+    orphaned(runtime_dir)
+    standby = spawn("standby")
+    held = reply(standby, f"adopt g {secret} 0")
+    assert held.startswith("ERR NotFenced") and "client 'mate'" in held, held
+    weights = next(a for a in status(runtime_dir)["arenas"] if a["name"] == "weights")
+    assert weights["attached"] == ["mate"]
+    do(mate, f"fill weights 0 {MiB} 7")  # it still writes: that is why the adopter waits
+    mate.kill()
+    got = json.loads(do(standby, f"adopt g {secret} 10"))
+    assert got["fenced"][0].startswith("client 'primary'") and got["fenced"][1].startswith("client 'mate'"), got
+    assert do(standby, f"check weights {MiB} {7 * MiB} 171") == "MATCH"
+    do(standby, f"fill weights 0 {MiB} 171")
+    late = spawn("mate")  # a fresh process under the name the dead owner's grant named
+    assert reply(late, "attach weights").startswith("ERR PermissionDenied")
+    weights = next(a for a in status(runtime_dir)["arenas"] if a["name"] == "weights")
+    assert weights["attached"] == ["standby"] and weights["grants"] == []
+    assert do(standby, f"check weights 0 {8 * MiB} 171") == "MATCH"
+
+
+def test_a_forked_child_of_the_dead_holder_keeps_the_adoption_waiting(daemon_factory: Any, spawn: Spawn, runtime_dir: Path) -> None:
+    """Host backend: a child the holder forked closes every descriptor and writes on
+    through the mappings it inherited. The holder's death and exit prove nothing about
+    it; /proc/PID/maps does, and ADOPT is NOT_FENCED naming it until it is gone. (On CUDA
+    a forked child cannot use its parent's context: the parent's fence covers it.)"""
+    daemon_factory("host")
+    eng, secret, _ = primary(spawn)
+    child = int(do(eng, "forkwrite weights 7"))
+    try:
+        eng.kill()
+        orphaned(runtime_dir)
+        standby = spawn("standby")
+        held = reply(standby, f"adopt g {secret} 0")
+        assert held.startswith("ERR NotFenced") and str(child) in held and "/proc/PID/maps" in held, held
+    finally:
+        os.kill(child, signal.SIGKILL)
+    got = json.loads(do(standby, f"adopt g {secret} 10"))
+    assert got["arenas"]
+    do(standby, f"fill weights 0 {MiB} 171")
+    assert do(standby, f"check weights 0 {8 * MiB} 171") == "MATCH"  # nobody writes it any more
+
+
 def test_no_byte_reaches_a_wrong_secret_or_a_grant(daemon: Any, spawn: Spawn, runtime_dir: Path) -> None:
     eng, secret, addresses = primary(spawn)
     do(eng, "share weights reader")
@@ -352,3 +402,39 @@ def test_an_engine_adopts_a_dead_engines_kv_cache_and_prefix_directory(daemon: A
             primary.stdout.close()
     s = wait_status(runtime_dir, lambda s: not s["arenas"], 5.0, "the standby's close released everything")
     assert s["device"]["accounted_bytes"] == 0
+
+
+def test_an_adoption_is_charged_to_the_adopters_tenant_or_refused(daemon_factory: Any, backend: str, spawn: Spawn, runtime_dir: Path, tmp_path: Path) -> None:
+    """Pods of one uid with tenant tokens of their own: what a group holds moves to the
+    adopter's tenant, and an adopter whose cap has no room for it is refused with nothing
+    moved (before, a tenant capped at 8 MiB adopted another's 16 MiB)."""
+    import hashlib
+
+    tokens = {name: f"{name}-{os.urandom(12).hex()}" for name in ("team-1", "team-2", "team-3")}
+    rules = [("team-1", "64MiB"), ("team-2", "8MiB"), ("team-3", "64MiB")]
+    policy = tmp_path / "tenants.toml"
+    policy.write_text("".join(
+        f'[[tenant]]\ntoken_sha256 = "{hashlib.sha256(tokens[n].encode()).hexdigest()}"\nname = "{n}"\nmax = "{m}"\n' for n, m in rules
+    ))
+    files = {}
+    for name, token in tokens.items():
+        files[name] = tmp_path / f"{name}.token"
+        files[name].write_text(token)
+    daemon_factory(backend, args=["--tenant-policy", str(policy)])
+    eng = spawn("primary", "--tenant-token-file", str(files["team-1"]))
+    do(eng, f"create weights {GiB}")
+    do(eng, f"commit weights {16 * MiB}")
+    do(eng, f"fill weights 0 {16 * MiB} 171")
+    secret = do(eng, "group g")
+    do(eng, "retain g weights")
+    eng.kill()
+    orphaned(runtime_dir)
+    small = spawn("small", "--tenant-token-file", str(files["team-2"]))
+    refused = reply(small, f"adopt g {secret} 0")
+    assert refused.startswith("ERR ResourceExhausted") and "token team-2" in refused and "adopting retain group 'g'" in refused, refused
+    assert group_of(status(runtime_dir))["state"] == "orphaned"  # type: ignore[index]
+    big = spawn("big", "--tenant-token-file", str(files["team-3"]))
+    json.loads(do(big, f"adopt g {secret} 5"))
+    assert do(big, f"check weights 0 {16 * MiB} 171") == "MATCH"
+    used = {t["tenant"]: t["used_bytes"] for t in status(runtime_dir)["tenants"]}
+    assert (used["token team-1"], used["token team-3"]) == (0, 16 * MiB)

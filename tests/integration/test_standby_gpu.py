@@ -4,8 +4,9 @@ weights read-only (no copy of its own), reserves the primary's KV windows, captu
 graphs there and waits; the primary is killed with -9; the
 standby takes over (no recapture), its prefix cache seeded from the directory, and serves
 the same prompts: every full block of every prompt comes from the adopted KV, the token
-ids are the primary's, and nothing is left accounted once it closes. Skipped where
-nano-vllm is not installed."""
+ids are the primary's up to near-ties (judged by the logits' margins as
+bench/failover.py judges its standby), and nothing is left accounted once it closes.
+Skipped where nano-vllm is not installed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,7 +51,8 @@ if role == "primary":
     secret = folder / "secret"
     secret.touch(mode=0o600)
     secret.write_text(integration.retain_secret(llm))
-    write("primary.json", {"tokens": kit.generate(llm, batch, 16).tokens, "pid": os.getpid()})
+    served = kit.generate(llm, batch, 16, probe=True)
+    write("primary.json", {"tokens": served.tokens, "margins": served.margins, "pid": os.getpid()})
     while True:
         time.sleep(1)  # the test kills it with -9
 else:
@@ -67,16 +70,22 @@ else:
         allocate(seq)
         cached.append((seq.num_cached_tokens, len(seq)))
     manager.allocate = counted
-    tokens = kit.generate(llm, batch, 16).tokens
-    write("standby.json", {"tokens": tokens, "seeded": seeded, "cached": cached, "adopted_at": adopted_at})
+    took = kit.generate(llm, batch, 16, probe=True)
+    write("standby.json", {"tokens": took.tokens, "margins": took.margins, "seeded": seeded, "cached": cached, "adopted_at": adopted_at})
 """
+
+
+def kit_module() -> Any:
+    """bench/nanovllm_kit.py, whose build the engines run and whose margins judge them."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import nanovllm_kit
+
+    return nanovllm_kit
 
 
 def kit_weight_bytes() -> int:
     """The kit model's parameters (bench/nanovllm_kit.py's build: bf16, no tied head)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import nanovllm_kit as kit
-
+    kit = kit_module()
     h, d, i = kit.HIDDEN, kit.HEAD_DIM, kit.INTERMEDIATE
     layer = (kit.HEADS + 2 * kit.KV_HEADS) * d * h + h * kit.HEADS * d + 2 * d + 3 * i * h + 2 * h
     return 2 * (2 * kit.VOCAB * h + h + kit.LAYERS * layer)
@@ -119,7 +128,18 @@ def test_a_standby_takes_over_a_killed_engine_and_serves_its_prompts_from_the_ad
         procs["primary"].wait(30)
         took = wait_json(folder / "standby.json", procs["standby"], logs["standby"], 300)
         print(f"kill -> adopted {float(took['adopted_at']) - killed:.3f} s; {took['seeded']} blocks seeded")  # type: ignore[arg-type]
-        assert took["tokens"] == served["tokens"]
+        # Judged as bench/failover.py judges its standby: the whole prefill against the
+        # adopted KV runs other kernels, so bf16 near-ties may part (on the H100 one
+        # sequence parted at token 11); a parting where the best logit led clearly is
+        # KV read back wrong.
+        kit = kit_module()
+        primary_tokens, primary_margins = dict(enumerate(served["tokens"])), dict(enumerate(served["margins"]))  # type: ignore[arg-type]
+        standby_tokens, standby_margins = dict(enumerate(took["tokens"])), dict(enumerate(took["margins"]))  # type: ignore[arg-type]
+        parted = kit.parting_gaps(primary_tokens, standby_tokens, primary_margins, standby_margins)
+        clear = [gap for gap in parted if gap > kit.TIE_GAP]
+        print(f"tokens: {len(parted)} of {len(primary_tokens)} sequences parted from the primary's, {len(clear)} where "
+              f"the best logit led by more than {kit.TIE_GAP:g} (the larger lead at each parting: {sorted(parted)})")
+        assert not clear, (parted, took["tokens"], served["tokens"])
         cached = took["cached"]
         assert isinstance(cached, list) and len(cached) == 4
         assert all(hit == 768 and n == 769 for hit, n in cached), cached  # every full block of every prompt adopted

@@ -25,6 +25,7 @@ from sandbox_kit import SANDBOX_KEYS
 
 UNIT = ROOT / "systemd" / "gpumemd@.service"
 PACKAGED = ROOT / "client" / "gpumem" / "gpumemd@.service"
+NO_ANALYZE = "systemd-analyze is not installed (apt-get install systemd, or dnf install systemd)"
 
 
 def _installed_gpumemd() -> str:
@@ -71,9 +72,35 @@ def test_the_source_tree_links_to_the_packaged_unit() -> None:
     assert UNIT.is_symlink() and UNIT.resolve() == PACKAGED.resolve(), "one unit file, not two copies"
 
 
+def _hidden_install() -> list[Path]:
+    """The install's paths the unit's sandbox would hide from its daemon (PrivateTmp=, ProtectHome=)."""
+    return [p for p in _install() if sandbox_kit.under_tmp(p) or sandbox_kit.under_a_home(p)]
+
+
+def _printed_for_this_install() -> subprocess.CompletedProcess[str]:
+    """``gpumemctl unit``, naming the installed gpumemd where the install lies in a place the
+    unit hides (then it prints with a warning; left to find it, it refuses)."""
+    return _printed_unit("--gpumemd", _installed_gpumemd()) if _hidden_install() else _printed_unit()
+
+
+def test_gpumemctl_unit_refuses_an_install_the_units_sandbox_hides(tmp_path: Path) -> None:
+    """A checkout cloned into /tmp deploys a unit whose daemon cannot start (PrivateTmp=
+    hides its code): gpumemctl unit says why instead of printing it."""
+    if _hidden_install():
+        refused = _printed_unit()
+        assert refused.returncode == 1 and refused.stdout == "", refused
+        assert "which the unit's P" in refused.stderr and "install gpumemd elsewhere" in refused.stderr, refused.stderr
+    named = tmp_path / "venv" / "bin" / "gpumemd"
+    named.parent.mkdir(parents=True)
+    named.write_text("#!/bin/sh\n")
+    warned = _printed_unit("--gpumemd", str(named))
+    assert warned.returncode == 0 and f"ExecStart={named} --device %i" in warned.stdout, warned
+    assert f"gpumemctl: warning: {named} lies in /tmp, which the unit's PrivateTmp= hides from the daemon" in warned.stderr, warned
+
+
 def test_gpumemctl_unit_prints_the_unit_with_the_installed_gpumemd() -> None:
-    result = _printed_unit()
-    assert result.returncode == 0 and result.stderr == "", result
+    result = _printed_for_this_install()
+    assert result.returncode == 0 and (result.stderr == "") == (not _hidden_install()), result
     printed, packaged = result.stdout.splitlines(), PACKAGED.read_text().splitlines()
     changed = [(a, b) for a, b in zip(printed, packaged) if a != b]
     assert len(printed) == len(packaged) and len(changed) == 1, changed
@@ -155,9 +182,9 @@ def test_the_daemon_serves_the_gpu_with_the_units_environment_and_arguments(tmp_
             assert proc.wait(timeout=30) == 0, log.read_text()
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason=NO_ANALYZE)
 def test_systemd_analyze_verify_passes(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    printed = _printed_unit()
+    printed = _printed_for_this_install()
     assert printed.returncode == 0, printed
     unit = tmp_path / UNIT.name
     unit.write_text(printed.stdout)
@@ -209,7 +236,7 @@ def _systemd_analyze_offline(unit: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason=NO_ANALYZE)
 def test_systemd_analyze_security_rates_the_unit_ok(tmp_path) -> None:  # type: ignore[no-untyped-def]
     unit = tmp_path / UNIT.name
     unit.write_text(UNIT.read_text())
@@ -241,6 +268,12 @@ def _outsider_group() -> grp.struct_group:
     pytest.skip("every group on this machine is one of this process's groups")
 
 
+def _install() -> list[Path]:
+    """Where the daemon's code lives: the console script, the venv, its Python, the
+    package (the checkout, for an editable install)."""
+    return [Path(_installed_gpumemd()), Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable), ROOT]
+
+
 class _Sandboxed:
     """gpumemd under the unit's sandbox: a transient systemd service, or the emulation."""
 
@@ -249,7 +282,11 @@ class _Sandboxed:
         self.unit: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._made_lock_dir = False
+        in_tmp = sandbox_kit.under_tmp(*_install()) if ("PrivateTmp", "yes") in settings else []
         if sandbox_kit.systemd_is_pid1() and os.geteuid() == 0 and shutil.which("systemd-run"):
+            if in_tmp:
+                pytest.skip(f"gpumemd is installed in /tmp ({in_tmp[0]}), which the unit's PrivateTmp= hides from the "
+                            "service it starts: clone or install elsewhere (gpumemctl unit refuses such an install)")
             self.unit = f"{runtime_dir.name}.service"
             started = subprocess.run(
                 sandbox_kit.systemd_run_command(self.unit, settings, runtime_dir.name, argv), capture_output=True, text=True, timeout=150
@@ -266,7 +303,7 @@ class _Sandboxed:
             writable = [runtime_dir, runtime.DEVICE_LOCK_DIR]
             with log.open("wb") as out:
                 self.proc = subprocess.Popen(
-                    sandbox_kit.emulated_command(dict(settings), writable, argv), stdout=out, stderr=subprocess.STDOUT
+                    sandbox_kit.emulated_command(dict(settings), writable, argv, tuple(in_tmp)), stdout=out, stderr=subprocess.STDOUT
                 )
             self.pid = self.proc.pid  # unshare, the kit and setpriv each exec the next
 
@@ -329,6 +366,9 @@ def test_the_daemon_serves_inside_the_units_sandbox(backend: str, tmp_path: Path
     daemon = _Sandboxed(settings, _sandboxed_argv(backend, group.gr_name, runtime_dir), runtime_dir, tmp_path / "gpumemd.log")
     try:
         daemon.wait_serving()
+        # PrivateTmp=: the daemon's /tmp is its own (a checkout in /tmp stays visible under the emulation)
+        seen_from_daemon = Path(f"/proc/{daemon.pid}/root") / tmp_path.relative_to("/")
+        assert not tmp_path.is_relative_to("/tmp") or not seen_from_daemon.exists(), "the daemon sees this /tmp"
         proc_status = Path(f"/proc/{daemon.pid}/status").read_text()
         fields = dict(line.split(":\t", 1) for line in proc_status.splitlines())
         assert fields["NoNewPrivs"].strip() == "1" and int(fields["CapBnd"], 16) == 0 and int(fields["CapEff"], 16) == 0, fields

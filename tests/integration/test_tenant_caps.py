@@ -1,4 +1,4 @@
-"""Tenant memory caps across real processes (caps.py): clients of different uids, each
+"""Tenant memory caps across real processes (memory_caps.py): clients of different uids, each
 held to its cap at every commit, an allocation storm from several tenants that never
 gets one byte past any cap, a cap lowered by SIGHUP in force within 100 ms, and caps
 from DRA claims written by a stand-in driver (dra_kit).
@@ -94,6 +94,27 @@ def test_each_uid_is_held_to_its_cap_and_status_shows_it(daemon_factory, backend
     for c in (a, b1, b2, root):
         c.send("exit")
         c.finish()
+    assert status(runtime_dir)["device"]["accounted_bytes"] == 0
+
+
+@needs_root
+def test_placeholders_count_in_the_cap(daemon_factory, backend, run_client, runtime_dir, policy) -> None:  # type: ignore[no-untyped-def]
+    # Placeholder chunks are device memory: an arena of placeholders alone once took a
+    # capped uid past its cap (31 arenas of 256 MiB placeholders under a 1 GiB cap).
+    policy.write_text(f'[[tenant]]\nuid = {A}\nmax = "48MiB"\n')
+    daemon_factory(backend, args=["--tenant-policy", str(policy)])
+    open_sockets(runtime_dir)
+    a = run_client("shell", "a", "--as", f"{A}:0")
+    a.expect("CONNECTED")
+    do(a, f"create x {GiB}")
+    do(a, f"create y {GiB}")
+    do(a, f"placeholder x 0 {64 * MiB} {32 * MiB}")
+    used = tenants(runtime_dir)["uid 4242"]["used_bytes"]
+    assert used >= 32 * MiB, f"the placeholders count {used} bytes"
+    refused(a, f"placeholder y 0 {64 * MiB} {32 * MiB}", "uid 4242 holds", "cap of 48 MiB")
+    refused(a, f"commit x {48 * MiB - used + 2 * MiB}", "uid 4242 holds")
+    a.send("exit")
+    a.finish()
     assert status(runtime_dir)["device"]["accounted_bytes"] == 0
 
 

@@ -1,4 +1,4 @@
-"""Tenants by token across real processes (caps.py): clients of one uid (engine pods that
+"""Tenants by token across real processes (memory_caps.py): clients of one uid (engine pods that
 all run as the same user) that present different tenant tokens at HELLO are held to
 separate caps, a client that presents none to its uid's rule, and one whose token no
 rule names is refused at HELLO; no refusal, status or log line carries a token. And a

@@ -18,7 +18,7 @@ import pytest
 from gpumem.address_slices import AddressSlice
 from gpumem.arena import Arena
 from gpumem.core import SessionCore
-from gpumem.errors import InvalidArgument, MappingError, SessionClosed
+from gpumem.errors import InvalidArgument, MappingError, SessionClosed, VaCollision
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.paths import Endpoints
@@ -65,7 +65,9 @@ class BookkeepingCore(SessionCore):
     daemon's slice."""
 
     def address_slice(self) -> AddressSlice:
-        return AddressSlice(BASE, WINDOW, "the test's daemon", self.driver)
+        if self._slice is None:
+            self._slice = AddressSlice(BASE, WINDOW, "the test's daemon", self.driver)
+        return self._slice
 
 
 def view(committed: int) -> p.ArenaView:
@@ -301,3 +303,27 @@ def test_the_cores_registries_are_read_only(setup: tuple[Arena, FakeChannel, Chu
     arena, _, _ = setup
     with pytest.raises(TypeError):
         arena.core.arenas["other"] = arena  # type: ignore[index]
+
+
+class FakeStandby:
+    """What the core keeps of a standby (gpumem.standby's Reservation): its close."""
+
+    def close(self) -> None:
+        raise AssertionError("only the session's close closes a standby")
+
+
+def test_a_standbys_windows_are_claims_in_the_slice_and_the_core_keeps_the_standby_until_dropped(
+    setup: tuple[Arena, FakeChannel, Chunks],
+) -> None:
+    arena, _, _ = setup
+    core = arena.core
+    standby = FakeStandby()
+    claim = core.claim_standby("g", standby, {"theirs": (BASE + WINDOW - 2 * G, BASE + WINDOW)})
+    assert core.standby("g") is standby and core.standby("other") is None
+    late = p.ArenaView(name="late", owner="owner", address=BASE + WINDOW - G, reserved=G, committed=0, granularity=G)
+    with pytest.raises(VaCollision, match=r"over the window of 'theirs' that this process reserved for retain group 'g'"):
+        Arena(core, late, owner=True).reserve_window()
+    core.drop_standby(claim)
+    assert core.standby("g") is None and core.address_slice().standbys == {}
+    Arena(core, late, owner=True).reserve_window()
+    core.drop_arena("late")

@@ -92,3 +92,23 @@ def test_a_door_shut_by_stalled_connections_reopens_the_channel() -> None:
     assert not d.stalled(1.0 + STALL_AFTER, sessions=1)
     d.door_shut = True
     assert d.stalled(1.0 + STALL_AFTER, sessions=1)
+
+
+def test_only_connections_that_sent_nothing_are_hung_up_at_the_hello_timeout() -> None:
+    d = door()
+    for fd in (10, 11, 12):
+        d.accepted(fd, uid=0, pid=fd, now=0.0)
+    d.spoke(11, b"ctl", session=False, now=1.0)  # an anonymous peer (gpumemctl) that spoke once
+    d.spoke(12, b"tok", session=True, now=2.0)
+    assert [p.fd for p in d.silent(6.0)] == [10]
+
+
+def test_past_the_budget_a_sessions_connection_is_never_hung_up() -> None:
+    """The biggest holder's longest idle connection is its session's: the others go."""
+    d = door()
+    d.accepted(0, uid=1, pid=1, now=0.0)
+    d.spoke(0, b"session", session=True, now=0.5)
+    for fd in range(1, BUDGET.control + 4):
+        d.accepted(fd, uid=1, pid=1, now=1.0 + fd)
+    victims = [v.fd for v in d.excess(200.0)]
+    assert victims == [1, 2, 3, 4]

@@ -269,12 +269,22 @@ def test_a_committed_round_shows_its_budget_step_by_step() -> None:
     members = [member("engine-a", tokens=4096, bytes=10 * GiB), member("engine-b", weight=3.0, tokens=8192, bytes=40 * GiB)]
     lines = render_rounds(reply(rounds=[round_(2, p.RoundState.COMMITTED, members, budget=budget, deadline_in_s=-5.0)]))
     assert lines[:4] == [
-        "  round 2  committed  policy partial  deadline passed 0m5s ago  2/2 reported",
+        "  round 2  committed  policy partial  2/2 reported",
         "    budget: free 60 GiB - reserve 1 GiB - headroom 3 GiB = 56 GiB  (graph pools 512 MiB: already in use, not deducted)",
         "    minimums: 8 GiB first; the other 48 GiB shared by weight (total weight 4), each capped at its max tokens",
         "    committed: 50 GiB to the members' pools; 6 GiB of the budget unused (max-token caps, granularity rounding)",
     ]
     assert [(row[7], row[8], row[9]) for row in rows(lines[4:])] == [("1 (25%)", "4096", "10 GiB"), ("3 (75%)", "8192", "40 GiB")]
+
+
+def test_an_ended_round_shows_no_deadline() -> None:
+    """A committed round went on showing "deadline in 4m52s" after its clients were gone."""
+    members = [member("engine-a", tokens=4096, bytes=1 * GiB)]
+    for state in (p.RoundState.COMMITTED, p.RoundState.FAILED):
+        (line, *_) = render_rounds(reply(rounds=[round_(3, state, members, deadline_in_s=292.0)]))
+        assert line == f"  round 3  {state}  policy partial  1/1 reported", line
+    (line, *_) = render_rounds(reply(rounds=[round_(3, p.RoundState.AWAITING_SHRINK, members, deadline_in_s=-2.0)]))
+    assert "  deadline passed 0m2s ago  " in line, line
 
 
 def test_a_failed_round_says_what_was_short_and_whom_it_dropped() -> None:
@@ -285,7 +295,7 @@ def test_a_failed_round_says_what_was_short_and_whom_it_dropped() -> None:
     assert lines[-2:] == ["    dropped: engine-c/kv", "    error: the minimums exceed the budget"]
     unmeasured = render_rounds(reply(rounds=[round_(4, p.RoundState.FAILED, [], error="deadline passed")]))
     assert unmeasured == [
-        "  round 4  failed  policy partial  deadline in 0m30s  0/0 reported",
+        "  round 4  failed  policy partial  0/0 reported",
         "    budget: not computed (the round failed before it was measured)",
         "    (no members)",
         "    error: deadline passed",

@@ -1,6 +1,8 @@
 """docs/protocol.md must agree with the gpumem_shared.protocol package: a renamed,
 renumbered or new message type, error code or enum value, another reply type, changed
-admission rules or a version bump fail here until the page follows."""
+admission rules or a version bump fail here until the page follows. docs/architecture.md's
+module map must name every module the layering test places (a new, renamed or removed
+module fails here until the map follows)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ from pathlib import Path
 
 from gpumem_shared import protocol as p
 
-DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+from .test_layering import CLIENT_LAYERS, DAEMON_LAYERS, PACKAGES
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = (ROOT / "docs" / "protocol.md").read_text()
+ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
 
 
 def _section(heading: str) -> str:
@@ -56,3 +62,28 @@ def test_admission_rules_are_documented() -> None:
     stopping = [n for n, cls in p.REQUESTS.items() if cls.WHILE_STOPPING]
     assert f"`NEEDS_SESSION` (false only for {names(anonymous)}," in text
     assert f"`WHILE_STOPPING` (true only for {names(stopping)}:" in text
+
+
+def mapped(package: str) -> set[str]:
+    """The modules docs/architecture.md's map of ``package`` gives an entry: the names in
+    each top-level item's head (before its dash), ``name.py`` a module and ``name/`` a
+    package by its folder."""
+    section = ARCHITECTURE.split(f"\n### {package}:", 1)[1].split("\n#", 1)[0]
+    heads = [line[2:].split(" — ", 1)[0] for line in section.splitlines() if line.startswith("- `")]
+    return {m.group(1) for head in heads for m in re.finditer(r"`(\w+)(?:\.py|/)`", head)}
+
+
+# Each package's own files, not modules of the map's.
+UNMAPPED = {"__init__", "__main__"}
+
+
+def test_the_module_map_names_every_daemon_module_and_only_those() -> None:
+    assert set(DAEMON_LAYERS) - UNMAPPED - mapped("gpumemd") == set(), "in DAEMON_LAYERS but not in docs/architecture.md's map"
+    assert {m for m in mapped("gpumemd") if not (PACKAGES["gpumemd"] / f"{m}.py").is_file()} == set(), "mapped, but no such module"
+
+
+def test_the_module_map_names_every_client_module_and_only_those() -> None:
+    assert set(CLIENT_LAYERS) - UNMAPPED - mapped("gpumem") == set(), "in CLIENT_LAYERS but not in docs/architecture.md's map"
+    root = PACKAGES["gpumem"]
+    missing = {m for m in mapped("gpumem") if not ((root / f"{m}.py").is_file() or (root / m / "__init__.py").is_file())}
+    assert missing == set(), "mapped, but no such module"

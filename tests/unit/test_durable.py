@@ -170,7 +170,7 @@ def test_duplicate_record_names_are_not_read(make_harness: Callable[..., Harness
     h, again, durable = _stored_then_restarted(make_harness, tamper)
     try:
         assert "2 descriptors named 'record-0'; none is read, all closed" in caplog.text
-        assert again.state.generation == 0 and not again.state.sessions
+        assert again.state.session_desk.generation == 0 and not again.state.sessions
         store = durable.notifier
         assert isinstance(store, FakeStore)
         assert [os.fstat(store.held[name]).st_ino for name in RECORD_NAMES] == [os.fstat(fd).st_ino for fd in durable.record.fds], (
@@ -216,7 +216,7 @@ def test_a_corrupt_newest_record_is_rebuilt_from_the_one_before_and_says_what_is
         assert again.state.status().daemon.restore_problems == [
             f"durable record write {lost}, the newest, is corrupt: what it acknowledged is lost"
         ], "gpumemctl status does not show what the start lost"
-        assert again.state.generation == 1
+        assert again.state.session_desk.generation == 1
         assert durable.record.sequence > lost, "a write after it must not be read as older than the corrupt one"
         assert RecordFile(list(durable.record.fds)).read() is not None
     finally:

@@ -17,7 +17,7 @@ import pytest
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
 from gpumemd.durable import Durable
-from gpumemd.retained import GroupRecord
+from gpumemd.records import GroupRecord
 from gpumemd.records import (
     Answer,
     ArenaRecord,
@@ -29,8 +29,9 @@ from gpumemd.records import (
     MemberRecord,
     RoundRecord,
     SessionRecord,
+    SleepRecord,
 )
-from gpumemd.sleepers import HostBufferRecord, SleeperRecord
+from gpumemd.sleepers import HostBufferRecord
 from gpumemd.state import DaemonState
 
 from .harness import CAPACITY, Clock, Harness, MiB
@@ -53,7 +54,7 @@ NOT_KEPT: dict[tuple[type, str], str] = {
 # Every record class the durable record holds; the walk must reach each one.
 KEPT_CLASSES = {
     SessionRecord, Answer, ArenaRecord, ChunkRecord, GrantRecord, GraphPoolRecord, KvPoolRecord, KvBufferLayout, MemberRecord, RoundRecord,
-    HostBufferRecord, SleeperRecord, GroupRecord,
+    HostBufferRecord, SleepRecord, GroupRecord,
 }
 
 BOOKS: dict[str, Callable[[DaemonState], list[Any]]] = {
@@ -61,7 +62,7 @@ BOOKS: dict[str, Callable[[DaemonState], list[Any]]] = {
     "arenas": lambda s: sorted(s.arenas.by_name.values(), key=lambda a: a.name) + sorted(s.arenas.retiring.values(), key=lambda c: c.id),
     "graph_pools": lambda s: sorted(s.graph_pools.by_id.values(), key=lambda g: g.id),
     "kv": lambda s: sorted(s.kv.pools.values(), key=lambda k: k.name) + list(s.kv.rounds),
-    "sleepers": lambda s: sorted(s.sleepers.buffers.values(), key=lambda b: b.id) + sorted(s.sleepers.asleep.values(), key=lambda x: x.arena),
+    "sleepers": lambda s: sorted(s.sleepers.buffers.values(), key=lambda b: b.id),
     "retained": lambda s: sorted(s.retained.groups.values(), key=lambda g: g.name),
 }
 
@@ -104,7 +105,7 @@ def populated(h: Harness) -> None:
     # What no request here sets, or sets only in a state a restart rarely meets.
     arena = st.arenas.by_name["a"]
     arena.owner_alive, arena.released = False, True
-    owner.tenant_key = b"\x07" * 32  # a tenant token's digest: test_caps_tokens.py presents real ones
+    owner.tenant_key = b"\x07" * 32  # a tenant token's digest: test_memory_caps_tokens.py presents real ones
     arena.chunks[0].fresh = False
     arena.grants[0].uid_implied = True
     arena.grants[0].read_only = True
@@ -121,9 +122,10 @@ def populated(h: Harness) -> None:
     member.tokens, member.bytes = 100, 200
     h.ok(owner, p.RetainGroup(group="grp"))
     h.ok(owner, p.Retain(group="grp", name="kv2"))
-    group = st.retained.groups["grp"]
+    group = st.retained.groups[owner.uid, "grp"]
     group.previous, group.previous_pid, group.previous_since = "the one before", 77, 1.5
     group.deadline, group.adopting = h.clock.now + 30, True
+    group.previous_ended, group.writers = h.clock.now - 2, [("client 'sharer' (pid 78, session 9)", 78, 1.25, h.clock.now - 1)]
     buffer = st.sleepers.buffers["c"]
     owner.remember(5, b"a reply", arena.chunks[:2], [(pool_id, st.graph_pools.by_id[pool_id].segment_fd)], [(buffer.id, buffer.fd)])
 

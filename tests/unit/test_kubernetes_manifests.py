@@ -1,6 +1,6 @@
 """deploy/kubernetes, checked offline: every manifest parses, validates against the
 Kubernetes API schemas (kubernetes-validate's copies, strict: no unknown field), names
-what it must, and keeps the confinement the README claims. Each namespace's Pod Security
+what it must, and keeps the confinement docs/running.md claims. Each namespace's Pod Security
 level is the one its pods need (worked out here from what they use), so a pod that stops
 needing a host namespace makes the label too lax, and one that starts needing one makes
 it too strict, and this fails. The DRA engine pod must need no more than "restricted"."""

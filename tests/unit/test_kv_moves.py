@@ -345,3 +345,91 @@ def test_a_pool_whose_own_grow_waits_is_not_asked_to_give_back(make_harness: Cal
     # a bursts: with equal weights b holds 64 MiB above its share, but b waits for its own grow.
     refused = h.refused(a, p.KvGrow(pool="kva", tokens=40000), ErrorCode.OUT_OF_MEMORY)
     assert refused.detail["requested"] > refused.detail["available"] and shrink_notices(h) == []
+
+
+def test_a_grow_whose_pool_is_released_while_it_waits_is_answered_not_found(make_harness: Callable[..., Harness]) -> None:
+    """Its owner released the pool (another thread of the engine) while the grow waited
+    for b's shrink: the grow is answered at once, naming the release, not dropped with
+    no answer for its client to wait out."""
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    h.release(a, "kva")
+    error = done(h)[7].reply
+    assert isinstance(error, p.ProtocolError) and error.code is p.ErrorCode.NOT_FOUND
+    assert "'kva' was released while it waited to grow" in error.message
+    assert h.state.kv.grows == []
+
+
+def test_a_rounds_split_weighs_each_tenant_alike(make_harness: Callable[..., Harness]) -> None:
+    """A weight is the engine's word: it divides its own tenant's part of a round, not
+    another tenant's. Before, a weight of 1e6 took all but b's minimum."""
+    h = make_harness()
+    a, b = h.connect("engine-a"), h.connect("engine-b", uid=2000, gid=2000)
+    for s, name in ((a, "kva"), (b, "kvb")):
+        declare(h, s, name)
+        join(h, s, name)
+    capture(h, a, "kva", 1, min_tokens=1024, weight=1e6)
+    capture(h, b, "kvb", 2, min_tokens=1024)
+    assert {rid: commit_reply(c).pool.tokens for rid, c in done(h).items()} == {1: 32768, 2: 32768}
+
+
+def hostile_then_neighbour(h: Harness, **hostile: float) -> tuple[Session, Session]:
+    """engine-a (uid 1000) reports what ``hostile`` says and takes the 256 MiB device in
+    its own round (busy: it wants all it holds); engine-b (uid 2000) then commits its
+    4 MiB minimum in a round of its own, which a gives back for."""
+    a, b = h.connect("engine-a"), h.connect("engine-b", uid=2000, gid=2000)
+    declare(h, a, "kva")
+    join(h, a, "kva")
+    capture(h, a, "kva", 1, **{"min_tokens": 1024, **hostile})
+    assert commit_reply(done(h)[1]).pool.tokens == 65536
+    h.ok(a, p.KvDemand(pool="kva", in_use=65536))
+    declare(h, b, "kvb")
+    join(h, b, "kvb")
+    capture(h, b, "kvb", 2, min_tokens=1024)
+    ((_, _, tokens),) = shrink_notices(h)
+    give_back(h, a, "kva", tokens)
+    assert commit_reply(done(h)[2]).pool.tokens < 16384  # its minimum, and the rest of the chunk a gave
+    h.ok(a, p.KvDemand(pool="kva", in_use=tokens))
+    return a, b
+
+
+@pytest.mark.parametrize("hostile", [{"weight": 1e6}, {"min_tokens": 60000}], ids=["weight", "min_tokens"])
+def test_an_engines_weight_and_minimum_do_not_outweigh_another_tenant(make_harness: Callable[..., Harness], hostile: dict[str, float]) -> None:
+    """Weights and minimums are the engine's word: across tenants they are bounded (a
+    pool's weight divides its tenant's, a tenant's minimums guard at most its even part),
+    so b's grow to 64 MiB, well within its fair half, asks a back for what it needs.
+    Before, a weight of 1e6 (or a minimum of 234 MiB) left a nothing to give and b's grow
+    was refused at once."""
+    h = make_harness()
+    a, b = hostile_then_neighbour(h, **hostile)
+    grow_waits(h, b, "kvb", 16384, 7)
+    ((sid, pool, tokens),) = shrink_notices(h)
+    assert (sid, pool) == (a.id, "kva")
+    give_back(h, a, "kva", tokens)
+    assert commit_reply(done(h)[7]).pool.tokens == 16384  # all b asked for: a was asked enough
+
+
+def test_memory_a_donor_confirmed_but_kept_mapped_counts_against_it_and_is_named(make_harness: Callable[..., Harness]) -> None:
+    """b confirms its shrink and never reports the unmap: it keeps the memory mapped and
+    writable. Past --move-timeout that memory is b's as far as the move policy goes: held
+    by it, so b, at its fair share by its live rows alone, is asked to give those back for
+    the next grow; and a grow it starves names it. Before, the policy saw b at its share,
+    the next grow was refused at once, and the errors named nobody."""
+    h = make_harness()
+    a, b = two_pools(h)
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))
+    grow_waits(h, a, "kva", 49152, 7)
+    assert shrink_notices(h) == [(b.id, "kvb", 16384)]
+    h.ok(b, p.KvShrink(pool="kvb", tokens=16384))  # confirmed; the unmap never comes
+    h.clock.now += h.config.move_timeout
+    h.state.tick()
+    error = done(h)[7].reply
+    assert isinstance(error, p.ProtocolError) and error.code is p.ErrorCode.OUT_OF_MEMORY
+    assert f"engine-b/kvb {64 * MiB} bytes" in error.message and "never unmapped" in error.message
+    assert h.state.kv.kept_mapped() == {"kvb": 64 * MiB}
+    h.ok(b, p.KvDemand(pool="kvb", in_use=16384))  # busy now: its live rows are its fair share
+    grow_waits(h, a, "kva", 49152, 8)
+    ((sid, pool, tokens),) = shrink_notices(h)
+    assert (sid, pool) == (b.id, "kvb") and tokens < 16384  # what it kept counts against it

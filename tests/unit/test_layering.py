@@ -17,7 +17,7 @@ PACKAGES = {"gpumemd": ROOT / "daemon" / "gpumemd", "gpumem": ROOT / "client" / 
 
 # Bottom up: a module may import only modules before it in this list.
 DAEMON_LAYERS = [
-    "config", "notify", "runtime", "fencing", "logs", "startup", "tally", "records", "image", "admission", "control_door", "control_channel", "checks", "caps", "tenants", "grants", "kv_math", "kv_moves", "arenas", "lease_lanes", "graph_pools", "kv_rounds", "kv_pools", "sleepers", "retained", "status", "state", "durable", "outbox", "metrics", "exporter", "server",
+    "config", "notify", "runtime", "fencing", "logs", "startup", "tally", "records", "image", "admission", "control_door", "control_channel", "checks", "names", "memory_caps", "tenants", "grants", "kv_math", "kv_moves", "arenas", "lease_order_lanes", "graph_pools", "kv_rounds", "kv_pools", "sleepers", "retain_fence", "retained", "sessions", "status", "state", "durable", "outbox", "metrics", "exporter", "server",
     "cli", "__main__",
 ]
 
@@ -80,7 +80,7 @@ def test_no_daemon_book_imports_one_above_it() -> None:
 # session's core (gpumem.core), and names Session only under ``if TYPE_CHECKING:``.
 CLIENT_LAYERS = [
     "errors", "views", "discovery", "control", "channel", "allocator", "torch_support", "capture_routing", "elastic",
-    "address_slices", "graph_pools", "leases", "core", "arena", "borrow", "kv_pool", "paged_kv", "sleep", "prefix_directory", "retain", "standby",
+    "address_slices", "graph_pools", "handoffs", "leases", "core", "window", "arena", "borrow", "kv_pool", "paged_kv", "sleep", "prefix_directory", "retain", "standby",
     "session",
     "leased_graph", "engine", "port", "integrations", "ctl", "__init__",
 ]
@@ -117,3 +117,12 @@ def test_runtime_imports_leave_out_type_checking_blocks_only(tmp_path: Path) -> 
     assert {"gpumem.engine", "gpumem.engine.EngineMemory"} <= runtime_imports(source)
     assert not any(name.startswith("gpumem.session") for name in runtime_imports(source))
     assert "gpumem.session" in imports(source)
+
+
+@pytest.mark.parametrize(("module", "above"), [("core", "standby"), ("prefix_directory", "session")])
+def test_the_core_and_the_prefix_directory_do_not_even_name_what_sits_above_them(module: str, above: str) -> None:
+    """Not even under ``if TYPE_CHECKING:``: a standby's windows are claims in the address
+    slice, which the core reads without knowing standbys, and a prefix directory is made
+    over the core, not the facade."""
+    named = imports(PACKAGES["gpumem"] / f"{module}.py")
+    assert not any(n == f"gpumem.{above}" or n.startswith(f"gpumem.{above}.") for n in named), f"gpumem.{module} names gpumem.{above}"

@@ -20,7 +20,8 @@ import pytest
 
 import gpumem
 from gpumem.errors import DeviceDriverError
-from gpumem.leases import Lease, SessionLeases
+from gpumem.handoffs import SessionLeases
+from gpumem.leases import Lease
 from gpumem_shared import _native, lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import KIND_NAMES, LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus
@@ -759,7 +760,7 @@ def test_registration_writes_the_shared_flag_and_status_shows_it(h: Harness) -> 
 
 def test_status_names_the_client_whose_escape_mark_blocks_replays(h: Harness) -> None:
     s = owner(h)
-    h.state.next_session = (1 << 24) + 5  # the mark holds 24 bits of the id
+    h.state.session_desk.next_session = (1 << 24) + 5  # the mark holds 24 bits of the id
     b = sharer(h, s, "b")
     pool = register(h, s, 0, "p", True)
     opens(h, b, pool)
@@ -916,7 +917,7 @@ def test_publish_lookup_and_escapes_need_the_pool_opened(h: Harness) -> None:
 def test_lookup_finds_each_sessions_handle_by_its_word_session_until_it_closes(h: Harness) -> None:
     s = owner(h)
     # Ids beyond 24 bits: a lookup names the session as the slot's handoff does.
-    h.state.next_session = (1 << 24) + 5
+    h.state.session_desk.next_session = (1 << 24) + 5
     b, c = sharer(h, s, "b"), sharer(h, s, "c")
     assert b.id > 0xFFFFFF and word_session(b.id) != b.id
     pool, other = register(h, s, 0, "shared", True), register(h, s, 4 * MiB, "other", True)
@@ -971,7 +972,7 @@ def test_close_session_forgets_the_fields_naming_it(h: Harness) -> None:
 
 def test_tick_repairs_flags_and_fields_naming_a_session_that_may_not_use_the_pool(h: Harness) -> None:
     s = owner(h)
-    h.state.next_session = (1 << 24) + 5  # live sessions are compared as the fields hold them
+    h.state.session_desk.next_session = (1 << 24) + 5  # live sessions are compared as the fields hold them
     b = sharer(h, s, "b")
     shared, private = register(h, s, 0, "shared", True), register(h, s, 4 * MiB, "private", False)
     opens(h, b, shared)
@@ -1038,7 +1039,7 @@ def test_tick_clears_a_handoff_with_bits_outside_the_encoding_once(h: Harness, g
 def test_a_session_never_gets_the_lease_session_that_means_nobody(h: Harness) -> None:
     # 0 in a slot's handoff or escape field means nobody: a session whose id wraps to 0
     # in 24 bits would get neither ordering nor escape marks.
-    h.state.next_session = 1 << 24
+    h.state.session_desk.next_session = 1 << 24
     s = h.connect("wraps")
     assert word_session(s.id) != 0
 

@@ -226,12 +226,34 @@ def test_the_take_orders_after_the_releasers_value_in_the_same_call(shared_pool:
     assert take(segment, words) == LeaseStatus.OK_WAITED
 
 
-def test_the_take_waits_on_nothing_for_a_forged_lane(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:
+@pytest.mark.parametrize("lane", [LANES, LANES + 100], ids=["one past the chunk", "far past it"])
+def test_the_take_waits_on_nothing_for_a_forged_lane(shared_pool: tuple[LeaseSegment, int], words: Words, lane: int) -> None:
     segment, _ = shared_pool
     assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
-    segment.publish_order(LANES + 100, 1)  # a lane outside the chunk, with a value nobody writes
+    segment.publish_order(lane, 1)  # a lane outside the chunk, with a value nobody writes
     assert segment.release_recorded(RELEASER) == LeaseStatus.OK
     assert take(segment, words) == LeaseStatus.OK and segment.peek() == TAKER
+    assert lease_order.order_after(0, segment, words.address, LANES, 0, timeout_s=0.0) is None
+
+
+@pytest.mark.parametrize(
+    ("written", "published", "status"),
+    [
+        pytest.param(3, (1 << 64) - 2, LeaseStatus.OK_WAITED, id="written past the wrap: reached"),
+        pytest.param((1 << 63) + 5, 2, LeaseStatus.OK_ORDER, id="half the cycle behind: not reached"),
+    ],
+)
+def test_the_take_compares_the_lanes_word_cyclically(
+    shared_pool: tuple[LeaseSegment, int], words: Words, written: int, published: int, status: LeaseStatus
+) -> None:
+    """On context 0 the take reads the lane's word itself: reached is the cyclic
+    greater-or-equal (lease_order.reached), as a GPU's wait compares, not the plain one."""
+    segment, _ = shared_pool
+    words.sweep(2, written)
+    assert segment.try_acquire(RELEASER, EPOCH, b"r") == LeaseStatus.OK
+    segment.publish_order(2, published)
+    assert segment.release_recorded(RELEASER) == LeaseStatus.OK
+    assert take(segment, words) == status
 
 
 def test_the_take_waits_for_a_release_in_flight_within_its_bound(shared_pool: tuple[LeaseSegment, int], words: Words) -> None:

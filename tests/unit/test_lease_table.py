@@ -547,7 +547,7 @@ def test_sweeps_compare_session_ids_as_the_word_holds_them(h: Harness) -> None:
     must neither sweep a live session's lease on a tick nor miss a dead one's at close."""
     s = owner(h)
     pool, other = register(h, s, 0, "p"), register(h, s, 4 * MiB, "q")
-    h.state.next_session = (1 << 24) + 5  # as if 16.7 million sessions came and went
+    h.state.session_desk.next_session = (1 << 24) + 5  # as if 16.7 million sessions came and went
     live, dying = user(h, s, "live", pool, other), user(h, s, "dying", pool, other)
     assert live.id > 0xFFFFFF and dying.id > 0xFFFFFF
     w = take(pool, live, LeaseKind.REPLAY, label="held")
@@ -561,7 +561,7 @@ def test_sweeps_compare_session_ids_as_the_word_holds_them(h: Harness) -> None:
     assert pool.segment.peek() == w, "the move dropped a live session's lease"
     assert give_back(pool, w) == LeaseStatus.OK
     # An id whose low 24 bits a live session already has is skipped: the words stay unambiguous.
-    h.state.next_session = (2 << 24) + live.id % (1 << 24)
+    h.state.session_desk.next_session = (2 << 24) + live.id % (1 << 24)
     assert h.connect("next").id == (2 << 24) + live.id % (1 << 24) + 1
 
 

@@ -435,7 +435,7 @@ def test_every_family_is_named_for_prometheus(h: Harness) -> None:
 
 def test_the_readme_lists_every_family_with_its_type(h: Harness) -> None:
     owned_pool(h)
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "running.md").read_text()
     section = readme.split("\n## Monitoring\n", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `(gpumemd_\w+)` \| (\w+) \|", section, re.M))
     assert listed == {(f.name, f.kind) for f in Metrics(h.state).snapshot.families}

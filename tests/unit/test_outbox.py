@@ -17,7 +17,8 @@ from gpumem_shared import fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.base import Handle
 from gpumem_shared.driver.host import HostDriver
-from gpumemd import arenas, state
+from gpumemd import arenas
+from gpumemd.sessions import _SESSION
 from gpumemd.durable import Durable, RecordFile
 from gpumemd.image import StateImage, chunk_name, decode, lease_name
 from gpumemd.outbox import Letter, Mail, Outbox
@@ -29,7 +30,7 @@ from .store_kit import FakeStore
 
 
 def sessions(record: StateImage) -> list[dict[str, Any]]:
-    return [state._SESSION.fields(s) for s in record.sessions["sessions"]]
+    return [_SESSION.fields(s) for s in record.sessions["sessions"]]
 
 
 def chunks(record: StateImage) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ import pytest
 from gpumem_shared import lease_table
 from gpumem_shared import protocol as p
 from gpumem_shared.lease_table import LeaseKind
-from gpumemd import state as state_module
+from gpumemd import fencing
 
 from .harness import GiB, Harness, MiB
 from .test_lease_handoff import ARENA, opens, register
@@ -59,10 +59,10 @@ def test_liveness_is_not_read_from_a_proc_of_another_pid_namespace(monkeypatch: 
     """A daemon whose /proc is not its own namespace's (its number for itself is not
     /proc/self) cannot ask /proc about any pid: there it names another process."""
     dead, since = gone_pid(), time.time() - 60
-    assert state_module.process_gone(dead, since), "a reaped child is gone, read from our own /proc"
+    assert fencing.process_gone(dead, since), "a reaped child is gone, read from our own /proc"
     ours = os.getpid()
     monkeypatch.setattr(os, "getpid", lambda: ours + 1 if ours > 1 else 2)  # as a daemon that is pid N of another namespace
-    assert not state_module.process_gone(dead, since)
+    assert not fencing.process_gone(dead, since)
 
 
 def test_hello_says_the_clients_own_pid(h: Harness) -> None:

@@ -5,12 +5,13 @@ slot, flipped bits, past the adopter's blocks, an old duplicate, a bad header)."
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Callable
 
 import pytest
 
 from gpumem.errors import InvalidArgument
-from gpumem.prefix_directory import ENTRY_BYTES, HEADER_BYTES, MAGIC, PrefixDirectory, bytes_for
+from gpumem.prefix_directory import ENTRY_BYTES, HEADER_BYTES, MAGIC, SEQUENCE_END, PrefixDirectory, bytes_for
 
 BLOCKS = 16
 
@@ -88,8 +89,24 @@ def test_blocks_past_the_adopters_are_not_trusted(memory: Memory) -> None:
     d = PrefixDirectory.open(memory)
     d.publish(1, 11)
     d.publish(12, 1212)
+    d.publish(8, 88)  # the first block past the adopter's
+    d.publish(7, 77)  # its last
     scan = d.scan(blocks=8)
-    assert scan.blocks == {11: 1} and scan.beyond == 1
+    assert scan.blocks == {11: 1, 77: 7} and scan.beyond == 2
+
+
+@pytest.mark.parametrize("sequence", [(1 << 64) - 1, SEQUENCE_END])
+def test_an_entry_with_a_sequence_out_of_range_is_corrupt_and_publishing_goes_on(memory: Memory, sequence: int) -> None:
+    """An entry with a valid checksum and a sequence no publish writes: ignored, and the
+    sequences after it stay ones an entry holds (2^64-1 made every later publish raise
+    struct.error)."""
+    PrefixDirectory.open(memory).publish(2, 22)
+    memory.write(slot(5), struct.pack("<QQII8x", sequence, 55, 5, zlib.crc32(struct.pack("<QQI", sequence, 55, 5))))
+    d = PrefixDirectory.open(memory)
+    scan = d.scan()
+    assert scan.blocks == {22: 2} and scan.corrupt == 1 and scan.last_sequence == 1
+    d.publish(3, 33)
+    assert d.scan().blocks == {22: 2, 33: 3}
 
 
 def test_the_later_of_two_entries_for_one_hash_wins_and_sequences_go_on_after_reopen(memory: Memory) -> None:

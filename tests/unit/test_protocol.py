@@ -316,6 +316,14 @@ def test_request_id_of_reads_the_id_whatever_the_rest(frame: bytes, expected: in
     assert p.request_id_of(frame) == expected
 
 
+@pytest.mark.parametrize("credential", [b"", bytes(31), bytes(33)], ids=["empty", "short", "long"])
+def test_a_resume_credential_of_another_length_is_refused(credential: bytes) -> None:
+    body = {"session_id": 3, "credential": credential}
+    error = refused(raw(envelope(MsgType.RESUME, b=body)), ErrorCode.INVALID_ARGUMENT)
+    assert error.message.startswith("Resume.credential: expected `bytes` of length")
+    assert p.decode_request(raw(envelope(MsgType.RESUME, b={**body, "credential": bytes(p.RESUME_CREDENTIAL_BYTES)}))).message.credential
+
+
 def test_missing_field_is_invalid_argument_naming_it() -> None:
     error = refused(raw(envelope(b={"name": "kv"})), ErrorCode.INVALID_ARGUMENT)
     assert error.message == "CommitArena.nbytes is missing"

@@ -65,35 +65,37 @@ def test_a_resume_from_the_same_pid_under_another_uid_is_refused(restarted: Rest
     assert reply.session_id == s.id and not session.waiting
 
 
-def test_a_session_without_a_credential_cannot_be_resumed_with_an_empty_one(restarted: Restarted) -> None:
+def test_a_session_without_a_credential_cannot_be_resumed_with_any(restarted: Restarted) -> None:
+    """An empty credential is refused when decoded (test_protocol); one of the right
+    length, all zeros, finds no credential to match: the session was never resumable."""
     h, (s,) = restarted(["eng"])
     kept = h.state.sessions[s.id]
     kept.credential = b""  # as a session opened before the daemon had a store is kept
     with pytest.raises(p.ProtocolError) as refused:
-        h.state.resume(resume(s, b""), s.pid, s.uid, s.gid)
+        h.state.resume(resume(s, bytes(p.RESUME_CREDENTIAL_BYTES)), s.pid, s.uid, s.gid)
     assert refused.value.code == p.ErrorCode.SESSION_LOST
     assert kept.waiting
 
 
 def test_the_grace_period_runs_on_while_another_session_waits(restarted: Restarted) -> None:
     h, (back, late) = restarted(["back", "late"])
-    deadline = h.state.grace_deadline
+    deadline = h.state.session_desk.grace_deadline
     assert deadline is not None
     h.state.resume(resume(back), back.pid, back.uid, back.gid)
-    assert h.state.grace_deadline == deadline, "one resume ended the grace period of a session still waiting"
+    assert h.state.session_desk.grace_deadline == deadline, "one resume ended the grace period of a session still waiting"
     h.clock.now = deadline
     h.state.tick()
     assert sorted(h.state.sessions) == [back.id], "the session that never came back is still kept"
-    assert h.state.grace_deadline is None
+    assert h.state.session_desk.grace_deadline is None
 
 
 def test_the_grace_period_runs_on_when_a_successor_takes_a_dead_clients_name(restarted: Restarted) -> None:
     h, (dead, late) = restarted(["dead", "late"])
-    deadline = h.state.grace_deadline
+    deadline = h.state.session_desk.grace_deadline
     h.state.sessions[dead.id].pid = 1 << 23  # beyond any pid_max: provably gone
     h.state.open_session(p.Hello(name="dead"), pid=9999, uid=dead.uid, gid=dead.gid)
     assert dead.id not in h.state.sessions
-    assert h.state.grace_deadline == deadline, "taking over one name ended the grace period of a session still waiting"
+    assert h.state.session_desk.grace_deadline == deadline, "taking over one name ended the grace period of a session still waiting"
 
 
 @pytest.mark.parametrize("differs", ["uid", "gid", "pid seen both times"])
@@ -134,3 +136,18 @@ def test_a_kept_session_of_a_client_outside_the_namespace_keeps_its_name(restart
     assert refused.value.code == p.ErrorCode.ALREADY_EXISTS
     assert "outside gpumemd's pid namespace" in str(refused.value), refused.value
     assert h.state.sessions[kept.id].waiting
+
+
+def test_the_session_desk_returns_the_sessions_to_close_and_closes_none(restarted: Restarted) -> None:
+    """sessions.py decides and state.py closes: what a session's end means for the books
+    is decided in one place, the dispatcher."""
+    h, (gone, late) = restarted(["gone", "late"])
+    desk = h.state.session_desk
+    h.state.sessions[gone.id].pid = 1 << 23  # beyond any pid_max: provably gone
+    desk.gone = lambda pid, since: pid == 1 << 23
+    assert desk.release_gone() == [gone.id]
+    assert desk.grace_deadline is not None, "another session still waits"
+    h.clock.now = desk.grace_deadline
+    assert sorted(desk.tick()) == sorted([gone.id, late.id])
+    assert sorted(h.state.sessions) == sorted([gone.id, late.id]), "the desk closed nothing itself"
+    assert desk.grace_deadline is None

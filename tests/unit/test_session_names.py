@@ -41,7 +41,7 @@ def kept(h: Harness, name: str, pid: int, uid: int = 1000, since: float | None =
     h.commit(session, "held", BULK)
     session.pid, session.waiting = pid, True
     session.since = time.time() - 60 if since is None else since
-    h.state.grace_deadline = h.clock.now + h.config.restart_grace
+    h.state.session_desk.grace_deadline = h.clock.now + h.config.restart_grace
     return session
 
 
@@ -62,7 +62,7 @@ def test_a_kept_session_whose_process_exited_hands_its_name_over(h: Harness) -> 
     new = hello(h, "engine")
     assert list(h.state.sessions) == [new.id] and new.id != old.id and not new.waiting
     assert h.state.arenas.by_name == {} and h.state.arenas.accounted_bytes() == 0, "released as a dead client's"
-    assert h.state.grace_deadline is None, "nobody waits any more"
+    assert h.state.session_desk.grace_deadline is None, "nobody waits any more"
 
 
 def test_a_zombie_is_gone(h: Harness) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver.host import HostDriver
+from gpumemd.config import TenantLimits
 from gpumemd.durable import Durable
 from gpumemd.metrics import Metrics
 from gpumemd.sleepers import host_buffer_name
@@ -101,7 +102,7 @@ def test_sleep_goes_under_graph_pools_which_stay_registered(h: Harness) -> None:
 
 
 def test_host_buffers_are_sealed_counted_and_limited(make_harness: Callable[..., Harness]) -> None:
-    h = make_harness(sleep_host_limit=24 * MiB)
+    h = make_harness(sleep_host_limit=24 * MiB, tenants=TenantLimits(sleep_host_share=1.0))  # one uid: all of it its share
     a, b = h.connect("engine-a"), h.connect("engine-b")
     h.create(a, "wa", 512 * MiB)
     h.create(b, "wb", 512 * MiB)
@@ -125,6 +126,23 @@ def test_host_buffers_are_sealed_counted_and_limited(make_harness: Callable[...,
     # Growing replaces the buffer: only the difference needs room.
     _buffer(h, b, "wb", 24 * MiB)
     assert h.state.sleepers.host_bytes() == 24 * MiB
+
+
+def test_one_uid_holds_at_most_its_share_of_the_host_limit(make_harness: Callable[..., Harness]) -> None:
+    """A sparse buffer costs its uid nothing, so a share bounds what one uid's buffers
+    take (--tenant-sleep-host-share, half by default): another tenant's sleep still finds
+    room. Before, one uid held the whole limit and every other sleep was refused."""
+    h = make_harness(sleep_host_limit=24 * MiB)
+    a1, a2, b = h.connect("a1"), h.connect("a2"), h.connect("b", uid=2000, gid=2000)
+    for s, name in ((a1, "wa1"), (a2, "wa2"), (b, "wb")):
+        h.create(s, name, 512 * MiB)
+    _buffer(h, a1, "wa1", 8 * MiB)
+    refusal = h.refused(a2, p.SleepBuffer(arena="wa2", nbytes=6 * MiB), p.ErrorCode.HOST_LIMIT)  # one uid, two sessions
+    assert refusal.detail == {"limit": 12 * MiB, "used": 8 * MiB, "requested": 6 * MiB, "uid": 1000}
+    assert "--tenant-sleep-host-share" in refusal.message
+    _buffer(h, a2, "wa2", 4 * MiB)
+    _buffer(h, b, "wb", 12 * MiB)  # the other tenant's half is there
+    assert h.state.sleepers.host_bytes_of(1000) == h.state.sleepers.host_bytes_of(2000) == 12 * MiB
 
 
 def test_kept_bytes_must_fit_the_buffer_and_the_arena(h: Harness) -> None:
@@ -318,3 +336,137 @@ def test_a_kv_pool_asleep_stays_asleep_across_a_restart_and_wakes_by_its_grow(ma
         first.close()
         second.close()
         store.drop()
+
+
+def test_a_wake_chooses_donors_by_the_grows_rule(make_harness: Callable[..., Harness]) -> None:
+    """One donor rule (KvBook.ask_back): a wake asks no pool whose own grow waits (it would
+    give back rows its engine never mapped), nor one that just kept its asked rows live
+    (asking again is futile and costs its engine a step), as a grow asks neither. Before,
+    a wake had its own copy of the rule, and asked both."""
+    from .test_kv_moves import grow_waits, shrink_notices, two_pools
+    from .test_kv_rounds import done
+
+    h = make_harness()
+    sleeper = h.connect("sleeper")
+    h.create(sleeper, "weights", 512 * MiB)
+    h.commit(sleeper, "weights", 64 * MiB)
+    _asleep(h, sleeper, "weights")
+    a, b = two_pools(h)  # 128 MiB each, the device full
+    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    grow_waits(h, b, "kvb", 49152, 7)  # b's grow waits for a
+    assert [sid for sid, _, _ in shrink_notices(h)] == [a.id]
+    h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
+    assert b.id not in [sid for sid, _, _ in shrink_notices(h)], "b's own grow waits: it is not asked"
+    # a's rows are all live: it answers keeping them, and b's grow is answered at once.
+    h.ok(a, p.KvDemand(pool="kva", in_use=32768))
+    h.ok(a, p.KvShrink(pool="kva", tokens=32768))
+    assert isinstance(done(h)[7].reply, p.ProtocolError)
+    refusal = h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
+    notices = shrink_notices(h)
+    assert a.id not in [sid for sid, _, _ in notices], "a kept its rows live a moment ago: asking again is futile"
+    assert h.state.tally.kv_shrinks_asked == 1 + len(notices)  # every ask counted once, in one place
+    assert "client 'engine-a'" in refusal.message
+
+
+def test_a_wake_that_does_not_fit_is_answered_once_another_session_frees_the_memory(h: Harness) -> None:
+    """ARENA_WAKE with a ``wait`` is deferred like a KV grow: one request, answered when
+    the trainer releases what it holds (no client polling), at the same offsets."""
+    engine, trainer = h.connect("engine"), h.connect("trainer")
+    h.create(engine, "weights", 512 * MiB)
+    h.commit(engine, "weights", 64 * MiB)
+    _asleep(h, engine, "weights")
+    h.create(trainer, "train", CAPACITY)
+    h.commit(trainer, "train", CAPACITY)
+    outcome = h.state.handle(engine, p.WakeArena(name="weights", wait=30.0), 7)
+    assert outcome.reply is None and h.state.take_completions() == []
+    h.refused(engine, p.WakeArena(name="weights", wait=30.0), p.ErrorCode.ALREADY_EXISTS)  # one wake waits at a time
+    h.refused(engine, p.CommitArena(name="weights", nbytes=2 * MiB), p.ErrorCode.ARENA_ASLEEP)  # still asleep meanwhile
+    h.release(trainer, "train")
+    (c,) = h.state.take_completions()
+    assert c.request_id == 7 and c.session_id == engine.id and isinstance(c.reply, p.MapReply)
+    assert c.reply.arena.committed == 64 * MiB and [(x.offset, x.size) for x in c.handout] == [(x.offset, x.size) for x in c.reply.chunks]
+    assert sum(x.size for x in c.handout) == 64 * MiB and c.handout[0].offset == 0
+    assert h.state.tally.served[p.WakeArena] == 1 and h.state.sleepers.wakes == []
+    assert [x.asleep for x in h.state.status().sleepers] == []
+
+
+def test_a_waiting_wake_is_refused_at_its_wait_naming_the_holders_and_answered_if_its_arena_goes(h: Harness) -> None:
+    engine, trainer = h.connect("engine"), h.connect("trainer")
+    h.create(engine, "weights", 512 * MiB)
+    h.commit(engine, "weights", 64 * MiB)
+    _asleep(h, engine, "weights")
+    h.create(trainer, "train", CAPACITY)
+    h.commit(trainer, "train", CAPACITY)
+    for bad in (-1.0, float("nan"), p.MAX_WAIT_S * 2):
+        h.refused(engine, p.WakeArena(name="weights", wait=bad), p.ErrorCode.INVALID_ARGUMENT)
+    assert h.state.handle(engine, p.WakeArena(name="weights", wait=2.0), 8).reply is None
+    h.clock.now += 1.9
+    h.state.tick()
+    assert h.state.take_completions() == []
+    h.clock.now += 0.1
+    h.state.tick()
+    (c,) = h.state.take_completions()
+    assert isinstance(c.reply, p.ProtocolError) and c.reply.code is p.ErrorCode.OUT_OF_MEMORY
+    assert "client 'trainer'" in c.reply.message and "waited 2s" in c.reply.message
+    assert h.state.handle(engine, p.WakeArena(name="weights", wait=30.0), 9).reply is None
+    h.release(engine, "weights")
+    (c,) = h.state.take_completions()
+    assert isinstance(c.reply, p.ProtocolError) and c.reply.code is p.ErrorCode.NOT_FOUND and h.state.sleepers.wakes == []
+
+
+def test_a_kv_pools_wake_is_one_grow_that_waits_for_all_its_rows(make_harness: Callable[..., Harness]) -> None:
+    """A KV pool wakes as a plain arena does: one request, answered when all its rows fit
+    (KV_GROW's ``wait``); a donor that gives back only part is asked again once it can
+    give more, instead of the grow being answered with part and the client growing again."""
+    from .test_kv_moves import give_back, shrink_notices, two_pools
+    from .test_kv_rounds import commit_reply, done
+
+    h = make_harness()
+    a, b = two_pools(h)  # 128 MiB each, the device full
+    reply = h.ok(b, p.KvShrink(pool="kvb", tokens=0, sleep=True)).reply
+    h.unmapped(b, "kvb", [c.id for c in reply.retired])
+    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    assert commit_reply_of(h.ok(a, p.KvGrow(pool="kva", tokens=65536)).reply).pool.tokens == 65536  # the whole device
+    assert h.state.handle(b, p.KvGrow(pool="kvb", tokens=32768, wait=30.0), 9).reply is None
+    assert shrink_notices(h) == [(a.id, "kva", 32768)]
+    h.ok(a, p.KvDemand(pool="kva", in_use=40000))
+    give_back(h, a, "kva", 49152)  # its rows past 40000 are live up to 49152: it gives back half of what was asked
+    assert done(h) == {}, "a wake waits for all its rows, not for what the first answer freed"
+    h.clock.now += 1
+    h.state.tick()
+    assert done(h) == {} and shrink_notices(h) == []  # a kept its rows live a moment ago: not asked again
+    h.ok(a, p.KvDemand(pool="kva", in_use=20000))  # its burst ended
+    h.state.tick()
+    assert shrink_notices(h) == [(a.id, "kva", 32768)]
+    give_back(h, a, "kva", 32768)
+    assert commit_reply(done(h)[9]).pool.tokens == 32768
+    assert h.state.tally.served[p.KvGrow] == 2 and h.state.arenas.by_name["kvb"].asleep is None  # woken
+
+
+def commit_reply_of(reply: object) -> p.KvCommitReply:
+    assert isinstance(reply, p.KvCommitReply), reply
+    return reply
+
+
+def test_a_waiting_wake_asks_again_once_its_donors_answered_short(make_harness: Callable[..., Harness]) -> None:
+    """A donor that keeps its rows live answers with nothing; the wake, still short, asks
+    the pools that can give now (as a grow that waits for all its rows does) instead of
+    waiting out its wait."""
+    from .test_kv_moves import give_back, shrink_notices, two_pools
+
+    h = make_harness()
+    sleeper = h.connect("sleeper")
+    h.create(sleeper, "weights", 512 * MiB)
+    h.commit(sleeper, "weights", 64 * MiB)
+    _asleep(h, sleeper, "weights")
+    a, b = two_pools(h)  # 128 MiB each, the device full
+    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    assert h.state.handle(sleeper, p.WakeArena(name="weights", wait=30.0), 5).reply is None
+    assert [(sid, pool) for sid, pool, _ in shrink_notices(h)] == [(a.id, "kva")]
+    h.ok(a, p.KvDemand(pool="kva", in_use=32768))
+    h.ok(a, p.KvShrink(pool="kva", tokens=32768))  # every row asked for is live: nothing given
+    [(sid, pool, bound)] = shrink_notices(h)
+    assert (sid, pool) == (b.id, "kvb") and h.state.take_completions() == []
+    give_back(h, b, "kvb", bound)
+    (c,) = h.state.take_completions()
+    assert c.request_id == 5 and isinstance(c.reply, p.MapReply) and c.reply.arena.committed == 64 * MiB

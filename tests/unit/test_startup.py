@@ -26,6 +26,19 @@ def test_the_line_says_each_phase_in_order_and_their_total() -> None:
     assert text.endswith(" (3 chunks restored)")
 
 
+def test_time_before_python_started_is_no_interpreters() -> None:
+    """scripts/daemon.sh installs (30 s on a first run) in the process that then exec's
+    gpumemd: the line named that wait "interpreter 29618.0 ms"."""
+    clock = StartupClock(1000.0)
+    clock.created = 1000.0 - 29.6  # the process was made 29.6 s before the first import
+    clock.mark("imports")
+    text, figures = clock.line()
+    assert "interpreter" not in figures and figures["total"] == pytest.approx(figures["imports"])
+    assert "(the process ran 29.6 s before it started Python, e.g. an install by the script that exec'd gpumemd: not counted)" in text
+    clock.created = 1000.0 - 0.08
+    assert clock.line()[1]["interpreter"] == pytest.approx(80.0)
+
+
 def test_the_driver_start_hands_its_driver_and_fence_to_the_main_thread() -> None:
     made: list[str] = []
 

@@ -101,14 +101,14 @@ def test_an_si_size_reads_as_the_iec_one_it_likely_meant() -> None:
 
 
 def test_the_readmes_iec_size_examples_suit_a_granular_flag() -> None:
-    """The README offers IEC examples before saying granular flags want them: each must
+    """docs/running.md offers IEC examples before saying granular flags want them: each must
     be a multiple of the 2 MiB granularity (its 1.5GB was refused by every such flag)."""
     import re
 
     from conftest import ROOT
 
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join((ROOT / "docs" / "running.md").read_text().split())
     sentence = re.search(r"Sizes take IEC units \(([^)]*)\)", text)
-    assert sentence is not None, "the README's sentence on size units moved"
+    assert sentence is not None, "docs/running.md's sentence on size units moved"
     examples = re.findall(r"`([^`]+)`", sentence.group(1))
     assert examples and all(parse_size(e) % (2 * MiB) == 0 for e in examples), examples

@@ -1,5 +1,5 @@
 /*
- * The argument checks every native call shares (module.c, ordering.c): counts, integers
+ * The argument checks every native call shares (module.c, lease_order.c): counts, integers
  * that must fit their C field, and the lease segment's address every lease call starts
  * with. Each raises the Python exception a caller sees and returns -1.
  *

@@ -82,7 +82,7 @@ typedef struct {
     X(OK_ORDER, 5)   /* taken; the last releaser was another process (or is still recording): order */ \
     X(ESCAPED, 6)    /* refused: borrowed tensors outlived their scope (see `escaped`) */            \
     X(RECORD, 7)     /* not released: a shared pool; record the event, then release_recorded */      \
-    X(OK_WAITED, 8)  /* taken, and the stream already waits on that event (ordering.c's ordered calls) */ \
+    X(OK_WAITED, 8)  /* taken, and the stream already waits on that event (lease_order.c's ordered calls) */ \
     X(RECORDING, 9)  /* not taken: the last releaser's record did not land within the caller's bound */
 
 /* A lease word's kind, its top byte; 0 is no kind, so a held word is never 0. */

@@ -9,7 +9,7 @@
  *   gpumem_shared/lease_table.py, which states none of them.
  * - The allocator slots (allocator.c, allocator.h), by index; torch alone loads this
  *   file's gpumem_alloc_xx / gpumem_free_xx entry points by name.
- * - The lease calls that order a handoff on the GPU (ordering.c, ordering.h): IPC events
+ * - The lease calls that order a handoff on the GPU (lease_order.c, lease_order.h): IPC events
  *   or memops, into libcuda resolved at first use, in the same call as the
  *   compare-and-swap (shared pools).
  *
@@ -32,7 +32,7 @@
 #include "allocator.h"
 #include "args.h"
 #include "lease_table.h"
-#include "ordering.h"
+#include "lease_order.h"
 
 /* ======================================================================== lease slots */
 

@@ -136,7 +136,7 @@ class Driver(abc.ABC):
         after the event's recorded work."""
 
     # The lease calls of the native module record and wait themselves, in the same call
-    # as the compare-and-swap (gpumem_shared/csrc/ordering.c); they take these two ints.
+    # as the compare-and-swap (gpumem_shared/csrc/lease_order.c); they take these two ints.
     @abc.abstractmethod
     def native_context(self) -> int:
         """The context they record and wait in (pushed when the calling thread's current

@@ -50,6 +50,8 @@ from gpumem_shared.protocol.codes import (
     MAX_HELD_CHUNKS,
     MAX_PENDING,
     MAX_TENANT_TOKEN,
+    MAX_WAIT_S,
+    RESUME_CREDENTIAL_BYTES,
     ErrorCode,
     MsgType,
     WireEnum,
@@ -162,8 +164,8 @@ from gpumem_shared.protocol.codec import (
 )
 
 __all__ = [
-    "PROTOCOL_VERSION", "MIN_HELLO_VERSION", "MAX_FRAME_BYTES", "MAX_FDS_PER_MESSAGE", "MAX_POOL_EXTENTS", "MAX_KV_BUFFERS",
-    "MAX_HOLDINGS", "MAX_HELD_CHUNKS", "MAX_PENDING", "MAX_TENANT_TOKEN", "ErrorCode", "MsgType", "WireEnum", "Backend", "RoundState",
+    "PROTOCOL_VERSION", "MIN_HELLO_VERSION", "MAX_FRAME_BYTES", "MAX_FDS_PER_MESSAGE", "MAX_POOL_EXTENTS", "MAX_KV_BUFFERS", "MAX_WAIT_S",
+    "MAX_HOLDINGS", "MAX_HELD_CHUNKS", "MAX_PENDING", "MAX_TENANT_TOKEN", "RESUME_CREDENTIAL_BYTES", "ErrorCode", "MsgType", "WireEnum", "Backend", "RoundState",
     "RoundPolicy", "NoticeKind", "ProtocolError", "Message", "RequestMessage", "DeviceInfo", "ChunkView", "ArenaView",
     "Extent", "PoolExtents", "RoundBudget", "Ack", "HelloReply", "Hello", "Holding", "Resume", "Ping", "FdBatch", "Notice",
     "DaemonStatus", "DeviceStatus", "ClientStatus", "GrantStatus", "ArenaStatus", "RoundMemberStatus", "RoundStatus",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 11)
+PROTOCOL_VERSION: tuple[int, int] = (1, 13)
 
 # The oldest protocol HELLO accepts, on either side (see the package doc, __init__.py).
 MIN_HELLO_VERSION: tuple[int, int] = (1, 3)
@@ -29,9 +29,16 @@ MAX_HOLDINGS = 4096
 MAX_HELD_CHUNKS = 1 << 21
 # The requests a resuming client sends again: one call and its deferred ones.
 MAX_PENDING = 4096
+# The longest a request may have the daemon hold its answer (ARENA_WAKE's and ADOPT's
+# ``wait``): each waiting request is a record the daemon keeps and looks at again.
+MAX_WAIT_S = 3600.0
 # A tenant token (Hello.tenant_token): a random secret, tens of characters; the bound
 # keeps what the daemon hashes at HELLO small.
 MAX_TENANT_TOKEN = 256
+# A resume credential (HelloReply.credential, Resume.credential): random bytes the daemon
+# issues, this many. A RESUME with another length (an empty one above all) is refused
+# when decoded, before any session is looked at.
+RESUME_CREDENTIAL_BYTES = 32
 
 
 class ErrorCode(enum.IntEnum):

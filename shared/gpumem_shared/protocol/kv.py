@@ -107,13 +107,17 @@ class KvGrow(RequestMessage, kw_only=True):
     """Commit more rows (up to ``tokens``). When the device lacks the memory, the daemon
     asks pools above their fair share to give back (KV_SHRINK notices) and answers once
     they did, or at the move deadline with what it could get (``asked_tokens`` and
-    ``unanswered`` and ``gone`` in the reply); OUT_OF_MEMORY when it could get nothing."""
+    ``unanswered`` and ``gone`` in the reply); OUT_OF_MEMORY when it could get nothing.
+    Given ``wait`` (since 1.12; a sleeping pool's wake), it waits for all its rows up to
+    ``wait`` seconds (pools that answered and could give more are asked again, and memory
+    others free is taken as it comes), then answers with what fits."""
 
     TYPE = MsgType.KV_GROW
     REPLY = KvCommitReply
     pool: str
     tokens: int
     in_use: int = -1  # rows the engine uses now (-1: not said); 0 marks the pool idle
+    wait: float = 0.0
 
 
 class KvShrink(RequestMessage, kw_only=True):

@@ -31,8 +31,8 @@ class RetainGroupReply(Message):
 
 class RetainGroup(RequestMessage, kw_only=True):
     """Open retain group ``group`` for this session (or get the secret again of one it
-    holds). Group names are one namespace for every user, like arena names; a group
-    belongs to the uid that opened it."""
+    holds). Group names are each uid's own, like arena names; a group belongs to
+    the uid that opened it."""
 
     TYPE = MsgType.RETAIN_GROUP
     REPLY = RetainGroupReply
@@ -67,18 +67,27 @@ class AdoptReply(Message):
     # Until the objects are released if this adoption is not confirmed and the adopter
     # dies meanwhile (the orphan's deadline, unchanged by the adoption).
     deadline_in_s: float
+    # (1.13) Every writer the adoption waited to be fenced: the last holder, then each
+    # other session that mapped the group's memory and ended (a sharer). No other live
+    # session maps it: an ADOPT is NOT_FENCED while one does, naming it.
+    fenced: list[str] = []
 
 
 class Adopt(RequestMessage, kw_only=True):
     """Take over an orphaned group: its objects become this session's, at the same
     addresses. GROUP_HELD while a live session holds it (naming the holder: the owner,
-    or the adopter that came first); NOT_FENCED while its last holder's process may still
-    write (try again); PERMISSION_DENIED for a wrong secret or another uid."""
+    or the adopter that came first); NOT_FENCED while its last holder's process, or that
+    of a sharer that ended, may still write, or a live sharer maps its memory (since
+    1.13); PERMISSION_DENIED for a wrong secret or another uid. Given ``wait`` (since
+    1.12), the answer waits (deferred) while the holder lives or is not fenced yet, up to
+    ``wait`` seconds, and comes once the group is adopted; at once if another adopter
+    takes it first. ``wait`` 0 (and a daemon before 1.12): answered at once."""
 
     TYPE = MsgType.ADOPT
     REPLY = AdoptReply
     group: str
     secret: str
+    wait: float = 0.0
 
 
 class AdoptDone(RequestMessage, kw_only=True):

@@ -8,7 +8,9 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from gpumem_shared.protocol.base import Ack, DeviceInfo, Message, RequestMessage
-from gpumem_shared.protocol.codes import MAX_HELD_CHUNKS, MAX_HOLDINGS, MAX_PENDING, MAX_TENANT_TOKEN, Backend, MsgType, NoticeKind
+from gpumem_shared.protocol.codes import (
+    MAX_HELD_CHUNKS, MAX_HOLDINGS, MAX_PENDING, MAX_TENANT_TOKEN, RESUME_CREDENTIAL_BYTES, Backend, MsgType, NoticeKind,
+)
 
 
 class HelloReply(Message):
@@ -69,7 +71,7 @@ class Resume(RequestMessage, kw_only=True):
     TYPE = MsgType.RESUME
     REPLY = HelloReply
     session_id: int
-    credential: bytes
+    credential: Annotated[bytes, msgspec.Meta(min_length=RESUME_CREDENTIAL_BYTES, max_length=RESUME_CREDENTIAL_BYTES)]
     holdings: Annotated[list[Holding], msgspec.Meta(max_length=MAX_HOLDINGS)] = msgspec.field(default_factory=list)
     client_version: str = ""
     pending: Annotated[list[int], msgspec.Meta(max_length=MAX_PENDING)] = msgspec.field(default_factory=list)

@@ -60,9 +60,13 @@ class SleepArena(RequestMessage, kw_only=True):
 
 class WakeArena(RequestMessage, kw_only=True):
     """Owner only: commit the arena again to the size it had when it fell asleep, at the
-    same offsets (fresh chunks, zeroed); the reply's ``chunks`` are to map.
-    OUT_OF_MEMORY names the figures and who holds the device's memory."""
+    same offsets (fresh chunks, zeroed); the reply's ``chunks`` are to map. When the
+    device lacks the memory, KV pools above their fair share are asked to give back and
+    the answer waits (deferred, since 1.12) until it fits, or ``wait`` seconds; then
+    OUT_OF_MEMORY names the figures and who holds the device's memory. ``wait`` 0 (and a
+    daemon before 1.12): answered at once."""
 
     TYPE = MsgType.ARENA_WAKE
     REPLY = MapReply
     name: str
+    wait: float = 0.0

@@ -181,7 +181,7 @@ class SleeperStatus(Message):
 
 
 class TenantCapStatus(Message):
-    """A tenant's device-memory cap and what it holds (since 1.9; the daemon's caps.py)."""
+    """A tenant's device-memory cap and what it holds (since 1.9; the daemon's memory_caps.py)."""
 
     tenant: str  # "uid N", "gid N", since 1.11 "token NAME" (the policy's name for a tenant token)
     max_bytes: int  # -1: no maximum

@@ -1,6 +1,6 @@
 /*
  * The lease calls that order a handoff on the GPU, for module.c's method table
- * (ordering.h): libcuda's entry points, resolved at first use; the IPC-event calls at a
+ * (lease_order.h): libcuda's entry points, resolved at first use; the IPC-event calls at a
  * lease handoff and the lease calls that make them in the same call as the
  * compare-and-swap (shared pools); the same under memops ordering (lease_order.py); and
  * the wait for a releaser's record that both start with. The driver's function tables
@@ -15,7 +15,7 @@
 
 #include "args.h"
 #include "lease_table.h"
-#include "ordering.h"
+#include "lease_order.h"
 
 /* ============================================================= the releaser's record */
 

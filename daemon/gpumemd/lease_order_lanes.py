@@ -23,7 +23,7 @@ from gpumem_shared.lease_order import WORD_BYTES, LaneBook
 from gpumemd.fencing import Fence
 from gpumemd.records import SessionRecord
 
-log = logging.getLogger("gpumemd.lease_lanes")
+log = logging.getLogger("gpumemd.lease_order_lanes")
 
 
 class SequenceChunk:

@@ -12,7 +12,7 @@ import pytest
 
 from gpumem_shared.driver.host import HostDriver
 from gpumem_shared.lease_order import SEQ_BITS, WORD_BYTES, reached
-from gpumemd.lease_lanes import SequenceChunk
+from gpumemd.lease_order_lanes import SequenceChunk
 from gpumemd.records import SessionRecord
 
 

@@ -1,29 +1,31 @@
-"""Tenant memory caps: the most device bytes a tenant may hold, and the least it is
+"""Memory caps: the most device bytes an account may hold, and the least it is
 guaranteed, from an operator's policy.
 
-A tenant here is what the policy names: a tenant token (every session that presented it
-at HELLO, whatever its uid: pods that all run as one uid are tenants apart), a uid, a gid
-(every uid whose sessions say that group shares one cap), or, for a uid named by no
-rule, the policy's default (each uid on its own). The policy names a token by its
-SHA-256 and a name of its own, and the daemon keeps no more than that: a session's
-token is hashed at HELLO, compared in constant time against the policy's, and refused
-(PERMISSION_DENIED, naming no secret) when no rule names it; the session then keeps
-only the hash. Its use is counted from the arena book itself (the chunks of the arenas it
-owns, retiring ones included: a client still maps them), so nothing here can drift from
-what the device holds. Every chunk the daemon creates for a client (commit, KV grow, KV
-round, a round's staged minimum, a wake) passes ``check`` first, all of a request's chunks
-at once: a tenant's use never passes its maximum, and no commit of one tenant eats into
-what another tenant is guaranteed and does not hold yet. Refusals are RESOURCE_EXHAUSTED
-and name the cap, the tenant and its use.
+An account is what a policy entry names, and what the policy file, status, metrics and
+refusals call a tenant ("token NAME", "uid N", "gid N"; not tenants.py's tenant, which is
+always a uid): a tenant token (every session that presented it at HELLO, whatever its
+uid: pods that all run as one uid are accounts apart), a uid, a gid (every uid whose
+sessions say that group shares one cap), or, for a uid named by no rule, the policy's
+default (each uid on its own). The policy names a token by its SHA-256 and a name of its
+own, and the daemon keeps no more than that: a session's token is hashed at HELLO,
+compared in constant time against the policy's, and refused (PERMISSION_DENIED, naming
+no secret) when no rule names it; the session then keeps only the hash. An account's use
+is counted from the arena book itself (the chunks of the arenas its sessions own,
+retiring ones and placeholders included: a client still maps them), so nothing here can
+drift from what the device holds. Every chunk the daemon creates for a client (commit,
+KV grow, KV round, a round's staged minimum, a wake, a placeholder) passes ``check``
+first, all of a request's chunks at once: an account's use never passes its maximum,
+and no commit of one account eats into what another is guaranteed and does not hold
+yet. Refusals are RESOURCE_EXHAUSTED and name the cap, the account and its use.
 
 Caps change at run time (``reload``: SIGHUP). A lowered maximum refuses new chunks from
-then on; memory already held is not taken away: a tenant above its new maximum keeps what
+then on; memory already held is not taken away: an account above its new maximum keeps what
 it holds (KV pools included: no shrink is asked for) and commits nothing until its use is
 under the maximum again.
 
 Where the rules come from: a policy file (``--tenant-policy``, TOML or JSON) and a
 directory of claims (``--tenant-claims``) that a Kubernetes DRA driver writes, one
-subdirectory per ResourceClaim with a ``tenant.json`` naming the tenant and the bytes
+subdirectory per ResourceClaim with a ``tenant.json`` naming the account and the bytes
 the claim consumed (docs/architecture.md, "Kubernetes DRA"). The claims are read again
 when the directory's listing changes (``claims_changed``, asked on the loop's tick): a
 driver in another pod has no way to signal the daemon.
@@ -48,10 +50,10 @@ from gpumem_shared.units import format_size, parse_size
 
 from gpumemd.records import ArenaRecord, ChunkRecord
 
-log = logging.getLogger("gpumemd.caps")
+log = logging.getLogger("gpumemd.memory_caps")
 
 CLAIM_FILE = "tenant.json"
-# A token rule's name: what status, metrics and refusals call the tenant ("token NAME").
+# A token rule's name: what status, metrics and refusals call the account ("token NAME").
 _TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}", re.ASCII)
 
@@ -88,8 +90,8 @@ class Policy:
             found |= hmac.compare_digest(known, digest)
         return found
 
-    def tenant(self, uid: int, gid: int, token: bytes = b"") -> tuple[str, Rule] | None:
-        """The tenant a session of ``uid``/``gid`` (and the tenant token of digest
+    def account(self, uid: int, gid: int, token: bytes = b"") -> tuple[str, Rule] | None:
+        """The account a session of ``uid``/``gid`` (and the tenant token of digest
         ``token``) counts against, and its rule: its token's rule first, then its uid's,
         its group's, the default last; None: no cap. A token no rule names any more (a
         reload took it out) counts as no token."""
@@ -260,12 +262,12 @@ def read_policy(policy_file: str, claims_dir: str) -> Policy:
     return builder.policy()
 
 
-def _refuse(tenant: str, rule: Rule, detail: str, used: int, cap: int) -> p.ProtocolError:
+def _refuse(account: str, rule: Rule, detail: str, used: int, cap: int) -> p.ProtocolError:
     return p.ProtocolError(
         p.ErrorCode.RESOURCE_EXHAUSTED,
-        f"{tenant} {detail} (its cap from {rule.source}); release some first, or ask the operator to raise the cap",
+        f"{account} {detail} (its cap from {rule.source}); release some first, or ask the operator to raise the cap",
         limit="device memory",
-        tenant=tenant,
+        tenant=account,
         used=used,
         cap=cap,
     )
@@ -309,9 +311,9 @@ class Caps:
             )
         return digest
 
-    def session_tenant(self, uid: int, gid: int, token: bytes) -> str:
-        """The capped tenant a session counts against, as status names it ("": none)."""
-        found = self.policy.tenant(uid, gid, token)
+    def session_account(self, uid: int, gid: int, token: bytes) -> str:
+        """The capped account a session counts against, as status names it ("": none)."""
+        found = self.policy.account(uid, gid, token)
         return "" if found is None else found[0]
 
     def claims_changed(self) -> bool:
@@ -334,9 +336,9 @@ class Caps:
 
     def describe(self) -> list[str]:
         out = []
-        for tenant, rule in self.rules():
+        for account, rule in self.rules():
             top = "no maximum" if rule.max_bytes is None else f"max {format_size(rule.max_bytes)}"
-            out.append(f"{tenant}: {top}, min {format_size(rule.min_bytes)}")
+            out.append(f"{account}: {top}, min {format_size(rule.min_bytes)}")
         return out
 
     def rules(self) -> list[tuple[str, Rule]]:
@@ -346,59 +348,86 @@ class Caps:
         return named + ([("default", pol.default)] if pol.default is not None else [])
 
     def status(self) -> list[p.TenantCapStatus]:
-        """Every tenant the policy names, and each uid under the default that holds memory."""
+        """Every account the policy names, and each uid under the default that holds memory."""
         used = self.usage()
         rules = {t: r for t, r in self.rules() if t != "default"}
         out = []
-        for tenant in {**rules, **used}:
-            rule = rules.get(tenant, self.policy.default)
+        for account in {**rules, **used}:
+            rule = rules.get(account, self.policy.default)
             if rule is not None:
                 out.append(
                     p.TenantCapStatus(
-                        tenant=tenant,
+                        tenant=account,
                         max_bytes=-1 if rule.max_bytes is None else rule.max_bytes,
                         min_bytes=rule.min_bytes,
-                        used_bytes=used.get(tenant, 0),
+                        used_bytes=used.get(account, 0),
                         source=rule.source,
                     )
                 )
         return out
 
-    def tenant_of(self, arena: str) -> tuple[str, Rule] | None:
+    def account_of(self, arena: str) -> tuple[str, Rule] | None:
         uid = self._owners.get(arena)
-        return None if uid is None else self.policy.tenant(uid, self._groups.get(arena, -1), self._tokens.get(arena, b""))
+        return None if uid is None else self.policy.account(uid, self._groups.get(arena, -1), self._tokens.get(arena, b""))
+
+    def tenant(self, arena: str) -> str:
+        """Whom ``arena`` counts against, for what is shared out among tenants (KV weights
+        and minimums): its capped account, else its owner's uid."""
+        found = self.account_of(arena)
+        return found[0] if found is not None else f"uid {self._owners.get(arena, -1)}"
 
     def usage(self) -> dict[str, int]:
-        """Device bytes each capped tenant holds now (every tenant the policy names, and
+        """Device bytes each capped account holds now (every account the policy names, and
         each uid under the default that holds any)."""
-        used = {tenant: 0 for tenant, _ in self.rules() if tenant != "default"}
+        used = {account: 0 for account, _ in self.rules() if account != "default"}
         found: tuple[str, Rule] | None
         for arena in self._arenas.values():
-            found = self.tenant_of(arena.name)
+            found = self.account_of(arena.name)
             if found is not None:
-                used[found[0]] = used.get(found[0], 0) + sum(c.size for c in arena.chunks)
+                used[found[0]] = used.get(found[0], 0) + sum(c.size for c in arena.chunks + arena.placeholders)
         for chunk in self._retiring.values():  # an arena is destroyed once no one maps any of it
-            found = self.tenant_of(chunk.arena)
+            found = self.account_of(chunk.arena)
             if found is not None:
                 used[found[0]] = used.get(found[0], 0) + chunk.size
         return used
 
+    def check_move(self, arenas: list[ArenaRecord], uid: int, gid: int, token: bytes, what: str) -> None:
+        """Before ``arenas`` change owner to a session of ``uid``/``gid``/``token`` (an
+        adoption): what they hold (placeholders and retiring chunks included) counts
+        against the new owner's account from then on, so a move past its maximum is
+        refused as a commit would be. Nothing is created: no minimum is at stake."""
+        found = self.policy.account(uid, gid, token)
+        cap = None if found is None else found[1].max_bytes
+        if found is None or cap is None:
+            return
+        account, rule = found
+        names = {a.name for a in arenas if (self.account_of(a.name) or ("",))[0] != account}
+        moving = sum(c.size for a in arenas if a.name in names for c in a.chunks + a.placeholders)
+        moving += sum(c.size for c in self._retiring.values() if c.arena in names)
+        held = self.usage().get(account, 0) if moving else 0
+        if moving and held + moving > cap:
+            detail = (
+                f"holds {format_size(held)} of device memory; {what} would add the {format_size(moving)} it holds and pass "
+                f"its cap of {format_size(cap)}"
+            )
+            raise _refuse(account, rule, detail, held, cap)
+
     def room(self, arena: ArenaRecord) -> int | None:
-        """What the tenant of ``arena`` may still commit under its maximum; None: no maximum."""
-        found = self.tenant_of(arena.name)
+        """What the account of ``arena`` may still commit under its maximum; None: no maximum."""
+        found = self.account_of(arena.name)
         if found is None or found[1].max_bytes is None:
             return None
         return max(0, found[1].max_bytes - self.usage().get(found[0], 0))
 
     def held_back(self, takers: Iterable[str] = ()) -> int:
-        """What tenants other than ``takers`` are guaranteed and do not hold yet: no one
+        """What accounts other than ``takers`` are guaranteed and do not hold yet: no one
         else may commit it."""
         skip = set(takers)
         owed = [(t, r) for t, r in self._guaranteed() if t not in skip]
         if not owed:  # no book walk on the common path: no minimums at all
             return 0
         used = self.usage()
-        return sum(max(0, rule.min_bytes - used.get(tenant, 0)) for tenant, rule in owed)
+        return sum(max(0, rule.min_bytes - used.get(account, 0)) for account, rule in owed)
 
     def _guaranteed(self) -> list[tuple[str, Rule]]:
         # The default's minimum is each uid's that holds something under it; a uid with
@@ -408,36 +437,36 @@ class Caps:
         if default is not None and default.min_bytes:
             seen = {t for t, _ in named}
             for arena in self._arenas:
-                found = self.tenant_of(arena)
+                found = self.account_of(arena)
                 if found is not None and found[1] is default and found[0] not in seen:
                     seen.add(found[0])
                     named.append((found[0], default))
         return named
 
-    def tenants_of(self, work: Iterable[tuple[ArenaRecord, int, int]]) -> dict[str, tuple[Rule, int]]:
-        """The bytes ``work`` (arena, offset, size) would add per capped tenant."""
+    def accounts_of(self, work: Iterable[tuple[ArenaRecord, int, int]]) -> dict[str, tuple[Rule, int]]:
+        """The bytes ``work`` (arena, offset, size) would add per capped account."""
         out: dict[str, tuple[Rule, int]] = {}
         for arena, _, size in work:
-            found = self.tenant_of(arena.name)
+            found = self.account_of(arena.name)
             if found is not None:
-                tenant, rule = found
-                out[tenant] = (rule, out.get(tenant, (rule, 0))[1] + size)
+                account, rule = found
+                out[account] = (rule, out.get(account, (rule, 0))[1] + size)
         return out
 
     def check(self, work: list[tuple[ArenaRecord, int, int]], available: Callable[[], int]) -> None:
-        """Before chunks for ``work`` are created: no tenant past its maximum, and no
-        other tenant's guaranteed minimum taken (``available``: what the device has free
+        """Before chunks for ``work`` are created: no account past its maximum, and no
+        other account's guaranteed minimum taken (``available``: what the device has free
         for commits now, the reserve taken off; measured only where a minimum is owed)."""
-        adding = self.tenants_of(work)
+        adding = self.accounts_of(work)
         used = self.usage() if adding else {}
-        for tenant, (rule, size) in adding.items():
-            held = used.get(tenant, 0)
+        for account, (rule, size) in adding.items():
+            held = used.get(account, 0)
             if rule.max_bytes is not None and held + size > rule.max_bytes:
                 detail = (
                     f"holds {format_size(held)} of device memory; {format_size(size)} more would pass its cap of "
                     f"{format_size(rule.max_bytes)}"
                 )
-                raise _refuse(tenant, rule, detail, held, rule.max_bytes)
+                raise _refuse(account, rule, detail, held, rule.max_bytes)
         held_back = self.held_back(adding)
         need = sum(size for _, _, size in work)
         free = available() if held_back else 0

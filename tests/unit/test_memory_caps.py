@@ -1,4 +1,4 @@
-"""Tenant memory caps (caps.py): the policy files, and every path that creates chunks
+"""Tenant memory caps (memory_caps.py): the policy files, and every path that creates chunks
 (commit, KV grow, KV round, staged minimums) held to each tenant's maximum and to the
 other tenants' guaranteed minimums, on the real host driver (256 MiB)."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.caps import Caps, PolicyError, read_policy
+from gpumemd.memory_caps import Caps, PolicyError, read_policy
 from gpumemd.metrics import Metrics
 from gpumemd.records import SessionRecord as Session
 
@@ -53,10 +53,10 @@ def test_toml_and_json_policies_say_the_same_caps(tmp_path: Path) -> None:
         assert (pol.gids[500].max_bytes, pol.gids[500].min_bytes) == (MiB, 0)
         assert pol.default is not None and pol.default.max_bytes == 1 << 30
         # A uid's own rule first, then its group's, then the default (each uid on its own).
-        assert pol.tenant(1000, 500) == ("uid 1000", pol.uids[1000])
-        assert pol.tenant(1001, 500) == ("gid 500", pol.gids[500])
-        assert pol.tenant(1002, 7) == ("uid 1002", pol.default)
-    assert read_policy("", "").tenant(1000, 1000) is None
+        assert pol.account(1000, 500) == ("uid 1000", pol.uids[1000])
+        assert pol.account(1001, 500) == ("gid 500", pol.gids[500])
+        assert pol.account(1002, 7) == ("uid 1002", pol.default)
+    assert read_policy("", "").account(1000, 1000) is None
 
 
 @pytest.mark.parametrize(
@@ -337,3 +337,54 @@ def test_a_round_leaves_what_other_tenants_are_guaranteed(make_harness: Callable
     assert commit_reply(done(h)[1]).pool.tokens == (256 - 96) * 256
     h.create(b, "y", 128 * MiB)
     h.commit(b, "y", 96 * MiB)  # there for it when it comes
+
+
+# --------------------------------------------------------------------------- placeholders
+
+
+def test_placeholders_count_in_the_cap_and_leave_what_others_are_guaranteed(make_harness: Callable[..., Harness], tmp_path: Path) -> None:
+    # A placeholder is device memory like a commit's: once it counted nowhere, and arenas
+    # of placeholders alone took a capped tenant past its cap and another's minimum away.
+    h = capped(make_harness, tmp_path, '[[tenant]]\nuid = 1000\nmax = "64MiB"\n[[tenant]]\nuid = 2000\nmin = "64MiB"\n')
+    a, b = h.connect("a", uid=A), h.connect("b", uid=B)
+    h.create(a, "x", 64 * MiB)
+    h.ok(a, p.PlaceholderArena(name="x", slot_bytes=32 * MiB))  # 32 MiB + a granule
+    assert h.state.arenas.caps.usage()["uid 1000"] == 32 * MiB + 2 * MiB
+    h.create(a, "y", 64 * MiB)
+    err = refusal(h, a, p.PlaceholderArena(name="y", slot_bytes=32 * MiB))
+    assert (err.detail["tenant"], err.detail["used"]) == ("uid 1000", 34 * MiB)
+    assert h.state.arenas.by_name["y"].placeholders == [], "a refused placeholder left chunks behind"
+    # Another uid, uncapped, still may not take what uid 2000 is guaranteed.
+    c = h.connect("c", uid=C)
+    h.create(c, "z", 256 * MiB)
+    h.commit(c, "z", 128 * MiB)
+    free = h.state.arenas.available_bytes()
+    err = refusal(h, c, p.PlaceholderArena(name="z", slot_bytes=32 * MiB))
+    assert err.detail["limit"] == "guaranteed minimums" and free - 64 * MiB < 34 * MiB
+    h.create(b, "w", 128 * MiB)
+    h.commit(b, "w", 64 * MiB)  # the guaranteed tenant still gets all of it
+
+
+def test_a_kv_ask_leaves_a_tenant_its_guaranteed_minimum(make_harness: Callable[..., Harness], tmp_path: Path) -> None:
+    """A pool above its fair share gives back for another tenant's grow only what its
+    tenant holds above its guaranteed minimum: memory given back from under it is held
+    back for that tenant, and the grower could not have it. Before, b gave 64 MiB, 48 of
+    them from under its 112 MiB minimum, and a's grow got nothing of them."""
+    from .test_kv_moves import grow_waits, shrink_notices
+
+    h = capped(make_harness, tmp_path, '[[tenant]]\nuid = 2000\nmin = "112MiB"\n')
+    a, b = h.connect("a", uid=A), h.connect("b", uid=B)
+    declare(h, a, "kva")
+    declare(h, b, "kvb")
+    join(h, a, "kva")
+    join(h, b, "kvb")
+    capture(h, a, "kva", 1, min_tokens=1024)
+    capture(h, b, "kvb", 2, min_tokens=1024)
+    assert {rid: commit_reply(c).pool.tokens for rid, c in done(h).items()} == {1: 32768, 2: 32768}  # 128 MiB each, the device full
+    h.ok(b, p.KvDemand(pool="kvb", in_use=0))  # idle: far above its fair share
+    grow_waits(h, a, "kva", 49152, 7)  # 64 MiB short
+    assert shrink_notices(h) == [(b.id, "kvb", 28672)]  # 16 MiB: b keeps its 112 MiB
+    from .test_kv_moves import give_back
+
+    give_back(h, b, "kvb", 28672)
+    assert commit_reply(done(h)[7]).pool.tokens == 32768 + 4096  # what b gave: a has it

@@ -1,10 +1,10 @@
 /*
- * The lease calls that order a handoff on the GPU (ordering.c), as module.c's method
+ * The lease calls that order a handoff on the GPU (lease_order.c), as module.c's method
  * table names them: the IPC-event calls and memops ordering, and the wait for a
  * releaser's record. Each is a METH_FASTCALL function.
  */
-#ifndef GPUMEM_ORDERING_H
-#define GPUMEM_ORDERING_H
+#ifndef GPUMEM_LEASE_ORDER_H
+#define GPUMEM_LEASE_ORDER_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

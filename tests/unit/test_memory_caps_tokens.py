@@ -1,4 +1,4 @@
-"""Tenants by token (caps.py): sessions of one uid that present different tenant tokens at
+"""Tenants by token (memory_caps.py): sessions of one uid that present different tenant tokens at
 HELLO are held to separate caps, one that presents none to its uid's rule, and one whose
 token no rule names is refused at HELLO; the daemon keeps the token's SHA-256 only, and
 no refusal, status, metric or log line carries the token or its digest."""
@@ -16,12 +16,12 @@ import pytest
 
 from gpumem_shared import protocol as p
 from gpumem_shared.protocol import ErrorCode
-from gpumemd.caps import PolicyError, read_policy, token_digest
+from gpumemd.memory_caps import PolicyError, read_policy, token_digest
 from gpumemd.metrics import Metrics
 
 from .harness import Harness, MiB
 from .store_kit import restarted
-from .test_caps import policy, refusal
+from .test_memory_caps import policy, refusal
 from .test_metrics import fresh, labelled, number
 
 UID = 1000  # every engine pod runs as this uid
@@ -63,8 +63,8 @@ def test_a_token_rule_is_named_by_its_digest_and_a_name_in_toml_json_and_claims(
         assert (name, rule.max_bytes) == ("team-a", 64 * MiB)
         # A claim's token tenant is named after its claim unless it says a name.
         assert pol.tokens[token_digest(GAMMA)][0] == "7d0e-claim"
-        assert pol.tenant(UID, UID, token_digest(ALPHA)) == ("token team-a", rule)
-        assert pol.tenant(UID, UID, token_digest(GAMMA))[0] == "token 7d0e-claim"  # type: ignore[index]
+        assert pol.account(UID, UID, token_digest(ALPHA)) == ("token team-a", rule)
+        assert pol.account(UID, UID, token_digest(GAMMA))[0] == "token 7d0e-claim"  # type: ignore[index]
         assert pol.knows(token_digest(ALPHA)) and not pol.knows(token_digest("wrong-token-0123456789"))
 
 
