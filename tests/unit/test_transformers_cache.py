@@ -82,14 +82,13 @@ def test_moved_live_blocks_are_read_and_matched_where_they_went() -> None:
 
 class FakePort:
     """The port without a daemon: the KV pool's rows are CPU tensors, the round commits
-    ``COMMITTED`` of them; the step hooks are counted."""
+    ``COMMITTED`` of them (``built``); the step hooks are counted."""
 
     COMMITTED = 9
     serve = Port.serve
 
     def __init__(self, settings: Any, ceiling: int, model: Any) -> None:
         import contextlib
-        import threading
         import types
 
         self.adapter, self.settings, self.ceiling, self.model = Transformers(), settings, ceiling, model
@@ -97,7 +96,6 @@ class FakePort:
         self.layout: Any = None
         self.serving: Any = None
         self.keeper = None
-        self.stepping, self.pausing = threading.Lock(), threading.Event()
         self.mem = types.SimpleNamespace(running=contextlib.nullcontext, asleep=[], kv=None)
         self.hooks: dict[str, int] = {}
 
@@ -112,10 +110,25 @@ class FakePort:
         self.mem.kv = types.SimpleNamespace(blocks=self.COMMITTED, tensors=lambda dtype: rows)
         self.adapter.bind_kv(rows)  # NaN everywhere: a read of a row no block holds (the trash's aside) poisons the tokens
 
-    def blocks(self) -> int:
-        return self.COMMITTED
+    def built(self, make_blocks: Any) -> None:
+        make_blocks(self.COMMITTED)
+        self.follow()
 
-    def __getattr__(self, name: str) -> Any:  # captured, started, follow, before_step, idle, scheduled, after_step
+    def may_step(self) -> bool:
+        return True
+
+    def step(self, busy: bool) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def step() -> Any:
+            self.before_step() if busy else self.idle()
+            yield
+            self.after_step()
+
+        return step()
+
+    def __getattr__(self, name: str) -> Any:  # follow, before_step, idle, scheduled, after_step
         def hook(*args: Any) -> None:
             self.hooks[name] = self.hooks.get(name, 0) + 1
 

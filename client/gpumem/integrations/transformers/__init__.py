@@ -30,8 +30,6 @@ blocks. One manager at a time per process.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable
 from typing import Any
 
 from gpumem.errors import InvalidArgument
@@ -41,7 +39,6 @@ from gpumem.port.engine_port import EnginePort
 
 WRITTEN_FOR = "5.17"
 CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own: out of the device's total when sizing the layout
-STEP_WAIT_S = 30.0  # sleep() waits this long for the step under way
 HOOKED = ["warmup", "_create_batch_processor", "_run_generation_loop", "_generation_loop_body", "_generation_step"]
 
 
@@ -53,27 +50,18 @@ def seams(api: Any, runner: Any, cache: Any) -> None:
 
 
 class Port(EnginePort):
-    """This process's engine on the port, made with its first manager: the model's weights
-    moved into the model arena, the KV layout's ceiling (``KvLayout.max_blocks``:
-    transformers sizes its batch tensors, the attention mask among them, by the cache's
-    pages, so the layout stops at transformers' own sizing of the engine's share of the
-    device), the step gate sleep() closes."""
+    """This process's engine on the port, made with its first manager: the model its
+    caller built moved into the model arena, the KV layout's ceiling
+    (``KvLayout.max_blocks``: transformers sizes its batch tensors, the attention mask
+    among them, by the cache's pages, so the layout stops at transformers' own sizing of
+    the engine's share of the device). ``sleep()`` is the port's: the manager's loop steps
+    in the port's step gate."""
 
     def __init__(self, settings: Settings, ceiling: int, model: Any) -> None:
-        import torch
-
-        if model.device.type != "cuda" or getattr(model, "_device_mesh", None) is not None:
-            raise Unsupported(f"gpumem lays out one CUDA device per process; the model is on {model.device} (tensor parallel: no)")
         self.adapter = Transformers()
         super().__init__(self.adapter, settings)
         self.ceiling, self.model, self.serving = ceiling, model, None
-        # sleep() raises pausing, then takes stepping once the step under way ends: a lock
-        # alone would starve it (the loop takes it again at once, and Python's lock is not fair).
-        self.stepping, self.pausing = threading.Lock(), threading.Event()
-        with torch.no_grad(), self.mem.model.allocating():  # tied weights moved once
-            for t in {id(t): t for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and t.is_cuda}.values():
-                t.data = t.data.clone()
-        torch.cuda.empty_cache()  # their first copies back to the device
+        self.take_model(model)
 
     def size(self, cache_mod: Any, config: Any, cb: Any, dtype: Any) -> tuple[int, int]:
         """(max batch tokens, rows): transformers' own solver over the device but the weights."""
@@ -87,41 +75,13 @@ class Port(EnginePort):
         return tokens, (self.ceiling or blocks + TRASH)
 
     def serve(self) -> None:
-        """Once the graphs are captured (or the loop starts without them): the round's
-        blocks, the follower, a standby's settling; a later manager's cache takes the rows as they are."""
+        """Once the graphs are captured (or the loop starts without them): the port's
+        start-up end (``built``); a later manager's cache takes the rows as they are."""
         if self.serving is None:
-            self.captured({})
-            self.started()
-            self.adapter.committed(self.blocks())
-            self.follow()
-            self.serving = self.adapter.cache
-            if self.settings.standby:
-                self.settle()
+            self.built(self.adapter.committed)
         elif self.serving is not self.adapter.cache:
             self.adapter.committed(self.mem.kv.blocks if self.mem.kv else self.adapter.count)
-            self.serving = self.adapter.cache
-
-    def sleep(self, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
-        """``EnginePort.sleep`` between two steps (it waits for the one under way), its
-        check of the blocks in use leaving out the trash blocks. Requests that come while
-        asleep wait for ``wake()`` (or a standby's ``take_over()``)."""
-        dropped = set(drop)
-        self.pausing.set()
-        if not self.stepping.acquire(timeout=STEP_WAIT_S):
-            self.pausing.clear()
-            raise InvalidArgument(f"engine '{self.settings.name}': its step did not end within {STEP_WAIT_S:g}s; sleep() waits for it")
-        try:
-            if "kv" in dropped and (not tags or "kv" in tags):
-                if len(self.adapter.used_blocks()) > TRASH:
-                    raise InvalidArgument(f"engine '{self.settings.name}' has {len(self.adapter.used_blocks()) - TRASH} KV blocks in use: finish its requests first")
-                self.adapter.forget_prefix_cache()
-                if self.keeper is not None:
-                    self.keeper.forget_all()
-            self.adapter.synchronize()
-            self.mem.sleep(*tags, drop=dropped)
-        finally:
-            self.stepping.release()
-            self.pausing.clear()
+        self.serving = self.adapter.cache
 
 
 _enabled: list[Any] = []  # enable()'s settings and ceiling, then the Port
@@ -147,7 +107,6 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
     settings = Settings(name, **options)
     if settings.weights_to or settings.share_weights or isinstance(_enabled[-1:] or None, Port):
         raise Unsupported("weights_to= / share_weights=: the caller builds transformers' model, gpumem cannot share it; enable() once, before a manager")
-    settings.min_blocks = max(settings.min_blocks, TRASH + 1)  # the trash blocks and one to serve
     _enabled[:] = [(settings, max_blocks)]
     if getattr(api, "_gpumem_patched", False):
         return
@@ -198,19 +157,13 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
 
         def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
             p = self._gpumem
-            if p.mem.asleep or p.pausing.is_set():  # requests wait for wake() or take_over(); a stop ends the loop
+            if not p.may_step():  # requests wait for wake() or take_over(); a stop ends the loop
                 self._has_new_requests.wait(timeout=0.1)
                 return not self.background_thread_status.local_status or batch_processor.has_pending_requests()
             if p.serving is not p.adapter.cache:  # no warm-up: graphs come at first use, in the graphs arena's pool
                 p.serve()
-            with p.stepping:
-                if batch_processor.has_pending_requests():
-                    p.before_step()
-                else:
-                    p.idle()
-                result: bool = super()._generation_loop_body(batch_processor, bootstrapping)
-                p.after_step()
-                return result
+            with p.step(batch_processor.has_pending_requests()):
+                return bool(super()._generation_loop_body(batch_processor, bootstrapping))
 
         def _generation_step(self) -> None:
             self._gpumem.scheduled()  # blocks taken, the step not run: no directory entry vouches for them

@@ -12,25 +12,26 @@ Rows 0 and 1 of every K and V buffer are transformers' two trash blocks (it puts
 after its last block; here they come first, so that they lie in the committed rows
 whatever the pool holds): block 0 reads as zeros for padding tokens (its row 1 is the
 sentinel of sliding-window reads), block 1 takes padding tokens' writes. The block
-manager hands out ids ``TRASH .. block_count() - 1``; the port sees the trash blocks as
-always in use, so that it never moves them nor gives their rows back.
+manager hands out ids ``TRASH .. block_count() - 1``; the layout names the trash blocks
+reserved (``KvLayout.reserved_blocks``): always in use, never moved nor given back.
 
 Prefix events come from the block manager (its ``get_free_blocks``: taken; its
 ``mark_shareable_blocks_as_complete``, which hashes the blocks a step completed once its
 outputs reached the host: filled). A standby rehearses through its manager (started,
 fed the port's rehearsal prompts, stopped). What it cannot do: build its model on a
-primary's weights (``building_model``).
+primary's weights (the port's default ``building_model`` refuses); its graphs' inputs
+live in the model arena, which its standby keeps in host memory while it sleeps (the
+port's default ``restore_graph_inputs`` restores nothing).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from gpumem.port import KvLayout, StepNeed, Unsupported
+from gpumem.port import EngineAdapter, KvLayout, StepNeed, Unsupported
 from gpumem.port.blocks import copy_rows
 from gpumem.port.takeover import REHEARSAL_TOKENS, rehearsal_prompts
 
@@ -50,7 +51,7 @@ def layer_types(config: Any) -> None:
                           f"cache ({', '.join(LAYER_TYPES)} layers only): gpumem cannot lay this model's KV cache out")
 
 
-class Transformers:
+class Transformers(EngineAdapter):
     """One manager's ``PagedAttentionCache`` for the port: ``cache`` and ``manager`` are
     set where transformers makes them, before the port lays the KV cache out."""
 
@@ -67,7 +68,7 @@ class Transformers:
     def kv_layout(self) -> KvLayout:
         c = self.cache
         shape = (c.block_size, c.num_key_value_heads, c.head_dim)
-        return KvLayout(layers=len(c.key_cache), block_shape=shape, itemsize=c.dtype.itemsize, dtype=c.dtype, max_blocks=self.ceiling)
+        return KvLayout(layers=len(c.key_cache), block_shape=shape, itemsize=c.dtype.itemsize, dtype=c.dtype, max_blocks=self.ceiling, reserved_blocks=TRASH)
 
     def bind_kv(self, layers: list[list[Any]]) -> None:
         """The cache's K and V become the pool's rows, the trash blocks rows 0 and 1."""
@@ -113,8 +114,7 @@ class Transformers:
         self.blocks._hash_to_id.pop(self.blocks._id_to_block.pop(block).hash, None)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        self.synchronize()  # an asynchronous batch may still read the rows
-        copy_rows(self.tensors, src, dst)
+        copy_rows(self.tensors, src, dst)  # after the device's work: an asynchronous batch may still read the rows
 
     def relocate_blocks(self, moves: Sequence[tuple[int, int]]) -> None:
         manager, to = self.blocks, dict(moves)
@@ -206,17 +206,6 @@ class Transformers:
     def reset_scheduler(self) -> None:
         self.reset(self.count)
 
-    def restore_graph_inputs(self) -> None:
-        """Nothing to restore: the graphs' static inputs live in the model arena, which a
-        transformers standby keeps in host memory while it sleeps (no shared weights)."""
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-
     def model(self) -> Any:
         return self.manager.model
 
-    def building_model(self, build: Callable[[Callable[[], Any]], Any]) -> contextlib.AbstractContextManager[None]:
-        raise Unsupported("share_weights=: transformers' model is built by its caller before the manager; gpumem cannot build it on a primary's weights")
