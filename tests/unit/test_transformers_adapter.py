@@ -155,3 +155,13 @@ def test_seeded_blocks_take_the_signed_hash_back(monkeypatch: pytest.MonkeyPatch
     assert manager._hash_to_id[-5] == 5 and 5 in manager._init_block_ids and 5 not in manager._uninit_block_ids
     assert blocks.block_hash(5) == (1 << 64) - 5 and 5 in blocks.free_blocks()
 
+
+
+def test_the_first_serve_marks_the_cache_served_before_the_start_up_end_runs() -> None:
+    """A standby's built() settles, and its rehearsal runs the manager's loop, which serves
+    a cache not yet served: marked after built(), the loop ran the start-up's end again."""
+    seen: list[object] = []
+    port = types.SimpleNamespace(serving=None, adapter=types.SimpleNamespace(cache="cache", committed=print))
+    port.built = lambda make_blocks: seen.append(port.serving)
+    gtf.Port.serve(port)  # type: ignore[arg-type]
+    assert seen == ["cache"] and port.serving == "cache"

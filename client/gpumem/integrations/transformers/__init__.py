@@ -78,10 +78,11 @@ class Port(EnginePort):
         """Once the graphs are captured (or the loop starts without them): the port's
         start-up end (``built``); a later manager's cache takes the rows as they are."""
         if self.serving is None:
+            self.serving = self.adapter.cache  # first: a standby's rehearsal (built's settle) runs the loop, which must not serve again
             self.built(self.adapter.committed)
         elif self.serving is not self.adapter.cache:
             self.adapter.committed(self.mem.kv.blocks if self.mem.kv else self.adapter.count)
-        self.serving = self.adapter.cache
+            self.serving = self.adapter.cache
 
 
 _enabled: list[Any] = []  # enable()'s settings and ceiling, then the Port
