@@ -4,9 +4,12 @@
 ``--engine nanovllm|transformers`` picks the engine: its kit (``KITS``: a script with the
 ``build MODEL_DIR`` and ``engine ...`` commands bench/nanovllm_kit.py has, each engine
 process writing the same JSON) runs every process below; the figures name the engine
-(``figures.engine``). nano-vllm's kit is bench/nanovllm_kit.py; transformers' continuous
-batching has none yet (issue 36: its integration adds it, and its own baselines where
-its start-up differs), and is refused with that said.
+(``figures.engine``). nano-vllm's kit is bench/nanovllm_kit.py. transformers' continuous
+batching runs its own processes and baselines (bench/transformers_kit.py, ``cuda``): plain
+transformers at its own sizing (0.9) and at half, a plain pair started at the same
+moment, then on gpumemd one engine alone and a pair started at the same moment: KV
+blocks, token ids, decode tokens/s and start-up against the plain ones, the issue's
+targets (``--engine transformers --backend cuda``).
 
 CUDA (``--backend cuda``, nano-vllm installed; the model is built offline by
 bench/nanovllm_kit.py: a random-weight Qwen3, fixed prompts, greedy):
@@ -344,6 +347,10 @@ def main() -> int:
     parser.add_argument("--headroom-mib", type=int, default=None, help="each engine's round headroom (default: the integration's)")
     args = parser.parse_args()
     c.ensure_importable()
+    if args.engine == "transformers" and args.backend == "cuda":  # its own processes and baselines: bench/transformers_kit.py
+        import transformers_kit
+
+        return c.run(BENCH, args.backend, lambda result, cleanup: transformers_kit.cuda(result, cleanup, args))
     if args.backend == "host":
         return c.run(BENCH, args.backend, host)
     return c.run(BENCH, args.backend, lambda result, cleanup: cuda(result, cleanup, args))

@@ -56,6 +56,7 @@ HELPERS = {
     "burst_engines.py": "burst.py's engine processes",
     "failover_engines.py": "failover.py's engine processes",
     "nanovllm_kit.py": "the nano-vllm model, engines and margins of the CUDA benchmarks",
+    "transformers_kit.py": "transformers' random-weight models and engines of engine.py --engine transformers and its GPU tests",
     "futex_floor.c": "lease.py's C futex floor, compiled by it",
 }
 

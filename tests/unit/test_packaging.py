@@ -76,4 +76,4 @@ def test_cuda_bindings_come_with_the_cuda_extra_only() -> None:
     cuda = [r for r in requires if r.startswith("cuda-bindings")]
     assert cuda and all("extra ==" in r for r in cuda), requires
     extras = {re.search(r'extra == "(\w+)"', r).group(1) for r in cuda}  # type: ignore[union-attr]
-    assert extras == {"cuda", "torch", "nanovllm", "test"}, cuda
+    assert extras == {"cuda", "torch", "nanovllm", "transformers", "test"}, cuda

@@ -5,8 +5,10 @@ engine supplies (``EngineAdapter``, gpumem.port.adapter). docs/engines.md, "The 
 - ``settings``: what an engine is asked to do (``Settings``);
 - ``blocks``: the block manager following its KV pool (grow, shrink, live blocks moved);
 - ``prefix``: the prefix cache kept in a retained prefix directory;
-- ``weights``: a primary's weights mapped read-only by its standby;
+- ``weights``: a primary's weights mapped read-only by its standby, a model its caller
+  built moved into the model arena;
 - ``takeover``: a standby's settling and take-over;
+- ``gate``: the step gate of an engine that steps on a thread of its own;
 - ``engine_port``: ``EnginePort``, the calls an engine makes at its seams.
 """
 

@@ -68,10 +68,16 @@ class KvLayout:
     # The rows the cache is laid out over (0: what the whole device could hold); an engine
     # that sizes other tensors by its cache's blocks (an attention mask) gives its ceiling.
     max_blocks: int = 0
+    # Rows 0 .. reserved_blocks - 1 the engine keeps for itself (transformers' trash blocks:
+    # padding reads zeros from one, writes into the other): in use for good (used_blocks
+    # names them), so the follower never moves them nor gives their rows back; the round
+    # commits at least one more, and a sleep that drops the KV cache does not count them.
+    reserved_blocks: int = 0
 
     def describe(self) -> dict[str, Any]:
         """The keywords ``EngineMemory.kv_cache`` / ``adopt_kv`` and ``Reservation.paged_kv``
-        take (``max_blocks`` apart: an adopted or reserved cache has its primary's)."""
+        take (``max_blocks`` and ``reserved_blocks`` apart: an adopted or reserved cache has
+        its primary's rows)."""
         return {"layers": self.layers, "block_shape": self.block_shape, "itemsize": self.itemsize, "combined": self.combined}
 
 
@@ -86,7 +92,9 @@ class StepNeed:
 
 class EngineAdapter(Protocol):
     """One engine's answers to the port (see the module doc). Each method says when the
-    port calls it and what the engine guarantees in return."""
+    port calls it and what the engine guarantees in return. An adapter that subclasses
+    it takes the defaults of the three methods that have one (``restore_graph_inputs``,
+    ``synchronize``, ``building_model``)."""
 
     # ------------------------------------------------------------------ KV layout (every feature)
 
@@ -199,12 +207,17 @@ class EngineAdapter(Protocol):
     def restore_graph_inputs(self) -> None:
         """On take-over, once what slept woke (a dropped model arena comes back zeroed):
         the captured graphs' static inputs as capture left them, so that rows a replay
-        does not rewrite hold values in range."""
-        ...
+        does not rewrite hold values in range. The default restores nothing: right for an
+        engine whose graphs' inputs lie in a model arena kept in host memory while it sleeps
+        (a standby with weights of its own)."""
+        return None  # a body: the default, not a member left to implement
 
     def synchronize(self) -> None:
-        """Wait for the engine's device work (before its memory goes to sleep)."""
-        ...
+        """Wait for the engine's device work (before its memory goes to sleep). The
+        default: every stream of the current CUDA device (``torch.cuda.synchronize``)."""
+        from gpumem.torch_support import import_torch
+
+        import_torch("waiting for an engine's device work").cuda.synchronize()
 
     # ------------------------------------------------------------------ shared weights
 
@@ -219,8 +232,10 @@ class EngineAdapter(Protocol):
         the engine's model construction), the engine makes its model by calling
         ``build(make)`` (``make()`` constructs it; the port runs it on torch's meta
         device and points every parameter and buffer at the primary's bytes) and loads no
-        weights."""
-        ...
+        weights. The default refuses (``Unsupported``): an engine whose caller builds
+        its model before the engine exists has no construction to route."""
+        raise Unsupported(f"{type(self).__name__}: share_weights= builds the model on a primary's weights, and this engine's model "
+                          "is built by its caller, not through its adapter: load the standby's own weights")
 
 
 def require_seams(package: str, owner: object, names: Sequence[str], *, written_for: str) -> None:

@@ -87,11 +87,15 @@ class MoveFailed(GpuMemError):
 def copy_rows(tensors: Sequence[Any], src: list[int], dst: list[int]) -> None:
     """``EngineAdapter.copy_blocks`` for an engine that kept the tensors ``bind_kv`` gave
     it (block ``i`` is row ``i`` of each): rows ``src`` into ``dst`` in every tensor,
-    device to device, complete on return."""
+    device to device, complete on return. The device's work is waited for first: an
+    engine's asynchronous batch (transformers') may still read the rows on a stream of
+    its own."""
     from gpumem.torch_support import import_torch
 
     torch = import_torch("moving live KV blocks")
     device = tensors[0].device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     for at in range(0, len(src), COPY_BATCH):
         s = torch.tensor(src[at : at + COPY_BATCH], device=device)
         d = torch.tensor(dst[at : at + COPY_BATCH], device=device)

@@ -20,6 +20,13 @@ the engine's start-up and serving loop:
     port.idle()                                # between requests
     port.close()
 
+An engine whose caller built its model first moves it in (``take_model``); one whose
+start-up ends in one place (its warm-up captured its graphs, its block manager exists)
+makes ``built(make_blocks)`` its one call from ``captured`` to ``follow``; one that steps
+on a thread of its own runs each step in ``step(busy)`` and none while ``may_step()`` is
+false, so that ``sleep()``, from another thread, finds it between two steps
+(gpumem.port.gate).
+
 A primary that retains (``Settings.retain``) keeps its KV cache and a prefix directory
 for a successor; a standby (``Settings.standby``) reserves the primary's KV windows in
 ``lay_out_kv`` (no round), ``settle()``s once built and ``take_over(wait=)``s.
@@ -28,7 +35,7 @@ for a successor; a standby (``Settings.standby``) reserves the primary's KV wind
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumem.engine import EngineMemory
@@ -36,6 +43,7 @@ from gpumem.errors import InvalidArgument
 from gpumem.port import takeover, weights
 from gpumem.port.adapter import EngineAdapter, KvLayout
 from gpumem.port.blocks import BlockFollower
+from gpumem.port.gate import StepGate
 from gpumem.port.prefix import DirectoryKeeper
 from gpumem.port.settings import Settings
 from gpumem.sleep import DEFAULT_WAKE_WAIT_S
@@ -65,6 +73,7 @@ class EnginePort:
         self.keeper: DirectoryKeeper | None = None
         self.took: takeover.TakeOver | None = None
         self._standby_blocks = 0
+        self.gate = StepGate(s.name)
 
     # ------------------------------------------------------------------ start-up
 
@@ -81,6 +90,14 @@ class EnginePort:
                     yield self
             else:
                 yield self
+
+    def take_model(self, model: Any) -> None:
+        """A model its caller built on the device before the engine was made, moved into
+        the model arena (gpumem.port.weights.move_in); its first copies back to the device."""
+        from gpumem.torch_support import import_torch
+
+        weights.move_in(model, self.mem.model)
+        import_torch("moving a model into its arena").cuda.empty_cache()
 
     def lay_out_kv(self) -> None:
         """Where the engine would allocate its KV cache: the cache laid out virtually (the
@@ -110,7 +127,9 @@ class EnginePort:
         if s.weights_to:  # built and loaded: every parameter lies where it will stay
             self.weights_map = weights.publish(self.mem.session, s.retain, self.engine.model(), self.mem.model, s.weights_to)
         if not s.standby:
-            self.round = self.mem.start_kv_commit(headroom_bytes=s.round_headroom, min_blocks=s.min_blocks, weight=s.weight)
+            reserved = self.layout.reserved_blocks if self.layout is not None else 0
+            min_blocks = max(s.min_blocks, reserved + 1) if reserved else s.min_blocks  # one to serve past the reserved
+            self.round = self.mem.start_kv_commit(headroom_bytes=s.round_headroom, min_blocks=min_blocks, weight=s.weight)
 
     def blocks(self) -> int:
         """The blocks the engine's block manager starts with: the round's (waited for), or
@@ -132,7 +151,37 @@ class EnginePort:
         if self.mem.prefix is not None:
             self.keeper = DirectoryKeeper(self.engine, self.mem.prefix)
 
+    def built(self, make_blocks: Callable[[int], None], graphs: Mapping[K, Any] | None = None) -> dict[K, LeasedGraph]:
+        """The start-up's end as one call, for an engine whose block manager exists once
+        its graphs are captured: ``captured(graphs)``, ``started()``, the round's blocks
+        (``blocks()``) given to ``make_blocks`` (the block manager to that many),
+        ``follow()``, and a standby's ``settle()``. Returns the leased graphs."""
+        leased = self.captured(graphs or {})
+        self.started()
+        make_blocks(self.blocks())
+        self.follow()
+        if self.settings.standby:
+            self.settle()
+        return leased
+
     # ------------------------------------------------------------------ serving (the step hook)
+
+    def may_step(self) -> bool:
+        """False while the engine's memory sleeps or ``sleep()`` waits for the step under
+        way: an engine stepping on a thread of its own runs no step then (requests wait)."""
+        return not self.mem.asleep and not self.gate.paused()
+
+    @contextlib.contextmanager
+    def step(self, busy: bool) -> Iterator[None]:
+        """One step of an engine that steps on a thread of its own, inside the step gate:
+        ``before_step()`` (``idle()`` when nothing waits or runs), the step, ``after_step()``."""
+        with self.gate.step():
+            if busy:
+                self.before_step()
+            else:
+                self.idle()
+            yield
+            self.after_step()
 
     def before_step(self) -> None:
         """Before the scheduler runs: grows taken and sent, shrinks answered."""
@@ -165,17 +214,22 @@ class EnginePort:
 
     def sleep(self, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
         """Put an idle engine's memory to sleep (``EngineMemory.sleep``; default: weights
-        and graph pool kept in host memory, the KV cache dropped). Refused while sequences
-        hold KV blocks; a dropped KV cache takes the prefix cache with it."""
+        and graph pool kept in host memory, the KV cache dropped), between two steps (it
+        waits for the step under way: gpumem.port.gate). Refused while sequences hold KV
+        blocks (the layout's reserved blocks apart); a dropped KV cache takes the prefix
+        cache with it."""
         dropped = set(drop)
-        if "kv" in dropped and (not tags or "kv" in tags) and self.mem.kv is not None:
-            used = len(self.engine.used_blocks())
-            if used:
-                raise InvalidArgument(f"engine '{self.mem.name}' has {used} KV blocks in use: finish its sequences before its KV cache sleeps")
-            self.engine.forget_prefix_cache()  # what a block held is gone: no prefix may match it
-            if self.keeper is not None:
-                self.keeper.forget_all()  # nor may the retained directory vouch for it
-        self.mem.sleep(*tags, drop=dropped)
+        with self.gate.closed():
+            if "kv" in dropped and (not tags or "kv" in tags) and self.mem.kv is not None:
+                reserved = self.layout.reserved_blocks if self.layout is not None else 0
+                used = sum(1 for b in self.engine.used_blocks() if b >= reserved)
+                if used:
+                    raise InvalidArgument(f"engine '{self.mem.name}' has {used} KV blocks in use: finish its sequences before its KV cache sleeps")
+                self.engine.forget_prefix_cache()  # what a block held is gone: no prefix may match it
+                if self.keeper is not None:
+                    self.keeper.forget_all()  # nor may the retained directory vouch for it
+            self.engine.synchronize()  # an asynchronous step may still read or write what sleeps
+            self.mem.sleep(*tags, drop=dropped)
 
     def prepare_sleep(self, *tags: str, drop: Iterable[str] = ("kv",)) -> None:
         """The host buffers ``sleep(*tags, drop=drop)`` copies into, made ahead."""

@@ -1,5 +1,7 @@
-"""A standby engine on its primary's weights (issue 26): the standby maps the primary's
-model arena read-only and holds only its own activations and graphs.
+"""A model's weights in gpumemd's memory: a model its caller built moved into the model
+arena (``move_in``), and a standby engine on its primary's weights (issue 26): the
+standby maps the primary's model arena read-only and holds only its own activations and
+graphs.
 
 The primary (``enable(retain=group, weights_to=standby)``), once its model is built and
 loaded, describes where every parameter and buffer of the model lies in its model arena
@@ -215,6 +217,26 @@ def publish(session: Session, group: str, model: Any, arena: Arena, standby: str
     holder.share(standby, read_only=True)
     arena.share(standby, read_only=True)
     return holder
+
+
+def move_in(model: Any, arena: Arena) -> int:
+    """A model its caller built before the engine (on the device, outside gpumemd: a
+    transformers model made before its manager) moved into ``arena``: each parameter and
+    buffer copied there once (a tied weight is one tensor under two names) and pointed at
+    its copy, so that the model arena holds the weights as if they had been built inside
+    ``EngineMemory.running()`` (sleep, a standby's map). Returns the bytes moved; the old
+    copies go back to torch's cache (the caller empties it)."""
+    tensors = {id(t): t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+    elsewhere = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if not t.is_cuda]
+    if elsewhere:
+        raise InvalidArgument(
+            f"{len(elsewhere)} of the model's tensors are not on a CUDA device ({', '.join(elsewhere[:_SHOWN])}): "
+            "gpumem moves a model its caller built into its model arena from the device; move the model there first"
+        )
+    with arena.allocating():
+        for t in tensors.values():
+            t.data = t.data.clone()  # .data: no autograd record, the Parameter object kept
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @dataclasses.dataclass

@@ -13,12 +13,12 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, cast
 
 from gpumem.errors import InvalidArgument
-from gpumem.port.adapter import KvLayout, StepNeed
+from gpumem.port.adapter import EngineAdapter, KvLayout, StepNeed
 from gpumem.port.blocks import copy_rows
 from gpumem.port.takeover import REHEARSAL_TOKENS, rehearsal_prompts
 
 
-class NanoVllm:
+class NanoVllm(EngineAdapter):
     """One nano-vllm engine: its ``ModelRunner`` (``runner``), then its ``Scheduler``
     (``scheduler``), then its ``LLMEngine`` (``llm``), each set once built;
     ``runner_module``: ``nanovllm.engine.model_runner``, where the model class is named;
@@ -195,11 +195,6 @@ class NanoVllm:
         with torch.inference_mode():  # made in it (capture_cudagraph): written only in it
             for buffer in getattr(self.runner, "graph_vars", {}).values():
                 buffer.zero_()
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ shared weights
 

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""transformers' continuous batching, as shipped and on gpumemd (gpumem.integrations.transformers),
+on random-weight models built offline from transformers' own config classes; shared by
+bench/engine.py (``--engine transformers``) and tests/integration/test_transformers_gpu.py.
+
+Models (``--arch``): ``qwen3`` (full attention, 8 KV heads of 16 query heads, head 128) and
+``mistral`` (every layer sliding-window, 512 tokens, 4 KV heads of 16, head 64): the
+second lays its KV out otherwise (another GQA ratio and head size, sliding groups,
+transformers' decode fast path off). Prompts are token ids (seeded), no tokenizer; greedy.
+
+    transformers_kit.py engine --mode plain|gpumemd --arch qwen3 --out run.json [...]
+    bench/engine.py --engine transformers        # the figures of issue 36 (``cuda`` here)
+
+An engine process writes JSON: ``blocks`` (usable KV blocks), ``startup_s`` (manager
+made, warmed up and started), ``tokens`` (per prompt), ``decode_tok_s``, and with
+``--sleep-cycle`` the tokens again after sleep and wake with the freed and woken bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("qwen3", "mistral")
+PLAIN_PERCENT = 0.9  # transformers' max_memory_percent for greedy decoding (0.8 with logits processors)
+
+
+def build_model(arch: str, *, dtype: Any = None, layers: int = 8) -> Any:
+    """A random-weight model of ``arch`` on CUDA (seeded: the same weights every time)."""
+    import torch
+    from transformers import GenerationConfig, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": layers,
+              "num_attention_heads": 16, "max_position_embeddings": 8192, "attn_implementation": "sdpa"}
+    if arch == "qwen3":
+        model_cls, config = Qwen3ForCausalLM, Qwen3Config(num_key_value_heads=8, head_dim=128, **common)
+    elif arch == "mistral":
+        model_cls, config = MistralForCausalLM, MistralConfig(num_key_value_heads=4, head_dim=64, sliding_window=512, **common)
+    else:
+        raise ValueError(f"no model '{arch}': {', '.join(ARCHS)}")
+    torch.manual_seed(0)
+    model = model_cls(config).to("cuda", dtype or torch.bfloat16).eval()
+    model.generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=64)
+    return model
+
+
+def prompts(count: int, *, seed: int = 1, low: int = 16, high: int = 200) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 32000) for _ in range(rng.randrange(low, high))] for _ in range(count)]
+
+
+def generate(manager: Any, inputs: list[list[int]], tokens: int) -> tuple[list[list[int]], float]:
+    """Every prompt to its end; (tokens per prompt, generated tokens per second)."""
+    started = time.perf_counter()
+    ids = manager.add_requests(inputs=inputs, max_new_tokens=tokens)
+    done: dict[str, list[int]] = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=60)
+        if result is None:
+            raise RuntimeError(f"no result within 60 s ({len(done)}/{len(ids)} done; running: {manager.is_running()})")
+        if result.is_finished():
+            if result.error:
+                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+            done[result.request_id] = list(result.generated_tokens)
+    elapsed = time.perf_counter() - started
+    return [done[i] for i in ids], sum(len(t) for t in done.values()) / elapsed
+
+
+def engine(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import ContinuousBatchingConfig
+
+    from gpumem.integrations import transformers as gtf
+
+    if args.mode == "gpumemd":
+        options: dict[str, Any] = {"expect": args.expect, "runtime_dir": args.runtime_dir}
+        if args.retain:
+            options["retain"] = args.retain
+        if args.standby:
+            options["standby"] = (args.standby, Path(args.secret_file).read_text())
+        gtf.enable(args.name, max_blocks=args.max_blocks, **options)
+    if args.start_after:
+        while not Path(args.start_after).exists():
+            time.sleep(0.005)
+    started = time.perf_counter()
+    model = build_model(args.arch, dtype=getattr(torch, args.dtype))
+    cb = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=args.max_memory_percent, max_batch_tokens=args.max_batch_tokens,
+                                  num_blocks=args.num_blocks)
+    built = time.perf_counter()
+    manager = model.init_continuous_batching(continuous_batching_config=cb)
+    manager.warmup()
+    if args.standby:  # settled in warmup(); its manager starts once it took over
+        print("STANDBY READY", flush=True)
+        took = gtf.port().take_over(wait=args.take_over_wait)
+    manager.start()
+    out: dict[str, Any] = {"mode": args.mode, "arch": args.arch, "startup_s": time.perf_counter() - built, "build_s": built - started}
+    cache = manager.batch_processor.cache
+    out["blocks"] = cache.get_num_free_blocks()
+    out["block_bytes"] = 2 * len(cache.key_cache) * cache.block_size * cache.num_key_value_heads * cache.head_dim * cache.dtype.itemsize
+    inputs = prompts(args.prompts, low=args.prompt_len // 2, high=args.prompt_len)
+    if args.retain and args.secret_file:
+        Path(args.secret_file).write_text(gtf.port().retain_secret())
+    if args.standby:
+        out["take_over"] = {"seeded": took.seeded, "trusted": took.trusted, "corrupt": took.corrupt}
+    out["tokens"], out["decode_tok_s"] = generate(manager, inputs, args.tokens)
+    if args.mode == "gpumemd":
+        kv = gtf.port().mem.kv
+        out["kv_rows_committed"] = kv.blocks if kv else 0
+        out["blocks_after"] = gtf.port().adapter.count - 2
+        if args.retain:
+            out["retain_secret_len"] = len(gtf.port().retain_secret())
+    if args.serve_until:
+        print("SERVING", flush=True)
+        while not Path(args.serve_until).exists():
+            time.sleep(0.01)
+        out["blocks_final"] = gtf.port().adapter.count - 2 if args.mode == "gpumemd" else out["blocks"]
+    follower = gtf.port().follower if args.mode == "gpumemd" else None
+    if follower is not None:
+        f = follower.figures
+        out["follow"] = {"grows": f.grows, "shrinks": f.shrinks, "blocks_moved": f.blocks_moved, "preempted": f.preempted}
+    if args.sleep_cycle:
+        free_before = torch.cuda.mem_get_info()[0]
+        t = time.perf_counter()
+        gtf.port().sleep("weights", "graphs", "kv", drop=["kv"])
+        out["sleep_s"], out["freed_bytes"] = time.perf_counter() - t, torch.cuda.mem_get_info()[0] - free_before
+        t = time.perf_counter()
+        gtf.port().wake()
+        out["wake_s"] = time.perf_counter() - t
+        out["tokens_after_wake"], _ = generate(manager, inputs, args.tokens)
+    manager.stop(block=True, timeout=30)
+    return out
+
+
+def cuda(result: Any, cleanup: Any, args: argparse.Namespace) -> None:
+    """bench/engine.py --engine transformers: issue 36's figures, each against its
+    same-run baseline, into ``result`` (bench/_common.Result). Every engine is a process
+    of this kit; a pair starts at the same moment (a go file)."""
+    import _common as c
+
+    rd = cleanup.enter_context(c.runtime_dir("gmb-tf-"))
+    if getattr(args, "keep_logs", None):
+        cleanup.callback(lambda: shutil.copytree(rd, args.keep_logs, dirs_exist_ok=True))
+    common = ["--arch", getattr(args, "arch", "qwen3"), "--prompts", str(args.prompts), "--tokens", str(args.tokens)]
+
+    def run(names: list[str], extra: list[str], go: str = "") -> list[dict[str, Any]]:
+        children = [c.Child(n, [__file__, "engine", "--name", n, "--out", str(rd / f"{n}.json"), *common, *extra,
+                                *(["--start-after", str(rd / go)] if go else [])], rd / f"{n}.log") for n in names]
+        for child in children:
+            cleanup.callback(child.stop)
+        if go:
+            time.sleep(5.0)  # both imported: the go file starts them at the same moment
+            (rd / go).write_text("go")
+        for child in children:
+            child.wait_for(lambda ch=child: ch.proc.poll() is not None, 600, "its batch")
+        return [json.loads((rd / f"{n}.json").read_text()) if (rd / f"{n}.json").exists() else {"failed": ch.proc.returncode}
+                for n, ch in zip(names, children)]
+
+    (plain,) = run(["plain"], ["--mode", "plain"])
+    (half,) = run(["plain-half"], ["--mode", "plain", "--max-memory-percent", str(PLAIN_PERCENT / 2)])
+    plain_pair = run(["plain-a", "plain-b"], ["--mode", "plain"], go="go-plain-pair")
+    daemon = c.Daemon(rd, "cuda").wait_ready(60)
+    cleanup.callback(daemon.stop)
+    on = ["--mode", "gpumemd", "--runtime-dir", str(rd)]
+    (solo,) = run(["solo"], [*on, "--expect", "1"])
+    pair = run(["pair-a", "pair-b"], [*on, "--expect", "2"], go="go-pair")
+    f = result.figures
+    f.update(engine="transformers", blocks_plain=plain.get("blocks"), blocks_gpumemd=solo.get("blocks"),
+             decode_tok_s_plain=plain.get("decode_tok_s"), decode_tok_s_gpumemd=solo.get("decode_tok_s"),
+             startup_plain_s=plain.get("startup_s"), startup_gpumemd_s=solo.get("startup_s"),
+             pair_blocks=[r.get("blocks", 0) for r in pair], half_plain_blocks=half.get("blocks"),
+             plain_pair_started=["failed" not in r for r in plain_pair], plain_pair_blocks=[r.get("blocks", 0) for r in plain_pair])
+    f["blocks_ratio"] = c.ratio(solo.get("blocks", 0), plain.get("blocks", 0))
+    f["tokens_identical"] = "tokens" in solo and solo["tokens"] == plain.get("tokens") and all(r.get("tokens") == plain.get("tokens") for r in pair)
+    f["decode_ratio"] = c.ratio(solo.get("decode_tok_s", 0.0), plain.get("decode_tok_s", 0.0))
+    f["startup_extra_s"] = solo.get("startup_s", 1e9) - plain.get("startup_s", 0.0)
+    f["pair_vs_half_plain"] = [c.ratio(r.get("blocks", 0), half.get("blocks", 0)) for r in pair]
+    result.targets.update(blocks_ratio=1.05, tokens_identical=True, decode_ratio=0.98, startup_extra_s=0.5, pair_vs_half_plain=0.95)
+    result.ok = (f["blocks_ratio"] >= 1.05 and f["tokens_identical"] and f["decode_ratio"] >= 0.98 and f["startup_extra_s"] <= 0.5
+                 and all(r >= 0.95 for r in f["pair_vs_half_plain"]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("command", choices=["engine"])
+    parser.add_argument("--mode", choices=["plain", "gpumemd"], default="gpumemd")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--name", default="transformers")
+    parser.add_argument("--runtime-dir", default=None)
+    parser.add_argument("--expect", type=int, default=0)
+    parser.add_argument("--retain", default="")
+    parser.add_argument("--max-blocks", type=int, default=0)
+    parser.add_argument("--max-memory-percent", type=float, default=None)
+    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="the same for every engine compared (the mask is M by pages)")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--start-after", default="")
+    parser.add_argument("--sleep-cycle", action="store_true")
+    parser.add_argument("--num-blocks", type=int, default=None, help="ContinuousBatchingConfig.num_blocks (plain: fixed; gpumemd: the ceiling)")
+    parser.add_argument("--prompt-len", type=int, default=200, help="prompts of half this to this many tokens")
+    parser.add_argument("--serve-until", default="", help="after generating, keep the manager running until this file exists")
+    parser.add_argument("--secret-file", default="", help="with --retain: write the secret here; with --standby: read it")
+    parser.add_argument("--standby", default="", help="the retain group of the primary this engine stands by for")
+    parser.add_argument("--take-over-wait", type=float, default=120.0)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = parser.parse_args()
+    result = engine(args)
+    if args.out:
+        args.out.write_text(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if not k.startswith("tokens")}))
+    os._exit(0)  # the manager's thread and gpumemd's session end with the process
+
+
+if __name__ == "__main__":
+    sys.exit(main())

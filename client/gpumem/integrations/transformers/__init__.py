@@ -1,0 +1,176 @@
+"""transformers' continuous batching (``model.generate_batch``, ``ContinuousBatchingManager``,
+``transformers serve``) on gpumemd through the engine port (gpumem.port), transformers'
+own code unchanged.
+
+    from gpumem.integrations import transformers as gpumem_tf
+    gpumem_tf.enable("engine-a", expect=2)        # once per process, before a manager is made
+    model = AutoModelForCausalLM.from_pretrained(...).to("cuda")
+    out = model.generate_batch(inputs, generation_config)     # or the manager, or serve
+
+Three names of ``transformers.generation.continuous_batching`` are replaced, each checked
+against the installed version first (``SeamMissing`` names it): ``ContinuousBatchingManager``
+(a subclass: the model's weights moved into the model arena when it is made, its
+warm-up and generation thread inside ``EngineMemory.running()``, its loop the port's step
+hook), ``PagedAttentionCache`` (a subclass: K and V laid out virtually in a KV pool, at
+the maximum transformers' own solver gives for the whole device but the weights, instead
+of sized from free memory) and ``model_runner.get_cuda_pools`` (the graphs arena's pool
+instead of a fresh one: warm-up's graphs land in gpumemd's memory). Once ``warmup()``
+captured its graphs the round commits the blocks (without a warm-up: when the loop
+starts) and the block manager follows the pool. The adapter: gpumem.integrations.transformers.adapter.
+
+``port()`` is the engine's ``EnginePort`` once a manager was made: ``port().sleep()`` /
+``port().wake()`` put its memory to sleep by tag between steps, graphs kept (requests that
+come meanwhile wait); ``enable(name, retain=group)`` keeps the KV cache and a prefix
+directory for a standby (``port().retain_secret()``); ``enable(name, standby=(group,
+secret))`` builds one, which settles in ``warmup()``; its manager starts after
+``port().take_over(wait=)``.
+Refused (``Unsupported``): shared weights, tensor parallelism, layers without paged KV
+blocks. One manager at a time per process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpumem.errors import InvalidArgument
+from gpumem.integrations.transformers.adapter import TRASH, Transformers, layer_types
+from gpumem.port import SeamMissing, Settings, Unsupported, require_seams
+from gpumem.port.engine_port import EnginePort
+
+WRITTEN_FOR = "5.17"
+CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own: out of the device's total when sizing the layout
+HOOKED = ["warmup", "_create_batch_processor", "_run_generation_loop", "_generation_loop_body", "_generation_step"]
+
+
+def seams(api: Any, runner: Any, cache: Any) -> None:
+    """Refuse (``SeamMissing``) unless the continuous-batching modules have what this hooks."""
+    for owner, names in [(api, ["ContinuousBatchingManager", "PagedAttentionCache"]), (runner, ["get_cuda_pools"]),
+                         (cache, ["PagedAttentionMemoryHandler", "group_layers_by_attn_type"]), (getattr(api, "ContinuousBatchingManager", None), HOOKED)]:
+        require_seams("transformers", owner, names, written_for=WRITTEN_FOR)
+
+
+class Port(EnginePort):
+    """This process's engine on the port, made with its first manager: the model its
+    caller built moved into the model arena, the KV layout's ceiling
+    (``KvLayout.max_blocks``: transformers sizes its batch tensors, the attention mask
+    among them, by the cache's pages, so the layout stops at transformers' own sizing of
+    the engine's share of the device). ``sleep()`` is the port's: the manager's loop steps
+    in the port's step gate."""
+
+    def __init__(self, settings: Settings, ceiling: int, model: Any) -> None:
+        self.adapter = Transformers()
+        super().__init__(self.adapter, settings)
+        self.ceiling, self.model, self.serving = ceiling, model, None
+        self.take_model(model)
+
+    def size(self, cache_mod: Any, config: Any, cb: Any, dtype: Any) -> tuple[int, int]:
+        """(max batch tokens, rows): transformers' own solver over the device but the weights."""
+        import torch
+
+        groups, types = cache_mod.group_layers_by_attn_type(config)
+        handler = cache_mod.PagedAttentionMemoryHandler(config=config, continuous_batching_config=cb, dtype=dtype, group_types=types, group_size=len(groups[0]))
+        # The device's share of this engine in its round (expect engines): each pays its batch tensors for its ceiling.
+        handler.available_memory = (torch.cuda.mem_get_info()[1] - self.mem.model.committed - CONTEXT_BYTES) // max(1, self.settings.expect)
+        tokens, blocks = handler.infer_max_batch_tokens_and_num_blocks()
+        return tokens, (self.ceiling or blocks + TRASH)
+
+    def serve(self) -> None:
+        """Once the graphs are captured (or the loop starts without them): the port's
+        start-up end (``built``); a later manager's cache takes the rows as they are."""
+        if self.serving is None:
+            self.serving = self.adapter.cache  # first: a standby's rehearsal (built's settle) runs the loop, which must not serve again
+            self.built(self.adapter.committed)
+        elif self.serving is not self.adapter.cache:
+            self.adapter.committed(self.mem.kv.blocks if self.mem.kv else self.adapter.count)
+            self.serving = self.adapter.cache
+
+
+_enabled: list[Any] = []  # enable()'s settings and ceiling, then the Port
+
+
+def port() -> Port:
+    """The engine's port, once a manager was made: its ``mem`` (arenas, KV cache), its follower."""
+    if not _enabled or not isinstance(_enabled[-1], Port):
+        raise InvalidArgument("no manager on gpumemd in this process: gpumem.integrations.transformers.enable(name), then make one")
+    return _enabled[-1]
+
+
+def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
+    """Put the continuous-batching managers this process makes from now on on gpumemd
+    (``options``: gpumem.port.Settings; ``max_blocks``: the layout's rows instead of
+    transformers' own sizing of the device)."""
+    try:
+        from transformers.generation.continuous_batching import cache as cache_mod
+        from transformers.generation.continuous_batching import continuous_api as api
+        from transformers.generation.continuous_batching import model_runner as runner
+    except ImportError as e:
+        raise SeamMissing(f"transformers' continuous batching cannot be imported ({e}); gpumem's adapter was written for transformers {WRITTEN_FOR}") from e
+    settings = Settings(name, **options)
+    if settings.weights_to or settings.share_weights or isinstance(_enabled[-1:] or None, Port):
+        raise Unsupported("weights_to= / share_weights=: the caller builds transformers' model, gpumem cannot share it; enable() once, before a manager")
+    _enabled[:] = [(settings, max_blocks)]
+    if getattr(api, "_gpumem_patched", False):
+        return
+    seams(api, runner, cache_mod)
+
+    class Cache(api.PagedAttentionCache):  # type: ignore[misc]
+        def __init__(self, config: Any, continuous_batching_config: Any, device: Any, distributed_helper: Any, tp_plan: Any, dtype: Any) -> None:
+            p, cb = port(), continuous_batching_config
+            layer_types(config)
+            if distributed_helper.tp_size > 1:
+                raise Unsupported("tensor parallelism: gpumem lays out one CUDA device per process")
+            tokens, p.ceiling = p.size(cache_mod, config, cb, dtype)
+            p.adapter.ceiling = p.ceiling
+            asked, (cb.num_blocks, cb.max_batch_tokens) = (cb.num_blocks, cb.max_batch_tokens), (1, tokens)  # one block made: replaced
+            try:
+                super().__init__(config, cb, device, distributed_helper, tp_plan, dtype)
+            finally:
+                cb.num_blocks, cb.max_batch_tokens = asked
+            require_seams("transformers", self, ["read_trash_index", "sentinel_index", "write_trash_index", "_block_manager"], written_for=WRITTEN_FOR)
+            require_seams("transformers", self._block_manager, ["_uninit_block_ids", "_init_block_ids", "_hash_to_id", "_id_to_block"], written_for=WRITTEN_FOR)
+            p.adapter.cache = self
+            if p.layout is None:
+                p.lay_out_kv()
+            elif p.layout != p.adapter.kv_layout() or p.mem.kv is None:
+                raise Unsupported(f"engine '{p.settings.name}': a manager with another KV layout than its first ({p.layout})")
+            else:
+                p.adapter.bind_kv(p.mem.kv.tensors(p.layout.dtype))
+
+    class Manager(api.ContinuousBatchingManager):  # type: ignore[misc]
+        def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
+            if not isinstance(_enabled[-1], Port):
+                settings, ceiling = _enabled[0]
+                _enabled.append(Port(settings, ceiling, model))
+            elif port().model is not model:
+                raise Unsupported("one model per process on gpumemd: this engine serves another already")
+            self._gpumem = port()
+            self._gpumem.adapter.manager = self
+            super().__init__(model, *args, **kwargs)
+
+        def warmup(self) -> None:
+            with self._gpumem.mem.running():
+                super().warmup()
+            self._gpumem.serve()
+
+        def _run_generation_loop(self) -> None:
+            with self._gpumem.mem.running():
+                super()._run_generation_loop()
+
+        def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
+            p = self._gpumem
+            if not p.may_step():  # requests wait for wake() or take_over(); a stop ends the loop
+                self._has_new_requests.wait(timeout=0.1)
+                return not self.background_thread_status.local_status or batch_processor.has_pending_requests()
+            if p.serving is not p.adapter.cache:  # no warm-up: graphs come at first use, in the graphs arena's pool
+                p.serve()
+            with p.step(batch_processor.has_pending_requests()):
+                return bool(super()._generation_loop_body(batch_processor, bootstrapping))
+
+        def _generation_step(self) -> None:
+            self._gpumem.scheduled()  # blocks taken, the step not run: no directory entry vouches for them
+            super()._generation_step()
+
+    # get_cuda_pools' stand-in: the graphs arena's pool and its id (warm-up's graphs land in gpumemd's memory).
+    api.ContinuousBatchingManager, api.PagedAttentionCache = Manager, Cache
+    runner.get_cuda_pools = lambda: (port().mem.graphs.mem_pool, port().mem.graphs.mem_pool.id)
+    api._gpumem_patched = True
