@@ -92,15 +92,6 @@ class RetainBook:
         self._completions: list[Completion] = []
         self._refusals = SessionThrottle(log)  # any session can provoke one at will
 
-    @property
-    def fence(self) -> Fence:
-        """The process check the writers' fence applies (a stand-in in unit tests)."""
-        return self.writers.fence
-
-    @fence.setter
-    def fence(self, fence: Fence) -> None:
-        self.writers.fence = fence
-
     # ------------------------------------------------------------------ lookups
 
     def _get(self, s: SessionRecord, name: str) -> GroupRecord:

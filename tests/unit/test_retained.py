@@ -41,7 +41,7 @@ def fence() -> Fence:
 @pytest.fixture
 def h(make_harness: Callable[..., Harness], fence: Fence) -> Harness:
     harness = make_harness(retain_grace=GRACE)
-    harness.state.retained.fence = fence
+    harness.state.retained.writers.fence = fence
     return harness
 
 

@@ -35,7 +35,7 @@ POLICY = (
 @pytest.fixture
 def h(make_harness: Callable[..., Harness], tmp_path: Path) -> Harness:
     harness = make_harness(retain_grace=GRACE, tenant_policy=policy(tmp_path, POLICY))
-    harness.state.retained.fence = Fence()
+    harness.state.retained.writers.fence = Fence()
     return harness
 
 
