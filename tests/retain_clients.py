@@ -74,7 +74,7 @@ def run(session: gpumem.Session, arenas: dict[str, gpumem.Arena], cmd: str, args
             "arenas": {n: a.address for n, a in adopted.arenas.items()},
             "kv": {n: [pool.arena.address, pool.tokens] for n, pool in adopted.kv_pools.items()},
             "previous": adopted.previous,
-            "fenced": adopted.fenced,
+            "waited_for": adopted.waited_for,
         })
     if cmd == "reserve":
         RESERVED[args[0]] = session.reserve_retained(args[0], args[1])

@@ -82,7 +82,7 @@ class Adopted:
         self.core = core
         self.group = RetainGroup(core, reply.group, secret)
         self.previous = reply.previous
-        self.fenced = reply.fenced  # every dead writer the adoption waited out (1.13; [] from an older daemon)
+        self.waited_for = reply.waited_for  # every dead writer the adoption waited out (1.13; [] from an older daemon)
         self.deadline_in_s = reply.deadline_in_s
         self.arenas: dict[str, Arena] = {}
         self.kv_pools: dict[str, KvPool] = {}

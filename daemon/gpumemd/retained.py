@@ -323,7 +323,7 @@ class RetainBook:
         )
         reply = p.AdoptReply(
             group=group.name, objects=objects, fd_batches=map_batches(len(handout)), previous=previous, deadline_in_s=round(left, 3),
-            fenced=waited,
+            waited_for=waited,
         )
         return Outcome(reply, handout=handout)
 

@@ -134,7 +134,7 @@ def test_an_adoption_waits_for_every_sharer_and_the_dead_owners_grants_die(daemo
     do(mate, f"fill weights 0 {MiB} 7")  # it still writes: that is why the adopter waits
     mate.kill()
     got = json.loads(do(standby, f"adopt g {secret} 10"))
-    assert got["fenced"][0].startswith("client 'primary'") and got["fenced"][1].startswith("client 'mate'"), got
+    assert got["waited_for"][0].startswith("client 'primary'") and got["waited_for"][1].startswith("client 'mate'"), got
     assert do(standby, f"check weights {MiB} {7 * MiB} 171") == "MATCH"
     do(standby, f"fill weights 0 {MiB} 171")
     late = spawn("mate")  # a fresh process under the name the dead owner's grant named

@@ -530,7 +530,7 @@ def test_an_adoption_waits_for_every_other_mapping_and_the_dead_owners_grants_di
     assert refused.detail["pid"] == other.pid and "client 'other'" in refused.message
     fence.running.clear()
     reply, _ = adopt(h, standby, secret)
-    assert reply.fenced == [f"client 'primary' (pid {s.pid})", f"client 'other' (pid {other.pid}, session {other.id})"]
+    assert reply.waited_for == [f"client 'primary' (pid {s.pid})", f"client 'other' (pid {other.pid}, session {other.id})"]
     arena = h.state.arenas.by_name["weights-kv"]
     assert arena.attached == {standby.id} and arena.grants == []
     h.ok(standby, p.AdoptDone(group="g"))
@@ -562,7 +562,7 @@ def test_a_holder_the_daemon_sees_as_pid_0_is_fenced_by_its_sessions_end(h: Harn
         assert "another pid namespace" in refused.message
         h.clock.now += HIDDEN_SETTLE_S
     reply, _ = adopt(h, standby, secret)
-    assert reply.fenced == ["client 'primary' (pid 0)"]
+    assert reply.waited_for == ["client 'primary' (pid 0)"]
 
 
 def test_a_process_that_still_maps_the_memory_keeps_the_adoption_waiting(h: Harness) -> None:

@@ -70,7 +70,7 @@ class AdoptReply(Message):
     # (1.13) Every writer the adoption waited to be fenced: the last holder, then each
     # other session that mapped the group's memory and ended (a sharer). No other live
     # session maps it: an ADOPT is NOT_FENCED while one does, naming it.
-    fenced: list[str] = []
+    waited_for: list[str] = []
 
 
 class Adopt(RequestMessage, kw_only=True):
