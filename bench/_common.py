@@ -409,8 +409,9 @@ class ArgumentParser(argparse.ArgumentParser):
 class Result:
     """What a benchmark body fills in; printed as the final JSON line."""
 
-    def __init__(self, bench: str, backend: str) -> None:
+    def __init__(self, bench: str, backend: str, labels: dict[str, str] | None = None) -> None:
         self.bench = bench
+        self.labels = labels or {}  # what the line is about beside the bench's name (bench/engine.py: "engine")
         self.backend = backend
         self.device: Any = "host" if backend == "host" else None  # run() names the GPU
         self.figures: dict[str, Any] = {}
@@ -420,6 +421,7 @@ class Result:
     def line(self, error: str | None = None) -> str:
         out: dict[str, Any] = {
             "bench": self.bench,
+            **self.labels,
             "backend": self.backend,
             "device": self.device,
             "figures": rounded(self.figures),
@@ -451,14 +453,17 @@ def _on_signal(signum: int, _frame: Any) -> None:
     raise _Terminated(signal.Signals(signum).name)
 
 
-def run(bench: str, backend: str, body: Callable[[Result, contextlib.ExitStack], None], ordinal: int = 0) -> int:
+def run(
+    bench: str, backend: str, body: Callable[[Result, contextlib.ExitStack], None], ordinal: int = 0, labels: dict[str, str] | None = None
+) -> int:
     """Run ``body(result, cleanup)``, undo everything pushed on ``cleanup`` (also on error
     or SIGTERM/SIGINT/SIGHUP), then print the JSON line last. Returns the exit status:
     0 when the benchmark measured (whatever ``ok`` says), 1 when it could not.
-    ``ordinal``: the device the benchmark's daemon serves, named in the JSON line."""
+    ``ordinal``: the device the benchmark's daemon serves, named in the JSON line;
+    ``labels``: keys that follow "bench" in it (what the line is about)."""
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _on_signal)
-    result = Result(bench, backend)
+    result = Result(bench, backend, labels)
     result.device = _described(backend, ordinal)
     error: str | None = None
     try:

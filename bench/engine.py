@@ -4,7 +4,7 @@
 ``--engine nanovllm|transformers`` picks the engine: its kit (``KITS``: a script with the
 ``build MODEL_DIR`` and ``engine ...`` commands bench/nanovllm_kit.py has, each engine
 process writing the same JSON) runs every process below; the figures name the engine
-(``figures.engine``). nano-vllm's kit is bench/nanovllm_kit.py. transformers' continuous
+(``"engine"`` beside ``"bench"`` in the last line). nano-vllm's kit is bench/nanovllm_kit.py. transformers' continuous
 batching runs its own processes and baselines (bench/transformers_kit.py, ``cuda``): plain
 transformers at its own sizing (0.9) and at half, a plain pair started at the same
 moment, then on gpumemd one engine alone and a pair started at the same moment: KV
@@ -107,7 +107,6 @@ def cuda(result: c.Result, cleanup: contextlib.ExitStack, args: Any) -> None:
     from gpumem_shared.paths import Endpoints
 
     kit = _kit(args.engine)
-    result.figures["engine"] = args.engine
     rd = cleanup.enter_context(c.runtime_dir("gmb-engine-"))
     if args.keep_logs:
         cleanup.callback(_keep_logs, rd, args.keep_logs)
@@ -347,13 +346,14 @@ def main() -> int:
     parser.add_argument("--headroom-mib", type=int, default=None, help="each engine's round headroom (default: the integration's)")
     args = parser.parse_args()
     c.ensure_importable()
-    if args.engine == "transformers" and args.backend == "cuda":  # its own processes and baselines: bench/transformers_kit.py
+    if args.backend == "host":  # no engine runs on host: the line says so rather than name one
+        return c.run(BENCH, args.backend, host, labels={"engine": "none (host: the engine API's pieces)"})
+    labels = {"engine": args.engine}
+    if args.engine == "transformers":  # its own processes and baselines: bench/transformers_kit.py
         import transformers_kit
 
-        return c.run(BENCH, args.backend, lambda result, cleanup: transformers_kit.cuda(result, cleanup, args))
-    if args.backend == "host":
-        return c.run(BENCH, args.backend, host)
-    return c.run(BENCH, args.backend, lambda result, cleanup: cuda(result, cleanup, args))
+        return c.run(BENCH, args.backend, lambda result, cleanup: transformers_kit.cuda(result, cleanup, args), labels=labels)
+    return c.run(BENCH, args.backend, lambda result, cleanup: cuda(result, cleanup, args), labels=labels)
 
 
 if __name__ == "__main__":
