@@ -96,20 +96,30 @@ def futex_floor(pause_us: int = 0) -> tuple[float, float, int]:
     return float(found.group(1)), float(found.group(2)), int(found.group(3))
 
 
-def turns(session: Any, pool: Any, rounds: int) -> list[tuple[int, int, int]]:
+def turns(session: Any, pool: Any, rounds: int) -> list[tuple[int, int, int, int]]:
     """``rounds`` turns of a client in a handoff: take the pool (acquired at), hold it a
     millisecond, release it (released at, and the release call's ns), pause so that the
-    other side, asleep on the futex, takes it next."""
+    other side, asleep on the futex, takes it next. And where in the take the time went:
+    the slot's ``since_ns`` is the moment the native take won the compare-and-swap, so
+    the turn also carries the ns from there to the Python line after the take."""
     out = []
     for _ in range(rounds):
         lease = session.replay(pool, wait=5.0)
-        acquired = time.monotonic_ns()
+        acquired, returned = time.monotonic_ns(), time.time_ns()
+        out.append((acquired, *holding(pool, returned)))
         time.sleep(0.001)
         released = time.monotonic_ns()
         lease.release()
-        out.append((acquired, released, time.monotonic_ns() - released))
+        out[-1] = (acquired, released, time.monotonic_ns() - released, out[-1][1])
         time.sleep(PAUSE_S)
     return out
+
+
+def holding(pool: Any, returned: int) -> tuple[int]:
+    """(ns from the native take's compare-and-swap to ``returned``, the realtime clock
+    read on the Python line after the take), read while the lease is held."""
+    holder = pool.segment.holder()
+    return (returned - holder.since_ns if holder else -1,)
 
 
 def handoff_client(name: str, rounds: int, ordering: str) -> int:
@@ -158,14 +168,15 @@ def handoff_client(name: str, rounds: int, ordering: str) -> int:
                 continue
             if status not in taken:
                 raise RuntimeError(f"the bare native acquire did not take the lease within 5 s (status {status})")
-            acquired = time.monotonic_ns()
+            acquired, returned = time.monotonic_ns(), time.time_ns()
+            (after_take,) = holding(pool, returned)
             time.sleep(0.001)
             released = time.monotonic_ns()
             if ordered:
                 _native.lease_release_ordered(address, word, context, own, stream)
             else:
                 _native.lease_release_recorded(address, word)
-            (native if ordered else bare).append((acquired, released, time.monotonic_ns() - released))
+            (native if ordered else bare).append((acquired, released, time.monotonic_ns() - released, after_take))
             time.sleep(PAUSE_S)
     stream_waits = []
     for event in list(peers.values())[:1] if context else []:
@@ -310,7 +321,7 @@ def main() -> int:
                     raise RuntimeError(f"handoff client {CLIENTS[index]} said {line!r} (exit status {proc.returncode}; its stderr is above)")
                 report = json.loads(line)
                 for key in ("events", "bare", "native"):
-                    out[key] += [(acquired, released, index, call) for acquired, released, call in report[key]]
+                    out[key] += [(acquired, released, index, call, after) for acquired, released, call, after in report[key]]
                 out["stream_waits"] += report["stream_waits"]
                 out["handoff_waits"] += report["handoff_waits"]
                 out["native_waits"] += report["native_waits"]
@@ -336,11 +347,17 @@ def main() -> int:
         memops_arena.commit(64 * MiB)
         memops_arena.register_graph_pool(SHARED_POOL, extents=[p.Extent(offset=32 * MiB, size=32 * MiB)], free_runs=[], shared=True)
         memops = handoff_turns(memops_rt, memops_daemon, memops_arena, "memops")
-        def handoff_times(turns: list[tuple[int, int, int, int]]) -> list[float]:
+        def handoff_times(turns: list[tuple[int, int, int, int, int]]) -> list[float]:
             turns.sort()
             return [(nxt[0] - cur[1]) / 1e3 for cur, nxt in itertools.pairwise(turns) if nxt[2] != cur[2] and nxt[0] >= cur[1]]
 
-        def release_calls(turns: list[tuple[int, int, int, int]]) -> float:
+        def after_takes(turns: list[tuple[int, int, int, int, int]]) -> float:
+            """p50 (us) from the native take's compare-and-swap to the taker's next Python
+            line: the taker's share after its wake (the order's wait, the GIL, the return).
+            The rest of a handoff is the releaser's call up to its wake and the wake itself."""
+            return c.median([turn[4] for turn in turns if turn[4] >= 0]) / 1e3
+
+        def release_calls(turns: list[tuple[int, int, int, int, int]]) -> float:
             """p50 of the release call alone, in a handoff (us): the releaser's share."""
             return c.median([turn[3] for turn in turns]) / 1e3
 
@@ -368,6 +385,15 @@ def main() -> int:
             f"the release call alone, inside those handoffs: p50 {release_p50['full']:.1f} us (Lease.release), "
             f"{release_p50['bare']:.1f} us (lease_release_recorded), {release_p50['native']:.1f} us (lease_release_ordered, "
             "the event record inside)"
+        )
+        after_take = {
+            "full": after_takes(events), "bare": after_takes(bare_events), "native": after_takes(native_events),
+            "memops": after_takes(memops["events"]),
+        }
+        c.say(
+            f"from the native take's compare-and-swap to the taker's next Python line: p50 {after_take['full']:.1f} us "
+            f"(Lease, IPC events), {after_take['memops']:.1f} us (Lease, memops), {after_take['bare']:.1f} us (lease_acquire), "
+            f"{after_take['native']:.1f} us (lease_acquire_ordered, the event wait inside)"
         )
         if stream_waits:
             c.say(f"one cuStreamWaitEvent on the other process's event, alone: p50 {c.median(stream_waits) / 1e3:.2f} us")
@@ -421,6 +447,10 @@ def main() -> int:
             "memops_handoffs": len(memops_handoffs),
             "memops_handoff_waits": memops["handoff_waits"],
             "memops_release_call_p50_us": release_calls(memops["events"]),
+            "after_take_p50_us": after_take["full"],
+            "memops_after_take_p50_us": after_take["memops"],
+            "bare_after_take_p50_us": after_take["bare"],
+            "native_after_take_p50_us": after_take["native"],
         }
         if stream_waits:
             result.figures["stream_wait_p50_us"] = c.median(stream_waits) / 1e3
