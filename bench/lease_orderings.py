@@ -56,7 +56,7 @@ def owner(runtime_dir: str) -> int:
 
 def client(name: str, runtime_dir: str) -> int:
     """A turn taker: per line ``n`` on stdin, n turns; prints their (acquired, released,
-    release call ns) as a JSON line."""
+    release call ns, ns from the take to the next line) as a JSON line."""
     import gpumem
 
     session = gpumem.connect(0, name=name, runtime_dir=runtime_dir)
@@ -119,7 +119,7 @@ def main() -> int:
                 proc.stdin.flush()
             for index, proc in enumerate(procs[ordering]):
                 report = json.loads(proc.stdout.readline())
-                block_turns += [(acquired, released, index, call) for acquired, released, call in report["turns"]]
+                block_turns += [(acquired, released, index, call) for acquired, released, call, _after in report["turns"]]
                 waits[ordering][index] = report["waits"]
             block_turns.sort()
             handoffs[ordering] += [
