@@ -96,6 +96,8 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
                                   num_blocks=args.num_blocks)
     built = time.perf_counter()
     manager = model.init_continuous_batching(continuous_batching_config=cb)
+    if args.sizing_only:  # transformers' own sizing, before a warm-up that may not survive it
+        return {"mode": args.mode, "arch": args.arch, "blocks": manager.batch_processor.cache.get_num_free_blocks()}
     manager.warmup()
     if args.standby:  # settled in warmup(); its manager starts once it took over
         print("STANDBY READY", flush=True)
@@ -211,6 +213,7 @@ def main() -> int:
     parser.add_argument("--standby", default="", help="the retain group of the primary this engine stands by for")
     parser.add_argument("--take-over-wait", type=float, default=120.0)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--sizing-only", action="store_true", help="report the blocks the manager sized and stop (no warm-up)")
     args = parser.parse_args()
     result = engine(args)
     if args.out:
