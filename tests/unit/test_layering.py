@@ -17,7 +17,7 @@ PACKAGES = {"gpumemd": ROOT / "daemon" / "gpumemd", "gpumem": ROOT / "client" / 
 
 # Bottom up: a module may import only modules before it in this list.
 DAEMON_LAYERS = [
-    "config", "notify", "runtime", "fencing", "logs", "startup", "tally", "records", "image", "admission", "control_door", "control_channel", "checks", "names", "memory_caps", "tenants", "grants", "kv_math", "kv_moves", "arenas", "lease_order_lanes", "graph_pools", "kv_rounds", "kv_pools", "sleepers", "retain_fence", "retained", "sessions", "status", "state", "durable", "outbox", "metrics", "exporter", "server",
+    "config", "notify", "runtime", "fencing", "logs", "startup", "tally", "records", "image", "admission", "control_door", "control_channel", "checks", "names", "memory_caps", "tenants", "grants", "kv_math", "kv_moves", "window_plan", "arenas", "lease_order_lanes", "graph_pools", "kv_rounds", "kv_pools", "sleepers", "retain_fence", "retained", "sessions", "status", "state", "durable", "outbox", "metrics", "exporter", "server",
     "cli", "__main__",
 ]
 
