@@ -13,15 +13,12 @@ from collections.abc import Callable
 import pytest
 
 from gpumem_shared import protocol as p
-from gpumem_shared.driver.host import HostDriver
 from gpumemd.config import TenantLimits
-from gpumemd.durable import Durable
 from gpumemd.metrics import Metrics
 from gpumemd.sleepers import host_buffer_name
-from gpumemd.state import DaemonState
 
-from .harness import CAPACITY, Clock, Harness, MiB
-from .store_kit import FakeStore
+from .harness import CAPACITY, Harness, MiB
+from .store_kit import stored
 from .test_metrics import number
 
 
@@ -177,25 +174,18 @@ def test_a_sleeper_that_dies_leaves_nothing_behind(h: Harness) -> None:
 
 def test_a_restart_keeps_the_sleeper_and_its_buffer(make_harness: Callable[..., Harness]) -> None:
     h = make_harness()
-    store = FakeStore()
-    first = Durable(store)  # type: ignore[arg-type]
-    first.start(h.state, {})
-    engine = h.connect("engine")
-    h.create(engine, "weights", 512 * MiB)
-    h.commit(engine, "weights", 8 * MiB)
-    buffer_id, fd = _buffer(h, engine, "weights", 8 * MiB)
-    with mmap.mmap(fd, 8 * MiB) as m:
-        m[:5] = b"hello"
-    _asleep(h, engine, "weights", kept=8 * MiB)
-    first.persist(h.state)
-    assert host_buffer_name(buffer_id) in store.held
-    h.state.arenas.close()
+    with stored(h) as daemon:
+        engine = h.connect("engine")
+        h.create(engine, "weights", 512 * MiB)
+        h.commit(engine, "weights", 8 * MiB)
+        buffer_id, fd = _buffer(h, engine, "weights", 8 * MiB)
+        with mmap.mmap(fd, 8 * MiB) as m:
+            m[:5] = b"hello"
+        _asleep(h, engine, "weights", kept=8 * MiB)
+        passed = daemon.stop()
+        assert host_buffer_name(buffer_id) in daemon.store.held
 
-    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
-    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
-    second = Durable(store)  # type: ignore[arg-type]
-    second.start(again.state, store.passed())
-    try:
+        again = daemon.restart(passed)
         assert again.state.restore_problems == []
         (sleeper,) = again.state.status().sleepers
         assert (sleeper.asleep, sleeper.committed_bytes, sleeper.kept_bytes, sleeper.host_bytes) == (True, 8 * MiB, 8 * MiB, 8 * MiB)
@@ -204,45 +194,27 @@ def test_a_restart_keeps_the_sleeper_and_its_buffer(make_harness: Callable[..., 
         session = again.state.sessions[engine.id]
         session.waiting = False  # as its RESUME does
         assert again.ok(session, p.WakeArena(name="weights")).reply.arena.committed == 8 * MiB
-    finally:
-        again.state.drop_all()
-        first.close()
-        second.close()
-        store.drop()
 
 
 def test_a_stored_buffer_that_is_not_the_one_stored_is_not_adopted(make_harness: Callable[..., Harness]) -> None:
     h = make_harness()
-    store = FakeStore()
-    first = Durable(store)  # type: ignore[arg-type]
-    first.start(h.state, {})
-    engine = h.connect("engine")
-    h.create(engine, "weights", 512 * MiB)
-    buffer_id, _ = _buffer(h, engine, "weights", 8 * MiB)
-    first.persist(h.state)
-    h.state.arenas.close()
-    passed = store.passed()
-    name = host_buffer_name(buffer_id)
-    os.close(passed[name][0])
-    impostor = os.memfd_create("impostor")
-    os.ftruncate(impostor, 2 * MiB)
-    passed[name] = [impostor]
-    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
-    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
-    second = Durable(store)  # type: ignore[arg-type]
-    second.start(again.state, passed)
-    try:
+    with stored(h) as daemon:
+        engine = h.connect("engine")
+        h.create(engine, "weights", 512 * MiB)
+        buffer_id, _ = _buffer(h, engine, "weights", 8 * MiB)
+        passed = daemon.stop()
+        name = host_buffer_name(buffer_id)
+        os.close(passed[name][0])
+        impostor = os.memfd_create("impostor")
+        os.ftruncate(impostor, 2 * MiB)
+        passed[name] = [impostor]
+        again = daemon.restart(passed)
         assert "weights" not in again.state.sleepers.buffers
         problems = again.state.restore_problems
         assert any(f"named {name!r} that are not the one" in x for x in problems) and any("missing from the fd store" in x for x in problems)
         with pytest.raises(OSError) as closed:
             os.fstat(impostor)  # not adopted: closed
         assert closed.value.errno == errno.EBADF
-    finally:
-        again.state.drop_all()
-        first.close()
-        second.close()
-        store.drop()
 
 
 def test_a_wake_that_does_not_fit_asks_kv_pools_above_their_share_to_give_back(h: Harness) -> None:
@@ -310,32 +282,19 @@ def test_a_kv_pool_asleep_stays_asleep_across_a_restart_and_wakes_by_its_grow(ma
     from .test_kv_moves import two_pools
 
     h = make_harness()
-    store = FakeStore()
-    first = Durable(store)  # type: ignore[arg-type]
-    first.start(h.state, {})
-    _, b = two_pools(h)
-    reply = h.ok(b, p.KvShrink(pool="kvb", tokens=0, sleep=True)).reply
-    assert isinstance(reply, p.KvCommitReply)
-    h.unmapped(b, "kvb", [c.id for c in reply.retired])
-    first.persist(h.state)
-    h.state.arenas.close()
+    with stored(h) as daemon:
+        _, b = two_pools(h)
+        reply = h.ok(b, p.KvShrink(pool="kvb", tokens=0, sleep=True)).reply
+        assert isinstance(reply, p.KvCommitReply)
+        h.unmapped(b, "kvb", [c.id for c in reply.retired])
 
-    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
-    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
-    second = Durable(store)  # type: ignore[arg-type]
-    second.start(again.state, store.passed())
-    try:
+        again = daemon.restart(daemon.stop())
         assert [(x.arena, x.asleep, x.committed_bytes) for x in again.state.status().sleepers] == [("kvb", True, 128 * MiB)]
         session = again.state.sessions[b.id]
         session.waiting = False  # as its RESUME does
         grown = again.ok(session, p.KvGrow(pool="kvb", tokens=32768)).reply
         assert isinstance(grown, p.KvCommitReply) and grown.pool.tokens == 32768
         assert again.state.status().sleepers == [] and again.state.sleepers.asleep == {}
-    finally:
-        again.state.drop_all()
-        first.close()
-        second.close()
-        store.drop()
 
 
 def test_a_wake_chooses_donors_by_the_grows_rule(make_harness: Callable[..., Harness]) -> None:
