@@ -15,6 +15,7 @@ import pytest
 from gpumem_shared import protocol as p
 from gpumemd.config import TenantLimits
 from gpumemd.metrics import Metrics
+from gpumemd.records import SessionRecord as Session
 from gpumemd.sleepers import host_buffer_name
 
 from .harness import CAPACITY, Harness, MiB
@@ -297,21 +298,30 @@ def test_a_kv_pool_asleep_stays_asleep_across_a_restart_and_wakes_by_its_grow(ma
         assert again.state.status().sleepers == [] and again.state.sleepers.asleep == {}
 
 
+def _asleep_beside_two_pools(h: Harness) -> tuple[Session, Session, Session]:
+    """The sleeper's 64 MiB arena asleep, then engine-a's and engine-b's KV pools filling
+    the device (128 MiB each), engine-a's idle: a wake must ask a pool to give back."""
+    from .test_kv_moves import two_pools
+
+    sleeper = h.connect("sleeper")
+    h.create(sleeper, "weights", 512 * MiB)
+    h.commit(sleeper, "weights", 64 * MiB)
+    _asleep(h, sleeper, "weights")
+    a, b = two_pools(h)
+    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    return sleeper, a, b
+
+
 def test_a_wake_chooses_donors_by_the_grows_rule(make_harness: Callable[..., Harness]) -> None:
     """One donor rule (KvBook.ask_back): a wake asks no pool whose own grow waits (it would
     give back rows its engine never mapped), nor one that just kept its asked rows live
     (asking again is futile and costs its engine a step), as a grow asks neither. Before,
     a wake had its own copy of the rule, and asked both."""
-    from .test_kv_moves import grow_waits, shrink_notices, two_pools
+    from .test_kv_moves import grow_waits, shrink_notices
     from .test_kv_rounds import done
 
     h = make_harness()
-    sleeper = h.connect("sleeper")
-    h.create(sleeper, "weights", 512 * MiB)
-    h.commit(sleeper, "weights", 64 * MiB)
-    _asleep(h, sleeper, "weights")
-    a, b = two_pools(h)  # 128 MiB each, the device full
-    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    sleeper, a, b = _asleep_beside_two_pools(h)
     grow_waits(h, b, "kvb", 49152, 7)  # b's grow waits for a
     assert [sid for sid, _, _ in shrink_notices(h)] == [a.id]
     h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
@@ -327,15 +337,22 @@ def test_a_wake_chooses_donors_by_the_grows_rule(make_harness: Callable[..., Har
     assert "client 'engine-a'" in refusal.message
 
 
-def test_a_wake_that_does_not_fit_is_answered_once_another_session_frees_the_memory(h: Harness) -> None:
-    """ARENA_WAKE with a ``wait`` is deferred like a KV grow: one request, answered when
-    the trainer releases what it holds (no client polling), at the same offsets."""
+def _asleep_under_a_trainer(h: Harness) -> tuple[Session, Session]:
+    """The engine's 64 MiB arena asleep, then the trainer's arena taking the whole device:
+    a wake does not fit until the trainer lets go."""
     engine, trainer = h.connect("engine"), h.connect("trainer")
     h.create(engine, "weights", 512 * MiB)
     h.commit(engine, "weights", 64 * MiB)
     _asleep(h, engine, "weights")
     h.create(trainer, "train", CAPACITY)
     h.commit(trainer, "train", CAPACITY)
+    return engine, trainer
+
+
+def test_a_wake_that_does_not_fit_is_answered_once_another_session_frees_the_memory(h: Harness) -> None:
+    """ARENA_WAKE with a ``wait`` is deferred like a KV grow: one request, answered when
+    the trainer releases what it holds (no client polling), at the same offsets."""
+    engine, trainer = _asleep_under_a_trainer(h)
     outcome = h.state.handle(engine, p.WakeArena(name="weights", wait=30.0), 7)
     assert outcome.reply is None and h.state.take_completions() == []
     h.refused(engine, p.WakeArena(name="weights", wait=30.0), p.ErrorCode.ALREADY_EXISTS)  # one wake waits at a time
@@ -350,12 +367,7 @@ def test_a_wake_that_does_not_fit_is_answered_once_another_session_frees_the_mem
 
 
 def test_a_waiting_wake_is_refused_at_its_wait_naming_the_holders_and_answered_if_its_arena_goes(h: Harness) -> None:
-    engine, trainer = h.connect("engine"), h.connect("trainer")
-    h.create(engine, "weights", 512 * MiB)
-    h.commit(engine, "weights", 64 * MiB)
-    _asleep(h, engine, "weights")
-    h.create(trainer, "train", CAPACITY)
-    h.commit(trainer, "train", CAPACITY)
+    engine, trainer = _asleep_under_a_trainer(h)
     for bad in (-1.0, float("nan"), p.MAX_WAIT_S * 2):
         h.refused(engine, p.WakeArena(name="weights", wait=bad), p.ErrorCode.INVALID_ARGUMENT)
     assert h.state.handle(engine, p.WakeArena(name="weights", wait=2.0), 8).reply is None
@@ -411,15 +423,10 @@ def test_a_waiting_wake_asks_again_once_its_donors_answered_short(make_harness: 
     """A donor that keeps its rows live answers with nothing; the wake, still short, asks
     the pools that can give now (as a grow that waits for all its rows does) instead of
     waiting out its wait."""
-    from .test_kv_moves import give_back, shrink_notices, two_pools
+    from .test_kv_moves import give_back, shrink_notices
 
     h = make_harness()
-    sleeper = h.connect("sleeper")
-    h.create(sleeper, "weights", 512 * MiB)
-    h.commit(sleeper, "weights", 64 * MiB)
-    _asleep(h, sleeper, "weights")
-    a, b = two_pools(h)  # 128 MiB each, the device full
-    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    sleeper, a, b = _asleep_beside_two_pools(h)
     assert h.state.handle(sleeper, p.WakeArena(name="weights", wait=30.0), 5).reply is None
     assert [(sid, pool) for sid, pool, _ in shrink_notices(h)] == [(a.id, "kva")]
     h.ok(a, p.KvDemand(pool="kva", in_use=32768))
