@@ -1,7 +1,7 @@
 """A session's sockets to its daemon.
 
 ``SessionChannel``: both sockets of a session. The fd channel (AF_UNIX SEQPACKET) says
-HELLO, stays open for the session's life (the daemon sees EOF when this process dies),
+HELLO (gpumem.handshake), stays open for the session's life (the daemon sees EOF when this process dies),
 brings chunk descriptors (FD_BATCH) and notices, and tells us the daemon went away. The
 DEALER (gpumem.control.ControlChannel), bound to the session by the token HELLO
 returned as its routing id, carries every request. ``call`` returns the typed reply body and the descriptors that came with
@@ -31,8 +31,8 @@ from typing import Any
 from gpumem_shared import __version__, fdchannel
 from gpumem_shared import protocol as p
 from gpumem_shared.paths import Endpoints
-from gpumem.control import ControlChannel, permission_denied
-from gpumem.discovery import start_hint
+from gpumem import handshake
+from gpumem.control import ControlChannel
 from gpumem.errors import (
     BadMessage,
     DaemonStopped,
@@ -44,8 +44,6 @@ from gpumem.errors import (
     SessionClosed,
     SessionLost,
     ShuttingDown,
-    error_from_protocol,
-    error_from_reply,
 )
 
 # After the daemon went away, a resumable session tries to resume after these pauses,
@@ -69,12 +67,6 @@ _WATCH_RESUME_S = 2.0
 
 # close() waits this long at most for the daemon to drop the session (a hung daemon).
 _GOODBYE_S = 1.0
-
-# connect() on the fd channel fails at once (EAGAIN) while the daemon's listen backlog is
-# full: it is not accepting (stopped, busy, at its connection limit) or is flooded. Try
-# again after these pauses, doubling, until the timeout.
-_CONNECT_RETRY_FIRST = 0.005
-_CONNECT_RETRY_MOST = 0.2
 
 
 class _DaemonAway(Exception):
@@ -167,74 +159,14 @@ class SessionChannel:
     # ------------------------------------------------------------------ HELLO
 
     def _say_hello(self, message: p.Hello | p.Resume, timeout: float) -> p.HelloReply:
-        ep = self.endpoints
+        """HELLO or RESUME on a new fd channel (gpumem.handshake). Its socket is in
+        ``_sockets`` from its creation on, so a failure leaves it to their cleanup."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sockets.fd_sock = sock
-        deadline = time.monotonic() + timeout
-        sock.settimeout(timeout)
-        try:
-            self._connect(sock, deadline)
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonUnavailable(
-                f"no gpumemd serves device {ep.index}: nothing listens at {ep.fd_path}; {start_hint(str(ep.index))}"
-            ) from None
-        except PermissionError:
-            raise permission_denied(ep.fd_path) from None
+        deadline = handshake.connect(sock, self.endpoints, timeout, session_timeout=self.timeout)
         self._sockets.fd_ready = select.epoll(1, select.EPOLL_CLOEXEC)
         self._sockets.fd_ready.register(sock.fileno(), select.EPOLLIN)
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        try:
-            fdchannel.send(sock, p.encode_request(1, message))
-            # Nothing rides with HELLO since 1.3: an older daemon's lease table is received
-            # only to be closed (the version check below refuses that daemon).
-            payload, fds = fdchannel.recv(sock, max_fds=1)
-        except TimeoutError:
-            raise DaemonTimeout(
-                f"gpumemd for device {ep.index} accepted but did not answer HELLO within {timeout:g}s ({ep.fd_path})"
-            ) from None
-        except p.ProtocolError as exc:
-            raise BadMessage(exc.message) from None
-        except (ConnectionResetError, BrokenPipeError):
-            payload, fds = b"", []
-        try:
-            if not payload:  # a resume tries again: the daemon may be restarting once more
-                raise DaemonUnavailable(
-                    f"gpumemd for device {ep.index} closed the connection during {type(message).__name__.upper()} "
-                    f"(it stopped or restarted); check 'systemctl status gpumemd@{ep.index}'"
-                )
-            try:
-                reply = p.decode_reply(payload)
-                if not reply.ok:
-                    raise error_from_reply(reply)
-                p.check_hello_version(reply.version)
-                return p.decode_body(p.HelloReply, reply.body)
-            except p.ProtocolError as exc:
-                raise error_from_protocol(exc, f"gpumemd for device {ep.index}: HELLO reply refused") from None
-        finally:
-            fdchannel.close_all(fds)
-
-    def _connect(self, sock: socket.socket, deadline: float) -> None:
-        """connect(), tried again with backoff while the listen backlog is full."""
-        pause = _CONNECT_RETRY_FIRST
-        while True:
-            try:
-                sock.connect(str(self.endpoints.fd_path))
-                return
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DaemonTimeout(self._backlog_full_message()) from None
-                time.sleep(min(pause, left))
-                pause = min(2 * pause, _CONNECT_RETRY_MOST)
-
-    def _backlog_full_message(self) -> str:
-        ep = self.endpoints
-        return (
-            f"gpumemd for device {ep.index} took no new connection within {self.timeout:g}s: the listen backlog of "
-            f"{ep.fd_path} stayed full. The daemon is stopped or hung (check 'systemctl status gpumemd@{ep.index}'), "
-            "serves as many clients as its open-file limit allows (its log says; raise LimitNOFILE), or something "
-            "floods it with connections (its log names the pids)"
-        )
+        return handshake.hello(sock, self.endpoints, message, deadline, timeout)
 
     # ------------------------------------------------------------------ calls
 

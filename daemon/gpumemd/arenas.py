@@ -1,10 +1,9 @@
 """The arena book: arenas and their chunks, the accounting of every byte the daemon
-created, commit admission, and the plan of address windows.
+created, and commit admission.
 
-Windows: the daemon reserves its device's whole address slice once, at start, and plans
-every arena's window inside it; chunks are mapped there, and nothing is reserved per
-arena. Clients reserve the same slice, so a window means the same addresses in every
-process (gpumem_shared.address_plan).
+Windows: every arena's window is planned in the device's address slice, which the daemon
+reserves whole at start (window_plan.py); chunks are mapped there, and nothing is
+reserved per arena.
 
 Sharing: an arena's grants say who may attach it besides its owner. A grant admits by
 identity, the uid and gid the kernel reports for the session's fd channel
@@ -32,24 +31,20 @@ import msgspec
 
 from gpumem_shared import protocol as p
 from gpumem_shared.driver import Driver, DriverError
-from gpumem_shared.units import format_size
 
 from gpumemd import grants
 from gpumemd.checks import check_name, check_size
-from gpumemd.config import GiB, MiB, StateConfig
+from gpumemd.config import MiB, StateConfig
 from gpumemd.image import Image, Imager, Keep, Take, chunk_name
 from gpumemd.memory_caps import Caps
 from gpumemd.names import plain_name
 from gpumemd.records import PLACEHOLDER_SCRATCH, ArenaRecord, ChunkRecord, Notices, Outcome, SessionRecord, SleepRecord
 from gpumemd.tenants import Tenants
+from gpumemd.window_plan import WindowPlan
 
 log = logging.getLogger("gpumemd.arenas")
 
 MAX_PLACEHOLDER_SLOT = 256 * MiB
-
-
-class SliceUnavailable(Exception):
-    """The slice cannot be reserved at its planned address; the message is what an operator sees."""
 
 
 def plan_chunk_sizes(nbytes: int, bulk: int, granularity: int) -> list[int]:
@@ -98,35 +93,11 @@ class ArenaBook:
         # Memory came free since the dispatcher last looked (a chunk nobody holds any
         # more), or an ask for it was answered: whatever waits for memory may go ahead.
         self.freed = False
-        self._slice: tuple[int, int] | None = self._reserve_slice()
-
-    def _reserve_slice(self) -> tuple[int, int]:
-        base, size = self.config.va_base, self.config.va_limit - self.config.va_base
-        where = f"device {self.device.index}'s address slice [{base:#x}, {base + size:#x}) ({format_size(size)})"
-        try:
-            got = self.driver.reserve(size, base)
-        except DriverError as exc:
-            raise SliceUnavailable(
-                f"cannot reserve {where}: {exc} (address space only, no memory: a 'ulimit -v' below it refuses it)"
-            ) from None
-        if got != base:
-            self.driver.free_reservation(got, size)
-            raise SliceUnavailable(
-                f"cannot reserve {where} at its planned address: the driver placed it at {got:#x}, so something in "
-                "the gpumemd process holds part of that range already (a preloaded library, a sanitizer's shadow memory)"
-            )
-        log.debug("reserved %s", where)
-        return base, size
+        self.windows = WindowPlan(driver, config, device)
 
     def close(self) -> None:
         """Give the address slice back (at exit, once every arena is destroyed)."""
-        if self._slice is None:
-            return
-        try:
-            self.driver.free_reservation(*self._slice)
-        except DriverError as exc:  # a chunk whose unmap failed at destroy: exit frees it all anyway
-            log.warning("freeing the address slice at exit failed: %s", exc)
-        self._slice = None
+        self.windows.close()
 
     # ------------------------------------------------------------------ lookups
 
@@ -190,9 +161,9 @@ class ArenaBook:
                 owner=existing.owner_name,
                 owner_pid=existing.owner_pid,
             )
-        plan = self.config.va_limit - self.config.va_base
-        self.tenants.check_arena(s, self.by_name.values(), reserve_bytes + PLACEHOLDER_SCRATCH, self.device.granularity, plan)
-        address = self._plan_window(reserve_bytes + PLACEHOLDER_SCRATCH)
+        window = reserve_bytes + PLACEHOLDER_SCRATCH
+        self.tenants.check_arena(s, self.by_name.values(), window, self.device.granularity, self.windows.size)
+        address = self.windows.place(window, ((a.address, a.window) for a in self.by_name.values()))
         arena = ArenaRecord(
             name=name, owner_id=s.id, owner_name=s.name, owner_pid=s.own_pid, address=address, reserved=reserve_bytes, kv=kv
         )
@@ -578,23 +549,3 @@ class ArenaBook:
             if fd >= 0:
                 os.close(fd)
         return False
-
-    # ------------------------------------------------------------------ windows
-
-    def _plan_window(self, size: int) -> int:
-        """First fit between the live windows, inside the slice reserved at start (no
-        driver call: the slice is reserved whole in this process and in every client)."""
-        align = max(self.device.granularity, GiB)
-        taken = sorted((a.address, a.address + a.window) for a in self.by_name.values())
-        hint = self.config.va_base
-        for start, end in taken:
-            if (hint + size + align - 1) // align * align + align <= start:  # a guard step before it too
-                break
-            hint = max(hint, (end + align - 1) // align * align + align)  # one guard step between windows
-        if hint + size > self.config.va_limit:
-            raise p.ProtocolError(
-                p.ErrorCode.OUT_OF_MEMORY,
-                f"no free virtual window of {size} bytes left in the daemon's plan range; release arenas first",
-                requested=size,
-            )
-        return hint

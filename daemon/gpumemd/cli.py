@@ -397,7 +397,7 @@ def command(
     if not 0 <= device < VA_PLAN_SLICES:
         raise ConfigError(f"--device {device}: gpumemd serves devices 0-{VA_PLAN_SLICES - 1} (each plans arenas in its own address slice)")
     starting = _DriverStart(_driver(backend, device, host_capacity))
-    from gpumemd.arenas import SliceUnavailable
+    from gpumemd.window_plan import SliceUnavailable
     from gpumemd.memory_caps import PolicyError, read_policy
     from gpumemd.durable import Durable
     from gpumemd.outbox import Outbox

@@ -97,15 +97,8 @@ class WriterFence:
         """NOT_FENCED while a writer of the group's memory may still write it: its last
         holder, a live session that maps it, a sharer that ended, a process that maps it
         with no session (host backend); the error names it and says what to check."""
-        why = self.not_fenced(group.previous_pid, group.previous_since, group.previous_ended)
-        if why:
-            raise p.ProtocolError(
-                p.ErrorCode.NOT_FENCED,
-                f"retain group '{group.name}' is not adoptable yet: its last holder, client '{group.previous}', may still "
-                f"write its memory ({why}); try again",
-                group=group.name,
-                pid=group.previous_pid,
-            )
+        holder = f"its last holder, client '{group.previous}', may still write its memory"
+        self._refuse_unfenced(group, holder, group.previous_pid, group.previous_since, group.previous_ended)
         live = self.mappers(group, adopter)
         if live:
             named = ", ".join(f"client '{m.name}' ({m.pids}, session {m.id}, uid {m.uid})" for m in live)
@@ -119,15 +112,7 @@ class WriterFence:
                 sharers=len(live),
             )
         for label, pid, since, ended in group.writers:
-            why = self.not_fenced(pid, since, ended)
-            if why:
-                raise p.ProtocolError(
-                    p.ErrorCode.NOT_FENCED,
-                    f"retain group '{group.name}' is not adoptable yet: {label}, which mapped its memory, ended but may "
-                    f"still write it ({why}); try again",
-                    group=group.name,
-                    pid=pid,
-                )
+            self._refuse_unfenced(group, f"{label}, which mapped its memory, ended but may still write it", pid, since, ended)
         lingering = self._still_mapped(group)
         if lingering:
             raise p.ProtocolError(
@@ -137,6 +122,17 @@ class WriterFence:
                 "must exit first",
                 group=group.name,
                 pid=lingering[0],
+            )
+
+    def _refuse_unfenced(self, group: GroupRecord, writer: str, pid: int, since: float, ended: float) -> None:
+        """NOT_FENCED, saying ``writer`` and why, while that writer whose session ended may still write."""
+        why = self.not_fenced(pid, since, ended)
+        if why:
+            raise p.ProtocolError(
+                p.ErrorCode.NOT_FENCED,
+                f"retain group '{group.name}' is not adoptable yet: {writer} ({why}); try again",
+                group=group.name,
+                pid=pid,
             )
 
     def wrote(self, group: GroupRecord, s: SessionRecord, now: float) -> None:

@@ -7,18 +7,19 @@ The driver is the only I/O, behind ``gpumem_shared.driver.Driver``, so tests dri
 class with the host backend and no zmq at all.
 
 The books, each in its own module, bottom up: arenas.py (arenas, chunks, accounting,
-admission, window plan), graph_pools.py (the registry and the pools' lease segments),
-kv_pools.py (KV pools, their grows and commit rounds), sleepers.py (arenas asleep),
-retained.py (retain groups and adoption), sessions.py (HELLO, RESUME and the restart's
-grace period); status.py assembles the STATUS reply from them. Each request type maps to
-one handler in an explicit table. A book never imports one above it; what one event
-means for several books (a session ending, an arena released or destroyed, a decommit
-under a graph pool) is decided here, and the session desk's verdicts (a session to
-close) are carried out here. An arena's life is decided in one place (``_reap``: it lives
-while attached, or while an orphaned retain group keeps it), and the answers that wait (a
-round, a grow, a wake, an adoption) are looked at in one (``_follow_up``): the arena book
-raises ``freed`` where memory comes free and the dispatcher reads it once per request,
-session end and tick, instead of each place that frees memory calling the others' follow-ups.
+admission; the window plan in window_plan.py), graph_pools.py (the registry and the
+pools' lease segments), kv_pools.py (KV pools, their grows and commit rounds),
+sleepers.py (arenas asleep), retained.py (retain groups and adoption), sessions.py
+(HELLO, RESUME and the restart's grace period); status.py assembles the STATUS reply
+from them. Each request type maps to one handler in an explicit table. A book never
+imports one above it; what one event means for several books (a session ending, an arena
+released or destroyed, a decommit under a graph pool) is decided here, and the session
+desk's verdicts (a session to close) are carried out here. An arena's life is decided in
+one place (``_reap``: it lives while attached, or while an orphaned retain group keeps
+it), and the answers that wait (a round, a grow, a wake, an adoption) are looked at in
+one (``_follow_up``): the arena book raises ``freed`` where memory comes free and the
+dispatcher reads it once per request, session end and tick, instead of each place that
+frees memory calling the others' follow-ups.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from gpumemd.records import ArenaRecord, SessionRecord
 
 def plan_cost(window: int, granularity: int) -> int:
     """What an arena's window takes of the address plan: the window rounded up to the
-    plan's alignment, and the guard step after it (arenas._plan_window)."""
+    plan's alignment, and the guard step after it (WindowPlan.place)."""
     align = max(granularity, GiB)
     return -(-window // align) * align + align
 

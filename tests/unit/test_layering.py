@@ -17,7 +17,7 @@ PACKAGES = {"gpumemd": ROOT / "daemon" / "gpumemd", "gpumem": ROOT / "client" / 
 
 # Bottom up: a module may import only modules before it in this list.
 DAEMON_LAYERS = [
-    "config", "notify", "runtime", "fencing", "logs", "startup", "tally", "records", "image", "admission", "control_door", "control_channel", "checks", "names", "memory_caps", "tenants", "grants", "kv_math", "kv_moves", "arenas", "lease_order_lanes", "graph_pools", "kv_rounds", "kv_pools", "sleepers", "retain_fence", "retained", "sessions", "status", "state", "durable", "outbox", "metrics", "exporter", "server",
+    "config", "notify", "runtime", "fencing", "logs", "startup", "tally", "records", "image", "admission", "control_door", "control_channel", "checks", "names", "memory_caps", "tenants", "grants", "kv_math", "kv_moves", "window_plan", "arenas", "lease_order_lanes", "graph_pools", "kv_rounds", "kv_pools", "sleepers", "retain_fence", "retained", "sessions", "status", "state", "durable", "outbox", "metrics", "exporter", "server",
     "cli", "__main__",
 ]
 
@@ -79,7 +79,7 @@ def test_no_daemon_book_imports_one_above_it() -> None:
 # time only modules before it. ``session`` is the facade: everything below it holds the
 # session's core (gpumem.core), and names Session only under ``if TYPE_CHECKING:``.
 CLIENT_LAYERS = [
-    "errors", "views", "discovery", "control", "channel", "allocator", "torch_support", "capture_routing", "elastic",
+    "errors", "views", "discovery", "control", "handshake", "channel", "allocator", "torch_support", "capture_routing", "elastic",
     "address_slices", "graph_pools", "handoffs", "leases", "core", "window", "arena", "borrow", "kv_pool", "paged_kv", "sleep", "prefix_directory", "retain", "standby",
     "session",
     "leased_graph", "engine", "port", "integrations", "ctl", "__init__",

@@ -32,6 +32,16 @@ def policy(tmp_path: Path, text: str, name: str = "tenants.toml") -> str:
     return str(path)
 
 
+def sha(token: str) -> str:
+    """A tenant token's digest, as a policy's token rule and a DRA claim name it."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_rules(*rules: tuple[str, str, str]) -> str:
+    """A policy's ``[[tenant]]`` rules, one for each (token, name, max) given."""
+    return "".join(f'[[tenant]]\ntoken_sha256 = "{sha(token)}"\nname = "{name}"\nmax = "{cap}"\n' for token, name, cap in rules)
+
+
 def capped(make_harness: Callable[..., Harness], tmp_path: Path, text: str) -> Harness:
     return make_harness(tenant_policy=policy(tmp_path, text))
 
@@ -141,7 +151,7 @@ def test_a_default_of_nothing_leaves_memory_to_claims_alone(make_harness: Callab
     claims = tmp_path / "claims"
     (claims / "claim-a").mkdir(parents=True)
     token = "f" * 64
-    (claims / "claim-a" / "tenant.json").write_text(json.dumps({"token_sha256": hashlib.sha256(token.encode()).hexdigest(), "bytes": 32 * MiB}))
+    (claims / "claim-a" / "tenant.json").write_text(json.dumps({"token_sha256": sha(token), "bytes": 32 * MiB}))
     h = make_harness(tenant_policy=policy(tmp_path, "[default]\nmax = 0\n"), tenant_claims=str(claims))
     pod, stray = h.connect("pod", uid=A, tenant_token=token), h.connect("stray", uid=A)
     h.create(pod, "x", 64 * MiB)

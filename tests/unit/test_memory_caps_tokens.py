@@ -5,7 +5,6 @@ no refusal, status, metric or log line carries the token or its digest."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -21,27 +20,19 @@ from gpumemd.metrics import Metrics
 
 from .harness import Harness, MiB
 from .store_kit import restarted
-from .test_memory_caps import policy, refusal
+from .test_memory_caps import capped, policy, refusal, sha, token_rules
 from .test_metrics import fresh, labelled, number
 
 UID = 1000  # every engine pod runs as this uid
 ALPHA, BETA, GAMMA = "alpha-4f1b0c9e2d7a8b63f5e1d0c2", "beta-9a8b7c6d5e4f3a2b1c0d9e8f", "gamma-0d1c2b3a4f5e6d7c8b9a"
 
 
-def sha(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-POLICY = (
-    f'[[tenant]]\ntoken_sha256 = "{sha(ALPHA)}"\nname = "team-a"\nmax = "64MiB"\n'
-    f'[[tenant]]\ntoken_sha256 = "{sha(BETA)}"\nname = "team-b"\nmax = "32MiB"\n'
-    f'[[tenant]]\nuid = {UID}\nmax = "16MiB"\n'
-)
+POLICY = token_rules((ALPHA, "team-a", "64MiB"), (BETA, "team-b", "32MiB")) + f'[[tenant]]\nuid = {UID}\nmax = "16MiB"\n'
 
 
 @pytest.fixture
 def h(make_harness: Callable[..., Harness], tmp_path: Path) -> Harness:
-    return make_harness(tenant_policy=policy(tmp_path, POLICY))
+    return capped(make_harness, tmp_path, POLICY)
 
 
 def leaks(text: str) -> list[str]:

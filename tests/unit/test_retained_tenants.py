@@ -4,7 +4,6 @@ the adopter's account from then on, and is refused where it would pass the adopt
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,22 +13,14 @@ from gpumem_shared import protocol as p
 from gpumemd.records import SessionRecord as Session
 
 from .harness import Harness, MiB
-from .test_memory_caps import policy
+from .test_memory_caps import policy, token_rules
 from .test_retained import GRACE, Fence, adopt, die, group, retain, retained
 from .test_sleepers import _asleep, _buffer
 
 TEAM_1, TEAM_2, TEAM_3 = "team-1-4f1b0c9e2d7a8b63f5e1d0c2", "team-2-9a8b7c6d5e4f3a2b1c0d9e8f", "team-3-0d1c2b3a4f5e6d7c8b9a"
 
 
-def sha(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-POLICY = (
-    f'[[tenant]]\ntoken_sha256 = "{sha(TEAM_1)}"\nname = "team-1"\nmax = "64MiB"\n'
-    f'[[tenant]]\ntoken_sha256 = "{sha(TEAM_2)}"\nname = "team-2"\nmax = "16MiB"\n'
-    f'[[tenant]]\ntoken_sha256 = "{sha(TEAM_3)}"\nname = "team-3"\nmax = "64MiB"\n'
-)
+POLICY = token_rules((TEAM_1, "team-1", "64MiB"), (TEAM_2, "team-2", "16MiB"), (TEAM_3, "team-3", "64MiB"))
 
 
 @pytest.fixture

@@ -13,15 +13,13 @@ from collections.abc import Callable
 import pytest
 
 from gpumem_shared import protocol as p
-from gpumem_shared.driver.host import HostDriver
 from gpumemd.config import TenantLimits
-from gpumemd.durable import Durable
 from gpumemd.metrics import Metrics
+from gpumemd.records import SessionRecord as Session
 from gpumemd.sleepers import host_buffer_name
-from gpumemd.state import DaemonState
 
-from .harness import CAPACITY, Clock, Harness, MiB
-from .store_kit import FakeStore
+from .harness import CAPACITY, Harness, MiB
+from .store_kit import stored
 from .test_metrics import number
 
 
@@ -177,25 +175,18 @@ def test_a_sleeper_that_dies_leaves_nothing_behind(h: Harness) -> None:
 
 def test_a_restart_keeps_the_sleeper_and_its_buffer(make_harness: Callable[..., Harness]) -> None:
     h = make_harness()
-    store = FakeStore()
-    first = Durable(store)  # type: ignore[arg-type]
-    first.start(h.state, {})
-    engine = h.connect("engine")
-    h.create(engine, "weights", 512 * MiB)
-    h.commit(engine, "weights", 8 * MiB)
-    buffer_id, fd = _buffer(h, engine, "weights", 8 * MiB)
-    with mmap.mmap(fd, 8 * MiB) as m:
-        m[:5] = b"hello"
-    _asleep(h, engine, "weights", kept=8 * MiB)
-    first.persist(h.state)
-    assert host_buffer_name(buffer_id) in store.held
-    h.state.arenas.close()
+    with stored(h) as daemon:
+        engine = h.connect("engine")
+        h.create(engine, "weights", 512 * MiB)
+        h.commit(engine, "weights", 8 * MiB)
+        buffer_id, fd = _buffer(h, engine, "weights", 8 * MiB)
+        with mmap.mmap(fd, 8 * MiB) as m:
+            m[:5] = b"hello"
+        _asleep(h, engine, "weights", kept=8 * MiB)
+        passed = daemon.stop()
+        assert host_buffer_name(buffer_id) in daemon.store.held
 
-    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
-    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
-    second = Durable(store)  # type: ignore[arg-type]
-    second.start(again.state, store.passed())
-    try:
+        again = daemon.restart(passed)
         assert again.state.restore_problems == []
         (sleeper,) = again.state.status().sleepers
         assert (sleeper.asleep, sleeper.committed_bytes, sleeper.kept_bytes, sleeper.host_bytes) == (True, 8 * MiB, 8 * MiB, 8 * MiB)
@@ -204,45 +195,27 @@ def test_a_restart_keeps_the_sleeper_and_its_buffer(make_harness: Callable[..., 
         session = again.state.sessions[engine.id]
         session.waiting = False  # as its RESUME does
         assert again.ok(session, p.WakeArena(name="weights")).reply.arena.committed == 8 * MiB
-    finally:
-        again.state.drop_all()
-        first.close()
-        second.close()
-        store.drop()
 
 
 def test_a_stored_buffer_that_is_not_the_one_stored_is_not_adopted(make_harness: Callable[..., Harness]) -> None:
     h = make_harness()
-    store = FakeStore()
-    first = Durable(store)  # type: ignore[arg-type]
-    first.start(h.state, {})
-    engine = h.connect("engine")
-    h.create(engine, "weights", 512 * MiB)
-    buffer_id, _ = _buffer(h, engine, "weights", 8 * MiB)
-    first.persist(h.state)
-    h.state.arenas.close()
-    passed = store.passed()
-    name = host_buffer_name(buffer_id)
-    os.close(passed[name][0])
-    impostor = os.memfd_create("impostor")
-    os.ftruncate(impostor, 2 * MiB)
-    passed[name] = [impostor]
-    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
-    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
-    second = Durable(store)  # type: ignore[arg-type]
-    second.start(again.state, passed)
-    try:
+    with stored(h) as daemon:
+        engine = h.connect("engine")
+        h.create(engine, "weights", 512 * MiB)
+        buffer_id, _ = _buffer(h, engine, "weights", 8 * MiB)
+        passed = daemon.stop()
+        name = host_buffer_name(buffer_id)
+        os.close(passed[name][0])
+        impostor = os.memfd_create("impostor")
+        os.ftruncate(impostor, 2 * MiB)
+        passed[name] = [impostor]
+        again = daemon.restart(passed)
         assert "weights" not in again.state.sleepers.buffers
         problems = again.state.restore_problems
         assert any(f"named {name!r} that are not the one" in x for x in problems) and any("missing from the fd store" in x for x in problems)
         with pytest.raises(OSError) as closed:
             os.fstat(impostor)  # not adopted: closed
         assert closed.value.errno == errno.EBADF
-    finally:
-        again.state.drop_all()
-        first.close()
-        second.close()
-        store.drop()
 
 
 def test_a_wake_that_does_not_fit_asks_kv_pools_above_their_share_to_give_back(h: Harness) -> None:
@@ -310,32 +283,33 @@ def test_a_kv_pool_asleep_stays_asleep_across_a_restart_and_wakes_by_its_grow(ma
     from .test_kv_moves import two_pools
 
     h = make_harness()
-    store = FakeStore()
-    first = Durable(store)  # type: ignore[arg-type]
-    first.start(h.state, {})
-    _, b = two_pools(h)
-    reply = h.ok(b, p.KvShrink(pool="kvb", tokens=0, sleep=True)).reply
-    assert isinstance(reply, p.KvCommitReply)
-    h.unmapped(b, "kvb", [c.id for c in reply.retired])
-    first.persist(h.state)
-    h.state.arenas.close()
+    with stored(h) as daemon:
+        _, b = two_pools(h)
+        reply = h.ok(b, p.KvShrink(pool="kvb", tokens=0, sleep=True)).reply
+        assert isinstance(reply, p.KvCommitReply)
+        h.unmapped(b, "kvb", [c.id for c in reply.retired])
 
-    clock, wall = Clock(h.clock.now), Clock(h.wall_clock.now)
-    again = Harness(DaemonState(HostDriver(index=0, capacity=CAPACITY), h.config, clock, wall), clock, wall)
-    second = Durable(store)  # type: ignore[arg-type]
-    second.start(again.state, store.passed())
-    try:
+        again = daemon.restart(daemon.stop())
         assert [(x.arena, x.asleep, x.committed_bytes) for x in again.state.status().sleepers] == [("kvb", True, 128 * MiB)]
         session = again.state.sessions[b.id]
         session.waiting = False  # as its RESUME does
         grown = again.ok(session, p.KvGrow(pool="kvb", tokens=32768)).reply
         assert isinstance(grown, p.KvCommitReply) and grown.pool.tokens == 32768
         assert again.state.status().sleepers == [] and again.state.sleepers.asleep == {}
-    finally:
-        again.state.drop_all()
-        first.close()
-        second.close()
-        store.drop()
+
+
+def _asleep_beside_two_pools(h: Harness) -> tuple[Session, Session, Session]:
+    """The sleeper's 64 MiB arena asleep, then engine-a's and engine-b's KV pools filling
+    the device (128 MiB each), engine-a's idle: a wake must ask a pool to give back."""
+    from .test_kv_moves import two_pools
+
+    sleeper = h.connect("sleeper")
+    h.create(sleeper, "weights", 512 * MiB)
+    h.commit(sleeper, "weights", 64 * MiB)
+    _asleep(h, sleeper, "weights")
+    a, b = two_pools(h)
+    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    return sleeper, a, b
 
 
 def test_a_wake_chooses_donors_by_the_grows_rule(make_harness: Callable[..., Harness]) -> None:
@@ -343,16 +317,11 @@ def test_a_wake_chooses_donors_by_the_grows_rule(make_harness: Callable[..., Har
     give back rows its engine never mapped), nor one that just kept its asked rows live
     (asking again is futile and costs its engine a step), as a grow asks neither. Before,
     a wake had its own copy of the rule, and asked both."""
-    from .test_kv_moves import grow_waits, shrink_notices, two_pools
+    from .test_kv_moves import grow_waits, shrink_notices
     from .test_kv_rounds import done
 
     h = make_harness()
-    sleeper = h.connect("sleeper")
-    h.create(sleeper, "weights", 512 * MiB)
-    h.commit(sleeper, "weights", 64 * MiB)
-    _asleep(h, sleeper, "weights")
-    a, b = two_pools(h)  # 128 MiB each, the device full
-    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    sleeper, a, b = _asleep_beside_two_pools(h)
     grow_waits(h, b, "kvb", 49152, 7)  # b's grow waits for a
     assert [sid for sid, _, _ in shrink_notices(h)] == [a.id]
     h.refused(sleeper, p.WakeArena(name="weights"), p.ErrorCode.OUT_OF_MEMORY)
@@ -368,15 +337,22 @@ def test_a_wake_chooses_donors_by_the_grows_rule(make_harness: Callable[..., Har
     assert "client 'engine-a'" in refusal.message
 
 
-def test_a_wake_that_does_not_fit_is_answered_once_another_session_frees_the_memory(h: Harness) -> None:
-    """ARENA_WAKE with a ``wait`` is deferred like a KV grow: one request, answered when
-    the trainer releases what it holds (no client polling), at the same offsets."""
+def _asleep_under_a_trainer(h: Harness) -> tuple[Session, Session]:
+    """The engine's 64 MiB arena asleep, then the trainer's arena taking the whole device:
+    a wake does not fit until the trainer lets go."""
     engine, trainer = h.connect("engine"), h.connect("trainer")
     h.create(engine, "weights", 512 * MiB)
     h.commit(engine, "weights", 64 * MiB)
     _asleep(h, engine, "weights")
     h.create(trainer, "train", CAPACITY)
     h.commit(trainer, "train", CAPACITY)
+    return engine, trainer
+
+
+def test_a_wake_that_does_not_fit_is_answered_once_another_session_frees_the_memory(h: Harness) -> None:
+    """ARENA_WAKE with a ``wait`` is deferred like a KV grow: one request, answered when
+    the trainer releases what it holds (no client polling), at the same offsets."""
+    engine, trainer = _asleep_under_a_trainer(h)
     outcome = h.state.handle(engine, p.WakeArena(name="weights", wait=30.0), 7)
     assert outcome.reply is None and h.state.take_completions() == []
     h.refused(engine, p.WakeArena(name="weights", wait=30.0), p.ErrorCode.ALREADY_EXISTS)  # one wake waits at a time
@@ -391,12 +367,7 @@ def test_a_wake_that_does_not_fit_is_answered_once_another_session_frees_the_mem
 
 
 def test_a_waiting_wake_is_refused_at_its_wait_naming_the_holders_and_answered_if_its_arena_goes(h: Harness) -> None:
-    engine, trainer = h.connect("engine"), h.connect("trainer")
-    h.create(engine, "weights", 512 * MiB)
-    h.commit(engine, "weights", 64 * MiB)
-    _asleep(h, engine, "weights")
-    h.create(trainer, "train", CAPACITY)
-    h.commit(trainer, "train", CAPACITY)
+    engine, trainer = _asleep_under_a_trainer(h)
     for bad in (-1.0, float("nan"), p.MAX_WAIT_S * 2):
         h.refused(engine, p.WakeArena(name="weights", wait=bad), p.ErrorCode.INVALID_ARGUMENT)
     assert h.state.handle(engine, p.WakeArena(name="weights", wait=2.0), 8).reply is None
@@ -452,15 +423,10 @@ def test_a_waiting_wake_asks_again_once_its_donors_answered_short(make_harness: 
     """A donor that keeps its rows live answers with nothing; the wake, still short, asks
     the pools that can give now (as a grow that waits for all its rows does) instead of
     waiting out its wait."""
-    from .test_kv_moves import give_back, shrink_notices, two_pools
+    from .test_kv_moves import give_back, shrink_notices
 
     h = make_harness()
-    sleeper = h.connect("sleeper")
-    h.create(sleeper, "weights", 512 * MiB)
-    h.commit(sleeper, "weights", 64 * MiB)
-    _asleep(h, sleeper, "weights")
-    a, b = two_pools(h)  # 128 MiB each, the device full
-    h.ok(a, p.KvDemand(pool="kva", in_use=0))
+    sleeper, a, b = _asleep_beside_two_pools(h)
     assert h.state.handle(sleeper, p.WakeArena(name="weights", wait=30.0), 5).reply is None
     assert [(sid, pool) for sid, pool, _ in shrink_notices(h)] == [(a.id, "kva")]
     h.ok(a, p.KvDemand(pool="kva", in_use=32768))

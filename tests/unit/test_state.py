@@ -166,7 +166,7 @@ def test_the_daemon_reserves_its_slice_once_and_gives_it_back_at_exit(h: Harness
 
 
 def test_a_slice_taken_at_start_is_refused_in_one_line(make_harness: Callable[..., Harness]) -> None:
-    from gpumemd.arenas import SliceUnavailable
+    from gpumemd.window_plan import SliceUnavailable
     from gpumemd.state import DaemonState
 
     config = StateConfig(index=0, va_base=StateConfig.va_base, va_limit=StateConfig.va_base + 64 * GiB)
