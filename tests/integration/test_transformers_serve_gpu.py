@@ -59,6 +59,17 @@ def _until_serving(proc: subprocess.Popen[str], timeout: float = 240.0) -> None:
     raise AssertionError(f"the server did not serve within {timeout}s (exit {proc.poll()}):\n{''.join(seen)[-6000:]}")
 
 
+def _stop(proc: subprocess.Popen[str]) -> str:
+    """Stop a server (SIGTERM: uvicorn shuts down; kill after 30 s) and return what it printed."""
+    proc.terminate()
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out or ""
+
+
 def _complete(port: int, prompt: str, tokens: int) -> dict[str, Any]:
     body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
@@ -89,6 +100,7 @@ def test_two_transformers_servers_share_one_gpu_on_gpumemd(daemon_factory, runti
     servers = {arch: subprocess.Popen([*SERVE, "--gpumem-name", f"serve-{arch}", "--gpumem-expect", "2", str(tmp_path / arch),
                                        "--continuous-batching", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(ports[arch]), *CB],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for arch in ARCHS}
+    error: BaseException | None = None
     try:
         for proc in servers.values():
             _until_serving(proc)
@@ -96,15 +108,11 @@ def test_two_transformers_servers_share_one_gpu_on_gpumemd(daemon_factory, runti
         with concurrent.futures.ThreadPoolExecutor(len(ARCHS)) as pool:
             replies = dict(zip(ARCHS, pool.map(lambda a: _complete(ports[a], PROMPT, TOKENS), ARCHS)))
         books = status(runtime_dir)
+    except Exception as e:  # the servers' own words go with it, once they stopped
+        error = e
     finally:
-        for proc in servers.values():
-            proc.terminate()
-        for proc in servers.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        logs = {arch: _stop(proc) for arch, proc in servers.items()}
+    assert error is None, f"{error!r}\n" + "\n".join(f"--- serve-{a}:\n{log[-5000:]}" for a, log in logs.items()) + daemon.log()[-3000:]
     for arch in ARCHS:
         choice, usage = replies[arch]["choices"][0], replies[arch]["usage"]
         # The text skips special tokens (<unk> 0, <eos> 1); every other token i reads "t<i>".
