@@ -62,7 +62,7 @@ HELPERS = {
 
 KEYS = ["bench", "backend", "device", "figures", "targets", "ok"]
 # Keys a bench may put beside "bench" to say what its line is about (the engine it ran: --engine).
-LABELS = {"burst": "engine", "engine": "engine"}
+LABELS = {"burst": "engine", "engine": "engine", "failover": "engine"}
 
 
 def test_the_smoke_test_knows_every_file_in_bench() -> None:
