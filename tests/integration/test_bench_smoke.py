@@ -56,13 +56,14 @@ HELPERS = {
     "burst_engines.py": "burst.py's engine processes",
     "failover_engines.py": "failover.py's engine processes",
     "nanovllm_kit.py": "the nano-vllm model, engines and margins of the CUDA benchmarks",
-    "transformers_kit.py": "transformers' random-weight models and engines of engine.py --engine transformers and its GPU tests",
+    "sleep_engines.py": "sleep.py's engine side: the captured graph and each engine's sleep and wake",
+    "transformers_kit.py": "transformers' random-weight models and engines of the CUDA benchmarks' --engine transformers and its GPU tests",
     "futex_floor.c": "lease.py's C futex floor, compiled by it",
 }
 
 KEYS = ["bench", "backend", "device", "figures", "targets", "ok"]
 # Keys a bench may put beside "bench" to say what its line is about (the engine it ran: --engine).
-LABELS = {"burst": "engine", "engine": "engine", "failover": "engine"}
+LABELS = {"burst": "engine", "engine": "engine", "failover": "engine", "sleep": "engine"}
 
 
 def test_the_smoke_test_knows_every_file_in_bench() -> None:
