@@ -112,6 +112,16 @@ def test_the_benchmark_runs_on_the_host_and_ends_with_its_json_line(name: str) -
         assert line["figures"], shown
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", ["burst", "failover", "sleep"])
+def test_a_benchmark_of_an_engine_takes_transformers_and_on_the_host_says_no_engine_ran(name: str) -> None:
+    """``--engine transformers`` is the CUDA run's; on the host the stand-ins (or the
+    arenas alone) run as with the default, and the line's engine says that none did."""
+    out, line, shown = run_bench(name, "host", [*BENCHES[name], "--engine", "transformers"], 120)
+    assert out.returncode == 0 and "error" not in line, shown
+    assert line["engine"].startswith("none (host"), shown
+
+
 # The benchmarks whose default sizes come from the card (bench/_common.py's fit), at those
 # defaults with one repeat: on an 80 GB H100 kv_round and restart ran out of memory at the
 # 100 GiB that an H200 holds.
