@@ -70,7 +70,10 @@ DEFAULT_DROP = {"cuda": "100GiB", "host": "2GiB"}
 PIECE = 64 * MiB  # the random block's size
 STAMP = MiB  # every MiB of the contents starts with its offset
 STAGE = GiB  # the staging buffers' size, a multiple of PIECE
-ENGINE_HOST = 32 * GiB  # the daemon's sleep host limit at least (CUDA): an engine's weights, graph pool and batch tensors kept
+# The daemon's sleep host limit at least, on CUDA: an engine keeps its weights, graph pool and
+# batch tensors in host memory while it sleeps, and one uid gets half the limit (the
+# daemon's own default is half the machine's memory, 64 GiB on the GPU machine).
+ENGINE_HOST = 64 * GiB
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
