@@ -37,10 +37,15 @@ answers with nothing, and the grow gets what is free then, not at ``--move-timeo
 
 Engines: ``--backend host`` runs stand-ins (bench/burst_engines.py: nano-vllm's scheduler
 and block manager in miniature over real host memory, a token rule that reads every KV
-slot back, compute as sleeps); ``--backend cuda`` runs nano-vllm (bench/nanovllm_kit.py's
-random-weight Qwen3, built in a temp dir, greedy; 1,100-token prompts and 120 new tokens,
-180 for the long ones: none starts a block during decode, so the static configuration
-queues rather than hitting the fork's preemption assert). On CUDA a burst is at most 64
+slot back, compute as sleeps; whatever ``--engine`` says: the line's engine says so);
+``--backend cuda`` runs the engine ``--engine`` names (burst_engines.ENGINES): nano-vllm
+(bench/nanovllm_kit.py's random-weight Qwen3, built in a temp dir, greedy) or
+transformers' continuous batching (bench/transformers_kit.py's random-weight Qwen3 in
+float32, greedy, its manager on its own thread; static and alone with ``num_blocks``,
+round and elastic on a layout of ``burst_engines.Tf.CEILING`` rows). 1,100-token prompts
+and 120 new tokens, 180 for the long ones: none starts a block during decode, so the
+static configuration queues rather than hitting the fork's preemption assert (256-token
+blocks in both engines). On CUDA a burst is at most 64
 requests (the kit's max_num_seqs): when the round's blocks are more than such bursts
 press on, the round runs again under the capacity that makes them (said in the output).
 The capacity must first hold both engines' model arenas: weights and the warm-up's and
@@ -52,12 +57,13 @@ used, so without it the bursting engine grows into that instead of the neighbour
 blocks (on the H200 both engines grew 216 -> 384 blocks and no block moved).
 
     python bench/burst.py --backend host
-    python bench/burst.py --backend cuda --capacity 24GiB
+    python bench/burst.py --backend cuda --capacity 24GiB [--engine transformers]
 
-Last line: {"bench": "burst", ...}; ok when elastic p99 <= 0.25x static, p50 and p99
+Last line: {"bench": "burst", "engine": ..., ...}; ok when elastic p99 <= 0.25x static, p50 and p99
 <= 1.3x alone, no preemption in elastic, its decode >= 0.98x static, the grows within
 50 ms (free) and 200 ms (given back) at p99, and the tokens identical up to near-ties
-(``nanovllm_kit.TIE_GAP``; on the host exactly identical).
+(``nanovllm_kit.TIE_GAP``; on the host and for transformers, which gives no logit gaps,
+exactly identical).
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as c
+import burst_engines
 import nanovllm_kit as kit
 
 BENCH = "burst"
@@ -128,13 +135,13 @@ def run_config(config: str, args: Any, work: Path, plan: dict[str, Any], cleanup
     for i, name in enumerate(names):
         blocks = 2 * plan.get("blocks", 0) if config == "alone" else plan.get("blocks", 0)
         spec = {
-            "name": f"engine-{name}", "backend": args.backend, "config": config, "blocks": blocks, "min_blocks": args.min_blocks,
+            "name": f"engine-{name}", "backend": args.backend, "engine": args.engine, "config": config, "blocks": blocks, "min_blocks": args.min_blocks,
             "watermark": args.watermark, "step": args.step, "runtime_dir": str(daemon.runtime_dir) if daemon else "",
             "model": str(plan.get("model", "")), "port": 29700 + 20 * CONFIGS.index(config) + 2 * attempt + i,
             **{key: str(folder / f"{name}.{key}") for key in ("ready", "go", "schedule", "out")},
         }
         (folder / f"{name}.spec").write_text(json.dumps(spec))
-        engines[name] = c.Child(f"engine {name} ({config})", [__file__, "--engine", str(folder / f"{name}.spec")], folder / f"{name}.log")
+        engines[name] = c.Child(f"engine {name} ({config})", [__file__, "--serve", str(folder / f"{name}.spec")], folder / f"{name}.log")
     served = False
     ballast: Ballast | None = None
     moves: list[str] = []
@@ -343,22 +350,13 @@ def grow_latency(args: Any, cleanup: contextlib.ExitStack) -> dict[str, list[flo
     return times
 
 
-def _build_model(backend: str, work: Path) -> Path | None:
-    if backend != "cuda":
-        return None
-    model = work / "model"
-    subprocess.run([sys.executable, str(Path(__file__).parent / "nanovllm_kit.py"), "build", str(model)], check=True, timeout=300)
-    return model
-
-
 def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "--engine":
+    if len(sys.argv) > 2 and sys.argv[1] == "--serve":
         c.ensure_importable()
-        import burst_engines
-
         return burst_engines.main(sys.argv[2:])
     parser = c.ArgumentParser(BENCH, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
+    parser.add_argument("--engine", choices=sorted(burst_engines.ENGINES), default="nanovllm", help="the engine the CUDA run serves with")
     parser.add_argument("--capacity", default=None, help="the daemons' --capacity (default: 256MiB host, 24GiB cuda)")
     parser.add_argument("--kv-chunk-size", default=None, help="default: 8MiB host, 16MiB cuda (a grow step of blocks a buffer)")
     parser.add_argument("--move-timeout", type=float, default=2.0)
@@ -388,7 +386,7 @@ def main() -> int:
                           "decode_vs_static_min": 0.98, "grow_free_p99_ms_max": 50.0, "grow_given_back_p99_ms_max": 200.0,
                           "tokens_identical": True}
         work = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="gmb-burst-", dir="/tmp")))
-        plan: dict[str, Any] = {"model": _build_model(args.backend, work)}
+        plan: dict[str, Any] = {"model": burst_engines.ENGINES[args.engine].build(work) if args.backend == "cuda" else None}
         runs: dict[str, dict[str, Any]] = {}
         for config in CONFIGS:
             run = run_config(config, args, work, plan, cleanup) or run_config(config, args, work, plan, cleanup)  # once resized
@@ -431,7 +429,9 @@ def main() -> int:
                      and el["preempted"] == 0 and f["decode_vs_static"] >= 0.98 and f["grow_free_p99_ms"] <= 50
                      and f["grow_given_back_p99_ms"] <= 200 and not any(clear.values()))
 
-    return c.run(BENCH, args.backend, body)
+    # On the host the stand-ins serve, whatever --engine names (as bench/engine.py's line says there).
+    engine = "none (host: stand-ins)" if host else args.engine
+    return c.run(BENCH, args.backend, body, labels={"engine": engine})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The engines of bench/burst.py, one per process: a stand-in on the host backend, nano-vllm
-on CUDA, each serving a seeded schedule of requests and writing what it measured.
+"""The engines of bench/burst.py, one per process: a stand-in on the host backend, on CUDA
+the engine ``--engine`` names (``ENGINES``: nano-vllm, transformers' continuous batching),
+each serving a seeded schedule of requests and writing what it measured.
 
-    python bench/burst.py --engine SPEC.json          # run by bench/burst.py
+    python bench/burst.py --serve SPEC.json          # run by bench/burst.py
 
-SPEC (JSON): name, backend, config (static | round | elastic | alone), blocks (static and
+SPEC (JSON): name, backend, engine, config (static | round | elastic | alone), blocks (static and
 alone: the KV blocks the engine gets, no daemon), min_blocks, watermark, step,
 runtime_dir, ready/go/schedule/out file paths, and on CUDA model and port. The engine
 builds itself, writes ``ready`` ({"blocks"}), waits for ``go`` (the schedule's start,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -260,6 +262,15 @@ class Nano:
     """A nano-vllm engine (bench/nanovllm_kit.py's model and stand-ins): as shipped with a
     fixed block count (static, alone), or on gpumemd (round, elastic)."""
 
+    @staticmethod
+    def build(work: Path) -> Path:
+        """The model directory every engine of the run loads (built once, offline)."""
+        import subprocess
+
+        model = work / "model"
+        subprocess.run([sys.executable, str(Path(__file__).parent / "nanovllm_kit.py"), "build", str(model)], check=True, timeout=300)
+        return model
+
     def __init__(self, spec: dict[str, Any]) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import nanovllm_kit as kit
@@ -359,6 +370,97 @@ class Nano:
         pass  # nano-vllm exits itself at exit (atexit), which closes the session on gpumemd
 
 
+# ---------------------------------------------------------------------- transformers
+
+
+class Tf:
+    """transformers' continuous batching (bench/transformers_kit.py's random-weight Qwen3):
+    as shipped with a fixed block count (static, alone: ``num_blocks``), or on gpumemd
+    (round, elastic: gpumem.integrations.transformers, the layout's ceiling
+    ``CEILING`` rows). Float32: the four configurations batch the requests otherwise, and
+    transformers gives no logit gaps to tell a near-tie (nanovllm_kit.TIE_GAP) from a
+    block read back wrong, so tokens must not part at all. Its manager steps on a thread
+    of its own: ``step`` takes what it streamed out since (a request's first token when
+    this sees it), the decode steps are timed in that thread (transformers_kit.Steps),
+    and its loop answers the daemon's shrinks while idle."""
+
+    # Rows: 1.5x what a burst of 64 requests of 5 blocks asks, and above what the first
+    # round gives under --capacity 24GiB (the bench resizes from that round). Each engine's
+    # model arena pays for the ceiling (the attention mask is batch tokens by its pages, the
+    # warm-up's graphs are captured at its largest read): the capacity must hold two.
+    CEILING = 512
+    BATCH_TOKENS = 2048
+
+    @staticmethod
+    def build(work: Path) -> None:
+        return None  # each engine builds its random-weight model in its own process
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import torch
+        import transformers_kit as kit
+
+        self.kit, self.port = kit, None
+        options: dict[str, Any] = {"max_batch_tokens": self.BATCH_TOKENS}
+        if spec["config"] in ("round", "elastic"):
+            from gpumem.integrations import transformers as integration
+
+            # The small headroom of Nano's, for the same reason.
+            integration.enable(spec["name"], max_blocks=self.CEILING, expect=2, runtime_dir=spec["runtime_dir"], min_blocks=spec["min_blocks"],
+                               follow=spec["config"] == "elastic", watermark_blocks=spec["watermark"], grow_step_blocks=spec["step"],
+                               headroom_bytes=64 << 20)
+            self.port = integration.port
+        else:
+            options["num_blocks"] = spec["blocks"]
+        self.manager = kit.build_model("qwen3", dtype=torch.float32).init_continuous_batching(continuous_batching_config=kit.config(**options))
+        self.manager.warmup()
+        self.manager.start()
+        kit.generate(self.manager, kit.prompts(4), 4)  # warm: every configuration times steady state
+        self.steps = kit.Steps(self.manager)
+        self.stream = kit.Stream(self.manager)
+        self.rids: dict[str, int] = {}
+
+    @property
+    def cache(self) -> Any:
+        return self.manager.batch_processor.cache
+
+    @property
+    def blocks(self) -> int:
+        return int(self.port().adapter.count - 2 if self.port is not None else self.cache.num_blocks)  # gpumemd: less its trash rows
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kit.block_bytes(self.cache)
+
+    def add(self, rid: int, prompt: list[int], max_tokens: int) -> None:
+        # The schedule's ids run to 32768 (nano-vllm's vocabulary): folded into the model's.
+        self.rids[self.stream.add([t % self.kit.VOCAB for t in prompt], max_tokens, f"r{rid}")] = rid
+
+    def has_work(self) -> bool:
+        return len(self.stream.done) < len(self.rids)
+
+    def idle(self) -> None:
+        pass  # the manager's loop steps the port's gate when idle: it answers shrinks itself
+
+    def step(self) -> tuple[list[int], dict[int, list[int]], int]:
+        first, done = self.stream.poll(0.005)
+        return [self.rids[r] for r in first], {self.rids[r]: self.stream.done[r] for r in done}, 0
+
+    def figures(self) -> dict[str, Any]:
+        """Its decode steps (timed in the manager's thread) stand for serve()'s."""
+        follower = self.port().follower if self.port is not None else None
+        decode = self.steps.decode
+        return {"blocks_end": self.blocks, "preempted": self.steps.evicted, "follow": dataclasses.asdict(follower.figures) if follower else {},
+                "decode_steps": decode, "decode_s": sum(t for _, t in decode), "decode_tokens": sum(b for b, _ in decode)}
+
+    def close(self) -> None:
+        self.manager.stop(block=True, timeout=30)
+        os._exit(0)  # the manager's thread and the session on gpumemd end with the process (as bench/transformers_kit.py's engines)
+
+
+ENGINES: dict[str, type[Nano] | type[Tf]] = {"nanovllm": Nano, "transformers": Tf}
+
+
 # ---------------------------------------------------------------------- serving a schedule
 
 
@@ -375,7 +477,7 @@ def _write(path: str, data: dict[str, Any]) -> None:
 
 
 def serve(spec: dict[str, Any]) -> int:
-    engine: StandIn | Nano = StandIn(spec) if spec["backend"] == "host" else Nano(spec)  # the round runs in here
+    engine: StandIn | Nano | Tf = StandIn(spec) if spec["backend"] == "host" else ENGINES[spec["engine"]](spec)  # the round runs in here
     _write(spec["ready"], {"blocks": engine.blocks, "block_bytes": engine.block_bytes})
     t0 = float(_wait_file(spec["go"]))
     pending = sorted(json.loads(Path(spec["schedule"]).read_text()), key=lambda r: r["at"])
@@ -410,7 +512,8 @@ def serve(spec: dict[str, Any]) -> int:
     _write(spec["out"], {
         "name": spec["name"], "config": spec["config"], "blocks_start": json.loads(Path(spec["ready"]).read_text())["blocks"],
         "ttft_s": {str(k): v for k, v in ttft.items()}, "tokens": {str(k): v for k, v in tokens.items()},
-        "decode_s": decode_s, "decode_tokens": decode_tokens, "decode_steps": decode_steps, "steps": steps, **engine.figures(),
+        "decode_s": decode_s, "decode_tokens": decode_tokens, "decode_steps": decode_steps, "steps": steps,
+        **engine.figures(),  # after serve()'s: an engine that times its own steps (Tf) gives them
     })
     # Idle until told to stop: a neighbour may still burst and ask for blocks back.
     while not Path(spec["go"] + ".stop").exists():

@@ -47,12 +47,17 @@ primary's model arena read-only and builds its model on it (no weights of its ow
 rehearses serving on its placeholder and puts its own memory to sleep before it waits
 (gpumem.port.takeover).
 ``standby_shared_weights_bytes`` is what the standby maps of the primary's (its weights
-arena; nano-vllm: its parameters and buffers).
+arena; nano-vllm: its parameters and buffers). ``--engine transformers`` runs
+transformers' continuous batching instead (bench/transformers_kit.py's random-weight
+Qwen3 in float32; gpumem.integrations.transformers with ``retain=`` on the primary,
+``standby=`` on the standby, which builds its own weights: transformers' integration shares
+none, so its standby puts them to sleep with its graphs while it waits); its tokens
+must not part at all (transformers gives no logit gaps).
 
     python bench/failover.py --backend host [--kill-daemon]
-    python bench/failover.py --backend cuda [--kill-daemon]
+    python bench/failover.py --backend cuda [--kill-daemon] [--engine transformers]
 
-Last line: {"bench": "failover", ...}; ok when kill -> first token <= 1.0 s, >= 99% of the
+Last line: {"bench": "failover", "engine": ..., ...}; ok when kill -> first token <= 1.0 s, >= 99% of the
 prompt tokens hit, the standby's own memory <= 1 GiB, the tokens identical (up to
 near-ties on CUDA) and the accounting exact.
 """
@@ -78,7 +83,9 @@ import nanovllm_kit as kit
 BENCH = "failover"
 GiB = 1 << 30
 ENGINES = str(Path(__file__).resolve().parent / "failover_engines.py")
-KIT = str(Path(__file__).resolve().parent / "nanovllm_kit.py")
+# The engines whose model directory is built once, offline, by their kit (transformers'
+# engines build their random-weight model in their own processes).
+MODEL_KITS = {"nanovllm": str(Path(__file__).resolve().parent / "nanovllm_kit.py")}
 # Per backend: tokens a KV block (the stand-in's, nano-vllm's) and the defaults of the
 # prompt shape; on CUDA a prompt and its new tokens stay within the kit's max_model_len.
 SHAPES = {
@@ -90,6 +97,8 @@ SHAPES = {
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = c.ArgumentParser(BENCH, description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["host", "cuda"], default="host", help="daemon backend (default: host)")
+    ap.add_argument("--engine", choices=["nanovllm", "transformers"], default="nanovllm",
+                    help="the engine of the CUDA run (failover_engines.ROLES; the host runs stand-ins)")
     ap.add_argument("--prefixes", type=int, default=None, help="distinct shared prefixes (default: 8 host, 4 cuda)")
     ap.add_argument("--prefix-blocks", type=int, default=None, help="blocks each shared prefix fills (default: 8 host, 2 cuda)")
     ap.add_argument("--per-prefix", type=int, default=None, help="prompts per prefix (default: 4)")
@@ -174,10 +183,11 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     prompt_tokens = sum(len(r["prompt"]) for r in reqs)
     c.say(f"{BENCH}: {len(reqs)} prompts of {len(reqs[0]['prompt'])} tokens ({args.prefixes} shared prefixes of "
           f"{args.prefix_blocks * block}), {args.new_tokens} new tokens each; runtime dir {rdir}")
-    spec: dict[str, Any] = {"backend": args.backend, "runtime_dir": str(rdir), "group": "fo", "dir": str(work), "blocks": args.blocks, "requests": reqs}
-    if args.backend == "cuda":
+    spec: dict[str, Any] = {"backend": args.backend, "engine": args.engine, "runtime_dir": str(rdir), "group": "fo", "dir": str(work),
+                            "blocks": args.blocks, "requests": reqs}
+    if args.backend == "cuda" and args.engine in MODEL_KITS:
         spec["model"] = str(rdir / "model")
-        subprocess.run([sys.executable, KIT, "build", spec["model"]], check=True, timeout=args.start_timeout, env=env)
+        subprocess.run([sys.executable, MODEL_KITS[args.engine], "build", spec["model"]], check=True, timeout=args.start_timeout, env=env)
     for port, role in ((29621, "primary"), (29622, "standby")):  # nano-vllm's process group, one each
         (work / f"{role}.spec.json").write_text(json.dumps(spec | {"role": role, "port": port}))
     engines = {}
@@ -275,7 +285,8 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
 def main(argv: list[str] | None = None) -> int:
     c.ensure_importable()
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup))
+    engine = "none (host: stand-ins)" if args.backend == "host" else args.engine  # as bench/engine.py's line says on the host
+    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup), labels={"engine": engine})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""The engines of bench/failover.py on the host backend, one per process: a primary that
-serves and keeps its KV cache for a successor, and a standby that waits and takes over.
+"""The engines of bench/failover.py, one per process: a primary that serves and keeps its
+KV cache for a successor, and a standby that waits and takes over. On the host backend
+the stand-ins below; on CUDA the engine SPEC's ``engine`` names (``ROLES``): nano-vllm,
+or transformers' continuous batching (bench/transformers_kit.py's model).
 
     python bench/failover_engines.py SPEC.json          # run by bench/failover.py
 
-SPEC (JSON): role (primary | standby), runtime_dir, group, dir (where the files below
+SPEC (JSON): role (primary | standby), backend, engine, runtime_dir, group, dir (where the files below
 live), blocks (the KV pool's), and for the primary the prompts of both phases.
 
 The primary maps its "weights" (an arena it fills and shares read-only with the
@@ -398,12 +400,96 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- transformers (CUDA)
+
+# bench/transformers_kit.py's Qwen3 as tests/integration/test_transformers_gpu.py's failover
+# runs it: float32 (the standby's prefill from seeded blocks and the primary's from its own
+# prefix cache part nowhere near a tie; transformers gives no logit gaps) and a small
+# layout (the standby's batch tensors, batch tokens by the primary's pages, fit the room the
+# primary's round leaves it).
+TF_BATCH_TOKENS, TF_CEILING = 512, 2048
+
+
+def _tf_manager(kit: Any) -> Any:
+    import torch
+
+    model = kit.build_model("qwen3", dtype=torch.float32)
+    manager = model.init_continuous_batching(continuous_batching_config=kit.config(max_batch_tokens=TF_BATCH_TOKENS))
+    manager.warmup()  # a standby settles in here: rehearsed, asleep
+    return manager
+
+
+def tf_primary(spec: dict[str, Any], out: Path) -> int:
+    """transformers' manager retaining its KV cache and prefix directory (its weights
+    are its own: transformers' integration shares none)."""
+    import transformers_kit as kit
+
+    from gpumem.integrations import transformers as integration
+
+    integration.enable("fo-primary", retain=spec["group"], max_blocks=TF_CEILING)
+    manager = _tf_manager(kit)
+    manager.start()
+    _write_json(out / "secret.json", {"secret": integration.port().retain_secret()})
+    _wait_file(out / "standby-ready.json", "the standby ready")
+    batch, tokens = [r["prompt"] for r in spec["requests"]], spec["requests"][0]["max_tokens"]
+    kit.generate(manager, batch, tokens)  # every prompt prefilled whole, its full blocks published
+    # The reference: the same prompts again, their full blocks from the prefix cache, as the standby's are.
+    _write_json(out / "phase1.json", {str(r["id"]): t for r, t in zip(spec["requests"], kit.generate(manager, batch, tokens)[0])})
+    stream = kit.Stream(manager)
+    for prompt in batch:
+        stream.add(prompt, tokens)
+    while not stream.poll(1.0)[0]:  # its first phase-2 token: a step ran
+        pass
+    _write_json(out / "phase2.json", {"at": time.monotonic()})
+    while len(stream.done) < len(batch):
+        stream.poll(1.0)
+    _write_json(out / "primary-done.json", {})
+    _wait_file(out / "close.json", "the end of the run")  # killed before this
+    return 0
+
+
+def tf_standby(spec: dict[str, Any], out: Path) -> int:
+    """transformers' manager built as the standby (its layout on the primary's windows,
+    rehearsed and asleep at the end of ``warmup()``), then in ``take_over``; its
+    manager starts once it took over; ``standby.json`` has the take-over's timeline."""
+    import transformers_kit as kit
+
+    from gpumem.integrations import transformers as integration
+
+    _wait_file(out / "secret.json", "the primary's secret")
+    integration.enable("fo-standby", standby=(spec["group"], json.loads((out / "secret.json").read_text())["secret"]))
+    manager = _tf_manager(kit)
+    port = integration.port()
+    _write_json(out / "standby-ready.json", {"pid": os.getpid(), "shared_weights_bytes": 0, "asleep": port.mem.asleep})
+    took = port.take_over(wait=ADOPT_WAIT_S)
+    manager.start()
+    cache = manager.batch_processor.cache
+    hit_before = cache._total_prefix_length  # transformers' count of prompt tokens its prefix cache gave
+    stream = kit.Stream(manager)
+    first_step_at = time.monotonic()
+    ids = [stream.add(r["prompt"], r["max_tokens"], f"fo-{r['id']}") for r in spec["requests"]]
+    while len(stream.done) < len(ids):
+        stream.poll(1.0)
+    _write_json(out / "standby.json", {
+        "adopted_at": took.adopted_at, "woke_at": took.woke_at, "seeded_at": took.seeded_at, "first_step_at": first_step_at,
+        "first_token_at": min(stream.first_at.values()), "trusted": took.seeded, "corrupt": took.corrupt,
+        "cached": cache._total_prefix_length - hit_before, "prompt_tokens": sum(len(r["prompt"]) for r in spec["requests"]),
+        "tokens": {str(r["id"]): stream.done[i] for r, i in zip(spec["requests"], ids)},
+    })
+    _wait_file(out / "close.json", "the end of the run")
+    manager.stop(block=True, timeout=30)
+    os._exit(0)  # the manager's thread and the session on gpumemd end with the process (as bench/transformers_kit.py's engines)
+
+
+# Each engine's two roles on CUDA (bench/failover.py --engine); the host runs the stand-ins above.
+ROLES = {"nanovllm": (nano_primary, nano_standby), "transformers": (tf_primary, tf_standby)}
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     out = Path(spec["dir"])
-    if spec["backend"] == "cuda":
-        return nano_primary(spec, out) if spec["role"] == "primary" else nano_standby(spec, out)
-    return primary(spec, out) if spec["role"] == "primary" else standby(spec, out)
+    roles = ROLES[spec["engine"]] if spec["backend"] == "cuda" else (primary, standby)
+    return roles[0](spec, out) if spec["role"] == "primary" else roles[1](spec, out)
 
 
 if __name__ == "__main__":

@@ -26,16 +26,20 @@ both again after a pause (``--settle-s``: the freed memory settled in the driver
 has when a sleeper wakes after others used its memory; the target's figure, see
 ``dropped_wake``); each ``--repeats`` times, medians. On CUDA with torch, a graph
 captured before a sleep of its memory (weights and graph pool kept) replayed after the
-wake, checked bit for bit against its output before, with no recapture. Each line says
-the seconds since the start.
+wake, checked bit for bit against its output before, with no recapture; then the engine
+``--engine`` names (nano-vllm or transformers' continuous batching, each through its kit:
+bench/sleep_engines.py) on the daemon, put to sleep between two passes of one batch and
+woken: its sleep and wake times, the bytes it freed, and its tokens after the wake
+against before. Each line says the seconds since the start.
 
     python bench/sleep.py --backend host                # 64 MiB, 256 MiB, 1 GiB; drop 2 GiB
-    python bench/sleep.py --backend cuda                # 1, 8, 32 GiB; drop 100 GiB (each fitted to the GPU)
+    python bench/sleep.py --backend cuda [--engine transformers]  # 1, 8, 32 GiB; drop 100 GiB (each fitted to the GPU)
 
-Last line: {"bench": "sleep", "backend", "figures", "targets", "ok"}; ok means the contents
+Last line: {"bench": "sleep", "engine", "backend", "figures", "targets", "ok"} (on the host
+no engine runs: its engine says so); ok means the contents
 came back identical after every wake and, on CUDA, at every size sleep and wake each
->= 0.8x the pinned copy's bandwidth that way, the settled dropped wake's median <= 100 ms and the graph's outputs
-bit-identical. The bandwidth targets are CUDA's: on the host backend the "device" is
+>= 0.8x the pinned copy's bandwidth that way, the settled dropped wake's median <= 100 ms, the graph's outputs
+bit-identical and the engine's tokens after its wake identical. The bandwidth targets are CUDA's: on the host backend the "device" is
 host memory that a chunk handed back gives to the kernel, so a wake's copy pays the page
 faults of fresh pages, which the baseline's pre-faulted mappings do not.
 """
@@ -56,6 +60,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import _common as c
+import sleep_engines
 
 BENCH = "sleep"
 MiB = 1 << 20
@@ -65,12 +70,18 @@ DEFAULT_DROP = {"cuda": "100GiB", "host": "2GiB"}
 PIECE = 64 * MiB  # the random block's size
 STAMP = MiB  # every MiB of the contents starts with its offset
 STAGE = GiB  # the staging buffers' size, a multiple of PIECE
+# The daemon's sleep host limit at least, on CUDA: an engine keeps its weights, graph pool and
+# batch tensors in host memory while it sleeps, and one uid gets half the limit (the
+# daemon's own default is half the machine's memory, 64 GiB on the GPU machine).
+ENGINE_HOST = 64 * GiB
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = c.ArgumentParser(BENCH, description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["host", "cuda"], default="host", help="daemon backend (default: host)")
     ap.add_argument("--device", type=int, default=0, help="device index the daemon serves (default: 0)")
+    ap.add_argument("--engine", choices=sorted(sleep_engines.CYCLES), default="nanovllm",
+                    help="the engine put to sleep and woken on CUDA (default: nanovllm)")
     ap.add_argument("--sizes", default=None, help="comma-separated sizes (default: 1GiB,8GiB,32GiB on cuda, 64MiB,256MiB,1GiB on host)")
     ap.add_argument("--drop-size", default=None, help="the dropped wake's size (default: 100GiB on cuda, 2GiB on host; 0 skips it)")
     ap.add_argument("--settle-s", type=float, default=3.0,
@@ -279,48 +290,6 @@ def torch_memory_saver_cycle(size: int, repeats: int) -> tuple[list[float], list
 
 
 # ---------------------------------------------------------------------------
-# The captured graph
-# ---------------------------------------------------------------------------
-
-
-def graph_replays_after_wake(rdir: Any, device: int, timeout: float) -> dict[str, Any]:
-    """A graph captured into gpumem arenas, its output kept; weights and graph pool slept
-    and woken; replayed without a recapture; the outputs compared bit for bit."""
-    import torch
-
-    import gpumem
-
-    with gpumem.EngineMemory("bench-sleep-graph", device, runtime_dir=str(rdir), timeout=timeout) as mem:
-        with mem.running():
-            torch.manual_seed(0)
-            w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-            x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    (x @ w).relu() @ w.t()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                y = ((x @ w).relu() @ w.t()).softmax(-1)
-            g.replay()
-            torch.cuda.synchronize()
-            before = y.clone()
-        held = mem.model.committed + mem.graphs.committed
-        t0 = time.perf_counter()
-        mem.sleep("weights", "graphs")
-        slept = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        mem.wake()
-        woke = time.perf_counter() - t0
-        g.replay()
-        torch.cuda.synchronize()
-        identical = bool(torch.equal(y, before))
-        return {"identical": identical, "sleep_s": slept, "wake_s": woke, "slept_bytes": held}
-
-
-# ---------------------------------------------------------------------------
 # The dropped wake, part by part, beside a plain commit
 # ---------------------------------------------------------------------------
 
@@ -492,12 +461,14 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
 
     result.targets = {"contents_identical": True}
     if args.backend == "cuda":
-        result.targets |= {"ratio_vs_pinned_min": args.target_ratio, "drop_wake_ms_max": args.target_drop_ms, "graph_identical": True}
+        result.targets |= {"ratio_vs_pinned_min": args.target_ratio, "drop_wake_ms_max": args.target_drop_ms, "graph_identical": True,
+                           "engine_tokens_identical": True}
     rdir = cleanup.enter_context(c.runtime_dir("gmb-sleep-"))
     top = max(args.size_list)
     say(f"{BENCH}: backend={args.backend} sizes={[format_size(s) for s in args.size_list]} drop={format_size(args.drop)} "
         f"repeats={args.repeats} runtime dir {rdir}")
-    daemon_args = ["--sleep-host-limit", str(2 * top)]
+    # On CUDA the engine keeps its weights and graphs in host memory while it sleeps too.
+    daemon_args = ["--sleep-host-limit", str(max(2 * top, ENGINE_HOST if args.backend == "cuda" else 0))]
     if args.backend == "host":
         daemon_args += ["--host-capacity", str(max(8 * GiB, 2 * top, args.drop + GiB))]
     daemon = c.Daemon(rdir, args.backend, args.device, daemon_args)
@@ -588,13 +559,19 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
         except ImportError:
             figures["graph"] = "skipped: torch is not installed"
         else:
-            graph = graph_replays_after_wake(rdir, args.device, args.call_timeout)
+            graph = sleep_engines.graph_replays_after_wake(rdir, args.device, args.call_timeout)
             figures["graph"] = graph
             ok &= graph["identical"]
             say(f"captured graph after sleep ({graph['sleep_s']:.3f} s) and wake ({graph['wake_s']:.3f} s): outputs "
                 f"{'bit-identical' if graph['identical'] else 'DIFFER'}, no recapture")
+        engine = sleep_engines.CYCLES[args.engine](rdir)  # its own process, its own torch
+        figures |= engine
+        ok &= engine["engine_tokens_identical"]
+        say(f"{args.engine}: slept in {engine['engine_sleep_s']:.3f} s freeing {engine['engine_freed_bytes'] / GiB:.1f} GiB, woke in "
+            f"{engine['engine_wake_s']:.3f} s; its tokens after the wake {'identical' if engine['engine_tokens_identical'] else 'DIFFER'}")
     else:
         figures["graph"] = "skipped: needs CUDA and torch"
+        figures["engine"] = "skipped: the engines need CUDA"
     figures["elapsed_s"] = time.monotonic() - started
     result.figures = figures
     result.ok = bool(ok)
@@ -603,7 +580,8 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
 def main(argv: list[str] | None = None) -> int:
     c.ensure_importable()
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup))
+    engine = "none (host: arenas only)" if args.backend == "host" else args.engine  # as bench/engine.py's line says on the host
+    return c.run(BENCH, args.backend, lambda result, cleanup: body(args, result, cleanup), labels={"engine": engine})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """transformers' continuous batching, as shipped and on gpumemd (gpumem.integrations.transformers),
 on random-weight models built offline from transformers' own config classes; shared by
-bench/engine.py (``--engine transformers``) and tests/integration/test_transformers_gpu.py.
+bench/engine.py (``--engine transformers``), the transformers engines of bench/burst.py,
+bench/sleep.py and bench/failover.py (``--engine transformers``: bench/burst_engines.py,
+bench/sleep_engines.py, bench/failover_engines.py) and tests/integration/test_transformers_gpu.py.
 
 Models (``--arch``): ``qwen3`` (full attention, 8 KV heads of 16 query heads, head 128) and
 ``mistral`` (every layer sliding-window, 512 tokens, 4 KV heads of 16, head 64): the
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("qwen3", "mistral")
+VOCAB = 32000  # build_model's: prompt ids must stay below it
 PLAIN_PERCENT = 0.9  # transformers' max_memory_percent for greedy decoding (0.8 with logits processors)
 
 
@@ -36,7 +39,7 @@ def build_model(arch: str, *, dtype: Any = None, layers: int = 8) -> Any:
     import torch
     from transformers import GenerationConfig, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": layers,
+    common = {"vocab_size": VOCAB, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": layers,
               "num_attention_heads": 16, "max_position_embeddings": 8192, "attn_implementation": "sdpa"}
     if arch == "qwen3":
         model_cls, config = Qwen3ForCausalLM, Qwen3Config(num_key_value_heads=8, head_dim=128, **common)
@@ -55,6 +58,83 @@ def prompts(count: int, *, seed: int = 1, low: int = 16, high: int = 200) -> lis
 
     rng = random.Random(seed)
     return [[rng.randrange(10, 32000) for _ in range(rng.randrange(low, high))] for _ in range(count)]
+
+
+def config(**options: Any) -> Any:
+    """The ``ContinuousBatchingConfig`` every engine of the kit runs with (CUDA graphs asked
+    for, plain and gpumemd alike), ``options`` its other fields."""
+    from transformers import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(use_cuda_graph=True, **options)
+
+
+def block_bytes(cache: Any) -> int:
+    """One KV block's bytes over every layer, K and V."""
+    return int(2 * len(cache.key_cache) * cache.block_size * cache.num_key_value_heads * cache.head_dim * cache.dtype.itemsize)
+
+
+class Stream:
+    """Requests streamed from a started manager: per request, when its first token came
+    (``time.monotonic()`` when this saw it) and, once finished, its tokens. ``poll``
+    takes what the generation thread put out since; a failed request, or the thread
+    ended, raises."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.first_at: dict[str, float] = {}
+        self.done: dict[str, list[int]] = {}
+
+    def add(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> str:
+        rid = self.manager.add_request(prompt, request_id=request_id, max_new_tokens=max_tokens, streaming=True)
+        if rid is None:
+            raise RuntimeError("transformers' manager took no request (not running, or stopping)")
+        return str(rid)
+
+    def poll(self, timeout: float) -> tuple[list[str], list[str]]:
+        """(requests whose first token came, requests that finished) since the last poll,
+        waiting at most ``timeout`` for the first output."""
+        first, done = [], []
+        while (out := self.manager.get_result(timeout=timeout)) is not None:
+            timeout = 0.0  # then only what is there already
+            if out.error:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            if out.generated_tokens and out.request_id not in self.first_at:
+                self.first_at[out.request_id] = time.monotonic()
+                first.append(out.request_id)
+            if out.is_finished():
+                self.done[out.request_id] = list(out.generated_tokens)
+                done.append(out.request_id)
+        if not self.manager.is_running():
+            raise RuntimeError("transformers' generation thread is not running (its log says why)")
+        return first, done
+
+
+class Steps:
+    """Each decode step's batch and seconds (every request in it computes one token),
+    timed around the manager's ``_generation_step``: with SDPA's attention mask transformers
+    batches synchronously, so the step ends with its outputs on the host. And the
+    requests transformers evicted when its cache ran out (its offloading manager's
+    count, the engine's preemptions)."""
+
+    def __init__(self, manager: Any) -> None:
+        self.decode: list[tuple[int, float]] = []
+        self.evicted = 0
+        processor, step, offload = manager.batch_processor, manager._generation_step, manager.batch_processor.offloading_manager.offload_requests
+
+        def timed_step() -> None:
+            batch = processor.inputs_and_outputs.requests_in_batch  # this step's (the next one makes a new list)
+            started = time.perf_counter()
+            step()
+            took = time.perf_counter() - started
+            if batch and all(f.query_length == 1 for f in batch):
+                self.decode.append((len(batch), took))
+
+        def counted_offload() -> int:
+            evicted: int = offload()
+            self.evicted += evicted
+            return evicted
+
+        manager._generation_step, processor.offloading_manager.offload_requests = timed_step, counted_offload
 
 
 def generate(manager: Any, inputs: list[list[int]], tokens: int) -> tuple[list[list[int]], float]:
@@ -76,7 +156,6 @@ def generate(manager: Any, inputs: list[list[int]], tokens: int) -> tuple[list[l
 
 def engine(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import ContinuousBatchingConfig
 
     from gpumem.integrations import transformers as gtf
 
@@ -92,8 +171,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.005)
     started = time.perf_counter()
     model = build_model(args.arch, dtype=getattr(torch, args.dtype))
-    cb = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=args.max_memory_percent, max_batch_tokens=args.max_batch_tokens,
-                                  num_blocks=args.num_blocks)
+    cb = config(max_memory_percent=args.max_memory_percent, max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
     built = time.perf_counter()
     manager = model.init_continuous_batching(continuous_batching_config=cb)
     if args.sizing_only:  # transformers' own sizing, before a warm-up that may not survive it
@@ -106,7 +184,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"mode": args.mode, "arch": args.arch, "startup_s": time.perf_counter() - built, "build_s": built - started}
     cache = manager.batch_processor.cache
     out["blocks"] = cache.get_num_free_blocks()
-    out["block_bytes"] = 2 * len(cache.key_cache) * cache.block_size * cache.num_key_value_heads * cache.head_dim * cache.dtype.itemsize
+    out["block_bytes"] = block_bytes(cache)
     inputs = prompts(args.prompts, low=args.prompt_len // 2, high=args.prompt_len)
     if args.retain and args.secret_file:
         Path(args.secret_file).write_text(gtf.port().retain_secret())

@@ -56,13 +56,14 @@ HELPERS = {
     "burst_engines.py": "burst.py's engine processes",
     "failover_engines.py": "failover.py's engine processes",
     "nanovllm_kit.py": "the nano-vllm model, engines and margins of the CUDA benchmarks",
-    "transformers_kit.py": "transformers' random-weight models and engines of engine.py --engine transformers and its GPU tests",
+    "sleep_engines.py": "sleep.py's engine side: the captured graph and each engine's sleep and wake",
+    "transformers_kit.py": "transformers' random-weight models and engines of the CUDA benchmarks' --engine transformers and its GPU tests",
     "futex_floor.c": "lease.py's C futex floor, compiled by it",
 }
 
 KEYS = ["bench", "backend", "device", "figures", "targets", "ok"]
-# Keys a bench may put beside "bench" to say what its line is about (bench/engine.py's engine).
-LABELS = {"engine": "engine"}
+# Keys a bench may put beside "bench" to say what its line is about (the engine it ran: --engine).
+LABELS = {"burst": "engine", "engine": "engine", "failover": "engine", "sleep": "engine"}
 
 
 def test_the_smoke_test_knows_every_file_in_bench() -> None:
@@ -109,6 +110,16 @@ def test_the_benchmark_runs_on_the_host_and_ends_with_its_json_line(name: str) -
     else:
         assert out.returncode == 0 and "error" not in line, shown
         assert line["figures"], shown
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", ["burst", "failover", "sleep"])
+def test_a_benchmark_of_an_engine_takes_transformers_and_on_the_host_says_no_engine_ran(name: str) -> None:
+    """``--engine transformers`` is the CUDA run's; on the host the stand-ins (or the
+    arenas alone) run as with the default, and the line's engine says that none did."""
+    out, line, shown = run_bench(name, "host", [*BENCHES[name], "--engine", "transformers"], 120)
+    assert out.returncode == 0 and "error" not in line, shown
+    assert line["engine"].startswith("none (host"), shown
 
 
 # The benchmarks whose default sizes come from the card (bench/_common.py's fit), at those
