@@ -13,16 +13,24 @@
    event record costs inside the call.
 3. Handoff: the owner shares the arena with two client processes; each attaches it,
    opens the shared pool (``session.open_graph_pool``) and they take turns holding its
-   replay lease. The holder keeps it about a millisecond, so the other is asleep on the
-   slot's futex (in the pool's lease segment, which each of them maps) when it is released; the figure is from the release (CLOCK_MONOTONIC,
-   shared by the processes) to the waiter holding the lease. Every handoff runs the
+   replay lease. The holder keeps it about a millisecond, longer than the waiter's first
+   spin: the waiter sleeps on the slot's futex (in the pool's lease segment, which each
+   of them maps) until shortly before the holder's predicted release (the slot's hold
+   estimate, which every release updates), then watches the word, so it is mostly awake
+   when the lease is released, and asleep when the prediction misses; the figure is from
+   the release (CLOCK_MONOTONIC, shared by the processes) to the waiter holding the lease. Every handoff runs the
    cross-process path: the IPC event recorded at release and the stream wait on it at
    acquire, each in the same native call as the lease's compare-and-swap
    (``session.leasing.handoff_waits`` counts those waits; reported as a figure). Then the
    same turns through the bare native calls from Python, without events
    (``lease_acquire``, ``lease_release_recorded``) and with them (``lease_acquire_ordered``,
    ``lease_release_ordered``): the steps from the C floor to the full path. And what one
-   ``cuStreamWaitEvent`` on the other process's event costs alone (CUDA).
+   ``cuStreamWaitEvent`` on the other process's event costs alone (CUDA). Where the time
+   goes: the release call's own duration in each set of turns (``*release_call*``), and
+   the ns from the native take's compare-and-swap (the slot's ``since_ns``) to the
+   taker's next Python line (``*after_take*``). What waiting costs: the two clients' CPU
+   time over the Lease turns per handoff (``client_cpu_per_handoff_us``; each turn a
+   take, the hold, the release and the pause), which a watching waiter spends.
 
    Then the same turns (through ``Lease``) against a second daemon started with
    ``--lease-ordering memops``: the release queues a stream write of the releaser's next
@@ -45,9 +53,10 @@ same figures come from either backend.
     python bench/lease.py --backend cuda
 
 Last line: {"bench": "lease", ...}; ok means uncontended p50 (private pool) <= 2 us, at
-least 40x faster than the control round trip, handoff p50 <= 2x the C futex handoff's
+least 40x faster than the control round trip, handoff p50 <= 1.6x the C futex handoff's
 p50, and the clients waited on an IPC event at every handoff; and the same for memops
-ordering (its handoff p50 <= 2x the floor, a stream wait at every handoff).
+ordering (its handoff p50 <= 1.6x the floor, a stream wait at every handoff); the
+target was 2x until issue 38.
 """
 
 from __future__ import annotations
@@ -75,6 +84,9 @@ CLIENTS = ("turn-a", "turn-b")
 FUTEX_FLOOR = Path(__file__).resolve().parent / "futex_floor.c"
 
 
+# The handoff's target, both orderings: its p50 at most this times the C futex floor's.
+HANDOFF_RATIO_MAX = 1.6
+
 # What a handoff client sleeps after each release, so that the waiter, not the releaser,
 # takes the lease next; bench/futex_floor.c takes it as an argument.
 PAUSE_S = 0.0003
@@ -99,7 +111,7 @@ def futex_floor(pause_us: int = 0) -> tuple[float, float, int]:
 def turns(session: Any, pool: Any, rounds: int) -> list[tuple[int, int, int, int]]:
     """``rounds`` turns of a client in a handoff: take the pool (acquired at), hold it a
     millisecond, release it (released at, and the release call's ns), pause so that the
-    other side, asleep on the futex, takes it next. And where in the take the time went:
+    other side, waiting, takes it next. And where in the take the time went:
     the slot's ``since_ns`` is the moment the native take won the compare-and-swap, so
     the turn also carries the ns from there to the Python line after the take."""
     out = []
@@ -134,10 +146,13 @@ def handoff_client(name: str, rounds: int, ordering: str) -> int:
     pool = session.open_graph_pool(owner=OWNER, label=SHARED_POOL)
     print("READY", flush=True)
     sys.stdin.readline()
+    cpu = time.process_time_ns()
     events = turns(session, pool, rounds)
+    cpu = time.process_time_ns() - cpu
     waits = session.leasing.handoff_waits
     if ordering == "memops":
-        print(json.dumps({"events": events, "bare": [], "native": [], "stream_waits": [], "handoff_waits": waits, "native_waits": 0}), flush=True)
+        report = {"events": events, "bare": [], "native": [], "stream_waits": [], "cpu_ns": cpu}
+        print(json.dumps(report | {"handoff_waits": waits, "native_waits": 0}), flush=True)
         session.close()
         return 0
     # The same turns through the bare native calls on the same slot (no Lease object):
@@ -184,7 +199,7 @@ def handoff_client(name: str, rounds: int, ordering: str) -> int:
             t0 = time.perf_counter_ns()
             _native.cuda_stream_wait(context, event, stream)
             stream_waits.append(time.perf_counter_ns() - t0)
-    report = {"events": events, "bare": bare, "native": native, "stream_waits": stream_waits}
+    report = {"events": events, "bare": bare, "native": native, "stream_waits": stream_waits, "cpu_ns": cpu}
     print(json.dumps(report | {"handoff_waits": waits, "native_waits": native_waits}), flush=True)
     session.close()
     return 0
@@ -203,7 +218,7 @@ def main() -> int:
 
     def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
         result.targets = {
-            "uncontended_p50_us_max": 2.0, "speedup_vs_rtt_min": 40.0, "handoff_ratio_p50_max": 2.0, "memops_handoff_ratio_p50_max": 2.0,
+            "uncontended_p50_us_max": 2.0, "speedup_vs_rtt_min": 40.0, "handoff_ratio_p50_max": HANDOFF_RATIO_MAX, "memops_handoff_ratio_p50_max": HANDOFF_RATIO_MAX,
         }
         import gpumem
         from gpumem_shared import lease_table
@@ -312,7 +327,7 @@ def main() -> int:
                 assert proc.stdin
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
-            out: dict[str, Any] = {"events": [], "bare": [], "native": [], "stream_waits": [], "handoff_waits": 0, "native_waits": 0}
+            out: dict[str, Any] = {"events": [], "bare": [], "native": [], "stream_waits": [], "handoff_waits": 0, "native_waits": 0, "cpu_ns": 0}
             for index, proc in enumerate(procs):
                 assert proc.stdout
                 line = proc.stdout.readline()
@@ -325,6 +340,7 @@ def main() -> int:
                 out["stream_waits"] += report["stream_waits"]
                 out["handoff_waits"] += report["handoff_waits"]
                 out["native_waits"] += report["native_waits"]
+                out["cpu_ns"] += report["cpu_ns"]
                 proc.wait(60)
             return out
 
@@ -395,6 +411,14 @@ def main() -> int:
             f"(Lease, IPC events), {after_take['memops']:.1f} us (Lease, memops), {after_take['bare']:.1f} us (lease_acquire), "
             f"{after_take['native']:.1f} us (lease_acquire_ordered, the event wait inside)"
         )
+        # What waiting costs the clients: their CPU time over the Lease turns (each turn a
+        # take, the 1 ms hold, the release and the pause), both clients, per handoff. A
+        # waiter that watches the word instead of sleeping spends it here.
+        cpu_per_handoff = {"full": ipc["cpu_ns"] / max(1, len(handoffs)) / 1e3, "memops": memops["cpu_ns"] / max(1, len(memops_handoffs)) / 1e3}
+        c.say(
+            f"the clients' CPU time per handoff (both clients, the Lease turns): {cpu_per_handoff['full']:.1f} us (IPC events), "
+            f"{cpu_per_handoff['memops']:.1f} us (memops)"
+        )
         if stream_waits:
             c.say(f"one cuStreamWaitEvent on the other process's event, alone: p50 {c.median(stream_waits) / 1e3:.2f} us")
         floor_p50, floor_p99, floor_n = futex_floor()
@@ -451,16 +475,18 @@ def main() -> int:
             "memops_after_take_p50_us": after_take["memops"],
             "bare_after_take_p50_us": after_take["bare"],
             "native_after_take_p50_us": after_take["native"],
+            "client_cpu_per_handoff_us": cpu_per_handoff["full"],
+            "memops_client_cpu_per_handoff_us": cpu_per_handoff["memops"],
         }
         if stream_waits:
             result.figures["stream_wait_p50_us"] = c.median(stream_waits) / 1e3
         result.ok = (
             lease_p50 <= 2.0
             and result.figures["speedup_vs_rtt"] >= 40.0
-            and handoff_ratio <= 2.0
+            and handoff_ratio <= HANDOFF_RATIO_MAX
             and len(handoffs) > 0
             and handoff_waits >= len(handoffs)
-            and memops_ratio <= 2.0
+            and memops_ratio <= HANDOFF_RATIO_MAX
             and len(memops_handoffs) > 0
             and memops["handoff_waits"] >= len(memops_handoffs)
         )

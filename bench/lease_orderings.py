@@ -10,8 +10,8 @@ lease as lease.py's do (1 ms hold, 300 us pause after each release). The turns r
 blocks of ``--per-block`` per process, alternating between the orderings (and which one
 goes first), so both see the same moments of the machine.
 
-Figures: each ordering's handoff p50 / p99 (release to the waiter holding the lease) and
-the release call's own p50, and ``memops_to_events_p50`` (target: at most 1, the memops
+Figures: each ordering's handoff p50 / p99 (release to the waiter holding the lease), the
+release call's own p50 and the clients' CPU time per handoff, and ``memops_to_events_p50`` (target: at most 1, the memops
 handoff at or below the IPC-event one). Host backend only: no driver call is made, so
 this compares the Python and native work of the two paths around the same futex wake.
 
@@ -24,6 +24,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,10 @@ def client(name: str, runtime_dir: str) -> int:
     pool = session.open_graph_pool(owner="owner", label="pool")
     print("READY", flush=True)
     for line in sys.stdin:
-        print(json.dumps({"turns": lease_bench.turns(session, pool, int(line)), "waits": session.leasing.handoff_waits}), flush=True)
+        cpu = time.process_time_ns()
+        turns = lease_bench.turns(session, pool, int(line))
+        cpu = time.process_time_ns() - cpu
+        print(json.dumps({"turns": turns, "waits": session.leasing.handoff_waits, "cpu_ns": cpu}), flush=True)
     session.close()
     return 0
 
@@ -111,6 +115,7 @@ def main() -> int:
         turns: dict[str, list[tuple[int, int, int, int]]] = {o: [] for o in ORDERINGS}
         handoffs: dict[str, list[float]] = {o: [] for o in ORDERINGS}
         waits: dict[str, dict[int, int]] = {o: {} for o in ORDERINGS}  # each client's count so far
+        cpu_ns = dict.fromkeys(ORDERINGS, 0)  # the clients' CPU time in their turns
         for block in range(2 * args.blocks):
             ordering = ORDERINGS[(block + block // 2) % 2]  # a b b a a b ...: each goes first as often
             block_turns = []
@@ -121,6 +126,7 @@ def main() -> int:
                 report = json.loads(proc.stdout.readline())
                 block_turns += [(acquired, released, index, call) for acquired, released, call, _after in report["turns"]]
                 waits[ordering][index] = report["waits"]
+                cpu_ns[ordering] += report["cpu_ns"]
             block_turns.sort()
             handoffs[ordering] += [
                 (nxt[0] - cur[1]) / 1e3 for cur, nxt in zip(block_turns, block_turns[1:]) if nxt[2] != cur[2] and nxt[0] >= cur[1]
@@ -129,9 +135,14 @@ def main() -> int:
         for ordering in ORDERINGS:
             p50, p99 = c.median(handoffs[ordering]), c.percentile(handoffs[ordering], 99)
             call = c.median([t[3] for t in turns[ordering]]) / 1e3
-            c.say(f"{ordering}: handoff p50 {p50:.1f} us, p99 {p99:.1f} us over {len(handoffs[ordering])}; release call p50 {call:.1f} us")
+            cpu = cpu_ns[ordering] / max(1, len(handoffs[ordering])) / 1e3
+            c.say(
+                f"{ordering}: handoff p50 {p50:.1f} us, p99 {p99:.1f} us over {len(handoffs[ordering])}; release call p50 {call:.1f} us; "
+                f"the clients' CPU time per handoff {cpu:.1f} us"
+            )
             key = "events" if ordering == "ipc-events" else "memops"
             result.figures |= {f"{key}_handoff_p50_us": p50, f"{key}_handoff_p99_us": p99, f"{key}_release_call_p50_us": call}
+            result.figures[f"{key}_client_cpu_per_handoff_us"] = cpu
             result.figures[f"{key}_handoffs"] = len(handoffs[ordering])
             result.figures[f"{key}_handoff_waits"] = sum(waits[ordering].values())
         ratio = c.ratio(result.figures["memops_handoff_p50_us"], result.figures["events_handoff_p50_us"])

@@ -11,12 +11,16 @@ LEASE_LABEL_BYTES: int
 LEASE_HANDOFF_RECORDING: int
 LEASE_HANDOFF_SESSION: int
 LEASE_ORDER_OFFSET: int
-# (name, value) pairs of lease_table.h's lists; the slot's and a memops lane's fields as (name, offset, size)
+LEASE_HOLD_OFFSET: int
+LEASE_HOLD_MAX_NS: int
+LEASE_HOLD_BYTES: int
+# (name, value) pairs of lease_table.h's lists; the slot's, a memops lane's and the hold estimate's fields as (name, offset, size)
 LEASE_STATUSES: tuple[tuple[str, int], ...]
 LEASE_KINDS: tuple[tuple[str, int], ...]
 LEASE_FLAGS: tuple[tuple[str, int], ...]
 LEASE_SLOT_FIELDS: tuple[tuple[str, int, int], ...]
 LEASE_LANE_FIELDS: tuple[tuple[str, int, int], ...]
+LEASE_HOLD_FIELDS: tuple[tuple[str, int, int], ...]
 LEASE_LANE_BYTES: int
 LEASE_SEQ_BITS: int
 

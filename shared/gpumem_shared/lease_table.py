@@ -160,6 +160,21 @@ class _Order(ctypes.Structure):
 _ORDER_OFFSET: Final[int] = _native.LEASE_ORDER_OFFSET
 
 
+class _Hold(ctypes.Structure):
+    """After the pair (lease_table.h's lease_hold): how long the slot's holders keep it,
+    folded in by each release; a waiter sleeps until just before the holder it found is
+    likely to let go and is awake when it does. The native calls write and read it; this
+    view lets the daemon carry it over to a moved segment. Any value outside (0,
+    HOLD_MAX_NS] predicts nothing."""
+
+    _fields_ = [("typical_ns", ctypes.c_uint64)]
+
+
+_HOLD_OFFSET: Final[int] = _native.LEASE_HOLD_OFFSET
+# Holds longer than this predict nothing (lease_table.h).
+HOLD_MAX_NS: Final[int] = _native.LEASE_HOLD_MAX_NS
+
+
 # mmap(2) and munmap(2) themselves: Python's mmap keeps a duplicate of the descriptor
 # open for the mapping's life, one more per segment in every process that maps one.
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -179,7 +194,7 @@ class LeaseSegment:
     mapping lives as long as this object, so whatever may still call them (a pool, a
     held lease) keeps a reference to it."""
 
-    __slots__ = ("_slot", "_order", "address", "inode")
+    __slots__ = ("_slot", "_order", "_hold", "address", "inode")
 
     def __init__(self, fd: int) -> None:
         self.address: int = 0  # until mapped: what close() finds if this fails
@@ -195,6 +210,7 @@ class LeaseSegment:
         self.address = address
         self._slot = _Slot.from_address(address)
         self._order = _Order.from_address(address + _ORDER_OFFSET)
+        self._hold = _Hold.from_address(address + _HOLD_OFFSET)
 
     @classmethod
     def create(cls, pool_id: int) -> tuple[LeaseSegment, int]:
@@ -211,12 +227,13 @@ class LeaseSegment:
 
     def adopt(self, old: LeaseSegment, word: int, handoff: int) -> None:
         """The daemon, on a segment it just created and granted to nobody yet: carry over
-        ``old``'s lease ``word`` (with its holder's time and label), ``handoff`` and
-        release count, for the pool that moves here."""
+        ``old``'s lease ``word`` (with its holder's time and label), ``handoff``, release
+        count and hold estimate, for the pool that moves here."""
         slot, before = self._slot, old._slot
         slot.futex = before.futex
         slot.handoff = handoff
         self._order.lane, self._order.value = old._order.lane, old._order.value
+        self._hold.typical_ns = old._hold.typical_ns
         if word:
             slot.since_ns, slot.label = before.since_ns, before.label
             slot.word = word
@@ -361,7 +378,7 @@ class LeaseSegment:
         Reads find zeros from then on, and native calls a refused address."""
         address, self.address = self.address, 0
         if address:
-            self._slot, self._order = _Slot(), _Order()
+            self._slot, self._order, self._hold = _Slot(), _Order(), _Hold()
             _munmap(address, SEGMENT_BYTES)
 
     def __del__(self) -> None:

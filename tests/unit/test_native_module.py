@@ -19,7 +19,7 @@ import pytest
 from gpumem.allocator import Slot
 from gpumem_shared import _native, lease_table
 from gpumem_shared.lease_order import _LaneState
-from gpumem_shared.lease_table import LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus, _Slot
+from gpumem_shared.lease_table import LeaseFlag, LeaseKind, LeaseSegment, LeaseStatus, _Hold, _Order, _Slot
 
 
 def test_the_ctypes_slot_matches_the_exported_layout() -> None:
@@ -44,6 +44,16 @@ def test_the_ctypes_memops_lane_matches_the_exported_layout() -> None:
     ours = [(name, getattr(_LaneState, name).offset, getattr(_LaneState, name).size) for name, *_ in _LaneState._fields_]
     assert ours == list(_native.LEASE_LANE_FIELDS)
     assert ctypes.sizeof(_LaneState) == _native.LEASE_LANE_BYTES == sum(size for _, _, size in _native.LEASE_LANE_FIELDS)
+
+
+def test_the_ctypes_hold_estimate_matches_the_exported_layout_after_the_memops_pair() -> None:
+    """lease_table's view of lease_table.h's lease_hold, on the segment's second line after
+    the memops pair: off the slot's line, clear of the pair."""
+    ours = [(name, getattr(_Hold, name).offset, getattr(_Hold, name).size) for name, *_ in _Hold._fields_]
+    assert ours == list(_native.LEASE_HOLD_FIELDS)
+    assert ctypes.sizeof(_Hold) == _native.LEASE_HOLD_BYTES == sum(size for _, _, size in _native.LEASE_HOLD_FIELDS)
+    order, hold = _native.LEASE_ORDER_OFFSET, _native.LEASE_HOLD_OFFSET
+    assert order + ctypes.sizeof(_Order) <= hold and hold + ctypes.sizeof(_Hold) <= order + 64 and hold % 8 == 0
 
 
 def test_the_label_size_is_the_label_fields() -> None:

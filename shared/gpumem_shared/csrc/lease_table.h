@@ -47,6 +47,20 @@ typedef struct {
 _Static_assert(LEASE_ORDER_OFFSET >= sizeof(lease_slot), "the pair does not overlap the slot");
 _Static_assert(LEASE_ORDER_OFFSET + sizeof(lease_order_pair) <= LEASE_SEGMENT_BYTES, "the pair fits the segment");
 
+/* After the pair, on its line: how long the slot's holders keep it (an average of recent
+ * holds, each now - since_ns at its release), written by each holder's release before it
+ * frees the slot, read by a waiter to sleep until shortly before the holder it found is
+ * likely to let go, then watch the word (leases.c). Any process that maps the segment
+ * can write it: a value outside (0, LEASE_HOLD_MAX_NS] predicts nothing. */
+typedef struct {
+    uint64_t typical_ns;
+} lease_hold;
+#define LEASE_HOLD_OFFSET (LEASE_ORDER_OFFSET + 16)
+#define LEASE_HOLD_MAX_NS 10000000 /* 10 ms: longer holds vary by more than a waiter's watch */
+_Static_assert(LEASE_HOLD_OFFSET >= LEASE_ORDER_OFFSET + sizeof(lease_order_pair), "the estimate does not overlap the pair");
+_Static_assert(LEASE_HOLD_OFFSET + sizeof(lease_hold) <= LEASE_ORDER_OFFSET + 64,
+               "the estimate shares the pair's line, not the slot's");
+
 /* A session's side of one memops lane (lease_order.py's ReleaserLane), in that process's
  * memory: read by Python, written only by the session's native releases (the GIL held).
  * A lane's values are generation << LEASE_SEQ_BITS | n, n counting its releases from 1. */

@@ -8,9 +8,12 @@
  * kind, the holder's session id and pid. An uncontended acquire or release is one
  * compare-and-swap, no daemon round trip. A waiter sleeps on the slot's futex word,
  * which every release bumps; a release makes the wake system call only when waiters are
- * counted. The daemon clears the word of a session that ended (a holder killed
- * mid-lease) and words and fields a client could not rightly have written (garbage, or a
- * session that may not use the pool), and wakes the waiters. Shared (not private)
+ * counted. Each release also folds its hold into the segment's estimate (lease_hold), so
+ * that a waiter can sleep only until just before the holder it found is likely to let go
+ * and be awake, watching the word, when it does (gpumem_lease_acquire). The daemon
+ * clears the word of a session that ended (a holder killed mid-lease) and words and
+ * fields a client could not rightly have written (garbage, or a session that may not use
+ * the pool), and wakes the waiters. Shared (not private)
  * futexes: a segment is MAP_SHARED across processes.
  *
  * Across processes, a lease also orders GPU work: on a pool other processes use, the
@@ -28,6 +31,7 @@
 #define _GNU_SOURCE
 #include <limits.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -66,6 +70,14 @@ static void wake(lease_slot *slot);
 #define LEASE_SPIN_NS 20000
 #define LEASE_SPIN_CHECK 64 /* pauses between clock reads */
 
+/* A waiter with a predicted release (release_ahead) wakes this long before it, then
+ * watches the word for up to twice as long. More than the kernel's default timer slack
+ * (50 us), by which a normal thread's timed sleep may end late (on the 2-core VM it ended
+ * 94 us late at the median, the slack and the wake-up together); the watch covers a hold
+ * that ends that much early or late. */
+#define LEASE_WAKE_EARLY_NS 150000
+#define LEASE_WATCH_NS (2 * LEASE_WAKE_EARLY_NS)
+
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -74,17 +86,51 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Watch the word while it still holds ``seen``, up to LEASE_SPIN_NS or the deadline. */
-static void spin_while(lease_slot *slot, uint64_t seen, int64_t deadline) {
-    int64_t until = now_ns(CLOCK_MONOTONIC) + LEASE_SPIN_NS;
+/* Watch the word while it still holds ``seen``, up to ``spin_ns`` or the deadline;
+ * ``yield``: giving the core away between checks to whatever else waits for it. A watch
+ * of hundreds of microseconds must: the holder it waits for may be queued behind it on
+ * its core (on the 2-core VM, where the two took turns on one core most of the time, a
+ * plain spin made the holds' p90 up to 250 us longer), while with nothing else to run
+ * the yield returns at once (0.8 us there). */
+static void spin_while(lease_slot *slot, uint64_t seen, int64_t spin_ns, int64_t deadline, int yield) {
+    int64_t until = now_ns(CLOCK_MONOTONIC) + spin_ns;
     if (until > deadline) until = deadline;
     for (;;) {
         for (int i = 0; i < LEASE_SPIN_CHECK; i++) {
             if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != seen) return;
             cpu_relax();
         }
+        if (yield) sched_yield();
         if (now_ns(CLOCK_MONOTONIC) >= until) return;
     }
+}
+
+static lease_hold *hold_of(lease_slot *slot) { return (lease_hold *)((char *)slot + LEASE_HOLD_OFFSET); }
+
+/* The holder, before its release frees the slot: its hold (since its take's since_ns)
+ * folded into the estimate, a quarter of the way from the last one. A hold outside (0,
+ * LEASE_HOLD_MAX_NS] (a long one, or a since_ns another process scribbled) leaves no
+ * estimate, and an estimate out of that range is started afresh from this hold. */
+static void record_hold(lease_slot *slot) {
+    lease_hold *hold = hold_of(slot);
+    uint64_t held = (uint64_t)now_ns(CLOCK_REALTIME) - __atomic_load_n(&slot->since_ns, __ATOMIC_RELAXED);
+    uint64_t before = __atomic_load_n(&hold->typical_ns, __ATOMIC_RELAXED);
+    uint64_t next = 0;
+    if (held > 0 && held <= LEASE_HOLD_MAX_NS)
+        next = before > 0 && before <= LEASE_HOLD_MAX_NS ? (uint64_t)((int64_t)before + ((int64_t)held - (int64_t)before) / 4)
+                                                         : held;
+    __atomic_store_n(&hold->typical_ns, next, __ATOMIC_RELAXED);
+}
+
+/* ns from now until the holder that took the slot at its since_ns lets go, by the
+ * estimate; 0 predicts nothing: no estimate or one out of range, or a release not ahead
+ * (the holder overran it, or since_ns is in the future: the difference wraps). Written
+ * by any process that maps the segment: the answer is never above LEASE_HOLD_MAX_NS. */
+static int64_t release_ahead(lease_slot *slot) {
+    uint64_t typical = __atomic_load_n(&hold_of(slot)->typical_ns, __ATOMIC_RELAXED);
+    if (typical == 0 || typical > LEASE_HOLD_MAX_NS) return 0;
+    uint64_t held = (uint64_t)now_ns(CLOCK_REALTIME) - __atomic_load_n(&slot->since_ns, __ATOMIC_RELAXED);
+    return held < typical ? (int64_t)(typical - held) : 0;
 }
 
 static void set_label(lease_slot *slot, const char *label, uint32_t len) {
@@ -121,13 +167,20 @@ static int taken(lease_slot *slot, uint64_t mine) {
 
 /* Take the slot for ``mine`` (a nonzero word). ``epoch`` 0 skips the epoch check.
  * timeout_ns 0 tries once; > 0 waits at most that long: watching the word for a while,
- * then asleep on the futex. A ``label`` (NULL: none) is recorded once the slot is ours,
- * in the same call, so a waiter woken by a release returns holding a labelled lease.
+ * then asleep on the futex. Once per call, a holder predicted to let go within
+ * LEASE_HOLD_MAX_NS (release_ahead) is slept on only until LEASE_WAKE_EARLY_NS before
+ * then, and the word watched for LEASE_WATCH_NS: a release in that window hands over to a
+ * waiter that is awake, with no wake system call on either side, where a sleeper woken
+ * by the futex runs its first lines cold on a core that slept (bench/lease.py: ~10 us of
+ * a handoff). A release during the timed sleep wakes it by the futex as before; a holder
+ * that overruns the watch finds it asleep again until the deadline. A ``label`` (NULL:
+ * none) is recorded once the slot is ours, in the same call, so a waiter woken by a
+ * release returns holding a labelled lease.
  * On LEASE_HELD or LEASE_CORRUPT, *holder is the word found. */
 int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_t timeout_ns, uint64_t *holder,
                          const char *label, uint32_t len) {
     int64_t deadline = timeout_ns > 0 ? now_ns(CLOCK_MONOTONIC) + timeout_ns : 0;
-    int spun = 0;
+    int spun = 0, predicted = 0;
     for (;;) {
         uint64_t seen = __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE);
         if (!valid(seen)) {
@@ -154,18 +207,25 @@ int gpumem_lease_acquire(lease_slot *slot, uint64_t mine, uint32_t epoch, int64_
         if (timeout_ns <= 0 || left <= 0) return LEASE_HELD;
         if (!spun) {
             spun = 1;
-            spin_while(slot, seen, deadline);
+            spin_while(slot, seen, LEASE_SPIN_NS, deadline, 0);
             continue;
         }
-        uint32_t generation = __atomic_load_n(&slot->futex, __ATOMIC_ACQUIRE);
-        __atomic_add_fetch(&slot->waiters, 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&slot->word, __ATOMIC_SEQ_CST) == seen) {
-            struct timespec rel = {.tv_sec = left / 1000000000LL, .tv_nsec = left % 1000000000LL};
-            /* Sleeps only while the generation is unchanged: a release after our load
-             * bumped it, and the kernel returns at once. */
-            syscall(SYS_futex, &slot->futex, FUTEX_WAIT, generation, &rel, NULL, 0);
+        int64_t ahead = predicted ? 0 : release_ahead(slot);
+        predicted = 1;
+        int64_t nap = ahead ? ahead - LEASE_WAKE_EARLY_NS : left;
+        if (nap > left) nap = left;
+        if (nap > 0) {
+            uint32_t generation = __atomic_load_n(&slot->futex, __ATOMIC_ACQUIRE);
+            __atomic_add_fetch(&slot->waiters, 1, __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&slot->word, __ATOMIC_SEQ_CST) == seen) {
+                struct timespec rel = {.tv_sec = nap / 1000000000LL, .tv_nsec = nap % 1000000000LL};
+                /* Sleeps only while the generation is unchanged: a release after our load
+                 * bumped it, and the kernel returns at once. */
+                syscall(SYS_futex, &slot->futex, FUTEX_WAIT, generation, &rel, NULL, 0);
+            }
+            __atomic_sub_fetch(&slot->waiters, 1, __ATOMIC_SEQ_CST);
         }
-        __atomic_sub_fetch(&slot->waiters, 1, __ATOMIC_SEQ_CST);
+        if (ahead) spin_while(slot, seen, LEASE_WATCH_NS, deadline, 1);
     }
 }
 
@@ -191,8 +251,8 @@ static void wake(lease_slot *slot) {
         syscall(SYS_futex, &slot->futex, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Free the slot if it still holds ``word``, without ordering: the daemon's sweep,
- * and the last step of both releases below. */
+/* Free the slot if it still holds ``word``, without ordering: the daemon's sweep, a
+ * take undone, and the last step of the holders' releases below (after record_hold). */
 int gpumem_lease_clear(lease_slot *slot, uint64_t word) {
     uint64_t expected = word;
     if (!__atomic_compare_exchange_n(&slot->word, &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
@@ -207,6 +267,7 @@ int gpumem_lease_clear(lease_slot *slot, uint64_t word) {
 int gpumem_lease_release(lease_slot *slot, uint64_t word) {
     if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
     if (__atomic_load_n(&slot->flags, __ATOMIC_ACQUIRE) & LEASE_FLAG_SHARED) return LEASE_RECORD;
+    record_hold(slot);
     return gpumem_lease_clear(slot, word);
 }
 
@@ -215,6 +276,7 @@ int gpumem_lease_release(lease_slot *slot, uint64_t word) {
 int gpumem_lease_release_recorded(lease_slot *slot, uint64_t word) {
     if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
     __atomic_store_n(&slot->handoff, LEASE_SESSION_OF(word), __ATOMIC_RELEASE);
+    record_hold(slot);
     return gpumem_lease_clear(slot, word);
 }
 
@@ -225,6 +287,7 @@ int gpumem_lease_release_recording(lease_slot *slot, uint64_t word) {
     if (__atomic_load_n(&slot->word, __ATOMIC_ACQUIRE) != word) return LEASE_NOT_HOLDER;
     uint32_t session = LEASE_SESSION_OF(word);
     __atomic_store_n(&slot->handoff, session | LEASE_HANDOFF_RECORDING, __ATOMIC_SEQ_CST);
+    record_hold(slot);
     int status = gpumem_lease_clear(slot, word);
     if (status != LEASE_OK) gpumem_lease_recorded(slot, session, 0); /* swept meanwhile: nothing to record for */
     return status;

@@ -412,7 +412,7 @@ static const named_value lease_flags[] = {LEASE_FLAGS(NAMED)};
 #undef NAMED
 
 /* Only the names are listed here; a unit test checks that the fields exported tile the
- * whole struct, so one added to lease_slot or lease_lane and not here fails it. */
+ * whole struct, so one added to lease_slot, lease_lane or lease_hold and not here fails it. */
 #define FIELD(name) {#name, offsetof(lease_slot, name), sizeof(((lease_slot *)0)->name)}
 static const slot_field lease_slot_fields[] = {
     FIELD(word), FIELD(futex), FIELD(waiters), FIELD(since_ns), FIELD(epoch),
@@ -421,6 +421,9 @@ static const slot_field lease_slot_fields[] = {
 #undef FIELD
 #define FIELD(name) {#name, offsetof(lease_lane, name), sizeof(((lease_lane *)0)->name)}
 static const slot_field lease_lane_fields[] = {FIELD(word), FIELD(last), FIELD(stream), FIELD(lane), FIELD(pad)};
+#undef FIELD
+#define FIELD(name) {#name, offsetof(lease_hold, name), sizeof(((lease_hold *)0)->name)}
+static const slot_field lease_hold_fields[] = {FIELD(typical_ns)};
 #undef FIELD
 
 #define COUNT(array) (sizeof(array) / sizeof(*(array)))
@@ -442,7 +445,7 @@ static int add_named(PyObject *module, const char *attr, const named_value *valu
 }
 
 /* ((name, offset, size), ...) in the struct's order, as the module attribute ``attr``:
- * LEASE_SLOT_FIELDS, LEASE_LANE_FIELDS. */
+ * LEASE_SLOT_FIELDS, LEASE_LANE_FIELDS, LEASE_HOLD_FIELDS. */
 static int add_fields(PyObject *module, const char *attr, const slot_field *list, size_t n) {
     PyObject *fields = PyTuple_New((Py_ssize_t)n);
     if (!fields) return -1;
@@ -462,13 +465,16 @@ static int add_fields(PyObject *module, const char *attr, const slot_field *list
 static int add_constants(PyObject *m) {
     if (PyModule_AddIntMacro(m, LEASE_SEGMENT_BYTES) < 0 || PyModule_AddIntMacro(m, LEASE_LABEL_BYTES) < 0 ||
         PyModule_AddIntMacro(m, LEASE_HANDOFF_RECORDING) < 0 || PyModule_AddIntMacro(m, LEASE_HANDOFF_SESSION) < 0 ||
-        PyModule_AddIntMacro(m, LEASE_ORDER_OFFSET) < 0 ||
+        PyModule_AddIntMacro(m, LEASE_ORDER_OFFSET) < 0 || PyModule_AddIntMacro(m, LEASE_HOLD_OFFSET) < 0 ||
+        PyModule_AddIntMacro(m, LEASE_HOLD_MAX_NS) < 0 ||
+        PyModule_AddIntConstant(m, "LEASE_HOLD_BYTES", (long)sizeof(lease_hold)) < 0 ||
         PyModule_AddIntConstant(m, "LEASE_SLOT_BYTES", (long)sizeof(lease_slot)) < 0 ||
         add_named(m, "LEASE_STATUSES", lease_statuses, COUNT(lease_statuses)) < 0 ||
         add_named(m, "LEASE_KINDS", lease_kinds, COUNT(lease_kinds)) < 0 ||
         add_named(m, "LEASE_FLAGS", lease_flags, COUNT(lease_flags)) < 0 ||
         add_fields(m, "LEASE_SLOT_FIELDS", lease_slot_fields, COUNT(lease_slot_fields)) < 0 ||
         add_fields(m, "LEASE_LANE_FIELDS", lease_lane_fields, COUNT(lease_lane_fields)) < 0 ||
+        add_fields(m, "LEASE_HOLD_FIELDS", lease_hold_fields, COUNT(lease_hold_fields)) < 0 ||
         PyModule_AddIntConstant(m, "LEASE_LANE_BYTES", (long)sizeof(lease_lane)) < 0 || PyModule_AddIntMacro(m, LEASE_SEQ_BITS) < 0)
         return -1;
     if (PyModule_AddIntMacro(m, GPUMEM_MAX_SLOTS) < 0 || PyModule_AddIntMacro(m, GPUMEM_MAX_EXTENTS) < 0 ||
