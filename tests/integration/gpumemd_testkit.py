@@ -292,6 +292,26 @@ def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 30.0) -
                 return line[len(prefix):].strip()
 
 
+def lines_until(proc: subprocess.Popen[str], found: Callable[[str], bool], what: str, timeout: float = 240.0) -> list[str]:
+    """The lines ``proc`` prints (stderr merged) up to the first one ``found`` accepts; fails
+    with the last of them if it exits or prints none within ``timeout`` (an engine or a
+    server starting: a model built, graphs captured)."""
+    assert proc.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(timeout=1.0):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                seen.append(line)
+                if found(line):
+                    return seen
+    raise AssertionError(f"{what}: not within {timeout}s (exit {proc.poll()}):\n{''.join(seen)[-6000:]}")
+
+
 def wait_json(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict[str, object]:
     """The JSON a process writes to ``path`` once it gets there (an engine's milestone),
     waited for up to ``timeout`` seconds; fails early, with its log, if it exits first."""

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, child_env
+from gpumemd_testkit import lines_until
 
 KIT = ROOT / "bench" / "transformers_kit.py"
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -86,23 +87,7 @@ def _spawn(runtime_dir: Path, out: Path, *args: str) -> subprocess.Popen[str]:
 
 def _until(proc: subprocess.Popen[str], word: str, timeout: float = 240.0) -> list[str]:
     """Lines of ``proc`` up to one starting with ``word`` (bounded by ``timeout``)."""
-    import selectors
-    import time
-
-    assert proc.stdout is not None
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(timeout=1.0):
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                seen.append(line)
-                if line.startswith(word):
-                    return seen
-    raise AssertionError(f"no '{word}' within {timeout}s (exit {proc.poll()}):\n{''.join(seen)[-6000:]}")
+    return lines_until(proc, lambda line: line.startswith(word), f"no '{word}'", timeout)
 
 
 # Small pools for the elastic test: a 1024-token batch and at most 512 blocks of 8 MiB.

@@ -10,11 +10,9 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
-import selectors
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import child_env
-from gpumemd_testkit import status
+from gpumemd_testkit import lines_until, status
 
 KIT = Path(__file__).resolve().parent / "serve_kit.py"
 SERVE = [sys.executable, "-m", "gpumem.integrations.transformers_serve"]
@@ -43,20 +41,7 @@ def _free_port() -> int:
 
 def _until_serving(proc: subprocess.Popen[str], timeout: float = 240.0) -> None:
     """Until uvicorn says it listens (the model loaded, gpumem's checks passed)."""
-    assert proc.stdout is not None
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(timeout=1.0):
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                seen.append(line)
-                if "Uvicorn running on" in line:
-                    return
-    raise AssertionError(f"the server did not serve within {timeout}s (exit {proc.poll()}):\n{''.join(seen)[-6000:]}")
+    lines_until(proc, lambda line: "Uvicorn running on" in line, "the server did not serve", timeout)
 
 
 def _stop(proc: subprocess.Popen[str]) -> str:
