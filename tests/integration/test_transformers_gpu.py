@@ -31,6 +31,17 @@ def _engine(tmp_path: Path, runtime_dir: Path, label: str, *args: str) -> dict[s
     return result
 
 
+# A plain engine's run depends on its arguments only (seeded weights and prompts, no
+# daemon): tests asking for the same one share it (an engine start is ~30 s on the H100).
+_PLAIN: dict[tuple[str, ...], dict[str, Any]] = {}
+
+
+def _plain(tmp_path: Path, runtime_dir: Path, *args: str) -> dict[str, Any]:
+    if args not in _PLAIN:
+        _PLAIN[args] = _engine(tmp_path, runtime_dir, "plain", "--mode", "plain", *args)
+    return _PLAIN[args]
+
+
 @pytest.mark.gpu
 @needs_transformers
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
@@ -43,7 +54,7 @@ def test_transformers_on_gpumemd_generates_what_plain_generates_and_sleeps(arch:
     # blocks leave its warm-up and first batch out of memory, so the tokens come from a
     # plain engine at half the memory.
     sized = _engine(tmp_path, runtime_dir, "sized", "--mode", "plain", "--arch", arch, "--sizing-only")
-    plain = _engine(tmp_path, runtime_dir, "plain", "--mode", "plain", "--arch", arch, "--max-memory-percent", "0.45")
+    plain = _plain(tmp_path, runtime_dir, "--arch", arch, "--max-memory-percent", "0.45")
     daemon = daemon_factory("cuda")
     on = _engine(tmp_path, runtime_dir, "gpumemd", "--mode", "gpumemd", "--arch", arch, "--runtime-dir", str(runtime_dir),
                  "--sleep-cycle", "--retain", "tf-group")
@@ -60,7 +71,7 @@ def test_transformers_on_gpumemd_generates_what_plain_generates_and_sleeps(arch:
 def test_two_transformers_engines_started_together_share_one_round(daemon_factory, runtime_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Two engines started at the same moment (expect=2): both start, the round splits
     the device between them, and each generates what a plain engine generates."""
-    plain = _engine(tmp_path, runtime_dir, "plain", "--mode", "plain", "--arch", "qwen3", "--max-memory-percent", "0.45")
+    plain = _plain(tmp_path, runtime_dir, "--arch", "qwen3", "--max-memory-percent", "0.45")
     daemon_factory("cuda")
     go = tmp_path / "go"
     procs = []
@@ -102,7 +113,7 @@ def test_transformers_block_manager_follows_its_pool(daemon_factory, runtime_dir
     follower moves its live blocks down and gives back), and A's tokens are what a plain
     engine with enough blocks generates."""
     burst = ["--prompts", "48", "--prompt-len", "1600", "--tokens", "16"]
-    plain = _engine(tmp_path, runtime_dir, "plain", "--mode", "plain", "--arch", "qwen3", "--max-batch-tokens", "1024",
+    plain = _plain(tmp_path, runtime_dir, "--arch", "qwen3", "--max-batch-tokens", "1024",
                     "--num-blocks", "500", *burst)
     # Both engines' arenas (weights, warm-up's and graphs' memory) took 4.7 GiB on the H100;
     # the rest, less the reserve and the headroom, is a round that cannot give A its burst.
@@ -139,7 +150,7 @@ def test_transformers_standby_takes_over_a_killed_primary(daemon_factory, runtim
     # by the primary's pages) fit the room the primary's round leaves it.
     small = ["--arch", "qwen3", "--dtype", "float32", "--max-batch-tokens", "512", "--prompts", "16", "--tokens", "24",
              "--prompt-len", "1200"]  # prompts that fill whole 256-token blocks: only those are in the directory
-    plain = _engine(tmp_path, runtime_dir, "plain", "--mode", "plain", *small)
+    plain = _plain(tmp_path, runtime_dir, *small)
     daemon_factory("cuda")
     secret, stop = tmp_path / "secret", tmp_path / "stop"
     primary = _spawn(runtime_dir, tmp_path / "primary.json", *small, "--max-blocks", "2048", "--name", "primary", "--retain", "tf",
@@ -172,7 +183,7 @@ def test_nanovllm_and_transformers_share_one_round(daemon_factory, runtime_dir, 
     model = tmp_path / "model"
     nano_kit = ROOT / "bench" / "nanovllm_kit.py"
     subprocess.run([sys.executable, str(nano_kit), "build", str(model)], check=True, timeout=100, env=child_env(runtime_dir))
-    plain = _engine(tmp_path, runtime_dir, "plain", "--mode", "plain", "--arch", "mistral")
+    plain = _plain(tmp_path, runtime_dir, "--arch", "mistral")
     daemon_factory("cuda")
     nano = subprocess.Popen([sys.executable, str(nano_kit), "engine", "--model", str(model), "--mode", "gpumemd", "--name", "nano",
                              "--out", str(tmp_path / "nano.json"), "--expect", "2", "--runtime-dir", str(runtime_dir),
