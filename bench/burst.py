@@ -59,8 +59,8 @@ blocks (on the H200 both engines grew 216 -> 384 blocks and no block moved).
     python bench/burst.py --backend host
     python bench/burst.py --backend cuda --capacity 24GiB [--engine transformers]
 
-Last line: {"bench": "burst", "engine": ..., ...}; ok when elastic p99 <= 0.25x static, p50 and p99
-<= 1.3x alone, no preemption in elastic, its decode >= 0.98x static, the grows within
+Last line: {"bench": "burst", "engine": ..., ...}; ok when (issue 38) elastic p50 <= 1.05x static
+(``elastic_p50_vs_static``), p99 <= 0.25x static and <= 1.2x alone, no preemption in elastic, its decode >= 0.98x static, the grows within
 50 ms (free) and 200 ms (given back) at p99, and the tokens identical up to near-ties
 (``nanovllm_kit.TIE_GAP``; on the host and for transformers, which gives no logit gaps,
 exactly identical).
@@ -382,7 +382,9 @@ def main() -> int:
     c.ensure_importable()
 
     def body(result: c.Result, cleanup: contextlib.ExitStack) -> None:
-        result.targets = {"elastic_p99_vs_static_max": 0.25, "elastic_vs_alone_max": 1.3, "elastic_preempted": 0,
+        # Issue 38's: elastic costs the median request nothing over a static split (p50), and
+        # its tail stays near one engine's with all the memory (p99).
+        result.targets = {"elastic_p50_vs_static_max": 1.05, "elastic_p99_vs_static_max": 0.25, "elastic_p99_vs_alone_max": 1.2, "elastic_preempted": 0,
                           "decode_vs_static_min": 0.98, "grow_free_p99_ms_max": 50.0, "grow_given_back_p99_ms_max": 200.0,
                           "tokens_identical": True}
         work = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="gmb-burst-", dir="/tmp")))
@@ -408,6 +410,7 @@ def main() -> int:
         el, st, al = runs["elastic"], runs["static"], runs["alone"]
         result.figures = {
             **{f"{config}_{key}": value for config, run in runs.items() for key, value in run.items()},
+            "elastic_p50_vs_static": c.ratio(el["ttft_p50_s"], st["ttft_p50_s"]),
             "elastic_p99_vs_static": c.ratio(el["ttft_p99_s"], st["ttft_p99_s"]),
             "elastic_p50_vs_alone": c.ratio(el["ttft_p50_s"], al["ttft_p50_s"]),
             "elastic_p99_vs_alone": c.ratio(el["ttft_p99_s"], al["ttft_p99_s"]),
@@ -422,10 +425,10 @@ def main() -> int:
             "capacity": plan.get("capacity", args.capacity), "blocks_per_engine": plan["blocks"],
         }
         f = result.figures
-        c.say(f"elastic TTFT p99 {f['elastic_p99_vs_static']:.2f}x static; p50 {f['elastic_p50_vs_alone']:.2f}x and p99 "
+        c.say(f"elastic TTFT p50 {f['elastic_p50_vs_static']:.2f}x and p99 {f['elastic_p99_vs_static']:.2f}x static; p50 {f['elastic_p50_vs_alone']:.2f}x and p99 "
               f"{f['elastic_p99_vs_alone']:.2f}x alone; decode {f['decode_vs_static']:.3f}x static; sequences differing {differ}, "
               f"of which parting where the best logit led by more than {kit.TIE_GAP:g}: {clear}")
-        result.ok = (f["elastic_p99_vs_static"] <= 0.25 and max(f["elastic_p50_vs_alone"], f["elastic_p99_vs_alone"]) <= 1.3
+        result.ok = (f["elastic_p50_vs_static"] <= 1.05 and f["elastic_p99_vs_static"] <= 0.25 and f["elastic_p99_vs_alone"] <= 1.2
                      and el["preempted"] == 0 and f["decode_vs_static"] >= 0.98 and f["grow_free_p99_ms"] <= 50
                      and f["grow_given_back_p99_ms"] <= 200 and not any(clear.values()))
 
