@@ -118,20 +118,21 @@ def turns(session: Any, pool: Any, rounds: int) -> list[tuple[int, int, int, int
     for _ in range(rounds):
         lease = session.replay(pool, wait=5.0)
         acquired, returned = time.monotonic_ns(), time.time_ns()
-        out.append((acquired, *holding(pool, returned)))
+        after_take = holding(pool, returned)
         time.sleep(0.001)
         released = time.monotonic_ns()
         lease.release()
-        out[-1] = (acquired, released, time.monotonic_ns() - released, out[-1][1])
+        out.append((acquired, released, time.monotonic_ns() - released, after_take))
         time.sleep(PAUSE_S)
     return out
 
 
-def holding(pool: Any, returned: int) -> tuple[int]:
-    """(ns from the native take's compare-and-swap to ``returned``, the realtime clock
-    read on the Python line after the take), read while the lease is held."""
+def holding(pool: Any, returned: int) -> int:
+    """ns from the native take's compare-and-swap to ``returned`` (the realtime clock read
+    on the Python line after the take; -1 if the slot shows no holder), read while the
+    lease is held."""
     holder = pool.segment.holder()
-    return (returned - holder.since_ns if holder else -1,)
+    return returned - holder.since_ns if holder else -1
 
 
 def handoff_client(name: str, rounds: int, ordering: str) -> int:
@@ -184,7 +185,7 @@ def handoff_client(name: str, rounds: int, ordering: str) -> int:
             if status not in taken:
                 raise RuntimeError(f"the bare native acquire did not take the lease within 5 s (status {status})")
             acquired, returned = time.monotonic_ns(), time.time_ns()
-            (after_take,) = holding(pool, returned)
+            after_take = holding(pool, returned)
             time.sleep(0.001)
             released = time.monotonic_ns()
             if ordered:
