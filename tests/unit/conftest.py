@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 
 from gpumem_shared.driver.host import HostDriver
+from gpumem_shared.lease_table import LeaseSegment
 from gpumemd.config import StateConfig
 from gpumemd.state import DaemonState
 
 from .harness import BULK, CAPACITY, WATCHED_SPAN, Clock, Harness, mapped_ranges, open_fds
+from .lease_kit import EPOCH, fresh_segment
 
 
 @pytest.fixture
@@ -50,3 +52,12 @@ def make_harness() -> Iterator[Callable[..., Harness]]:
 @pytest.fixture
 def h(make_harness: Callable[..., Harness]) -> Harness:
     return make_harness()
+
+
+@pytest.fixture
+def table() -> Iterator[LeaseSegment]:
+    """One lease segment as the daemon creates one, its epoch set; closed after the test."""
+    seg = fresh_segment()
+    seg.set_epoch(EPOCH)
+    yield seg
+    seg.close()

@@ -31,7 +31,7 @@ from gpumem_shared.protocol import ErrorCode
 from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, GiB, Harness, MiB
-from .test_lease_table import Pool, Waiter, follow, fresh_segment, granted, repairs, wait_until_sleeping
+from .lease_kit import Pool, Waiter, follow, fresh_segment, granted, repairs, wait_until_sleeping
 
 EPOCH = lease_table.lease_epoch(3, 1)
 ARENA = "graphs"

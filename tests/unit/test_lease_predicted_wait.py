@@ -14,26 +14,17 @@ and that attempt says nothing either way."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from gpumem_shared.lease_table import HOLD_MAX_NS, LeaseKind, LeaseSegment, LeaseStatus
 
-from .test_lease_table import EPOCH, Waiter, fresh_segment, word
+from .lease_kit import EPOCH, Waiter, fresh_segment, word
 
 # leases.c's LEASE_WAKE_EARLY_NS: a predicted waiter stops sleeping this long before the
 # predicted release.
 WAKE_EARLY_NS = 150_000
 ATTEMPTS = 5
-
-
-@pytest.fixture
-def table() -> Iterator[LeaseSegment]:
-    seg = fresh_segment()
-    seg.set_epoch(EPOCH)
-    yield seg
-    seg.close()
 
 
 HOLDER, TAKER = word(LeaseKind.CAPTURE, 1, 11), word(LeaseKind.REPLAY, 2, 22)

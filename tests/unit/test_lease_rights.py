@@ -28,7 +28,7 @@ from gpumemd.state import DaemonState
 from .harness import CAPACITY, Clock, GiB, Harness, MiB
 from .test_durable import FakeStore
 from .test_lease_handoff import opens, owner, register, sharer
-from .test_lease_table import Pool, follow, give_back, granted, repairs
+from .lease_kit import Pool, follow, give_back, granted, repairs
 
 ARENA = "graphs"
 

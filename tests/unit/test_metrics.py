@@ -20,7 +20,7 @@ from gpumemd.metrics import DEVICE_LABELS, HistogramValue, Metrics, Snapshot
 from gpumemd.records import SessionRecord as Session
 
 from .harness import BULK, CAPACITY, GiB, Harness, MiB
-from .test_lease_table import Waiter, wait_until_sleeping
+from .lease_kit import Waiter, wait_until_sleeping
 
 
 def value(snapshot: Snapshot, name: str, **labels: str) -> float | HistogramValue:

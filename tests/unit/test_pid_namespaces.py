@@ -21,7 +21,7 @@ from gpumemd import fencing
 
 from .harness import GiB, Harness, MiB
 from .test_lease_handoff import ARENA, opens, register
-from .test_lease_table import follow
+from .lease_kit import follow
 
 
 def gone_pid() -> int:
