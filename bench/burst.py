@@ -23,7 +23,7 @@ over the run (decode steps only; steady decode compares a decode step's time at
 the batch of static's median decoded token, from a line fitted to each configuration's
 steps), and the moves (grows, shrinks answered,
 blocks moved and the time spent copying them, steps that waited for a grow). Token ids
-must be identical across the four, up to near-ties on CUDA (``nanovllm_kit.TIE_GAP``: where two runs
+must be identical across the four, up to near-ties on CUDA (``token_margins.TIE_GAP``: where two runs
 part, the best logit led by next to nothing in both). Then, with a daemon of its own, a ``--grow-mib`` grow
 timed ``--repeats`` times when the memory is free and when an idle neighbour must give
 it back first.
@@ -62,7 +62,7 @@ blocks (on the H200 both engines grew 216 -> 384 blocks and no block moved).
 Last line: {"bench": "burst", "engine": ..., ...}; ok when (issue 38) elastic p50 <= 1.05x static
 (``elastic_p50_vs_static``), p99 <= 0.25x static and <= 1.2x alone, no preemption in elastic, its decode >= 0.98x static, the grows within
 50 ms (free) and 200 ms (given back) at p99, and the tokens identical up to near-ties
-(``nanovllm_kit.TIE_GAP``; on the host and for transformers, which gives no logit gaps,
+(``token_margins.TIE_GAP``; on the host and for transformers, which gives no logit gaps,
 exactly identical).
 """
 
@@ -83,7 +83,7 @@ from typing import Any
 
 import _common as c
 import burst_engines
-import nanovllm_kit as kit
+from token_margins import TIE_GAP, parting_gaps
 
 BENCH = "burst"
 MiB = 1 << 20
@@ -405,8 +405,8 @@ def main() -> int:
         batch = c.median([b for b, _ in steps["static"] for _ in range(int(b))])  # weighted by tokens: the bursts', not the long ones' steps
         at = {config: _step_at(steps[config], batch) for config in ("static", "elastic")}
         differ = {config: sum(tokens[config].get(k) != v for k, v in tokens["static"].items()) for config in CONFIGS}
-        parted = {config: kit.parting_gaps(tokens["static"], tokens[config], margins["static"], margins[config]) for config in CONFIGS}
-        clear = {config: sum(gap > kit.TIE_GAP for gap in gaps) for config, gaps in parted.items()}
+        parted = {config: parting_gaps(tokens["static"], tokens[config], margins["static"], margins[config]) for config in CONFIGS}
+        clear = {config: sum(gap > TIE_GAP for gap in gaps) for config, gaps in parted.items()}
         el, st, al = runs["elastic"], runs["static"], runs["alone"]
         result.figures = {
             **{f"{config}_{key}": value for config, run in runs.items() for key, value in run.items()},
@@ -427,7 +427,7 @@ def main() -> int:
         f = result.figures
         c.say(f"elastic TTFT p50 {f['elastic_p50_vs_static']:.2f}x and p99 {f['elastic_p99_vs_static']:.2f}x static; p50 {f['elastic_p50_vs_alone']:.2f}x and p99 "
               f"{f['elastic_p99_vs_alone']:.2f}x alone; decode {f['decode_vs_static']:.3f}x static; sequences differing {differ}, "
-              f"of which parting where the best logit led by more than {kit.TIE_GAP:g}: {clear}")
+              f"of which parting where the best logit led by more than {TIE_GAP:g}: {clear}")
         result.ok = (f["elastic_p50_vs_static"] <= 1.05 and f["elastic_p99_vs_static"] <= 0.25 and f["elastic_p99_vs_alone"] <= 1.2
                      and el["preempted"] == 0 and f["decode_vs_static"] >= 0.98 and f["grow_free_p99_ms"] <= 50
                      and f["grow_given_back_p99_ms"] <= 200 and not any(clear.values()))

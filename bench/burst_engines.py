@@ -378,7 +378,7 @@ class Tf:
     as shipped with a fixed block count (static, alone: ``num_blocks``), or on gpumemd
     (round, elastic: gpumem.integrations.transformers, the layout's ceiling
     ``CEILING`` rows). Float32: the four configurations batch the requests otherwise, and
-    transformers gives no logit gaps to tell a near-tie (nanovllm_kit.TIE_GAP) from a
+    transformers gives no logit gaps to tell a near-tie (token_margins.TIE_GAP) from a
     block read back wrong, so tokens must not part at all. Its manager steps on a thread
     of its own: ``step`` takes what it streamed out since (a request's first token when
     this sees it), the decode steps are timed in that thread (transformers_kit.Steps),

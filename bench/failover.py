@@ -22,7 +22,7 @@ it put to sleep, its graphs arena; ``standby_model_arena_live``, nano-vllm: what
 in the model arena it dropped, from torch's snapshot); whether its token ids equal the
 primary's phase-1 ids for the same prompts (on CUDA the ids of the primary's second pass over them, their full blocks from
 its prefix cache as the standby's are), up to near-ties on CUDA: where the two part, the
-best logit must have led by at most ``nanovllm_kit.TIE_GAP`` in both (on the H200 the
+best logit must have led by at most ``token_margins.TIE_GAP`` in both (on the H200 the
 standby's ids differed from the primary's second pass; whether at near-ties was not
 recorded then); and the accounting once the standby closed (nothing left, no retain
 group).
@@ -78,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as c
-import nanovllm_kit as kit
+from token_margins import TIE_GAP, parting_gaps
 
 BENCH = "failover"
 GiB = 1 << 30
@@ -245,8 +245,8 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     # (nano-vllm records it; the host's stand-ins record none: any parting counts).
     margins_path = work / "phase1-margins.json"
     primary_margins = json.loads(margins_path.read_text()) if margins_path.exists() else {}
-    parted = kit.parting_gaps(phase1, got["tokens"], primary_margins, got.get("margins", {}))
-    clear = sum(gap > kit.TIE_GAP for gap in parted)
+    parted = parting_gaps(phase1, got["tokens"], primary_margins, got.get("margins", {}))
+    clear = sum(gap > TIE_GAP for gap in parted)
     identical = got["tokens"] == phase1
     timeline = {key: got[f"{key}_at"] - killed for key in ("adopted", "woke", "seeded", "first_step", "first_token")}
     c.say("kill -> " + ", ".join(f"{key.replace('_', ' ')} {1e3 * at:.1f} ms" for key, at in timeline.items())
@@ -254,7 +254,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     c.say(f"{got['trusted']} directory entries trusted ({got['corrupt']} corrupt); prompt tokens from the adopted KV "
           f"{got['cached']}/{prompt_tokens} ({100 * hit:.2f}%); tokens {'identical' if identical else 'DIFFER'} to the primary's"
           + ("" if identical else f" in {len(parted)} of {len(phase1)} requests, {clear} where the best logit led by more than "
-             f"{kit.TIE_GAP:g} (largest lead where one parted: {max(parted):.4g})"))
+             f"{TIE_GAP:g} (largest lead where one parted: {max(parted):.4g})"))
 
     (work / "close.json").write_text("{}")
     engines["standby"].proc.wait(args.run_timeout)

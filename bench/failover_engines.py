@@ -353,6 +353,7 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
     memory to sleep once built (gpumem.port.takeover), then waits in
     ``take_over``; ``standby.json`` has the take-over's timeline."""
     import nanovllm_kit as kit
+    import nanovllm_probes as probes
 
     kit.install_standins(spec["port"])
     from nanovllm import LLM, SamplingParams
@@ -365,7 +366,7 @@ def nano_standby(spec: dict[str, Any], out: Path) -> int:
     with kit.probes_discarded():  # its rehearsal warms the probe that Margins times below
         llm = LLM(spec["model"], max_num_seqs=kit.MAX_NUM_SEQS, max_model_len=kit.MAX_MODEL_LEN, max_num_batched_tokens=kit.MAX_BATCHED)
     ready = {"pid": os.getpid(), "shared_weights_bytes": integration.shared_weights_bytes(llm), "asleep": llm.model_runner._gpumem.asleep}
-    kit._diagnose(ready, "model_arena_live", lambda: kit.model_arena_live(llm.model_runner))
+    probes.diagnose(ready, "model_arena_live", lambda: probes.model_arena_live(llm.model_runner))
     _write_json(out / "standby-ready.json", ready)
     took = integration.take_over(llm, wait=ADOPT_WAIT_S)
     manager = llm.scheduler.block_manager

@@ -24,7 +24,14 @@ a warm-up, one probed pass (the tokens compared across runs, with the logit gaps
 checksums that say where and why runs part), ``--passes`` timed passes (with the median
 time per step of ``run``, ``replay`` and ``sampler``), then what the flags ask for: an
 eager A/B of the stand-in's attention, the sampler's borrowing figures, a second pass on
-a signal (``--again-after``), timed passes on request (``--duel``), serving forever.
+a signal (``--again-after``), timed passes on request (``--duel``), serving forever. The
+probes of the engine and its arenas are bench/nanovllm_probes.py's; the two checks of the
+stand-ins themselves (``sdpa_choice``, ``attention_ab``) are here, beside the stand-ins.
+
+Imported as well, by bench/burst_engines.py, bench/failover_engines.py and
+tests/integration/test_standby_gpu.py: the model's sizes, ``install_standins``,
+``generate`` and ``Margins`` (each generated token's logit gap, which the greedy sampler
+records). Judging two runs' tokens by those gaps needs no engine: bench/token_margins.py.
 """
 
 from __future__ import annotations
@@ -33,7 +40,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import random
 import statistics
@@ -43,6 +49,9 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from nanovllm_probes import StepParts, borrow_overlaps, device_use, diagnose, kv_scan, sampler_borrowing
+from token_margins import differing
 
 LAYERS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 2048, 8192, 16, 4, 128, 32768
 MAX_NUM_SEQS, MAX_MODEL_LEN, MAX_BATCHED = 64, 1024, 8192
@@ -228,6 +237,51 @@ def install_standins(port: int) -> Any:
     return torch
 
 
+def attention_ab(llm: Any, runner: Any, batch: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """The stand-in's decode attention as fixed against the first one (which let the
+    slots past each sequence's length into the arithmetic), both eager (a graph has one
+    of them captured): same shapes, so what differs is that alone."""
+    runner.enforce_eager = True
+    try:
+        masked = generate(llm, batch, max_tokens, probe=True)
+        STANDIN["unmasked"] = True
+        unmasked = generate(llm, batch, max_tokens, probe=True)
+    finally:
+        STANDIN["unmasked"] = False
+        runner.enforce_eager = False
+    return {"masked_nonfinite_rows": masked.nonfinite_rows, "unmasked_nonfinite_rows": unmasked.nonfinite_rows,
+            "unmasked_differ": differing(unmasked.tokens, masked.tokens), "tokens": masked.tokens}
+
+
+def sdpa_choice(torch: Any) -> dict[str, dict[str, str]]:
+    """The backend torch picks for the stand-in's attention shapes (decode: one query per
+    sequence against a full block-table row, masked; prefill: one sequence, causal mask),
+    as set up here and as torch would by default (cuDNN's allowed)."""
+    from torch.nn.attention import SDPBackend
+
+    def pick() -> dict[str, str]:
+        bf16, width = torch.bfloat16, -(-MAX_MODEL_LEN // 256) * 256
+        q = torch.zeros(MAX_NUM_SEQS, HEADS, 1, HEAD_DIM, device="cuda", dtype=bf16)
+        k = torch.zeros(MAX_NUM_SEQS, KV_HEADS, width, HEAD_DIM, device="cuda", dtype=bf16)
+        mask = torch.ones(MAX_NUM_SEQS, 1, 1, width, device="cuda", dtype=torch.bool)
+        pq = torch.zeros(1, HEADS, 128, HEAD_DIM, device="cuda", dtype=bf16)
+        pk = torch.zeros(1, KV_HEADS, 128, HEAD_DIM, device="cuda", dtype=bf16)
+        causal = torch.ones(128, 128, device="cuda", dtype=torch.bool).tril()
+        return {
+            "decode": SDPBackend(torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=None, enable_gqa=True)).name,
+            "prefill": SDPBackend(torch._fused_sdp_choice(pq, pk, pk, causal, 0.0, False, scale=None, enable_gqa=True)).name,
+        }
+
+    here = pick()
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        default = pick()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+    return {"here": here, "torch_default": default}
+
+
 # ---------------------------------------------------------------------- one engine
 
 
@@ -302,33 +356,6 @@ def generate(llm: Any, batch: list[list[int]], max_tokens: int, probe: bool = Fa
     return result
 
 
-# Greedy tokens of two runs of one request are identical up to near-ties: a batch of
-# another size (or a prefill of another length) runs other kernels, and bf16 logits then
-# differ in their last bits (on the H200 38 of 128 requests parted between burst.py's
-# elastic and static runs, 39 between alone, which runs no daemon at all, and static). A
-# run parts where the best logit led by at most this (4 bf16 steps at these logits'
-# magnitude, about 2 to 4) in both runs, or it is counted: KV read back wrong changes a
-# token where the lead is clear.
-TIE_GAP = 1 / 16
-
-
-def parting_gaps(
-    want: dict[str, list[int]], got: dict[str, list[int]], want_margins: dict[str, list[float]], got_margins: dict[str, list[float]],
-) -> list[float]:
-    """Per request whose tokens in ``got`` differ from ``want``: the larger of the two
-    runs' best-to-second-best logit gaps at the first token where they part (inf where a
-    run recorded none, e.g. host stand-ins, whose tokens must not part at all)."""
-    gaps = []
-    for rid, tokens in want.items():
-        other = got.get(rid) or []
-        if other == tokens:
-            continue
-        at = next((i for i, (x, y) in enumerate(zip(tokens, other)) if x != y), min(len(tokens), len(other)))
-        both = [m[rid][at] if at < len(m.get(rid, [])) else math.inf for m in (want_margins, got_margins)]
-        gaps.append(max(both))
-    return gaps
-
-
 class Margins:
     """From now on, at every step of ``llm``: per sequence id, the gap between the best
     and the second-best logit of each token it generates (the greedy sampler's probe;
@@ -371,178 +398,6 @@ def probes_discarded() -> Iterator[None]:
         _SAMPLER[0].probe = None
 
 
-def model_arena_live(runner: Any) -> dict[str, Any]:
-    """What lives in the engine's model arena (torch's snapshot of its pool: host
-    bookkeeping, readable while the arena sleeps): blocks in use and their bytes, how many
-    are the decode graphs' static inputs and output (``graph_vars``, rewritten or zeroed
-    before a replay reads them), and the sizes of the others, largest first (a standby
-    drops this arena: cuBLAS's workspaces, scratch, are expected; anything else with
-    contents would be lost)."""
-    inputs = {t.data_ptr() for t in getattr(runner, "graph_vars", {}).values()}
-    live = [b for seg in runner._gpumem.model.torch_pool().segments() for b in seg["blocks"] if b["state"] != "inactive"]
-    others = sorted((b["size"] for b in live if b["address"] not in inputs), reverse=True)
-    return {"blocks": len(live), "bytes": sum(b["size"] for b in live), "graph_vars": len(live) - len(others),
-            "graph_vars_expected": len(inputs), "other_sizes": others[:16], "other_bytes": sum(others)}
-
-
-def differing(a: list[list[int]], b: list[list[int]]) -> int:
-    """How many sequences differ between two runs' completions."""
-    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
-
-
-def kv_scan(torch: Any, runner: Any, blocks: int, limit: int = 2048) -> dict[str, int]:
-    """What the KV cache's first blocks hold before any generation (the ones a run's
-    sequences get): non-finite and non-zero elements, over every layer's K and V."""
-    n = min(blocks, limit)
-    found = {"blocks": n, "elements": 0, "nonfinite": 0, "nonzero": 0}
-    for module in runner.model.modules():
-        if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
-            for cache in (module.k_cache, module.v_cache):
-                for start in range(0, n, 256):
-                    part = cache[start:min(n, start + 256)]
-                    found["elements"] += part.numel()
-                    found["nonfinite"] += int((~torch.isfinite(part)).sum())
-                    found["nonzero"] += int((part != 0).sum())
-    return found
-
-
-def attention_ab(llm: Any, runner: Any, batch: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """The stand-in's decode attention as fixed against the first one (which let the
-    slots past each sequence's length into the arithmetic), both eager (a graph has one
-    of them captured): same shapes, so what differs is that alone."""
-    runner.enforce_eager = True
-    try:
-        masked = generate(llm, batch, max_tokens, probe=True)
-        STANDIN["unmasked"] = True
-        unmasked = generate(llm, batch, max_tokens, probe=True)
-    finally:
-        STANDIN["unmasked"] = False
-        runner.enforce_eager = False
-    return {"masked_nonfinite_rows": masked.nonfinite_rows, "unmasked_nonfinite_rows": unmasked.nonfinite_rows,
-            "unmasked_differ": differing(unmasked.tokens, masked.tokens), "tokens": masked.tokens}
-
-
-def sdpa_choice(torch: Any) -> dict[str, dict[str, str]]:
-    """The backend torch picks for the stand-in's attention shapes (decode: one query per
-    sequence against a full block-table row, masked; prefill: one sequence, causal mask),
-    as set up here and as torch would by default (cuDNN's allowed)."""
-    from torch.nn.attention import SDPBackend
-
-    def pick() -> dict[str, str]:
-        bf16, width = torch.bfloat16, -(-MAX_MODEL_LEN // 256) * 256
-        q = torch.zeros(MAX_NUM_SEQS, HEADS, 1, HEAD_DIM, device="cuda", dtype=bf16)
-        k = torch.zeros(MAX_NUM_SEQS, KV_HEADS, width, HEAD_DIM, device="cuda", dtype=bf16)
-        mask = torch.ones(MAX_NUM_SEQS, 1, 1, width, device="cuda", dtype=torch.bool)
-        pq = torch.zeros(1, HEADS, 128, HEAD_DIM, device="cuda", dtype=bf16)
-        pk = torch.zeros(1, KV_HEADS, 128, HEAD_DIM, device="cuda", dtype=bf16)
-        causal = torch.ones(128, 128, device="cuda", dtype=torch.bool).tril()
-        return {
-            "decode": SDPBackend(torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=None, enable_gqa=True)).name,
-            "prefill": SDPBackend(torch._fused_sdp_choice(pq, pk, pk, causal, 0.0, False, scale=None, enable_gqa=True)).name,
-        }
-
-    here = pick()
-    was = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(True)
-    try:
-        default = pick()
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(was)
-    return {"here": here, "torch_default": default}
-
-
-class StepParts:
-    """Wall time of each call of a step's pieces, the same in both modes: the runner's
-    ``run`` (prepare, forward, sample, read back: it waits for the GPU), the decode
-    graphs' ``replay`` (launch, and on gpumemd the replay lease) and the ``sampler``
-    (launches, and on gpumemd the borrow)."""
-
-    def __init__(self) -> None:
-        self.spent: dict[str, list[float]] = {"run": [], "replay": [], "sampler": []}
-
-    def timed(self, key: str, fn: Any) -> Any:
-        spent = self.spent[key]
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent.append(time.perf_counter() - started)
-
-        return call
-
-    def install(self, runner: Any) -> None:
-        runner.run = self.timed("run", runner.run)
-        runner.sampler = self.timed("sampler", runner.sampler)
-        if getattr(runner, "graphs", None):
-            runner.graphs = {bs: _TimedGraph(g, self.timed("replay", g.replay)) for bs, g in runner.graphs.items()}
-
-    def medians_ms(self) -> dict[str, float]:
-        return {key: 1000 * _median(spent) for key, spent in self.spent.items()}
-
-    def clear(self) -> None:
-        for spent in self.spent.values():
-            spent.clear()
-
-
-class _TimedGraph:
-    """A captured graph whose ``replay`` is timed; the rest is the graph's."""
-
-    def __init__(self, graph: Any, replay: Any) -> None:
-        self._graph = graph
-        self.replay = replay
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._graph, name)
-
-
-def borrow_overlaps(runner: Any, mem: Any, logits_at: list[int]) -> dict[str, int]:
-    """Whether what the sampler borrows (the graph pool's free runs) can meet what the
-    decode graphs keep between replays (their static inputs and output, graph_vars) or
-    the logits the sampler reads: overlaps, and those in the graphs arena at all."""
-    base, end = mem.graphs.address, mem.graphs.address + mem.graphs.reserved
-    runs = [(base + r.offset, base + r.offset + r.size) for r in mem.graph_pool.free_runs]
-    kept = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in runner.graph_vars.values()]
-    return {
-        "free_runs": len(runs),
-        "graph_vars_overlapping_runs": sum(1 for lo, hi in kept if any(a < hi and lo < b for a, b in runs)),
-        "graph_vars_in_graphs_arena": sum(1 for lo, _ in kept if base <= lo < end),
-        "logits_in_graphs_arena": sum(1 for at in logits_at if base <= at < end),
-        "logits_seen": len(logits_at),
-    }
-
-
-def sampler_borrowing(torch: Any, mem: Any) -> dict[str, int]:
-    """The sampler's temporaries: the reserved peak they add with torch's own allocator,
-    and with borrowing from the graph pool's free runs (the borrow pool's segments alias
-    graph-pool memory: left out, as gpumem.memory_reserved does)."""
-    import gpumem
-
-    sampler = greedy_sampler(torch)()
-    with mem.running():
-        logits = torch.randn(MAX_NUM_SEQS, VOCAB, device="cuda", dtype=torch.bfloat16)
-        temperatures = torch.ones(MAX_NUM_SEQS, device="cuda")
-    need = 4 * logits.numel()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_reserved()
-    result = sampler(logits, temperatures)  # torch's default allocator: fresh segments
-    del result
-    plain = torch.cuda.max_memory_reserved() - base
-    # The first borrow warms cuBLAS and builds the borrow pool; the copy of its result
-    # out of the runs leaves a block cached where steady steps find it.
-    mem.borrowed(sampler, logits, temperatures, need_bytes=need)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = gpumem.memory_reserved()
-    aliases = torch.cuda.memory_reserved() - base
-    mem.borrowed(sampler, logits, temperatures, need_bytes=need)
-    borrowed = torch.cuda.max_memory_reserved() - aliases - base
-    return {"temporaries_bytes": plain, "borrowed_peak_bytes": borrowed, "need_bytes": need}
-
-
 def engine(args: argparse.Namespace) -> int:
     torch = install_standins(args.port)
     from nanovllm import LLM
@@ -559,11 +414,11 @@ def engine(args: argparse.Namespace) -> int:
               gpu_memory_utilization=args.util)
     out["startup_s"] = time.perf_counter() - started
     runner = llm.model_runner
-    after_round = _device_use(torch, runner)
+    after_round = device_use(torch, runner)
     out["blocks"] = runner.config.num_kvcache_blocks
     out["block_bytes"] = 2 * LAYERS * runner.block_size * KV_HEADS * HEAD_DIM * 2
-    _diagnose(out, "kv_scan", lambda: kv_scan(torch, runner, out["blocks"]))
-    _diagnose(out, "sdpa", lambda: sdpa_choice(torch))
+    diagnose(out, "kv_scan", lambda: kv_scan(torch, runner, out["blocks"]))
+    diagnose(out, "sdpa", lambda: sdpa_choice(torch))
     parts = StepParts()
     parts.install(runner)
     batch = prompts(args.prompts)
@@ -582,16 +437,16 @@ def engine(args: argparse.Namespace) -> int:
         # What the engine took from the device after its round, past what its arenas
         # held then: what the round's headroom must leave free (alone in the round, no
         # one else moves the device's free memory meanwhile).
-        out["after_round"] = {key: now - after_round[key] for key, now in _device_use(torch, runner).items()}
+        out["after_round"] = {key: now - after_round[key] for key, now in device_use(torch, runner).items()}
         mem = runner._gpumem
         out["model_usage"] = vars(mem.model.usage())
         out["graphs_usage"] = vars(mem.graphs.usage())
         out["kv_budget"] = msgspec.structs.asdict(mem.kv.pool.budget)
-        _diagnose(out, "borrow_overlaps", lambda: borrow_overlaps(runner, mem, first.logits_at))
+        diagnose(out, "borrow_overlaps", lambda: borrow_overlaps(runner, mem, first.logits_at))
     if args.ab_attention:
-        _diagnose(out, "attention_ab", lambda: attention_ab(llm, runner, batch, args.tokens))
+        diagnose(out, "attention_ab", lambda: attention_ab(llm, runner, batch, args.tokens))
     if args.mode == "gpumemd" and args.borrow_figures:
-        out["sampler"] = sampler_borrowing(torch, runner._gpumem)
+        out["sampler"] = sampler_borrowing(torch, runner._gpumem, greedy_sampler(torch)(), MAX_NUM_SEQS, VOCAB)
     _write(args.out, out)
     if args.again_after:  # keep serving: once the file appears, generate the same batch again
         while not Path(args.again_after).exists():
@@ -617,12 +472,12 @@ def sleep_cycle(torch: Any, llm: Any, batch: list[list[int]], max_tokens: int, t
     from gpumem.integrations import nanovllm as integration
 
     runner = llm.model_runner
-    before = _device_use(torch, runner)
+    before = device_use(torch, runner)
     free_before = torch.cuda.mem_get_info()[0]
     started = time.perf_counter()
     integration.sleep(llm)
     slept_s = time.perf_counter() - started
-    after = _device_use(torch, runner)
+    after = device_use(torch, runner)
     _write(str(folder / "asleep.json"), {"sleep_s": slept_s, "freed_bytes": before["arena_bytes"] - after["arena_bytes"],
                                          "device_freed_bytes": torch.cuda.mem_get_info()[0] - free_before})
     _wait_file(str(folder / "wake"))
@@ -635,14 +490,6 @@ def sleep_cycle(torch: Any, llm: Any, batch: list[list[int]], max_tokens: int, t
     again = generate(llm, batch, max_tokens)
     _write(str(folder / "woke.json"), {"wake_s": wake_s, "ttft_s": ttft_s, "same_tokens": again.tokens == tokens,
                                        "differ": differing(again.tokens, tokens), "blocks": runner.config.num_kvcache_blocks})
-
-
-def _device_use(torch: Any, runner: Any) -> dict[str, int]:
-    """The device's used bytes, and those of this engine's gpumemd arenas (0 shipped)."""
-    free, total = torch.cuda.mem_get_info()
-    mem = getattr(runner, "_gpumem", None)
-    arenas = 0 if mem is None else mem.model.committed + mem.graphs.committed + mem.kv.pool.arena.committed
-    return {"used_bytes": total - free, "arena_bytes": arenas, "outside_arenas_bytes": total - free - arenas}
 
 
 def duel(llm: Any, batch: list[list[int]], max_tokens: int, tokens: list[list[int]], folder: Path, name: str,
@@ -665,14 +512,6 @@ def duel(llm: Any, batch: list[list[int]], max_tokens: int, tokens: list[list[in
             "decode_tok_s": run.decode_tok_s, "decode_step_ms": 1000 * step, "step_tok_s": len(batch) / step if step else 0.0,
             "step_parts_ms": parts.medians_ms(), "differ": differing(run.tokens, tokens)})
         i += 1
-
-
-def _diagnose(out: dict[str, Any], key: str, fn: Any) -> None:
-    """``out[key] = fn()``; a diagnostic that fails says why instead of ending the run."""
-    try:
-        out[key] = fn()
-    except Exception as exc:  # noqa: BLE001 - reported in the figures
-        out[key] = {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _median(values: list[float]) -> float:

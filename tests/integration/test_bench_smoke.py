@@ -56,6 +56,8 @@ HELPERS = {
     "burst_engines.py": "burst.py's engine processes",
     "failover_engines.py": "failover.py's engine processes",
     "nanovllm_kit.py": "the nano-vllm model, engines and margins of the CUDA benchmarks",
+    "nanovllm_probes.py": "the nano-vllm engine's probes: KV scan, step parts, device and arena use, the sampler's borrowing",
+    "token_margins.py": "two runs' tokens compared, near-ties told by the logit gap: burst.py, failover.py and the kit",
     "sleep_engines.py": "sleep.py's engine side: the captured graph and each engine's sleep and wake",
     "transformers_kit.py": "transformers' random-weight models and engines of the CUDA benchmarks' --engine transformers and its GPU tests",
     "futex_floor.c": "lease.py's C futex floor, compiled by it",

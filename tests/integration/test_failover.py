@@ -39,7 +39,7 @@ def test_the_standby_serves_the_primarys_tokens_from_the_adopted_cache(backend: 
           f"wake {f['wake_s']:.4f} s, first step {f['first_step_s']:.4f} s; the standby before promotion: "
           f"{f['standby_own_bytes'] / 2**20:.0f} MiB on the device, {f['standby_host_bytes'] / 2**20:.0f} MiB in host memory")
     assert timeline == sorted(timeline), f  # each part after the one before
-    # bf16 on CUDA: a near-tie may part, never a clear lead (nanovllm_kit.TIE_GAP); stand-ins: exact
+    # bf16 on CUDA: a near-tie may part, never a clear lead (token_margins.TIE_GAP); stand-ins: exact
     assert (f["tokens_identical"] or backend == "cuda") and f["sequences_parting_at_a_clear_margin"] == 0, f"{json.dumps(f)}\n{out.stdout[-3000:]}"
     assert f["accounting_exact"], f"{json.dumps(f)}\n{out.stdout[-3000:]}"
     assert f["prompt_tokens_hit"] == f["prompt_tokens"] - 12, f  # every full block of every prompt: all but its last token

@@ -75,17 +75,16 @@ else:
 """
 
 
-def kit_module() -> Any:
-    """bench/nanovllm_kit.py, whose build the engines run and whose margins judge them."""
+def bench_module(name: str) -> Any:
+    """bench/NAME.py: nanovllm_kit, whose build the engines run, or token_margins, which
+    judges where their tokens part."""
     sys.path.insert(0, str(ROOT / "bench"))
-    import nanovllm_kit
-
-    return nanovllm_kit
+    return importlib.import_module(name)
 
 
 def kit_weight_bytes() -> int:
     """The kit model's parameters (bench/nanovllm_kit.py's build: bf16, no tied head)."""
-    kit = kit_module()
+    kit = bench_module("nanovllm_kit")
     h, d, i = kit.HIDDEN, kit.HEAD_DIM, kit.INTERMEDIATE
     layer = (kit.HEADS + 2 * kit.KV_HEADS) * d * h + h * kit.HEADS * d + 2 * d + 3 * i * h + 2 * h
     return 2 * (2 * kit.VOCAB * h + h + kit.LAYERS * layer)
@@ -132,13 +131,13 @@ def test_a_standby_takes_over_a_killed_engine_and_serves_its_prompts_from_the_ad
         # adopted KV runs other kernels, so bf16 near-ties may part (on the H100 one
         # sequence parted at token 11); a parting where the best logit led clearly is
         # KV read back wrong.
-        kit = kit_module()
+        token_margins = bench_module("token_margins")
         primary_tokens, primary_margins = dict(enumerate(served["tokens"])), dict(enumerate(served["margins"]))  # type: ignore[arg-type]
         standby_tokens, standby_margins = dict(enumerate(took["tokens"])), dict(enumerate(took["margins"]))  # type: ignore[arg-type]
-        parted = kit.parting_gaps(primary_tokens, standby_tokens, primary_margins, standby_margins)
-        clear = [gap for gap in parted if gap > kit.TIE_GAP]
+        parted = token_margins.parting_gaps(primary_tokens, standby_tokens, primary_margins, standby_margins)
+        clear = [gap for gap in parted if gap > token_margins.TIE_GAP]
         print(f"tokens: {len(parted)} of {len(primary_tokens)} sequences parted from the primary's, {len(clear)} where "
-              f"the best logit led by more than {kit.TIE_GAP:g} (the larger lead at each parting: {sorted(parted)})")
+              f"the best logit led by more than {token_margins.TIE_GAP:g} (the larger lead at each parting: {sorted(parted)})")
         assert not clear, (parted, took["tokens"], served["tokens"])
         cached = took["cached"]
         assert isinstance(cached, list) and len(cached) == 4
