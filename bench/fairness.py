@@ -181,20 +181,23 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     c.say(f"{BENCH}: backend={args.backend} device={args.device} iterations={args.iterations} flooders={args.flooders} "
           f"sockets={args.sockets} sessions={args.sessions} flood uid={args.flood_uid} depth={args.depth} "
           f"request={args.request} runtime dir {rdir}")
-    daemon_args = list(args.daemon_arg)
+    daemon_args, ddir = list(args.daemon_arg), rdir
     if args.flood_uid != os.getuid():
-        # The flooders' uid reaches the daemon's sockets through their group, and writes
-        # its ready files in the runtime directory.
+        # The flooders' uid reaches the daemon's sockets through their group and writes its
+        # ready files and logs here; gpumemd refuses a directory others may write, so it
+        # gets one of its own inside.
         rdir.chmod(0o1777)
+        ddir = rdir / "gpumemd"
+        ddir.mkdir(mode=0o755)
         daemon_args += [f"--socket-group={args.flood_uid}"]
-    daemon = c.Daemon(rdir, args.backend, args.device, daemon_args)
+    daemon = c.Daemon(ddir, args.backend, args.device, daemon_args)
     cleanup.callback(daemon.stop)
     daemon.wait_ready(args.start_timeout)
 
     import gpumem
     from gpumem_shared.paths import Endpoints
 
-    session = gpumem.connect(args.device, name="bench-fairness-probe", runtime_dir=rdir, timeout=args.call_timeout)
+    session = gpumem.connect(args.device, name="bench-fairness-probe", runtime_dir=ddir, timeout=args.call_timeout)
     cleanup.callback(session.close)
     c.say(f"connected: {session!r}")
     time_pings(session, args.warmup)
@@ -202,7 +205,7 @@ def body(args: argparse.Namespace, result: c.Result, cleanup: contextlib.ExitSta
     idle = time_pings(session, args.iterations)
     c.say(f"idle   : p50 {c.median(idle) / 1e3:8.1f} us  p99 {c.percentile(idle, 99) / 1e3:8.1f} us")
 
-    url = Endpoints(rdir, args.device).zmq_url
+    url = Endpoints(ddir, args.device).zmq_url
     flooders = []
     for i in range(args.flooders):
         ready = rdir / f"flooder{i}.ready"

@@ -9,6 +9,7 @@ those whose default sizes come from the card run at those defaults and name the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -122,6 +123,17 @@ def test_a_benchmark_of_an_engine_takes_transformers_and_on_the_host_says_no_eng
     out, line, shown = run_bench(name, "host", [*BENCHES[name], "--engine", "transformers"], 120)
     assert out.returncode == 0 and "error" not in line, shown
     assert line["engine"].startswith("none (host"), shown
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(os.getuid() != 0, reason="floods as another uid only when run as root")
+def test_fairness_floods_as_another_uid_beside_a_daemon_in_a_directory_of_its_own() -> None:
+    """Run as root, ``--sessions`` floods as uid 65534: its ready files go in a directory
+    it may write, and gpumemd, which refuses such a directory, runs in one of its own
+    inside (on the GPU machine the bench died at the daemon's start)."""
+    out, line, shown = run_bench("fairness", "host", [*BENCHES["fairness"], "--sessions", "3"], 120)
+    assert out.returncode == 0 and "error" not in line, shown
+    assert line["figures"]["flood_uid"] == 65534 and line["figures"]["sessions"] == 3, shown
 
 
 # The benchmarks whose default sizes come from the card (bench/_common.py's fit), at those
