@@ -174,8 +174,11 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     cb = config(max_memory_percent=args.max_memory_percent, max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
     built = time.perf_counter()
     manager = model.init_continuous_batching(continuous_batching_config=cb)
-    if args.sizing_only:  # transformers' own sizing, before a warm-up that may not survive it
-        return {"mode": args.mode, "arch": args.arch, "blocks": manager.batch_processor.cache.get_num_free_blocks()}
+    if args.sizing_only:
+        # transformers' own sizing, before a warm-up that may not survive it: warmup() would
+        # make this processor first (its cache sized then) and the manager has none before.
+        processor = manager._create_batch_processor()
+        return {"mode": args.mode, "arch": args.arch, "blocks": processor.cache.get_num_free_blocks()}
     manager.warmup()
     if args.standby:  # settled in warmup(); its manager starts once it took over
         print("STANDBY READY", flush=True)
@@ -195,6 +198,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
         kv = gtf.port().mem.kv
         out["kv_rows_committed"] = kv.blocks if kv else 0
         out["blocks_after"] = gtf.port().adapter.count - 2
+        out["memory"] = where_memory_went(manager, gtf.port())
         if args.retain:
             out["retain_secret_len"] = len(gtf.port().retain_secret())
     if args.serve_until:
@@ -217,6 +221,19 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
         out["tokens_after_wake"], _ = generate(manager, inputs, args.tokens)
     manager.stop(block=True, timeout=30)
     return out
+
+
+def where_memory_went(manager: Any, p: Any) -> dict[str, int]:
+    """An engine on gpumemd once serving: the layout's ceiling (transformers sizes its
+    batch tensors, the attention mask among them, by it), what its arenas hold, what torch
+    holds outside them and what the device has free: where a pair's share went."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {"ceiling_blocks": p.ceiling, "max_batch_tokens": manager.continuous_batching_config.max_batch_tokens,
+            "model_bytes": p.mem.model.committed, "graphs_bytes": p.mem.graphs.committed,
+            "kv_bytes": p.mem.kv.arena.committed if p.mem.kv else 0, "torch_reserved_bytes": torch.cuda.memory_reserved(),
+            "torch_allocated_bytes": torch.cuda.memory_allocated(), "device_free_bytes": free, "device_total_bytes": total}
 
 
 def cuda(result: Any, cleanup: Any, args: argparse.Namespace) -> None:

@@ -87,7 +87,7 @@ def test_two_transformers_engines_started_together_share_one_round(daemon_factor
         assert proc.returncode == 0, log.decode()[-6000:]
         results.append(json.loads(out.read_text()))
     for r in results:
-        assert r["blocks"] >= 0.9 * plain["blocks"], ([r["blocks"] for r in results], plain["blocks"])
+        assert r["blocks"] >= 0.9 * plain["blocks"], ([r["blocks"] for r in results], plain["blocks"], [r["memory"] for r in results])
         assert r["tokens"] == plain["tokens"]
 
 
@@ -99,6 +99,17 @@ def _spawn(runtime_dir: Path, out: Path, *args: str) -> subprocess.Popen[str]:
 def _until(proc: subprocess.Popen[str], word: str, timeout: float = 240.0) -> list[str]:
     """Lines of ``proc`` up to one starting with ``word`` (bounded by ``timeout``)."""
     return lines_until(proc, lambda line: line.startswith(word), f"no '{word}'", timeout)
+
+
+def _reap(*procs: subprocess.Popen[str] | None) -> None:
+    """Each engine killed and waited for, and its output pipe closed (one killed while a
+    test read it keeps the pipe open)."""
+    for proc in procs:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 # Small pools for the elastic test: a 1024-token batch and at most 512 blocks of 8 MiB.
@@ -129,9 +140,7 @@ def test_transformers_block_manager_follows_its_pool(daemon_factory, runtime_dir
         blog, _ = b.communicate(timeout=60)
         assert b.returncode == 0, blog[-6000:]
     finally:
-        for proc in (a, b):
-            proc.kill()
-            proc.wait()
+        _reap(a, b)
     ra, rb = (json.loads((tmp_path / f"{x}.json").read_text()) for x in "ab")
     assert ra["tokens"] == plain["tokens"]
     assert ra["blocks_after"] > ra["blocks"] and ra["follow"]["grows"] >= 1, (ra, rb)
@@ -165,10 +174,7 @@ def test_transformers_standby_takes_over_a_killed_primary(daemon_factory, runtim
         log, _ = standby.communicate(timeout=200)
         assert standby.returncode == 0, log[-6000:]
     finally:
-        for proc in (primary, standby):
-            if proc is not None:
-                proc.kill()
-                proc.wait()
+        _reap(primary, standby)
     took = json.loads((tmp_path / "standby.json").read_text())
     assert took["tokens"] == plain["tokens"]
     assert took["take_over"]["seeded"] > 0 and took["take_over"]["corrupt"] == 0, took["take_over"]
@@ -195,9 +201,7 @@ def test_nanovllm_and_transformers_share_one_round(daemon_factory, runtime_dir, 
             log, _ = proc.communicate(timeout=280)
             assert proc.returncode == 0, log[-6000:]
     finally:
-        for proc in (tf, nano):
-            proc.kill()
-            proc.wait()
+        _reap(tf, nano)
     rt, rn = (json.loads((tmp_path / f"{x}.json").read_text()) for x in ("tf", "nano"))
     assert rt["blocks"] > 0 and rn["blocks"] > 0
     assert rt["tokens"] == plain["tokens"]
