@@ -281,6 +281,7 @@ def cuda(result: Any, cleanup: Any, args: argparse.Namespace) -> None:
              startup_plain_s=served.get("startup_s"), startup_gpumemd_s=solo.get("startup_s"),
              pair_blocks=[r.get("blocks", 0) for r in pair], half_plain_blocks=half.get("blocks"),
              plain_pair_started=["failed" not in r for r in plain_pair], plain_pair_blocks=[r.get("blocks", 0) for r in plain_pair])
+    f["memory_gpumemd"], f["memory_pair"] = solo.get("memory"), [r.get("memory") for r in pair]  # where the share went
     f["blocks_ratio"] = c.ratio(solo.get("blocks", 0), sized.get("blocks", 0))
     f["tokens_identical"] = "tokens" in solo and solo["tokens"] == served.get("tokens") and all(r.get("tokens") == served.get("tokens") for r in pair)
     f["decode_ratio"] = c.ratio(solo.get("decode_tok_s", 0.0), served.get("decode_tok_s", 0.0))
