@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as c
+from token_margins import differing, parting_point
 
 BENCH = "engine"
 # Each engine's kit: the processes the CUDA run starts (see the module doc).
@@ -261,12 +262,12 @@ def _differing(x: dict[str, Any], y: dict[str, Any]) -> dict[str, Any]:
     a, b = x["tokens"], y["tokens"]
     ga, gb = x.get("margins"), y.get("margins")
     rows = [i for i, (u, v) in enumerate(zip(a, b)) if u != v]
-    out: dict[str, Any] = {"sequences": len(rows) + abs(len(a) - len(b)), "first": None}
+    out: dict[str, Any] = {"sequences": differing(a, b), "first": None}
     if ga is None or gb is None:
         return out
     equal = steps = ties = 0
     for i, (u, v) in enumerate(zip(a, b)):
-        split = next((j for j, (p, q) in enumerate(zip(u, v)) if p != q), min(len(u), len(v)))
+        split = parting_point(u, v)
         if rows and i == rows[0]:
             out["first"] = [i, split]
             if split < min(len(ga[i]), len(gb[i])):
@@ -276,15 +277,11 @@ def _differing(x: dict[str, Any], y: dict[str, Any]) -> dict[str, Any]:
             equal += ga[i][j] == gb[i][j]
             ties += ga[i][j] == 0
     ca, cb = x.get("checksums") or [], y.get("checksums") or []
-    same_steps = next((k for k, (u, v) in enumerate(zip(ca, cb)) if u != v), min(len(ca), len(cb)))
-    splits = [ga[i][j] + gb[i][j] for i in rows for j in [_split(a[i], b[i])] if j < min(len(ga[i]), len(gb[i]))]
+    same_steps = parting_point(ca, cb)
+    splits = [ga[i][j] + gb[i][j] for i in rows for j in [parting_point(a[i], b[i])] if j < min(len(ga[i]), len(gb[i]))]
     out.update(gaps_equal=equal, gaps_compared=steps, ties=ties, steps_alike=same_steps, steps=max(len(ca), len(cb)),
                widest_split=max(splits, default=None))
     return out
-
-
-def _split(u: list[int], v: list[int]) -> int:
-    return next((j for j, (p, q) in enumerate(zip(u, v)) if p != q), min(len(u), len(v)))
 
 
 def _pin(pid: int, cpus: set[int]) -> int:
@@ -304,7 +301,7 @@ def _eager_differ(x: dict[str, Any], y: dict[str, Any]) -> int | None:
     ta, tb = (r.get("attention_ab", {}).get("tokens") for r in (x, y))
     if ta is None or tb is None:
         return None
-    return sum(u != v for u, v in zip(ta, tb)) + abs(len(ta) - len(tb))
+    return differing(ta, tb)
 
 
 def host(result: c.Result, cleanup: contextlib.ExitStack) -> None:

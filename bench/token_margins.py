@@ -1,17 +1,18 @@
-"""Two runs' greedy token ids compared: how many sequences differ (``differing``) and,
-where one parts, whether a near-tie decided it (``parting_gaps`` against ``TIE_GAP``).
-The inputs are plain lists and dicts as an engine's JSON gives them: token ids and, per
-generated token, the gap between the best and the second-best logit (which
-bench/nanovllm_kit.py's greedy sampler records; engines that record none are judged
-exactly). No engine is imported here, so the orchestrators that judge runs, on the host
-too, take this alone: bench/burst.py, bench/failover.py and
-tests/integration/test_standby_gpu.py; bench/nanovllm_kit.py counts its engine's
-differing sequences with it.
+"""Two runs' greedy token ids compared: how many sequences differ (``differing``), where
+two sequences part (``parting_point``) and, where one parts, whether a near-tie decided it
+(``parting_gaps`` against ``TIE_GAP``). The inputs are plain lists and dicts as an
+engine's JSON gives them: token ids and, per generated token, the gap between the best and
+the second-best logit (which bench/nanovllm_kit.py's greedy sampler records; engines that
+record none are judged exactly). No engine is imported here, so the orchestrators that
+judge runs, on the host too, take this alone: bench/burst.py, bench/failover.py,
+bench/engine.py and tests/integration/test_standby_gpu.py; bench/nanovllm_kit.py counts its
+engine's differing sequences with it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 # Greedy tokens of two runs of one request are identical up to near-ties: a batch of
 # another size (or a prefill of another length) runs other kernels, and bf16 logits then
@@ -34,7 +35,7 @@ def parting_gaps(
         other = got.get(rid) or []
         if other == tokens:
             continue
-        at = next((i for i, (x, y) in enumerate(zip(tokens, other)) if x != y), min(len(tokens), len(other)))
+        at = parting_point(tokens, other)
         both = [m[rid][at] if at < len(m.get(rid, [])) else math.inf for m in (want_margins, got_margins)]
         gaps.append(max(both))
     return gaps
@@ -43,3 +44,9 @@ def parting_gaps(
 def differing(a: list[list[int]], b: list[list[int]]) -> int:
     """How many sequences differ between two runs' completions."""
     return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+
+
+def parting_point(a: Sequence[object], b: Sequence[object]) -> int:
+    """The first index where two sequences differ (the shorter's length where one is the
+    other's start)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
