@@ -233,7 +233,8 @@ def where_memory_went(manager: Any, p: Any) -> dict[str, int]:
     return {"ceiling_blocks": p.ceiling, "max_batch_tokens": manager.continuous_batching_config.max_batch_tokens,
             "model_bytes": p.mem.model.committed, "graphs_bytes": p.mem.graphs.committed,
             "kv_bytes": p.mem.kv.arena.committed if p.mem.kv else 0, "torch_reserved_bytes": torch.cuda.memory_reserved(),
-            "torch_allocated_bytes": torch.cuda.memory_allocated(), "device_free_bytes": free, "device_total_bytes": total}
+            "torch_allocated_bytes": torch.cuda.memory_allocated(),
+            "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_free_bytes": free, "device_total_bytes": total}
 
 
 def cuda(result: Any, cleanup: Any, args: argparse.Namespace) -> None:

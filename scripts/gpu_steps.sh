@@ -42,6 +42,7 @@ for s in "$@"; do case $s in
   harden) step harden "${PT[@]}" "${HARDEN[@]}" ;;
   rest) step rest "${PT[@]}" tests $(printf -- '--ignore=%s ' "${TF[@]}" "${ENGINES[@]}" "${HARDEN[@]}") ;;
   rtt) step rtt python3 bench/control_rtt.py --backend cuda ;;
+  rtt-pinned) step rtt-pinned python3 bench/control_rtt.py --backend cuda --cpus 2:4 ;;
   lease) step lease python3 bench/lease.py --backend cuda ;;
   orderings) step orderings python3 bench/lease_orderings.py --backend cuda ;;
   fairness) step fairness python3 bench/fairness.py --backend cuda ;;
