@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     if args.start_after:
         while not Path(args.start_after).exists():
             time.sleep(0.005)
+    context_free = torch.cuda.mem_get_info()[0]  # the CUDA context made: what the device has free beside it
     started = time.perf_counter()
     model = build_model(args.arch, dtype=getattr(torch, args.dtype))
     cb = config(max_memory_percent=args.max_memory_percent, max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
@@ -199,6 +201,11 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
         out["kv_rows_committed"] = kv.blocks if kv else 0
         out["blocks_after"] = gtf.port().adapter.count - 2
         out["memory"] = where_memory_went(manager, gtf.port())
+    else:
+        free, total = torch.cuda.mem_get_info()
+        out["memory"] = {"context_bytes": total - context_free, "model_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
+                         "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_total_bytes": total,
+                         "max_memory_percent": manager.continuous_batching_config.max_memory_percent}
         if args.retain:
             out["retain_secret_len"] = len(gtf.port().retain_secret())
     if args.serve_until:
@@ -232,9 +239,20 @@ def where_memory_went(manager: Any, p: Any) -> dict[str, int]:
     free, total = torch.cuda.mem_get_info()
     return {"ceiling_blocks": p.ceiling, "max_batch_tokens": manager.continuous_batching_config.max_batch_tokens,
             "model_bytes": p.mem.model.committed, "graphs_bytes": p.mem.graphs.committed,
-            "kv_bytes": p.mem.kv.arena.committed if p.mem.kv else 0, "torch_reserved_bytes": torch.cuda.memory_reserved(),
+            "kv_bytes": p.mem.kv.pool.arena.committed if p.mem.kv else 0, "torch_reserved_bytes": torch.cuda.memory_reserved(),
             "torch_allocated_bytes": torch.cuda.memory_allocated(),
             "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_free_bytes": free, "device_total_bytes": total}
+
+
+def half_percent(plain: dict[str, Any]) -> float:
+    """The max_memory_percent at which a plain engine takes half the device, from one
+    that ran at another (its ``memory``): its context and weights fixed, the rest
+    transformers sizes in proportion to the percent. transformers' own solver undercounts
+    warm-up's read of the cache, so an engine at 0.45 takes more than half (about 62 %
+    of the H100)."""
+    m = plain["memory"]
+    sized = (m["torch_peak_reserved_bytes"] - m["model_bytes"]) / m["max_memory_percent"]
+    return max(0.01, (m["device_total_bytes"] / 2 - m["context_bytes"] - m["model_bytes"]) / sized)
 
 
 def cuda(result: Any, cleanup: Any, args: argparse.Namespace) -> None:
@@ -267,8 +285,9 @@ def cuda(result: Any, cleanup: Any, args: argparse.Namespace) -> None:
     # served, at the default or else at half of it.
     (sized,) = run(["plain-sized"], ["--mode", "plain", "--sizing-only"])
     (plain,) = run(["plain"], ["--mode", "plain"])
-    (half,) = run(["plain-half"], ["--mode", "plain", "--max-memory-percent", str(PLAIN_PERCENT / 2)])
-    served = plain if "failed" not in plain else half
+    (at45,) = run(["plain-45"], ["--mode", "plain", "--max-memory-percent", str(PLAIN_PERCENT / 2)])
+    served = plain if "failed" not in plain else at45
+    half = at45 if "failed" in at45 else run(["plain-half"], ["--mode", "plain", "--max-memory-percent", f"{half_percent(at45):.4f}"])[0]
     plain_pair = run(["plain-a", "plain-b"], ["--mode", "plain"], go="go-plain-pair")
     daemon = c.Daemon(rd, "cuda").wait_ready(60)
     cleanup.callback(daemon.stop)
@@ -277,10 +296,10 @@ def cuda(result: Any, cleanup: Any, args: argparse.Namespace) -> None:
     pair = run(["pair-a", "pair-b"], [*on, "--expect", "2"], go="go-pair")
     f = result.figures
     f.update(engine="transformers", blocks_plain=sized.get("blocks"), blocks_gpumemd=solo.get("blocks"),
-             plain_default_served="failed" not in plain, baseline="plain" if served is plain else "plain-half",
+             plain_default_served="failed" not in plain, baseline="plain" if served is plain else "plain-0.45",
              decode_tok_s_plain=served.get("decode_tok_s"), decode_tok_s_gpumemd=solo.get("decode_tok_s"),
              startup_plain_s=served.get("startup_s"), startup_gpumemd_s=solo.get("startup_s"),
-             pair_blocks=[r.get("blocks", 0) for r in pair], half_plain_blocks=half.get("blocks"),
+             pair_blocks=[r.get("blocks", 0) for r in pair], half_plain_blocks=half.get("blocks"), plain_045_blocks=at45.get("blocks"), half_plain_memory=half.get("memory"),
              plain_pair_started=["failed" not in r for r in plain_pair], plain_pair_blocks=[r.get("blocks", 0) for r in plain_pair])
     f["memory_gpumemd"], f["memory_pair"] = solo.get("memory"), [r.get("memory") for r in pair]  # where the share went
     f["blocks_ratio"] = c.ratio(solo.get("blocks", 0), sized.get("blocks", 0))
@@ -318,8 +337,15 @@ def main() -> int:
     parser.add_argument("--take-over-wait", type=float, default=120.0)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--sizing-only", action="store_true", help="report the blocks the manager sized and stop (no warm-up)")
+    parser.add_argument("--half-of", type=Path, help="plain at the max_memory_percent that takes half the device, from this plain run's output")
     args = parser.parse_args()
-    result = engine(args)
+    if args.half_of:
+        args.max_memory_percent = half_percent(json.loads(args.half_of.read_text()))
+    try:
+        result = engine(args)
+    except BaseException:  # the manager's thread would keep a failed engine's process alive
+        traceback.print_exc()
+        os._exit(1)
     if args.out:
         args.out.write_text(json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("tokens")}))

@@ -169,3 +169,51 @@ def test_generate_batch_on_the_patched_manager_generates_what_plain_transformers
     assert on == plain
     assert port.adapter.block_count() == FakePort.COMMITTED and port.serving is port.adapter.cache
     assert port.hooks.get("scheduled", 0) >= 12 and port.hooks.get("after_step", 0) >= 12 and "follow" in port.hooks
+
+
+H100 = 85_017_493_504  # the H100's total bytes, as cuMemGetInfo gives it
+
+
+def _sized(expect: int, retain: str, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int, Any, Any]:
+    """Port.size for the kit's Qwen3 (bench/transformers_kit.py) on an H100's total, the
+    model arena at 0.4 GB: (batch tokens, rows, handler, config)."""
+    import types
+
+    from transformers import ContinuousBatchingConfig, Qwen3Config
+    from transformers.generation.continuous_batching import cache as cache_mod
+    from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
+
+    from gpumem.port import Settings
+
+    config = Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
+    cb = resolve_continuous_batching_config(config, ContinuousBatchingConfig(max_batch_tokens=2048), None, False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (H100 // 2, H100))
+    monkeypatch.setattr(cache_mod.PagedAttentionMemoryHandler, "get_available_memory", lambda self: 0)
+    port = Port.__new__(Port)
+    port.ceiling, port.settings = 0, Settings("e", expect=expect, retain=retain)
+    port.mem = types.SimpleNamespace(model=types.SimpleNamespace(committed=400_000_000))
+    tokens, rows = port.size(cache_mod, config, cb, torch.bfloat16)
+    groups, kinds = cache_mod.group_layers_by_attn_type(config)
+    handler = cache_mod.PagedAttentionMemoryHandler(config=config, continuous_batching_config=cb, dtype=torch.bfloat16, group_types=kinds, group_size=len(groups[0]))
+    return tokens, rows, handler, config
+
+
+@pytest.mark.parametrize(("expect", "retain"), [(1, ""), (2, ""), (1, "group")])
+def test_the_ceiling_costs_what_the_engines_share_of_the_device_holds(expect: int, retain: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ceiling row costs its K and V, its mask column and warm-up's read of it,
+    whether committed or not: the rows are those whose whole cost fills the share (the
+    device but the daemon's reserve, split between the round's engines, less the
+    context, the weights and the round's headroom), well below what transformers' own
+    solver gives the same share (an engine of that size ran out of memory on the H100)."""
+    from gpumem.integrations.transformers import CONTEXT_BYTES, DAEMON_RESERVE, costs
+    from gpumem.port import Settings
+
+    tokens, rows, handler, config = _sized(expect, retain, monkeypatch)
+    share = (H100 - DAEMON_RESERVE) // expect - CONTEXT_BYTES - 400_000_000 - Settings("e", retain=retain).round_headroom
+    fixed, page = costs(handler, config, tokens, graphs=True)
+    pages = (rows - TRASH) * handler.block_size
+    assert fixed + pages * page <= share < fixed + (pages + handler.block_size) * page
+    assert page - 2 * 8 * 1024 * 2 == 24584  # 24.0 KiB beside 32 KiB of K and V: the H100 measured 24.1
+    handler.available_memory = share
+    assert rows - TRASH < 0.8 * handler.infer_max_batch_tokens_and_num_blocks()[1]

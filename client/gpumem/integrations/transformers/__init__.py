@@ -38,7 +38,8 @@ from gpumem.port import SeamMissing, Settings, Unsupported, require_seams
 from gpumem.port.engine_port import EnginePort
 
 WRITTEN_FOR = "5.17"
-CONTEXT_BYTES = 1 << 30  # the CUDA context and torch's own: out of the device's total when sizing the layout
+CONTEXT_BYTES = 1 << 30  # each engine's CUDA context and torch's own: out of the device's total when sizing the layout
+DAEMON_RESERVE = 1 << 30  # what gpumemd leaves uncommitted by default (its --reserve on CUDA)
 HOOKED = ["warmup", "_create_batch_processor", "_run_generation_loop", "_generation_loop_body", "_generation_step"]
 
 
@@ -47,6 +48,27 @@ def seams(api: Any, runner: Any, cache: Any) -> None:
     for owner, names in [(api, ["ContinuousBatchingManager", "PagedAttentionCache"]), (runner, ["get_cuda_pools"]),
                          (cache, ["PagedAttentionMemoryHandler", "group_layers_by_attn_type"]), (getattr(api, "ContinuousBatchingManager", None), HOOKED)]:
         require_seams("transformers", owner, names, written_for=WRITTEN_FOR)
+
+
+def costs(handler: Any, config: Any, tokens: int, *, graphs: bool) -> tuple[int, int]:
+    """(bytes fixed, bytes a cache page) of an engine with ``tokens`` batch tokens, as the
+    H100 measured them (2026-12-07): every page costs its K and V, its column of the
+    attention mask (``tokens`` rows) and the attention's read of it, which warm-up sizes
+    for the whole cache (``max_kv_read``) and holds twice with graphs, in torch's cache
+    and in the graph pool. transformers' own solver counts the read once and without
+    grouped-query attention's repeated K and V, so an engine of its size runs out of
+    memory in warm-up, and a ceiling above the blocks committed pays these for nothing.
+    Qwen3 (8 KV heads of 16, dim 128, 2,048 batch tokens): 24.1 KiB a ceiling page
+    besides its 32 KiB of K and V, as this gives."""
+    a, heads, kv_width = handler.activation_dtype.itemsize, config.num_attention_heads, handler.page_size
+    head_dim = kv_width // max(1, config.num_key_value_heads)
+    # At the read's peak one layer's gathered V and its K and V repeated to every query head lie together.
+    read = kv_width * a + 2 * heads * head_dim * a if heads * head_dim != kv_width else 2 * kv_width * a
+    copies = 2 if graphs else 1
+    masks = handler.io_multiplier * handler.num_attention_masks * a
+    page = 2 * handler.group_size * kv_width * handler.cache_dtype.itemsize + masks * tokens + copies * read + handler.io_multiplier * handler.num_groups * 8
+    fixed = copies * tokens * (config.hidden_size * a + config.vocab_size * 4) + masks * tokens * tokens
+    return fixed, page
 
 
 class Port(EnginePort):
@@ -64,15 +86,18 @@ class Port(EnginePort):
         self.take_model(model)
 
     def size(self, cache_mod: Any, config: Any, cb: Any, dtype: Any) -> tuple[int, int]:
-        """(max batch tokens, rows): transformers' own solver over the device but the weights."""
+        """(max batch tokens, rows): the batch tokens transformers' own solver picks for the
+        engine's share of the device, and the rows whose whole cost fills that share."""
         import torch
 
         groups, types = cache_mod.group_layers_by_attn_type(config)
         handler = cache_mod.PagedAttentionMemoryHandler(config=config, continuous_batching_config=cb, dtype=dtype, group_types=types, group_size=len(groups[0]))
-        # The device's share of this engine in its round (expect engines): each pays its batch tensors for its ceiling.
-        handler.available_memory = (torch.cuda.mem_get_info()[1] - self.mem.model.committed - CONTEXT_BYTES) // max(1, self.settings.expect)
+        s = self.settings
+        share = (torch.cuda.mem_get_info()[1] - DAEMON_RESERVE) // max(1, s.expect) - CONTEXT_BYTES - self.mem.model.committed - s.round_headroom
+        handler.available_memory = share
         tokens, blocks = handler.infer_max_batch_tokens_and_num_blocks()
-        return tokens, (self.ceiling or blocks + TRASH)
+        fixed, page = costs(handler, config, tokens, graphs=cb.use_cuda_graph is not False)
+        return tokens, (self.ceiling or max(1, min(blocks, (share - fixed) // page // handler.block_size)) + TRASH)
 
     def serve(self) -> None:
         """Once the graphs are captured (or the loop starts without them): the port's
