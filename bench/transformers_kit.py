@@ -237,7 +237,7 @@ def where_memory_went(manager: Any, p: Any) -> dict[str, int]:
     import torch
 
     free, total = torch.cuda.mem_get_info()
-    return {"ceiling_blocks": p.ceiling, "max_batch_tokens": manager.continuous_batching_config.max_batch_tokens,
+    return {"ceiling_blocks": p.adapter.ceiling, "max_batch_tokens": manager.continuous_batching_config.max_batch_tokens,
             "model_bytes": p.mem.model.committed, "graphs_bytes": p.mem.graphs.committed,
             "kv_bytes": p.mem.kv.pool.arena.committed if p.mem.kv else 0, "torch_reserved_bytes": torch.cuda.memory_reserved(),
             "torch_allocated_bytes": torch.cuda.memory_allocated(),

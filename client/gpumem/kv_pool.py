@@ -92,6 +92,9 @@ class KvPool:
         # Set by the engine: the highest row it still uses. shrink() refuses to give
         # back rows below it.
         self.rows_in_use: Callable[[], int] | None = None
+        # Rows 0 .. n-1 an engine keeps for itself whose contents never matter (transformers'
+        # trash blocks): in use while it serves, given back with the rest by a sleep.
+        self.reserved_rows = 0
         self.unanswered: list[str] = []  # the pools that did not give back for the last grow
         self.gone: list[str] = []  # those that went away before answering it (died, closed, released)
         self._reported = -1  # the last use sent with report_demand
@@ -263,10 +266,9 @@ class KvPool:
         so the pool may keep a few more rows; returns the tokens it keeps. ``sleep`` (with
         ``tokens`` 0, ``kept_bytes`` copied to host memory first: ArenaSleep's): the daemon
         shows the pool asleep and asks nothing of it until a grow wakes it."""
-        if self.rows_in_use is not None and self.rows_in_use() > tokens:
-            raise InvalidArgument(
-                f"KV pool '{self.name}' still uses rows up to {self.rows_in_use()}; it cannot give back rows from {tokens} on"
-            )
+        in_use = self.rows_in_use() if self.rows_in_use is not None else 0
+        if in_use > tokens and not (sleep and in_use <= self.reserved_rows):
+            raise InvalidArgument(f"KV pool '{self.name}' still uses rows up to {in_use}; it cannot give back rows from {tokens} on")
         reply, fds = self.core.channel.call(p.KvShrink(pool=self.name, tokens=tokens, sleep=sleep, kept_bytes=kept_bytes))
         self.apply(reply, fds)
         return self.tokens

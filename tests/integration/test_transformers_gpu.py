@@ -59,6 +59,7 @@ def test_transformers_on_gpumemd_generates_what_plain_generates_and_sleeps(arch:
     on = _engine(tmp_path, runtime_dir, "gpumemd", "--mode", "gpumemd", "--arch", arch, "--runtime-dir", str(runtime_dir),
                  "--sleep-cycle", "--retain", "tf-group")
     print(f"blocks: gpumemd {on['blocks']}, transformers' own sizing {sized['blocks']}, plain at 0.45 {plain['blocks']}")
+    print(json.dumps({"gpumemd": on["memory"], "plain": plain["memory"]}))
     assert on["blocks"] >= plain["blocks"], (on["blocks"], plain["blocks"], on["memory"], daemon.log()[-2000:])
     assert on["tokens"] == plain["tokens"]
     assert on["tokens_after_wake"] == on["tokens"]
@@ -89,6 +90,7 @@ def test_two_transformers_engines_started_together_share_one_round(daemon_factor
         log, _ = proc.communicate(timeout=280)
         assert proc.returncode == 0, log.decode()[-6000:]
         results.append(json.loads(out.read_text()))
+    print(json.dumps({"half_plain": {k: v for k, v in half.items() if k != "tokens"}, "pair": [r["memory"] for r in results]}))
     for r in results:
         assert r["blocks"] >= 0.95 * half["blocks"], ([r["blocks"] for r in results], half, [r["memory"] for r in results], daemon.log()[-4000:])
         assert r["tokens"] == plain["tokens"]

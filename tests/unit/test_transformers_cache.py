@@ -191,7 +191,7 @@ def _sized(expect: int, retain: str, monkeypatch: pytest.MonkeyPatch) -> tuple[i
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (H100 // 2, H100))
     monkeypatch.setattr(cache_mod.PagedAttentionMemoryHandler, "get_available_memory", lambda self: 0)
     port = Port.__new__(Port)
-    port.ceiling, port.settings = 0, Settings("e", expect=expect, retain=retain)
+    port.adapter, port.settings = types.SimpleNamespace(ceiling=0), Settings("e", expect=expect, retain=retain)
     port.mem = types.SimpleNamespace(model=types.SimpleNamespace(committed=400_000_000))
     tokens, rows = port.size(cache_mod, config, cb, torch.bfloat16)
     groups, kinds = cache_mod.group_layers_by_attn_type(config)

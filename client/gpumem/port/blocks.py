@@ -121,7 +121,9 @@ class Figures:
 class BlockFollower:
     """One engine's block manager kept to its KV pool (see the module doc)."""
 
-    def __init__(self, pool: KvPool, engine: EngineAdapter, *, watermark: int = 16, step: int = 64, wait_s: float = 30.0) -> None:
+    def __init__(
+        self, pool: KvPool, engine: EngineAdapter, *, watermark: int = 16, step: int = 64, wait_s: float = 30.0, reserved: int = 0
+    ) -> None:
         self.pool = pool
         self.engine = engine
         self.watermark = watermark
@@ -133,7 +135,7 @@ class BlockFollower:
         self._retry_at = 0.0
         self._busy: bool | None = None
         self._said = 0  # the demand last reported
-        pool.rows_in_use = lambda: top(self.engine.used_blocks())
+        pool.rows_in_use, pool.reserved_rows = lambda: top(self.engine.used_blocks()), reserved
         resize(engine, pool.tokens)
 
     def move_live(self, bound: int) -> int:

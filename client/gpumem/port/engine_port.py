@@ -147,7 +147,8 @@ class EnginePort:
         if s.standby or kv is None:
             return
         if s.follow:
-            self.follower = BlockFollower(kv.pool, self.engine, watermark=s.watermark_blocks, step=s.grow_step_blocks)
+            reserved = self.layout.reserved_blocks if self.layout is not None else 0
+            self.follower = BlockFollower(kv.pool, self.engine, watermark=s.watermark_blocks, step=s.grow_step_blocks, reserved=reserved)
         if self.mem.prefix is not None:
             self.keeper = DirectoryKeeper(self.engine, self.mem.prefix)
 

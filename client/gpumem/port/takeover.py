@@ -150,6 +150,8 @@ def take_over(
     keeper = DirectoryKeeper(engine, prefix)
     scan = prefix.scan(kv.blocks)
     seeded = keeper.seed(scan.blocks)
-    follower = BlockFollower(kv.pool, engine, watermark=s.watermark_blocks, step=s.grow_step_blocks) if s.follow else None
+    follower = None
+    if s.follow:
+        follower = BlockFollower(kv.pool, engine, watermark=s.watermark_blocks, step=s.grow_step_blocks, reserved=layout.reserved_blocks)
     took = TakeOver(seeded, len(scan.blocks), scan.corrupt, adopted_at, woke_at, time.monotonic())
     return Promoted(took, keeper, follower)

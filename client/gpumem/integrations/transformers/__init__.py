@@ -38,8 +38,11 @@ from gpumem.port import SeamMissing, Settings, Unsupported, require_seams
 from gpumem.port.engine_port import EnginePort
 
 WRITTEN_FOR = "5.17"
-CONTEXT_BYTES = 1 << 30  # each engine's CUDA context and torch's own: out of the device's total when sizing the layout
-DAEMON_RESERVE = 1 << 30  # what gpumemd leaves uncommitted by default (its --reserve on CUDA)
+# A process's CUDA context: 527 MiB on the H100 (CUDA 13, driver 580: a fresh process's
+# mem_get_info, bench/control_rtt.py's free_bytes_at_start, 2026-12-07). Each engine has
+# one, and so has gpumemd, beside its default --reserve of 1 GiB left uncommitted.
+CONTEXT_BYTES = 544 << 20
+DAEMON_RESERVE = (1 << 30) + CONTEXT_BYTES
 HOOKED = ["warmup", "_create_batch_processor", "_run_generation_loop", "_generation_loop_body", "_generation_step"]
 
 
@@ -58,31 +61,28 @@ def costs(handler: Any, config: Any, tokens: int, *, graphs: bool) -> tuple[int,
     and in the graph pool. transformers' own solver counts the read once and without
     grouped-query attention's repeated K and V, so an engine of its size runs out of
     memory in warm-up, and a ceiling above the blocks committed pays these for nothing.
-    Qwen3 (8 KV heads of 16, dim 128, 2,048 batch tokens): 24.1 KiB a ceiling page
-    besides its 32 KiB of K and V, as this gives."""
-    a, heads, kv_width = handler.activation_dtype.itemsize, config.num_attention_heads, handler.page_size
-    head_dim = kv_width // max(1, config.num_key_value_heads)
-    # At the read's peak one layer's gathered V and its K and V repeated to every query head lie together.
-    read = kv_width * a + 2 * heads * head_dim * a if heads * head_dim != kv_width else 2 * kv_width * a
-    copies = 2 if graphs else 1
-    masks = handler.io_multiplier * handler.num_attention_masks * a
-    page = 2 * handler.group_size * kv_width * handler.cache_dtype.itemsize + masks * tokens + copies * read + handler.io_multiplier * handler.num_groups * 8
-    fixed = copies * tokens * (config.hidden_size * a + config.vocab_size * 4) + masks * tokens * tokens
-    return fixed, page
+    Qwen3 (8 KV heads of 16, dim 128, 2,048 batch tokens): the H100's arenas held 24.1
+    (one engine) and 24.4 KiB (each of a pair) a ceiling page beside its 32 KiB of K and
+    V; this gives 24.0."""
+    a, kv_width, io = handler.activation_dtype.itemsize, handler.page_size, handler.io_multiplier
+    q_width, copies, masks = config.num_attention_heads * (kv_width // max(1, config.num_key_value_heads)), 2 if graphs else 1, io * handler.num_attention_masks * a
+    # The read's peak: one layer's gathered V and its K and V repeated to every query head, together.
+    page = 2 * handler.group_size * kv_width * handler.cache_dtype.itemsize + masks * tokens + io * handler.num_groups * 8 + copies * (kv_width + 2 * q_width if q_width != kv_width else 2 * kv_width) * a
+    return copies * tokens * (config.hidden_size * a + config.vocab_size * 4) + masks * tokens * tokens, page
 
 
 class Port(EnginePort):
     """This process's engine on the port, made with its first manager: the model its
     caller built moved into the model arena, the KV layout's ceiling
     (``KvLayout.max_blocks``: transformers sizes its batch tensors, the attention mask
-    among them, by the cache's pages, so the layout stops at transformers' own sizing of
-    the engine's share of the device). ``sleep()`` is the port's: the manager's loop steps
-    in the port's step gate."""
+    among them, and warm-up's read by the cache's pages, so the layout stops where the
+    rows' whole cost fills the engine's share of the device: ``costs``). ``sleep()`` is
+    the port's: the manager's loop steps in the port's step gate."""
 
     def __init__(self, settings: Settings, ceiling: int, model: Any) -> None:
         self.adapter = Transformers()
         super().__init__(self.adapter, settings)
-        self.ceiling, self.model, self.serving = ceiling, model, None
+        self.adapter.ceiling, self.model, self.serving = ceiling, model, None
         self.take_model(model)
 
     def size(self, cache_mod: Any, config: Any, cb: Any, dtype: Any) -> tuple[int, int]:
@@ -92,12 +92,11 @@ class Port(EnginePort):
 
         groups, types = cache_mod.group_layers_by_attn_type(config)
         handler = cache_mod.PagedAttentionMemoryHandler(config=config, continuous_batching_config=cb, dtype=dtype, group_types=types, group_size=len(groups[0]))
-        s = self.settings
-        share = (torch.cuda.mem_get_info()[1] - DAEMON_RESERVE) // max(1, s.expect) - CONTEXT_BYTES - self.mem.model.committed - s.round_headroom
-        handler.available_memory = share
+        s, total = self.settings, torch.cuda.mem_get_info()[1]
+        handler.available_memory = share = (total - DAEMON_RESERVE) // max(1, s.expect) - CONTEXT_BYTES - self.mem.model.committed - s.round_headroom
         tokens, blocks = handler.infer_max_batch_tokens_and_num_blocks()
         fixed, page = costs(handler, config, tokens, graphs=cb.use_cuda_graph is not False)
-        return tokens, (self.ceiling or max(1, min(blocks, (share - fixed) // page // handler.block_size)) + TRASH)
+        return tokens, (self.adapter.ceiling or max(1, min(blocks, (share - fixed) // page // handler.block_size)) + TRASH)
 
     def serve(self) -> None:
         """Once the graphs are captured (or the loop starts without them): the port's
@@ -125,9 +124,7 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
     (``options``: gpumem.port.Settings; ``max_blocks``: the layout's rows instead of
     transformers' own sizing of the device)."""
     try:
-        from transformers.generation.continuous_batching import cache as cache_mod
-        from transformers.generation.continuous_batching import continuous_api as api
-        from transformers.generation.continuous_batching import model_runner as runner
+        from transformers.generation.continuous_batching import cache as cache_mod, continuous_api as api, model_runner as runner
     except ImportError as e:
         raise SeamMissing(f"transformers' continuous batching cannot be imported ({e}); gpumem's adapter was written for transformers {WRITTEN_FOR}") from e
     settings = Settings(name, **options)
@@ -144,8 +141,7 @@ def enable(name: str, *, max_blocks: int = 0, **options: Any) -> None:
             layer_types(config)
             if distributed_helper.tp_size > 1:
                 raise Unsupported("tensor parallelism: gpumem lays out one CUDA device per process")
-            tokens, p.ceiling = p.size(cache_mod, config, cb, dtype)
-            p.adapter.ceiling = p.ceiling
+            tokens, p.adapter.ceiling = p.size(cache_mod, config, cb, dtype)
             asked, (cb.num_blocks, cb.max_batch_tokens) = (cb.num_blocks, cb.max_batch_tokens), (1, tokens)  # one block made: replaced
             try:
                 super().__init__(config, cb, device, distributed_helper, tp_plan, dtype)

@@ -67,8 +67,7 @@ class Transformers(EngineAdapter):
 
     def kv_layout(self) -> KvLayout:
         c = self.cache
-        shape = (c.block_size, c.num_key_value_heads, c.head_dim)
-        return KvLayout(layers=len(c.key_cache), block_shape=shape, itemsize=c.dtype.itemsize, dtype=c.dtype, max_blocks=self.ceiling, reserved_blocks=TRASH)
+        return KvLayout(layers=len(c.key_cache), block_shape=(c.block_size, c.num_key_value_heads, c.head_dim), itemsize=c.dtype.itemsize, dtype=c.dtype, max_blocks=self.ceiling, reserved_blocks=TRASH)
 
     def bind_kv(self, layers: list[list[Any]]) -> None:
         """The cache's K and V become the pool's rows, the trash blocks rows 0 and 1."""
@@ -99,8 +98,7 @@ class Transformers(EngineAdapter):
         return [*self.blocks._uninit_block_ids, *self.blocks._init_block_ids]
 
     def used_blocks(self) -> Collection[int]:
-        free = set(self.free_blocks())
-        return [i for i in range(self.count) if i not in free]
+        return sorted(set(range(self.count)) - set(self.free_blocks()))
 
     def resize_blocks(self, blocks: int) -> None:
         manager = self.blocks
