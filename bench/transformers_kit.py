@@ -201,13 +201,13 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
         out["kv_rows_committed"] = kv.blocks if kv else 0
         out["blocks_after"] = gtf.port().adapter.count - 2
         out["memory"] = where_memory_went(manager, gtf.port())
+        if args.retain:
+            out["retain_secret_len"] = len(gtf.port().retain_secret())
     else:
         free, total = torch.cuda.mem_get_info()
         out["memory"] = {"context_bytes": total - context_free, "model_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
                          "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_total_bytes": total,
                          "max_memory_percent": manager.continuous_batching_config.max_memory_percent}
-        if args.retain:
-            out["retain_secret_len"] = len(gtf.port().retain_secret())
     if args.serve_until:
         print("SERVING", flush=True)
         while not Path(args.serve_until).exists():
