@@ -15,7 +15,7 @@ budget=$1 logs=$2; shift 2
 cd "$(dirname "$0")/.." && mkdir -p "$logs" || exit 1
 export PYTHONUNBUFFERED=1
 start=$SECONDS
-PT=(python3 -m pytest -p no:cacheprovider -q -rfEs --timeout 900 -m gpu)
+PT=(python3 -m pytest -p no:cacheprovider -q -rfEsP --timeout 900 -m gpu)
 G=tests/integration
 # The GPU tests that the groups below name; `rest` runs every other one.
 TF=($G/test_transformers_gpu.py $G/test_transformers_serve_gpu.py)
