@@ -155,6 +155,8 @@ class Child:
                 return
             code = self.proc.poll()
             if code is not None:
+                if ready():  # what it waited for came with its exit, between the two looks
+                    return
                 raise RuntimeError(f"{self.name} exited with status {code} before {what}; its log:\n{self.log()}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not get to {what} within {timeout:g}s; its log:\n{self.log()}")

@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -524,4 +525,10 @@ def serve(spec: dict[str, Any]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return serve(json.loads(Path(argv[0]).read_text()))
+    try:
+        return serve(json.loads(Path(argv[0]).read_text()))
+    except BaseException:  # Tf's manager thread (not a daemon thread) would keep a failed engine's process alive
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -47,6 +47,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -446,7 +447,8 @@ def tf_primary(spec: dict[str, Any], out: Path) -> int:
         stream.poll(1.0)
     _write_json(out / "primary-done.json", {})
     _wait_file(out / "close.json", "the end of the run")  # killed before this
-    return 0
+    manager.stop(block=True, timeout=30)
+    os._exit(0)  # the manager's thread and the session on gpumemd end with the process (as tf_standby)
 
 
 def tf_standby(spec: dict[str, Any], out: Path) -> int:
@@ -490,7 +492,13 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     out = Path(spec["dir"])
     roles = ROLES[spec["engine"]] if spec["backend"] == "cuda" else (primary, standby)
-    return roles[0](spec, out) if spec["role"] == "primary" else roles[1](spec, out)
+    try:
+        return roles[0](spec, out) if spec["role"] == "primary" else roles[1](spec, out)
+    except BaseException:  # transformers' manager thread (not a daemon thread) would keep a failed engine's process alive
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

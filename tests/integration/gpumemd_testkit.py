@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import os
 import select
-import selectors
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -277,38 +277,34 @@ def do(client: Any, command: str, timeout: float = 30.0) -> str:
 def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float = 30.0) -> str:
     """The rest of the first line ``proc`` prints that starts with ``prefix``; fails, with
     its stderr, if it exits first or prints none within ``timeout``."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                raise AssertionError(f"{proc.args!r} printed no {prefix!r} within {timeout}s")
-            line = proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"{proc.args!r} exited ({proc.wait()}) before {prefix!r}:\n{proc.stderr.read() if proc.stderr else ''}")
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
+    try:
+        line = lines_until(proc, lambda text: text.startswith(prefix), f"{proc.args!r} printing {prefix!r}", timeout)[-1]
+    except AssertionError as e:
+        err = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
+        raise AssertionError(f"{e}\n{err}") from None
+    return line[len(prefix) :].strip()
 
 
 def lines_until(proc: subprocess.Popen[str], found: Callable[[str], bool], what: str, timeout: float = 240.0) -> list[str]:
     """The lines ``proc`` prints (stderr merged) up to the first one ``found`` accepts; fails
     with the last of them if it exits or prints none within ``timeout`` (an engine or a
-    server starting: a model built, graphs captured)."""
+    server starting: a model built, graphs captured). Read on a thread that stops at that
+    line, leaving the rest to the caller: a selector on the pipe would not see lines
+    already in the text wrapper's buffer (a server printing several at once), and waits
+    out the timeout while the one asked for sits there."""
     assert proc.stdout is not None
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(timeout=1.0):
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                seen.append(line)
-                if found(line):
-                    return seen
+    stdout, seen, done = proc.stdout, [], threading.Event()
+
+    def read() -> None:
+        for line in iter(stdout.readline, ""):
+            seen.append(line)
+            if found(line):
+                break
+        done.set()
+
+    threading.Thread(target=read, name=f"lines-until-{proc.pid}", daemon=True).start()
+    if done.wait(timeout) and seen and found(seen[-1]):
+        return seen
     raise AssertionError(f"{what}: not within {timeout}s (exit {proc.poll()}):\n{''.join(seen)[-6000:]}")
 
 

@@ -13,6 +13,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from conftest import child_env
-from gpumemd_testkit import lines_until, status
+from gpumemd_testkit import status
 
 KIT = Path(__file__).resolve().parent / "serve_kit.py"
 SERVE = [sys.executable, "-m", "gpumem.integrations.transformers_serve"]
@@ -39,20 +40,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _until_serving(proc: subprocess.Popen[str], timeout: float = 240.0) -> None:
-    """Until uvicorn says it listens (the model loaded, gpumem's checks passed)."""
-    lines_until(proc, lambda line: "Uvicorn running on" in line, "the server did not serve", timeout)
+def _until_serving(proc: subprocess.Popen[bytes], log: Path, timeout: float = 240.0) -> None:
+    """Until uvicorn says it listens (the model loaded, gpumem's checks passed), in its log
+    file: a pipe read by lines_until keeps lines read ahead in its buffer (uvicorn's start
+    lines come together), where the selector never sees them."""
+    deadline = time.monotonic() + timeout
+    while "Uvicorn running on" not in (text := log.read_text(errors="replace")):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the server did not serve (exit {proc.poll()}):\n{text[-6000:]}"
+        time.sleep(0.2)
 
 
-def _stop(proc: subprocess.Popen[str]) -> str:
-    """Stop a server (SIGTERM: uvicorn shuts down; kill after 30 s) and return what it printed."""
-    proc.terminate()
-    try:
-        out, _ = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    return out or ""
+def _stop(servers: dict[str, tuple[subprocess.Popen[bytes], Path]]) -> dict[str, str]:
+    """Stop the servers (SIGTERM: uvicorn shuts down; kill after 30 s: serve's shutdown stops
+    no manager, whose generation thread keeps a process alive) and return what each printed."""
+    for proc, _ in servers.values():
+        proc.terminate()
+    deadline = time.monotonic() + 30
+    for proc, _ in servers.values():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return {arch: log.read_text(errors="replace") for arch, (_, log) in servers.items()}
 
 
 def _complete(port: int, prompt: str, tokens: int) -> dict[str, Any]:
@@ -82,13 +92,17 @@ def test_two_transformers_servers_share_one_gpu_on_gpumemd(daemon_factory, runti
         plain[arch] = json.loads(out.read_text())
     daemon = daemon_factory("cuda")
     ports = {arch: _free_port() for arch in ARCHS}
-    servers = {arch: subprocess.Popen([*SERVE, "--gpumem-name", f"serve-{arch}", "--gpumem-expect", "2", str(tmp_path / arch),
-                                       "--continuous-batching", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(ports[arch]), *CB],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for arch in ARCHS}
+    servers: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    for arch in ARCHS:
+        log = tmp_path / f"serve-{arch}.log"
+        argv = [*SERVE, "--gpumem-name", f"serve-{arch}", "--gpumem-expect", "2", str(tmp_path / arch),
+                "--continuous-batching", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(ports[arch]), *CB]
+        with log.open("wb") as out:  # a file, not a pipe: nothing reads a pipe once the server serves, and it may fill
+            servers[arch] = (subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env), log)
     error: BaseException | None = None
     try:
-        for proc in servers.values():
-            _until_serving(proc)
+        for proc, log in servers.values():
+            _until_serving(proc, log)
         # Each engine is made at its server's first request and the round waits for both: send them together.
         with concurrent.futures.ThreadPoolExecutor(len(ARCHS)) as pool:
             replies = dict(zip(ARCHS, pool.map(lambda a: _complete(ports[a], PROMPT, TOKENS), ARCHS)))
@@ -96,7 +110,7 @@ def test_two_transformers_servers_share_one_gpu_on_gpumemd(daemon_factory, runti
     except Exception as e:  # the servers' own words go with it, once they stopped
         error = e
     finally:
-        logs = {arch: _stop(proc) for arch, proc in servers.items()}
+        logs = _stop(servers)
     assert error is None, f"{error!r}\n" + "\n".join(f"--- serve-{a}:\n{log[-5000:]}" for a, log in logs.items()) + daemon.log()[-3000:]
     for arch in ARCHS:
         choice, usage = replies[arch]["choices"][0], replies[arch]["usage"]
