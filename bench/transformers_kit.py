@@ -230,14 +230,29 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def where_memory_went(manager: Any, p: Any) -> dict[str, int]:
+def pool_contents(arena: Any) -> dict[str, Any]:
+    """What torch holds in an arena's pool: its segments' bytes, the bytes of tensors alive
+    in them, and the largest of those (MiB): which tensors a ceiling row pays for."""
+    import torch
+
+    from gpumem.torch_support import pool_segments
+
+    try:
+        blocks = [b for seg in pool_segments(torch, arena.torch_pool().pool) for b in seg["blocks"]]
+    except Exception as e:  # a diagnostic: the engine's figures go on without it, the reason with them
+        return {"error": repr(e)}
+    alive = sorted((b["size"] for b in blocks if b["state"] == "active_allocated"), reverse=True)
+    return {"bytes": sum(b["size"] for b in blocks), "alive_bytes": sum(alive), "largest_alive_mib": [round(n / 2**20, 1) for n in alive[:8]]}
+
+
+def where_memory_went(manager: Any, p: Any) -> dict[str, Any]:
     """An engine on gpumemd once serving: the layout's ceiling (transformers sizes its
     batch tensors, the attention mask among them, by it), what its arenas hold, what torch
     holds outside them and what the device has free: where a pair's share went."""
     import torch
 
     free, total = torch.cuda.mem_get_info()
-    return {"ceiling_blocks": p.adapter.ceiling, "max_batch_tokens": manager.continuous_batching_config.max_batch_tokens,
+    return {"model_pool": pool_contents(p.mem.model), "graphs_pool": pool_contents(p.mem.graphs), "ceiling_blocks": p.adapter.ceiling, "max_batch_tokens": manager.continuous_batching_config.max_batch_tokens,
             "model_bytes": p.mem.model.committed, "graphs_bytes": p.mem.graphs.committed,
             "kv_bytes": p.mem.kv.pool.arena.committed if p.mem.kv else 0, "torch_reserved_bytes": torch.cuda.memory_reserved(),
             "torch_allocated_bytes": torch.cuda.memory_allocated(),
