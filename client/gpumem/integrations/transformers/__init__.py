@@ -54,16 +54,16 @@ def seams(api: Any, runner: Any, cache: Any) -> None:
 
 
 def costs(handler: Any, config: Any, tokens: int, *, graphs: bool) -> tuple[int, int]:
-    """(bytes fixed, bytes a cache page) of an engine with ``tokens`` batch tokens, as the
-    H100 measured them (2026-12-07): every page costs its K and V, its column of the
-    attention mask (``tokens`` rows) and the attention's read of it, which warm-up sizes
-    for the whole cache (``max_kv_read``) and holds twice with graphs, in torch's cache
-    and in the graph pool. transformers' own solver counts the read once and without
-    grouped-query attention's repeated K and V, so an engine of its size runs out of
-    memory in warm-up, and a ceiling above the blocks committed pays these for nothing.
-    Qwen3 (8 KV heads of 16, dim 128, 2,048 batch tokens): the H100's arenas held 24.1
-    (one engine) and 24.4 KiB (each of a pair) a ceiling page beside its 32 KiB of K and
-    V; this gives 24.0."""
+    """(bytes fixed, bytes a cache page) of an engine with ``tokens`` batch tokens: every
+    page costs its K and V, its column of the attention mask (``tokens`` rows) and the
+    attention's read of it, which warm-up sizes for the whole cache (``max_kv_read``),
+    counted twice with graphs (a model of what the H100 measured, 2026-12-07: which
+    tensors hold the second copy is not yet known). transformers' own solver counts the
+    read once and without grouped-query attention's repeated K and V, so an engine of its
+    size runs out of memory in warm-up, and a ceiling above the blocks committed pays
+    these for nothing. Qwen3 (8 KV heads of 16, dim 128, 2,048 batch tokens): the H100's
+    arenas held 24.1 (one engine) and 24.4 KiB (each of a pair) a ceiling page beside its
+    32 KiB of K and V; this gives 24.0."""
     a, kv_width, io = handler.activation_dtype.itemsize, handler.page_size, handler.io_multiplier
     q_width, copies, masks = config.num_attention_heads * (kv_width // max(1, config.num_key_value_heads)), 2 if graphs else 1, io * handler.num_attention_masks * a
     # The read's peak: one layer's gathered V and its K and V repeated to every query head, together.
