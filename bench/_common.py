@@ -178,6 +178,19 @@ class Child:
             self._log.close()
 
 
+def exit_on_error(body: Callable[[], Any]) -> Any:
+    """``body()``'s result; if it raises, its traceback and the process's end (status 1).
+    For an engine process: transformers' generation thread is no daemon thread, and
+    would keep a process whose main thread failed alive until its parent's timeout."""
+    try:
+        return body()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def pin(cpus: tuple[set[int], set[int]] | None) -> None:
     """Pin this process to the client CPUs and every helper started from now on to the
     server CPUs. Call before any thread starts (zmq contexts, CUDA) so all inherit it."""

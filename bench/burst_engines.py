@@ -32,9 +32,10 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
+
+import _common as c
 
 BLOCK = 64  # tokens a block (stand-in)
 SLOT = 1024  # bytes a token takes in K and in V (stand-in): a block row is 64 KiB
@@ -525,10 +526,4 @@ def serve(spec: dict[str, Any]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        return serve(json.loads(Path(argv[0]).read_text()))
-    except BaseException:  # Tf's manager thread (not a daemon thread) would keep a failed engine's process alive
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    return int(c.exit_on_error(lambda: serve(json.loads(Path(argv[0]).read_text()))))

@@ -47,9 +47,10 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
+
+import _common as c
 
 import numpy
 
@@ -492,13 +493,8 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     out = Path(spec["dir"])
     roles = ROLES[spec["engine"]] if spec["backend"] == "cuda" else (primary, standby)
-    try:
-        return roles[0](spec, out) if spec["role"] == "primary" else roles[1](spec, out)
-    except BaseException:  # transformers' manager thread (not a daemon thread) would keep a failed engine's process alive
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    role = roles[0] if spec["role"] == "primary" else roles[1]
+    return int(c.exit_on_error(lambda: role(spec, out)))
 
 
 if __name__ == "__main__":

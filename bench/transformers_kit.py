@@ -26,9 +26,10 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
+
+import _common as c
 
 ARCHS = ("qwen3", "mistral")
 VOCAB = 32000  # build_model's: prompt ids must stay below it
@@ -274,8 +275,6 @@ def cuda(result: Any, cleanup: Any, args: argparse.Namespace) -> None:
     """bench/engine.py --engine transformers: issue 36's figures, each against its
     same-run baseline, into ``result`` (bench/_common.Result). Every engine is a process
     of this kit; a pair starts at the same moment (a go file)."""
-    import _common as c
-
     rd = cleanup.enter_context(c.runtime_dir("gmb-tf-"))
     if getattr(args, "keep_logs", None):
         # gpumemd's sockets stay behind if it had to be killed: copytree fails on a socket.
@@ -360,11 +359,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.half_of:
         args.max_memory_percent = half_percent(json.loads(args.half_of.read_text()))
-    try:
-        result = engine(args)
-    except BaseException:  # the manager's thread would keep a failed engine's process alive
-        traceback.print_exc()
-        os._exit(1)
+    result = c.exit_on_error(lambda: engine(args))
     if args.out:
         args.out.write_text(json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("tokens")}))
